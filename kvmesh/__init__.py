@@ -1,0 +1,3 @@
+"""kvmesh: prefix-aware LLM serving on Kubernetes."""
+
+__version__ = "0.1.0"
