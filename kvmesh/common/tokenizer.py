@@ -1,0 +1,114 @@
+"""Tokenization shared by engine and router, so both see the same token ids.
+
+Built on `tokenizers` and jinja2 only (no transformers, no torch): the router
+computes block keys from exactly the ids the engine will compute. Chat
+templates render the way Hugging Face renders them (sandboxed jinja2,
+trim_blocks, lstrip_blocks), and the rendered text is encoded without adding
+special tokens again, as transformers and vLLM do.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+
+class TemplateError(ValueError):
+    pass
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+def _token_text(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict):  # AddedToken serialised form
+        return value.get("content")
+    return str(value)
+
+
+class KVMeshTokenizer:
+    """A fast tokenizer plus its chat template, loaded from a Hugging Face directory."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        config: dict[str, Any] = {}
+        if (model_dir / "tokenizer_config.json").exists():
+            config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        self.chat_template: str | None = config.get("chat_template")
+        if self.chat_template is None and (model_dir / "chat_template.jinja").exists():
+            self.chat_template = (model_dir / "chat_template.jinja").read_text()
+        if isinstance(self.chat_template, list):  # named templates: take "default"
+            named = {t["name"]: t["template"] for t in self.chat_template}
+            self.chat_template = named.get("default") or next(iter(named.values()))
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.eos_token_ids: set[int] = set()
+        for source in (config, self._generation_config(model_dir)):
+            eos = source.get("eos_token_id")
+            for tid in eos if isinstance(eos, list) else [eos]:
+                if isinstance(tid, int):
+                    self.eos_token_ids.add(tid)
+        if self.eos_token is not None and self.tokenizer.token_to_id(self.eos_token) is not None:
+            self.eos_token_ids.add(self.tokenizer.token_to_id(self.eos_token))
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self._template = None
+
+    @staticmethod
+    def _generation_config(model_dir: Path) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for name in ("config.json", "generation_config.json"):
+            if (model_dir / name).exists():
+                data = json.loads((model_dir / name).read_text())
+                if data.get("eos_token_id") is not None:
+                    merged["eos_token_id"] = data["eos_token_id"]
+        return merged
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return min(self.eos_token_ids) if self.eos_token_ids else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.id_to_token(i) or "" for i in ids]
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
+        if not self.chat_template:
+            raise TemplateError("this model has no chat template; use /v1/completions with a plain prompt")
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+                x, indent=indent, ensure_ascii=ensure_ascii)
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **template_kwargs,
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        # The template already contains the special tokens it wants.
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
