@@ -1,0 +1,86 @@
+"""Attention over the paged KV cache, in plain torch (the CPU backend).
+
+One step mixes three kinds of work, and each gets its vectorised path:
+- decodes (one new token each): batched together, their contexts gathered
+  block-by-block from the cache into one padded tensor, masked by length;
+- fresh prefills (no cached context): causal attention on the step's own K/V;
+- prefill chunks or cache hits (new tokens after cached context): the context
+  is gathered from the cache and a causal mask is offset by its length.
+
+Cache layout per layer: [num_kv_heads, num_blocks, block_size, head_dim], so a
+gather along the block axis yields a contiguous [heads, tokens, dim] view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    start: int  # offset of its tokens in the flattened batch
+    num_new: int
+    num_context: int  # tokens already in the cache before this step
+    block_table: torch.Tensor | None  # only needed when num_context > 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_blocks: torch.Tensor  # [T] block id of each new token's slot
+    slot_offsets: torch.Tensor  # [T] offset in that block
+    # Decodes: token indices in the flattened batch, their block tables (padded) and context lengths.
+    decode_indices: torch.Tensor | None
+    decode_block_tables: torch.Tensor | None  # [R, max_blocks]
+    decode_mask: torch.Tensor | None  # [R, max_blocks * block_size] additive (0 / -inf)
+    prefills: list[PrefillSeq]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Store the step's new keys/values ([T, kv_heads, dim]) in their slots."""
+    k_cache[:, meta.slot_blocks, meta.slot_offsets] = k.transpose(0, 1)
+    v_cache[:, meta.slot_blocks, meta.slot_offsets] = v.transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, dim]; k, v: [T, kv_heads, dim] (already written to the cache)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+
+    if meta.decode_indices is not None:
+        tables = meta.decode_block_tables
+        num_seqs = tables.shape[0]
+        # [kv_heads, R, max_blocks, B, D] -> [kv_heads, R, ctx, D], one contiguous gather.
+        keys = k_cache[:, tables].flatten(2, 3)
+        values = v_cache[:, tables].flatten(2, 3)
+        qd = q[meta.decode_indices].view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
+        mask = meta.decode_mask[None, :, None, :].to(q.dtype)
+        attn = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=scale)
+        out[meta.decode_indices] = attn.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
+
+    for seq in meta.prefills:
+        sl = slice(seq.start, seq.start + seq.num_new)
+        qs = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if seq.num_context == 0:
+            ks = k[sl].transpose(0, 1).unsqueeze(0)
+            vs = v[sl].transpose(0, 1).unsqueeze(0)
+            attn = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                  enable_gqa=group > 1)
+        else:
+            total = seq.num_context + seq.num_new
+            ks = k_cache[:, seq.block_table].flatten(1, 2)[:, :total].unsqueeze(0)
+            vs = v_cache[:, seq.block_table].flatten(1, 2)[:, :total].unsqueeze(0)
+            q_pos = torch.arange(seq.num_context, total, device=q.device)
+            k_pos = torch.arange(total, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            attn = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                                  enable_gqa=group > 1)
+        out[sl] = attn.squeeze(0).transpose(0, 1)
+    return out

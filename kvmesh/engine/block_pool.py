@@ -1,0 +1,200 @@
+"""A fixed pool of KV blocks: O(1) allocation, reference counts, a prefix cache.
+
+Modelled on vLLM V1. Blocks live in one preallocated list; free blocks sit in
+an intrusive doubly linked list (no per-step object churn, O(1) removal from
+the middle when a cached free block is hit again). A free block keeps its
+cached key until it is reallocated, so the free list doubles as the LRU order
+of evictable cached blocks: the head is evicted first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "key", "parent_key", "prev_free", "next_free")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.key: int | None = None  # set while the block is registered in the prefix cache
+        self.parent_key: int | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, key={self.key})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with sentinel ends."""
+
+    def __init__(self, blocks: list[KVBlock]):
+        self.head = KVBlock(-1)
+        self.tail = KVBlock(-1)
+        self.num_free = 0
+        self.head.next_free = self.tail
+        self.tail.prev_free = self.head
+        for block in blocks:
+            self.append(block)
+
+    def _insert_after(self, anchor: KVBlock, block: KVBlock) -> None:
+        nxt = anchor.next_free
+        block.prev_free, block.next_free = anchor, nxt
+        anchor.next_free = block
+        nxt.prev_free = block  # type: ignore[union-attr]
+        self.num_free += 1
+
+    def append(self, block: KVBlock) -> None:
+        self._insert_after(self.tail.prev_free, block)  # type: ignore[arg-type]
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._insert_after(self.head, block)
+
+    def remove(self, block: KVBlock) -> None:
+        if block.prev_free is None or block.next_free is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def popleft(self) -> KVBlock:
+        block = self.head.next_free
+        if block is self.tail or block is None:
+            raise RuntimeError("no free KV blocks")
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        block = self.head.next_free
+        while block is not self.tail and block is not None:
+            yield block
+            block = block.next_free
+
+
+@dataclass
+class BlockStored:
+    keys: list[int]
+    parent_key: int | None
+    token_ids: list[int]
+    block_size: int
+
+
+@dataclass
+class BlockRemoved:
+    keys: list[int]
+
+
+@dataclass
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_events: bool = False):
+        if num_blocks <= 0:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_events = enable_events
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, KVBlock] = {}
+        self.events: list[KVEvent] = []
+
+    # -- prefix cache -------------------------------------------------------
+    def lookup(self, key: int) -> KVBlock | None:
+        return self.cached.get(key)
+
+    def cache_blocks(self, blocks: list[KVBlock], keys: list[int], parent_key: int | None,
+                     token_ids: list[int], block_size: int) -> None:
+        """Register newly full blocks under their keys (one event for the run)."""
+        stored_keys: list[int] = []
+        stored_tokens: list[int] = []
+        first_parent = parent_key
+        for i, (block, key) in enumerate(zip(blocks, keys)):
+            if block.key is not None:
+                raise RuntimeError(f"{block} is already cached")
+            if key in self.cached:
+                # Same content computed twice concurrently: keep the first copy; this
+                # one stays an ordinary block and is freed normally.
+                parent_key = key
+                if not stored_keys:
+                    first_parent = key
+                continue
+            block.key, block.parent_key = key, parent_key
+            self.cached[key] = block
+            stored_keys.append(key)
+            stored_tokens.extend(token_ids[i * block_size:(i + 1) * block_size])
+            parent_key = key
+        if self.enable_events and stored_keys:
+            self.events.append(BlockStored(stored_keys, first_parent, stored_tokens, block_size))
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.key is not None:
+            del self.cached[block.key]
+            if self.enable_events:
+                self.events.append(BlockRemoved([block.key]))
+            block.key = block.parent_key = None
+
+    # -- allocation -----------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > self.free_queue.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.free_queue.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on cache hits; a hit on a free block takes it off the free list."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference each, in eviction order (first freed = evicted first among them).
+
+        Blocks that hold no cached content go to the head: they are worthless to keep.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.key is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached content; only possible when no block is in use."""
+        if self.free_queue.num_free != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.key = block.parent_key = None
+        self.cached.clear()
+        if self.enable_events:
+            self.events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.free_queue.num_free / self.num_blocks

@@ -1,0 +1,150 @@
+"""Engine arguments and the model's architecture config, validated up front."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_size(value: int | str) -> int:
+    """'4GiB', '512MiB', '2g' or a plain integer -> bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot parse size {value!r} (use e.g. 4GiB, 512MiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineArgs:
+    """Knobs of one engine, named as vLLM names them."""
+
+    model: str = "smollm2-135m-instruct"
+    served_model_name: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    kv_cache_memory: int | str = "4GiB"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    enable_kv_events: bool = False
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)
+
+    def validate(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass
+class ModelConfig:
+    """The parts of a Hugging Face Llama-family config.json the model needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    hidden_act: str
+    torch_dtype: str | None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    SUPPORTED = ("llama", "qwen2", "mistral")
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        model_type = raw.get("model_type", "")
+        if model_type not in cls.SUPPORTED:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(cls.SUPPORTED)}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {raw.get('hidden_act')!r} (only silu)")
+        heads = raw["num_attention_heads"]
+        # transformers >= 5 nests rope settings under rope_parameters.
+        rope = raw.get("rope_parameters") or {}
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        scaling = raw.get("rope_scaling")
+        if rope and rope.get("rope_type", "default") != "default":
+            scaling = dict(rope)
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.get("type", "default"))
+            if scaling["rope_type"] == "default":
+                scaling = None
+        eos = raw.get("eos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            # Qwen2 always has q/k/v bias; Llama declares it.
+            attention_bias=raw.get("attention_bias", model_type == "qwen2"),
+            mlp_bias=raw.get("mlp_bias", False),
+            hidden_act=raw.get("hidden_act", "silu"),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            eos_token_id=[e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)],
+        )
+
+    def resolve_dtype(self, requested: str, device: torch.device) -> torch.dtype:
+        if requested != "auto":
+            return _DTYPES[requested]
+        declared = _DTYPES.get(str(self.torch_dtype).replace("torch.", ""), torch.float32)
+        if device.type == "cpu" and declared == torch.float16:
+            return torch.float32  # fp16 matmuls are slow and lossy on CPU
+        return declared
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * block_size * self.num_key_value_heads * self.head_dim * element

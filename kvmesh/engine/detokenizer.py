@@ -1,0 +1,66 @@
+"""Incremental detokenisation and stop strings.
+
+Decoding only a small window of recent tokens per step keeps the cost
+constant per token; text is released only once it no longer ends in an
+incomplete UTF-8 sequence. Stop strings are searched in the new text plus
+just enough of the old to catch a match that straddles the boundary.
+"""
+
+from __future__ import annotations
+
+from kvmesh.common.tokenizer import KVMeshTokenizer
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: KVMeshTokenizer, prompt_token_ids: list[int], stop: list[str],
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.skip_special = skip_special_tokens
+        self.token_ids: list[int] = []
+        # Start the window inside the prompt so the first output token decodes with context
+        # (leading-space handling of sentencepiece/BPE tokenizers).
+        self.context = list(prompt_token_ids[-4:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.context)
+        self.text = ""
+        self._max_stop = max((len(s) for s in stop), default=0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def update(self, new_token_ids: list[int]) -> tuple[str, str | None]:
+        """Feed new tokens; returns (text delta, matched stop string or None)."""
+        self.token_ids.extend(new_token_ids)
+        self.context.extend(new_token_ids)
+        prefix_text = self._decode(self.context[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.context[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return "", None  # wait for the rest of a multi-byte character
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.context)
+        if len(self.context) > 64:  # keep the window short
+            drop = self.prefix_offset
+            self.context = self.context[drop:]
+            self.prefix_offset -= drop
+            self.read_offset -= drop
+        if self.stop:
+            old_len = len(self.text)
+            candidate = self.text + delta
+            search_from = max(0, old_len - self._max_stop + 1)
+            best = None
+            for s in self.stop:
+                idx = candidate.find(s, search_from)
+                if idx != -1 and (best is None or idx < best[0]):
+                    best = (idx, s)
+            if best is not None:
+                idx, s = best
+                end = idx + len(s) if self.include_stop else idx
+                truncated = candidate[:end]
+                delta = truncated[old_len:] if end >= old_len else ""
+                self.text = truncated
+                return delta, s
+        self.text += delta
+        return delta, None

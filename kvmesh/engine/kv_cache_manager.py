@@ -1,0 +1,104 @@
+"""Per-request block tables on top of the block pool, with prefix-cache hits."""
+
+from __future__ import annotations
+
+from kvmesh.engine.block_pool import BlockPool, KVBlock
+from kvmesh.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 enable_events: bool = False):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching, enable_events)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks registered in the cache
+        # Counters for metrics.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of the request's full blocks already in the cache.
+
+        At most (num_tokens - 1) tokens are served from the cache: the last token
+        is always computed, so the step has logits to sample from.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for key in request.block_keys(max_blocks):
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
+        """Make room for `num_new_tokens` more tokens; None (and no change) if blocks run out."""
+        computed_blocks = computed_blocks or []
+        held = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(held) - len(computed_blocks)
+        # Cache hits on free blocks come out of the free list too.
+        hits_on_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if needed + hits_on_free > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(computed_blocks)
+        new_blocks = self.pool.allocate(max(needed, 0))
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks.extend(computed_blocks)
+        blocks.extend(new_blocks)
+        if not request.request_id in self.num_cached_blocks:
+            self.num_cached_blocks[request.request_id] = len(computed_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        # Tokens scheduled this step are known already (prompt, or the sampled
+        # token being fed back), so their full blocks can be registered now; the
+        # step writes their KV before any attention reads it.
+        bs = self.block_size
+        num_full = min(num_tokens, request.num_tokens) // bs
+        start = self.num_cached_blocks[request.request_id]
+        if num_full <= start:
+            return
+        keys = request.block_keys(num_full)
+        blocks = self.req_blocks[request.request_id]
+        self.pool.cache_blocks(
+            blocks[start:num_full], keys[start:num_full],
+            keys[start - 1] if start > 0 else None,
+            request.all_token_ids[start * bs:num_full * bs], bs)
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        # Reverse order: a finished request's tail blocks are evicted before its head.
+        self.pool.free(list(reversed(blocks)))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def take_events(self):
+        return self.pool.take_events()

@@ -1,0 +1,65 @@
+"""The offline API, shaped like vLLM's: LLM(model, **engine_args).generate(prompts, params)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from kvmesh.engine.config import EngineArgs
+from kvmesh.engine.llm_engine import LLMEngine, PromptType
+from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m-instruct", **engine_args: Any):
+        self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False, cache_salt: str | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt (text or token ids)
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        # Validate every prompt before any is queued: nothing half-submitted on bad input.
+        tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
+        for _, ids in tokenized:
+            self.engine.core.validate_prompt(ids)
+        order: dict[str, int] = {}
+        for i, ((text, ids), sp) in enumerate(zip(tokenized, params)):
+            rid = self.engine.add_request(text if text is not None else ids, sp,
+                                          cache_salt=cache_salt, prompt_token_ids=ids)
+            order[rid] = i
+        return self._run(order, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in order:
+                    results[order[out.request_id]] = out
+                    bar.update()
+        bar.close()
+        return results  # type: ignore[return-value]
+
+    def stats(self):
+        return self.engine.core.stats()

@@ -1,0 +1,116 @@
+"""Text in, text out: tokenizer + engine core + per-request output state."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.common.tokenizer import KVMeshTokenizer
+from kvmesh.engine.config import EngineArgs
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.engine_core import EngineCore, EngineCoreOutput
+from kvmesh.engine.outputs import CompletionOutput, RequestOutput
+from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
+
+PromptType = str | list[int]
+
+
+@dataclass
+class _RequestState:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    output: CompletionOutput
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.core = EngineCore(args)
+        self.tokenizer = KVMeshTokenizer(self.core.model_dir)
+        self.core.eos_token_ids |= self.tokenizer.eos_token_ids
+        self.states: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidParameter("prompt", "prompt is empty: it must contain at least one token")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise InvalidParameter("prompt", "prompt must be a string or a list of token ids")
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if prompt_token_ids is None:
+            text, prompt_token_ids = self.tokenize_prompt(prompt)
+        else:
+            text = prompt if isinstance(prompt, str) else None
+        bad_stop = [t for t in params.stop_token_ids if t >= self.core.model_config.vocab_size]
+        if bad_stop:
+            raise InvalidParameter("stop_token_ids", f"token id {bad_stop[0]} is outside the vocabulary")
+        self.core.add_request(request_id, prompt_token_ids, params, cache_salt)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                       params.include_stop_str_in_output, params.skip_special_tokens)
+        self.states[request_id] = _RequestState(
+            text, prompt_token_ids, params, detok,
+            CompletionOutput(0, "", [], logprobs=[] if params.logprobs is not None else None))
+        return request_id
+
+    def abort_request(self, request_ids) -> None:
+        self.core.abort_requests(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        results: list[RequestOutput] = []
+        stopped_by_string: list[str] = []
+        for out in self.core.step():
+            ro = self._process(out)
+            if ro is None:
+                continue
+            if ro.finished and out.finish_reason is None:
+                stopped_by_string.append(out.request_id)
+            results.append(ro)
+        if stopped_by_string:
+            self.core.abort_requests(stopped_by_string)
+            self.core._pending_aborts = [a for a in self.core._pending_aborts
+                                         if a.request_id not in stopped_by_string]
+        return results
+
+    def _process(self, out: EngineCoreOutput) -> RequestOutput | None:
+        state = self.states.get(out.request_id)
+        if state is None:
+            return None
+        comp = state.output
+        delta_text, stop_str = "", None
+        if out.new_token_ids:
+            comp.token_ids.extend(out.new_token_ids)
+            if comp.logprobs is not None:
+                comp.logprobs.extend(out.new_logprobs)
+            delta_text, stop_str = state.detok.update(out.new_token_ids)
+            comp.text = state.detok.text
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if stop_str is not None:
+            finish_reason, stop_reason = "stop", stop_str
+        if finish_reason is not None:
+            comp.finish_reason, comp.stop_reason = finish_reason, stop_reason
+            del self.states[out.request_id]
+        return RequestOutput(
+            out.request_id, state.prompt, state.prompt_token_ids, [comp],
+            finished=finish_reason is not None, num_cached_tokens=out.num_cached_tokens,
+            delta_text=delta_text, delta_token_ids=list(out.new_token_ids),
+            delta_logprobs=list(out.new_logprobs))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.tokenizer.encode_chat(messages)

@@ -1,0 +1,110 @@
+"""Builds each step's flattened batch, runs the model over the paged cache, samples."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvmesh.engine.attention import AttentionMetadata, PrefillSeq
+from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
+from kvmesh.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
+from kvmesh.engine.sampler import Sampler, TokenLogprobs
+from kvmesh.engine.scheduler import SchedulerOutput
+from kvmesh.engine.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, model_dir: str | Path, dtype: torch.dtype,
+                 device: torch.device, num_blocks: int, block_size: int, max_model_len: int,
+                 seed: int = 0):
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        # Build on the meta device (no random init), then materialise and load.
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, max_positions=max_model_len)
+        model = model.to_empty(device=device)
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+        model.rope = RotaryEmbedding(config, max_model_len).to(device)  # fp32 tables
+        load_weights(model, model_dir, dtype)
+        self.model = model.eval()
+        shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.sampler = Sampler(seed, device)
+
+    def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def prepare(self, out: SchedulerOutput, kv: KVCacheManager):
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slot_blocks: list[np.ndarray] = []
+        logits_indices: list[int] = []
+        sampling_requests = []
+        decode_idx: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_ctx: list[int] = []
+        prefills: list[PrefillSeq] = []
+        offset = 0
+        for req in out.requests:
+            n = out.num_scheduled_tokens[req.request_id]
+            start = req.num_computed_tokens
+            table = kv.block_table(req.request_id)
+            ids.extend(req.all_token_ids[start:start + n])
+            pos = np.arange(start, start + n)
+            positions.append(pos)
+            slot_blocks.append(np.asarray(table, dtype=np.int64)[pos // bs])
+            if start + n == req.num_tokens:
+                logits_indices.append(offset + n - 1)
+                sampling_requests.append(req)
+            if n == 1:
+                decode_idx.append(offset)
+                decode_tables.append(table[:cdiv(start + 1, bs)])
+                decode_ctx.append(start + 1)
+            else:
+                prefills.append(PrefillSeq(offset, n, start, self._tensor(table) if start else None))
+            offset += n
+
+        pos_all = np.concatenate(positions)
+        meta = AttentionMetadata(
+            slot_blocks=self._tensor(np.concatenate(slot_blocks)),
+            slot_offsets=self._tensor(pos_all % bs),
+            decode_indices=None, decode_block_tables=None, decode_mask=None,
+            prefills=prefills,
+        )
+        if decode_idx:
+            width = max(len(t) for t in decode_tables)
+            tables = np.zeros((len(decode_tables), width), dtype=np.int64)
+            for i, t in enumerate(decode_tables):
+                tables[i, :len(t)] = t
+            ctx = np.asarray(decode_ctx)
+            mask = np.where(np.arange(width * bs)[None, :] < ctx[:, None], 0.0, -np.inf)
+            meta.decode_indices = self._tensor(decode_idx)
+            meta.decode_block_tables = self._tensor(tables)
+            meta.decode_mask = self._tensor(mask, torch.float32)
+        return (self._tensor(ids), self._tensor(pos_all), meta,
+                self._tensor(logits_indices), sampling_requests)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager
+                ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        input_ids, positions, meta, logits_indices, sampling_requests = self.prepare(out, kv)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        if not sampling_requests:
+            return {}, {}
+        tokens, logprobs = self.sampler(logits, sampling_requests)
+        sampled = {r.request_id: t for r, t in zip(sampling_requests, tokens)}
+        lps = {r.request_id: lp for r, lp in zip(sampling_requests, logprobs) if lp is not None}
+        return sampled, lps

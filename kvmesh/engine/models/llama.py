@@ -1,0 +1,146 @@
+"""Llama-family decoder over a flattened batch (SmolLM2, Llama 2/3, Mistral, Qwen2).
+
+All scheduled tokens of all requests run as one [T, hidden] batch; attention
+reads and writes the paged KV cache. q/k/v and gate/up projections are fused
+into one matmul each. Logits are computed only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvmesh.engine.attention import AttentionMetadata, paged_attention, write_kv
+from kvmesh.engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers' LlamaRMSNorm, so fp32 results match bit for bit.
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the config's RoPE variant."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq, 1.0
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        inv_freq, attention_scaling = rope_inv_freq(config)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        write_kv(k_cache, v_cache, k, v, meta)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(attn.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, rope, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = RotaryEmbedding(config, max_positions)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
+        x = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, k_cache, v_cache, meta)
+        x = self.norm(x[logits_indices])
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()

@@ -1,0 +1,99 @@
+"""A request's state inside the engine core: tokens, progress, and block keys."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from kvmesh.common.block_keys import block_key, root_key
+from kvmesh.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: set[int],
+        model_id: str,
+        block_size: int,
+        max_model_len: int,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = set() if sampling_params.ignore_eos else set(eos_token_ids)
+        self.stop_token_ids = set(sampling_params.stop_token_ids)
+        self.block_size = block_size
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set once, on first admission
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        # Whole-request token limit: max_tokens, capped by the model length.
+        limit = max_model_len - self.num_prompt_tokens
+        if sampling_params.max_tokens is not None:
+            limit = min(limit, sampling_params.max_tokens)
+        self.max_output_tokens = limit
+        self._root = root_key(model_id, cache_salt)
+        self._block_keys: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    def block_keys(self, num_blocks: int) -> list[int]:
+        """Keys of the first `num_blocks` full blocks, extended lazily as tokens arrive."""
+        keys = self._block_keys
+        bs = self.block_size
+        while len(keys) < num_blocks:
+            i = len(keys)
+            parent = keys[-1] if keys else self._root
+            keys.append(block_key(parent, self.all_token_ids[i * bs:(i + 1) * bs]))
+        return keys[:num_blocks]
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """Decide, after a token was appended, whether the request is done."""
+        n_out = self.num_output_tokens
+        last = self.all_token_ids[-1]
+        if n_out >= self.sampling_params.min_tokens:
+            if last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in self.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= self.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

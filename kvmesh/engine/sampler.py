@@ -1,0 +1,109 @@
+"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Filters are applied row-wise in one vectorised pass. Random rows sample by the
+exponential race (argmax of p / E, E ~ Exp(1)), whose noise comes from the
+request's own generator when it has a seed: a seeded request draws the same
+tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.engine.request import Request
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.device = device
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._request_generators.pop(request_id, None)
+
+    def _generator_for(self, request: Request) -> torch.Generator:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self.generator
+        gen = self._request_generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self._request_generators[request.request_id] = gen
+        return gen
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]
+                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        raw = logits
+        logits = logits.clone()
+        for i, req in enumerate(requests):
+            sp = req.sampling_params
+            if req.num_output_tokens < sp.min_tokens:
+                banned = list(req.eos_token_ids | req.stop_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+        greedy = torch.tensor([r.sampling_params.greedy for r in requests], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            tokens = torch.where(greedy, tokens, self._sample(logits, requests, greedy))
+
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if wanted:
+            lp = torch.log_softmax(raw[wanted], dim=-1)
+            k = max(requests[i].sampling_params.logprobs or 0 for i in wanted)
+            top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
+            for row, i in enumerate(wanted):
+                tok = token_list[i]
+                value = lp[row, tok]
+                rank = int((lp[row] > value).sum()) + 1
+                n = requests[i].sampling_params.logprobs or 0
+                top = list(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist()))
+                logprobs[i] = TokenLogprobs(tok, float(value), rank, top)
+        return token_list, logprobs
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        dev = logits.device
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+        logits = logits / temps[:, None]
+        top_k = torch.tensor([p.top_k for p in params], device=dev)
+        if bool((top_k > 0).any()):
+            k = torch.where(top_k > 0, top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
+            sorted_logits = logits.sort(dim=-1, descending=True).values
+            kth = sorted_logits.gather(1, (k - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        if bool((top_p < 1.0).any()):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            # Drop tokens once the mass before them already reaches top_p (keep at least one).
+            drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p[:, None]
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        if bool((min_p > 0).any()):
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs)
+        for i, req in enumerate(requests):
+            if not bool(greedy[i]):
+                noise[i].exponential_(generator=self._generator_for(req))
+            else:
+                noise[i].fill_(1.0)
+        return (probs / noise).argmax(dim=-1)

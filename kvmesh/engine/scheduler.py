@@ -1,0 +1,164 @@
+"""One scheduler for prefill and decode alike: a per-step token budget.
+
+Each step hands out at most `max_num_batched_tokens` tokens as
+{request_id: num_tokens}. Running requests go first (a decode takes one
+token, an unfinished prefill takes its next chunk), then waiting requests are
+admitted in FCFS order with their prefix-cache hits applied. When blocks run
+out, the most recently admitted running request is preempted by recompute: its
+blocks are freed and it goes back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests in the order they run this step (running first, then new).
+    requests: list[Request] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True):
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management ------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (abort, stop string) wherever it is and free its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        request.status = status
+        self.kv.free(request)
+        return request
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ----------------------------------------------------------------
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running requests, oldest first; preempt from the back when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            scheduled = True
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            out.num_scheduled_tokens[request.request_id] = num_new
+            out.requests.append(request)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, FCFS; none are admitted in a step that had to preempt.
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break  # the whole prompt must fit one step; wait for budget
+                num_new = budget
+            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            out.requests.append(request)
+            budget -= num_new
+        return out
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[tuple[Request, int | None]]:
+        """Advance progress; append sampled tokens; finish what stopped.
+
+        Returns (request, new_token or None) for each request that produced a token.
+        """
+        results: list[tuple[Request, int | None]] = []
+        for request in out.requests:
+            if request.request_id not in self.requests:
+                continue  # aborted during the step
+            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request.append_token(token)
+            status = request.check_stop()
+            if status is not None:
+                self.requests.pop(request.request_id)
+                self.running.remove(request)
+                request.status = status
+                self.kv.free(request)
+            results.append((request, token))
+        return results
