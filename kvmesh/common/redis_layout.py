@@ -1,0 +1,159 @@
+"""Contract 3: the Redis key layout shared by sidecar, router, operator and `kvmesh status`.
+
+Everything lives under a versioned prefix, namespaced by the served model name:
+
+- ``kvmesh:v1:{model}:pods``               set of pod names that have (had) a sidecar
+- ``kvmesh:v1:{model}:pod:{pod}``          heartbeat hash, TTL ``HEARTBEAT_TTL_S``, refreshed
+                                           every <= 1 s by the pod's sidecar; fields below
+- ``kvmesh:v1:{model}:blocks:{pod}``       set of the block keys (``key_hex``) the pod holds
+
+A pod whose heartbeat hash is gone is dead: it is never routed to, and its block set
+is deleted (by its sidecar on shutdown or engine restart, or by any router that finds
+it orphaned, atomically with ``ORPHAN_CLEANUP_LUA``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+PREFIX = "kvmesh:v1:"
+HEARTBEAT_TTL_S = 10
+HEARTBEAT_INTERVAL_S = 1.0
+
+STATE_READY = "ready"
+STATE_DRAINING = "draining"
+
+# Heartbeat hash fields (the operator reads these names).
+F_URL = "url"
+F_MODEL = "model"
+F_KV_USAGE = "kv_usage"
+F_RUNNING = "running"
+F_WAITING = "waiting"
+F_TOTAL_BLOCKS = "total_blocks"
+F_STATE = "state"
+F_TS = "ts"
+# Optional extras written by the kvmesh sidecar (readers must not require them).
+F_NUM_KEYS = "num_keys"
+F_PREFIX_QUERIES = "prefix_cache_queries"
+F_PREFIX_HITS = "prefix_cache_hits"
+F_BLOCK_SIZE = "block_size"
+
+
+def pods_key(model: str) -> str:
+    return f"{PREFIX}{model}:pods"
+
+
+def heartbeat_key(model: str, pod: str) -> str:
+    return f"{PREFIX}{model}:pod:{pod}"
+
+
+def blocks_key(model: str, pod: str) -> str:
+    return f"{PREFIX}{model}:blocks:{pod}"
+
+
+@dataclass
+class Heartbeat:
+    """One pod's heartbeat, as written by its sidecar."""
+
+    pod: str
+    url: str
+    model: str
+    kv_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    total_blocks: int = 0
+    state: str = STATE_READY
+    ts: float = field(default_factory=time.time)
+    num_keys: int = 0
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+
+    def to_mapping(self) -> dict[str, str]:
+        return {
+            F_URL: self.url,
+            F_MODEL: self.model,
+            F_KV_USAGE: f"{self.kv_usage:.6f}",
+            F_RUNNING: str(int(self.running)),
+            F_WAITING: str(int(self.waiting)),
+            F_TOTAL_BLOCKS: str(int(self.total_blocks)),
+            F_STATE: self.state,
+            F_TS: f"{self.ts:.3f}",
+            F_NUM_KEYS: str(int(self.num_keys)),
+            F_PREFIX_QUERIES: f"{self.prefix_cache_queries:g}",
+            F_PREFIX_HITS: f"{self.prefix_cache_hits:g}",
+        }
+
+    @classmethod
+    def from_mapping(cls, pod: str, data: Mapping[Any, Any]) -> "Heartbeat | None":
+        """Parse a heartbeat hash (bytes or str keys); None if it is empty or has no URL."""
+        if not data:
+            return None
+        d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+             for k, v in data.items()}
+        if not d.get(F_URL):
+            return None
+
+        def num(name: str, kind=float, default=0):
+            try:
+                return kind(float(d.get(name, default)))
+            except (TypeError, ValueError):
+                return kind(default)
+
+        return cls(
+            pod=pod,
+            url=d[F_URL],
+            model=d.get(F_MODEL, ""),
+            kv_usage=min(max(num(F_KV_USAGE), 0.0), 1.0),
+            running=num(F_RUNNING, int),
+            waiting=num(F_WAITING, int),
+            total_blocks=num(F_TOTAL_BLOCKS, int),
+            state=d.get(F_STATE, STATE_READY),
+            ts=num(F_TS),
+            num_keys=num(F_NUM_KEYS, int),
+            prefix_cache_queries=num(F_PREFIX_QUERIES),
+            prefix_cache_hits=num(F_PREFIX_HITS),
+        )
+
+    @property
+    def load(self) -> int:
+        return self.running + self.waiting
+
+
+# KEYS: heartbeat key, blocks key, pods set; ARGV: pod name.
+# Deletes a pod's block set and membership only if its heartbeat is (still) gone, so a
+# router never races a sidecar that just came back.
+ORPHAN_CLEANUP_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[2])
+  redis.call('SREM', KEYS[3], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+# KEYS: one block-set key per pod; ARGV: the request's block keys (hex) in order.
+# Returns, per pod, the length of the longest leading run of ARGV present in its set.
+# One round trip for all pods; stops at the first miss, so cost ~ matched blocks.
+PREFIX_MATCH_LUA = """
+local out = {}
+for i, k in ipairs(KEYS) do
+  local n = 0
+  for j = 1, #ARGV do
+    if redis.call('SISMEMBER', k, ARGV[j]) == 1 then n = j else break end
+  end
+  out[i] = n
+end
+return out
+"""
+
+
+def leading_run(flags: list[Any]) -> int:
+    """Length of the leading run of truthy SMISMEMBER results."""
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n
