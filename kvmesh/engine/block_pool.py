@@ -9,7 +9,7 @@ of evictable cached blocks: the head is evicted first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 class KVBlock:
@@ -74,24 +74,6 @@ class FreeBlockQueue:
             block = block.next_free
 
 
-@dataclass
-class BlockStored:
-    keys: list[int]
-    parent_key: int | None
-    token_ids: list[int]
-    block_size: int
-
-
-@dataclass
-class BlockRemoved:
-    keys: list[int]
-
-
-@dataclass
-class AllBlocksCleared:
-    pass
-
-
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
@@ -133,7 +115,7 @@ class BlockPool:
             stored_tokens.extend(token_ids[i * block_size:(i + 1) * block_size])
             parent_key = key
         if self.enable_events and stored_keys:
-            self.events.append(BlockStored(stored_keys, first_parent, stored_tokens, block_size))
+            self.events.append(BlockStored(stored_keys, first_parent, stored_tokens, block_size, medium="GPU"))
 
     def _evict(self, block: KVBlock) -> None:
         if block.key is not None:
