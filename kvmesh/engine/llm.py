@@ -16,6 +16,12 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", **engine_args: Any):
         self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args)
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

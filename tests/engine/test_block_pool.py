@@ -1,0 +1,148 @@
+"""Block pool and KV-cache manager: unit tests and a hypothesis state machine."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvmesh.common.block_keys import block_keys
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.request import Request
+from kvmesh.engine.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_request(rid: str, tokens: list[int], max_model_len: int = 10_000) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=1000), set(), "m", BS, max_model_len)
+
+
+def test_free_queue_removes_from_the_middle_in_constant_time():
+    blocks = [KVBlock(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    q.remove(blocks[2])
+    assert [b.block_id for b in q] == [0, 1, 3, 4] and q.num_free == 4
+    q.appendleft(blocks[2])
+    assert q.popleft() is blocks[2]
+
+
+def test_lru_evicts_least_recent_first_and_tail_blocks_first():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_events=True)
+    a = make_request("a", list(range(100, 108)))  # 2 full blocks
+    b = make_request("b", list(range(200, 208)))
+    for r in (a, b):
+        assert kv.allocate_slots(r, r.num_tokens) is not None
+    a_keys, b_keys = a.block_keys(2), b.block_keys(2)
+    kv.free(a)  # a finished first: least recently used
+    kv.free(b)
+    kv.take_events()
+    c = make_request("c", list(range(300, 304)) * 4)  # needs 4 blocks: all 4 free cached blocks go
+    assert kv.allocate_slots(c, 16) is not None
+    # 4 plain free blocks are used first, then none of the cached ones.
+    assert kv.pool.take_events() == [BlockStored(c.block_keys(4), None, c.all_token_ids, BS, medium="GPU")]
+    d = make_request("d", list(range(400, 404)) * 2)  # 2 more blocks: evicts a's tail, then a's head
+    assert kv.allocate_slots(d, 8) is not None
+    removed = [e.block_hashes[0] for e in kv.pool.take_events() if isinstance(e, BlockRemoved)]
+    assert removed == [a_keys[1], a_keys[0]]
+    hit_blocks, hit_tokens = kv.get_computed_blocks(make_request("b2", b.all_token_ids + [1]))
+    assert hit_tokens == 8 and [blk.key for blk in hit_blocks] == b_keys
+
+
+def test_cache_hit_caps_at_last_token_and_counts():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    a = make_request("a", list(range(8)))
+    kv.allocate_slots(a, 8)
+    kv.free(a)
+    blocks, n = kv.get_computed_blocks(make_request("b", list(range(8))))
+    assert n == 4  # the last token must be computed, so only the first block is a hit
+    assert kv.prefix_queries == 8 and kv.prefix_hits == 4
+
+
+def test_reset_prefix_cache_emits_all_cleared_only_when_idle():
+    pool = BlockPool(4, enable_events=True)
+    blocks = pool.allocate(1)
+    assert not pool.reset_prefix_cache()
+    pool.free(blocks)
+    assert pool.reset_prefix_cache()
+    assert pool.take_events() == [AllBlocksCleared()]
+
+
+def test_keys_match_the_shared_contract_function():
+    req = make_request("a", list(range(13)))
+    assert req.block_keys(3) == block_keys(list(range(13)), "m", BS)
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    """Random admissions, growth, frees and evictions never break the pool's books."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KVCacheManager(num_blocks=12, block_size=BS, enable_events=True)
+        self.active: dict[str, Request] = {}
+        self.n = 0
+        self.stored: set[int] = set()  # keys currently advertised via events
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=20))
+    def admit(self, tokens):
+        rid = f"r{self.n}"
+        self.n += 1
+        req = make_request(rid, tokens)
+        blocks, num_computed = self.kv.get_computed_blocks(req)
+        assert num_computed % BS == 0 and num_computed < req.num_tokens
+        if self.kv.allocate_slots(req, req.num_tokens - num_computed, blocks) is not None:
+            req.num_computed_tokens = req.num_tokens
+            self.active[rid] = req
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def grow(self, data, token):
+        rid = data.draw(st.sampled_from(sorted(self.active)))
+        req = self.active[rid]
+        req.append_token(token)
+        if self.kv.allocate_slots(req, 1) is not None:
+            req.num_computed_tokens += 1
+        else:
+            req.all_token_ids.pop()
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data())
+    def finish(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.active)))
+        self.kv.free(self.active.pop(rid))
+
+    @invariant()
+    def books_balance(self):
+        pool = self.kv.pool
+        holders: dict[int, int] = {}
+        for rid, req in self.active.items():
+            table = self.kv.req_blocks[rid]
+            assert len({b.block_id for b in table}) == len(table), "a block twice in one table"
+            assert len(table) * BS >= req.num_computed_tokens
+            for b in table:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        free_ids = {b.block_id for b in pool.free_queue}
+        assert len(free_ids) == pool.free_queue.num_free
+        for b in pool.blocks:
+            assert b.ref_cnt == holders.get(b.block_id, 0), f"ref count of {b}"
+            assert (b.ref_cnt == 0) == (b.block_id in free_ids), f"free-list membership of {b}"
+        for key, b in pool.cached.items():
+            assert b.key == key
+        assert set(self.kv.req_blocks) == set(self.active)
+
+    @invariant()
+    def events_mirror_the_cache(self):
+        for event in self.kv.take_events():
+            if isinstance(event, BlockStored):
+                assert not (set(event.block_hashes) & self.stored), "stored twice without removal"
+                self.stored |= set(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                assert set(event.block_hashes) <= self.stored
+                self.stored -= set(event.block_hashes)
+        assert self.stored == set(self.kv.pool.cached)
+
+
+TestKVCacheMachine = KVCacheMachine.TestCase
+TestKVCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -1,0 +1,100 @@
+"""Sampling controls: seeds, filters, stops, limits, logprobs, detokenisation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvmesh.engine import LLM, SamplingParams
+from tests.engine.conftest import random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(tiny_llama_dir, num_kv_blocks=256)
+
+
+PROMPTS = random_prompts(6, 5, 60, seed=3)
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_batch(llm):
+    sp = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], sp)[0].token_ids
+    others = [SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)] * 5
+    batched = llm.generate(PROMPTS, [sp] + others)[0].token_ids
+    assert alone == batched
+    different_seed = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=1.0, seed=99,
+                                                               ignore_eos=True))[0].token_ids
+    assert different_seed != alone
+
+
+def test_top_k_one_and_tiny_min_p_are_greedy(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    topk1 = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.8, top_k=1, ignore_eos=True))
+    minp = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.8, min_p=1.0, ignore_eos=True))
+    assert [o.token_ids for o in topk1] == [o.token_ids for o in greedy]
+    assert [o.token_ids for o in minp] == [o.token_ids for o in greedy]
+
+
+def test_top_p_restricts_to_the_nucleus(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    tiny_p = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-6, seed=5,
+                                                  ignore_eos=True))
+    assert [o.token_ids for o in tiny_p] == [o.token_ids for o in greedy]
+
+
+def test_max_tokens_and_stop_token_ids(llm):
+    base = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert len(base.token_ids) == 12 and base.finish_reason == "length"
+    stop_at = base.token_ids[4]
+    first = base.token_ids.index(stop_at)
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                    stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == base.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
+    # min_tokens holds the stop token back.
+    held = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                     stop_token_ids=[stop_at], min_tokens=first + 2))[0]
+    assert stop_at not in held.token_ids[:first + 2]
+
+
+def test_stop_strings_truncate_text(llm):
+    base = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    text = base.text
+    assert len(text) > 10
+    stop = text[5:8]
+    out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert out.text == text[:text.index(stop)]
+    kept = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop],
+                                                     include_stop_str_in_output=True))[0]
+    assert kept.text == text[:text.index(stop) + len(stop)]
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.stats().kv_cache_usage == 0.0
+
+
+def test_incremental_text_equals_full_decode(llm):
+    out = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    prompt_tail = PROMPTS[3][-4:]
+    full = llm.tokenizer.decode(prompt_tail + out.token_ids)
+    assert full.endswith(out.text) and len(out.text) > 0
+
+
+def test_logprobs(llm):
+    out = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True))[0]
+    lps = out.outputs[0].logprobs
+    assert len(lps) == 5
+    for tok, lp in zip(out.token_ids, lps):
+        assert lp.token_id == tok and lp.rank == 1  # greedy picks the most likely token
+        assert len(lp.top) == 3 and lp.top[0][0] == tok
+        assert math.isclose(lp.top[0][1], lp.logprob, rel_tol=1e-6)
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1] and lp.logprob <= 0
+
+
+def test_chat_uses_the_chat_template(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, num_kv_blocks=64)
+    messages = [{"role": "user", "content": "hi"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode_chat(messages)
+    assert len(out.token_ids) == 3
