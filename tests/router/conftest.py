@@ -174,3 +174,90 @@ def stub_factory():
     yield start
     for p in procs:
         p.kill()
+
+
+class RouterThread:
+    """A Router served by uvicorn in a background thread of the test process."""
+
+    def __init__(self, cfg):
+        import threading
+
+        import uvicorn
+
+        from kvmesh.router.app import Router
+
+        self.port = free_port()
+        self.router = Router(cfg, encoder=shared_encoder())
+        config = uvicorn.Config(self.router, host="127.0.0.1", port=self.port, log_level="warning",
+                                access_log=False, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, 10, msg="router started")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+_ENCODER = None
+
+
+def shared_encoder():
+    global _ENCODER
+    if _ENCODER is None:
+        from kvmesh.common.models import resolve_model_dir
+        from kvmesh.common.tokenizer import KVMeshTokenizer
+        from kvmesh.router.fast_tokenize import FastEncoder
+
+        _ENCODER = FastEncoder(KVMeshTokenizer(resolve_model_dir("smollm2-135m-instruct", convert=False)))
+    return _ENCODER
+
+
+@pytest.fixture
+def router_factory():
+    routers: list[RouterThread] = []
+
+    def start(**kw) -> RouterThread:
+        from kvmesh.router.app import RouterConfig
+
+        kw.setdefault("refresh_interval", 0.1)
+        rt = RouterThread(RouterConfig(**kw))
+        routers.append(rt)
+        return rt
+
+    yield start
+    for rt in routers:
+        rt.stop()
+
+
+@pytest.fixture
+def mesh(redis_server, stub_factory, router_factory, model_name):
+    """n stub engines, each with an in-process sidecar, registered in the shared Redis."""
+    from kvmesh.router.sidecar import Sidecar, SidecarConfig
+
+    sidecars: list = []
+
+    def start(n: int = 2, *stub_args: str, redis=None):
+        server = redis or redis_server
+        stubs = stub_factory(model_name, n, *stub_args)
+        for i, s in enumerate(stubs):
+            cfg = SidecarConfig(pod_name=f"pod-{i}", pod_url=s.url, model=model_name, engine_url=s.url,
+                                kv_events_endpoint=s.events_endpoint, kv_events_replay_endpoint=s.replay_endpoint,
+                                redis_url=server.url, heartbeat_interval=0.2)
+            sidecars.append(Sidecar(cfg).start())
+        r = server.client()
+        from kvmesh.common import redis_layout as rl
+
+        wait_until(lambda: all(r.exists(rl.heartbeat_key(model_name, f"pod-{i}")) for i in range(n)), 10,
+                   msg="heartbeats")
+        return stubs, sidecars[-n:]
+
+    yield start
+    for sc in sidecars:
+        sc.stop(clean=True)
