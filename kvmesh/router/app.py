@@ -339,7 +339,7 @@ class Router:
         try:
             if self._use_lua:
                 try:
-                    counts = await self._match(keys=bkeys, args=hexes)
+                    counts = await self._match(keys=bkeys, args=["".join(hexes)])
                 except Exception as exc:  # noqa: BLE001
                     if "unknown command" in str(exc).lower() or "noscript" in str(exc).lower():
                         self._use_lua = False  # EVAL disabled on this Redis: use SMISMEMBER

@@ -80,10 +80,14 @@ class FastEncoder:
         if missing:
             if len(cache) + len(missing) > self.cache_size:
                 cache.clear()
-            encoded = self._bpe.encode_batch_fast([[p] for p in missing], is_pretokenized=True,
-                                                  add_special_tokens=False)
-            for p, enc in zip(missing, encoded):
-                cache[p] = enc.ids
+            # One sequential encode of the unseen pieces as pre-tokenized words (the batch API
+            # would wake a thread pool: slower for a handful of words on a busy machine).
+            enc = self._bpe.encode(missing, is_pretokenized=True, add_special_tokens=False)
+            split: list[list[int]] = [[] for _ in missing]
+            for tid, w in zip(enc.ids, enc.word_ids):
+                split[w].append(tid)
+            for p, ids in zip(missing, split):
+                cache[p] = ids
         for p in pieces:
             out.extend(cache[p])
 

@@ -39,8 +39,8 @@ def test_sidecar_indexes_blocks_heartbeats_drains_and_cleans_up(redis_server, st
         expected = _keys_for(PROMPT, model_name)
         assert expected
         wait_until(lambda: r.smembers(bkey) == set(expected), 5, msg="block keys in redis")
-        hb = wait_until(lambda: rl.Heartbeat.from_mapping("pod-a", r.hgetall(rl.heartbeat_key(model_name, "pod-a"))),
-                        5, msg="heartbeat")
+        hb = wait_until(lambda: (lambda h: h if h and h.num_keys == len(expected) else None)(
+            rl.Heartbeat.from_mapping("pod-a", r.hgetall(rl.heartbeat_key(model_name, "pod-a")))), 5, msg="heartbeat")
         assert hb.url == stub.url and hb.state == "ready" and hb.total_blocks == 64
         assert 0 < hb.kv_usage <= 1 and hb.num_keys == len(expected)
         assert 0 < r.ttl(rl.heartbeat_key(model_name, "pod-a")) <= rl.HEARTBEAT_TTL_S
