@@ -169,6 +169,29 @@ def overhead(args: argparse.Namespace) -> None:
                         out.append(time.perf_counter() - t0)
             return out
 
+        # The router's per-request work without HTTP, in this process (same code, same Redis).
+        from kvmesh.router.fast_tokenize import FastEncoder
+
+        fe = FastEncoder(tok)
+        match = r.register_script(rl.PREFIX_MATCH_LUA)
+        bkeys = [rl.blocks_key("bench-model", pod) for pod in pods]
+        parts = {"json": [], "tokenize": [], "block keys": [], "redis match (16 pods)": []}
+        for p in prompts[: args.warmup] + prompts:
+            body = json.dumps({"prompt": p})
+            t0 = time.perf_counter()
+            json.loads(body)
+            t1 = time.perf_counter()
+            ids = fe.encode(p)
+            t2 = time.perf_counter()
+            ks = block_keys(ids, "bench-model")
+            t3 = time.perf_counter()
+            match(keys=bkeys, args=["".join(key_hex(k) for k in ks)])
+            t4 = time.perf_counter()
+            for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                parts[name].append(dt)
+        component_report = "  per-request work, p50: " + ", ".join(
+            f"{name} {statistics.median(xs[args.warmup:]) * 1000:.3f} ms" for name, xs in parts.items())
+
         direct = asyncio.run(measure(f"http://127.0.0.1:{sport}"))
         routed = asyncio.run(measure(f"http://127.0.0.1:{port}"))
         direct2 = asyncio.run(measure(f"http://127.0.0.1:{sport}"))
@@ -187,7 +210,20 @@ def overhead(args: argparse.Namespace) -> None:
         ov50 = pct(routed, 50) - pct(direct, 50)
         print(f"  router overhead      p50 {ms(ov50)}  p90 {ms(pct(routed, 90) - pct(direct, 90))}"
               f"   (target p50 <= 2 ms: {'OK' if ov50 <= 0.002 else 'MISSED'})")
+        buckets = {}
+        for line in metrics.splitlines():
+            if line.startswith("kvmesh_router_overhead_seconds_bucket{"):
+                le = line.split('le="')[1].split('"')[0]
+                buckets[le] = float(line.rsplit(" ", 1)[1])
+        total = buckets.get("+Inf", 0) or 1
+        print("  router-measured time from request received to upstream request sent: "
+              + ", ".join(f"<= {float(le) * 1000:g} ms: {n / total:.0%}" for le, n in buckets.items()
+                          if le in ("0.0005", "0.001", "0.002", "0.005")))
+        print(component_report)
         print(f"  decisions: {decisions}")
+        load = os.getloadavg()[0]
+        print(f"  machine: {os.cpu_count()} CPUs, load average {load:.1f} at the end"
+              + ("  (busy machine: latencies include waiting for a CPU)" if load > (os.cpu_count() or 1) else ""))
     finally:
         for p in reversed(procs):
             p.send_signal(signal.SIGINT if p is procs[-1] else signal.SIGTERM)
