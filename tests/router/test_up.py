@@ -128,3 +128,16 @@ def test_up_with_the_real_engine(tmp_path):
         assert "kvmesh_router_engine_cached_tokens_total" in metrics
     finally:
         assert up.stop() == 0
+
+
+def test_up_autoscale_adds_a_replica_under_kv_pressure(tmp_path):
+    up = UpProcess(tmp_path, "--replicas", "1", "--engine-command", "stub", "--engine-args", "--num-blocks 8",
+                   "--autoscale", "--min-replicas", "1", "--max-replicas", "2", "--target-kv-usage", "0.5",
+                   "--scale-interval", "0.5", "--scale-up-window", "0.5")
+    try:
+        up.wait_up(60)
+        assert httpx.post(up.url + "/v1/completions", json={"prompt": "word " * 200}, timeout=10).status_code == 200
+        wait_until(lambda: any("adding a replica" in line for line in up.lines), 20, msg="scale up")
+        wait_until(lambda: len(json.loads(_status(up, "--json"))["replicas"]) == 2, 30, msg="second replica")
+    finally:
+        assert up.stop() == 0
