@@ -334,7 +334,7 @@ def main() -> None:
     sub = p.add_subparsers(dest="what", required=True)
     o = sub.add_parser("overhead")
     o.add_argument("--pods", type=int, default=16)
-    o.add_argument("--words", type=int, default=1500, help="words per prompt (~2,000 tokens)")
+    o.add_argument("--words", type=int, default=675, help="words per prompt (675: ~2,000 tokens)")
     o.add_argument("--requests", type=int, default=300)
     o.add_argument("--warmup", type=int, default=50)
     o.add_argument("--policy", default="prefix")
