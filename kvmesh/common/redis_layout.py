@@ -133,17 +133,23 @@ end
 return 0
 """
 
-# KEYS: one block-set key per pod; ARGV: the request's block keys (hex) in order.
-# Returns, per pod, the length of the longest leading run of ARGV present in its set.
-# One round trip for all pods; stops at the first miss, so cost ~ matched blocks.
+# KEYS: one block-set key per pod; ARGV[1]: the request's block keys (key_hex, 16 chars
+# each) concatenated in order. Returns, per pod, the length of the longest leading run
+# of those keys present in its set. One round trip for all pods; it stops at the first
+# miss, so its cost follows the matched length. (One packed argument instead of one per
+# key keeps the client's command encoding cheap for long prompts.)
 PREFIX_MATCH_LUA = """
+local packed = ARGV[1]
+local n = math.floor(#packed / 16)
+local keys = {}
+for j = 1, n do keys[j] = string.sub(packed, (j - 1) * 16 + 1, j * 16) end
 local out = {}
 for i, k in ipairs(KEYS) do
-  local n = 0
-  for j = 1, #ARGV do
-    if redis.call('SISMEMBER', k, ARGV[j]) == 1 then n = j else break end
+  local m = 0
+  for j = 1, n do
+    if redis.call('SISMEMBER', k, keys[j]) == 1 then m = j else break end
   end
-  out[i] = n
+  out[i] = m
 end
 return out
 """

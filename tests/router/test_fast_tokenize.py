@@ -1,0 +1,45 @@
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvmesh.common.models import resolve_model_dir
+from kvmesh.common.tokenizer import KVMeshTokenizer
+from kvmesh.router.fast_tokenize import FastEncoder
+
+
+@pytest.fixture(scope="module")
+def encoders():
+    tok = KVMeshTokenizer(resolve_model_dir("smollm2-135m-instruct", convert=False))
+    fast = FastEncoder(tok)
+    assert fast.fast
+    return tok, fast
+
+
+ASCII = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127), max_size=300)
+PIECES = st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "don't", " 123", "  \n\n ", "\t",
+                          "I'll", "'S", "''s", "<|im_", "x" * 40, "Hello", "  world", "\r\n", "\x1c\x1f",
+                          "!!", "a.b,c", "1.5e10", "<repo_name>x", "\x0b\x0c"])
+MIXED = st.lists(st.one_of(ASCII, PIECES), max_size=12).map("".join)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=MIXED)
+def test_fast_path_equals_tokenizers(encoders, text):
+    tok, fast = encoders
+    assert fast.encode(text) == tok.encode(text)
+    assert fast.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=80))
+def test_non_ascii_falls_back_exactly(encoders, text):
+    tok, fast = encoders
+    assert fast.encode(text) == tok.encode(text)
+
+
+def test_chat_equals_engine_path(encoders):
+    tok, fast = encoders
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What's a KV cache? 42 "},
+            {"role": "assistant", "content": "A cache.\n\n  Of keys."}, {"role": "user", "content": "Héllo ☃"}]
+    assert fast.encode_chat(msgs) == tok.encode_chat(msgs)
+    assert fast.encode_chat(msgs[:3], add_generation_prompt=False) == tok.encode_chat(msgs[:3], False)

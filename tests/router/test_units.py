@@ -1,0 +1,165 @@
+"""Unit tests of the pure parts: scoring, auth and rate limits, metrics parsing, layout."""
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from kvmesh.common import redis_layout as rl
+from kvmesh.router.auth import ApiKeys, RateLimiter, hash_key, load_keys, parse_keys
+from kvmesh.router.engine_metrics import engine_load
+from kvmesh.router.scoring import Candidate, Weights, rank
+
+
+def cands(*specs):
+    return [Candidate(name, f"http://{name}", kv_usage=kv, load=load, matched_blocks=m) for name, kv, load, m in specs]
+
+
+def test_score_prefers_the_longest_prefix_then_load():
+    ordered = rank(cands(("a", 0.1, 0, 2), ("b", 0.1, 0, 8), ("c", 0.1, 0, 0)), 10, Weights(), b"k")
+    assert [c.name for c in ordered] == ["b", "a", "c"]
+    # equal prefix: the less loaded / less full pod wins
+    ordered = rank(cands(("a", 0.9, 2, 5), ("b", 0.2, 2, 5)), 10, Weights(), b"k")
+    assert ordered[0].name == "b"
+    # the score formula itself
+    (c,) = rank(cands(("a", 0.4, 3, 5)), 10, Weights(prefix=1.0, kv=0.5, queue=0.5), b"k")
+    assert c.score == pytest.approx(0.5 - 0.2 - 0.5)
+
+
+def test_hotspot_guard_skips_a_far_hotter_pod_unless_all_are():
+    ordered = rank(cands(("hot", 0.5, 30, 10), ("cool", 0.5, 1, 0), ("cool2", 0.5, 2, 0)), 10, Weights(), b"k")
+    assert ordered[0].name == "cool" and ordered[-1].name == "hot" and ordered[-1].hot
+    ordered = rank(cands(("a", 0.5, 30, 10), ("b", 0.5, 29, 0)), 10, Weights(), b"k")
+    assert ordered[0].name == "a" and not any(c.hot for c in ordered)
+
+
+def test_ties_break_deterministically_and_spread():
+    firsts = set()
+    for i in range(40):
+        a = rank(cands(("p0", 0, 0, 0), ("p1", 0, 0, 0), ("p2", 0, 0, 0)), 4, Weights(), bytes([i]))
+        b = rank(cands(("p2", 0, 0, 0), ("p0", 0, 0, 0), ("p1", 0, 0, 0)), 4, Weights(), bytes([i]))
+        assert [c.name for c in a] == [c.name for c in b]  # input order does not matter
+        firsts.add(a[0].name)
+    assert firsts == {"p0", "p1", "p2"}
+
+
+def test_weights_parse():
+    assert Weights.parse("prefix=2,kv=0.1,queue=0") == Weights(2.0, 0.1, 0.0)
+    assert Weights.parse("") == Weights()
+    with pytest.raises(ValueError):
+        Weights.parse("speed=1")
+
+
+def test_keys_are_hashed_and_loaded_from_file_or_env(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# team keys\nsk-one name=team-a rpm=10\nsha256:" + hash_key("sk-two") + " tpm=500\n")
+    keys = load_keys(str(f))
+    assert all("sk-" not in k for k in keys)  # only digests are kept
+    api = ApiKeys(keys)
+    assert api.check("Bearer sk-one").name == "team-a" and api.check("Bearer sk-one").rpm == 10
+    assert api.check("Bearer sk-two").tpm == 500
+    assert api.check("Bearer sk-three") is None and api.check(None) is None and api.check("sk-one") is None
+    assert set(load_keys(None, env_value="k1,k2")) == {hash_key("k1"), hash_key("k2")}
+    assert set(load_keys(None, env_value=str(f))) == set(keys)
+    assert load_keys(None, env_value="") is None
+
+
+def test_rate_limiter_token_buckets(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("kvmesh.router.auth.time.monotonic", lambda: now[0])
+    rl_ = RateLimiter(rpm=2, tpm=100)
+    assert rl_.admit("a", 10)[0] and rl_.admit("a", 10)[0]
+    ok, retry, which = rl_.admit("a", 10)
+    assert not ok and which == "requests" and retry == 30
+    assert rl_.admit("b", 10)[0]  # per client
+    now[0] += 30
+    assert rl_.admit("a", 10)[0]
+    ok, retry, which = rl_.admit("b", 95)  # 90 tokens left, refilled 50 in 30 s -> capped at 100
+    assert ok
+    ok, retry, which = rl_.admit("b", 50)
+    assert not ok and which == "tokens" and retry >= 1
+    assert RateLimiter().admit("x", 10**9)[0]  # no limits configured
+
+
+def test_engine_metrics_parsing():
+    text = """# HELP vllm:kv_cache_usage_perc x
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 40.0
+vllm:cache_config_info{block_size="16",num_gpu_blocks="1024"} 1.0
+process_start_time_seconds 1.7e9
+"""
+    load = engine_load(text)
+    assert (load.kv_usage, load.running, load.waiting, load.total_blocks) == (0.25, 3, 2, 1024)
+    assert (load.prefix_cache_queries, load.prefix_cache_hits, load.process_start_time) == (100, 40, 1.7e9)
+
+
+def test_heartbeat_roundtrip_and_layout_names():
+    hb = rl.Heartbeat(pod="p", url="http://x:8000", model="m", kv_usage=0.5, running=2, waiting=1, total_blocks=9,
+                      state="draining", ts=12.5)
+    back = rl.Heartbeat.from_mapping("p", {k.encode(): v.encode() for k, v in hb.to_mapping().items()})
+    assert (back.url, back.kv_usage, back.load, back.state, back.ts) == ("http://x:8000", 0.5, 3, "draining", 12.5)
+    assert {"url", "model", "kv_usage", "running", "waiting", "total_blocks", "state", "ts"} <= set(hb.to_mapping())
+    assert rl.heartbeat_key("m", "p") == "kvmesh:v1:m:pod:p"
+    assert rl.pods_key("m") == "kvmesh:v1:m:pods"
+    assert rl.blocks_key("m", "p") == "kvmesh:v1:m:blocks:p"
+    assert rl.Heartbeat.from_mapping("p", {}) is None
+
+
+def test_prefix_match_lua_and_orphan_cleanup(redis_server):
+    r = redis_server.client()
+    keys = [f"{i:016x}" for i in range(1, 6)]
+    r.sadd("t:blocks:a", *keys[:3])
+    r.sadd("t:blocks:b", keys[0], keys[2], keys[3])  # a hole after the first key
+    match = r.register_script(rl.PREFIX_MATCH_LUA)
+    assert match(keys=["t:blocks:a", "t:blocks:b", "t:blocks:none"], args=["".join(keys)]) == [3, 1, 0]
+    cleanup = r.register_script(rl.ORPHAN_CLEANUP_LUA)
+    r.sadd("t:pods", "a")
+    r.hset("t:hb:a", "url", "x")
+    assert cleanup(keys=["t:hb:a", "t:blocks:a", "t:pods"], args=["a"]) == 0  # alive: untouched
+    r.delete("t:hb:a")
+    assert cleanup(keys=["t:hb:a", "t:blocks:a", "t:pods"], args=["a"]) == 1
+    assert not r.exists("t:blocks:a") and not r.sismember("t:pods", "a")
+
+
+def test_endpoint_slices_filter_pods():
+    """A fake Kubernetes API: only pods whose IP is a ready endpoint stay routable."""
+    import uvicorn
+
+    from kvmesh.router.discovery import Discovery, EndpointSlices, Pod
+    from kvmesh.router.metrics import RouterMetrics
+    from tests.router.conftest import free_port, wait_until
+
+    seen = {}
+
+    async def api(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        seen["path"] = scope["path"] + "?" + scope["query_string"].decode()
+        seen["auth"] = dict(scope["headers"]).get(b"authorization")
+        body = {"items": [{"endpoints": [{"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
+                                         {"addresses": ["10.0.0.2"], "conditions": {"ready": False}}]}]}
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    server.install_signal_handlers = lambda: None
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    wait_until(lambda: server.started, 10)
+    try:
+        slices = EndpointSlices("engine-svc", "ns1", api_url=f"http://127.0.0.1:{port}", token="tok")
+        asyncio.run(slices.poll_once())
+        assert slices.ready_hosts == {"10.0.0.1"}
+        assert seen["path"].startswith("/apis/discovery.k8s.io/v1/namespaces/ns1/endpointslices?labelSelector=")
+        assert "engine-svc" in seen["path"] and seen["auth"] == b"Bearer tok"
+        d = Discovery("m", None, RouterMetrics(), endpoint_slices=slices)
+        d.pods = {"a": Pod("a", "http://10.0.0.1:8000"), "b": Pod("b", "http://10.0.0.2:8000")}
+        assert [p.name for p in d.routable()] == ["a"]
+    finally:
+        server.should_exit = True
+        t.join(5)
