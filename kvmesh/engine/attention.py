@@ -1,8 +1,10 @@
 """Attention over the paged KV cache, in plain torch (the CPU backend).
 
 One step mixes three kinds of work, and each gets its vectorised path:
-- decodes (one new token each): batched together, their contexts gathered
-  block-by-block from the cache into one padded tensor, masked by length;
+- decodes (one new token each): batched together; on CPU a compiled kernel
+  (kernels/paged_attention_cpu.cpp) reads K/V rows in place from their blocks;
+  the torch fallback gathers the contexts block-by-block into one padded
+  tensor and masks by length;
 - fresh prefills (no cached context): causal attention on the step's own K/V;
 - prefill chunks or cache hits (new tokens after cached context): the context
   is gathered from the cache and a causal mask is offset by its length.
@@ -36,6 +38,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [R, max_blocks]
     decode_mask: torch.Tensor | None  # [R, max_blocks * block_size] additive (0 / -inf)
     prefills: list[PrefillSeq]
+    decode_ctx_lens: torch.Tensor | None = None  # [R] context length incl. the new token
+    decode_kernel: object | None = None  # compiled CPU kernel module, when available
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -54,7 +58,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
 
-    if meta.decode_indices is not None:
+    if meta.decode_indices is not None and meta.decode_kernel is not None:
+        qd = q[meta.decode_indices].contiguous()
+        out[meta.decode_indices] = meta.decode_kernel.paged_decode_attention(
+            qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens, scale)
+    elif meta.decode_indices is not None:
         tables = meta.decode_block_tables
         num_seqs = tables.shape[0]
         # [kv_heads, R, max_blocks, B, D] -> [kv_heads, R, ctx, D], one contiguous gather.

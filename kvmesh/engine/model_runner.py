@@ -42,6 +42,11 @@ class ModelRunner:
             for _ in range(config.num_hidden_layers)
         ]
         self.sampler = Sampler(seed, device)
+        self.decode_kernel = None
+        if device.type == "cpu":
+            from kvmesh.engine.kernels import cpu as cpu_kernels
+
+            self.decode_kernel = cpu_kernels.load()
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -90,10 +95,14 @@ class ModelRunner:
             for i, t in enumerate(decode_tables):
                 tables[i, :len(t)] = t
             ctx = np.asarray(decode_ctx)
-            mask = np.where(np.arange(width * bs)[None, :] < ctx[:, None], 0.0, -np.inf)
             meta.decode_indices = self._tensor(decode_idx)
             meta.decode_block_tables = self._tensor(tables)
-            meta.decode_mask = self._tensor(mask, torch.float32)
+            if self.decode_kernel is not None:
+                meta.decode_kernel = self.decode_kernel
+                meta.decode_ctx_lens = self._tensor(ctx)
+            else:
+                mask = np.where(np.arange(width * bs)[None, :] < ctx[:, None], 0.0, -np.inf)
+                meta.decode_mask = self._tensor(mask, torch.float32)
         return (self._tensor(ids), self._tensor(pos_all), meta,
                 self._tensor(logits_indices), sampling_requests)
 
