@@ -173,7 +173,6 @@ async def refresh_status(memo: Memo, md: dict[str, Any], spec: dict[str, Any], *
         "model": specs.served_model_name(spec),
         "replicas": e["replicas"],
         "readyReplicas": e["ready"],
-        "desiredReplicas": render.engine_replicas(spec, old),
         "selector": render.selector_string(name),
         "routerEndpoint": render.router_endpoint(name, ns),
         "conditions": st.derive_conditions(
@@ -181,6 +180,9 @@ async def refresh_status(memo: Memo, md: dict[str, Any], spec: dict[str, Any], *
             router=st.deployment_summary(router) if spec["router"]["replicas"] > 0 else None,
             redis=st.deployment_summary(redis) if spec["redis"]["mode"] == "managed" else None),
     }
+    if "autoscaling" not in spec or "desiredReplicas" not in old:
+        # The autoscaler owns desiredReplicas once it exists (only tick() writes it then).
+        patch["desiredReplicas"] = render.engine_replicas(spec, old)
     if observed:
         patch["observedGeneration"] = gen
     patch.update(extra or {})

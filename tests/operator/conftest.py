@@ -83,8 +83,8 @@ class OperatorRunner:
     """Starts/stops the real operator (kopf runtime, its own event loop in a thread,
     as kopf.testing.KopfRunner does) against the emulator and Redis."""
 
-    def __init__(self, k8s: K8sEmulator, redis_url: str, clock: FakeClock) -> None:
-        self.k8s, self.redis_url, self.clock = k8s, redis_url, clock
+    def __init__(self, k8s: K8sEmulator, redis_url: str, clock: FakeClock, liveness: str | None = None) -> None:
+        self.k8s, self.redis_url, self.clock, self.liveness = k8s, redis_url, clock, liveness
         self.thread: threading.Thread | None = None
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
@@ -101,7 +101,8 @@ class OperatorRunner:
 
         def main() -> None:
             try:
-                asyncio.run(run_operator(config, namespaces=["ns"], stop_flag=self.stop_flag, ready_flag=ready))
+                asyncio.run(run_operator(config, namespaces=["ns"], stop_flag=self.stop_flag, ready_flag=ready,
+                                         liveness_endpoint=self.liveness))
             except BaseException as exc:  # surfaced by stop()
                 self.error = exc
 

@@ -11,11 +11,13 @@ relies on:
 * garbage collection of dependents through ownerReferences;
 * fault injection for transient errors.
 
-Watches, discovery and the request log stay kmock's.
+Discovery and the request log stay kmock's; watches follow resourceVersion like the
+API server's (kmock's replay everything on connect, which races with fast patches).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import datetime
 import itertools
@@ -79,6 +81,8 @@ class K8sEmulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self._rv = itertools.count(1)
         self.faults: list[Fault] = []
+        self.events_log: list[tuple[int, Any, str | None, dict[str, Any]]] = []  # (rv, resource, ns, event)
+        self._changed = asyncio.Condition()
         self.register("v1/events", "Event")
         self.register("events.k8s.io/v1/events", "Event")
         # For kopf's discovery (the backbone resources it waits for).
@@ -171,8 +175,48 @@ class K8sEmulator(kmock.KubernetesEmulator):
             self._objects[key].create(obj)
         else:
             self._objects[key] = obj
-        await self._buses[res].put({"type": event, "object": copy.deepcopy(obj)})
+        await self._publish(res, ns, event, obj)
         return copy.deepcopy(obj)
+
+    async def _publish(self, res: references.resource, ns: str | None, event: str, obj: dict[str, Any]) -> None:
+        rv = int(obj["metadata"]["resourceVersion"])
+        self.events_log.append((rv, res, ns, {"type": event, "object": copy.deepcopy(obj)}))
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _watch(self, request: kmock.Request, res: references.resource) -> aiohttp.web.StreamResponse:
+        """A watch like the API server's: from ``resourceVersion`` on (no replays,
+        no gaps), or the current objects as ADDED first when none is given."""
+        resp = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request._raw_request)
+        ns = request.namespace
+        since = request.params.get("resourceVersion")
+        if since:
+            pos = 0
+            floor = int(since)
+        else:
+            pos = len(self.events_log)
+            floor = 0
+            for (r, n, _), o in list(self._objects.items()):
+                if r == res and not o.deleted and (ns is None or n == ns):
+                    await resp.write(json.dumps({"type": "ADDED", "object": o.raw}).encode() + b"\n")
+        timeout = float(request.params.get("timeoutSeconds") or 3600)
+        deadline = asyncio.get_running_loop().time() + timeout
+        try:
+            while asyncio.get_running_loop().time() < deadline:
+                while pos < len(self.events_log):
+                    rv, r, n, event = self.events_log[pos]
+                    pos += 1
+                    if rv > floor and r == res and (ns is None or n == ns):
+                        await resp.write(json.dumps(event).encode() + b"\n")
+                async with self._changed:
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - asyncio.get_running_loop().time()))
+                    except asyncio.TimeoutError:
+                        pass
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        return resp
 
     async def _delete(self, res: references.resource, ns: str | None, name: str) -> dict[str, Any]:
         key = (res, ns, name)
@@ -186,7 +230,8 @@ class K8sEmulator(kmock.KubernetesEmulator):
                 await self._store(res, ns, name, obj, "MODIFIED")
             return obj
         self._objects[key].delete()
-        await self._buses[res].put({"type": "DELETED", "object": obj})
+        obj["metadata"]["resourceVersion"] = str(next(self._rv))
+        await self._publish(res, ns, "DELETED", obj)
         # Garbage collection: dependents go with their owner (foreground-ish, recursive).
         uid = obj["metadata"].get("uid")
         for (r, n, nm), o in list(self._objects.items()):
@@ -204,8 +249,10 @@ class K8sEmulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
-        if res is None or res.plural is None or request.action == enums.action.WATCH:
-            return await kmock.RawHandler._handle(self, request)  # discovery, watches: kmock's own
+        if res is None or res.plural is None:
+            return await kmock.RawHandler._handle(self, request)  # discovery: kmock's own
+        if request.action == enums.action.WATCH:
+            return await self._watch(request, res)
         for fault in self.faults:
             if fault.times > 0 and fault.method == str(getattr(request.method, "value", request.method)).upper() and \
                     fault.path_re.search(request.url.path):
