@@ -265,7 +265,10 @@ async def tick(memo: Memo, namespace: str, name: str, logger: Any) -> float:
     if decision.changed:
         extra["desiredReplicas"] = decision.desired_replicas
         extra["lastScaleTime"] = st.now_iso(now)
-        await _write_status(memo, md, {"desiredReplicas": decision.desired_replicas})
+        # Record the decision before acting on it: a restart in between re-renders the same count.
+        await _write_status(memo, md, {"desiredReplicas": decision.desired_replicas,
+                                       "lastScaleTime": extra["lastScaleTime"],
+                                       "lastDecision": extra["lastDecision"]})
         md = dict(md, status={**(md.get("status") or {}), "desiredReplicas": decision.desired_replicas})
         await memo.client.apply(render.render_engine_deployment(md, spec, memo.config.images))
         verb = "ScaledUp" if decision.desired_replicas > current else "ScaledDown"

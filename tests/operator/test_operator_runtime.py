@@ -210,3 +210,62 @@ async def test_liveness_endpoint(k8s, redis_url, clock):
         assert status == 200 and body.get("modeldeployments") == 0
     finally:
         await runner.stop()
+
+
+def events(k8s, reason):
+    return [e for e in k8s.list_objects("v1/events", "ns") if e.get("reason") == reason]
+
+
+async def test_autoscaler_from_redis_heartbeats_across_windows(k8s, operator, redis_url, clock):
+    await k8s.put_object(MD, md_body(autoscaling={
+        "minReplicas": 1, "maxReplicas": 4, "targetKVUtilization": 0.5, "intervalSeconds": 0.1,
+        "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 60, "maxScaleDownStep": 1}))
+    await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine"))
+    assert k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine")["spec"]["replicas"] == 1   # minReplicas
+    engine = lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine")["spec"]["replicas"]  # noqa: E731
+    md = lambda: k8s.fetch_object(MD, "ns", "demo")  # noqa: E731
+    hb = Heartbeats(redis_url, "smollm2-135m-instruct")
+    try:
+        # No heartbeats yet: hold.
+        await eventually(lambda: md()["status"]["lastDecision"]["action"] == "hold")
+        assert "no KV-utilisation metrics" in md()["status"]["lastDecision"]["reason"]
+        assert engine() == 1
+
+        # One ready pod at 90% KV -> ceil(0.9 / 0.5) = 2.
+        await hb.beat("demo-engine-a", 0.9)
+        await hb.beat("other-engine-z", 1.0)    # another deployment's pod on a shared Redis: ignored
+        await eventually(lambda: engine() == 2)
+        status = md()["status"]
+        assert status["desiredReplicas"] == 2 and status["lastScaleTime"]
+        await eventually(lambda: events(k8s, "ScaledUp"))
+        assert "1 -> 2" in events(k8s, "ScaledUp")[0]["message"]
+
+        # The new pod is starting (no heartbeat): it counts as requested capacity, no cascade.
+        await hb.beat("demo-engine-a", 1.0)
+        clock.advance(5)
+        await asyncio.sleep(0.5)
+        assert engine() == 2
+        assert md()["status"]["kvUtilization"] == 1.0 and md()["status"]["kvPercent"] == 100
+
+        # Both ready, load falls: scale-down waits for the 60 s window (fast-forwarded).
+        await hb.beat("demo-engine-a", 0.1)
+        await hb.beat("demo-engine-b", 0.1)
+        await eventually(lambda: md()["status"]["lastDecision"]["recommendation"] == 1)
+        clock.advance(30)
+        await asyncio.sleep(0.4)
+        assert engine() == 2
+        await hb.beat("demo-engine-a", 0.1)
+        await hb.beat("demo-engine-b", 0.1)
+        clock.advance(31)
+        await eventually(lambda: engine() == 1)
+        await eventually(lambda: events(k8s, "ScaledDown"))
+        assert "2 -> 1" in events(k8s, "ScaledDown")[0]["message"]
+
+        # Heartbeats vanish (Redis lost them): hold at the current count.
+        await hb.drop("demo-engine-a")
+        await hb.drop("demo-engine-b")
+        clock.advance(120)
+        await eventually(lambda: md()["status"]["lastDecision"]["action"] == "hold")
+        assert engine() == 1
+    finally:
+        await hb.close()
