@@ -26,8 +26,8 @@ _Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:
                                                             style='"' if s in ("", "*") else None))
 
 
-def dump(docs: list[dict[str, Any]]) -> str:
-    return HEADER + "".join("---\n" + yaml.dump(d, Dumper=_Dumper, sort_keys=False, width=100) for d in docs)
+def dump(docs: list[dict[str, Any]], header: str = HEADER) -> str:
+    return header + "".join("---\n" + yaml.dump(d, Dumper=_Dumper, sort_keys=False, width=100) for d in docs)
 
 
 def outputs(root: Path) -> dict[Path, str]:

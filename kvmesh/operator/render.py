@@ -133,8 +133,8 @@ def engine_args(spec: dict[str, Any]) -> list[str]:
             "--enable-prefix-caching" if eng["enablePrefixCaching"] else "--no-enable-prefix-caching",
             "--enable-chunked-prefill" if eng["enableChunkedPrefill"] else "--no-enable-chunked-prefill",
             "--dtype", eng["dtype"],
-            "--kv-events-endpoint", f"tcp://*:{KV_EVENTS_PORT}",
-            "--kv-events-replay-endpoint", f"tcp://*:{KV_REPLAY_PORT}",
+            "--kv-events-endpoint", f"tcp://127.0.0.1:{KV_EVENTS_PORT}",   # in-pod only
+            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{KV_REPLAY_PORT}",
             "--drain-timeout", str(eng["drainTimeoutSeconds"])]
     if eng.get("maxModelLen"):
         args += ["--max-model-len", str(eng["maxModelLen"])]
