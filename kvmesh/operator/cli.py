@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between status refreshes of non-autoscaled deployments")
     parser.add_argument("--server", default=None,
                         help="API server URL (default: in-cluster service account, else kubeconfig)")
+    parser.add_argument("--managed-redis-url", default=None,
+                        help="reach every managed Redis at this URL instead of its in-cluster Service "
+                             "(an operator running outside the cluster, e.g. through a port-forward)")
     parser.add_argument("--verbose", action="store_true")
 
 
@@ -30,7 +33,7 @@ def config_from_args(args: argparse.Namespace):
     return OperatorConfig(
         images=render.Images(engine=args.engine_image, router=args.router_image, redis=args.redis_image),
         connection=Connection(server=args.server) if args.server else None,
-        status_interval=args.status_interval)
+        status_interval=args.status_interval, managed_redis_url=args.managed_redis_url)
 
 
 async def run_operator(config, *, namespaces: list[str] | None = None, liveness_endpoint: str | None = None,

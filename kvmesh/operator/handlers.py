@@ -15,6 +15,7 @@ state through kopf's ``memo`` (:class:`Memo`).
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import Any, Callable
 import kopf
 
 from kvmesh.operator import crd, render, spec as specs, status as st
-from kvmesh.operator.apply import ApiError, Connection, KubeClient
+from kvmesh.operator.apply import ApiError, Connection, KubeClient, object_path
 from kvmesh.operator.autoscaler import HOLD, NONE, Autoscaler, Observation, ScalingPolicy
 from kvmesh.operator.metrics_source import RedisHeartbeats
 
@@ -37,7 +38,8 @@ class OperatorConfig:
     images: render.Images = field(default_factory=render.Images)
     connection: Connection | None = None          # None: in-cluster service account, else kubeconfig
     status_interval: float = 10.0                 # status refresh when not autoscaling
-    redis_url_override: str | None = None         # read heartbeats here instead (tests, port-forwards)
+    managed_redis_url: str | None = None          # reach managed Redis here instead of its in-cluster
+                                                  # Service name (operator outside the cluster, tests)
     clock: Callable[[], float] = time.time        # the autoscaler's clock (tests fast-forward it)
     api_retries: int = 4
 
@@ -152,7 +154,6 @@ async def _prune(memo: Memo, md: dict[str, Any], children: list[dict[str, Any]])
             ometa = obj.get("metadata") or {}
             owned = any(ref.get("uid") == meta["uid"] for ref in ometa.get("ownerReferences") or [])
             if owned and (kind, ometa.get("name")) not in wanted:
-                from kvmesh.operator.apply import object_path
                 await memo.client.request("DELETE", object_path(kind, meta["namespace"], ometa["name"]))
 
 
@@ -203,16 +204,14 @@ async def reconcile_handler(body: kopf.Body, memo: Memo, logger: Any, **_: Any) 
 async def _redis_source(memo: Memo, md: dict[str, Any], spec: dict[str, Any]) -> RedisHeartbeats | None:
     """The heartbeat reader for this deployment's Redis."""
     ns, name = md["metadata"]["namespace"], md["metadata"]["name"]
-    url = memo.config.redis_url_override
-    if url is None:
-        redis = spec["redis"]
-        if redis["mode"] == "managed":
-            url = render.managed_redis_url(name, ns)
-        elif "url" in redis:
+    redis = spec["redis"]
+    if redis["mode"] == "managed":
+        url = memo.config.managed_redis_url or render.managed_redis_url(name, ns)
+    else:
+        if "url" in redis:
             url = redis["url"]
         else:
             assert memo.client is not None
-            import base64
             secret = await memo.client.get("Secret", ns, redis["secretRef"]["name"])
             raw = ((secret or {}).get("data") or {}).get(redis["secretRef"].get("key", "url"))
             if raw is None:

@@ -21,16 +21,18 @@ LIVENESS_PORT = 8080
 # - status: kopf and refresh_status() merge-patch it.
 # - children: server-side apply = PATCH, plus CREATE when the object is new; GET for status;
 #   LIST + DELETE to prune children no longer rendered; secrets GET for an external Redis URL.
-# - events: kopf posts Events (create).
+# - events: kopf posts core/v1 Events (create).
+# tests/operator/test_operator_runtime.py checks that the operator uses all of these and no more.
 # Not needed: namespaces and CRDs (kopf scanning is disabled), peering (standalone).
 RBAC_RULES: list[dict[str, Any]] = [
     {"apiGroups": [crd.GROUP], "resources": [crd.PLURAL], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": [crd.GROUP], "resources": [f"{crd.PLURAL}/status"], "verbs": ["patch"]},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "create", "patch", "delete"]},
-    {"apiGroups": [""], "resources": ["services", "secrets"], "verbs": ["get", "list", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "create", "patch", "delete"]},
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
-     "verbs": ["get", "list", "create", "patch", "delete"]},
-    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
+     "verbs": ["list", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
 
 _LABELS = {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/component": "operator"}

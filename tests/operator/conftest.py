@@ -95,7 +95,7 @@ class OperatorRunner:
         from kvmesh.operator.handlers import OperatorConfig
 
         config = OperatorConfig(connection=Connection(server=str(self.k8s.url).rstrip("/")),
-                                status_interval=0.2, redis_url_override=self.redis_url, clock=self.clock,
+                                status_interval=0.2, managed_redis_url=self.redis_url, clock=self.clock,
                                 api_retries=3)
         self.stop_flag, ready = threading.Event(), threading.Event()
 
@@ -120,14 +120,40 @@ class OperatorRunner:
                 raise self.error
 
 
+def used_permissions(k8s: K8sEmulator) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], verb) of every API call the operator made."""
+    used = set()
+    for req in k8s._requests:
+        agent = req.headers.get("User-Agent", "")
+        if req.resource is None or req.resource.plural is None or not agent.startswith(("kopf", "kvmesh")):
+            continue
+        method = str(getattr(req.method, "value", req.method)).upper()
+        resource = req.resource.plural + (f"/{req.subresource}" if req.subresource else "")
+        if method == "GET":
+            verbs = ["watch"] if req.params.get("watch") == "true" else ["get"] if req.name else ["list"]
+        elif method == "PATCH":
+            ctype = req.headers.get("Content-Type", "")
+            verbs = ["patch", "create"] if ctype.startswith("application/apply-patch") else ["patch"]
+        else:
+            verbs = [{"POST": "create", "PUT": "update", "DELETE": "delete"}[method]]
+        used |= {(req.resource.group, resource, v) for v in verbs}
+    return used
+
+
 @pytest_asyncio.fixture()
 async def operator(k8s: K8sEmulator, redis_url: str, clock: FakeClock) -> AsyncIterator[OperatorRunner]:
+    from kvmesh.operator.manifests import RBAC_RULES
+
     runner = OperatorRunner(k8s, redis_url, clock)
     await runner.start()
     try:
         yield runner
     finally:
         await runner.stop()
+    # Least privilege holds in practice: everything the operator did is granted by its ClusterRole.
+    granted = {(g, r, v) for rule in RBAC_RULES for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}
+    assert used_permissions(k8s) <= granted, used_permissions(k8s) - granted
 
 
 async def eventually(check, timeout: float = 10.0, interval: float = 0.05) -> Any:
