@@ -42,3 +42,13 @@ def test_kvmesh_operator_subcommand_imports_without_torch():
     out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "operator", "--help"], check=True, cwd=ROOT,
                          capture_output=True, text=True).stdout
     assert "--liveness-port" in out and "--namespace" in out
+
+
+def test_dockerfiles_run_kvmesh_as_non_root():
+    for name, base, cmd in (("engine", "nvidia/cuda", "serve"), ("router", "python:3.11", "router"),
+                            ("operator", "python:3.11", "operator")):
+        text = (ROOT / "docker" / f"{name}.Dockerfile").read_text()
+        assert base in text
+        assert "USER 10001" in text and 'ENTRYPOINT ["kvmesh"]' in text and f'CMD ["{cmd}"' in text
+    assert ".[operator]" in (ROOT / "docker/operator.Dockerfile").read_text()
+    assert "torch" not in (ROOT / "docker/router.Dockerfile").read_text()
