@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,38 @@ def dump(docs: list[dict[str, Any]], header: str = HEADER) -> str:
     return header + "".join("---\n" + yaml.dump(d, Dumper=_Dumper, sort_keys=False, width=100) for d in docs)
 
 
+def _rows(schema: dict[str, Any], path: str) -> list[str]:
+    rows = []
+    for key, sub in (schema.get("properties") or {}).items():
+        p = f"{path}.{key}" if path else key
+        typ = sub.get("type") or ("int-or-string" if sub.get("x-kubernetes-int-or-string") else "")
+        if sub.get("enum"):
+            typ += " (" + " \\| ".join(map(str, sub["enum"])) + ")"
+        if typ == "array" and isinstance(sub.get("items"), dict) and sub["items"].get("type"):
+            typ = f"[]{sub['items']['type']}"
+        default = "" if "default" not in sub or sub["default"] == {} else f"`{json.dumps(sub['default'])}`"
+        required = " (required)" if key in (schema.get("required") or []) else ""
+        desc = (sub.get("description") or "").replace("|", "\\|") + required
+        rows.append(f"| `{p}` | {typ} | {default} | {desc} |")
+        rows += _rows(sub, p)
+    return rows
+
+
+def reference_markdown() -> str:
+    """docs/operator-crd.md: the field reference, generated from crd.py."""
+    lines = [HEADER.replace("# ", "<!-- ", 1).rstrip() + " -->", "",
+             f"# `{crd.KIND}` reference (`{crd.API_VERSION}`, short name `{crd.SHORT_NAMES[0]}`)", "",
+             "## spec", "", "| field | type | default | description |", "|---|---|---|---|",
+             *_rows(crd.SPEC_SCHEMA, "spec"), "",
+             "## Validation rules (CEL, enforced at admission and again by the operator)", "",
+             "| where | rule | message |", "|---|---|---|",
+             *[f"| `{where}` | `{r['rule'].replace('|', chr(92) + '|')}` | {r['message']} |"
+               for where, r in crd.all_cel_rules()], "",
+             "## status", "", "| field | type | default | description |", "|---|---|---|---|",
+             *_rows(crd.STATUS_SCHEMA, "status"), ""]
+    return "\n".join(lines)
+
+
 def outputs(root: Path) -> dict[Path, str]:
     crd_yaml = dump([crd.crd_manifest()])
     return {
@@ -40,6 +73,7 @@ def outputs(root: Path) -> dict[Path, str]:
         root / "charts" / "kvmesh" / "crds" / f"{crd.CRD_NAME}.yaml": crd_yaml,
         root / "charts" / "kvmesh" / "files" / "clusterrole-rules.yaml":
             HEADER + yaml.dump(manifests.RBAC_RULES, Dumper=_Dumper, sort_keys=False),
+        root / "docs" / "operator-crd.md": reference_markdown(),
     }
 
 

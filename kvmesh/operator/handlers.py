@@ -42,15 +42,32 @@ class OperatorConfig:
                                                   # Service name (operator outside the cluster, tests)
     clock: Callable[[], float] = time.time        # the autoscaler's clock (tests fast-forward it)
     api_retries: int = 4
+    rejected_retry_delay: float = 60.0            # slow retry after the API server rejected a child
+
+
+@dataclass
+class Shared:
+    """Operator-wide mutable state. kopf hands each resource a shallow copy of the memo,
+    so anything that must be seen everywhere after startup lives in this one object."""
+    client: KubeClient | None = None
+    stopping: bool = False
 
 
 @dataclass
 class Memo:
     config: OperatorConfig = field(default_factory=OperatorConfig)
-    client: KubeClient | None = None
+    shared: Shared = field(default_factory=Shared)
     scalers: dict[str, Autoscaler] = field(default_factory=dict)
     redis: dict[str, RedisHeartbeats] = field(default_factory=dict)
     last_actions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def client(self) -> KubeClient | None:
+        return self.shared.client
+
+    @property
+    def stopping(self) -> bool:
+        return self.shared.stopping
 
 
 def _md_ref(body: Any) -> dict[str, Any]:
@@ -83,12 +100,13 @@ def login(memo: Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
     else:
         info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
     if info is not None:
-        memo.client = KubeClient(Connection.from_kopf(info), retries=memo.config.api_retries)
+        memo.shared.client = KubeClient(Connection.from_kopf(info), retries=memo.config.api_retries)
     return info
 
 
 @kopf.on.cleanup(registry=registry)
 async def cleanup(memo: Memo, **_: Any) -> None:
+    memo.shared.stopping = True   # daemons spawned late in a shutdown exit on their next wake-up
     for source in memo.redis.values():
         await source.close()
     if memo.client is not None:
@@ -135,9 +153,9 @@ async def reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | log
     except ApiError as exc:
         if exc.transient:
             raise kopf.TemporaryError(f"applying children: {exc}", delay=5)
-        # Rejected by the API server (e.g. a webhook or quota): report, don't loop.
+        # Rejected by the API server (e.g. a webhook or quota): report it, retry slowly (no hot loop).
         await _mark_invalid(memo, md, [f"the API server rejected a child: {exc.message}"], "ApplyFailed")
-        return
+        raise kopf.TemporaryError(f"child rejected: {exc}", delay=memo.config.rejected_retry_delay)
     await refresh_status(memo, md, spec, observed=True)
     logger.info(f"reconciled {len(children)} children")
 
@@ -181,6 +199,11 @@ async def refresh_status(memo: Memo, md: dict[str, Any], spec: dict[str, Any], *
             router=st.deployment_summary(router) if spec["router"]["replicas"] > 0 else None,
             redis=st.deployment_summary(redis) if spec["redis"]["mode"] == "managed" else None),
     }
+    sticky = [c for c in old.get("conditions") or [] if c.get("type") == "Ready"
+              and c.get("reason") in ("ApplyFailed", "InvalidSpec")
+              and c.get("observedGeneration") == meta.get("generation")]
+    if sticky and not observed:
+        del patch["conditions"]   # only a successful reconcile of this generation clears these
     if "autoscaling" not in spec or "desiredReplicas" not in old:
         # The autoscaler owns desiredReplicas once it exists (only tick() writes it then).
         patch["desiredReplicas"] = render.engine_replicas(spec, old)
@@ -282,21 +305,26 @@ async def tick(memo: Memo, namespace: str, name: str, logger: Any) -> float:
     return float(spec["autoscaling"]["intervalSeconds"])
 
 
-@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry, cancellation_timeout=5.0,
-             initial_delay=0.2)
+@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry, cancellation_timeout=5.0)
 async def autoscaler_daemon(stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo, logger: Any,
                             **_: Any) -> None:
     """One loop per ModelDeployment: status refresh and autoscaling."""
     namespace, name = meta["namespace"], meta["name"]
     delay = 1.0
-    while not stopped:
+    while not stopped and not memo.stopping:
         try:
             interval = await tick(memo, namespace, name, logger)
             delay = 1.0
-        except (ApiError, OSError, asyncio.TimeoutError) as exc:
+        except Exception as exc:
+            if memo.stopping:
+                break   # the operator is shutting down under a late-spawned daemon
+            if not isinstance(exc, (ApiError, OSError, asyncio.TimeoutError)):
+                raise
             logger.warning(f"autoscaler tick failed, retrying in {delay:.0f}s: {exc}")
             interval, delay = delay, min(delay * 2, 30.0)
-        await stopped.wait(interval)
+        deadline = asyncio.get_running_loop().time() + interval
+        while not stopped and not memo.stopping and asyncio.get_running_loop().time() < deadline:
+            await stopped.wait(min(0.25, deadline - asyncio.get_running_loop().time()))
     uid = meta.get("uid")
     memo.scalers.pop(uid, None)
     memo.last_actions.pop(uid, None)

@@ -96,7 +96,7 @@ class OperatorRunner:
 
         config = OperatorConfig(connection=Connection(server=str(self.k8s.url).rstrip("/")),
                                 status_interval=0.2, managed_redis_url=self.redis_url, clock=self.clock,
-                                api_retries=3)
+                                api_retries=3, rejected_retry_delay=1.0)
         self.stop_flag, ready = threading.Event(), threading.Event()
 
         def main() -> None:
@@ -112,6 +112,9 @@ class OperatorRunner:
 
     async def stop(self) -> None:
         if self.thread is not None:
+            # Let in-flight handlers finish first: kopf may otherwise spawn a daemon for an event
+            # it is still processing after its daemon killer has stopped, and wait 5 s for it.
+            await asyncio.sleep(0.3)
             self.stop_flag.set()
             await asyncio.get_running_loop().run_in_executor(None, self.thread.join, 20)
             assert not self.thread.is_alive(), "the operator did not stop"

@@ -137,3 +137,12 @@ def test_invariants(seq, start):
 def test_recommendation_table(kv, ready, expected):
     d = decide(POLICY, Observation(0, ready, ready, kv))
     assert d.recommendation == expected
+
+
+def test_importable_without_kopf_or_redis():
+    """`kvmesh up` imports the decision function; it must not pull in the operator runtime."""
+    import subprocess
+    import sys
+    code = ("import sys; import kvmesh.operator.autoscaler as a; a.decide; "
+            "assert not {'kopf', 'redis', 'aiohttp', 'torch'} & set(sys.modules), sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)

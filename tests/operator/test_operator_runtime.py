@@ -153,6 +153,7 @@ async def test_transient_api_errors_are_retried(k8s, operator):
     await eventually(lambda: k8s.fetch_object(SERVICES, "ns", "demo-redis"), timeout=15)
     assert k8s.fetch_object(DEPLOYMENTS, "ns", "demo-router") is not None
     assert all(f.times == 0 for f in k8s.faults)
+    await eventually(lambda: k8s.fetch_object(MD, "ns", "demo")["status"].get("observedGeneration") == 1)
 
 
 async def test_restart_changes_nothing(k8s, operator, redis_url):
@@ -294,3 +295,18 @@ async def test_operator_uses_exactly_its_rbac(k8s, operator):
                for v in rule["verbs"]}
     unused = granted - used_permissions(k8s)
     assert unused <= {("networking.k8s.io", "networkpolicies", "delete")}, unused  # prune-only, never pruned
+
+
+async def test_rejected_child_reports_apply_failed_then_recovers(k8s, operator):
+    k8s.inject_fault("PATCH", r"/networkpolicies/demo-engine$", status=422, times=1)   # e.g. a webhook
+    await k8s.put_object(MD, md_body(replicas=1))
+    md = await eventually(lambda: (m := k8s.fetch_object(MD, "ns", "demo"))
+                          and cond(m, "Ready")["reason"] == "ApplyFailed" and m)
+    ready = cond(md, "Ready")
+    assert ready["status"] == "False" and cond(md, "Degraded")["status"] == "True"
+    await asyncio.sleep(0.4)   # status refreshes by the daemon keep it until a reconcile succeeds
+    assert cond(k8s.fetch_object(MD, "ns", "demo"), "Ready")["reason"] == "ApplyFailed"
+    assert "rejected" in ready["message"]
+    # Retried after the (test-short) delay: everything appears and the condition clears.
+    await eventually(lambda: k8s.fetch_object(NETPOLS, "ns", "demo-engine"), timeout=10)
+    await eventually(lambda: cond(k8s.fetch_object(MD, "ns", "demo"), "Ready")["reason"] != "ApplyFailed")
