@@ -1,0 +1,97 @@
+"""Install manifests as data: least-privilege RBAC, the operator Deployment, an example.
+
+``python -m kvmesh.operator.generate`` writes them (and the CRD) into ``manifests/``
+and the Helm chart; tests check the files are up to date and valid.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.operator import crd
+from kvmesh.operator.render import VERSION
+
+NAMESPACE = "kvmesh-system"
+NAME = "kvmesh-operator"
+OPERATOR_IMAGE = f"ghcr.io/kvmesh/operator:{VERSION}"
+LIVENESS_PORT = 8080
+
+# Exactly what the operator calls (kvmesh/operator/apply.py, handlers.py, and kopf itself):
+# - modeldeployments: kopf lists/watches, patches annotations & finalizers; we GET fresh copies.
+# - status: kopf and refresh_status() merge-patch it.
+# - children: server-side apply = PATCH, plus CREATE when the object is new; GET for status;
+#   LIST + DELETE to prune children no longer rendered; secrets GET for an external Redis URL.
+# - events: kopf posts core/v1 Events (create).
+# tests/operator/test_operator_runtime.py checks that the operator uses all of these and no more.
+# Not needed: namespaces and CRDs (kopf scanning is disabled), peering (standalone).
+RBAC_RULES: list[dict[str, Any]] = [
+    {"apiGroups": [crd.GROUP], "resources": [crd.PLURAL], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": [crd.GROUP], "resources": [f"{crd.PLURAL}/status"], "verbs": ["patch"]},
+    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "create", "patch", "delete"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+     "verbs": ["list", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+]
+
+_LABELS = {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/component": "operator"}
+
+
+def rbac(namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": NAME, "namespace": namespace,
+                                                                   "labels": _LABELS}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": NAME, "labels": _LABELS}, "rules": RBAC_RULES},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": NAME, "labels": _LABELS},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": NAME},
+         "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": namespace}]},
+    ]
+
+
+def operator_deployment(namespace: str = NAMESPACE, image: str = OPERATOR_IMAGE) -> list[dict[str, Any]]:
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace, "labels": {
+            "pod-security.kubernetes.io/enforce": "restricted"}}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": NAME, "namespace": namespace,
+                                                                    "labels": _LABELS},
+         "spec": {
+             "replicas": 1,
+             "strategy": {"type": "Recreate"},   # one operator at a time (kopf runs standalone)
+             "selector": {"matchLabels": _LABELS},
+             "template": {"metadata": {"labels": _LABELS}, "spec": {
+                 "serviceAccountName": NAME,
+                 "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                                     "seccompProfile": {"type": "RuntimeDefault"}},
+                 "containers": [{
+                     "name": "operator", "image": image, "imagePullPolicy": "IfNotPresent",
+                     "command": ["kvmesh", "operator", "--liveness-port", str(LIVENESS_PORT)],
+                     "ports": [{"name": "health", "containerPort": LIVENESS_PORT, "protocol": "TCP"}],
+                     "livenessProbe": {"httpGet": {"path": "/healthz", "port": "health"},
+                                       "initialDelaySeconds": 10, "periodSeconds": 15},
+                     "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+                     "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                         "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+                 }],
+             }},
+         }},
+    ]
+
+
+def example_modeldeployment() -> dict[str, Any]:
+    return {
+        "apiVersion": crd.API_VERSION, "kind": crd.KIND,
+        "metadata": {"name": "smollm2", "namespace": "default"},
+        "spec": {
+            "model": {"builtin": crd.DEFAULT_MODEL},
+            "engine": {"resources": {"requests": {"cpu": "2", "memory": "4Gi"},
+                                     "limits": {"memory": "8Gi", "nvidia.com/gpu": 1}}},
+            "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "targetKVUtilization": 0.7,
+                            "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 300,
+                            "maxScaleDownStep": 1},
+            "router": {"replicas": 2, "policy": "prefix"},
+            "redis": {"mode": "managed"},
+        },
+    }

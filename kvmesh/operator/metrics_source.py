@@ -1,0 +1,106 @@
+"""KV utilisation of ready replicas, from the sidecars' Redis heartbeats.
+
+Key layout (contract 3; the shared module kvmesh/common/redis_layout.py will own
+these names, kept here verbatim until it lands):
+
+* ``kvmesh:v1:{model}:pods``             set of pod names
+* ``kvmesh:v1:{model}:pod:{pod_name}``   heartbeat hash (TTL ~10 s): url, model, kv_usage,
+  running, waiting, total_blocks, state (ready|draining), ts (unix seconds)
+* ``kvmesh:v1:{model}:blocks:{pod_name}`` block-key set (not read here)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFIX = "kvmesh:v1:"
+HEARTBEAT_STALE_SECONDS = 10.0
+
+
+def pods_key(model: str) -> str:
+    return f"{PREFIX}{model}:pods"
+
+
+def heartbeat_key(model: str, pod_name: str) -> str:
+    return f"{PREFIX}{model}:pod:{pod_name}"
+
+
+def blocks_key(model: str, pod_name: str) -> str:
+    return f"{PREFIX}{model}:blocks:{pod_name}"
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    pod: str
+    url: str
+    kv_usage: float
+    running: int
+    waiting: int
+    total_blocks: int
+    state: str
+    ts: float
+
+    @classmethod
+    def parse(cls, pod: str, h: dict[str, str]) -> "Heartbeat":
+        return cls(pod=pod, url=h.get("url", ""), kv_usage=min(1.0, max(0.0, float(h.get("kv_usage", 0.0)))),
+                   running=int(float(h.get("running", 0))), waiting=int(float(h.get("waiting", 0))),
+                   total_blocks=int(float(h.get("total_blocks", 0))), state=h.get("state", ""),
+                   ts=float(h.get("ts", 0.0)))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    ready: list[Heartbeat] = field(default_factory=list)
+    draining: list[Heartbeat] = field(default_factory=list)
+
+    @property
+    def kv_utilization(self) -> float | None:
+        """Mean KV utilisation of the ready replicas; None when there is none."""
+        if not self.ready:
+            return None
+        return sum(h.kv_usage for h in self.ready) / len(self.ready)
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+class RedisHeartbeats:
+    """Reads the live heartbeats of one model's pods (optionally only pods whose
+    names start with ``pod_prefix``, e.g. ``<md>-engine-``, when a Redis is shared)."""
+
+    def __init__(self, url: str, *, stale_after: float = HEARTBEAT_STALE_SECONDS, clock=time.time) -> None:
+        import redis.asyncio as aioredis  # the operator imports without Redis until it needs it
+
+        self.url = url
+        self.stale_after = stale_after
+        self.clock = clock
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def snapshot(self, model: str, pod_prefix: str = "") -> Snapshot:
+        pods = sorted(_s(p) for p in await self._redis.smembers(pods_key(model)))
+        pods = [p for p in pods if p.startswith(pod_prefix)]
+        if not pods:
+            return Snapshot()
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for pod in pods:
+                pipe.hgetall(heartbeat_key(model, pod))
+            hashes = await pipe.execute()
+        now = self.clock()
+        ready, draining = [], []
+        for pod, raw in zip(pods, hashes):
+            if not raw:
+                continue  # expired: the pod is gone or hung
+            try:
+                hb = Heartbeat.parse(pod, {_s(k): _s(v) for k, v in raw.items()})
+            except ValueError:
+                continue
+            if now - hb.ts > self.stale_after:
+                continue
+            (ready if hb.state == "ready" else draining).append(hb)
+        return Snapshot(ready=ready, draining=draining)

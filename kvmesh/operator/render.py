@@ -1,0 +1,406 @@
+"""Spec -> children, as plain data. A pure function: no I/O, no clock, no randomness.
+
+:func:`render_children` returns every object the operator owns for one
+ModelDeployment, each with an owner reference to it (so deleting the resource
+deletes everything). The pods call exactly the flags of docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.operator import crd
+from kvmesh.operator.spec import GPU, served_model_name
+
+VERSION = "0.1.0"
+FIELD_MANAGER = "kvmesh-operator"
+LABEL_MD = "kvmesh.io/model-deployment"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_SCRAPER = "kvmesh.io/metrics-scraper"
+ENGINE, ROUTER, REDIS = "engine", "router", "redis"
+MODELS_DIR = "/models"
+PRESTOP_SLEEP_SECONDS = 5   # let heartbeats/endpoints drop the pod before SIGTERM
+KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5558
+RUN_AS_USER = 10001
+
+
+@dataclass(frozen=True)
+class Images:
+    """Default images (overridable per ModelDeployment and by `kvmesh operator` flags)."""
+    engine: str = f"ghcr.io/kvmesh/engine:{VERSION}"
+    router: str = f"ghcr.io/kvmesh/router:{VERSION}"      # also runs `kvmesh sidecar`
+    redis: str = "redis:7.4-alpine"
+
+
+def names(md_name: str) -> dict[str, str]:
+    """Child object names."""
+    return {ENGINE: f"{md_name}-engine", ROUTER: f"{md_name}-router", REDIS: f"{md_name}-redis",
+            "redis-secret": f"{md_name}-redis-url", "netpol": f"{md_name}-engine"}
+
+
+def labels(md_name: str, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/instance": md_name,
+            LABEL_COMPONENT: component, "app.kubernetes.io/managed-by": FIELD_MANAGER,
+            LABEL_MD: md_name}
+
+
+def selector(md_name: str, component: str) -> dict[str, str]:
+    return {LABEL_MD: md_name, LABEL_COMPONENT: component}
+
+
+def selector_string(md_name: str, component: str = ENGINE) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector(md_name, component).items()))
+
+
+def router_endpoint(md_name: str, namespace: str) -> str:
+    return f"http://{names(md_name)[ROUTER]}.{namespace}.svc:{crd.ROUTER_PORT}"
+
+
+def managed_redis_url(md_name: str, namespace: str) -> str:
+    return f"redis://{names(md_name)[REDIS]}.{namespace}.svc:{crd.REDIS_PORT}/0"
+
+
+def redis_secret_ref(md_name: str, spec: dict[str, Any]) -> tuple[str, str]:
+    """(Secret name, key) holding the Redis URL the pods use."""
+    redis = spec.get("redis") or {}
+    if redis.get("mode") == "external" and "secretRef" in redis and "url" not in redis:
+        return redis["secretRef"]["name"], redis["secretRef"].get("key", "url")
+    return names(md_name)["redis-secret"], "url"
+
+
+def engine_replicas(spec: dict[str, Any], status: dict[str, Any] | None) -> int:
+    """Replicas of the engine Deployment: spec.replicas, or the autoscaler's last
+    decision (status.desiredReplicas) kept within [min, max]."""
+    if "autoscaling" not in spec:
+        return int(spec.get("replicas", 1))
+    auto = spec["autoscaling"]
+    lo, hi = int(auto.get("minReplicas", 1)), int(auto["maxReplicas"])
+    desired = (status or {}).get("desiredReplicas")
+    return max(lo, min(hi, int(desired))) if desired is not None else lo
+
+
+def _meta(md: dict[str, Any], name: str, component: str) -> dict[str, Any]:
+    m = md["metadata"]
+    return {
+        "name": name, "namespace": m["namespace"], "labels": labels(m["name"], component),
+        "ownerReferences": [{"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": m["name"],
+                             "uid": m["uid"], "controller": True, "blockOwnerDeletion": True}],
+    }
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _pod_security(user: int = RUN_AS_USER) -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": user, "runAsGroup": user, "fsGroup": user,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _resources(res: dict[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in ("requests", "limits"):
+        if (res or {}).get(kind):
+            out[kind] = {k: v for k, v in sorted(res[kind].items())}
+    # Extended resources (GPUs) must be in limits; requests default to limits.
+    if GPU in out.get("requests", {}) and GPU not in out.get("limits", {}):
+        out.setdefault("limits", {})[GPU] = out["requests"][GPU]
+    return out
+
+
+def _model_arg(spec: dict[str, Any]) -> str:
+    model = spec["model"]
+    if "builtin" in model:
+        return model["builtin"]
+    if "huggingFace" in model:
+        return f"{MODELS_DIR}/model"
+    path = (model["pvc"].get("path") or "").strip("/")
+    return posixpath.join(MODELS_DIR, path) if path else MODELS_DIR
+
+
+def engine_args(spec: dict[str, Any]) -> list[str]:
+    """The `kvmesh serve` command line of the engine container."""
+    eng = spec["engine"]
+    args = ["kvmesh", "serve", "--model", _model_arg(spec), "--served-model-name", served_model_name(spec),
+            "--host", "0.0.0.0", "--port", str(crd.ENGINE_PORT),
+            "--block-size", str(eng["blockSize"]),
+            "--max-num-batched-tokens", str(eng["maxNumBatchedTokens"]),
+            "--max-num-seqs", str(eng["maxNumSeqs"]),
+            "--enable-prefix-caching" if eng["enablePrefixCaching"] else "--no-enable-prefix-caching",
+            "--enable-chunked-prefill" if eng["enableChunkedPrefill"] else "--no-enable-chunked-prefill",
+            "--dtype", eng["dtype"],
+            "--kv-events-endpoint", f"tcp://127.0.0.1:{KV_EVENTS_PORT}",   # in-pod only
+            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{KV_REPLAY_PORT}",
+            "--drain-timeout", str(eng["drainTimeoutSeconds"])]
+    if eng.get("maxModelLen"):
+        args += ["--max-model-len", str(eng["maxModelLen"])]
+    if eng.get("kvCacheMemory"):
+        args += ["--kv-cache-memory", eng["kvCacheMemory"]]
+    return args + list(eng.get("extraArgs") or [])
+
+
+def sidecar_args(spec: dict[str, Any]) -> list[str]:
+    """The `kvmesh sidecar` command line (Redis URL, pod name and URL come from env)."""
+    return ["kvmesh", "sidecar", "--engine-url", f"http://127.0.0.1:{crd.ENGINE_PORT}",
+            "--kv-events-endpoint", f"tcp://127.0.0.1:{KV_EVENTS_PORT}",
+            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{KV_REPLAY_PORT}",
+            "--model", served_model_name(spec), "--block-size", str(spec["engine"]["blockSize"]),
+            "--heartbeat-interval", _num(spec["engine"]["heartbeatIntervalSeconds"])]
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def router_args(spec: dict[str, Any]) -> list[str]:
+    """The `kvmesh router` command line (Redis URL from env)."""
+    router = spec["router"]
+    w = router["weights"]
+    args = ["kvmesh", "router", "--model", served_model_name(spec), "--host", "0.0.0.0",
+            "--port", str(crd.ROUTER_PORT), "--policy", router["policy"],
+            "--weights", f"prefix={_num(w['prefix'])},kv={_num(w['kv'])},queue={_num(w['queue'])}",
+            "--block-size", str(spec["engine"]["blockSize"])]
+    model = spec["model"]
+    if "huggingFace" in model:
+        args += ["--tokenizer", model["huggingFace"]["repoId"]]
+    elif "pvc" in model:
+        args += ["--tokenizer", _model_arg(spec)]
+    if router.get("apiKeySecretRef"):
+        args += ["--api-keys-file", "/etc/kvmesh/api-keys/keys"]
+    return args
+
+
+def _redis_env(md_name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    secret, key = redis_secret_ref(md_name, spec)
+    return {"name": "KVMESH_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def _model_volumes(spec: dict[str, Any]) -> tuple[list[dict], list[dict]]:
+    """(volumes, engine volumeMounts) for the model source."""
+    model = spec["model"]
+    if "huggingFace" in model:
+        return ([{"name": "models", "emptyDir": {"sizeLimit": model["huggingFace"]["cacheSize"]}}],
+                [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}])
+    if "pvc" in model:
+        return ([{"name": "models", "persistentVolumeClaim": {"claimName": model["pvc"]["claimName"],
+                                                              "readOnly": True}}],
+                [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}])
+    return [], []
+
+
+def _download_init_container(spec: dict[str, Any], image: str, pull: str) -> dict[str, Any]:
+    hf = spec["model"]["huggingFace"]
+    script = ("from huggingface_hub import snapshot_download; "
+              f"snapshot_download(repo_id={hf['repoId']!r}, revision={hf['revision']!r}, "
+              f"local_dir={MODELS_DIR + '/model'!r})")
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": "/tmp/hf"}, {"name": "HOME", "value": "/tmp"}]
+    if hf.get("tokenSecretRef"):
+        ref = hf["tokenSecretRef"]
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref["name"],
+                                                                         "key": ref.get("key", "HF_TOKEN")}}})
+    return {"name": "fetch-model", "image": image, "imagePullPolicy": pull,
+            "command": ["python", "-c", script], "env": env,
+            "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
+            "securityContext": _container_security()}
+
+
+def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: Images) -> dict[str, Any]:
+    name = md["metadata"]["name"]
+    eng = spec["engine"]
+    image = eng.get("image") or images.engine
+    sidecar_image = spec["router"].get("image") or images.router
+    pull = eng["imagePullPolicy"]
+    model_vols, model_mounts = _model_volumes(spec)
+    common_mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    grace = int(eng["terminationGracePeriodSeconds"])
+    engine = {
+        "name": "engine", "image": image, "imagePullPolicy": pull, "command": engine_args(spec),
+        "ports": [{"name": "http", "containerPort": crd.ENGINE_PORT, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}],
+        "resources": _resources(eng.get("resources")),
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+                         "failureThreshold": 120},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2,
+                           "failureThreshold": 2},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 3},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "volumeMounts": common_mounts + [{"name": "dshm", "mountPath": "/dev/shm"}] + model_mounts,
+        "securityContext": _container_security(),
+    }
+    sidecar = {
+        "name": "sidecar", "image": sidecar_image, "imagePullPolicy": pull, "command": sidecar_args(spec),
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "KVMESH_POD_URL", "value": f"http://$(POD_IP):{crd.ENGINE_PORT}"},
+            _redis_env(name, spec),
+            {"name": "HOME", "value": "/tmp"},
+        ],
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp", "subPath": "sidecar"}],
+        "securityContext": _container_security(),
+    }
+    pod_spec: dict[str, Any] = {
+        "terminationGracePeriodSeconds": grace,
+        "securityContext": _pod_security(),
+        "automountServiceAccountToken": False,
+        "containers": [engine, sidecar],
+        "volumes": [{"name": "tmp", "emptyDir": {}},
+                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": eng["shmSize"]}}] + model_vols,
+    }
+    if "huggingFace" in spec["model"]:
+        pod_spec["initContainers"] = [_download_init_container(spec, image, pull)]
+    if eng.get("nodeSelector"):
+        pod_spec["nodeSelector"] = dict(eng["nodeSelector"])
+    if eng.get("tolerations"):
+        pod_spec["tolerations"] = list(eng["tolerations"])
+    if GPU in (_resources(eng.get("resources")).get("limits") or {}):
+        pod_spec.setdefault("tolerations", []).append(
+            {"key": GPU, "operator": "Exists", "effect": "NoSchedule"})
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(md, names(name)[ENGINE], ENGINE),
+        "spec": {
+            "replicas": engine_replicas(spec, md.get("status")),
+            "selector": {"matchLabels": selector(name, ENGINE)},
+            # Surge one pod at a time; never take serving capacity away during a rollout.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": labels(name, ENGINE),
+                                      "annotations": {"kvmesh.io/model": served_model_name(spec)}},
+                         "spec": pod_spec},
+        },
+    }
+
+
+def render_engine_service(md: dict[str, Any]) -> dict[str, Any]:
+    name = md["metadata"]["name"]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(md, names(name)[ENGINE], ENGINE),
+            "spec": {"clusterIP": "None", "selector": selector(name, ENGINE), "publishNotReadyAddresses": False,
+                     "ports": [{"name": "http", "port": crd.ENGINE_PORT, "targetPort": "http",
+                                "protocol": "TCP"}]}}
+
+
+def render_router_deployment(md: dict[str, Any], spec: dict[str, Any], images: Images) -> dict[str, Any]:
+    name = md["metadata"]["name"]
+    router = spec["router"]
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
+    if router.get("apiKeySecretRef"):
+        ref = router["apiKeySecretRef"]
+        volumes.append({"name": "api-keys", "secret": {"secretName": ref["name"], "items": [
+            {"key": ref.get("key", "api-keys"), "path": "keys"}]}})
+        mounts.append({"name": "api-keys", "mountPath": "/etc/kvmesh/api-keys", "readOnly": True})
+    if "pvc" in spec["model"]:
+        vols, model_mounts = _model_volumes(spec)
+        volumes += vols
+        mounts += model_mounts
+    container = {
+        "name": "router", "image": router.get("image") or images.router,
+        "imagePullPolicy": spec["engine"]["imagePullPolicy"], "command": router_args(spec),
+        "ports": [{"name": "http", "containerPort": crd.ROUTER_PORT, "protocol": "TCP"}],
+        "env": [_redis_env(name, spec), {"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}],
+        "resources": _resources(router.get("resources")) or {"requests": {"cpu": "250m", "memory": "512Mi"},
+                                                             "limits": {"memory": "2Gi"}},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
+        "volumeMounts": mounts, "securityContext": _container_security(),
+    }
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(md, names(name)[ROUTER], ROUTER),
+        "spec": {"replicas": int(router["replicas"]), "selector": {"matchLabels": selector(name, ROUTER)},
+                 "template": {"metadata": {"labels": labels(name, ROUTER)},
+                              "spec": {"securityContext": _pod_security(), "automountServiceAccountToken": False,
+                                       "containers": [container], "volumes": volumes}}},
+    }
+
+
+def render_router_service(md: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    name = md["metadata"]["name"]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(md, names(name)[ROUTER], ROUTER),
+            "spec": {"type": spec["router"]["serviceType"], "selector": selector(name, ROUTER),
+                     "ports": [{"name": "http", "port": crd.ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def render_redis(md: dict[str, Any], spec: dict[str, Any], images: Images) -> list[dict[str, Any]]:
+    name = md["metadata"]["name"]
+    n = names(name)[REDIS]
+    container = {
+        "name": "redis", "image": spec["redis"].get("image") or images.redis, "imagePullPolicy": "IfNotPresent",
+        "args": ["--save", "", "--appendonly", "no", "--port", str(crd.REDIS_PORT)],
+        "ports": [{"name": "redis", "containerPort": crd.REDIS_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10},
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "securityContext": _container_security(),
+    }
+    return [
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(md, n, REDIS),
+         "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": selector(name, REDIS)},
+                  "template": {"metadata": {"labels": labels(name, REDIS)},
+                               "spec": {"securityContext": _pod_security(999), "automountServiceAccountToken": False,
+                                        "containers": [container], "volumes": [{"name": "data", "emptyDir": {}}]}}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": _meta(md, n, REDIS),
+         "spec": {"selector": selector(name, REDIS),
+                  "ports": [{"name": "redis", "port": crd.REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}]}},
+    ]
+
+
+def render_redis_secret(md: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The Secret with the Redis URL, unless the user supplies their own."""
+    name, ns = md["metadata"]["name"], md["metadata"]["namespace"]
+    redis = spec["redis"]
+    if redis["mode"] == "managed":
+        url = managed_redis_url(name, ns)
+    elif "url" in redis:
+        url = redis["url"]
+    else:
+        return None
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(md, names(name)["redis-secret"], "redis"),
+            "type": "Opaque", "stringData": {"url": url}}
+
+
+def render_network_policy(md: dict[str, Any]) -> dict[str, Any]:
+    """Only this deployment's routers (and pods labelled as metrics scrapers, in any
+    namespace labelled the same) reach the engines."""
+    name = md["metadata"]["name"]
+    scraper = {LABEL_SCRAPER: "true"}
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(md, names(name)["netpol"], ENGINE),
+        "spec": {
+            "podSelector": {"matchLabels": selector(name, ENGINE)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": selector(name, ROUTER)}}],
+                 "ports": [{"protocol": "TCP", "port": crd.ENGINE_PORT}]},
+                {"from": [{"podSelector": {"matchLabels": scraper}},
+                          {"namespaceSelector": {"matchLabels": scraper}}],
+                 "ports": [{"protocol": "TCP", "port": crd.ENGINE_PORT}]},
+            ],
+        },
+    }
+
+
+def render_children(md: dict[str, Any], spec: dict[str, Any], images: Images = Images()) -> list[dict[str, Any]]:
+    """Every child of a ModelDeployment ``md`` (its metadata, and status for the
+    autoscaler's replica count) with the defaulted, validated ``spec``."""
+    children = [render_engine_deployment(md, spec, images), render_engine_service(md),
+                render_router_deployment(md, spec, images), render_router_service(md, spec),
+                render_network_policy(md)]
+    secret = render_redis_secret(md, spec)
+    if secret is not None:
+        children.append(secret)
+    if spec["redis"]["mode"] == "managed":
+        children += render_redis(md, spec, images)
+    return children
+
+
+def command_line(args: list[str]) -> str:
+    """For docs and logs."""
+    return shlex.join(args)

@@ -1,0 +1,110 @@
+"""Defaulting and validation of a ModelDeployment spec, from the schema in crd.py.
+
+The API server applies the CRD's defaults and CEL rules at admission. The operator
+does the same again (the same schema data, the same rules mirrored in Python) and
+adds checks the schema cannot express, so a spec that slipped through (an API
+server without CEL, a resource created before a schema change) gets a clear
+``Ready=False`` condition and no crash loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import posixpath
+from typing import Any
+
+import jsonschema
+
+from kvmesh.operator import crd
+
+# Kubernetes object names of children are "<name>-<suffix>"; the longest suffix
+# is "-engine" / "-router" / "-redis-url" (9); Service names must be DNS-1035 labels (63).
+MAX_NAME_LENGTH = 63 - len("-redis-url")
+GPU = "nvidia.com/gpu"
+
+
+def apply_defaults(spec: dict[str, Any], schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of ``spec`` with the schema's defaults filled in, as the API server does
+    (a default applies where the field is absent and its parent object exists)."""
+    schema = crd.SPEC_SCHEMA if schema is None else schema
+    return _default(copy.deepcopy(spec), schema)
+
+
+def _default(value: Any, schema: dict[str, Any]) -> Any:
+    if isinstance(value, dict) and "properties" in schema:
+        for key, sub in schema["properties"].items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = _default(value[key], sub)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_default(v, schema["items"]) for v in value]
+    return value
+
+
+def _schema_errors(spec: dict[str, Any]) -> list[str]:
+    validator = jsonschema.Draft4Validator(crd.SPEC_SCHEMA)  # draft 4: boolean exclusiveMinimum, like OpenAPI v3
+    errors = []
+    for err in sorted(validator.iter_errors(spec), key=lambda e: list(e.absolute_path)):
+        path = ".".join(str(p) for p in err.absolute_path)
+        errors.append(f"spec{'.' + path if path else ''}: {err.message}")
+    return errors
+
+
+def _rule_errors(spec: dict[str, Any]) -> list[str]:
+    """The CEL rules of crd.py, mirrored in Python (tests check both agree)."""
+    errors = []
+    if "replicas" in spec and "autoscaling" in spec:
+        errors.append(crd.SPEC_RULES[0]["message"])
+    model = spec.get("model") or {}
+    if sum(k in model for k in ("builtin", "huggingFace", "pvc")) != 1:
+        errors.append(crd.MODEL_RULES[0]["message"])
+    engine = spec.get("engine") or {}
+    if engine.get("drainTimeoutSeconds", 0) >= engine.get("terminationGracePeriodSeconds", 1):
+        errors.append(crd.ENGINE_RULES[0]["message"])
+    auto = spec.get("autoscaling")
+    if auto is not None and auto.get("minReplicas", 1) > auto.get("maxReplicas", 1):
+        errors.append(crd.AUTOSCALING_RULES[0]["message"])
+    redis = spec.get("redis") or {}
+    if redis.get("mode") == "external" and "url" not in redis and "secretRef" not in redis:
+        errors.append(crd.REDIS_RULES[0]["message"])
+    return errors
+
+
+def _semantic_errors(name: str, spec: dict[str, Any]) -> list[str]:
+    """What passes the schema but cannot work."""
+    errors = []
+    if len(name) > MAX_NAME_LENGTH:
+        errors.append(f"metadata.name is {len(name)} characters; at most {MAX_NAME_LENGTH} leave room "
+                      "for the child object names")
+    resources = (spec.get("engine") or {}).get("resources") or {}
+    req, lim = resources.get("requests") or {}, resources.get("limits") or {}
+    if GPU in req and str(req[GPU]) != str(lim.get(GPU, req[GPU])):
+        errors.append(f"engine.resources: {GPU} requests must equal limits (extended resources cannot overcommit)")
+    pvc = (spec.get("model") or {}).get("pvc") or {}
+    if ".." in posixpath.normpath(pvc.get("path", "") or ".").split("/"):
+        errors.append("model.pvc.path must stay inside the volume (no '..')")
+    return errors
+
+
+def validate(name: str, spec: dict[str, Any]) -> list[str]:
+    """All problems with a (defaulted) spec; empty when it can be deployed."""
+    errors = _schema_errors(spec)
+    errors += _rule_errors(spec)
+    errors += _semantic_errors(name, spec)
+    return errors
+
+
+def served_model_name(spec: dict[str, Any]) -> str:
+    """The name clients ask for; also the block-key model identity."""
+    model = spec.get("model") or {}
+    if model.get("servedModelName"):
+        return model["servedModelName"]
+    if "builtin" in model:
+        return model["builtin"]
+    if "huggingFace" in model:
+        return model["huggingFace"]["repoId"]
+    if "pvc" in model:
+        path = (model["pvc"].get("path") or "").strip("/")
+        return posixpath.basename(path) or model["pvc"]["claimName"]
+    return crd.DEFAULT_MODEL

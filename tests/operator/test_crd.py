@@ -1,0 +1,179 @@
+"""The CRD: one schema, valid for Kubernetes, generated files up to date, CEL rules
+evaluated by a real CEL interpreter and mirrored by the operator's own validation."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import celpy
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvmesh.operator import crd, generate, manifests, spec as specs
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S_VERSION = "1.37.0"
+
+
+def strip_x(schema):
+    """OpenAPI v3 (Kubernetes flavour) -> JSON Schema draft 4 (ignore x-kubernetes-*)."""
+    if isinstance(schema, dict):
+        return {k: strip_x(v) for k, v in schema.items() if not k.startswith("x-kubernetes-")}
+    if isinstance(schema, list):
+        return [strip_x(v) for v in schema]
+    return schema
+
+
+def validate_instance(obj):
+    jsonschema.Draft4Validator(strip_x(crd.openapi_schema())).validate(obj)
+
+
+def cel_errors(spec):
+    """Evaluate every x-kubernetes-validations rule of the schema where its node exists."""
+    env = celpy.Environment()
+    errors = []
+
+    def walk(schema, value):
+        for rule in schema.get("x-kubernetes-validations", []):
+            prog = env.program(env.compile(rule["rule"]))
+            if not bool(prog.evaluate({"self": celpy.json_to_cel(value)})):
+                errors.append(rule["message"])
+        if isinstance(value, dict):
+            for key, sub in (schema.get("properties") or {}).items():
+                if key in value:
+                    walk(sub, value[key])
+    walk(crd.SPEC_SCHEMA, spec)
+    return errors
+
+
+def test_crd_is_a_valid_kubernetes_object():
+    kubernetes_validate.validate(crd.crd_manifest(), K8S_VERSION, strict=True)
+
+
+def test_crd_shape():
+    version = crd.crd_manifest()["spec"]["versions"][0]
+    assert crd.crd_manifest()["spec"]["names"]["shortNames"] == ["md"]
+    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                                "statusReplicasPath": ".status.replicas",
+                                                "labelSelectorPath": ".status.selector"}
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Model", "Ready", "Replicas", "KV%", "Age"]
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    for field in ("observedGeneration", "conditions", "replicas", "readyReplicas", "selector", "kvUtilization",
+                  "routerEndpoint", "lastScaleTime", "lastDecision"):
+        assert field in status
+
+
+def test_generated_files_are_up_to_date():
+    stale = [p for p, text in generate.outputs(ROOT).items() if not p.exists() or p.read_text() != text]
+    assert not stale, "run: python -m kvmesh.operator.generate"
+    assert generate.main(["--root", str(ROOT), "--check"]) == 0
+    assert yaml.safe_load((ROOT / "manifests/crd.yaml").read_text()) == crd.crd_manifest()
+    assert (ROOT / "manifests/crd.yaml").read_text() == \
+        (ROOT / "charts/kvmesh/crds/modeldeployments.kvmesh.io.yaml").read_text()
+
+
+def test_engine_defaults_match_kvmesh_serve():
+    d = specs.apply_defaults({"model": {"builtin": "x"}})
+    assert d["engine"]["blockSize"] == 16
+    assert d["engine"]["maxNumBatchedTokens"] == 2048 and d["engine"]["maxNumSeqs"] == 128
+    assert d["engine"]["enablePrefixCaching"] is True and d["engine"]["enableChunkedPrefill"] is True
+    assert d["engine"]["dtype"] == "auto" and d["engine"]["drainTimeoutSeconds"] == 30
+    assert d["router"] == {"replicas": 1, "policy": "prefix", "weights": {"prefix": 1.0, "kv": 0.5, "queue": 0.5},
+                           "serviceType": "ClusterIP"}
+    assert d["redis"] == {"mode": "managed"}
+    a = specs.apply_defaults({"model": {"builtin": "x"}, "autoscaling": {"maxReplicas": 3}})["autoscaling"]
+    assert a["minReplicas"] == 1 and a["targetKVUtilization"] == 0.7 and a["maxScaleDownStep"] == 1
+    # The docs table says the same.
+    cli = (ROOT / "docs/cli.md").read_text()
+    assert "| `--block-size N` | 16 |" in cli and "| `--max-num-batched-tokens N` | 2048 |" in cli
+    assert "| `--max-num-seqs N` | 128 |" in cli and "| `--drain-timeout SECONDS` | 30 |" in cli
+
+
+VALID = [
+    {"model": {"builtin": "smollm2-135m-instruct"}},
+    {"model": {"huggingFace": {"repoId": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                               "tokenSecretRef": {"name": "hf"}}}, "replicas": 3},
+    {"model": {"pvc": {"claimName": "models", "path": "llama"}}, "autoscaling": {"minReplicas": 2, "maxReplicas": 2}},
+    {"model": {"builtin": "m"}, "redis": {"mode": "external", "url": "redis://r:6379/0"}},
+    {"model": {"builtin": "m"}, "redis": {"mode": "external", "secretRef": {"name": "redis"}}},
+    {"model": {"builtin": "m"}, "engine": {"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "16Gi"}}}},
+]
+
+INVALID = [  # (spec, expected message fragment, caught by CEL?)
+    ({"model": {"builtin": "m"}, "replicas": 2, "autoscaling": {"maxReplicas": 3}}, "not both", True),
+    ({"model": {"builtin": "m"}, "autoscaling": {"minReplicas": 4, "maxReplicas": 3}}, "minReplicas must be", True),
+    ({"model": {"builtin": "m"}, "redis": {"mode": "external"}}, "external Redis needs", True),
+    ({"model": {"builtin": "m"}, "engine": {"drainTimeoutSeconds": 60, "terminationGracePeriodSeconds": 60}},
+     "drainTimeoutSeconds must be less", True),
+    ({"model": {"builtin": "m", "pvc": {"claimName": "x"}}}, "exactly one model source", True),
+    ({"model": {}}, "exactly one model source", True),
+    ({"model": {"builtin": "m"}, "engine": {"blockSize": 0}}, "less than the minimum", False),
+    ({"model": {"builtin": "m"}, "router": {"policy": "random"}}, "is not one of", False),
+    ({"model": {"builtin": "m"}, "engine": {"resources": {"requests": {"nvidia.com/gpu": 1},
+                                                         "limits": {"nvidia.com/gpu": 2}}}},
+     "requests must equal limits", False),
+    ({"model": {"pvc": {"claimName": "x", "path": "../etc"}}}, "inside the volume", False),
+]
+
+
+@pytest.mark.parametrize("spec", VALID)
+def test_valid_specs(spec):
+    d = specs.apply_defaults(spec)
+    validate_instance({"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": "x"}, "spec": d})
+    assert cel_errors(d) == []
+    assert specs.validate("x", d) == []
+
+
+@pytest.mark.parametrize("spec,fragment,by_cel", INVALID)
+def test_invalid_specs(spec, fragment, by_cel):
+    d = specs.apply_defaults(spec)
+    errors = specs.validate("x", d)
+    assert any(fragment in e for e in errors), errors
+    if by_cel:  # the API server rejects it at admission with the same message
+        assert any(fragment in e for e in cel_errors(d))
+
+
+def test_cel_rules_and_python_mirrors_agree_on_many_specs():
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.booleans(), st.booleans(), st.integers(1, 5), st.integers(1, 5), st.sampled_from(["managed", "external"]),
+           st.booleans(), st.integers(0, 90), st.integers(1, 90), st.sets(st.sampled_from(["builtin", "pvc"])))
+    def check(has_replicas, has_auto, lo, hi, mode, has_url, drain, grace, sources):
+        spec = {"model": {k: ("m" if k == "builtin" else {"claimName": "c"}) for k in sources},
+                "engine": {"drainTimeoutSeconds": drain, "terminationGracePeriodSeconds": grace},
+                "redis": {"mode": mode, **({"url": "redis://x"} if has_url else {})}}
+        if has_replicas:
+            spec["replicas"] = 1
+        if has_auto:
+            spec["autoscaling"] = {"minReplicas": lo, "maxReplicas": hi}
+        d = specs.apply_defaults(spec)
+        assert sorted(cel_errors(d)) == sorted(specs._rule_errors(d))
+    check()
+
+
+def test_name_too_long_is_reported():
+    d = specs.apply_defaults({"model": {"builtin": "m"}})
+    assert any("metadata.name" in e for e in specs.validate("x" * 60, d))
+
+
+def test_example_modeldeployment_is_valid():
+    ex = manifests.example_modeldeployment()
+    validate_instance(ex)
+    assert specs.validate(ex["metadata"]["name"], specs.apply_defaults(ex["spec"])) == []
+    assert yaml.safe_load((ROOT / "manifests/example-modeldeployment.yaml").read_text()) == ex
+
+
+def test_schema_rejects_unknown_shapes():
+    with pytest.raises(jsonschema.ValidationError):
+        validate_instance({"spec": {"model": {"builtin": "m"}, "replicas": -1}})
+    with pytest.raises(jsonschema.ValidationError):
+        validate_instance({"spec": {"model": {"builtin": "m"}, "autoscaling": {"maxReplicas": 2,
+                                                                                "targetKVUtilization": 0}}})
+    bad = copy.deepcopy(VALID[1])
+    del bad["model"]["huggingFace"]["repoId"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate_instance({"spec": bad})

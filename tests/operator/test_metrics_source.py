@@ -1,0 +1,66 @@
+"""Reading KV utilisation from the sidecars' heartbeats in a real Redis."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from kvmesh.operator.metrics_source import RedisHeartbeats, Snapshot, heartbeat_key, pods_key
+
+MODEL = "m-test"
+
+
+@pytest.fixture()
+async def r(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.flushdb()
+    await client.aclose()
+
+
+async def beat(r, pod, kv, state="ready", ts=None):
+    await r.sadd(pods_key(MODEL), pod)
+    await r.hset(heartbeat_key(MODEL, pod), mapping={
+        "url": f"http://{pod}:8000", "model": MODEL, "kv_usage": kv, "running": 3, "waiting": 1,
+        "total_blocks": 512, "state": state, "ts": time.time() if ts is None else ts})
+    await r.expire(heartbeat_key(MODEL, pod), 10)
+
+
+async def test_layout_matches_contract():
+    assert pods_key("m") == "kvmesh:v1:m:pods"
+    assert heartbeat_key("m", "p-1") == "kvmesh:v1:m:pod:p-1"
+
+
+async def test_mean_of_ready_pods_only(r, redis_url):
+    await beat(r, "md-engine-a", 0.2)
+    await beat(r, "md-engine-b", 0.6)
+    await beat(r, "md-engine-c", 0.99, state="draining")     # excluded
+    await beat(r, "md-engine-d", 0.9, ts=time.time() - 60)   # stale: excluded
+    await r.sadd(pods_key(MODEL), "md-engine-gone")           # in the set, heartbeat expired: excluded
+    await beat(r, "other-engine-x", 1.0)                      # another deployment: filtered by prefix
+    source = RedisHeartbeats(redis_url)
+    try:
+        snap = await source.snapshot(MODEL, "md-engine-")
+        assert sorted(h.pod for h in snap.ready) == ["md-engine-a", "md-engine-b"]
+        assert [h.pod for h in snap.draining] == ["md-engine-c"]
+        assert snap.kv_utilization == pytest.approx(0.4)
+        assert snap.ready[0].total_blocks == 512 and snap.ready[0].running == 3
+        assert (await source.snapshot(MODEL)).kv_utilization == pytest.approx((0.2 + 0.6 + 1.0) / 3)
+        assert (await source.snapshot("no-such-model")).kv_utilization is None
+    finally:
+        await source.close()
+
+
+def test_empty_snapshot_has_no_utilisation():
+    assert Snapshot().kv_utilization is None
+
+
+async def test_unreachable_redis_raises():
+    source = RedisHeartbeats("redis://127.0.0.1:1/0")
+    try:
+        with pytest.raises(Exception):
+            await source.snapshot(MODEL)
+    finally:
+        await source.close()

@@ -1,0 +1,165 @@
+"""The pure renderer: golden files, Kubernetes schema validity, and the contracts the
+pods depend on (flags of docs/cli.md, probes, drain, security, Redis URL from a Secret)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvmesh.operator import render, spec as specs
+from kvmesh.operator.generate import dump
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+MD = {"apiVersion": "kvmesh.io/v1alpha1", "kind": "ModelDeployment",
+      "metadata": {"name": "demo", "namespace": "prod", "uid": "0d3b1f0e-uid", "generation": 1}}
+
+CASES = {
+    "builtin-fixed": {"model": {"builtin": "smollm2-135m-instruct"}, "replicas": 2},
+    "hf-gpu-autoscaling": {
+        "model": {"huggingFace": {"repoId": "HuggingFaceTB/SmolLM2-135M-Instruct", "tokenSecretRef": {"name": "hf"}}},
+        "engine": {"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "24Gi"}}, "maxModelLen": 4096,
+                   "enablePrefixCaching": False, "extraArgs": ["--max-waiting", "256"]},
+        "autoscaling": {"minReplicas": 2, "maxReplicas": 6},
+        "router": {"replicas": 2, "apiKeySecretRef": {"name": "keys"}, "weights": {"prefix": 2}},
+    },
+    "pvc-external-redis": {
+        "model": {"pvc": {"claimName": "weights", "path": "llama-3-8b"}, "servedModelName": "llama3"},
+        "redis": {"mode": "external", "secretRef": {"name": "shared-redis", "key": "REDIS_URL"}},
+        "engine": {"kvCacheMemory": "8GiB", "dtype": "bfloat16", "nodeSelector": {"gpu": "h100"}},
+    },
+}
+
+
+def rendered(case):
+    return render.render_children(MD, specs.apply_defaults(CASES[case]))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden(case):
+    text = dump(rendered(case), header=f"# Golden: children rendered for tests/operator/test_render.py CASES[{case!r}].\n")
+    path = GOLDEN / f"{case}.yaml"
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"rendered children changed; UPDATE_GOLDEN=1 to accept ({path})"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_child_is_a_valid_kubernetes_object(case):
+    for child in rendered(case):
+        kubernetes_validate.validate(child, "1.37.0", strict=True)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_owner_references_and_labels(case):
+    for child in rendered(case):
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "kvmesh.io/v1alpha1", "kind": "ModelDeployment", "name": "demo",
+                       "uid": "0d3b1f0e-uid", "controller": True, "blockOwnerDeletion": True}
+        assert child["metadata"]["labels"][render.LABEL_MD] == "demo"
+        assert child["metadata"]["namespace"] == "prod"
+
+
+def test_render_is_pure_and_deterministic():
+    spec = specs.apply_defaults(CASES["hf-gpu-autoscaling"])
+    before = yaml.safe_dump(spec)
+    assert render.render_children(MD, spec) == render.render_children(MD, spec)
+    assert yaml.safe_dump(spec) == before
+
+
+def _cli_flags(section: str) -> set[str]:
+    text = (ROOT / "docs/cli.md").read_text()
+    body = text.split(f"## `kvmesh {section}`", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"`(--[a-z0-9-]+)", body)) | {f"--no-{f[2:]}" for f in re.findall(r"`(--[a-z0-9-]+)", body)}
+
+
+def _flags(args):
+    return {a for a in args if a.startswith("--")}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pods_call_only_documented_flags(case):
+    spec = specs.apply_defaults(CASES[case])
+    engine = render.engine_args(spec)
+    assert engine[:2] == ["kvmesh", "serve"]
+    assert _flags(engine) <= _cli_flags("serve")
+    sidecar = render.sidecar_args(spec)
+    assert sidecar[:2] == ["kvmesh", "sidecar"] and _flags(sidecar) <= _cli_flags("sidecar")
+    router = render.router_args(spec)
+    assert router[:2] == ["kvmesh", "router"] and _flags(router) <= _cli_flags("router")
+    # The three agree on the block size and model identity.
+    bs = str(spec["engine"]["blockSize"])
+    for args in (engine, sidecar, router):
+        assert args[args.index("--block-size") + 1] == bs
+    name = specs.served_model_name(spec)
+    assert engine[engine.index("--served-model-name") + 1] == name
+    assert sidecar[sidecar.index("--model") + 1] == name and router[router.index("--model") + 1] == name
+
+
+def test_engine_args_reflect_spec():
+    spec = specs.apply_defaults(CASES["hf-gpu-autoscaling"])
+    args = render.engine_args(spec)
+    assert args[args.index("--model") + 1] == "/models/model"
+    assert "--no-enable-prefix-caching" in args and "--enable-chunked-prefill" in args
+    assert args[args.index("--max-model-len") + 1] == "4096"
+    assert args[-2:] == ["--max-waiting", "256"]
+    assert render.router_args(spec)[render.router_args(spec).index("--weights") + 1] == "prefix=2,kv=0.5,queue=0.5"
+
+
+def test_engine_pod_contract():
+    dep = rendered("hf-gpu-autoscaling")[0]
+    assert dep["kind"] == "Deployment" and dep["metadata"]["name"] == "demo-engine"
+    assert dep["spec"]["replicas"] == 2   # autoscaling starts at minReplicas
+    pod = dep["spec"]["template"]["spec"]
+    engine, sidecar = pod["containers"]
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert engine["startupProbe"]["httpGet"]["path"] == "/health"
+    drain = int(engine["command"][engine["command"].index("--drain-timeout") + 1])
+    assert pod["terminationGracePeriodSeconds"] > drain + engine["lifecycle"]["preStop"]["sleep"]["seconds"]
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["KVMESH_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "demo-redis-url", "key": "url"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    for c in pod["containers"] + pod["initContainers"]:
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+    init = pod["initContainers"][0]
+    assert "snapshot_download" in init["command"][-1]
+    assert {e["name"]: e for e in init["env"]}["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf"
+
+
+def test_external_redis_secret_and_no_managed_redis():
+    children = rendered("pvc-external-redis")
+    kinds = {(c["kind"], c["metadata"]["name"]) for c in children}
+    assert ("Deployment", "demo-redis") not in kinds and ("Secret", "demo-redis-url") not in kinds
+    engine = children[0]["spec"]["template"]["spec"]["containers"][1]
+    ref = {e["name"]: e for e in engine["env"]}["KVMESH_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "shared-redis", "key": "REDIS_URL"}
+    pvc = next(v for v in children[0]["spec"]["template"]["spec"]["volumes"] if v["name"] == "models")
+    assert pvc["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+
+
+def test_network_policy_admits_only_router_and_scrapers():
+    netpol = next(c for c in rendered("builtin-fixed") if c["kind"] == "NetworkPolicy")
+    assert netpol["spec"]["podSelector"]["matchLabels"] == render.selector("demo", "engine")
+    sources = [f for rule in netpol["spec"]["ingress"] for f in rule["from"]]
+    assert {"podSelector": {"matchLabels": render.selector("demo", "router")}} in sources
+    assert all(("podSelector" in s and s["podSelector"]["matchLabels"] in (
+        render.selector("demo", "router"), {render.LABEL_SCRAPER: "true"})) or
+        s.get("namespaceSelector") == {"matchLabels": {render.LABEL_SCRAPER: "true"}} for s in sources)
+
+
+def test_headless_engine_service():
+    svc = next(c for c in rendered("builtin-fixed") if c["kind"] == "Service" and c["metadata"]["name"] == "demo-engine")
+    assert svc["spec"]["clusterIP"] == "None"
