@@ -1,7 +1,6 @@
 """KV utilisation of ready replicas, from the sidecars' Redis heartbeats.
 
-Key layout (contract 3; the shared module kvmesh/common/redis_layout.py will own
-these names, kept here verbatim until it lands):
+Key layout (contract 3, owned by kvmesh/common/redis_layout.py):
 
 * ``kvmesh:v1:{model}:pods``             set of pod names
 * ``kvmesh:v1:{model}:pod:{pod_name}``   heartbeat hash (TTL ~10 s): url, model, kv_usage,
@@ -15,20 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-PREFIX = "kvmesh:v1:"
-HEARTBEAT_STALE_SECONDS = 10.0
+from kvmesh.common.redis_layout import HEARTBEAT_TTL_S, blocks_key, heartbeat_key, pods_key  # noqa: F401
 
-
-def pods_key(model: str) -> str:
-    return f"{PREFIX}{model}:pods"
-
-
-def heartbeat_key(model: str, pod_name: str) -> str:
-    return f"{PREFIX}{model}:pod:{pod_name}"
-
-
-def blocks_key(model: str, pod_name: str) -> str:
-    return f"{PREFIX}{model}:blocks:{pod_name}"
+HEARTBEAT_STALE_SECONDS = float(HEARTBEAT_TTL_S)
 
 
 @dataclass(frozen=True)
