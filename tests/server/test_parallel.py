@@ -13,7 +13,7 @@ from tests.server.conftest import ThreadServer
 pytestmark = pytest.mark.slow
 
 ENGINE_ARGS = {"num_kv_blocks": 512, "max_num_seqs": 64, "dtype": "float32"}
-N_STREAMS = 40
+N_STREAMS = 32
 MAX_TOKENS = 16
 
 
