@@ -330,6 +330,10 @@ def test_metrics_parse_with_vllm_names(http, client):
     assert m["vllm:e2e_request_latency_seconds_count"] >= 1
     assert m["vllm:request_success_total{finished_reason=length}"] >= 1
     assert m["vllm:prefix_cache_hits_total"] <= m["vllm:prefix_cache_queries_total"]
+    # What the sidecar's heartbeat reads besides the vLLM gauges: total blocks and restarts.
+    info = families["vllm:cache_config_info"].samples[0]
+    assert info.labels["num_gpu_blocks"] == "256" and info.labels["block_size"] == "16"
+    assert families["process_start_time_seconds"].samples[0].value > 0
 
 
 def test_hundreds_of_concurrent_streams_and_responsive_http(server):

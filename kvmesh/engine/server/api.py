@@ -49,6 +49,7 @@ class ServerState:
     engine: AsyncEngine
     config: ServerConfig
     draining: bool = False
+    active: int = 0  # admitted requests whose HTTP response has not finished yet
     started: float = field(default_factory=time.time)
     metrics: ServerMetrics | None = None
 
@@ -65,12 +66,25 @@ class ServerState:
         self.draining = True
 
     async def wait_drained(self, timeout: float) -> bool:
+        """Wait until every admitted request has finished and its response has been written.
+
+        `active` counts responses still being written; a response whose generator never
+        started (client gone before the first byte) would never decrement it, so once the
+        engine has nothing in flight, responses get at most one more second.
+        """
         deadline = time.monotonic() + timeout
-        while self.engine.num_in_flight > 0:
-            if time.monotonic() >= deadline:
+        engine_idle_since: float | None = None
+        while True:
+            now = time.monotonic()
+            if self.engine.num_in_flight == 0:
+                engine_idle_since = engine_idle_since or now
+                if self.active <= 0 or now - engine_idle_since > 1.0:
+                    return True
+            else:
+                engine_idle_since = None
+            if now >= deadline:
                 return False
             await asyncio.sleep(0.05)
-        return True
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -340,8 +354,10 @@ class _Handler:
         prompt, ids, params = self.prepare(body)
         self.streaming = body.stream
         stream = self.admit(prompt, ids, params, body.cache_salt)
+        self.state.active += 1
         if body.stream:
-            return StreamingResponse(self.stream_response(stream, params, len(ids), body.include_usage),
+            return StreamingResponse(self._counted(self.stream_response(stream, params, len(ids),
+                                                                        body.include_usage)),
                                      media_type="text/event-stream", headers=self.headers)
         try:
             out = await self.collect(stream)
@@ -350,7 +366,17 @@ class _Handler:
         except Exception as exc:  # noqa: BLE001 - an engine failure fails this request only
             log.exception("request %s failed", self.request_id)
             raise APIError(500, f"{exc}", code="engine_error")
+        finally:
+            self.state.active -= 1
         return JSONResponse(self.full_response(out, params, len(ids)), headers=self.headers)
+
+    async def _counted(self, gen: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            async for item in gen:
+                yield item
+        finally:
+            self.state.active -= 1
+            await gen.aclose()
 
 
 def check_ready(state: ServerState) -> None:

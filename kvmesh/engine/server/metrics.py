@@ -11,7 +11,7 @@ Each server gets its own registry (several servers can live in one test process)
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -54,6 +54,12 @@ class _EngineCollector:
                     self.engine.num_in_flight)
         yield gauge("kvmesh:draining", "1 while the server drains after SIGTERM.",
                     1.0 if self.is_draining() else 0.0)
+        args = self.engine.engine_args
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV-cache config.",
+                                 labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"])
+        info.add_metric([str(args.block_size), str(s.num_total_blocks if s else 0),
+                         str(args.enable_prefix_caching), str(args.dtype)], 1.0)
+        yield info
         yield counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.",
                       s.prefix_cache_queries if s else 0)
         yield counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", s.prefix_cache_hits if s else 0)
@@ -69,6 +75,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name, is_draining))
         r = self.registry
+        ProcessCollector(registry=r)  # process_start_time_seconds: the sidecar detects engine restarts
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               ["model_name"], buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
