@@ -316,7 +316,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", action="store_true", help="run the issue's comparison (starts its own servers)")
     ap.add_argument("--workload", choices=["offline", "shared-prefix"], default="offline")
     ap.add_argument("--model", default="smollm2-135m-instruct",
-                    help="--compare: model to serve; --url: `model` field sent (default: none)")
+                    help="--compare: the model to serve; --url: the `model` field sent")
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--min-len", type=int, default=64)
@@ -356,8 +356,7 @@ def main(argv=None) -> int:
         reqs = shared_prefix_workload(args.prefix_num_requests, args.prefix_prompt_len, 0.75,
                                       args.prefix_output_len, vocab)
         conc = args.concurrency or args.prefix_concurrency
-    model = args.model if args.model != "smollm2-135m-instruct" or args.url else None
-    res, el = asyncio.run(run_load(args.url.rstrip("/"), reqs, conc, args.request_rate, model=model,
+    res, el = asyncio.run(run_load(args.url.rstrip("/"), reqs, conc, args.request_rate, model=args.model,
                                    api_key=args.api_key, label=args.workload))
     summarize(f"{args.workload} workload against {args.url}", res, el)
     return 0

@@ -142,19 +142,25 @@ class _Handler:
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{name}`.",
                            param="model", code="model_not_found")
 
-    def prepare(self, body) -> tuple[str | list[int], list[int], SamplingParams]:
-        """Sampling params and prompt token ids (tokenised here, on the HTTP side)."""
+    async def prepare(self, body) -> tuple[str | list[int], list[int], SamplingParams]:
+        """Sampling params and prompt token ids (tokenised here, on the HTTP side; long prompts
+        in a worker thread so the event loop keeps serving other streams)."""
         engine = self.engine
         prompt_param = "prompt" if self.kind == "completion" else "messages"
         try:
             params = body.sampling_params()
             if self.kind == "completion":
                 prompt = body.prompt_input()
-                ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                if isinstance(prompt, str):
+                    ids = await self._off_loop(len(prompt), engine.tokenizer.encode, prompt)
+                else:
+                    ids = list(prompt)
             else:
                 messages = [m.as_template_dict() for m in body.messages]
                 try:
-                    ids = engine.tokenizer.encode_chat(messages, body.add_generation_prompt)
+                    size = sum(len(m["content"]) for m in messages)
+                    ids = await self._off_loop(size, engine.tokenizer.encode_chat, messages,
+                                               body.add_generation_prompt)
                 except TemplateError as exc:
                     raise InvalidParameter("messages", str(exc))
                 prompt = ids
@@ -174,6 +180,12 @@ class _Handler:
                 f"of the {prompt_param} or the completion.", param="max_tokens",
                 code="context_length_exceeded")
         return prompt, ids, params
+
+    @staticmethod
+    async def _off_loop(size: int, fn, *args):
+        if size < 8192:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
 
     def admit(self, prompt, ids, params, cache_salt) -> RequestStream:
         state = self.state
@@ -351,14 +363,15 @@ class _Handler:
         check_ready(self.state)
         body = await self.parse(model_cls)
         self.check_model(body.model)
-        prompt, ids, params = self.prepare(body)
+        prompt, ids, params = await self.prepare(body)
         self.streaming = body.stream
         stream = self.admit(prompt, ids, params, body.cache_salt)
         self.state.active += 1
         if body.stream:
             return StreamingResponse(self._counted(self.stream_response(stream, params, len(ids),
                                                                         body.include_usage)),
-                                     media_type="text/event-stream", headers=self.headers)
+                                     media_type="text/event-stream",
+                                     headers={**self.headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             out = await self.collect(stream)
         except APIError:

@@ -159,30 +159,34 @@ class AsyncEngine:
                     cmds.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            failed: list[tuple[str, Any]] = []
-            for cmd in cmds:
-                if cmd[0] == "stop":
-                    self._stopped.set()
-                    return
-                if cmd[0] == "add":
-                    _, rid, prompt, ids, params, salt = cmd
-                    try:
-                        engine.add_request(prompt, params, request_id=rid, cache_salt=salt,
-                                           prompt_token_ids=ids)
-                    except Exception as exc:  # noqa: BLE001 - answered to that request only
-                        failed.append((rid, exc))
-                elif cmd[0] == "abort":
-                    engine.abort_request(cmd[1])
-            items: list[tuple[str, Any]] = failed
-            if engine.has_unfinished_requests():
-                try:
-                    items.extend((o.request_id, o) for o in engine.step())
-                except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
-                    items.extend(self._fail_all(exc))
-            self._publish_events()
-            self.stats = engine.core.stats()
+            if any(cmd[0] == "stop" for cmd in cmds):
+                self._stopped.set()
+                return
+            try:
+                items = self._iteration(cmds)
+            except Exception as exc:  # noqa: BLE001 - never let the engine thread die silently
+                items = self._fail_all(exc)
             if items:
                 self._loop.call_soon_threadsafe(self._deliver, items)
+
+    def _iteration(self, cmds: list[tuple]) -> list[tuple[str, Any]]:
+        """Apply commands, run one step, publish its KV events; returns what to deliver."""
+        engine = self.engine
+        items: list[tuple[str, Any]] = []
+        for cmd in cmds:
+            if cmd[0] == "add":
+                _, rid, prompt, ids, params, salt = cmd
+                try:
+                    engine.add_request(prompt, params, request_id=rid, cache_salt=salt, prompt_token_ids=ids)
+                except Exception as exc:  # noqa: BLE001 - answered to that request only
+                    items.append((rid, exc))
+            elif cmd[0] == "abort":
+                engine.abort_request(cmd[1])
+        if engine.has_unfinished_requests():
+            items.extend((o.request_id, o) for o in engine.step())
+        self._publish_events()
+        self.stats = engine.core.stats()
+        return items
 
     def _fail_all(self, exc: Exception) -> list[tuple[str, Any]]:
         self.num_step_errors += 1
@@ -196,6 +200,11 @@ class AsyncEngine:
             log.exception("cleanup after a failed step failed too")
         for rid in rids:
             engine.states.pop(rid, None)
+        try:
+            self._publish_events()
+            self.stats = engine.core.stats()
+        except Exception:  # noqa: BLE001
+            log.exception("KV events / stats after a failed step")
         err = EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
         return [(rid, err) for rid in rids]
 
