@@ -104,3 +104,15 @@ def test_drain_timeout_cuts_and_still_exits_0(tiny_model):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_model_that_fails_to_load_exits_nonzero(tmp_path):
+    port = free_port()
+    proc = _spawn(str(tmp_path), port)  # an empty directory: no config.json
+    try:
+        assert proc.wait(120) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "config.json" in proc.stdout.read()

@@ -376,6 +376,8 @@ class _Handler:
             out = await self.collect(stream)
         except APIError:
             raise
+        except InvalidParameter as exc:  # refused by the engine itself
+            raise bad_request(str(exc), param=exc.param)
         except Exception as exc:  # noqa: BLE001 - an engine failure fails this request only
             log.exception("request %s failed", self.request_id)
             raise APIError(500, f"{exc}", code="engine_error")
