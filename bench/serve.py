@@ -336,6 +336,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--log-dir", default="/tmp/kvmesh-bench-serve")
     args = ap.parse_args(argv)
+    # On SIGTERM unwind normally, so the servers that --compare started are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     if args.compare:
         return compare(args)

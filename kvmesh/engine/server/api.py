@@ -107,7 +107,7 @@ class _Handler:
         self.request = request
         self.kind = kind  # "completion" | "chat"
         self.created = int(time.time())
-        self.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        self.request_id = (request.headers.get("x-request-id") or "")[:128] or uuid.uuid4().hex
         self.headers = {"X-Request-Id": self.request_id}
 
     # -- input ---------------------------------------------------------------------------
@@ -187,18 +187,22 @@ class _Handler:
             return fn(*args)
         return await asyncio.to_thread(fn, *args)
 
-    def admit(self, prompt, ids, params, cache_salt) -> RequestStream:
+    def check_capacity(self) -> None:
         state = self.state
-        if state.draining:
-            state.metrics.reject("draining")
-            raise APIError(503, "the server is draining and admits no new requests",
-                           headers={"Retry-After": "1"})
         if self.engine.num_in_flight >= state.config.capacity:
             state.metrics.reject("queue_full")
             raise APIError(429, f"the server is at capacity ({state.config.capacity} requests admitted: "
                            f"{state.config.max_num_seqs} running + {state.config.max_waiting} waiting); "
                            "retry later", code="queue_full",
                            headers={"Retry-After": str(state.config.retry_after_s)})
+
+    def admit(self, prompt, ids, params, cache_salt) -> RequestStream:
+        state = self.state
+        if state.draining:
+            state.metrics.reject("draining")
+            raise APIError(503, "the server is draining and admits no new requests",
+                           headers={"Retry-After": "1"})
+        self.check_capacity()
         rid = self.engine.unique_id(self.request_id)
         self.engine_id = rid
         try:
@@ -361,6 +365,7 @@ class _Handler:
 
     async def handle(self, model_cls) -> Response:
         check_ready(self.state)
+        self.check_capacity()  # refuse early, before parsing and tokenising (checked again at admission)
         body = await self.parse(model_cls)
         self.check_model(body.model)
         prompt, ids, params = await self.prepare(body)
