@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup up demo test test-fast bench-offline clean
+.PHONY: setup up demo test test-fast bench-offline bench-serve clean
 
 setup: $(STAMP)
 
@@ -35,3 +35,6 @@ bench-offline: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+bench-serve: setup
+	$(PY) bench/serve.py --compare

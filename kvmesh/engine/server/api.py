@@ -1,0 +1,497 @@
+"""FastAPI routes: the OpenAI API, health/readiness, /load and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvmesh.common.tokenizer import TemplateError
+from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
+from kvmesh.engine.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from kvmesh.engine.server.errors import APIError, bad_request, error_body
+from kvmesh.engine.server.metrics import ServerMetrics
+from kvmesh.engine.server.protocol import ChatCompletionRequest, CompletionRequest, first_error_param
+
+log = logging.getLogger("kvmesh.server")
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_num_seqs: int = 128
+    max_waiting: int = 1024
+    max_body_bytes: int = 4 * 1024 * 1024
+    retry_after_s: int = 1
+
+    @property
+    def capacity(self) -> int:
+        """Requests admitted at once: the running batch plus the bounded waiting queue."""
+        return self.max_num_seqs + self.max_waiting
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    config: ServerConfig
+    draining: bool = False
+    active: int = 0  # admitted requests whose HTTP response has not finished yet
+    started: float = field(default_factory=time.time)
+    metrics: ServerMetrics | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.engine, self.config.served_model_name, lambda: self.draining)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.loaded.is_set() and self.engine.alive and not self.draining
+
+    def begin_drain(self) -> None:
+        if not self.draining:
+            log.info("draining: refusing new requests; %d in flight", self.engine.num_in_flight)
+        self.draining = True
+
+    async def wait_drained(self, timeout: float) -> bool:
+        """Wait until every admitted request has finished and its response has been written.
+
+        `active` counts responses still being written; a response whose generator never
+        started (client gone before the first byte) would never decrement it, so once the
+        engine has nothing in flight, responses get at most one more second.
+        """
+        deadline = time.monotonic() + timeout
+        engine_idle_since: float | None = None
+        while True:
+            now = time.monotonic()
+            if self.engine.num_in_flight == 0:
+                engine_idle_since = engine_idle_since or now
+                if self.active <= 0 or now - engine_idle_since > 1.0:
+                    return True
+            else:
+                engine_idle_since = None
+            if now >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class _Handler:
+    """One request's life: parse, validate, admit, then stream or collect outputs."""
+
+    def __init__(self, state: ServerState, request: Request, kind: str):
+        self.state = state
+        self.engine = state.engine
+        self.request = request
+        self.kind = kind  # "completion" | "chat"
+        self.created = int(time.time())
+        self.request_id = (request.headers.get("x-request-id") or "")[:128] or uuid.uuid4().hex
+        self.headers = {"X-Request-Id": self.request_id}
+
+    # -- input ---------------------------------------------------------------------------
+    async def parse(self, model_cls):
+        cfg = self.state.config
+        length = self.request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
+            self.state.metrics.reject("body_too_large")
+            raise APIError(413, f"request body is {length} bytes; the limit is {cfg.max_body_bytes}")
+        chunks, size = [], 0
+        async for chunk in self.request.stream():
+            size += len(chunk)
+            if size > cfg.max_body_bytes:
+                self.state.metrics.reject("body_too_large")
+                raise APIError(413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes")
+            chunks.append(chunk)
+        try:
+            data = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json")
+        if not isinstance(data, dict):
+            raise bad_request("request body must be a JSON object")
+        try:
+            return model_cls.model_validate(data)
+        except ValidationError as exc:
+            param, message = first_error_param(exc)
+            raise bad_request(message, param=param)
+
+    def check_model(self, model: str | None) -> None:
+        name = self.state.config.served_model_name
+        if model is not None and model != name:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{name}`.",
+                           param="model", code="model_not_found")
+
+    async def prepare(self, body) -> tuple[str | list[int], list[int], SamplingParams]:
+        """Sampling params and prompt token ids (tokenised here, on the HTTP side; long prompts
+        in a worker thread so the event loop keeps serving other streams)."""
+        engine = self.engine
+        prompt_param = "prompt" if self.kind == "completion" else "messages"
+        try:
+            params = body.sampling_params()
+            if self.kind == "completion":
+                prompt = body.prompt_input()
+                if isinstance(prompt, str):
+                    ids = await self._off_loop(len(prompt), engine.tokenizer.encode, prompt)
+                else:
+                    ids = list(prompt)
+            else:
+                messages = [m.as_template_dict() for m in body.messages]
+                try:
+                    size = sum(len(m["content"]) for m in messages)
+                    ids = await self._off_loop(size, engine.tokenizer.encode_chat, messages,
+                                               body.add_generation_prompt)
+                except TemplateError as exc:
+                    raise InvalidParameter("messages", str(exc))
+                prompt = ids
+            try:
+                engine.validate(ids, params)
+            except InvalidParameter as exc:
+                if exc.param == "prompt":
+                    exc.param = prompt_param
+                raise
+        except InvalidParameter as exc:
+            raise bad_request(str(exc), param=exc.param)
+        if params.max_tokens is not None and len(ids) + params.max_tokens > engine.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
+                f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
+                f"{prompt_param}, {params.max_tokens} in the completion). Please reduce the length "
+                f"of the {prompt_param} or the completion.", param="max_tokens",
+                code="context_length_exceeded")
+        return prompt, ids, params
+
+    @staticmethod
+    async def _off_loop(size: int, fn, *args):
+        if size < 8192:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
+
+    def check_capacity(self) -> None:
+        state = self.state
+        if self.engine.num_in_flight >= state.config.capacity:
+            state.metrics.reject("queue_full")
+            raise APIError(429, f"the server is at capacity ({state.config.capacity} requests admitted: "
+                           f"{state.config.max_num_seqs} running + {state.config.max_waiting} waiting); "
+                           "retry later", code="queue_full",
+                           headers={"Retry-After": str(state.config.retry_after_s)})
+
+    def admit(self, prompt, ids, params, cache_salt) -> RequestStream:
+        state = self.state
+        if state.draining:
+            state.metrics.reject("draining")
+            raise APIError(503, "the server is draining and admits no new requests",
+                           headers={"Retry-After": "1"})
+        self.check_capacity()
+        rid = self.engine.unique_id(self.request_id)
+        self.engine_id = rid
+        try:
+            stream = self.engine.add(rid, prompt, ids, params, cache_salt)
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc))
+        log.info("request %s admitted: %d prompt tokens, max_tokens=%s, stream=%s", self.request_id,
+                 len(ids), params.max_tokens, getattr(self, "streaming", False))
+        return stream
+
+    # -- outputs ---------------------------------------------------------------------------
+    async def outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, with latency metrics observed as they arrive."""
+        m = self.state.metrics
+        last: float | None = None
+        finished = False
+        try:
+            async for out in self.engine.stream_outputs(stream):
+                now = time.monotonic()
+                n = len(out.delta_token_ids)
+                if n:
+                    if last is None:
+                        m.ttft.observe(now - stream.arrival)
+                        if n > 1:
+                            for _ in range(n - 1):
+                                m.itl.observe(0.0)
+                    else:
+                        for _ in range(n):
+                            m.itl.observe((now - last) / n)
+                    last = now
+                if out.finished:
+                    finished = True
+                    m.e2e.observe(now - stream.arrival)
+                    m.request_finished(out.finish_reason)
+                    log.info("request %s finished: %s, %d tokens, %d cached prompt tokens", self.request_id,
+                             out.finish_reason, len(out.token_ids), out.num_cached_tokens)
+                yield out
+        finally:
+            if not finished:
+                m.request_finished("abort")
+                log.info("request %s aborted before it finished", self.request_id)
+
+    def _token_text(self, tid: int) -> str:
+        return self.engine.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def completion_logprobs(self, lps, offset: int) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            text = self._token_text(lp.token_id)
+            tokens.append(text)
+            token_lps.append(lp.logprob)
+            tops.append({self._token_text(t): v for t, v in lp.top})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, lps) -> dict[str, Any]:
+        content = []
+        for lp in lps:
+            text = self._token_text(lp.token_id)
+            content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": (t := self._token_text(tid)), "logprob": v,
+                                              "bytes": list(t.encode())} for tid, v in lp.top]})
+        return {"content": content}
+
+    def chunk(self, choices: list[dict[str, Any]], usage=None, include_usage=False) -> dict[str, Any]:
+        obj = {"id": self.response_id, "object": self.chunk_object, "created": self.created,
+               "model": self.state.config.served_model_name, "choices": choices}
+        if include_usage:
+            obj["usage"] = usage
+        return obj
+
+    @property
+    def response_id(self) -> str:
+        return ("cmpl-" if self.kind == "completion" else "chatcmpl-") + self.request_id
+
+    @property
+    def chunk_object(self) -> str:
+        return "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+
+    async def stream_response(self, stream: RequestStream, params: SamplingParams, n_prompt: int,
+                              include_usage: bool) -> AsyncIterator[str]:
+        want_lp = params.logprobs is not None
+        offset = 0
+        n_out, cached = 0, 0
+        try:
+            if self.kind == "chat":
+                yield _sse(self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], None, include_usage))
+            async for out in self.outputs(stream):
+                n_out = len(out.token_ids)
+                cached = out.num_cached_tokens
+                if not (out.delta_text or out.finished or (want_lp and out.delta_logprobs)):
+                    continue
+                finish = out.finish_reason if out.finished else None
+                if self.kind == "completion":
+                    choice = {"index": 0, "text": out.delta_text,
+                              "logprobs": self.completion_logprobs(out.delta_logprobs, offset) if want_lp else None,
+                              "finish_reason": finish, "stop_reason": out.outputs[0].stop_reason if finish else None}
+                    offset += len(out.delta_text)
+                else:
+                    delta = {"content": out.delta_text} if out.delta_text or not finish else {}
+                    choice = {"index": 0, "delta": delta,
+                              "logprobs": self.chat_logprobs(out.delta_logprobs) if want_lp else None,
+                              "finish_reason": finish}
+                    if finish:
+                        choice["stop_reason"] = out.outputs[0].stop_reason
+                yield _sse(self.chunk([choice], None, include_usage))
+            if include_usage:
+                yield _sse(self.chunk([], _usage(n_prompt, n_out, cached), True))
+        except Exception as exc:  # noqa: BLE001 - the status line is sent already: report in-band
+            log.exception("request %s failed mid-stream", self.request_id)
+            yield _sse(error_body(500, str(exc)))
+        yield "data: [DONE]\n\n"
+
+    async def collect(self, stream: RequestStream) -> RequestOutput:
+        """Run to completion; abort the request if the client disconnects meanwhile."""
+        final: list[RequestOutput] = []
+
+        async def consume() -> None:
+            gen = self.outputs(stream)
+            try:
+                async for out in gen:
+                    final[:] = [out]
+            finally:
+                await gen.aclose()
+
+        task = asyncio.ensure_future(consume())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if done:
+                    task.result()
+                    return final[0]
+                if await self.request.is_disconnected():
+                    log.info("request %s: client disconnected", self.request_id)
+                    task.cancel()
+                    raise APIError(499, "client disconnected")
+        except BaseException:
+            if not task.done():
+                task.cancel()
+            raise
+
+    def full_response(self, out: RequestOutput, params: SamplingParams, n_prompt: int) -> dict[str, Any]:
+        comp = out.outputs[0]
+        usage = _usage(n_prompt, len(comp.token_ids), out.num_cached_tokens)
+        if self.kind == "completion":
+            choice = {"index": 0, "text": comp.text,
+                      "logprobs": self.completion_logprobs(comp.logprobs or [], 0)
+                      if params.logprobs is not None else None,
+                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+            obj = "text_completion"
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": comp.text},
+                      "logprobs": self.chat_logprobs(comp.logprobs or []) if params.logprobs is not None else None,
+                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+            obj = "chat.completion"
+        return {"id": self.response_id, "object": obj, "created": self.created,
+                "model": self.state.config.served_model_name, "choices": [choice], "usage": usage}
+
+    async def handle(self, model_cls) -> Response:
+        check_ready(self.state)
+        self.check_capacity()  # refuse early, before parsing and tokenising (checked again at admission)
+        body = await self.parse(model_cls)
+        self.check_model(body.model)
+        prompt, ids, params = await self.prepare(body)
+        self.streaming = body.stream
+        stream = self.admit(prompt, ids, params, body.cache_salt)
+        self.state.active += 1
+        if body.stream:
+            return StreamingResponse(self._counted(self.stream_response(stream, params, len(ids),
+                                                                        body.include_usage)),
+                                     media_type="text/event-stream",
+                                     headers={**self.headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            out = await self.collect(stream)
+        except APIError:
+            raise
+        except InvalidParameter as exc:  # refused by the engine itself
+            raise bad_request(str(exc), param=exc.param)
+        except Exception as exc:  # noqa: BLE001 - an engine failure fails this request only
+            log.exception("request %s failed", self.request_id)
+            raise APIError(500, f"{exc}", code="engine_error")
+        finally:
+            self.state.active -= 1
+        return JSONResponse(self.full_response(out, params, len(ids)), headers=self.headers)
+
+    async def _counted(self, gen: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            async for item in gen:
+                yield item
+        finally:
+            self.state.active -= 1
+            await gen.aclose()
+
+
+def check_ready(state: ServerState) -> None:
+    if state.draining:
+        state.metrics.reject("draining")
+        raise APIError(503, "the server is draining and admits no new requests", headers={"Retry-After": "1"})
+    if not state.engine.loaded.is_set():
+        raise APIError(503, "the model is still loading", headers={"Retry-After": "1"})
+    if not state.engine.alive:
+        raise APIError(503, "the engine is not running")
+
+
+def check_auth(state: ServerState, request: Request) -> None:
+    key = state.config.api_key
+    if not key:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+# -- the app -------------------------------------------------------------------------------
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not state.engine.alive and not state.engine.loaded.is_set():
+            state.engine.start(asyncio.get_running_loop())
+        yield
+        state.engine.stop()
+
+    app = FastAPI(title="kvmesh engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        if "x-request-id" in request.headers:
+            exc.headers.setdefault("X-Request-Id", request.headers["x-request-id"])
+        if exc.status >= 500:
+            log.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return JSONResponse(error_body(400, str(exc)), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_auth(state, request)
+        return await _Handler(state, request, "completion").handle(CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_auth(state, request)
+        return await _Handler(state, request, "chat").handle(ChatCompletionRequest)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(state, request)
+        eng = state.engine
+        return {"object": "list", "data": [{
+            "id": state.config.served_model_name, "object": "model", "created": int(state.started),
+            "owned_by": "kvmesh", "root": str(eng.engine_args.model), "parent": None,
+            "max_model_len": eng.max_model_len or None}]}
+
+    @app.get("/health")
+    async def health():
+        if state.engine.load_error is not None:
+            return JSONResponse({"status": "error", "error": str(state.engine.load_error)}, status_code=500)
+        if state.engine.loaded.is_set() and not state.engine.alive:
+            return JSONResponse({"status": "error", "error": "engine thread exited"}, status_code=500)
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if state.ready:
+            return {"status": "ready"}
+        reason = "draining" if state.draining else "loading" if not state.engine.loaded.is_set() else "engine down"
+        return JSONResponse({"status": reason}, status_code=503)
+
+    @app.get("/load")
+    async def load():
+        snap = state.engine.snapshot()
+        return {"model": state.config.served_model_name, "kv_cache_usage": snap["kv_cache_usage"],
+                "num_running": snap["num_running"], "num_waiting": snap["num_waiting"],
+                "num_total_blocks": snap["num_total_blocks"], "num_in_flight": state.engine.num_in_flight,
+                "draining": state.draining, "ready": state.ready, "timestamp": time.time()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

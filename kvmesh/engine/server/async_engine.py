@@ -1,0 +1,245 @@
+"""The engine thread and its asyncio bridge.
+
+``LLMEngine`` is not thread-safe, so one dedicated thread owns it. The asyncio side
+talks to it only through a thread-safe command queue (add / abort / stop), drained
+between steps; the thread blocks on that queue when it has nothing to do (no
+spinning). Each step's outputs are handed back to the event loop in one
+``call_soon_threadsafe`` call that fans them out to per-request asyncio queues.
+
+Tokenisation and chat templating happen on the HTTP side (the tokenizer is safe to
+call from any thread), and ``prompt_token_ids`` are passed in, so a long prompt
+never delays a step. Detokenisation (and stop strings) still runs inside
+``LLMEngine.step`` on the engine thread; it is incremental and cheap per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.engine.config import EngineArgs
+from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
+
+log = logging.getLogger("kvmesh.server.engine")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while this request was in flight; the request was aborted."""
+
+
+@dataclass
+class RequestStream:
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class AsyncEngine:
+    """Runs an LLMEngine in its own thread; ``generate()`` is an async iterator of outputs."""
+
+    def __init__(self, engine_args: EngineArgs, kv_publisher: Any = None):
+        self.engine_args = engine_args
+        self.kv_publisher = kv_publisher
+        self.engine = None  # LLMEngine, created on the engine thread
+        self.tokenizer = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.stats = None  # EngineStats snapshot, refreshed by the engine thread after each step
+        self.loaded = threading.Event()
+        self.load_error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # touched only on the event loop
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self.num_step_errors = 0
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._commands.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def wait_loaded(self) -> None:
+        while not self.loaded.is_set():
+            if self.load_error is not None:
+                raise EngineDeadError(f"engine failed to load: {self.load_error}")
+            await asyncio.sleep(0.05)
+
+    # -- asyncio side -----------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def unique_id(self, request_id: str) -> str:
+        rid, i = request_id, 1
+        while rid in self._streams:
+            rid = f"{request_id}-{i}"
+            i += 1
+        return rid
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Checks that need the model (thread-safe: reads immutable config only)."""
+        self.engine.core.validate_prompt(prompt_token_ids)
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidParameter("stop_token_ids", f"token id {bad[0]} is outside the vocabulary")
+
+    def add(self, request_id: str, prompt: str | list[int], prompt_token_ids: list[int],
+            params: SamplingParams, cache_salt: str | None = None) -> RequestStream:
+        if not self.alive:
+            raise EngineDeadError("the engine thread is not running")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt, prompt_token_ids, params, cache_salt))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            self._commands.put(("abort", [request_id]))
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's stream."""
+        self._streams.pop(request_id, None)
+
+    def _deliver(self, items: list[tuple[str, Any]]) -> None:
+        # On the event loop: fan one step's outputs out to their request queues.
+        for rid, item in items:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            if isinstance(item, BaseException) or item.finished:
+                stream.finished = True
+            stream.queue.put_nowait(item)
+
+    # -- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            from kvmesh.engine.llm_engine import LLMEngine
+
+            self.engine = LLMEngine(self.engine_args)
+            self.tokenizer = self.engine.tokenizer
+            self.max_model_len = self.engine.max_model_len
+            self.vocab_size = self.engine.core.model_config.vocab_size
+            self.stats = self.engine.core.stats()
+            self._publish_events()
+            self.loaded.set()
+        except BaseException as exc:  # noqa: BLE001 - reported through /health and logs
+            log.exception("engine failed to load")
+            self.load_error = exc
+            return
+        engine = self.engine
+        while True:
+            # Block when idle; otherwise take whatever arrived since the last step.
+            cmds = []
+            if not engine.has_unfinished_requests():
+                cmds.append(self._commands.get())
+            while True:
+                try:
+                    cmds.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            if any(cmd[0] == "stop" for cmd in cmds):
+                self._stopped.set()
+                return
+            try:
+                items = self._iteration(cmds)
+            except Exception as exc:  # noqa: BLE001 - never let the engine thread die silently
+                items = self._fail_all(exc)
+            if items:
+                self._loop.call_soon_threadsafe(self._deliver, items)
+
+    def _iteration(self, cmds: list[tuple]) -> list[tuple[str, Any]]:
+        """Apply commands, run one step, publish its KV events; returns what to deliver."""
+        engine = self.engine
+        items: list[tuple[str, Any]] = []
+        for cmd in cmds:
+            if cmd[0] == "add":
+                _, rid, prompt, ids, params, salt = cmd
+                try:
+                    engine.add_request(prompt, params, request_id=rid, cache_salt=salt, prompt_token_ids=ids)
+                except Exception as exc:  # noqa: BLE001 - answered to that request only
+                    items.append((rid, exc))
+            elif cmd[0] == "abort":
+                engine.abort_request(cmd[1])
+        if engine.has_unfinished_requests():
+            items.extend((o.request_id, o) for o in engine.step())
+        self._publish_events()
+        self.stats = engine.core.stats()
+        return items
+
+    def _fail_all(self, exc: Exception) -> list[tuple[str, Any]]:
+        self.num_step_errors += 1
+        log.exception("engine step failed; aborting all in-flight requests")
+        engine = self.engine
+        rids = list(engine.states)
+        try:
+            engine.abort_request(rids)
+            engine.core.step()  # flush the abort outputs
+        except Exception:  # noqa: BLE001
+            log.exception("cleanup after a failed step failed too")
+        for rid in rids:
+            engine.states.pop(rid, None)
+        try:
+            self._publish_events()
+            self.stats = engine.core.stats()
+        except Exception:  # noqa: BLE001
+            log.exception("KV events / stats after a failed step")
+        err = EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
+        return [(rid, err) for rid in rids]
+
+    def _publish_events(self) -> None:
+        if self.kv_publisher is None:
+            return
+        events = self.engine.core.take_kv_events()
+        if events:
+            self.kv_publisher.publish(events)
+
+    # -- the generator ------------------------------------------------------------------
+    async def stream_outputs(self, stream: RequestStream):
+        """Yield RequestOutputs of one request until it finishes; aborts it if the consumer leaves."""
+        done = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                yield item
+                if item.finished:
+                    done = True
+                    return
+        finally:
+            if done:
+                self.release(stream.request_id)
+            else:
+                self.abort(stream.request_id)
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.stats
+        if s is None:
+            return {"kv_cache_usage": 0.0, "num_running": 0, "num_waiting": 0, "num_total_blocks": 0}
+        return {"kv_cache_usage": s.kv_cache_usage, "num_running": s.num_running,
+                "num_waiting": s.num_waiting, "num_total_blocks": s.num_total_blocks,
+                "num_free_blocks": s.num_free_blocks}
+

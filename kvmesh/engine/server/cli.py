@@ -1,0 +1,161 @@
+"""`kvmesh serve`: one engine replica (the engine container of each pod).
+
+Flags follow docs/cli.md (the operator renders pods with exactly these); this module
+adds a few of its own (--max-body-bytes, --device, --seed, --log-level).
+
+Signals: uvicorn's own handlers are replaced. The first SIGTERM (or SIGINT) starts a
+graceful drain: /ready turns 503, new requests get 503, in-flight requests finish for
+up to --drain-timeout seconds, then the server stops and the process exits 0. A
+second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+
+log = logging.getLogger("kvmesh.server")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    bool_flag = argparse.BooleanOptionalAction
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="built-in model name or a Hugging Face directory")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the `model` clients ask for; also the block-key model identity")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", default="4GiB", help="KV cache size in bytes (e.g. 2GiB)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--enable-prefix-caching", action=bool_flag, default=True)
+    parser.add_argument("--enable-chunked-prefill", action=bool_flag, default=True)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-waiting", type=int, default=1024,
+                        help="waiting-queue bound; over it requests get 429")
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                        help="largest accepted request body; larger ones get 413")
+    parser.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
+                        help="required on every /v1 route when set (env KVMESH_API_KEY)")
+    parser.add_argument("--kv-events-endpoint", default=None,
+                        help="ZMQ PUB bind address for KV events, e.g. tcp://*:5557 (off by default)")
+    parser.add_argument("--kv-events-replay-endpoint", default=None,
+                        help="ZMQ ROUTER bind address for KV-event replay, e.g. tcp://*:5558")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM: how long in-flight requests may finish (seconds)")
+    parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", "info"))
+
+
+def build_state(args: argparse.Namespace):
+    from kvmesh.engine.config import EngineArgs
+    from kvmesh.engine.server.api import ServerConfig, ServerState
+    from kvmesh.engine.server.async_engine import AsyncEngine
+
+    engine_args = EngineArgs(
+        model=args.model, served_model_name=args.served_model_name, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill, dtype=args.dtype, device=args.device,
+        seed=args.seed, enable_kv_events=bool(args.kv_events_endpoint))
+    engine_args.validate()
+    publisher = None
+    if args.kv_events_endpoint:
+        from kvmesh.common.kv_events import KVEventPublisher
+
+        publisher = KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint)
+        log.info("KV events: PUB %s, replay %s", publisher.endpoint, publisher.replay_endpoint)
+    engine = AsyncEngine(engine_args, publisher)
+    config = ServerConfig(served_model_name=args.served_model_name or args.model, api_key=args.api_key or None,
+                          max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
+                          max_body_bytes=args.max_body_bytes)
+    return ServerState(engine, config)
+
+
+def _make_server(app, host: str, port: int, log_level: str):
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # ours are installed by serve(); uvicorn's would cut streams
+            yield
+
+        def install_signal_handlers(self) -> None:  # older uvicorn
+            pass
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=2, timeout_keep_alive=5, access_log=False)
+    return _Server(config)
+
+
+async def serve(state, host: str, port: int, drain_timeout: float, log_level: str = "info") -> int:
+    from kvmesh.engine.server.api import build_app
+
+    app = build_app(state)
+    server = _make_server(app, host, port, log_level)
+    loop = asyncio.get_running_loop()
+    rc = 0
+
+    async def drain() -> None:
+        drained = await state.wait_drained(drain_timeout)
+        if not drained:
+            log.warning("drain timeout (%.0fs): %d requests still in flight are cut",
+                        drain_timeout, state.engine.num_in_flight)
+        else:
+            log.info("drained: all in-flight requests finished")
+        server.should_exit = True
+
+    def on_signal(sig: signal.Signals) -> None:
+        if state.draining:
+            log.warning("second %s: stopping now", sig.name)
+            server.force_exit = True
+            server.should_exit = True
+            return
+        log.info("%s received: draining (up to %.0fs)", sig.name, drain_timeout)
+        state.begin_drain()
+        loop.create_task(drain())
+
+    async def watch_load() -> None:
+        nonlocal rc
+        try:
+            await state.engine.wait_loaded()
+            log.info("model %s loaded; ready", state.config.served_model_name)
+        except Exception as exc:  # noqa: BLE001
+            log.error("%s", exc)
+            rc = 1
+            server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    watcher = loop.create_task(watch_load())
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if state.engine.kv_publisher is not None:
+            state.engine.kv_publisher.close()
+    if not server.started and rc == 0:
+        rc = 1  # could not bind, or startup failed
+    return rc
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        state = build_state(args)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    return asyncio.run(serve(state, args.host, args.port, args.drain_timeout, args.log_level.lower()))

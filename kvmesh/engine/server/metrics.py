@@ -1,0 +1,99 @@
+"""Prometheus metrics with vLLM's names (contract 5).
+
+Engine-side values (KV usage, queue lengths, cumulative token and prefix-cache
+counters) are read from the engine thread's latest stats snapshot at scrape time by
+a custom collector, so the engine loop pays nothing per step. Latency histograms and
+request outcomes are observed on the HTTP side as outputs arrive.
+
+prometheus_client appends ``_total`` to counters: ``vllm:prompt_tokens_total`` etc.
+Each server gets its own registry (several servers can live in one test process).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine, model_name: str, is_draining):
+        self.engine = engine
+        self.model_name = model_name
+        self.is_draining = is_draining
+
+    def collect(self):
+        labels = ["model_name"]
+        value = [self.model_name]
+        s = self.engine.stats
+
+        def gauge(name, doc, v):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(value, v)
+            return g
+
+        def counter(name, doc, v):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(value, v)
+            return c
+
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent usage.",
+                    s.kv_cache_usage if s else 0.0)
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                    s.num_running if s else 0)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                    s.num_waiting if s else 0)
+        yield gauge("kvmesh:num_kv_blocks", "Total KV-cache blocks.", s.num_total_blocks if s else 0)
+        yield gauge("kvmesh:num_requests_in_flight", "Requests admitted by the server and not finished.",
+                    self.engine.num_in_flight)
+        yield gauge("kvmesh:draining", "1 while the server drains after SIGTERM.",
+                    1.0 if self.is_draining() else 0.0)
+        args = self.engine.engine_args
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV-cache config.",
+                                 labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"])
+        info.add_metric([str(args.block_size), str(s.num_total_blocks if s else 0),
+                         str(args.enable_prefix_caching), str(args.dtype)], 1.0)
+        yield info
+        yield counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.",
+                      s.prefix_cache_queries if s else 0)
+        yield counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", s.prefix_cache_hits if s else 0)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", s.num_preemptions if s else 0)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens if s else 0)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                      s.generation_tokens if s else 0)
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str, is_draining=lambda: False):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name, is_draining))
+        r = self.registry
+        ProcessCollector(registry=r)  # process_start_time_seconds: the sidecar detects engine restarts
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              ["model_name"], buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ["model_name"], buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
+                             ["model_name"], buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               ["model_name", "finished_reason"], registry=r)
+        self.rejected = Counter("kvmesh:requests_rejected", "Requests refused before reaching the engine.",
+                                ["model_name", "reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name, reason)
+
+    def request_finished(self, reason: str | None) -> None:
+        self.success.labels(self.model_name, reason or "abort").inc()
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,145 @@
+"""Request models of the OpenAI API (plus vLLM's extensions), validated with pydantic.
+
+Unknown fields are ignored, as OpenAI-compatible servers do. Responses are plain
+dicts built in ``api.py``; their shapes follow OpenAI's API reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise InvalidParameter(name, f"{name} is not supported (must be 0)")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            n=self.n,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompt_input(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise InvalidParameter("prompt", "batched prompts are not supported: send one prompt per request")
+            p = p[0]
+        if isinstance(p, list) and not p:
+            raise InvalidParameter("prompt", "prompt is empty: it must contain at least one token")
+        return p
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise InvalidParameter("echo", "echo is not supported")
+        if self.suffix:
+            raise InvalidParameter("suffix", "suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise InvalidParameter("best_of", "best_of must be 1")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        d = self.model_dump(exclude_none=True)
+        content = self.content
+        if isinstance(content, list):  # content parts: only text is supported
+            texts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise InvalidParameter("messages", f"unsupported content part type {part.get('type')!r}")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        d["content"] = content or ""
+        return d
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
+        n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(max_tokens, n_logprobs)
+
+
+def first_error_param(exc: ValidationError) -> tuple[str, str]:
+    """(param, message) of a pydantic error, param in OpenAI's dotted style (messages.0.role)."""
+    err = exc.errors()[0]
+    loc = [str(x) for x in err.get("loc", ()) if not str(x).startswith(("function-", "union["))]
+    # pydantic puts the union member type names into loc ("str", "list[int]"); drop them.
+    loc = [x for x in loc if x not in ("str", "int", "list[int]", "list[str]", "list[list[int]]")]
+    param = ".".join(loc) or None
+    return param or "body", f"{param or 'body'}: {err.get('msg', 'invalid value')}"

@@ -1,0 +1,74 @@
+"""Shared fixtures: a tiny model, and a real server on loopback in a background thread."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.tiny_model import build_tiny_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadServer:
+    """`kvmesh serve` in a thread of the test process (same code path, minus signal handling)."""
+
+    def __init__(self, argv: list[str]):
+        from kvmesh.engine.server import cli
+        from kvmesh.engine.server.api import build_app
+
+        self.port = free_port()
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        self.args = parser.parse_args(list(argv) + ["--host", "127.0.0.1", "--port", str(self.port)])
+        self.state = cli.build_state(self.args)
+        self.app = build_app(self.state)
+        self.server = cli._make_server(self.app, "127.0.0.1", self.port, "warning")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
+
+    def start(self, timeout: float = 180.0) -> "ThreadServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.state.engine.load_error is not None:
+                raise RuntimeError(f"engine failed to load: {self.state.engine.load_error}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("server did not become ready")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        if self.state.engine.kv_publisher is not None:
+            self.state.engine.kv_publisher.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(interval)

@@ -1,0 +1,118 @@
+"""Graceful drain: a real `kvmesh serve` process receives SIGTERM with a stream in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.server.conftest import free_port, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _spawn(tiny_model: str, port: int, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.cli", "serve", "--model", tiny_model, "--served-model-name", "tiny",
+         "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", "128", "--log-level", "info", *extra],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen) -> None:
+    def ready():
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            return httpx.get(url + "/ready", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(ready, timeout=120, interval=0.1)
+
+
+def test_sigterm_finishes_in_flight_stream_then_exits_0(tiny_model):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _spawn(tiny_model, port, "--drain-timeout", "60")
+    try:
+        _wait_ready(url, proc)
+        events: list[str] = []
+        first = threading.Event()
+
+        def consume():
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "prompt": "drain me", "max_tokens": 150, "ignore_eos": True, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first.set()
+
+        t = threading.Thread(target=consume)
+        t.start()
+        assert first.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        # Draining: not ready, and new requests are refused.
+        wait_for(lambda: httpx.get(url + "/ready", timeout=2).status_code == 503, timeout=5)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["type"]
+        assert httpx.get(url + "/load", timeout=2).json()["draining"] is True
+        t.join(60)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = proc.stdout.read()
+    assert "drained" in out
+
+
+def test_drain_timeout_cuts_and_still_exits_0(tiny_model):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _spawn(tiny_model, port, "--drain-timeout", "0.5")
+    try:
+        _wait_ready(url, proc)
+        got = threading.Event()
+
+        def consume():
+            try:
+                with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                        "prompt": "too long", "max_tokens": 1900, "ignore_eos": True, "stream": True}) as r:
+                    for _ in r.iter_lines():
+                        got.set()
+            except httpx.HTTPError:
+                pass
+
+        t = threading.Thread(target=consume, daemon=True)
+        t.start()
+        assert got.wait(30)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert time.monotonic() - start < 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_model_that_fails_to_load_exits_nonzero(tmp_path):
+    port = free_port()
+    proc = _spawn(str(tmp_path), port)  # an empty directory: no config.json
+    try:
+        assert proc.wait(120) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "config.json" in proc.stdout.read()
