@@ -143,6 +143,14 @@ class Mesh:
                 time.sleep(0.1)
         raise SystemExit("kvmesh up: the embedded Redis did not start")
 
+    def _engine_env(self) -> dict[str, str]:
+        # Engines share this machine's cores: give each its slice, or their OpenMP
+        # thread pools oversubscribe the CPU and every parallel op waits on a descheduled thread.
+        env = dict(self.env if self.env is not None else os.environ)
+        if "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, self.args.replicas)))
+        return env
+
     def add_replica(self) -> Replica:
         i = self.next_index
         self.next_index += 1
@@ -152,7 +160,7 @@ class Mesh:
                       events_port=ev, replay_port=rp, events_endpoint=f"tcp://127.0.0.1:{ev}",
                       replay_endpoint=f"tcp://127.0.0.1:{rp}", index=i)
         argv = shlex.split(self.engine_template.format(**fields)) + shlex.split(self.args.engine_args or "")
-        engine = Child(f"engine-{i}", argv, self.env).start()
+        engine = Child(f"engine-{i}", argv, self._engine_env()).start()
         sidecar = Child(f"sidecar-{i}", [
             self.python, "-m", "kvmesh.cli", "sidecar", "--engine-url", f"http://127.0.0.1:{port}",
             "--kv-events-endpoint", f"tcp://127.0.0.1:{ev}", "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rp}",
