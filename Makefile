@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup up demo test test-fast bench-offline bench-serve clean
+.PHONY: setup up demo test test-fast bench-offline bench-serve bench-router clean
 
 setup: $(STAMP)
 
@@ -38,3 +38,6 @@ clean:
 
 bench-serve: setup
 	$(PY) bench/serve.py --compare
+
+bench-router: setup
+	$(PY) bench/router.py overhead

@@ -17,7 +17,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kvmesh.router.up_cli", "run a local mesh: Redis, engines with sidecars, router"),
     "status": ("kvmesh.router.status_cli", "show the replicas of a running mesh"),
     "operator": ("kvmesh.operator.cli", "run the Kubernetes operator"),
-    "bench": ("kvmesh.bench_cli", "run a benchmark"),
     "convert": ("kvmesh.engine.cli_convert", "convert the built-in model (GGUF) to a Hugging Face directory"),
 }
 

@@ -20,6 +20,9 @@ VARIANTS = {
         arch="llama", tie_word_embeddings=False, rope_theta=50000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),
+    # Plain Llama 2 style: default RoPE, a longer context (server tests).
+    "tiny-llama-plain": dict(arch="llama", tie_word_embeddings=False, rope_theta=10000.0,
+                             max_position_embeddings=2048),
     # Qwen2 style: q/k/v bias, tied embeddings.
     "tiny-qwen2": dict(arch="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
 }
@@ -29,11 +32,14 @@ def build_tiny_model(path: Path, variant: str = "tiny-llama", seed: int = 0) -> 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    if (path / "config.json").exists():
+        return path  # already built
     spec = dict(VARIANTS[variant])
     arch = spec.pop("arch")
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    common.update({k: spec.pop(k) for k in list(spec) if k in common})
     torch.manual_seed(seed)
     if arch == "llama":
         rope_scaling = spec.pop("rope_scaling", None)

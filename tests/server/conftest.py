@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.tiny_model import build_tiny_model
+from tests.tiny_models import build_tiny_model
 
 
 def free_port() -> int:
@@ -60,7 +60,7 @@ class ThreadServer:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "tiny-llama-plain"))
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
