@@ -241,11 +241,11 @@ QUESTIONS = ["What is a KV cache?", "Why does prefix caching help chat?", "Expla
 
 
 async def chat_workload(base: str, model: str, conversations: int, rounds: int, concurrency: int,
-                        max_tokens: int) -> dict:
+                        max_tokens: int, system_repeat: int = 2) -> dict:
     import aiohttp
 
     system = ("You are a patient systems tutor. You answer precisely, you cite trade-offs, and you keep "
-              "answers short. ") * 8
+              "answers short. ") * system_repeat
     stats = {"prompt_tokens": 0, "cached_tokens": 0, "ttft": [], "errors": 0, "pods": {}}
     sem = asyncio.Semaphore(concurrency)
 
@@ -298,8 +298,19 @@ async def chat_workload(base: str, model: str, conversations: int, rounds: int, 
 def report(policy: str, st: dict) -> None:
     hit = st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0
     ttft = st["ttft"] or [float("nan")]
+    rate = f"  {st['prompt_tokens'] / st['wall']:7.1f} prompt tok/s" if st.get("wall") else ""
     print(f"  {policy:12s} hit rate {hit:6.1%}  TTFT p50 {pct(ttft, 50) * 1000:8.1f} ms  p90 "
-          f"{pct(ttft, 90) * 1000:8.1f} ms  errors {st['errors']}  per pod {dict(sorted(st['pods'].items()))}")
+          f"{pct(ttft, 90) * 1000:8.1f} ms{rate}  errors {st['errors']}  per pod {dict(sorted(st['pods'].items()))}")
+
+
+def compare(results: dict[str, dict]) -> None:
+    if "prefix" not in results or "round-robin" not in results:
+        return
+    p, r = results["prefix"], results["round-robin"]
+    hit = lambda st: st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0  # noqa: E731
+    print(f"  prefix vs round-robin: hit rate {hit(p) / max(hit(r), 1e-9):.2f}x (target >= 1.5x), "
+          f"median TTFT {pct(p['ttft'], 50) / pct(r['ttft'], 50):.2f}x (target <= 0.7x), "
+          f"throughput {r['wall'] / p['wall']:.2f}x")
 
 
 def multiround(args: argparse.Namespace) -> None:
@@ -309,24 +320,31 @@ def multiround(args: argparse.Namespace) -> None:
         report("(as running)", st)
         return
     print(f"multi-round chat: {args.conversations} conversations x {args.rounds} rounds, concurrency "
-          f"{args.concurrency}, {args.replicas} replicas")
+          f"{args.concurrency}, {args.replicas} replicas, engine args {args.engine_args!r}")
+    results: dict[str, dict] = {}
     for policy in args.policies.split(","):
         port = free_port()
         cmd = [sys.executable, "-m", "kvmesh.cli", "up", "--replicas", str(args.replicas), "--port", str(port),
                "--policy", policy, "--state-file", os.path.join(tempfile.mkdtemp(), "up.json")]
         if args.engine_command:
             cmd += ["--engine-command", args.engine_command]
+        if args.engine_args:
+            cmd += ["--engine-args", args.engine_args]
         up = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL if not args.verbose else None,
                               stderr=subprocess.STDOUT)
         try:
             wait_http(f"http://127.0.0.1:{port}/ready", timeout=900)
             time.sleep(1.5)  # all replicas registered
+            t0 = time.perf_counter()
             st = asyncio.run(chat_workload(f"http://127.0.0.1:{port}", args.model, args.conversations, args.rounds,
-                                           args.concurrency, args.max_tokens))
+                                           args.concurrency, args.max_tokens, args.system_repeat))
+            st["wall"] = time.perf_counter() - t0
             report(policy, st)
+            results[policy] = st
         finally:
             up.send_signal(signal.SIGTERM)
             up.wait(120)
+    compare(results)
 
 
 def main() -> None:
@@ -345,11 +363,14 @@ def main() -> None:
     m.add_argument("--replicas", type=int, default=2)
     m.add_argument("--policies", default="prefix,round-robin")
     m.add_argument("--engine-command", default=None, help="e.g. 'stub' for the stub engine")
+    m.add_argument("--engine-args", default="--num-kv-blocks 96",
+                   help="extra engine flags; the default keeps each cache below the working set")
     m.add_argument("--model", default="smollm2-135m-instruct")
-    m.add_argument("--conversations", type=int, default=8)
-    m.add_argument("--rounds", type=int, default=4)
+    m.add_argument("--conversations", type=int, default=12)
+    m.add_argument("--rounds", type=int, default=6)
     m.add_argument("--concurrency", type=int, default=4)
-    m.add_argument("--max-tokens", type=int, default=16)
+    m.add_argument("--max-tokens", type=int, default=48)
+    m.add_argument("--system-repeat", type=int, default=2, help="length of the shared system prompt (x ~20 tokens)")
     m.add_argument("--verbose", action="store_true")
     args = p.parse_args()
     overhead(args) if args.what == "overhead" else multiround(args)

@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="'none' with --static-backends for no Redis at all")
     p.add_argument("--static-backends", default=None, help="URL,URL: route to a fixed list of engines")
     p.add_argument("--policy", choices=["prefix", "least-load", "round-robin", "session"], default="prefix")
-    p.add_argument("--weights", default="prefix=1.0,kv=0.5,queue=0.5")
+    p.add_argument("--weights", default="prefix=1.0,kv=0.5,queue=1.0")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--api-keys-file", default=None,
                    help="API keys, one per line (env KVMESH_API_KEYS: a path or the keys themselves)")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 class Weights:
     prefix: float = 1.0
     kv: float = 0.5
-    queue: float = 0.5
+    queue: float = 1.0
 
     @classmethod
     def parse(cls, text: str | None) -> "Weights":

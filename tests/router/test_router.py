@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from kvmesh.common import redis_layout as rl
+from kvmesh.router.scoring import Weights
 from kvmesh.router.auth import hash_key
 from tests.router.conftest import wait_until
 
@@ -91,7 +92,8 @@ def test_hotspot_guard_moves_load_off_a_saturated_pod(mesh, router_factory, redi
     prompt = text(3, 300)
     complete(stubs[0].url, prompt)
     wait_until(lambda: blocks_in_redis(r, model_name, "pod-0") > 5, 5)
-    router = router_factory(model=model_name, redis_url=redis_server.url)
+    # Prefix only: the load terms of the score cannot move the request, only the guard can.
+    router = router_factory(model=model_name, redis_url=redis_server.url, weights=Weights(1.0, 0.0, 0.0))
     assert complete(router.url, prompt).headers["x-kvmesh-pod"] == "pod-0"
     stubs[0].config(waiting=40)  # saturated: far above pod-1's load
     wait_until(lambda: r.hget(rl.heartbeat_key(model_name, "pod-0"), "waiting") == "40", 5)
