@@ -162,7 +162,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
         "weights": _obj("Routing-score weights (--weights).", {
             "prefix": _num("Weight of the prefix match.", default=1.0, minimum=0),
             "kv": _num("Weight of the KV usage.", default=0.5, minimum=0),
-            "queue": _num("Weight of the queue share.", default=1.0, minimum=0),
+            "queue": _num("Weight of the queue share.", default=0.5, minimum=0),
         }, default={}),
         "apiKeySecretRef": _secret_ref("Secret with API keys, one per line.", "api-keys"),
         "serviceType": _str("Router Service type.", enum=["ClusterIP", "NodePort", "LoadBalancer"],

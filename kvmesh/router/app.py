@@ -56,7 +56,7 @@ class RouterConfig:
     eject_after: int = 3
     eject_seconds: float = 10.0
     hot_ratio: float = 2.0
-    hot_min: int = 4
+    hot_min: int = 2
     session_header: str = "x-session-id"
     redis_timeout: float = 0.25
     redis_retry_after: float = 1.0

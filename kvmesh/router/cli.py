@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="'none' with --static-backends for no Redis at all")
     p.add_argument("--static-backends", default=None, help="URL,URL: route to a fixed list of engines")
     p.add_argument("--policy", choices=["prefix", "least-load", "round-robin", "session"], default="prefix")
-    p.add_argument("--weights", default="prefix=1.0,kv=0.5,queue=1.0")
+    p.add_argument("--weights", default="prefix=1.0,kv=0.5,queue=0.5")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--api-keys-file", default=None,
                    help="API keys, one per line (env KVMESH_API_KEYS: a path or the keys themselves)")
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eject-after", type=int, default=3, help="consecutive failures that eject a pod")
     p.add_argument("--eject-seconds", type=float, default=10.0)
     p.add_argument("--hotspot-ratio", type=float, default=2.0)
-    p.add_argument("--hotspot-min-load", type=int, default=4)
+    p.add_argument("--hotspot-min-load", type=int, default=2)
     p.add_argument("--session-header", default="X-Session-Id")
     p.add_argument("--redis-timeout", type=float, default=0.25)
     p.add_argument("--refresh-interval", type=float, default=0.5, help="heartbeat re-read period")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 class Weights:
     prefix: float = 1.0
     kv: float = 0.5
-    queue: float = 1.0
+    queue: float = 0.5
 
     @classmethod
     def parse(cls, text: str | None) -> "Weights":
@@ -66,7 +66,7 @@ def mark_hot(cands: list[Candidate], hot_ratio: float, hot_min: int) -> None:
 
 
 def rank(cands: list[Candidate], total_blocks: int, weights: Weights, tie_key: bytes,
-         hot_ratio: float = 2.0, hot_min: int = 4) -> list[Candidate]:
+         hot_ratio: float = 2.0, hot_min: int = 2) -> list[Candidate]:
     """Best first. Hot pods go last (they stay as retry candidates)."""
     total_load = sum(c.load for c in cands)
     for c in cands:

@@ -81,7 +81,7 @@ def test_engine_defaults_match_kvmesh_serve():
     assert d["engine"]["maxNumBatchedTokens"] == 2048 and d["engine"]["maxNumSeqs"] == 128
     assert d["engine"]["enablePrefixCaching"] is True and d["engine"]["enableChunkedPrefill"] is True
     assert d["engine"]["dtype"] == "auto" and d["engine"]["drainTimeoutSeconds"] == 30
-    assert d["router"] == {"replicas": 1, "policy": "prefix", "weights": {"prefix": 1.0, "kv": 0.5, "queue": 1.0},
+    assert d["router"] == {"replicas": 1, "policy": "prefix", "weights": {"prefix": 1.0, "kv": 0.5, "queue": 0.5},
                            "serviceType": "ClusterIP"}
     assert d["redis"] == {"mode": "managed"}
     a = specs.apply_defaults({"model": {"builtin": "x"}, "autoscaling": {"maxReplicas": 3}})["autoscaling"]

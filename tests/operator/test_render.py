@@ -109,7 +109,7 @@ def test_engine_args_reflect_spec():
     assert "--no-enable-prefix-caching" in args and "--enable-chunked-prefill" in args
     assert args[args.index("--max-model-len") + 1] == "4096"
     assert args[-2:] == ["--max-waiting", "256"]
-    assert render.router_args(spec)[render.router_args(spec).index("--weights") + 1] == "prefix=2,kv=0.5,queue=1"
+    assert render.router_args(spec)[render.router_args(spec).index("--weights") + 1] == "prefix=2,kv=0.5,queue=0.5"
 
 
 def test_engine_pod_contract():
