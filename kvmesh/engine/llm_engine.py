@@ -49,6 +49,22 @@ class LLMEngine:
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
                     prompt_token_ids: list[int] | None = None) -> str:
+        request_id, ids, params = self.create_state(prompt, params, request_id, prompt_token_ids)
+        try:
+            self.core.add_request(request_id, ids, params, cache_salt)
+        except Exception:
+            self.states.pop(request_id, None)
+            raise
+        return request_id
+
+    def create_state(self, prompt: PromptType, params: SamplingParams | None = None,
+                     request_id: str | None = None, prompt_token_ids: list[int] | None = None
+                     ) -> tuple[str, list[int], SamplingParams]:
+        """The text side of a request (detokenizer, stop strings), without touching the core.
+
+        A server keeps this on its own thread and feeds the core's outputs to
+        process_output(), so detokenisation never runs on the engine thread.
+        """
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if prompt_token_ids is None:
@@ -58,13 +74,12 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= self.core.model_config.vocab_size]
         if bad_stop:
             raise InvalidParameter("stop_token_ids", f"token id {bad_stop[0]} is outside the vocabulary")
-        self.core.add_request(request_id, prompt_token_ids, params, cache_salt)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                        params.include_stop_str_in_output, params.skip_special_tokens)
         self.states[request_id] = _RequestState(
             text, prompt_token_ids, params, detok,
             CompletionOutput(0, "", [], logprobs=[] if params.logprobs is not None else None))
-        return request_id
+        return request_id, prompt_token_ids, params
 
     def abort_request(self, request_ids) -> None:
         self.core.abort_requests(list(request_ids))
@@ -76,10 +91,10 @@ class LLMEngine:
         results: list[RequestOutput] = []
         stopped_by_string: list[str] = []
         for out in self.core.step():
-            ro = self._process(out)
+            ro, by_stop_string = self.process_output(out)
             if ro is None:
                 continue
-            if ro.finished and out.finish_reason is None:
+            if by_stop_string:
                 stopped_by_string.append(out.request_id)
             results.append(ro)
         if stopped_by_string:
@@ -87,6 +102,15 @@ class LLMEngine:
             self.core._pending_aborts = [a for a in self.core._pending_aborts
                                          if a.request_id not in stopped_by_string]
         return results
+
+    def process_output(self, out: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:
+        """Detokenise one core output; (None, False) for a request no longer tracked.
+
+        The flag says a stop string ended the request: the core does not know yet and
+        must be told to abort it.
+        """
+        ro = self._process(out)
+        return ro, ro is not None and ro.finished and out.finish_reason is None
 
     def _process(self, out: EngineCoreOutput) -> RequestOutput | None:
         state = self.states.get(out.request_id)

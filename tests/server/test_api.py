@@ -244,7 +244,7 @@ def test_queue_full_gets_429(http, server, client):
 
 
 def test_engine_failure_is_500_and_server_survives(http, server, monkeypatch):
-    engine = server.state.engine.engine
+    engine = server.state.engine.engine.core  # the engine thread steps the core
     real_step = engine.step
     calls = {"n": 0}
 
@@ -264,7 +264,7 @@ def test_engine_failure_is_500_and_server_survives(http, server, monkeypatch):
 
 
 def test_engine_failure_mid_stream_reports_in_band(http, server, monkeypatch):
-    engine = server.state.engine.engine
+    engine = server.state.engine.engine.core  # the engine thread steps the core
     real_step = engine.step
     calls = {"n": 0}
 

@@ -1,6 +1,6 @@
 """The engine thread and its asyncio bridge.
 
-``LLMEngine`` is not thread-safe, so one dedicated thread owns it. The asyncio side
+The engine core is not thread-safe, so one dedicated thread owns it. The asyncio side
 talks to it only through a thread-safe command queue (add / abort / stop), drained
 between steps; the thread blocks on that queue when it has nothing to do (no
 spinning). Each step's outputs are handed back to the event loop in one
@@ -8,8 +8,9 @@ spinning). Each step's outputs are handed back to the event loop in one
 
 Tokenisation and chat templating happen on the HTTP side (the tokenizer is safe to
 call from any thread), and ``prompt_token_ids`` are passed in, so a long prompt
-never delays a step. Detokenisation (and stop strings) still runs inside
-``LLMEngine.step`` on the engine thread; it is incremental and cheap per token.
+never delays a step. The engine thread steps only the core (token ids in, token ids
+out); detokenisation and stop strings run on the event loop when outputs are delivered
+(``LLMEngine.process_output``), and a stop string sends an abort back to the core.
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ class AsyncEngine:
             raise EngineDeadError("the engine thread is not running")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
+        # The text side (detokenizer, stop strings) lives on this thread, not the engine's.
+        self.engine.create_state(prompt, params, request_id, prompt_token_ids)
         self._commands.put(("add", request_id, prompt, prompt_token_ids, params, cache_salt))
         return stream
 
@@ -123,8 +126,16 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
 
     def _deliver(self, items: list[tuple[str, Any]]) -> None:
-        # On the event loop: fan one step's outputs out to their request queues.
+        # On the event loop: detokenise one step's core outputs and fan them out.
         for rid, item in items:
+            if isinstance(item, BaseException):
+                self.engine.states.pop(rid, None)
+            else:
+                item, by_stop_string = self.engine.process_output(item)
+                if item is None:
+                    continue
+                if by_stop_string:
+                    self._commands.put(("abort", [rid]))  # the core still runs it
             stream = self._streams.get(rid)
             if stream is None:
                 continue
@@ -177,13 +188,14 @@ class AsyncEngine:
             if cmd[0] == "add":
                 _, rid, prompt, ids, params, salt = cmd
                 try:
-                    engine.add_request(prompt, params, request_id=rid, cache_salt=salt, prompt_token_ids=ids)
+                    engine.core.add_request(rid, ids, params, salt)
                 except Exception as exc:  # noqa: BLE001 - answered to that request only
                     items.append((rid, exc))
             elif cmd[0] == "abort":
-                engine.abort_request(cmd[1])
-        if engine.has_unfinished_requests():
-            items.extend((o.request_id, o) for o in engine.step())
+                engine.core.abort_requests(cmd[1])
+        if engine.has_unfinished_requests() or engine.core._pending_aborts:
+            # Token ids only: detokenisation happens on the event loop (_deliver).
+            items.extend((o.request_id, o) for o in engine.core.step())
         self._publish_events()
         self.stats = engine.core.stats()
         return items
@@ -192,14 +204,12 @@ class AsyncEngine:
         self.num_step_errors += 1
         log.exception("engine step failed; aborting all in-flight requests")
         engine = self.engine
-        rids = list(engine.states)
+        rids = list(engine.core.scheduler.requests)
         try:
-            engine.abort_request(rids)
+            engine.core.abort_requests(rids)
             engine.core.step()  # flush the abort outputs
         except Exception:  # noqa: BLE001
             log.exception("cleanup after a failed step failed too")
-        for rid in rids:
-            engine.states.pop(rid, None)
         try:
             self._publish_events()
             self.stats = engine.core.stats()
