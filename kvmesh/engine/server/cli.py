@@ -21,25 +21,13 @@ import signal
 log = logging.getLogger("kvmesh.server")
 
 
+from kvmesh.engine.cli_args import add_engine_arguments, engine_args_from
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    bool_flag = argparse.BooleanOptionalAction
-    parser.add_argument("--model", default="smollm2-135m-instruct",
-                        help="built-in model name or a Hugging Face directory")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the `model` clients ask for; also the block-key model identity")
+    add_engine_arguments(parser)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", default="4GiB", help="KV cache size in bytes (e.g. 2GiB)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--enable-prefix-caching", action=bool_flag, default=True)
-    parser.add_argument("--enable-chunked-prefill", action=bool_flag, default=True)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-waiting", type=int, default=1024,
                         help="waiting-queue bound; over it requests get 429")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
@@ -56,17 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_state(args: argparse.Namespace):
-    from kvmesh.engine.config import EngineArgs
     from kvmesh.engine.server.api import ServerConfig, ServerState
     from kvmesh.engine.server.async_engine import AsyncEngine
 
-    engine_args = EngineArgs(
-        model=args.model, served_model_name=args.served_model_name, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill, dtype=args.dtype, device=args.device,
-        seed=args.seed, enable_kv_events=bool(args.kv_events_endpoint))
+    engine_args = engine_args_from(args, enable_kv_events=bool(args.kv_events_endpoint))
     engine_args.validate()
     publisher = None
     if args.kv_events_endpoint:
