@@ -132,18 +132,22 @@ class EngineCore:
         self.scheduler.add_request(request)
         return request
 
-    def abort_requests(self, request_ids) -> None:
+    def abort_requests(self, request_ids, report: bool = True) -> None:
+        """End requests and free their blocks; with `report`, the next step emits an
+        "abort" output for each (a caller that already finished them passes False)."""
         for rid in request_ids:
             req = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             if req is not None:
                 self.runner.sampler.forget(rid)
-                self._pending_aborts.append(EngineCoreOutput(
-                    rid, [], finish_reason="abort",
-                    num_cached_tokens=max(req.num_cached_tokens, 0),
-                    num_prompt_tokens=req.num_prompt_tokens))
+                if report:
+                    self._pending_aborts.append(EngineCoreOutput(
+                        rid, [], finish_reason="abort",
+                        num_cached_tokens=max(req.num_cached_tokens, 0),
+                        num_prompt_tokens=req.num_prompt_tokens))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still running or waiting, or abort outputs the next step will emit."""
+        return self.scheduler.has_unfinished() or bool(self._pending_aborts)
 
     # -- the step ------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

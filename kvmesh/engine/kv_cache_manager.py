@@ -68,7 +68,7 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request.request_id, [])
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
-        if not request.request_id in self.num_cached_blocks:
+        if request.request_id not in self.num_cached_blocks:
             self.num_cached_blocks[request.request_id] = len(computed_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, num_computed + num_new_tokens)

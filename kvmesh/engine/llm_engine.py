@@ -98,9 +98,7 @@ class LLMEngine:
                 stopped_by_string.append(out.request_id)
             results.append(ro)
         if stopped_by_string:
-            self.core.abort_requests(stopped_by_string)
-            self.core._pending_aborts = [a for a in self.core._pending_aborts
-                                         if a.request_id not in stopped_by_string]
+            self.core.abort_requests(stopped_by_string, report=False)  # already finished above
         return results
 
     def process_output(self, out: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:

@@ -193,7 +193,7 @@ class AsyncEngine:
                     items.append((rid, exc))
             elif cmd[0] == "abort":
                 engine.core.abort_requests(cmd[1])
-        if engine.has_unfinished_requests() or engine.core._pending_aborts:
+        if engine.has_unfinished_requests():
             # Token ids only: detokenisation happens on the event loop (_deliver).
             items.extend((o.request_id, o) for o in engine.core.step())
         self._publish_events()
