@@ -41,3 +41,4 @@ bench-serve: setup
 
 bench-router: setup
 	$(PY) bench/router.py overhead
+	$(PY) bench/router.py multiround

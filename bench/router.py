@@ -5,20 +5,23 @@ overhead   Router overhead against a stub upstream: 16 pods registered in a real
            p50/p90/p99 latency through the router and straight to the upstream, and the
            difference (the issue's target: p50 overhead <= 2 ms).
 
-multiround A multi-round chat workload (conversations sharing a system prompt, each round
-           appending the previous answer and a new question) against `kvmesh up`: prefix
-           vs round-robin, prefix-cache hit rate (engine-reported cached_tokens / prompt
-           tokens) and time to first token. Starts `kvmesh up` itself for each policy
-           (`--engine-command stub` for a quick run without the model), or uses `--url`.
+multiround A multi-round chat workload (users sharing a system prompt, each round appending
+           the previous answer and a new user turn, random think times) against `kvmesh up`
+           with 4 replicas whose caches each hold 0.4 of the working set: prefix vs
+           round-robin, the fleet's prefix-cache hit rate (engine /metrics), TTFT and
+           throughput. Starts `kvmesh up` itself for each policy (`--engine-command stub`
+           for a quick run without the model), or measures one running mesh with `--url`.
+           docs/router.md explains the sizing.
 
     python bench/router.py overhead
-    python bench/router.py multiround --replicas 2 [--engine-command stub]
+    python bench/router.py multiround [--replicas 4] [--engine-command stub]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -60,6 +63,21 @@ def wait_http(url: str, timeout: float = 60) -> None:
             pass
         time.sleep(0.1)
     raise SystemExit(f"{url} did not come up")
+
+
+def wait_pods(url: str, n: int, timeout: float) -> None:
+    """Until the router routes to all n replicas (a replica still loading would skew the run)."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(url, timeout=1).json().get("pods", 0) >= n:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"only some of the {n} replicas came up")
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -238,23 +256,60 @@ def overhead(args: argparse.Namespace) -> None:
 QUESTIONS = ["What is a KV cache?", "Why does prefix caching help chat?", "Explain paged attention briefly.",
              "How would you route requests between replicas?", "What limits batch size?",
              "Summarise our conversation so far.", "Give one more example.", "What are the trade-offs?"]
+SYSTEM = ("You are a patient systems tutor. You answer precisely, you cite trade-offs, and you keep "
+          "answers short. ")
+
+
+def user_turn(c: int, rnd: int, words: list[str], user_words: int, seed: int) -> str:
+    """A question with a pasted snippet: per-user history, not shared with anyone else."""
+    rng = random.Random(f"{seed}:{c}:{rnd}")
+    snippet = make_prompt(rng, words, user_words) if user_words else ""
+    return f"[user {c}] {QUESTIONS[(c + rnd) % len(QUESTIONS)]}" + (f"\n\n{snippet}" if snippet else "")
+
+
+def working_set_blocks(model: str, conversations: int, rounds: int, max_tokens: int, user_words: int,
+                       system_repeat: int, seed: int, block_size: int = 16) -> tuple[int, int]:
+    """(blocks of all conversations' final prompts, blocks of the longest one), answers at max_tokens."""
+    from kvmesh.common.models import resolve_model_dir
+    from kvmesh.common.tokenizer import KVMeshTokenizer
+
+    tok = KVMeshTokenizer(resolve_model_dir(model, convert=False))
+    words = vocabulary()
+    total, longest = 0, 0
+    for c in range(conversations):
+        msgs = [{"role": "system", "content": SYSTEM * system_repeat}]
+        for rnd in range(rounds):
+            msgs.append({"role": "user", "content": user_turn(c, rnd, words, user_words, seed)})
+            msgs.append({"role": "assistant", "content": "word " * max_tokens})
+        n = -(-len(tok.encode_chat(msgs)) // block_size)
+        total, longest = total + n, max(longest, n)
+    return total, longest
 
 
 async def chat_workload(base: str, model: str, conversations: int, rounds: int, concurrency: int,
-                        max_tokens: int, system_repeat: int = 2) -> dict:
+                        max_tokens: int, system_repeat: int = 2, user_words: int = 0, think_s: float = 0.0,
+                        seed: int = 0) -> dict:
+    """Conversations run side by side; each user waits a random think time (exponential, seeded)
+    before each round, so arrivals interleave in no fixed order (a shared FIFO queue would cycle
+    through the users in a fixed order, which round-robin turns into accidental affinity).
+    `concurrency` > 0 caps the requests in flight."""
     import aiohttp
 
-    system = ("You are a patient systems tutor. You answer precisely, you cite trade-offs, and you keep "
-              "answers short. ") * system_repeat
-    stats = {"prompt_tokens": 0, "cached_tokens": 0, "ttft": [], "errors": 0, "pods": {}}
-    sem = asyncio.Semaphore(concurrency)
+    system = SYSTEM * system_repeat
+    words = vocabulary()
+    stats = {"prompt_tokens": 0, "cached_tokens": 0, "ttft": [], "errors": 0, "pods": {}, "same_pod": [0, 0]}
+    sem = asyncio.Semaphore(concurrency) if concurrency > 0 else contextlib.nullcontext()
 
     async def conversation(s, c: int):
+        last_pod = None
+        rng = random.Random(f"{seed}:think:{c}")
         msgs = [{"role": "system", "content": system}]
         for rnd in range(rounds):
-            msgs.append({"role": "user", "content": f"[user {c}] " + QUESTIONS[(c + rnd) % len(QUESTIONS)]})
+            msgs.append({"role": "user", "content": user_turn(c, rnd, words, user_words, seed)})
             body = {"model": model, "messages": msgs, "max_tokens": max_tokens, "stream": True,
                     "stream_options": {"include_usage": True}}
+            if think_s:
+                await asyncio.sleep(rng.expovariate(1 / think_s))
             async with sem:
                 t0 = time.perf_counter()
                 answer, usage, ttft = [], None, None
@@ -267,6 +322,10 @@ async def chat_workload(base: str, model: str, conversations: int, rounds: int, 
                             continue
                         pod = resp.headers.get("x-kvmesh-pod", "?")
                         stats["pods"][pod] = stats["pods"].get(pod, 0) + 1
+                        if last_pod is not None:  # did this round go where the conversation's history is?
+                            stats["same_pod"][0] += pod == last_pod
+                            stats["same_pod"][1] += 1
+                        last_pod = pod
                         async for raw in resp.content:
                             line = raw.decode().strip()
                             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -290,55 +349,108 @@ async def chat_workload(base: str, model: str, conversations: int, rounds: int, 
                 stats["cached_tokens"] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             msgs.append({"role": "assistant", "content": "".join(answer)})
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
         await asyncio.gather(*(conversation(s, c) for c in range(conversations)))
     return stats
 
 
+def engine_counters(redis_url: str, model: str) -> dict[str, dict[str, float]]:
+    """Each engine's own prefix-cache counters, scraped from its /metrics (URLs from the heartbeats)."""
+    import httpx
+    import redis
+
+    from kvmesh.common import redis_layout as rl
+
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    out = {}
+    for pod in sorted(r.smembers(rl.pods_key(model))):
+        url = r.hget(rl.heartbeat_key(model, pod), rl.F_URL)
+        if not url:
+            continue
+        vals = {}
+        for line in httpx.get(url.rstrip("/") + "/metrics", timeout=10).text.splitlines():
+            for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions"):
+                if line.startswith(name + "_total") or line.startswith(name + "{") or line.startswith(name + " "):
+                    vals[name.split(":")[1]] = float(line.rsplit(" ", 1)[1])
+        out[pod] = vals
+    return out
+
+
+def fleet_hit_rate(before: dict, after: dict) -> tuple[float, float, float]:
+    q = sum(after[p].get("prefix_cache_queries", 0) - before.get(p, {}).get("prefix_cache_queries", 0) for p in after)
+    h = sum(after[p].get("prefix_cache_hits", 0) - before.get(p, {}).get("prefix_cache_hits", 0) for p in after)
+    pre = sum(after[p].get("num_preemptions", 0) - before.get(p, {}).get("num_preemptions", 0) for p in after)
+    return (h / q if q else 0.0), q, pre
+
+
 def report(policy: str, st: dict) -> None:
-    hit = st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0
     ttft = st["ttft"] or [float("nan")]
-    rate = f"  {st['prompt_tokens'] / st['wall']:7.1f} prompt tok/s" if st.get("wall") else ""
-    print(f"  {policy:12s} hit rate {hit:6.1%}  TTFT p50 {pct(ttft, 50) * 1000:8.1f} ms  p90 "
-          f"{pct(ttft, 90) * 1000:8.1f} ms{rate}  errors {st['errors']}  per pod {dict(sorted(st['pods'].items()))}")
+    print(f"  {policy:12s} fleet hit rate {st['fleet_hit']:6.1%} (engine metrics; per request "
+          f"{st['cached_tokens'] / max(st['prompt_tokens'], 1):6.1%})  TTFT p50 {pct(ttft, 50) * 1000:7.1f} ms  "
+          f"p90 {pct(ttft, 90) * 1000:7.1f} ms  {st['requests_done'] / st['wall']:5.2f} req/s  "
+          f"{st['prompt_tokens'] / st['wall']:6.1f} prompt tok/s  same pod as the previous round "
+          f"{st['same_pod'][0] / max(st['same_pod'][1], 1):4.0%}  preemptions {st['preemptions']:.0f}  "
+          f"errors {st['errors']}  per pod {dict(sorted(st['pods'].items()))}", flush=True)
 
 
 def compare(results: dict[str, dict]) -> None:
     if "prefix" not in results or "round-robin" not in results:
         return
     p, r = results["prefix"], results["round-robin"]
-    hit = lambda st: st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0  # noqa: E731
-    print(f"  prefix vs round-robin: hit rate {hit(p) / max(hit(r), 1e-9):.2f}x (target >= 1.5x), "
-          f"median TTFT {pct(p['ttft'], 50) / pct(r['ttft'], 50):.2f}x (target <= 0.7x), "
-          f"throughput {r['wall'] / p['wall']:.2f}x")
+    hit_x = p["fleet_hit"] / max(r["fleet_hit"], 1e-9)
+    ttft_x = pct(p["ttft"], 50) / pct(r["ttft"], 50)
+    print(f"  prefix vs round-robin: fleet hit rate {hit_x:.2f}x (target >= 1.5x: {'OK' if hit_x >= 1.5 else 'MISSED'}), "
+          f"median TTFT {ttft_x:.2f}x (target <= 0.7x: {'OK' if ttft_x <= 0.7 else 'MISSED'}), "
+          f"p90 TTFT {pct(p['ttft'], 90) / pct(r['ttft'], 90):.2f}x, throughput {r['wall'] / p['wall']:.2f}x")
 
 
 def multiround(args: argparse.Namespace) -> None:
     if args.url:
         st = asyncio.run(chat_workload(args.url.rstrip("/"), args.model, args.conversations, args.rounds,
-                                       args.concurrency, args.max_tokens))
+                                       args.concurrency, args.max_tokens, args.system_repeat, args.user_words,
+                                       args.think_time, args.seed))
+        st.update(fleet_hit=float("nan"), wall=float("nan"), requests_done=0, preemptions=0)
         report("(as running)", st)
         return
-    print(f"multi-round chat: {args.conversations} conversations x {args.rounds} rounds, concurrency "
-          f"{args.concurrency}, {args.replicas} replicas, engine args {args.engine_args!r}")
+    engine_args = args.engine_args or ""
+    total, longest = working_set_blocks(args.model, args.conversations, args.rounds, args.max_tokens,
+                                        args.user_words, args.system_repeat, args.seed)
+    sizing = ""
+    if "--num-kv-blocks" not in engine_args and not args.engine_command:
+        # Each replica's cache holds a fraction of the whole working set: more than its share under
+        # affinity (1/replicas), less than all of it (what round-robin spreads over every replica).
+        blocks = max(int(total * args.cache_fraction), longest * 4)
+        engine_args = f"{engine_args} --num-kv-blocks {blocks}".strip()
+        sizing = f"; each replica's cache {blocks} blocks = {blocks / total:.2f} of it"
+    print(f"multi-round chat: {args.conversations} conversations x {args.rounds} rounds, {args.user_words} words of "
+          f"new text per user turn, {args.max_tokens} tokens per answer, think time {args.think_time} s, concurrency "
+          f"{args.concurrency}, {args.replicas} replicas\n  working set {total} blocks (longest conversation "
+          f"{longest}){sizing}; engine args {engine_args!r}", flush=True)
     results: dict[str, dict] = {}
     for policy in args.policies.split(","):
         port = free_port()
+        state_file = os.path.join(tempfile.mkdtemp(), "up.json")
         cmd = [sys.executable, "-m", "kvmesh.cli", "up", "--replicas", str(args.replicas), "--port", str(port),
-               "--policy", policy, "--state-file", os.path.join(tempfile.mkdtemp(), "up.json")]
+               "--policy", policy, "--state-file", state_file]
         if args.engine_command:
             cmd += ["--engine-command", args.engine_command]
-        if args.engine_args:
-            cmd += ["--engine-args", args.engine_args]
+        if engine_args:
+            cmd += ["--engine-args", engine_args]
         up = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL if not args.verbose else None,
                               stderr=subprocess.STDOUT)
         try:
             wait_http(f"http://127.0.0.1:{port}/ready", timeout=900)
-            time.sleep(1.5)  # all replicas registered
+            wait_pods(f"http://127.0.0.1:{port}/ready", args.replicas, timeout=900)
+            state = json.loads(Path(state_file).read_text())
+            before = engine_counters(state["redis_url"], state["model"])
             t0 = time.perf_counter()
             st = asyncio.run(chat_workload(f"http://127.0.0.1:{port}", args.model, args.conversations, args.rounds,
-                                           args.concurrency, args.max_tokens, args.system_repeat))
+                                           args.concurrency, args.max_tokens, args.system_repeat, args.user_words,
+                                           args.think_time, args.seed))
             st["wall"] = time.perf_counter() - t0
+            st["requests_done"] = len(st["ttft"])
+            st["fleet_hit"], _, st["preemptions"] = fleet_hit_rate(
+                before, engine_counters(state["redis_url"], state["model"]))
             report(policy, st)
             results[policy] = st
         finally:
@@ -360,17 +472,22 @@ def main() -> None:
     o.add_argument("--min-direct", action="store_true", help="best of two direct runs per request")
     m = sub.add_parser("multiround")
     m.add_argument("--url", default=None, help="an already running mesh (one policy)")
-    m.add_argument("--replicas", type=int, default=2)
+    m.add_argument("--replicas", type=int, default=4)
     m.add_argument("--policies", default="prefix,round-robin")
     m.add_argument("--engine-command", default=None, help="e.g. 'stub' for the stub engine")
-    m.add_argument("--engine-args", default="--num-kv-blocks 96",
-                   help="extra engine flags; the default keeps each cache below the working set")
+    m.add_argument("--engine-args", default="",
+                   help="extra engine flags (with --num-kv-blocks, --cache-fraction does not apply)")
+    m.add_argument("--cache-fraction", type=float, default=0.4,
+                   help="each replica's KV cache as a fraction of the whole working set")
     m.add_argument("--model", default="smollm2-135m-instruct")
     m.add_argument("--conversations", type=int, default=12)
     m.add_argument("--rounds", type=int, default=6)
-    m.add_argument("--concurrency", type=int, default=4)
+    m.add_argument("--concurrency", type=int, default=0, help="cap on requests in flight (0: none)")
     m.add_argument("--max-tokens", type=int, default=48)
     m.add_argument("--system-repeat", type=int, default=2, help="length of the shared system prompt (x ~20 tokens)")
+    m.add_argument("--user-words", type=int, default=50, help="words of new text per user turn (~3 tokens each)")
+    m.add_argument("--think-time", type=float, default=3.0, help="mean seconds between a user's rounds")
+    m.add_argument("--seed", type=int, default=0)
     m.add_argument("--verbose", action="store_true")
     args = p.parse_args()
     overhead(args) if args.what == "overhead" else multiround(args)

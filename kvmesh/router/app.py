@@ -361,7 +361,9 @@ class Router:
                      body: bytes) -> tuple[list[Candidate], str]:
         policy = self.cfg.policy
         cands = [Candidate(p.name, p.url, p.kv_usage, max(p.load, self.inflight.get(p.name, 0))) for p in pods]
-        tie = keys[0].to_bytes(8, "little") if keys else body[:512]
+        # Ties break on the prompt's last full block: prompts that share only a system prompt
+        # spread over the pods, and every router still picks the same pod for the same prompt.
+        tie = keys[-1].to_bytes(8, "little") if keys else body[:512]
         if policy == "round-robin":
             cands.sort(key=lambda c: c.name)
             i = next(self._rr) % len(cands)

@@ -6,7 +6,7 @@
 (its longest leading run of block keys), `queue_share` the pod's share of the load
 (running + waiting) of all candidate pods. A pod whose load is far above the others'
 (> hot_ratio x their mean + hot_min) is skipped unless every pod is that hot. Ties are
-broken by rendezvous hashing on the request's first block key, so every router picks
+broken by rendezvous hashing on the request's last full block key, so every router picks
 the same pod for the same prompt and different prompts spread over the pods.
 """
 
