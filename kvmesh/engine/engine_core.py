@@ -101,7 +101,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, max_batched, args.max_num_seqs, self.max_model_len,
                                    args.enable_chunked_prefill)
         self.runner = ModelRunner(self.model_config, self.model_dir, self.dtype, self.device,
-                                  num_blocks, args.block_size, self.max_model_len, args.seed)
+                                  num_blocks, args.block_size, self.max_model_len, args.seed,
+                                  batch_hint=args.max_num_seqs)
         self.eos_token_ids: set[int] = set(self.model_config.eos_token_id)
         self.prompt_tokens = 0
         self.generation_tokens = 0

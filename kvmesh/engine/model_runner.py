@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, config: ModelConfig, model_dir: str | Path, dtype: torch.dtype,
                  device: torch.device, num_blocks: int, block_size: int, max_model_len: int,
-                 seed: int = 0):
+                 seed: int = 0, batch_hint: int = 128):
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -35,6 +35,10 @@ class ModelRunner:
             p.data = p.data.to(dtype)
         model.rope = RotaryEmbedding(config, max_model_len).to(device)  # fp32 tables
         load_weights(model, model_dir, dtype)
+        from kvmesh.engine.models import onednn_linear
+
+        if onednn_linear.available(device, dtype):
+            log.debug("prepacked %d linear layers for oneDNN", model.use_onednn(batch_hint))
         self.model = model.eval()
         shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
         self.kv_caches = [

@@ -19,9 +19,10 @@ def kernel():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 1)])
-def test_kernel_matches_torch_gather_path(kernel, dtype, tol, heads, kv_heads):
+@pytest.mark.parametrize("dim, bs", [(32, 4), (64, 16), (128, 8)])  # 64: the AVX-512 path; 128: templated
+def test_kernel_matches_torch_gather_path(kernel, dtype, tol, heads, kv_heads, dim, bs):
     torch.manual_seed(0)
-    dim, blocks, bs = 32, 40, 4
+    blocks = 40
     k_cache = torch.randn(kv_heads, blocks, bs, dim).to(dtype)
     v_cache = torch.randn(kv_heads, blocks, bs, dim).to(dtype)
     lens = torch.tensor([1, 3, 4, 5, 17, 33])

@@ -136,11 +136,23 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(config, max_positions)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
+        self.packed_lm_head: nn.Module | None = None  # set by use_onednn()
+
+    def use_onednn(self, batch_hint: int) -> int:
+        """Swap every projection (and the LM head) for prepacked oneDNN linears; see onednn_linear."""
+        from kvmesh.engine.models.onednn_linear import OneDNNLinear, pack_model
+
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_lm_head = OneDNNLinear(head, None, batch_hint)
+        self.lm_head = None  # the packed copy replaces it (a tied head keeps the embedding)
+        return pack_model(self.layers, batch_hint) + 1
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
         x = self.embed_tokens(input_ids)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, k_cache, v_cache, meta)
         x = self.norm(x[logits_indices])
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(x).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()
