@@ -51,6 +51,8 @@ class ModelRunner:
             from kvmesh.engine.kernels import cpu as cpu_kernels
 
             self.decode_kernel = cpu_kernels.load()
+            if self.decode_kernel is not None:
+                self.model.use_cpu_ops(self.decode_kernel)
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -121,3 +121,16 @@ def test_preemption_by_recompute(case):
     assert llm.stats().num_preemptions > 0
     _assert_same(case, prompts, outs)
     assert llm.stats().kv_cache_usage == 0.0  # everything freed at the end
+
+
+def test_plain_torch_path(case, monkeypatch):
+    """Without the compiled CPU kernels and the oneDNN linears (no compiler, KVMESH_CPU_KERNELS=0,
+    KVMESH_ONEDNN=0, or a non-CPU device), the plain torch ops give the same tokens."""
+    from kvmesh.engine.kernels import cpu as cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    monkeypatch.setenv("KVMESH_ONEDNN", "0")
+    llm = case.llm(max_num_batched_tokens=64)
+    assert llm.engine.core.runner.decode_kernel is None
+    assert llm.engine.core.runner.model.packed_lm_head is None
+    _assert_same(case, case.prompts, llm.generate(case.prompts, case.params))

@@ -1,8 +1,10 @@
-"""The CPU decode-attention kernel, compiled once on first use (C++, torch extension).
+"""The CPU kernels, compiled once on first use (C++, torch extension): decode
+attention over the paged cache and the fused elementwise ops (RMSNorm with the
+residual add, RoPE on q/k in place, SiLU-and-mul).
 
 Builds with the system compiler into torch's extension cache. If it cannot be
-built (no compiler, KVMESH_CPU_KERNELS=0), attention falls back to the pure
-torch gather path, which computes the same thing.
+built (no compiler, KVMESH_CPU_KERNELS=0), the model falls back to plain torch
+ops, which compute the same thing.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+_SOURCES = [Path(__file__).with_name(n) for n in ("bindings_cpu.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp")]
 _module = None
 _failed = False
 
@@ -39,10 +41,10 @@ def load():
         from torch.utils.cpp_extension import load as load_extension
 
         flags = _cpu_flags()
-        log.info("building the CPU paged-attention kernel (once; cached by torch)")
+        log.info("building the CPU kernels (once; cached by torch)")
         _module = load_extension(
-            name="kvmesh_paged_attention_cpu_v2_" + ("native" if "-march=native" in flags else "portable"),
-            sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+            name="kvmesh_cpu_ops_v3_" + ("native" if "-march=native" in flags else "portable"),
+            sources=[str(s) for s in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, ...: keep serving with the torch path
         log.warning("CPU attention kernel unavailable, using the torch fallback: %s", exc)
         _failed = True

@@ -22,9 +22,24 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = None  # the compiled CPU ops, when available (set by use_cpu_ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers' LlamaRMSNorm, so fp32 results match bit for bit.
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`: (norm(x + residual), x + residual), the residual stream updated."""
+        if self.ops is not None and x.dim() == 2:
+            if residual is None:
+                out = torch.empty_like(x)
+                self.ops.rms_norm(out, x, self.weight, self.eps)
+                return out
+            self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)  # both in place
+            return x, residual
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers' LlamaRMSNorm.
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -65,10 +80,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for the step's positions, [T, 1, head_dim]: looked up once per step, not per layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+class StepRope:
+    """The step's RoPE inputs, built once per step: positions for the fused CPU op, or the
+    looked-up cos/sin rows for the torch path."""
+
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, fused: bool):
+        self.rope, self.positions = rope, positions
+        self.cos_sin = None if fused else rope(positions, dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -88,14 +111,20 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
         self.scale = self.head_dim ** -0.5
+        self.ops = None
 
-    def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, step_rope: StepRope, k_cache, v_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
+        if step_rope.cos_sin is None:  # fused: rotate the q and k heads inside qkv, in place
+            self.ops.rotary_qk_(qkv, step_rope.positions, step_rope.rope.cos, step_rope.rope.sin,
+                                self.num_heads, self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        if step_rope.cos_sin is not None:
+            cos, sin = step_rope.cos_sin
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         write_kv(k_cache, v_cache, k, v, meta)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(attn.reshape(-1, self.q_size))
@@ -107,10 +136,14 @@ class MLP(nn.Module):
         self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.ops = None
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None and gate_up.dim() == 2:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -121,9 +154,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rope, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, step_rope, k_cache, v_cache, meta):
+        """vLLM's residual convention: returns (this layer's output, the residual stream before it)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, step_rope, k_cache, v_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -137,6 +176,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head: nn.Module | None = None  # set by use_onednn()
+        self.cpu_ops = None  # set by use_cpu_ops()
+
+    def use_cpu_ops(self, ops) -> None:
+        """Run norms, RoPE and SiLU-and-mul through the compiled CPU ops (kernels/cpu.py)."""
+        self.cpu_ops = ops
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.ops = ops
 
     def use_onednn(self, batch_hint: int) -> int:
         """Swap every projection (and the LM head) for prepacked oneDNN linears; see onednn_linear."""
@@ -149,9 +196,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
         x = self.embed_tokens(input_ids)
+        step_rope = StepRope(self.rope, positions, x.dtype, fused=self.cpu_ops is not None)
+        residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, k_cache, v_cache, meta)
-        x = self.norm(x[logits_indices])
+            x, residual = layer(x, residual, step_rope, k_cache, v_cache, meta)
+        x = self.norm(x[logits_indices] + residual[logits_indices])
         if self.packed_lm_head is not None:
             return self.packed_lm_head(x).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

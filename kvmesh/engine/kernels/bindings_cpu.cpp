@@ -1,0 +1,19 @@
+// The CPU extension module: decode attention (paged_attention_cpu.cpp) and the fused
+// elementwise ops (fused_ops_cpu.cpp).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor ctx_lens, double scale);
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
+  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight (in place)");
+  m.def("rotary_qk_", &rotary_qk_, "RoPE on the q and k heads of a fused qkv tensor, in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+}
