@@ -68,6 +68,21 @@ def test_routing_follows_the_longest_prefix(mesh, router_factory, redis_server, 
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_cold_prompts_sharing_a_system_prompt_spread_over_pods(mesh, router_factory, redis_server, model_name):
+    """Every pod holds the shared system prompt, none holds the rest: the tie breaks on each prompt's
+    own last block, so new conversations spread instead of all landing on one pod. (Load and KV
+    weights are off, so only the match and the tie-break decide.)"""
+    stubs, _ = mesh(3)
+    r = redis_server.client()
+    system = text(9, 120)
+    for stub in stubs:
+        complete(stub.url, system)
+    wait_until(lambda: all(blocks_in_redis(r, model_name, f"pod-{i}") > 3 for i in range(3)), 5, msg="seeded")
+    router = router_factory(model=model_name, redis_url=redis_server.url, weights=Weights(1.0, 0.0, 0.0))
+    pods = [complete(router.url, system + " " + text(100 + i, 40)).headers["x-kvmesh-pod"] for i in range(9)]
+    assert len(set(pods)) >= 2, pods
+
+
 def test_chat_is_tokenized_like_the_engine(mesh, router_factory, redis_server, model_name):
     stubs, _ = mesh(2)
     router = router_factory(model=model_name, redis_url=redis_server.url)
