@@ -199,22 +199,24 @@ class Mesh:
         return "127.0.0.1" if self.args.host in ("0.0.0.0", "") else self.args.host
 
     # -- run ----------------------------------------------------------------------------------
-    def wait_ready(self, timeout: float) -> bool:
+    def wait_ready(self, timeout: float) -> int:
+        """Until the router can route (one replica is enough to serve); the number of ready replicas
+        then, 0 if it never got there."""
         import httpx
 
         url = f"http://{self._host()}:{self.args.port}/ready"
         deadline = time.time() + timeout
         while time.time() < deadline and not self.stop_event.is_set():
             if self.router and not self.router.alive():
-                return False
+                return 0
             try:
                 r = httpx.get(url, timeout=1)
                 if r.status_code == 200 and r.json().get("pods", 0) >= min(len(self.replicas), 1):
-                    return True
-            except httpx.HTTPError:
+                    return int(r.json().get("pods", 1))
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.3)
-        return False
+        return 0
 
     def supervise(self) -> int:
         last_scale = time.monotonic()
@@ -349,10 +351,12 @@ def run(args: argparse.Namespace) -> int:
             mesh.add_replica()
         mesh.start_router()
         mesh.write_state(state_file)
-        if mesh.wait_ready(args.ready_timeout):
+        ready = mesh.wait_ready(args.ready_timeout)
+        if ready:
             base = f"http://{mesh._host()}:{args.port}"
-            say("up", f"kvmesh is up: {base}/v1  ({len(mesh.replicas)} replicas of {mesh.served}, "
-                      f"redis {mesh.redis_url}). Ctrl-C to stop.")
+            joining = "" if ready >= len(mesh.replicas) else "; the others join as they finish loading"
+            say("up", f"kvmesh is up: {base}/v1  ({ready} of {len(mesh.replicas)} replicas of {mesh.served} "
+                      f"ready{joining}, redis {mesh.redis_url}). Ctrl-C to stop.")
             say("up", f"try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
                       f"-d '{{\"model\": \"{mesh.served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'")
         elif not mesh.stop_event.is_set():
