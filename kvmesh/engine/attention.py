@@ -59,12 +59,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
 
     if meta.decode_indices is not None and meta.decode_kernel is not None:
-        if not meta.prefills:  # decodes only: the batch is the decode rows, in order
-            return meta.decode_kernel.paged_decode_attention(
-                q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens, scale)
-        qd = q[meta.decode_indices].contiguous()
-        out[meta.decode_indices] = meta.decode_kernel.paged_decode_attention(
-            qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens, scale)
+        only_decodes = not meta.prefills  # then the batch is the decode rows, in order: no gather/scatter
+        qd = q if only_decodes else q[meta.decode_indices]
+        attn = meta.decode_kernel.paged_decode_attention(
+            qd.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens, scale)
+        if only_decodes:
+            return attn
+        out[meta.decode_indices] = attn
     elif meta.decode_indices is not None:
         tables = meta.decode_block_tables
         num_seqs = tables.shape[0]

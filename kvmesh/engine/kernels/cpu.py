@@ -46,6 +46,6 @@ def load():
             name="kvmesh_cpu_ops_v3_" + ("native" if "-march=native" in flags else "portable"),
             sources=[str(s) for s in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, ...: keep serving with the torch path
-        log.warning("CPU attention kernel unavailable, using the torch fallback: %s", exc)
+        log.warning("CPU kernels unavailable, using plain torch ops: %s", exc)
         _failed = True
     return _module

@@ -2,11 +2,10 @@
 //
 // The torch fallback gathers every decoding request's context out of the cache
 // into a padded tensor before attending; at batch 64 that copy moves more bytes
-// than the model weights. This kernel reads each K/V row in place, once per KV
-// head for all query heads of its group, block by block (no per-token division),
+// than the model weights. This kernel reads each K/V row in place from its block,
 // in two passes (scores + softmax, then the weighted sum of V), parallel over
 // (request, KV head). The head size is a compile-time constant for the common
-// sizes so the dot products and the V accumulation stay in vector registers.
+// sizes, and fp32 head size 64 has an AVX-512 path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -15,74 +14,86 @@
 #include <type_traits>
 #include <vector>
 
+// Calls f(row, t) for the context's rows t = 0..ctx-1 of one head, block by block
+// (no per-token division). With `prefetch`, the next block is requested while this
+// one is read: blocks are scattered pages the hardware prefetcher does not follow.
+template <typename T, typename F>
+static inline void for_each_row(const T* head, const int64_t* table, int64_t ctx, int64_t block_size,
+                                int64_t head_dim, bool prefetch, F&& f) {
+  const int64_t block_elems = block_size * head_dim;
+  const int64_t nblocks = (ctx + block_size - 1) / block_size;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const T* blk = head + table[b] * block_elems;
+    if (prefetch && b + 1 < nblocks) {
+      const char* next = reinterpret_cast<const char*>(head + table[b + 1] * block_elems);
+      for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64)
+        __builtin_prefetch(next + off);
+    }
+    const int64_t n = std::min(block_size, ctx - b * block_size);
+    for (int64_t i = 0; i < n; ++i) f(blk + i * head_dim, b * block_size + i);
+  }
+}
+
+// s[t] = exp(s[t] - mx) in place; returns the sum (the loop vectorises with -ffast-math).
+static inline float exp_and_sum(float* s, int64_t n, float mx) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  return sum;
+}
+
 template <typename T, int D>
 static void decode_task(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t ctx,
                         int64_t block_size, int64_t group, int64_t head_dim_rt, float scale, T* out,
                         std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t hd = D > 0 ? D : head_dim_rt;
-  const int64_t block_elems = block_size * hd;
-  const int64_t nblocks = (ctx + block_size - 1) / block_size;
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = static_cast<float>(q[g * hd + d]) * scale;
   scores.resize(group * ctx);
-  // Pass 1: scores, block by block.
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const T* kb = k_head + table[b] * block_elems;
-    const int64_t n = std::min(block_size, ctx - b * block_size);
-    for (int64_t i = 0; i < n; ++i) {
-      const T* krow = kb + i * hd;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = qf.data() + g * hd;
-        float s = 0.f;
+  // Pass 1: scores of all query heads of the group, each K row read once.
+  for_each_row(k_head, table, ctx, block_size, hd, false, [&](const T* krow, int64_t t) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf.data() + g * hd;
+      float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < hd; ++d) s += qg[d] * static_cast<float>(krow[d]);
-        scores[g * ctx + b * block_size + i] = s;
-      }
+      for (int64_t d = 0; d < hd; ++d) s += qg[d] * static_cast<float>(krow[d]);
+      scores[g * ctx + t] = s;
     }
-  }
-  // Softmax per query head (the exp loop vectorises).
+  });
+  // Softmax per query head.
   std::vector<float> inv(group);
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores.data() + g * ctx;
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, sg[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < ctx; ++t) {
-      sg[t] = std::exp(sg[t] - mx);
-      sum += sg[t];
-    }
-    inv[g] = 1.f / sum;
+    inv[g] = 1.f / exp_and_sum(sg, ctx, mx);
   }
-  // Pass 2: weighted sum of V.
+  // Pass 2: weighted sum of V, each V row read once.
   std::fill(acc.begin(), acc.end(), 0.f);
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const T* vb = v_head + table[b] * block_elems;
-    const int64_t n = std::min(block_size, ctx - b * block_size);
-    for (int64_t i = 0; i < n; ++i) {
-      const T* vrow = vb + i * hd;
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * ctx + b * block_size + i];
-        float* ag = acc.data() + g * hd;
+  for_each_row(v_head, table, ctx, block_size, hd, false, [&](const T* vrow, int64_t t) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * ctx + t];
+      float* ag = acc.data() + g * hd;
 #pragma omp simd
-        for (int64_t d = 0; d < hd; ++d) ag[d] += p * static_cast<float>(vrow[d]);
-      }
+      for (int64_t d = 0; d < hd; ++d) ag[d] += p * static_cast<float>(vrow[d]);
     }
-  }
+  });
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < hd; ++d) out[g * hd + d] = static_cast<T>(acc[g * hd + d] * inv[g]);
 }
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-// fp32, head size 64: one query head at a time, K/V rows as four 16-lane vectors.
+// fp32, head size 64: one query head at a time (its K/V rows are re-read from L2 for the
+// other heads of the group), rows as four 16-lane vectors kept in registers.
 static void decode_task_f32_d64(const float* __restrict__ q, const float* __restrict__ k_head,
                                 const float* __restrict__ v_head, const int64_t* table, int64_t ctx,
                                 int64_t block_size, int64_t group, float scale, float* __restrict__ out,
                                 std::vector<float>& scores_buf) {
   constexpr int64_t D = 64;
-  const int64_t block_elems = block_size * D;
-  const int64_t nblocks = (ctx + block_size - 1) / block_size;
   scores_buf.resize(ctx);
   float* __restrict__ sc = scores_buf.data();
   for (int64_t g = 0; g < group; ++g) {
@@ -91,49 +102,24 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
     const __m512 q0 = _mm512_mul_ps(_mm512_loadu_ps(qg), sv), q1 = _mm512_mul_ps(_mm512_loadu_ps(qg + 16), sv);
     const __m512 q2 = _mm512_mul_ps(_mm512_loadu_ps(qg + 32), sv), q3 = _mm512_mul_ps(_mm512_loadu_ps(qg + 48), sv);
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const float* kb = k_head + table[b] * block_elems;
-      const int64_t n = std::min(block_size, ctx - b * block_size);
-      float* sb = sc + b * block_size;
-      if (g == 0 && b + 1 < nblocks) {  // blocks are scattered pages: prefetch the next one
-        const char* nk = reinterpret_cast<const char*>(k_head + table[b + 1] * block_elems);
-        for (int64_t off = 0; off < block_elems * 4; off += 64) _mm_prefetch(nk + off, _MM_HINT_T0);
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        const float* k = kb + i * D;
-        __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
-        __m512 c = _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16));
-        a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), a);
-        c = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), c);
-        const float s = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
-        sb[i] = s;
-        mx = std::max(mx, s);
-      }
-    }
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < ctx; ++t) {
-      sc[t] = std::exp(sc[t] - mx);
-      sum += sc[t];
-    }
+    for_each_row(k_head, table, ctx, block_size, D, g == 0, [&](const float* k, int64_t t) {
+      __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
+      __m512 c = _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16));
+      a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), a);
+      c = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), c);
+      const float s = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+      sc[t] = s;
+      mx = std::max(mx, s);
+    });
+    const float sum = exp_and_sum(sc, ctx, mx);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const float* vb = v_head + table[b] * block_elems;
-      const int64_t n = std::min(block_size, ctx - b * block_size);
-      const float* sb = sc + b * block_size;
-      if (g == 0 && b + 1 < nblocks) {
-        const char* nv = reinterpret_cast<const char*>(v_head + table[b + 1] * block_elems);
-        for (int64_t off = 0; off < block_elems * 4; off += 64) _mm_prefetch(nv + off, _MM_HINT_T0);
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        const float* v = vb + i * D;
-        const __m512 p = _mm512_set1_ps(sb[i]);
-        a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), a0);
-        a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), a1);
-        a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), a2);
-        a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 48), a3);
-      }
-    }
+    for_each_row(v_head, table, ctx, block_size, D, g == 0, [&](const float* v, int64_t t) {
+      const __m512 p = _mm512_set1_ps(sc[t]);
+      a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), a0);
+      a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), a1);
+      a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), a2);
+      a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 48), a3);
+    });
     const __m512 inv = _mm512_set1_ps(1.f / sum);
     float* o = out + g * D;
     _mm512_storeu_ps(o, _mm512_mul_ps(a0, inv));
