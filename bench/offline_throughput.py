@@ -38,8 +38,6 @@ def run_kvmesh(model: str, prompts, output_len: int, engine_args: dict) -> tuple
     stats = llm.stats()
     print(f"  kvmesh: {stats.num_steps} steps, {stats.num_preemptions} preemptions, "
           f"{stats.num_total_blocks} KV blocks", flush=True)
-    del llm, outs
-    release_memory()
     return elapsed, generated
 
 

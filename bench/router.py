@@ -51,33 +51,20 @@ def env() -> dict[str, str]:
     return e
 
 
-def wait_http(url: str, timeout: float = 60) -> None:
+def wait_http(url: str, timeout: float = 60, until=None) -> None:
+    """Until `url` answers 200 and, if given, `until(response)` holds."""
     import httpx
 
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url} did not come up")
-
-
-def wait_pods(url: str, n: int, timeout: float) -> None:
-    """Until the router routes to all n replicas (a replica still loading would skew the run)."""
-    import httpx
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(url, timeout=1).json().get("pods", 0) >= n:
+            r = httpx.get(url, timeout=1)
+            if r.status_code == 200 and (until is None or until(r)):
                 return
         except (httpx.HTTPError, ValueError):
             pass
-        time.sleep(0.3)
-    raise SystemExit(f"only some of the {n} replicas came up")
+        time.sleep(0.1)
+    raise SystemExit(f"{url} did not come up")
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -360,6 +347,7 @@ def engine_counters(redis_url: str, model: str) -> dict[str, dict[str, float]]:
     import redis
 
     from kvmesh.common import redis_layout as rl
+    from kvmesh.router.engine_metrics import engine_load, parse_prometheus
 
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     out = {}
@@ -367,12 +355,11 @@ def engine_counters(redis_url: str, model: str) -> dict[str, dict[str, float]]:
         url = r.hget(rl.heartbeat_key(model, pod), rl.F_URL)
         if not url:
             continue
-        vals = {}
-        for line in httpx.get(url.rstrip("/") + "/metrics", timeout=10).text.splitlines():
-            for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions"):
-                if line.startswith(name + "_total") or line.startswith(name + "{") or line.startswith(name + " "):
-                    vals[name.split(":")[1]] = float(line.rsplit(" ", 1)[1])
-        out[pod] = vals
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
+        load = engine_load(text)  # the sidecar's reader of the same counters
+        out[pod] = {"prefix_cache_queries": load.prefix_cache_queries, "prefix_cache_hits": load.prefix_cache_hits,
+                    "num_preemptions": sum(v for name, _, v in parse_prometheus(text)
+                                           if name in ("vllm:num_preemptions_total", "vllm:num_preemptions"))}
     return out
 
 
@@ -439,8 +426,9 @@ def multiround(args: argparse.Namespace) -> None:
         up = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL if not args.verbose else None,
                               stderr=subprocess.STDOUT)
         try:
-            wait_http(f"http://127.0.0.1:{port}/ready", timeout=900)
-            wait_pods(f"http://127.0.0.1:{port}/ready", args.replicas, timeout=900)
+            # Every replica routable first: one still loading would skew the run.
+            wait_http(f"http://127.0.0.1:{port}/ready", timeout=900,
+                      until=lambda r: r.json().get("pods", 0) >= args.replicas)
             state = json.loads(Path(state_file).read_text())
             before = engine_counters(state["redis_url"], state["model"])
             t0 = time.perf_counter()
