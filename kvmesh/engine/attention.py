@@ -5,9 +5,11 @@ One step mixes three kinds of work, and each gets its vectorised path:
   (kernels/paged_attention_cpu.cpp) reads K/V rows in place from their blocks;
   the torch fallback gathers the contexts block-by-block into one padded
   tensor and masks by length;
-- fresh prefills (no cached context): causal attention on the step's own K/V;
-- prefill chunks or cache hits (new tokens after cached context): the context
-  is gathered from the cache and a causal mask is offset by its length.
+- prefills, prefill chunks and cache hits: on CPU (fp32) one compiled kernel
+  call (kernels/prefill_attention_cpu.cpp) covers all of them, reading every
+  key from the cache; the torch fallback runs per sequence: causal attention on
+  the step's own K/V for a fresh prefill, or the context gathered from the
+  cache with a causal mask offset by its length.
 
 Cache layout per layer: [num_kv_heads, num_blocks, block_size, head_dim], so a
 gather along the block axis yields a contiguous [heads, tokens, dim] view.
@@ -37,9 +39,16 @@ class AttentionMetadata:
     decode_indices: torch.Tensor | None
     decode_block_tables: torch.Tensor | None  # [R, max_blocks]
     decode_mask: torch.Tensor | None  # [R, max_blocks * block_size] additive (0 / -inf)
-    prefills: list[PrefillSeq]
+    prefills: list[PrefillSeq]  # for the torch path
     decode_ctx_lens: torch.Tensor | None = None  # [R] context length incl. the new token
-    decode_kernel: object | None = None  # compiled CPU kernel module, when available
+    cpu_ops: object | None = None  # the compiled CPU kernels module, when available
+    # For the compiled prefill kernel (then `prefills` is empty): per prefill sequence
+    # (first row in the batch, new tokens, cached tokens), and their padded block tables.
+    prefill_seqs: torch.Tensor | None = None  # [S, 3]
+    prefill_block_tables: torch.Tensor | None = None  # [S, max_blocks]
+    # [T] cache row of each new token (block * block_size + offset), for the compiled RoPE op
+    # that stores K/V as it rotates them (then write_kv is skipped).
+    slots: torch.Tensor | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -58,10 +67,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
 
-    if meta.decode_indices is not None and meta.decode_kernel is not None:
-        only_decodes = not meta.prefills  # then the batch is the decode rows, in order: no gather/scatter
+    if meta.decode_indices is not None and meta.cpu_ops is not None:
+        # Only decodes: the batch is the decode rows, in order, so no gather/scatter.
+        only_decodes = not meta.prefills and meta.prefill_seqs is None
         qd = q if only_decodes else q[meta.decode_indices]
-        attn = meta.decode_kernel.paged_decode_attention(
+        attn = meta.cpu_ops.paged_decode_attention(
             qd.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens, scale)
         if only_decodes:
             return attn
@@ -77,6 +87,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         attn = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=scale)
         out[meta.decode_indices] = attn.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
+    if meta.prefill_seqs is not None:
+        meta.cpu_ops.paged_prefill_attention(out, q, k_cache, v_cache, meta.prefill_seqs,
+                                             meta.prefill_block_tables, scale)
     for seq in meta.prefills:
         sl = slice(seq.start, seq.start + seq.num_new)
         qs = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

@@ -19,6 +19,14 @@ from kvmesh.engine.weights import load_weights
 log = logging.getLogger(__name__)
 
 
+def _pad(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one [n, longest] int64 array, zero-padded."""
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
+
+
 class ModelRunner:
     def __init__(self, config: ModelConfig, model_dir: str | Path, dtype: torch.dtype,
                  device: torch.device, num_blocks: int, block_size: int, max_model_len: int,
@@ -46,13 +54,16 @@ class ModelRunner:
             for _ in range(config.num_hidden_layers)
         ]
         self.sampler = Sampler(seed, device)
-        self.decode_kernel = None
+        self.cpu_ops = None  # the compiled CPU kernels (kernels/cpu.py), when they build
+        self.cpu_prefill_attention = False  # whether they cover this model's prefill attention
         if device.type == "cpu":
             from kvmesh.engine.kernels import cpu as cpu_kernels
 
-            self.decode_kernel = cpu_kernels.load()
-            if self.decode_kernel is not None:
-                self.model.use_cpu_ops(self.decode_kernel)
+            self.cpu_ops = cpu_kernels.load()
+            if self.cpu_ops is not None:
+                self.model.use_cpu_ops(self.cpu_ops)
+                self.cpu_prefill_attention = self.cpu_ops.prefill_attention_supported(
+                    dtype, config.head_dim, block_size)
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -68,6 +79,8 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_ctx: list[int] = []
         prefills: list[PrefillSeq] = []
+        prefill_rows: list[tuple[int, int, int]] = []  # for the compiled kernel
+        prefill_tables: list[list[int]] = []
         offset = 0
         for req in out.requests:
             n = out.num_scheduled_tokens[req.request_id]
@@ -84,27 +97,35 @@ class ModelRunner:
                 decode_idx.append(offset)
                 decode_tables.append(table[:cdiv(start + 1, bs)])
                 decode_ctx.append(start + 1)
+            elif self.cpu_prefill_attention:
+                prefill_rows.append((offset, n, start))
+                prefill_tables.append(table[:cdiv(start + n, bs)])
             else:
                 prefills.append(PrefillSeq(offset, n, start, self._tensor(table) if start else None))
             offset += n
 
         pos_all = np.concatenate(positions)
+        blocks_all, offsets_all = np.concatenate(slot_blocks), pos_all % bs
         meta = AttentionMetadata(
-            slot_blocks=self._tensor(np.concatenate(slot_blocks)),
-            slot_offsets=self._tensor(pos_all % bs),
+            slot_blocks=self._tensor(blocks_all),
+            slot_offsets=self._tensor(offsets_all),
             decode_indices=None, decode_block_tables=None, decode_mask=None,
             prefills=prefills,
         )
+        if self.cpu_ops is not None:
+            meta.slots = self._tensor(blocks_all * bs + offsets_all)
+        if prefill_rows:
+            meta.cpu_ops = self.cpu_ops
+            meta.prefill_seqs = self._tensor(prefill_rows)
+            meta.prefill_block_tables = self._tensor(_pad(prefill_tables))
         if decode_idx:
-            width = max(len(t) for t in decode_tables)
-            tables = np.zeros((len(decode_tables), width), dtype=np.int64)
-            for i, t in enumerate(decode_tables):
-                tables[i, :len(t)] = t
+            tables = _pad(decode_tables)
+            width = tables.shape[1]
             ctx = np.asarray(decode_ctx)
             meta.decode_indices = self._tensor(decode_idx)
             meta.decode_block_tables = self._tensor(tables)
-            if self.decode_kernel is not None:
-                meta.decode_kernel = self.decode_kernel
+            if self.cpu_ops is not None:
+                meta.cpu_ops = self.cpu_ops
                 meta.decode_ctx_lens = self._tensor(ctx)
             else:
                 mask = np.where(np.arange(width * bs)[None, :] < ctx[:, None], 0.0, -np.inf)

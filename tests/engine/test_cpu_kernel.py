@@ -1,11 +1,11 @@
-"""The compiled CPU decode-attention kernel against the torch reference path."""
+"""The compiled CPU kernels (decode and prefill attention, fused ops) against the torch reference path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvmesh.engine.attention import AttentionMetadata, paged_attention
+from kvmesh.engine.attention import AttentionMetadata, PrefillSeq, paged_attention
 from kvmesh.engine.kernels import cpu
 
 
@@ -19,7 +19,7 @@ def kernel():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 1)])
-@pytest.mark.parametrize("dim, bs", [(32, 4), (64, 16), (128, 8)])  # 64: the AVX-512 path; 128: templated
+@pytest.mark.parametrize("dim, bs", [(32, 4), (64, 16), (64, 32), (128, 8)])  # 64: the AVX-512 path; 128: templated
 def test_kernel_matches_torch_gather_path(kernel, dtype, tol, heads, kv_heads, dim, bs):
     torch.manual_seed(0)
     blocks = 40
@@ -36,9 +36,59 @@ def test_kernel_matches_torch_gather_path(kernel, dtype, tol, heads, kv_heads, d
     ref = paged_attention(q, k_new, k_new, k_cache, v_cache,
                           AttentionMetadata(decode_mask=mask, **common), dim ** -0.5)
     got = paged_attention(q, k_new, k_new, k_cache, v_cache,
-                          AttentionMetadata(decode_mask=None, decode_ctx_lens=lens, decode_kernel=kernel, **common),
+                          AttentionMetadata(decode_mask=None, decode_ctx_lens=lens, cpu_ops=kernel, **common),
                           dim ** -0.5)
     assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("dim, bs", [(64, 16), (128, 32)])
+def test_prefill_kernel_matches_torch_path(kernel, heads, kv_heads, dim, bs):
+    """One kernel call for a mix of fresh prefills, chunks after cached context and one-row tails;
+    every key is read from the paged cache (unwritten slots hold NaN: they must never be read)."""
+    if not kernel.prefill_attention_supported(torch.float32, dim, bs):
+        pytest.skip("the kernels were built without AVX-512 (KVMESH_CPU_KERNELS_PORTABLE=1 or an older CPU)")
+    torch.manual_seed(0)
+    blocks = 64
+    k_cache = torch.full((kv_heads, blocks, bs, dim), float("nan"))
+    v_cache = torch.full((kv_heads, blocks, bs, dim), float("nan"))
+    # (new tokens, cached tokens): tiles of 16 query rows, partial tiles, diagonal key tiles.
+    specs = [(1, 0), (5, 0), (17, 3), (16, 16), (33, 47), (2, 100), (70, 0), (40, 9)]
+    num_tokens = sum(n for n, _ in specs)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, :heads * dim].view(num_tokens, heads, dim)  # a strided view, as in the model
+    k = torch.randn(num_tokens, kv_heads, dim)
+    v = torch.randn(num_tokens, kv_heads, dim)
+    free = torch.randperm(blocks).tolist()
+    rows, tables, prefills, offset = [], [], [], 0
+    for n, ctx in specs:
+        table = [free.pop() for _ in range((n + ctx + bs - 1) // bs)]
+        slots = torch.arange(n + ctx)
+        blk, off = torch.tensor(table)[slots // bs], slots % bs
+        k_cache[:, blk[:ctx], off[:ctx]] = torch.randn(kv_heads, ctx, dim)  # the cached prefix
+        v_cache[:, blk[:ctx], off[:ctx]] = torch.randn(kv_heads, ctx, dim)
+        k_cache[:, blk[ctx:], off[ctx:]] = k[offset:offset + n].transpose(0, 1)  # this step's rows
+        v_cache[:, blk[ctx:], off[ctx:]] = v[offset:offset + n].transpose(0, 1)
+        rows.append((offset, n, ctx))
+        tables.append(table)
+        prefills.append(PrefillSeq(offset, n, ctx, torch.tensor(table) if ctx else None))
+        offset += n
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    common = dict(slot_blocks=None, slot_offsets=None, decode_indices=None, decode_block_tables=None,
+                  decode_mask=None)
+    ref = paged_attention(q, k, v, k_cache, v_cache, AttentionMetadata(prefills=prefills, **common), dim ** -0.5)
+    got = paged_attention(q, k, v, k_cache, v_cache,
+                          AttentionMetadata(prefills=[], cpu_ops=kernel, prefill_seqs=torch.tensor(rows),
+                                            prefill_block_tables=padded, **common), dim ** -0.5)
+    assert not got.isnan().any()
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_kernel_declines_what_it_does_not_cover(kernel):
+    assert not kernel.prefill_attention_supported(torch.bfloat16, 64, 16)  # the torch path serves it
+    assert not kernel.prefill_attention_supported(torch.float32, 80, 16)
+    assert not kernel.prefill_attention_supported(torch.float32, 64, 8)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -88,6 +138,20 @@ def test_fused_rotary_and_silu_match_torch(kernel, dtype, tol):
     assert torch.allclose(gq.float(), ref_q.float(), atol=tol, rtol=tol)
     assert torch.allclose(gk.float(), ref_k.float(), atol=tol, rtol=tol)
     assert torch.equal(gv, ref_v)  # v is left alone
+
+    # The same rotation, with each row's k and v heads stored in its cache slot.
+    blocks, bs = 5, 4
+    k_cache = torch.zeros(kv_heads, blocks, bs, dim).to(dtype)
+    v_cache = torch.zeros(kv_heads, blocks, bs, dim).to(dtype)
+    slots = torch.tensor([7, 0, 19, 4, 12, 3])
+    got2 = qkv.clone()
+    kernel.rotary_qk_store_kv_(got2, positions, rope.cos, rope.sin, heads, kv_heads, dim, k_cache, v_cache, slots)
+    assert torch.equal(got2, got)
+    assert torch.equal(k_cache.view(kv_heads, -1, dim)[:, slots], gk.view(-1, kv_heads, dim).transpose(0, 1))
+    assert torch.equal(v_cache.view(kv_heads, -1, dim)[:, slots], gv.reshape(-1, kv_heads, dim).transpose(0, 1))
+    untouched = torch.ones(blocks * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache.view(kv_heads, -1, dim)[:, untouched].any()
 
     gate_up = torch.randn(9, 2 * 40).to(dtype)
     gate, up = gate_up.split(40, dim=-1)

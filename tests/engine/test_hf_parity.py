@@ -131,6 +131,6 @@ def test_plain_torch_path(case, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     monkeypatch.setenv("KVMESH_ONEDNN", "0")
     llm = case.llm(max_num_batched_tokens=64)
-    assert llm.engine.core.runner.decode_kernel is None
+    assert llm.engine.core.runner.cpu_ops is None
     assert llm.engine.core.runner.model.packed_lm_head is None
     _assert_same(case, case.prompts, llm.generate(case.prompts, case.params))

@@ -1,5 +1,5 @@
-"""The CPU kernels, compiled once on first use (C++, torch extension): decode
-attention over the paged cache and the fused elementwise ops (RMSNorm with the
+"""The CPU kernels, compiled once on first use (C++, torch extension): decode and
+prefill attention over the paged cache and the fused elementwise ops (RMSNorm with the
 residual add, RoPE on q/k in place, SiLU-and-mul).
 
 Builds with the system compiler into torch's extension cache. If it cannot be
@@ -9,12 +9,15 @@ ops, which compute the same thing.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name(n) for n in ("bindings_cpu.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp")]
+_SOURCE_FILES = ("bindings_cpu.cpp", "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "fused_ops_cpu.cpp")
+_HEADERS = ("avx512_math.h",)
+_SOURCES = [Path(__file__).with_name(n) for n in _SOURCE_FILES]
 _module = None
 _failed = False
 
@@ -27,6 +30,16 @@ def _cpu_flags() -> list[str]:
     if os.environ.get("KVMESH_CPU_KERNELS_PORTABLE") == "1":
         return flags
     return flags + ["-march=native"]
+
+
+def _build_name(flags: list[str]) -> str:
+    # torch's build cache keys on the .cpp files only; hashing the headers too means an
+    # edited header is never served from a stale build.
+    digest = hashlib.sha256()
+    for name in _SOURCE_FILES + _HEADERS:
+        digest.update(Path(__file__).with_name(name).read_bytes())
+    kind = "native" if "-march=native" in flags else "portable"
+    return f"kvmesh_cpu_ops_{digest.hexdigest()[:10]}_{kind}"
 
 
 def load():
@@ -43,7 +56,7 @@ def load():
         flags = _cpu_flags()
         log.info("building the CPU kernels (once; cached by torch)")
         _module = load_extension(
-            name="kvmesh_cpu_ops_v3_" + ("native" if "-march=native" in flags else "portable"),
+            name=_build_name(flags),
             sources=[str(s) for s in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, ...: keep serving with the torch path
         log.warning("CPU kernels unavailable, using plain torch ops: %s", exc)

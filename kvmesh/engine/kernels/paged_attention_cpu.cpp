@@ -3,16 +3,21 @@
 // The torch fallback gathers every decoding request's context out of the cache
 // into a padded tensor before attending; at batch 64 that copy moves more bytes
 // than the model weights. This kernel reads each K/V row in place from its block,
-// in two passes (scores + softmax, then the weighted sum of V), parallel over
-// (request, KV head). The head size is a compile-time constant for the common
-// sizes, and fp32 head size 64 has an AVX-512 path.
+// parallel over (request, KV head), longest contexts first. The generic path
+// makes two passes (scores + softmax, then the weighted sum of V) with the head
+// size a compile-time constant for the common sizes; fp32 head size 64 has an
+// AVX-512 path that makes one pass with an online softmax.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <numeric>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "avx512_math.h"
 
 // Calls f(row, t) for the context's rows t = 0..ctx-1 of one head, block by block
 // (no per-token division). With `prefetch`, the next block is requested while this
@@ -54,7 +59,7 @@ static void decode_task(const T* q, const T* k_head, const T* v_head, const int6
     for (int64_t d = 0; d < hd; ++d) qf[g * hd + d] = static_cast<float>(q[g * hd + d]) * scale;
   scores.resize(group * ctx);
   // Pass 1: scores of all query heads of the group, each K row read once.
-  for_each_row(k_head, table, ctx, block_size, hd, false, [&](const T* krow, int64_t t) {
+  for_each_row(k_head, table, ctx, block_size, hd, true, [&](const T* krow, int64_t t) {
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = qf.data() + g * hd;
       float s = 0.f;
@@ -73,7 +78,7 @@ static void decode_task(const T* q, const T* k_head, const T* v_head, const int6
   }
   // Pass 2: weighted sum of V, each V row read once.
   std::fill(acc.begin(), acc.end(), 0.f);
-  for_each_row(v_head, table, ctx, block_size, hd, false, [&](const T* vrow, int64_t t) {
+  for_each_row(v_head, table, ctx, block_size, hd, true, [&](const T* vrow, int64_t t) {
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * ctx + t];
       float* ag = acc.data() + g * hd;
@@ -86,46 +91,83 @@ static void decode_task(const T* q, const T* k_head, const T* v_head, const int6
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-// fp32, head size 64: one query head at a time (its K/V rows are re-read from L2 for the
-// other heads of the group), rows as four 16-lane vectors kept in registers.
+// fp32, head size 64, blocks of a multiple of 16 rows: one pass over the context, 16 keys at
+// a time, with an online softmax. Each 16-row K/V tile is fetched once (prefetched two tiles
+// ahead into L2) and serves every query head of the group from L1. The 16 dot products of a
+// tile are reduced together (hsum16) into one vector of scores, so the softmax is vectorised.
 static void decode_task_f32_d64(const float* __restrict__ q, const float* __restrict__ k_head,
                                 const float* __restrict__ v_head, const int64_t* table, int64_t ctx,
-                                int64_t block_size, int64_t group, float scale, float* __restrict__ out,
-                                std::vector<float>& scores_buf) {
-  constexpr int64_t D = 64;
-  scores_buf.resize(ctx);
-  float* __restrict__ sc = scores_buf.data();
+                                int64_t block_size, int64_t group, float scale, float* __restrict__ out) {
+  using namespace kvmesh_avx512;
+  constexpr int64_t D = 64, kTile = 16, kAhead = 2;
+  constexpr int kMaxGroup = 16;
+  alignas(64) float qs[kMaxGroup * D], acc[kMaxGroup * D], p[kTile];
+  float m[kMaxGroup], l[kMaxGroup];
+  const float scale_log2e = scale * 1.4426950408889634f;  // scores in log2 units: exp2 below
+  for (int64_t i = 0; i < group * D; ++i) qs[i] = q[i] * scale_log2e;
+  std::fill(acc, acc + group * D, 0.f);
+  std::fill(m, m + group, -1e30f);
+  std::fill(l, l + group, 0.f);
+  const int64_t ntiles = (ctx + kTile - 1) / kTile;
+  const int64_t tiles_per_block = block_size / kTile;
+  auto tile_row = [&](int64_t t) {  // first cache row of tile t (no division for 16-row blocks)
+    return tiles_per_block == 1 ? table[t] * kTile
+                                : table[t / tiles_per_block] * block_size + t % tiles_per_block * kTile;
+  };
+  for (int64_t t = 0; t < std::min(kAhead, ntiles); ++t) {
+    prefetch_block_l2(k_head + tile_row(t) * D, kTile * D * 4);
+    prefetch_block_l2(v_head + tile_row(t) * D, kTile * D * 4);
+  }
+  for (int64_t t = 0; t < ntiles; ++t) {
+    if (t + kAhead < ntiles) {
+      prefetch_block_l2(k_head + tile_row(t + kAhead) * D, kTile * D * 4);
+      prefetch_block_l2(v_head + tile_row(t + kAhead) * D, kTile * D * 4);
+    }
+    const float* kt = k_head + tile_row(t) * D;
+    const float* vt = v_head + tile_row(t) * D;
+    const int64_t n = std::min(kTile, ctx - t * kTile);  // rows past n are unwritten: never used
+    const __mmask16 valid = n == kTile ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qs + g * D;
+      const __m512 q0 = _mm512_load_ps(qg), q1 = _mm512_load_ps(qg + 16);
+      const __m512 q2 = _mm512_load_ps(qg + 32), q3 = _mm512_load_ps(qg + 48);
+      __m512 part[kTile];
+#pragma GCC unroll 16
+      for (int j = 0; j < kTile; ++j) {
+        const float* k = kt + j * D;
+        __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
+        __m512 c = _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16));
+        a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), a);
+        c = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), c);
+        part[slot_of(j)] = _mm512_add_ps(a, c);
+      }
+      const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), hsum16(part));
+      const float m_new = std::max(m[g], _mm512_reduce_max_ps(s));
+      const float alpha = exp2f(m[g] - m_new);
+      const __m512 pv = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+      l[g] = l[g] * alpha + _mm512_reduce_add_ps(pv);
+      m[g] = m_new;
+      _mm512_store_ps(p, pv);
+      float* ag = acc + g * D;
+      const __m512 al = _mm512_set1_ps(alpha);
+      __m512 a0 = _mm512_mul_ps(_mm512_load_ps(ag), al), a1 = _mm512_mul_ps(_mm512_load_ps(ag + 16), al);
+      __m512 a2 = _mm512_mul_ps(_mm512_load_ps(ag + 32), al), a3 = _mm512_mul_ps(_mm512_load_ps(ag + 48), al);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        const float* v = vt + j * D;
+        a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v), a0);
+        a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16), a1);
+        a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 32), a2);
+        a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 48), a3);
+      }
+      _mm512_store_ps(ag, a0); _mm512_store_ps(ag + 16, a1);
+      _mm512_store_ps(ag + 32, a2); _mm512_store_ps(ag + 48, a3);
+    }
+  }
   for (int64_t g = 0; g < group; ++g) {
-    const float* qg = q + g * D;
-    const __m512 sv = _mm512_set1_ps(scale);
-    const __m512 q0 = _mm512_mul_ps(_mm512_loadu_ps(qg), sv), q1 = _mm512_mul_ps(_mm512_loadu_ps(qg + 16), sv);
-    const __m512 q2 = _mm512_mul_ps(_mm512_loadu_ps(qg + 32), sv), q3 = _mm512_mul_ps(_mm512_loadu_ps(qg + 48), sv);
-    float mx = -std::numeric_limits<float>::infinity();
-    for_each_row(k_head, table, ctx, block_size, D, g == 0, [&](const float* k, int64_t t) {
-      __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
-      __m512 c = _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16));
-      a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), a);
-      c = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), c);
-      const float s = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
-      sc[t] = s;
-      mx = std::max(mx, s);
-    });
-    const float sum = exp_and_sum(sc, ctx, mx);
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    for_each_row(v_head, table, ctx, block_size, D, g == 0, [&](const float* v, int64_t t) {
-      const __m512 p = _mm512_set1_ps(sc[t]);
-      a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), a0);
-      a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), a1);
-      a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), a2);
-      a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 48), a3);
-    });
-    const __m512 inv = _mm512_set1_ps(1.f / sum);
-    float* o = out + g * D;
-    _mm512_storeu_ps(o, _mm512_mul_ps(a0, inv));
-    _mm512_storeu_ps(o + 16, _mm512_mul_ps(a1, inv));
-    _mm512_storeu_ps(o + 32, _mm512_mul_ps(a2, inv));
-    _mm512_storeu_ps(o + 48, _mm512_mul_ps(a3, inv));
+    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+    for (int64_t c = 0; c < D; c += 16)
+      _mm512_storeu_ps(out + g * D + c, _mm512_mul_ps(_mm512_load_ps(acc + g * D + c), inv));
   }
 }
 #endif
@@ -136,17 +178,29 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
                           int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,
                           int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Tasks are (request, KV head), longest context first, handed out from an atomic counter:
+  // a static split leaves one thread idle while the other finishes the long contexts.
+  const int64_t num_tasks = num_seqs * num_kv_heads;
+  std::vector<int64_t> order(num_tasks);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return ctx_lens[a / num_kv_heads] > ctx_lens[b / num_kv_heads];
+  });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) {
+      const int64_t task = order[i];
       const int64_t r = task / num_kv_heads, kvh = task % num_kv_heads;
       const int64_t head_base = kvh * num_blocks * block_size * head_dim;
       const int64_t qoff = (r * num_heads + kvh * group) * head_dim;
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, float> && D == 64) {
-        decode_task_f32_d64(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,
-                            ctx_lens[r], block_size, group, scale, out + qoff, scores);
-        continue;
+        if (block_size % 16 == 0 && group <= 16) {
+          decode_task_f32_d64(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,
+                              ctx_lens[r], block_size, group, scale, out + qoff);
+          continue;
+        }
       }
 #endif
       decode_task<T, D>(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,

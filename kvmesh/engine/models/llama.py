@@ -115,9 +115,16 @@ class Attention(nn.Module):
 
     def forward(self, x, step_rope: StepRope, k_cache, v_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
+        stored = False
         if step_rope.cos_sin is None:  # fused: rotate the q and k heads inside qkv, in place
-            self.ops.rotary_qk_(qkv, step_rope.positions, step_rope.rope.cos, step_rope.rope.sin,
-                                self.num_heads, self.num_kv_heads, self.head_dim)
+            rope = step_rope.rope
+            if meta.slots is not None:  # ... and store K/V in the cache in the same pass
+                self.ops.rotary_qk_store_kv_(qkv, step_rope.positions, rope.cos, rope.sin, self.num_heads,
+                                             self.num_kv_heads, self.head_dim, k_cache, v_cache, meta.slots)
+                stored = True
+            else:
+                self.ops.rotary_qk_(qkv, step_rope.positions, rope.cos, rope.sin,
+                                    self.num_heads, self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -125,7 +132,8 @@ class Attention(nn.Module):
         if step_rope.cos_sin is not None:
             cos, sin = step_rope.cos_sin
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        write_kv(k_cache, v_cache, k, v, meta)
+        if not stored:
+            write_kv(k_cache, v_cache, k, v, meta)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(attn.reshape(-1, self.q_size))
 
