@@ -49,6 +49,9 @@ class AttentionMetadata:
     # [T] cache row of each new token (block * block_size + offset), for the compiled RoPE op
     # that stores K/V as it rotates them (then write_kv is skipped).
     slots: torch.Tensor | None = None
+    # The sampling rows as decodes over their whole context, for the last layer (which carries
+    # on only for them); None when no row samples this step.
+    sample_meta: "AttentionMetadata | None" = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -63,7 +66,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, dim]; k, v: [T, kv_heads, dim] (already written to the cache)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
 
@@ -72,7 +75,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         only_decodes = not meta.prefills and meta.prefill_seqs is None
         qd = q if only_decodes else q[meta.decode_indices]
         attn = meta.cpu_ops.paged_decode_attention(
-            qd.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens, scale)
+            qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens, scale)
         if only_decodes:
             return attn
         out[meta.decode_indices] = attn

@@ -78,6 +78,8 @@ class ModelRunner:
         decode_idx: list[int] = []
         decode_tables: list[list[int]] = []
         decode_ctx: list[int] = []
+        sample_tables: list[list[int]] = []  # the sampling rows' contexts, for the last layer
+        sample_ctx: list[int] = []
         prefills: list[PrefillSeq] = []
         prefill_rows: list[tuple[int, int, int]] = []  # for the compiled kernel
         prefill_tables: list[list[int]] = []
@@ -93,6 +95,8 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 logits_indices.append(offset + n - 1)
                 sampling_requests.append(req)
+                sample_tables.append(table[:cdiv(start + n, bs)])
+                sample_ctx.append(start + n)
             if n == 1:
                 decode_idx.append(offset)
                 decode_tables.append(table[:cdiv(start + 1, bs)])
@@ -119,19 +123,30 @@ class ModelRunner:
             meta.prefill_seqs = self._tensor(prefill_rows)
             meta.prefill_block_tables = self._tensor(_pad(prefill_tables))
         if decode_idx:
-            tables = _pad(decode_tables)
-            width = tables.shape[1]
-            ctx = np.asarray(decode_ctx)
             meta.decode_indices = self._tensor(decode_idx)
-            meta.decode_block_tables = self._tensor(tables)
-            if self.cpu_ops is not None:
-                meta.cpu_ops = self.cpu_ops
-                meta.decode_ctx_lens = self._tensor(ctx)
-            else:
-                mask = np.where(np.arange(width * bs)[None, :] < ctx[:, None], 0.0, -np.inf)
-                meta.decode_mask = self._tensor(mask, torch.float32)
+            self._set_decodes(meta, decode_tables, decode_ctx)
+        if sample_ctx:
+            # The last layer only carries on for the rows that sample: to them it is a decode
+            # step over their whole context (this step's K/V are stored by then).
+            meta.sample_meta = AttentionMetadata(
+                slot_blocks=None, slot_offsets=None, decode_indices=self._tensor(range(len(sample_ctx))),
+                decode_block_tables=None, decode_mask=None, prefills=[])
+            self._set_decodes(meta.sample_meta, sample_tables, sample_ctx)
         return (self._tensor(ids), self._tensor(pos_all), meta,
                 self._tensor(logits_indices), sampling_requests)
+
+    def _set_decodes(self, meta: AttentionMetadata, tables: list[list[int]], ctx_lens: list[int]) -> None:
+        """Block tables and context lengths (kernel) or a length mask (torch path) of decode rows."""
+        padded = _pad(tables)
+        meta.decode_block_tables = self._tensor(padded)
+        ctx = np.asarray(ctx_lens)
+        if self.cpu_ops is not None:
+            meta.cpu_ops = self.cpu_ops
+            meta.decode_ctx_lens = self._tensor(ctx)
+        else:
+            width = padded.shape[1] * self.block_size
+            meta.decode_mask = self._tensor(np.where(np.arange(width)[None, :] < ctx[:, None], 0.0, -np.inf),
+                                            torch.float32)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager

@@ -28,7 +28,8 @@ def test_kernel_matches_torch_gather_path(kernel, dtype, tol, heads, kv_heads, d
     lens = torch.tensor([1, 3, 4, 5, 17, 33])
     width = int((lens.max() + bs - 1) // bs)
     tables = torch.stack([torch.randperm(blocks)[:width] for _ in lens])
-    q = torch.randn(len(lens), heads, dim).to(dtype)
+    # q as a view into a fused qkv row, as the model passes it (rows farther apart than H * D).
+    q = torch.randn(len(lens), (heads + 2 * kv_heads) * dim).to(dtype)[:, :heads * dim].view(len(lens), heads, dim)
     k_new = torch.randn(len(lens), kv_heads, dim).to(dtype)
     mask = torch.where(torch.arange(width * bs)[None, :] < lens[:, None], 0.0, float("-inf"))
     common = dict(slot_blocks=None, slot_offsets=None, decode_indices=torch.arange(len(lens)),

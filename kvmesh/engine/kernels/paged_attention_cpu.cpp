@@ -173,7 +173,7 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
 #endif
 
 template <typename T, int D>
-static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+static void decode_kernel(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* tables,
                           const int64_t* ctx_lens, T* out, int64_t num_seqs, int64_t num_heads,
                           int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,
                           int64_t max_blocks, float scale) {
@@ -193,37 +193,40 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
       const int64_t task = order[i];
       const int64_t r = task / num_kv_heads, kvh = task % num_kv_heads;
       const int64_t head_base = kvh * num_blocks * block_size * head_dim;
-      const int64_t qoff = (r * num_heads + kvh * group) * head_dim;
+      const int64_t qoff = r * q_stride + kvh * group * head_dim;
+      const int64_t ooff = (r * num_heads + kvh * group) * head_dim;
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, float> && D == 64) {
         if (block_size % 16 == 0 && group <= 16) {
           decode_task_f32_d64(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,
-                              ctx_lens[r], block_size, group, scale, out + qoff);
+                              ctx_lens[r], block_size, group, scale, out + ooff);
           continue;
         }
       }
 #endif
       decode_task<T, D>(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,
-                        ctx_lens[r], block_size, group, head_dim, scale, out + qoff, qf, scores, acc);
+                        ctx_lens[r], block_size, group, head_dim, scale, out + ooff, qf, scores, acc);
     }
   });
 }
 
-// q: [R, H, D]; k_cache, v_cache: [Hkv, NB, B, D]; block_tables: [R, max_blocks] int64;
-// ctx_lens: [R] int64 (every length >= 1). Returns [R, H, D].
+// q: [R, H, D] with heads back to back in a row (a view into the fused qkv is fine);
+// k_cache, v_cache: [Hkv, NB, B, D]; block_tables: [R, max_blocks] int64;
+// ctx_lens: [R] int64 (every length >= 1). Returns [R, H, D], contiguous.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows must hold heads back to back");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && ctx_lens.scalar_type() == torch::kLong, "int64 tables");
   auto tables = block_tables.contiguous();
   auto lens = ctx_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = torch::empty(q.sizes(), q.options());
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(0), NB = k_cache.size(1), B = k_cache.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto d_const) {
       constexpr int Dc = decltype(d_const)::value;
-      decode_kernel<scalar_t, Dc>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+      decode_kernel<scalar_t, Dc>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                   tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                                   R, H, Hkv, NB, B, D, tables.size(1), static_cast<float>(scale));
     };

@@ -2,7 +2,8 @@
 
 All scheduled tokens of all requests run as one [T, hidden] batch; attention
 reads and writes the paged KV cache. q/k/v and gate/up projections are fused
-into one matmul each. Logits are computed only for the rows that sample.
+into one matmul each. Logits are computed only for the rows that sample, and the
+last layer carries on past its K/V only for those rows.
 """
 
 from __future__ import annotations
@@ -113,7 +114,18 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.ops = None
 
-    def forward(self, x, step_rope: StepRope, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, step_rope: StepRope, k_cache, v_cache, meta: AttentionMetadata,
+                sample_rows: torch.Tensor | None = None):
+        """With `sample_rows`, every row's K/V is stored but only those rows attend and come out
+        (the last layer: nothing else reads the other rows' outputs)."""
+        q, k, v = self.project_and_store(x, step_rope, k_cache, v_cache, meta)
+        if sample_rows is not None:
+            q, meta = q[sample_rows], meta.sample_meta
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(attn.reshape(-1, self.q_size))
+
+    def project_and_store(self, x, step_rope: StepRope, k_cache, v_cache, meta: AttentionMetadata):
+        """q, k, v of the rows ([T, heads, dim], RoPE applied), with k and v stored in the cache."""
         qkv = self.qkv_proj(x)
         stored = False
         if step_rope.cos_sin is None:  # fused: rotate the q and k heads inside qkv, in place
@@ -134,8 +146,7 @@ class Attention(nn.Module):
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if not stored:
             write_kv(k_cache, v_cache, k, v, meta)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(attn.reshape(-1, self.q_size))
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -162,13 +173,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, residual, step_rope, k_cache, v_cache, meta):
-        """vLLM's residual convention: returns (this layer's output, the residual stream before it)."""
+    def forward(self, x, residual, step_rope, k_cache, v_cache, meta, sample_rows=None):
+        """vLLM's residual convention: returns (this layer's output, the residual stream before it).
+        With `sample_rows`, only those rows come out (see Attention.forward)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, step_rope, k_cache, v_cache, meta)
+        if sample_rows is not None and meta.sample_meta is None:  # nothing samples: store K/V only
+            self.self_attn.project_and_store(x, step_rope, k_cache, v_cache, meta)
+            return x[:0], residual[:0]
+        x = self.self_attn(x, step_rope, k_cache, v_cache, meta, sample_rows)
+        if sample_rows is not None:
+            residual = residual[sample_rows]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -206,9 +223,13 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         step_rope = StepRope(self.rope, positions, x.dtype, fused=self.cpu_ops is not None)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, step_rope, k_cache, v_cache, meta)
-        x = self.norm(x[logits_indices] + residual[logits_indices])
+        last = len(self.layers) - 1
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            # The last layer's attention output, o_proj and MLP are only needed for the rows
+            # that sample: for a prefill that is one row in hundreds.
+            x, residual = layer(x, residual, step_rope, k_cache, v_cache, meta,
+                                logits_indices if i == last else None)
+        x = self.norm(x + residual)
         if self.packed_lm_head is not None:
             return self.packed_lm_head(x).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
