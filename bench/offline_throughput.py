@@ -112,6 +112,13 @@ def main(argv=None) -> int:
     print(f"workload: {len(prompts)} requests, {prompt_tokens} prompt tokens, "
           f"{args.output_len} output tokens each, greedy, fp32, model {args.model}", flush=True)
 
+    # The engine tunes glibc malloc when it starts (kvmesh/engine/malloc_tuning.py). Apply it
+    # first, process-wide, so the baseline runs under the same allocator settings whichever
+    # system goes first.
+    from kvmesh.engine.malloc_tuning import tune_malloc
+
+    print(f"allocator: activation-reuse malloc settings {'on' if tune_malloc() else 'off'} for both systems",
+          flush=True)
     results = {}
     engine_args = dict(max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, dtype="float32")

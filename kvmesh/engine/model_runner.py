@@ -57,6 +57,9 @@ class ModelRunner:
         self.cpu_ops = None  # the compiled CPU kernels (kernels/cpu.py), when they build
         self.cpu_prefill_attention = False  # whether they cover this model's prefill attention
         if device.type == "cpu":
+            from kvmesh.engine.malloc_tuning import tune_malloc
+
+            tune_malloc()  # reuse freed activations instead of faulting them in every step
             from kvmesh.engine.kernels import cpu as cpu_kernels
 
             self.cpu_ops = cpu_kernels.load()
