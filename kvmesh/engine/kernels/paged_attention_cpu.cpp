@@ -89,21 +89,29 @@ static void decode_task(const T* q, const T* k_head, const T* v_head, const int6
 #if defined(__AVX512F__)
 // fp32, head size 64, blocks of a multiple of 16 rows: one pass over the context, 16 keys at
 // a time, with an online softmax. Each 16-row K/V tile is fetched once and serves every query
-// head of the group from L1. The 16 dot products of a
-// tile are reduced together (hsum16) into one vector of scores, so the softmax is vectorised.
+// head of the group from L1. The 16 dot products of a tile are reduced together (hsum16) into
+// one vector of scores, so the softmax is vectorised. With the group size known at compile
+// time (GROUP > 0) the heads' accumulators stay in registers and each V row is loaded once
+// for all heads; GROUP == 0 handles any group size through memory.
+template <int GROUP>
 static void decode_task_f32_d64(const float* __restrict__ q, const float* __restrict__ k_head,
                                 const float* __restrict__ v_head, const int64_t* table, int64_t ctx,
-                                int64_t block_size, int64_t group, float scale, float* __restrict__ out) {
+                                int64_t block_size, int64_t group_rt, float scale, float* __restrict__ out) {
   using namespace kvmesh_avx512;
   constexpr int64_t D = 64, kTile = 16;
   constexpr int kMaxGroup = 16;
-  alignas(64) float qs[kMaxGroup * D], acc[kMaxGroup * D], p[kTile];
-  float m[kMaxGroup], l[kMaxGroup];
+  const int64_t group = GROUP > 0 ? GROUP : group_rt;
+  alignas(64) float qs[kMaxGroup * D], acc[kMaxGroup * D], p[kMaxGroup * kTile];
+  float m[kMaxGroup], l[kMaxGroup], alpha[kMaxGroup];
   const float scale_log2e = scale * 1.4426950408889634f;  // scores in log2 units: exp2 below
   for (int64_t i = 0; i < group * D; ++i) qs[i] = q[i] * scale_log2e;
   std::fill(acc, acc + group * D, 0.f);
   std::fill(m, m + group, -1e30f);
   std::fill(l, l + group, 0.f);
+  __m512 reg_acc[GROUP > 0 ? GROUP : 1][4];  // GROUP > 0: the accumulators, in registers
+  if constexpr (GROUP > 0)
+    for (int g = 0; g < GROUP; ++g)
+      for (int c = 0; c < 4; ++c) reg_acc[g][c] = _mm512_setzero_ps();
   const int64_t ntiles = (ctx + kTile - 1) / kTile;
   const int64_t tiles_per_block = block_size / kTile;
   auto tile_row = [&](int64_t t) {  // first cache row of tile t (no division for 16-row blocks)
@@ -115,6 +123,7 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
     const float* vt = v_head + tile_row(t) * D;
     const int64_t n = std::min(kTile, ctx - t * kTile);  // rows past n are unwritten: never used
     const __mmask16 valid = n == kTile ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    // Scores and softmax weights of this tile, head by head.
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = qs + g * D;
       const __m512 q0 = _mm512_load_ps(qg), q1 = _mm512_load_ps(qg + 16);
@@ -132,31 +141,71 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
       const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), hsum16(part));
       const float m_new = std::max(m[g], _mm512_reduce_max_ps(s));
       // exp2 in a vector register: a scalar exp2f is a libm call, which costs ~10% here.
-      const float alpha = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m[g] - m_new)));
+      alpha[g] = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m[g] - m_new)));
       const __m512 pv = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-      l[g] = l[g] * alpha + _mm512_reduce_add_ps(pv);
+      l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(pv);
       m[g] = m_new;
-      _mm512_store_ps(p, pv);
-      float* ag = acc + g * D;
-      const __m512 al = _mm512_set1_ps(alpha);
-      __m512 a0 = _mm512_mul_ps(_mm512_load_ps(ag), al), a1 = _mm512_mul_ps(_mm512_load_ps(ag + 16), al);
-      __m512 a2 = _mm512_mul_ps(_mm512_load_ps(ag + 32), al), a3 = _mm512_mul_ps(_mm512_load_ps(ag + 48), al);
-      for (int64_t j = 0; j < n; ++j) {
-        const __m512 pj = _mm512_set1_ps(p[j]);
-        const float* v = vt + j * D;
-        a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v), a0);
-        a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16), a1);
-        a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 32), a2);
-        a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 48), a3);
+      _mm512_store_ps(p + g * kTile, pv);
+    }
+    // Weighted sum of V: rescale each head's accumulator, then add the tile's rows.
+    if constexpr (GROUP > 0) {
+#pragma GCC unroll 8
+      for (int g = 0; g < GROUP; ++g) {
+        const __m512 al = _mm512_set1_ps(alpha[g]);
+        for (int c = 0; c < 4; ++c) reg_acc[g][c] = _mm512_mul_ps(reg_acc[g][c], al);
       }
-      _mm512_store_ps(ag, a0); _mm512_store_ps(ag + 16, a1);
-      _mm512_store_ps(ag + 32, a2); _mm512_store_ps(ag + 48, a3);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* v = vt + j * D;
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+        const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+#pragma GCC unroll 8
+        for (int g = 0; g < GROUP; ++g) {
+          const __m512 pj = _mm512_set1_ps(p[g * kTile + j]);
+          reg_acc[g][0] = _mm512_fmadd_ps(pj, v0, reg_acc[g][0]);
+          reg_acc[g][1] = _mm512_fmadd_ps(pj, v1, reg_acc[g][1]);
+          reg_acc[g][2] = _mm512_fmadd_ps(pj, v2, reg_acc[g][2]);
+          reg_acc[g][3] = _mm512_fmadd_ps(pj, v3, reg_acc[g][3]);
+        }
+      }
+    } else {
+      for (int64_t g = 0; g < group; ++g) {
+        float* ag = acc + g * D;
+        const float* pg = p + g * kTile;
+        const __m512 al = _mm512_set1_ps(alpha[g]);
+        __m512 a0 = _mm512_mul_ps(_mm512_load_ps(ag), al), a1 = _mm512_mul_ps(_mm512_load_ps(ag + 16), al);
+        __m512 a2 = _mm512_mul_ps(_mm512_load_ps(ag + 32), al), a3 = _mm512_mul_ps(_mm512_load_ps(ag + 48), al);
+        for (int64_t j = 0; j < n; ++j) {
+          const __m512 pj = _mm512_set1_ps(pg[j]);
+          const float* v = vt + j * D;
+          a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v), a0);
+          a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16), a1);
+          a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 32), a2);
+          a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 48), a3);
+        }
+        _mm512_store_ps(ag, a0); _mm512_store_ps(ag + 16, a1);
+        _mm512_store_ps(ag + 32, a2); _mm512_store_ps(ag + 48, a3);
+      }
     }
   }
+  if constexpr (GROUP > 0)
+    for (int g = 0; g < GROUP; ++g)
+      for (int c = 0; c < 4; ++c) _mm512_store_ps(acc + g * D + c * 16, reg_acc[g][c]);
   for (int64_t g = 0; g < group; ++g) {
     const __m512 inv = _mm512_set1_ps(1.f / l[g]);
     for (int64_t c = 0; c < D; c += 16)
       _mm512_storeu_ps(out + g * D + c, _mm512_mul_ps(_mm512_load_ps(acc + g * D + c), inv));
+  }
+}
+
+// The group sizes of common models (Llama 3: 4, SmolLM2: 3, ...) get the register path.
+static void decode_task_f32_d64_any(const float* q, const float* k_head, const float* v_head, const int64_t* table,
+                                    int64_t ctx, int64_t block_size, int64_t group, float scale, float* out) {
+  switch (group) {
+    case 1: return decode_task_f32_d64<1>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    case 2: return decode_task_f32_d64<2>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    case 3: return decode_task_f32_d64<3>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    case 4: return decode_task_f32_d64<4>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    default: return decode_task_f32_d64<0>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
   }
 }
 #endif
@@ -187,7 +236,7 @@ static void decode_kernel(const T* q, int64_t q_stride, const T* k_cache, const 
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, float> && D == 64) {
         if (block_size % 16 == 0 && group <= 16) {
-          decode_task_f32_d64(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,
+          decode_task_f32_d64_any(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,
                               ctx_lens[r], block_size, group, scale, out + ooff);
           continue;
         }
