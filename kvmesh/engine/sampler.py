@@ -46,13 +46,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        raw = logits
-        logits = logits.clone()
+        raw = logits  # logprobs come from the model's distribution, before any ban
         for i, req in enumerate(requests):
             sp = req.sampling_params
             if req.num_output_tokens < sp.min_tokens:
                 banned = list(req.eos_token_ids | req.stop_token_ids)
                 if banned:
+                    if logits is raw:
+                        logits = logits.clone()  # only when something is banned: 12 MB at batch 64
                     logits[i, banned] = float("-inf")
 
         greedy = torch.tensor([r.sampling_params.greedy for r in requests], device=logits.device)

@@ -5,9 +5,10 @@
 
 namespace kvmesh_avx512 {
 
-// 2^x for x <= 0 (scores relative to a running maximum), relative error ~1e-8.
+// 2^x, relative error ~1e-8, with x clamped to [-127, 127]: never infinity, which code
+// built with -ffast-math must not produce (its divisions become reciprocals: inf -> NaN).
 inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);  // in [-0.5, 0.5]
   // 2^f = e^(f ln 2), Taylor series to degree 7.

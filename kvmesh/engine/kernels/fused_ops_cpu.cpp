@@ -18,6 +18,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "avx512_math.h"
+
 namespace {
 
 template <typename T>
@@ -146,6 +148,21 @@ static void silu_and_mul_row(T* o, const T* g, const T* u, int64_t n) {
     o[i] = static_cast<T>(static_cast<float>(static_cast<T>(gv / (1.f + std::exp(-gv)))) * static_cast<float>(u[i]));
   }
 }
+
+#if defined(__AVX512F__)
+// fp32: 16 lanes at a time with the polynomial exp2 (libm's scalar expf made this op cost
+// ~2 cycles per element, half a second of a prefill-heavy run).
+static void silu_and_mul_row(float* o, const float* g, const float* u, int64_t n) {
+  const __m512 minus_log2e = _mm512_set1_ps(-1.4426950408889634f), one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+    const __m512 e = kvmesh_avx512::exp2_ps(_mm512_mul_ps(gv, minus_log2e));  // exp(-g)
+    const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+    _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + i)));
+  }
+}
+#endif
 
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "silu_and_mul: [T, 2I]");
