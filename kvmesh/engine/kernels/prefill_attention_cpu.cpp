@@ -48,8 +48,14 @@ void attend_tile(const float* q, int64_t q_stride, int64_t nq, int64_t pos0, con
   alignas(64) float qt[D * kTile];  // Q^T, pre-scaled so scores come out in log2 units
   alignas(64) float ot[D * kTile];  // O^T, unnormalised
   alignas(64) float pt[kTile * kTile];  // P^T of the current key tile
-  for (int64_t d = 0; d < D; ++d)
-    for (int64_t i = 0; i < kTile; ++i) qt[d * kTile + i] = i < nq ? q[i * q_stride + d] * scale_log2e : 0.f;
+  const __m512 qscale = _mm512_set1_ps(scale_log2e);
+  for (int64_t d0 = 0; d0 < D; d0 += kTile) {  // 16x16 blocks of Q, transposed in registers
+    __m512 r[kTile];
+    for (int64_t i = 0; i < kTile; ++i)
+      r[i] = i < nq ? _mm512_mul_ps(_mm512_loadu_ps(q + i * q_stride + d0), qscale) : _mm512_setzero_ps();
+    kvmesh_avx512::transpose16(r);
+    for (int64_t dd = 0; dd < kTile; ++dd) _mm512_store_ps(qt + (d0 + dd) * kTile, r[dd]);
+  }
   std::fill(ot, ot + D * kTile, 0.f);
   __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
@@ -125,8 +131,12 @@ void attend_tile(const float* q, int64_t q_stride, int64_t nq, int64_t pos0, con
 
   alignas(64) float inv[kTile];
   _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
-  for (int64_t i = 0; i < nq; ++i)
-    for (int64_t d = 0; d < D; ++d) out[i * out_stride + d] = ot[d * kTile + i] * inv[i];
+  for (int64_t d0 = 0; d0 < D; d0 += kTile) {  // O^T back to rows, 16x16 blocks at a time
+    __m512 r[kTile];
+    for (int64_t dd = 0; dd < kTile; ++dd) r[dd] = _mm512_load_ps(ot + (d0 + dd) * kTile);
+    kvmesh_avx512::transpose16(r);
+    for (int64_t i = 0; i < nq; ++i) _mm512_storeu_ps(out + i * out_stride + d0, _mm512_mul_ps(r[i], _mm512_set1_ps(inv[i])));
+  }
 }
 
 template <int D>
