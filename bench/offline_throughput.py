@@ -4,7 +4,8 @@
 Workload (issue 2): 64 requests, prompts of random token ids with lengths uniform in
 [64, 512] (seed 0), 128 output tokens each, ignore_eos, greedy, fp32, the built-in
 model. The baseline runs the same requests through transformers' `generate` in static,
-left-padded batches of 16, in the same process, on the same machine, in the same run.
+left-padded batches of 16, on the same machine, in the same run. Each system runs in its
+own fresh process.
 Prints output tok/s, total tok/s (prompt + output) and the ratio.
 """
 
@@ -41,20 +42,20 @@ def run_kvmesh(model: str, prompts, output_len: int, engine_args: dict) -> tuple
     return elapsed, generated
 
 
-def release_memory() -> None:
-    """Hand the finished system's memory (weights, a multi-GB KV cache) back before the next one
-    runs, so the second system does not pay for the first one's heap."""
-    import ctypes
-    import gc
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new interpreter (spawned, not forked), which exits afterwards."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
-def run_hf(model_dir, prompts, output_len: int, batch_size: int) -> tuple[float, int]:
+def run_hf(model_dir, prompts, output_len: int, batch_size: int, malloc_tuning: bool) -> tuple[float, int]:
+    if malloc_tuning:
+        from kvmesh.engine.malloc_tuning import tune_malloc
+
+        tune_malloc()
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
@@ -99,7 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--skip-kvmesh", action="store_true")
-    ap.add_argument("--baseline-first", action="store_true", help="run the HF baseline before kvmesh")
+    ap.add_argument("--baseline-malloc-tuning", action="store_true",
+                    help="run the baseline with kvmesh's glibc malloc settings too (default: glibc defaults)")
     args = ap.parse_args(argv)
 
     from kvmesh.common.models import resolve_model_dir
@@ -112,25 +114,22 @@ def main(argv=None) -> int:
     print(f"workload: {len(prompts)} requests, {prompt_tokens} prompt tokens, "
           f"{args.output_len} output tokens each, greedy, fp32, model {args.model}", flush=True)
 
-    # The engine tunes glibc malloc when it starts (kvmesh/engine/malloc_tuning.py). Apply it
-    # first, process-wide, so the baseline runs under the same allocator settings whichever
-    # system goes first.
-    from kvmesh.engine.malloc_tuning import tune_malloc
-
-    print(f"allocator: activation-reuse malloc settings {'on' if tune_malloc() else 'off'} for both systems",
-          flush=True)
+    # Each system runs in its own fresh interpreter, as its users run it: neither inherits the
+    # other's heap, allocator settings or warm caches, and the order does not matter. kvmesh's
+    # engine tunes glibc malloc for itself when it starts (kvmesh/engine/malloc_tuning.py);
+    # --baseline-malloc-tuning gives the baseline the same settings.
+    print("each system runs in a fresh process; baseline allocator: "
+          + ("kvmesh's malloc tuning" if args.baseline_malloc_tuning else "glibc defaults"), flush=True)
     results = {}
     engine_args = dict(max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, dtype="float32")
     if args.num_kv_blocks:
         engine_args["num_kv_blocks"] = args.num_kv_blocks
-    runs = [("kvmesh", not args.skip_kvmesh, lambda: run_kvmesh(args.model, prompts, args.output_len, engine_args)),
-            ("hf-static", not args.skip_baseline,
-             lambda: run_hf(model_dir, prompts, args.output_len, args.hf_batch_size))]
-    for name, wanted, run in (runs[::-1] if args.baseline_first else runs):
-        if wanted:
-            results[name] = run()
-            release_memory()
+    if not args.skip_kvmesh:
+        results["kvmesh"] = in_fresh_process(run_kvmesh, args.model, prompts, args.output_len, engine_args)
+    if not args.skip_baseline:
+        results["hf-static"] = in_fresh_process(run_hf, model_dir, prompts, args.output_len, args.hf_batch_size,
+                                                args.baseline_malloc_tuning)
 
     print()
     print(f"{'system':<12} {'time s':>8} {'output tok/s':>13} {'total tok/s':>12}")
