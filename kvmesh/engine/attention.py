@@ -33,8 +33,7 @@ class PrefillSeq:
 
 @dataclass
 class AttentionMetadata:
-    slot_blocks: torch.Tensor  # [T] block id of each new token's slot
-    slot_offsets: torch.Tensor  # [T] offset in that block
+    slots: torch.Tensor | None  # [T] cache row of each new token: block * block_size + offset
     # Decodes: token indices in the flattened batch, their block tables (padded) and context lengths.
     decode_indices: torch.Tensor | None
     decode_block_tables: torch.Tensor | None  # [R, max_blocks]
@@ -46,9 +45,6 @@ class AttentionMetadata:
     # (first row in the batch, new tokens, cached tokens), and their padded block tables.
     prefill_seqs: torch.Tensor | None = None  # [S, 3]
     prefill_block_tables: torch.Tensor | None = None  # [S, max_blocks]
-    # [T] cache row of each new token (block * block_size + offset), for the compiled RoPE op
-    # that stores K/V as it rotates them (then write_kv is skipped).
-    slots: torch.Tensor | None = None
     # The sampling rows as decodes over their whole context, for the last layer (which carries
     # on only for them); None when no row samples this step.
     sample_meta: "AttentionMetadata | None" = None
@@ -56,9 +52,11 @@ class AttentionMetadata:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
-    """Store the step's new keys/values ([T, kv_heads, dim]) in their slots."""
-    k_cache[:, meta.slot_blocks, meta.slot_offsets] = k.transpose(0, 1)
-    v_cache[:, meta.slot_blocks, meta.slot_offsets] = v.transpose(0, 1)
+    """Store the step's new keys/values ([T, kv_heads, dim]) in their slots (the torch path;
+    the compiled RoPE op stores them itself)."""
+    num_kv_heads, _, _, head_dim = k_cache.shape
+    k_cache.view(num_kv_heads, -1, head_dim)[:, meta.slots] = k.transpose(0, 1)
+    v_cache.view(num_kv_heads, -1, head_dim)[:, meta.slots] = v.transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

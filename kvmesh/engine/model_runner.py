@@ -75,7 +75,7 @@ class ModelRunner:
         bs = self.block_size
         ids: list[int] = []
         positions: list[np.ndarray] = []
-        slot_blocks: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
         logits_indices: list[int] = []
         sampling_requests = []
         decode_idx: list[int] = []
@@ -94,7 +94,7 @@ class ModelRunner:
             ids.extend(req.all_token_ids[start:start + n])
             pos = np.arange(start, start + n)
             positions.append(pos)
-            slot_blocks.append(np.asarray(table, dtype=np.int64)[pos // bs])
+            slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
             if start + n == req.num_tokens:
                 logits_indices.append(offset + n - 1)
                 sampling_requests.append(req)
@@ -112,15 +112,11 @@ class ModelRunner:
             offset += n
 
         pos_all = np.concatenate(positions)
-        blocks_all, offsets_all = np.concatenate(slot_blocks), pos_all % bs
         meta = AttentionMetadata(
-            slot_blocks=self._tensor(blocks_all),
-            slot_offsets=self._tensor(offsets_all),
+            slots=self._tensor(np.concatenate(slots)),
             decode_indices=None, decode_block_tables=None, decode_mask=None,
             prefills=prefills,
         )
-        if self.cpu_ops is not None:
-            meta.slots = self._tensor(blocks_all * bs + offsets_all)
         if prefill_rows:
             meta.cpu_ops = self.cpu_ops
             meta.prefill_seqs = self._tensor(prefill_rows)
@@ -132,7 +128,7 @@ class ModelRunner:
             # The last layer only carries on for the rows that sample: to them it is a decode
             # step over their whole context (this step's K/V are stored by then).
             meta.sample_meta = AttentionMetadata(
-                slot_blocks=None, slot_offsets=None, decode_indices=self._tensor(range(len(sample_ctx))),
+                slots=None, decode_indices=self._tensor(range(len(sample_ctx))),
                 decode_block_tables=None, decode_mask=None, prefills=[])
             self._set_decodes(meta.sample_meta, sample_tables, sample_ctx)
         return (self._tensor(ids), self._tensor(pos_all), meta,

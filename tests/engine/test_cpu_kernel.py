@@ -32,7 +32,7 @@ def test_kernel_matches_torch_gather_path(kernel, dtype, tol, heads, kv_heads, d
     q = torch.randn(len(lens), (heads + 2 * kv_heads) * dim).to(dtype)[:, :heads * dim].view(len(lens), heads, dim)
     k_new = torch.randn(len(lens), kv_heads, dim).to(dtype)
     mask = torch.where(torch.arange(width * bs)[None, :] < lens[:, None], 0.0, float("-inf"))
-    common = dict(slot_blocks=None, slot_offsets=None, decode_indices=torch.arange(len(lens)),
+    common = dict(slots=None, decode_indices=torch.arange(len(lens)),
                   decode_block_tables=tables, prefills=[])
     ref = paged_attention(q, k_new, k_new, k_cache, v_cache,
                           AttentionMetadata(decode_mask=mask, **common), dim ** -0.5)
@@ -76,8 +76,7 @@ def test_prefill_kernel_matches_torch_path(kernel, heads, kv_heads, dim, bs):
         offset += n
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    common = dict(slot_blocks=None, slot_offsets=None, decode_indices=None, decode_block_tables=None,
-                  decode_mask=None)
+    common = dict(slots=None, decode_indices=None, decode_block_tables=None, decode_mask=None)
     ref = paged_attention(q, k, v, k_cache, v_cache, AttentionMetadata(prefills=prefills, **common), dim ** -0.5)
     got = paged_attention(q, k, v, k_cache, v_cache,
                           AttentionMetadata(prefills=[], cpu_ops=kernel, prefill_seqs=torch.tensor(rows),
@@ -133,21 +132,17 @@ def test_fused_rotary_and_silu_match_torch(kernel, dtype, tol):
     ref_q = _rotate(q.reshape(-1, heads, dim), cos, sin).reshape(len(positions), -1)
     ref_k = _rotate(k.reshape(-1, kv_heads, dim), cos, sin).reshape(len(positions), -1)
     ref_v = v.clone()
-    got = qkv.clone()
-    kernel.rotary_qk_(got, positions, rope.cos, rope.sin, heads, kv_heads, dim)
-    gq, gk, gv = got.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-    assert torch.allclose(gq.float(), ref_q.float(), atol=tol, rtol=tol)
-    assert torch.allclose(gk.float(), ref_k.float(), atol=tol, rtol=tol)
-    assert torch.equal(gv, ref_v)  # v is left alone
-
-    # The same rotation, with each row's k and v heads stored in its cache slot.
+    # Rotation in place, with each row's k and v heads stored in its cache slot.
     blocks, bs = 5, 4
     k_cache = torch.zeros(kv_heads, blocks, bs, dim).to(dtype)
     v_cache = torch.zeros(kv_heads, blocks, bs, dim).to(dtype)
     slots = torch.tensor([7, 0, 19, 4, 12, 3])
-    got2 = qkv.clone()
-    kernel.rotary_qk_store_kv_(got2, positions, rope.cos, rope.sin, heads, kv_heads, dim, k_cache, v_cache, slots)
-    assert torch.equal(got2, got)
+    got = qkv.clone()
+    kernel.rotary_qk_store_kv_(got, positions, rope.cos, rope.sin, heads, kv_heads, dim, k_cache, v_cache, slots)
+    gq, gk, gv = got.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    assert torch.allclose(gq.float(), ref_q.float(), atol=tol, rtol=tol)
+    assert torch.allclose(gk.float(), ref_k.float(), atol=tol, rtol=tol)
+    assert torch.equal(gv, ref_v)  # v is left alone
     assert torch.equal(k_cache.view(kv_heads, -1, dim)[:, slots], gk.view(-1, kv_heads, dim).transpose(0, 1))
     assert torch.equal(v_cache.view(kv_heads, -1, dim)[:, slots], gv.reshape(-1, kv_heads, dim).transpose(0, 1))
     untouched = torch.ones(blocks * bs, dtype=torch.bool)

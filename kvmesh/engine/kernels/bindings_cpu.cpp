@@ -6,8 +6,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, double scale);
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
 void rotary_qk_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor slots);
@@ -20,9 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight (in place)");
-  m.def("rotary_qk_", &rotary_qk_, "RoPE on the q and k heads of a fused qkv tensor, in place");
   m.def("rotary_qk_store_kv_", &rotary_qk_store_kv_,
-        "rotary_qk_, then each row's k and v heads stored in its slot (block * block_size + offset) of the cache");
+        "RoPE on the q and k heads of a fused qkv tensor, in place, and each row's k and v heads stored in "
+        "its slot (block * block_size + offset) of the cache");
   m.def("prefill_attention_supported", &prefill_attention_supported,
         "whether paged_prefill_attention handles this dtype, head size and block size");
   m.def("paged_prefill_attention", &paged_prefill_attention,

@@ -5,13 +5,12 @@
 //
 //   rms_norm(out, x, w, eps)                out = x * rsqrt(mean(x^2) + eps) * w
 //   fused_add_rms_norm(x, residual, w, eps) residual += x; x = rms_norm(residual) * w
-//   rotary_qk_(qkv, positions, cos, sin, H, Hkv, D)
+//   rotary_qk_store_kv_(qkv, positions, cos, sin, H, Hkv, D, k_cache, v_cache, slots)
 //                                           rotate the q and k heads of the fused
 //                                           qkv projection in place (rotate-half
-//                                           convention, fp32 cos/sin tables)
-//   rotary_qk_store_kv_(..., k_cache, v_cache, slots)
-//                                           the same, and store each row's k and v
-//                                           heads in its cache slot
+//                                           convention, fp32 cos/sin tables) and
+//                                           store each row's k and v heads in its
+//                                           cache slot
 //   silu_and_mul(gate_up) -> out            silu(gate) * up for [T, 2I] -> [T, I]
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -71,37 +70,33 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
   });
 }
 
-// Rotates the q and k heads of each row of the fused qkv projection in place; with a cache,
-// also stores the row's (rotated) k heads and v heads in its slot, so the step's K/V never
-// take a second pass through memory.
-static void rotary_impl(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
-                        const torch::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                        torch::Tensor* k_cache, torch::Tensor* v_cache, const torch::Tensor* slots) {
+// rotary_qk_store_kv_: rotates the q and k heads of each row of the fused qkv projection in
+// place and stores the row's (rotated) k heads and v heads in its cache slot, so the step's
+// K/V never take a second pass through memory.
+void rotary_qk_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache,
+                         torch::Tensor v_cache, torch::Tensor slots) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rotary: qkv must be [T, width] with unit stride");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous(), "fp32 tables");
   TORCH_CHECK(positions.scalar_type() == torch::kLong, "int64 positions");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type(),
+              "rotary: caches must be contiguous and of qkv's dtype");
+  TORCH_CHECK(k_cache.size(0) == num_kv_heads && k_cache.size(3) == head_dim, "rotary: cache [Hkv, NB, B, D]");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == qkv.size(0), "rotary: one int64 slot per row");
   auto pos = positions.contiguous();
+  auto slot_idx = slots.contiguous();
   const int64_t rows = qkv.size(0), stride = qkv.stride(0), half = head_dim / 2;
   const int64_t heads = num_heads + num_kv_heads;  // q heads then k heads; v is not rotated
-  torch::Tensor slot_idx;
-  int64_t head_stride = 0;  // elements between two KV heads in the cache
-  if (k_cache) {
-    TORCH_CHECK(k_cache->is_contiguous() && v_cache->is_contiguous() && k_cache->scalar_type() == qkv.scalar_type(),
-                "rotary: caches must be contiguous and of qkv's dtype");
-    TORCH_CHECK(k_cache->size(0) == num_kv_heads && k_cache->size(3) == head_dim, "rotary: cache [Hkv, NB, B, D]");
-    TORCH_CHECK(slots->scalar_type() == torch::kLong && slots->numel() == rows, "rotary: one int64 slot per row");
-    slot_idx = slots->contiguous();
-    head_stride = k_cache->size(1) * k_cache->size(2) * head_dim;
-  }
+  const int64_t head_stride = k_cache.size(1) * k_cache.size(2) * head_dim;  // between two KV heads
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary", [&] {
     scalar_t* base = qkv.data_ptr<scalar_t>();
     const int64_t* pp = pos.data_ptr<int64_t>();
     const float* ct = cos.data_ptr<float>();
     const float* st = sin.data_ptr<float>();
     const int64_t tw = cos.size(1);
-    scalar_t* kc = k_cache ? k_cache->data_ptr<scalar_t>() : nullptr;
-    scalar_t* vc = k_cache ? v_cache->data_ptr<scalar_t>() : nullptr;
-    const int64_t* sp = k_cache ? slot_idx.data_ptr<int64_t>() : nullptr;
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int64_t* sp = slot_idx.data_ptr<int64_t>();
     at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         const float* c = ct + pp[r] * tw;
@@ -115,28 +110,15 @@ static void rotary_impl(torch::Tensor& qkv, const torch::Tensor& positions, cons
             x[i + half] = static_cast<scalar_t>(x2 * c[i + half] + x1 * s[i + half]);
           }
         }
-        if (kc) {
-          const scalar_t* k = row + num_heads * head_dim;
-          const scalar_t* v = k + num_kv_heads * head_dim;
-          for (int64_t h = 0; h < num_kv_heads; ++h) {
-            std::memcpy(kc + h * head_stride + sp[r] * head_dim, k + h * head_dim, head_dim * sizeof(scalar_t));
-            std::memcpy(vc + h * head_stride + sp[r] * head_dim, v + h * head_dim, head_dim * sizeof(scalar_t));
-          }
+        const scalar_t* k = row + num_heads * head_dim;
+        const scalar_t* v = k + num_kv_heads * head_dim;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          std::memcpy(kc + h * head_stride + sp[r] * head_dim, k + h * head_dim, head_dim * sizeof(scalar_t));
+          std::memcpy(vc + h * head_stride + sp[r] * head_dim, v + h * head_dim, head_dim * sizeof(scalar_t));
         }
       }
     });
   });
-}
-
-void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-  rotary_impl(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, nullptr, nullptr, nullptr);
-}
-
-void rotary_qk_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache,
-                         torch::Tensor v_cache, torch::Tensor slots) {
-  rotary_impl(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, &k_cache, &v_cache, &slots);
 }
 
 template <typename T>

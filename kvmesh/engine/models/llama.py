@@ -127,24 +127,18 @@ class Attention(nn.Module):
     def project_and_store(self, x, step_rope: StepRope, k_cache, v_cache, meta: AttentionMetadata):
         """q, k, v of the rows ([T, heads, dim], RoPE applied), with k and v stored in the cache."""
         qkv = self.qkv_proj(x)
-        stored = False
-        if step_rope.cos_sin is None:  # fused: rotate the q and k heads inside qkv, in place
+        fused = step_rope.cos_sin is None
+        if fused:  # rotate the q and k heads inside qkv in place, storing K/V in the same pass
             rope = step_rope.rope
-            if meta.slots is not None:  # ... and store K/V in the cache in the same pass
-                self.ops.rotary_qk_store_kv_(qkv, step_rope.positions, rope.cos, rope.sin, self.num_heads,
-                                             self.num_kv_heads, self.head_dim, k_cache, v_cache, meta.slots)
-                stored = True
-            else:
-                self.ops.rotary_qk_(qkv, step_rope.positions, rope.cos, rope.sin,
-                                    self.num_heads, self.num_kv_heads, self.head_dim)
+            self.ops.rotary_qk_store_kv_(qkv, step_rope.positions, rope.cos, rope.sin, self.num_heads,
+                                         self.num_kv_heads, self.head_dim, k_cache, v_cache, meta.slots)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if step_rope.cos_sin is not None:
+        if not fused:
             cos, sin = step_rope.cos_sin
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        if not stored:
             write_kv(k_cache, v_cache, k, v, meta)
         return q, k, v
 
