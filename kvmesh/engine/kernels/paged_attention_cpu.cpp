@@ -10,14 +10,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <numeric>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "avx512_math.h"
+#include "work_queue.h"
 
 // Calls f(row, t) for the context's rows t = 0..ctx-1 of one head, block by block
 // (no per-token division). No software prefetch: a request's blocks mostly sit back to back
@@ -216,36 +215,28 @@ static void decode_kernel(const T* q, int64_t q_stride, const T* k_cache, const 
                           int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,
                           int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
-  // Tasks are (request, KV head), longest context first, handed out from an atomic counter:
-  // a static split leaves one thread idle while the other finishes the long contexts.
-  const int64_t num_tasks = num_seqs * num_kv_heads;
-  std::vector<int64_t> order(num_tasks);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return ctx_lens[a / num_kv_heads] > ctx_lens[b / num_kv_heads];
-  });
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
-    for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) {
-      const int64_t task = order[i];
-      const int64_t r = task / num_kv_heads, kvh = task % num_kv_heads;
-      const int64_t head_base = kvh * num_blocks * block_size * head_dim;
-      const int64_t qoff = r * q_stride + kvh * group * head_dim;
-      const int64_t ooff = (r * num_heads + kvh * group) * head_dim;
+  // Tasks are (request, KV head), longest context first (work_queue.h).
+  kvmesh_cpu::parallel_longest_first(
+      num_seqs * num_kv_heads, [&](int64_t task) { return ctx_lens[task / num_kv_heads]; }, [&] {
+        return [&, qf = std::vector<float>(group * head_dim), acc = std::vector<float>(group * head_dim),
+                scores = std::vector<float>()](int64_t task) mutable {
+          const int64_t r = task / num_kv_heads, kvh = task % num_kv_heads;
+          const int64_t head_base = kvh * num_blocks * block_size * head_dim;
+          const int64_t qoff = r * q_stride + kvh * group * head_dim;
+          const int64_t ooff = (r * num_heads + kvh * group) * head_dim;
 #if defined(__AVX512F__)
-      if constexpr (std::is_same_v<T, float> && D == 64) {
-        if (block_size % 16 == 0 && group <= 16) {
-          decode_task_f32_d64_any(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,
-                              ctx_lens[r], block_size, group, scale, out + ooff);
-          continue;
-        }
-      }
+          if constexpr (std::is_same_v<T, float> && D == 64) {
+            if (block_size % 16 == 0 && group <= 16) {
+              decode_task_f32_d64_any(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,
+                                      ctx_lens[r], block_size, group, scale, out + ooff);
+              return;
+            }
+          }
 #endif
-      decode_task<T, D>(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,
-                        ctx_lens[r], block_size, group, head_dim, scale, out + ooff, qf, scores, acc);
-    }
-  });
+          decode_task<T, D>(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,
+                            ctx_lens[r], block_size, group, head_dim, scale, out + ooff, qf, scores, acc);
+        };
+      });
 }
 
 // q: [R, H, D] with heads back to back in a row (a view into the fused qkv is fine);

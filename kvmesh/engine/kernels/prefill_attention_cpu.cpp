@@ -13,18 +13,18 @@
 // multiply-add with a broadcast memory operand, so the kernel runs near the FMA
 // peak instead of the ~50-70 GFLOP/s of torch's CPU flash kernel at these sizes.
 //
-// Work items are (sequence, head, query tile), longest first, handed out from an
-// atomic counter so causal imbalance does not leave a thread idle.
+// Work items are (sequence, head, query tile), longest first (work_queue.h), so
+// causal imbalance does not leave a thread idle.
 // fp32 with head size 64 or 128 and blocks of a multiple of 16 tokens; anything
 // else uses the torch path (prefill_attention_supported says which).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <vector>
 
 #include "avx512_math.h"
+#include "work_queue.h"
 
 #if defined(__AVX512F__)
 namespace {
@@ -155,26 +155,23 @@ void prefill_attention_f32(float* out, const float* q, int64_t q_row_stride, con
       for (int64_t h = 0; h < num_heads; ++h) items.push_back({s, h, r, cost});
     }
   }
-  // Longest first: with dynamic hand-out this balances the causal triangle's uneven rows.
-  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_elems = num_blocks * block_size * D;
   const float scale_log2e = scale * 1.4426950408889634f;
-  std::atomic<int64_t> next{0};
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_items);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-      const WorkItem& w = items[i];
-      const int64_t start = seqs[w.seq * 3], num_new = seqs[w.seq * 3 + 1], num_ctx = seqs[w.seq * 3 + 2];
-      const int64_t kvh = w.head / group;
-      const int64_t row = start + w.row0;
-      attend_tile<D>(q + row * q_row_stride + w.head * D, q_row_stride, std::min<int64_t>(kTile, num_new - w.row0),
-                     num_ctx + w.row0, k_cache + kvh * head_elems, v_cache + kvh * head_elems,
-                     tables + w.seq * max_blocks, block_size, scale_log2e,
-                     out + (row * num_heads + w.head) * D, num_heads * D);
-    }
-  });
+  // Longest first (work_queue.h): balances the causal triangle's uneven rows.
+  kvmesh_cpu::parallel_longest_first(
+      static_cast<int64_t>(items.size()), [&](int64_t i) { return items[i].cost; }, [&] {
+        return [&](int64_t i) {
+          const WorkItem& w = items[i];
+          const int64_t start = seqs[w.seq * 3], num_new = seqs[w.seq * 3 + 1], num_ctx = seqs[w.seq * 3 + 2];
+          const int64_t kvh = w.head / group;
+          const int64_t row = start + w.row0;
+          attend_tile<D>(q + row * q_row_stride + w.head * D, q_row_stride,
+                         std::min<int64_t>(kTile, num_new - w.row0), num_ctx + w.row0, k_cache + kvh * head_elems,
+                         v_cache + kvh * head_elems, tables + w.seq * max_blocks, block_size, scale_log2e,
+                         out + (row * num_heads + w.head) * D, num_heads * D);
+        };
+      });
 }
 
 }  // namespace
