@@ -211,8 +211,9 @@ class Mesh:
                 return 0
             try:
                 r = httpx.get(url, timeout=1)
-                if r.status_code == 200 and r.json().get("pods", 0) >= min(len(self.replicas), 1):
-                    return int(r.json().get("pods", 1))
+                pods = int(r.json().get("pods", 0)) if r.status_code == 200 else 0
+                if r.status_code == 200 and pods >= min(len(self.replicas), 1):
+                    return max(pods, 1)
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.3)

@@ -18,10 +18,9 @@ import logging
 import os
 import signal
 
-log = logging.getLogger("kvmesh.server")
-
-
 from kvmesh.engine.cli_args import add_engine_arguments, engine_args_from
+
+log = logging.getLogger("kvmesh.server")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
