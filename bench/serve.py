@@ -27,7 +27,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from kvmesh.common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,15 +189,9 @@ def summarize(name: str, results: list[Result], elapsed: float) -> dict:
 
 
 # -- servers and the offline API for --compare ------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalServer:
     def __init__(self, model: str, engine_flags: list[str], log_path: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.log = open(log_path, "w")

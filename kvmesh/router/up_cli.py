@@ -15,12 +15,12 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from kvmesh.common.ports import free_port
 
 DEFAULT_ENGINE_COMMAND = (
     "{python} -m kvmesh.cli serve --model {model} --served-model-name {served_model_name} --host 127.0.0.1 "
@@ -41,11 +41,6 @@ def say(name: str, line: str) -> None:
         sys.stdout.write(f"[{name}] {line}\n")
         sys.stdout.flush()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def default_state_file() -> Path:

@@ -17,6 +17,7 @@ import pytest_asyncio
 
 from kvmesh.operator import crd
 from tests.operator.k8s_emulator import K8sEmulator
+from kvmesh.common.ports import free_port as _free_port
 
 MD = f"{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}"
 DEPLOYMENTS = "apps/v1/deployments"
@@ -25,11 +26,6 @@ SECRETS = "v1/secrets"
 NETPOLS = "networking.k8s.io/v1/networkpolicies"
 EVENTS = "v1/events"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,14 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from kvmesh.common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(cond, timeout: float = 10.0, interval: float = 0.05, msg: str = "condition"):

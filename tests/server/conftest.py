@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import threading
 import time
 
@@ -12,12 +11,8 @@ import httpx
 import pytest
 
 from tests.tiny_models import build_tiny_model
+from kvmesh.common.ports import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ThreadServer:
