@@ -1,7 +1,6 @@
 import json
 import logging
 import threading
-import time
 
 import httpx
 import pytest
@@ -39,6 +38,24 @@ def blocks_in_redis(r, model, pod) -> int:
     return r.scard(rl.blocks_key(model, pod))
 
 
+def wait_blocks_settled(r, model, pod, timeout: float = 10.0) -> int:
+    """Wait until the pod's block set in Redis is non-empty and has stopped growing (the sidecar
+    has published every block of the last request), instead of sleeping a fixed time."""
+    seen = []
+
+    def settled():
+        seen.append(blocks_in_redis(r, model, pod))
+        return seen[-1] > 0 and len(seen) >= 4 and len(set(seen[-4:])) == 1
+
+    wait_until(settled, timeout, interval=0.1, msg=f"{pod}'s blocks settled")
+    return seen[-1]
+
+
+def router_sees(router, pod: str, **fields) -> bool:
+    p = router.router.discovery.pods.get(pod)
+    return p is not None and all(getattr(p, k) == v for k, v in fields.items())
+
+
 def test_routing_follows_the_longest_prefix(mesh, router_factory, redis_server, model_name):
     stubs, _ = mesh(3)
     r = redis_server.client()
@@ -61,8 +78,7 @@ def test_routing_follows_the_longest_prefix(mesh, router_factory, redis_server, 
     # A new prompt lands somewhere; its continuation follows it there.
     other = text(2, 200)
     first = complete(router.url, other).headers["x-kvmesh-pod"]
-    wait_until(lambda: r.scard(rl.blocks_key(model_name, first)) > 0, 5)
-    time.sleep(0.3)
+    wait_blocks_settled(r, model_name, first)
     again = complete(router.url, other + " and a continuation of the same conversation")
     assert again.headers["x-kvmesh-pod"] == first
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
@@ -92,8 +108,7 @@ def test_chat_is_tokenized_like_the_engine(mesh, router_factory, redis_server, m
     assert first.status_code == 200
     pod = first.headers["x-kvmesh-pod"]
     r = redis_server.client()
-    wait_until(lambda: r.scard(rl.blocks_key(model_name, pod)) > 0, 5)
-    time.sleep(0.3)
+    wait_blocks_settled(r, model_name, pod)
     msgs2 = msgs + [{"role": "assistant", "content": "It reuses KV blocks."}, {"role": "user", "content": "More?"}]
     second = httpx.post(router.url + "/v1/chat/completions", json={"messages": msgs2}, timeout=20)
     assert second.headers["x-kvmesh-pod"] == pod
@@ -111,8 +126,7 @@ def test_hotspot_guard_moves_load_off_a_saturated_pod(mesh, router_factory, redi
     router = router_factory(model=model_name, redis_url=redis_server.url, weights=Weights(1.0, 0.0, 0.0))
     assert complete(router.url, prompt).headers["x-kvmesh-pod"] == "pod-0"
     stubs[0].config(waiting=40)  # saturated: far above pod-1's load
-    wait_until(lambda: r.hget(rl.heartbeat_key(model_name, "pod-0"), "waiting") == "40", 5)
-    time.sleep(0.3)
+    wait_until(lambda: router_sees(router, "pod-0", waiting=40), 10, msg="router sees pod-0 saturated")
     resp = complete(router.url, prompt)
     assert resp.status_code == 200 and resp.headers["x-kvmesh-pod"] == "pod-1"
     assert metric(router.url, "kvmesh_router_decisions_total", reason="hotspot_guard") >= 1
@@ -269,7 +283,7 @@ def test_policies_round_robin_session_least_load_and_static(mesh, router_factory
     r = redis_server.client()
     wait_until(lambda: r.hget(rl.heartbeat_key(model_name, "pod-0"), "running") == "3", 5)
     ll = router_factory(model=model_name, redis_url=redis_server.url, policy="least-load")
-    time.sleep(0.2)
+    wait_until(lambda: router_sees(ll, "pod-0", running=3), 10, msg="router sees pod-0's load")
     assert {complete(ll.url, text(90 + i, 30)).headers["x-kvmesh-pod"] for i in range(3)} == {"pod-1"}
     static = router_factory(model=model_name, redis_url=None, static_backends=[s.url for s in stubs])
     assert httpx.get(static.url + "/ready").status_code == 200

@@ -7,6 +7,7 @@ import time
 import httpx
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvmesh.common.block_keys import block_key, block_keys, root_key
 from kvmesh.common.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
@@ -34,8 +35,17 @@ def _subscribe(endpoint: str):
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
-    time.sleep(0.3)  # ZMQ slow joiner
+    # ZMQ's slow joiner: messages published before the handshake are lost. Wait for it, then give
+    # the subscription frame that follows it a moment to reach the publisher.
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sub.connect(endpoint)
+        assert monitor.poll(10_000), f"no ZMQ handshake with {endpoint}"
+        recv_monitor_message(monitor)
+    finally:
+        sub.disable_monitor()
+        monitor.close(0)
+    time.sleep(0.1)
     return sub
 
 
