@@ -24,6 +24,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for parameters a request leaves out: auto (the model's "
+                        "generation_config.json), vllm (OpenAI's) or a folder holding a generation_config.json")
 
 
 def engine_args_from(args: argparse.Namespace, **overrides):
@@ -35,4 +38,4 @@ def engine_args_from(args: argparse.Namespace, **overrides):
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, dtype=args.dtype, device=args.device,
-        seed=args.seed, **overrides)
+        seed=args.seed, generation_config=args.generation_config, **overrides)

@@ -46,6 +46,7 @@ class EngineArgs:
     device: str = "auto"
     seed: int = 0
     enable_kv_events: bool = False
+    generation_config: str = "auto"  # sampling defaults: auto (the model's), vllm (OpenAI's) or a folder
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -67,6 +68,9 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        from kvmesh.engine.generation_defaults import check_source
+
+        check_source(self.generation_config)
 
 
 @dataclass

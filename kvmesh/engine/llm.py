@@ -26,6 +26,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() uses without sampling params: the model's generation-config defaults
+        (engine arg ``generation_config``), else SamplingParams()."""
+        return self.engine.default_sampling_params()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, cache_salt: str | None = None) -> list[RequestOutput]:
@@ -33,7 +38,7 @@ class LLM:
             prompts = [prompts]  # a single prompt (text or token ids)
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -10,6 +10,7 @@ from kvmesh.common.tokenizer import KVMeshTokenizer
 from kvmesh.engine.config import EngineArgs
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.engine_core import EngineCore, EngineCoreOutput
+from kvmesh.engine.generation_defaults import load_sampling_defaults
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 
@@ -30,8 +31,13 @@ class LLMEngine:
         self.core = EngineCore(args)
         self.tokenizer = KVMeshTokenizer(self.core.model_dir)
         self.core.eos_token_ids |= self.tokenizer.eos_token_ids
+        self.sampling_defaults = load_sampling_defaults(args.generation_config, self.core.model_dir)
         self.states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation-config defaults applied."""
+        return SamplingParams(**self.sampling_defaults)
 
     @property
     def max_model_len(self) -> int:
@@ -65,7 +71,7 @@ class LLMEngine:
         A server keeps this on its own thread and feeds the core's outputs to
         process_output(), so detokenisation never runs on the engine thread.
         """
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         request_id = request_id or f"req-{next(self._ids)}"
         if prompt_token_ids is None:
             text, prompt_token_ids = self.tokenize_prompt(prompt)

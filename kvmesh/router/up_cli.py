@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+
 from kvmesh.common.ports import free_port
 
 DEFAULT_ENGINE_COMMAND = (

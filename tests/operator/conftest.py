@@ -15,9 +15,9 @@ import kmock
 import pytest
 import pytest_asyncio
 
+from kvmesh.common.ports import free_port as _free_port
 from kvmesh.operator import crd
 from tests.operator.k8s_emulator import K8sEmulator
-from kvmesh.common.ports import free_port as _free_port
 
 MD = f"{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}"
 DEPLOYMENTS = "apps/v1/deployments"

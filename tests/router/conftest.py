@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+
 from kvmesh.common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,9 +10,8 @@ import time
 import httpx
 import pytest
 
-from tests.tiny_models import build_tiny_model
 from kvmesh.common.ports import free_port
-
+from tests.tiny_models import build_tiny_model
 
 
 class ThreadServer:

@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -148,7 +148,7 @@ class _Handler:
         engine = self.engine
         prompt_param = "prompt" if self.kind == "completion" else "messages"
         try:
-            params = body.sampling_params()
+            params = body.sampling_params(engine.sampling_defaults)
             if self.kind == "completion":
                 prompt = body.prompt_input()
                 if isinstance(prompt, str):
@@ -173,6 +173,10 @@ class _Handler:
         except InvalidParameter as exc:
             raise bad_request(str(exc), param=exc.param)
         if params.max_tokens is not None and len(ids) + params.max_tokens > engine.max_model_len:
+            room = engine.max_model_len - len(ids)
+            if body.requested_max_tokens() is None and room >= max(1, params.min_tokens):
+                # The model's default (max_new_tokens), not the client's ask: shorten it to fit.
+                return prompt, ids, replace(params, max_tokens=room)
             raise bad_request(
                 f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
                 f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "

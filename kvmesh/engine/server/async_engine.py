@@ -55,6 +55,7 @@ class AsyncEngine:
         self.tokenizer = None
         self.max_model_len = 0
         self.vocab_size = 0
+        self.sampling_defaults: dict[str, Any] = {}  # the model's generation-config defaults
         self.stats = None  # EngineStats snapshot, refreshed by the engine thread after each step
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
@@ -152,6 +153,7 @@ class AsyncEngine:
             self.tokenizer = self.engine.tokenizer
             self.max_model_len = self.engine.max_model_len
             self.vocab_size = self.engine.core.model_config.vocab_size
+            self.sampling_defaults = dict(self.engine.sampling_defaults)
             self.stats = self.engine.core.stats()
             self._publish_events()
             self.loaded.set()

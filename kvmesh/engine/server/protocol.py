@@ -6,7 +6,7 @@ dicts built in ``api.py``; their shapes follow OpenAI's API reference.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -44,19 +44,25 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: Mapping[str, Any]) -> SamplingParams:
+        """``defaults``: the model's generation-config values for what the request leaves out."""
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):
                 raise InvalidParameter(name, f"{name} is not supported (must be 0)")
         if self.cache_salt is not None and not self.cache_salt:
             raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string")
+
+        def pick(value, name: str, openai_default):
+            return value if value is not None else defaults.get(name, openai_default)
+
         return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            max_tokens=pick(max_tokens, "max_tokens", None),
+            temperature=pick(self.temperature, "temperature", 1.0),
+            top_p=pick(self.top_p, "top_p", 1.0),
+            top_k=pick(self.top_k, "top_k", 0),
+            min_p=pick(self.min_p, "min_p", 0.0),
             seed=self.seed,
             min_tokens=self.min_tokens,
             stop=self.stop,
@@ -91,14 +97,17 @@ class CompletionRequest(_Common):
             raise InvalidParameter("prompt", "prompt is empty: it must contain at least one token")
         return p
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] = {}) -> SamplingParams:  # noqa: B006 - read only
         if self.echo:
             raise InvalidParameter("echo", "echo is not supported")
         if self.suffix:
             raise InvalidParameter("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
             raise InvalidParameter("best_of", "best_of must be 1")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.requested_max_tokens(), self.logprobs, defaults)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
 
 class ChatMessage(BaseModel):
@@ -127,12 +136,14 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] = {}) -> SamplingParams:  # noqa: B006 - read only
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
         n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, n_logprobs)
+        return self._sampling_params(self.requested_max_tokens(), n_logprobs, defaults)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 def first_error_param(exc: ValidationError) -> tuple[str, str]:
