@@ -17,10 +17,9 @@ from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 
 log = logging.getLogger("kvmesh.engine")
 
-# generation_config.json key -> SamplingParams field (the keys vLLM takes over, minus the
-# repetition penalty, which this engine does not implement).
+# generation_config.json key -> SamplingParams field (the keys vLLM takes over).
 _KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-         "max_new_tokens": "max_tokens"}
+         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def check_source(generation_config: str) -> None:
@@ -48,8 +47,6 @@ def load_sampling_defaults(generation_config: str, model_dir: Path) -> dict[str,
         SamplingParams(**defaults)
     except (InvalidParameter, TypeError) as exc:
         raise ValueError(f"{path}: invalid sampling default: {exc}") from exc
-    if data.get("repetition_penalty") not in (None, 1, 1.0):
-        log.warning("%s sets repetition_penalty=%s: not supported, ignored", path, data["repetition_penalty"])
     if defaults:
         log.info("default sampling parameters from %s: %s (requests may override them; "
                  "--generation-config vllm turns this off)", path, defaults)

@@ -1,4 +1,4 @@
-"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Turn logits into tokens: penalties, greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 Filters are applied row-wise in one vectorised pass. Random rows sample by the
 exponential race (argmax of p / E, E ~ Exp(1)), whose noise comes from the
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.engine.penalties import apply_penalties
 from kvmesh.engine.request import Request
 
 
@@ -46,7 +47,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        raw = logits  # logprobs come from the model's distribution, before any ban
+        raw = logits  # logprobs come from the model's distribution, before penalties and bans
+        logits = apply_penalties(logits, requests)
         for i, req in enumerate(requests):
             sp = req.sampling_params
             if req.num_output_tokens < sp.min_tokens:

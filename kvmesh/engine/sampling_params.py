@@ -20,6 +20,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # CTRL/HF's: divides (or multiplies) logits of prompt + generated tokens
     seed: int | None = None
     min_tokens: int = 0
     stop: list[str] | str | None = None
@@ -55,6 +58,11 @@ class SamplingParams:
             raise bad("top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not (self.repetition_penalty > 0.0):
+            raise bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
         if self.min_tokens < 0:
             raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -67,6 +75,10 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

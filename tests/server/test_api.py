@@ -97,6 +97,13 @@ def test_sampling_parameters(client):
     r = client.completions.create(model=MODEL, prompt="Pick a word:", max_tokens=10, temperature=0,
                                   extra_body={"min_tokens": 10, "ignore_eos": True})
     assert r.usage.completion_tokens == 10
+    # OpenAI's penalties and vLLM's repetition_penalty are applied, not refused.
+    plain = client.completions.create(model=MODEL, prompt="Pick a word:", max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    penalised = client.completions.create(model=MODEL, prompt="Pick a word:", max_tokens=12, temperature=0,
+                                          frequency_penalty=-2.0, presence_penalty=-2.0,
+                                          extra_body={"ignore_eos": True, "repetition_penalty": 0.05}).choices[0].text
+    assert penalised != plain  # penalties below 0 (and 1) favour what was seen: the text changes
 
 
 def test_stop_strings(client):
@@ -185,6 +192,9 @@ def test_invalid_json_and_fields(http):
     _err(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, "max_tokens")
     _err(http.post("/v1/completions", json={"prompt": "x", "logprobs": 50}), 400, "logprobs")
     _err(http.post("/v1/completions", json={"prompt": "x", "n": 2}), 400, "n")
+    _err(http.post("/v1/completions", json={"prompt": "x", "presence_penalty": 2.5}), 400, "presence_penalty")
+    _err(http.post("/v1/completions", json={"prompt": "x", "frequency_penalty": -3}), 400, "frequency_penalty")
+    _err(http.post("/v1/completions", json={"prompt": "x", "repetition_penalty": 0}), 400, "repetition_penalty")
     _err(http.post("/v1/completions", json={"prompt": ""}), 400, "prompt")
     _err(http.post("/v1/completions", json={"prompt": [10**9]}), 400, "prompt")
     _err(http.post("/v1/completions", json={"prompt": "x", "stop_token_ids": [10**9]}), 400, "stop_token_ids")

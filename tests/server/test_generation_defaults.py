@@ -66,9 +66,10 @@ def test_a_default_max_tokens_is_fitted_to_the_context_but_an_explicit_one_is_re
 
 
 def test_generation_config_sources(model_with_defaults, tmp_path, tiny_model):
-    assert load_sampling_defaults("auto", model_with_defaults) == {"temperature": 0.0, "max_tokens": 5}
+    model_defaults = {"temperature": 0.0, "max_tokens": 5, "repetition_penalty": 1.3}  # do_sample is not one
+    assert load_sampling_defaults("auto", model_with_defaults) == model_defaults
     assert load_sampling_defaults("vllm", model_with_defaults) == {}
-    assert load_sampling_defaults(str(model_with_defaults), tiny_model) == {"temperature": 0.0, "max_tokens": 5}
+    assert load_sampling_defaults(str(model_with_defaults), tiny_model) == model_defaults
     (tmp_path / "model").mkdir()
     assert load_sampling_defaults("auto", tmp_path / "model") == {}  # no file: OpenAI defaults
     with pytest.raises(ValueError, match="holds none"):
@@ -87,7 +88,7 @@ def test_offline_llm_uses_the_model_defaults(model_with_defaults):
 
     llm = LLM(str(model_with_defaults), num_kv_blocks=32)
     params = llm.get_default_sampling_params()
-    assert params.temperature == 0.0 and params.max_tokens == 5
+    assert params.temperature == 0.0 and params.max_tokens == 5 and params.repetition_penalty == 1.3
     out = llm.generate([[5, 6, 7, 8]])[0]
     assert len(out.outputs[0].token_ids) <= 5
     assert LLM.from_engine_args(EngineArgs(model=str(model_with_defaults), num_kv_blocks=32,

@@ -31,12 +31,13 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = None
     seed: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     user: str | None = None
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -47,10 +48,6 @@ class _Common(BaseModel):
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          defaults: Mapping[str, Any]) -> SamplingParams:
         """``defaults``: the model's generation-config values for what the request leaves out."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise InvalidParameter(name, f"{name} is not supported (must be 0)")
         if self.cache_salt is not None and not self.cache_salt:
             raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string")
 
@@ -63,6 +60,9 @@ class _Common(BaseModel):
             top_p=pick(self.top_p, "top_p", 1.0),
             top_k=pick(self.top_k, "top_k", 0),
             min_p=pick(self.min_p, "min_p", 0.0),
+            presence_penalty=pick(self.presence_penalty, "presence_penalty", 0.0),
+            frequency_penalty=pick(self.frequency_penalty, "frequency_penalty", 0.0),
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
             seed=self.seed,
             min_tokens=self.min_tokens,
             stop=self.stop,

@@ -1,0 +1,55 @@
+"""Repetition, frequency and presence penalties, as vLLM applies them.
+
+* repetition_penalty (CTRL, as in transformers): a token seen in the prompt or the
+  output has its logit divided by the penalty when positive, multiplied when negative;
+* frequency_penalty (OpenAI): subtracted once per occurrence in the output;
+* presence_penalty (OpenAI): subtracted once from every token the output holds.
+
+Only the rows that ask for a penalty are touched: their token counts are built with
+one scatter over the batch's padded token ids, so the cost stays out of other rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh.engine.request import Request
+
+
+def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return out.to(device)
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Penalised logits (a new tensor when any row has a penalty, else ``logits`` itself)."""
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
+    if not rows:
+        return logits
+    vocab, dev = logits.shape[-1], logits.device
+    params = [requests[i].sampling_params for i in rows]
+    # Token ids past the vocabulary (the model's padded rows) land in the spare column `vocab`.
+    outputs = _padded([requests[i].output_token_ids for i in rows], vocab, dev).clamp(max=vocab)
+    counts = torch.zeros(len(rows), vocab + 1, device=dev)
+    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=counts.dtype))
+    counts = counts[:, :vocab]
+
+    sub = logits[rows].float()
+    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+    if bool((rep != 1.0).any()):
+        prompts = _padded([requests[i].prompt_token_ids for i in rows], vocab, dev).clamp(max=vocab)
+        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
+        seen.scatter_(1, prompts, True)
+        seen = seen[:, :vocab] | (counts > 0)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+    sub = sub - freq * counts - pres * (counts > 0)
+
+    out = logits.clone()
+    out[rows] = sub.to(logits.dtype)
+    return out
