@@ -125,9 +125,18 @@ class EngineCore:
         if bad:
             raise InvalidParameter("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """Checks of sampling params that need the vocabulary."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidParameter(name, f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
         self.validate_prompt(prompt_token_ids)
+        self.validate_params(params)
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.model_id,
                           self.block_size, self.max_model_len, cache_salt, arrival_time)
         self.scheduler.add_request(request)

@@ -45,8 +45,9 @@ class LLM:
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         # Validate every prompt before any is queued: nothing half-submitted on bad input.
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
-        for _, ids in tokenized:
+        for (_, ids), sp in zip(tokenized, params):
             self.engine.core.validate_prompt(ids)
+            self.engine.core.validate_params(sp)
         order: dict[str, int] = {}
         for i, ((text, ids), sp) in enumerate(zip(tokenized, params)):
             rid = self.engine.add_request(text if text is not None else ids, sp,

@@ -1,9 +1,10 @@
-"""Repetition, frequency and presence penalties, as vLLM applies them.
+"""Per-request logit adjustments before sampling: penalties and logit bias, as vLLM applies them.
 
 * repetition_penalty (CTRL, as in transformers): a token seen in the prompt or the
   output has its logit divided by the penalty when positive, multiplied when negative;
 * frequency_penalty (OpenAI): subtracted once per occurrence in the output;
-* presence_penalty (OpenAI): subtracted once from every token the output holds.
+* presence_penalty (OpenAI): subtracted once from every token the output holds;
+* logit_bias (OpenAI): a per-token value added to the logit, last.
 
 Only the rows that ask for a penalty are touched: their token counts are built with
 one scatter over the batch's padded token ids, so the cost stays out of other rows.
@@ -27,7 +28,7 @@ def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Penalised logits (a new tensor when any row has a penalty, else ``logits`` itself)."""
-    rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.adjusts_logits]
     if not rows:
         return logits
     vocab, dev = logits.shape[-1], logits.device
@@ -49,6 +50,10 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
     pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
     sub = sub - freq * counts - pres * (counts > 0)
+    biased = [(j, tid, bias) for j, p in enumerate(params) for tid, bias in (p.logit_bias or {}).items()]
+    if biased:
+        at_row, at_tok, bias = zip(*biased)
+        sub[list(at_row), list(at_tok)] += torch.tensor(bias, device=dev)
 
     out = logits.clone()
     out[rows] = sub.to(logits.dtype)

@@ -23,6 +23,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # CTRL/HF's: divides (or multiplies) logits of prompt + generated tokens
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100] added to its logit
     seed: int | None = None
     min_tokens: int = 0
     stop: list[str] | str | None = None
@@ -63,6 +64,11 @@ class SamplingParams:
                 raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
         if not (self.repetition_penalty > 0.0):
             raise bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
+        for tid, bias in (self.logit_bias or {}).items():
+            if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0:
+                raise bad("logit_bias", f"keys must be token ids (non-negative integers), got {tid!r}")
+            if not (-100.0 <= bias <= 100.0):
+                raise bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tid}")
         if self.min_tokens < 0:
             raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -77,8 +83,10 @@ class SamplingParams:
             raise bad("seed", f"must be an integer, got {self.seed!r}")
 
     @property
-    def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias to apply before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

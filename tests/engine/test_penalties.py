@@ -16,6 +16,7 @@ from tests.engine.conftest import _hf_model, hf_greedy, random_prompts
 
 
 def reference(logits: torch.Tensor, req) -> torch.Tensor:
+    """One token at a time, straight from the definitions."""
     sp, out = req.sampling_params, logits.clone()
     seen = set(req.prompt_token_ids) | set(req.output_token_ids)
     for t in range(out.shape[0]):
@@ -23,6 +24,7 @@ def reference(logits: torch.Tensor, req) -> torch.Tensor:
             out[t] = out[t] / sp.repetition_penalty if out[t] > 0 else out[t] * sp.repetition_penalty
         n = req.output_token_ids.count(t)
         out[t] -= sp.frequency_penalty * n + sp.presence_penalty * (n > 0)
+        out[t] += (sp.logit_bias or {}).get(t, 0.0)
     return out
 
 
@@ -31,8 +33,9 @@ def test_penalties_match_a_per_token_reference():
     vocab = 50
     reqs = []
     for i in range(7):
+        bias = rng.choice([None, {rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(3)}])
         sp = SamplingParams(presence_penalty=rng.choice([0.0, 0.7, -0.4]), frequency_penalty=rng.choice([0.0, 0.3]),
-                            repetition_penalty=rng.choice([1.0, 1.3, 0.8]))
+                            repetition_penalty=rng.choice([1.0, 1.3, 0.8]), logit_bias=bias)
         reqs.append(SimpleNamespace(sampling_params=sp,
                                     prompt_token_ids=[rng.randrange(vocab) for _ in range(rng.randrange(1, 12))],
                                     output_token_ids=[rng.randrange(vocab) for _ in range(rng.randrange(0, 20))]))
@@ -87,10 +90,27 @@ def test_frequency_and_presence_penalties_match_a_step_by_step_reference(llm, ti
         assert outs[i].token_ids == hf_greedy(tiny_llama_dir, PROMPTS[i], 16, True)
 
 
-def test_invalid_penalties_are_refused():
+def test_logit_bias_forces_and_bans_tokens(llm):
+    greedy = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    forced = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.7, seed=3, ignore_eos=True,
+                                                      logit_bias={77: 100.0}))
+    assert all(o.token_ids == [77] * 6 for o in forced)
+    banned_tok = greedy[0].token_ids[0]
+    banned = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                      logit_bias={banned_tok: -100.0}))[0]
+    assert banned_tok not in banned.token_ids
+    assert greedy[1].token_ids == llm.generate(PROMPTS[1:2], SamplingParams(max_tokens=6, temperature=0,
+                                                                            ignore_eos=True))[0].token_ids
+
+
+def test_invalid_penalties_and_biases_are_refused(llm):
     from kvmesh.engine import InvalidParameter
 
     for kw, name in [({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.1}, "frequency_penalty"),
-                     ({"repetition_penalty": 0.0}, "repetition_penalty")]:
+                     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"logit_bias": {5: 101}}, "logit_bias"),
+                     ({"logit_bias": {-1: 1.0}}, "logit_bias")]:
         with pytest.raises(InvalidParameter, match=name):
             SamplingParams(**kw)
+    with pytest.raises(InvalidParameter, match="outside the vocabulary"):
+        llm.generate([[1, 2, 3]], SamplingParams(logit_bias={10**7: 1.0}))
+    assert not llm.engine.has_unfinished_requests()  # nothing half-submitted

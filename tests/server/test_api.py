@@ -88,7 +88,7 @@ def test_prefix_cache_reports_cached_tokens(client):
     assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_sampling_parameters(client):
+def test_sampling_parameters(client, server):
     kw = dict(model=MODEL, prompt="Pick a word:", max_tokens=10, temperature=1.0, top_p=0.9, seed=1234,
               extra_body={"top_k": 50, "min_p": 0.01})
     a = client.completions.create(**kw).choices[0].text
@@ -104,6 +104,9 @@ def test_sampling_parameters(client):
                                           frequency_penalty=-2.0, presence_penalty=-2.0,
                                           extra_body={"ignore_eos": True, "repetition_penalty": 0.05}).choices[0].text
     assert penalised != plain  # penalties below 0 (and 1) favour what was seen: the text changes
+    forced = client.completions.create(model=MODEL, prompt="Pick a word:", max_tokens=4, temperature=0,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == server.state.engine.tokenizer.decode([42] * 4)
 
 
 def test_stop_strings(client):
@@ -195,6 +198,9 @@ def test_invalid_json_and_fields(http):
     _err(http.post("/v1/completions", json={"prompt": "x", "presence_penalty": 2.5}), 400, "presence_penalty")
     _err(http.post("/v1/completions", json={"prompt": "x", "frequency_penalty": -3}), 400, "frequency_penalty")
     _err(http.post("/v1/completions", json={"prompt": "x", "repetition_penalty": 0}), 400, "repetition_penalty")
+    _err(http.post("/v1/completions", json={"prompt": "x", "logit_bias": {"abc": 1}}), 400, "logit_bias")
+    _err(http.post("/v1/completions", json={"prompt": "x", "logit_bias": {"5": 500}}), 400, "logit_bias")
+    _err(http.post("/v1/completions", json={"prompt": "x", "logit_bias": {"999999999": 1}}), 400, "logit_bias")
     _err(http.post("/v1/completions", json={"prompt": ""}), 400, "prompt")
     _err(http.post("/v1/completions", json={"prompt": [10**9]}), 400, "prompt")
     _err(http.post("/v1/completions", json={"prompt": "x", "stop_token_ids": [10**9]}), 400, "stop_token_ids")

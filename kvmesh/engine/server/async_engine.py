@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.engine.config import EngineArgs
-from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
+from kvmesh.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvmesh.server.engine")
 
@@ -102,9 +102,7 @@ class AsyncEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Checks that need the model (thread-safe: reads immutable config only)."""
         self.engine.core.validate_prompt(prompt_token_ids)
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise InvalidParameter("stop_token_ids", f"token id {bad[0]} is outside the vocabulary")
+        self.engine.core.validate_params(params)
 
     def add(self, request_id: str, prompt: str | list[int], prompt_token_ids: list[int],
             params: SamplingParams, cache_salt: str | None = None) -> RequestStream:

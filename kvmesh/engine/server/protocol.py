@@ -33,6 +33,7 @@ class _Common(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     user: str | None = None
     # vLLM extensions
     top_k: int | None = None
@@ -51,6 +52,13 @@ class _Common(BaseModel):
         if self.cache_salt is not None and not self.cache_salt:
             raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string")
 
+        logit_bias = None
+        if self.logit_bias:
+            try:
+                logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise InvalidParameter("logit_bias", "logit_bias keys must be token ids (integers)") from None
+
         def pick(value, name: str, openai_default):
             return value if value is not None else defaults.get(name, openai_default)
 
@@ -63,6 +71,7 @@ class _Common(BaseModel):
             presence_penalty=pick(self.presence_penalty, "presence_penalty", 0.0),
             frequency_penalty=pick(self.frequency_penalty, "frequency_penalty", 0.0),
             repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
+            logit_bias=logit_bias,
             seed=self.seed,
             min_tokens=self.min_tokens,
             stop=self.stop,
