@@ -317,8 +317,8 @@ class Router:
                 return self.encoder.encode_chat(msgs, add_generation_prompt=req.get("add_generation_prompt", True))
             if path == "/v1/completions":
                 prompt = req.get("prompt")
-                if isinstance(prompt, list) and prompt:
-                    prompt = prompt[0]  # a batch: route on its first prompt
+                if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                    prompt = prompt[0]  # a batch (of texts or of token-id lists): route on its first prompt
                 if isinstance(prompt, str):
                     return self.encoder.encode(prompt)
                 if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):

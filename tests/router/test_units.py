@@ -163,3 +163,18 @@ def test_endpoint_slices_filter_pods():
     finally:
         server.should_exit = True
         t.join(5)
+
+
+def test_router_tokenizes_every_prompt_shape():
+    from kvmesh.router.app import Router, RouterConfig
+    from tests.router.conftest import shared_encoder
+
+    router = Router(RouterConfig(model="m", redis_url=None), encoder=shared_encoder())
+    text = router._tokens("/v1/completions", {"prompt": "hello world"})
+    assert text and text == router.encoder.encode("hello world")
+    assert router._tokens("/v1/completions", {"prompt": ["hello world", "other"]}) == text
+    assert router._tokens("/v1/completions", {"prompt": [5, 6, 7]}) == [5, 6, 7]  # token ids, not a batch
+    assert router._tokens("/v1/completions", {"prompt": [[5, 6, 7], [8]]}) == [5, 6, 7]
+    assert router._tokens("/v1/completions", {"prompt": 42}) == []  # malformed: the engine answers it
+    chat = router._tokens("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert chat  # rendered with the chat template, then encoded
