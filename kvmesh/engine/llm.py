@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 from tqdm import tqdm
@@ -48,12 +49,15 @@ class LLM:
         for (_, ids), sp in zip(tokenized, params):
             self.engine.core.validate_prompt(ids)
             self.engine.core.validate_params(sp)
-        order: dict[str, int] = {}
+        order: dict[str, tuple[int, int]] = {}  # engine request -> (prompt, sample)
         for i, ((text, ids), sp) in enumerate(zip(tokenized, params)):
-            rid = self.engine.add_request(text if text is not None else ids, sp,
-                                          cache_salt=cache_salt, prompt_token_ids=ids)
-            order[rid] = i
-        return self._run(order, use_tqdm)
+            for j in range(sp.n):
+                # n samples of a prompt: n requests (the later ones hit the first's prefix blocks)
+                child = sp if sp.n == 1 else replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
+                rid = self.engine.add_request(text if text is not None else ids, child,
+                                              cache_salt=cache_salt, prompt_token_ids=ids)
+                order[rid] = (i, j)
+        return self._run(order, len(prompts), use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -62,16 +66,23 @@ class LLM:
         prompts = [self.engine.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
-        results: list[RequestOutput | None] = [None] * len(order)
+    def _run(self, order: dict[str, tuple[int, int]], num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
+        samples: list[dict[int, RequestOutput]] = [{} for _ in range(num_prompts)]
         bar = tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished and out.request_id in order:
-                    results[order[out.request_id]] = out
+                    i, j = order[out.request_id]
+                    samples[i][j] = out
                     bar.update()
         bar.close()
-        return results  # type: ignore[return-value]
+        results = []
+        for outs in samples:  # one RequestOutput per prompt, its n samples in outputs[0..n-1]
+            first = outs[0]
+            if len(outs) > 1:
+                first = replace(first, outputs=[replace(outs[j].outputs[0], index=j) for j in range(len(outs))])
+            results.append(first)
+        return results
 
     def stats(self):
         return self.engine.core.stats()

@@ -77,9 +77,10 @@ class LLMEngine:
             text, prompt_token_ids = self.tokenize_prompt(prompt)
         else:
             text = prompt if isinstance(prompt, str) else None
-        bad_stop = [t for t in params.stop_token_ids if t >= self.core.model_config.vocab_size]
-        if bad_stop:
-            raise InvalidParameter("stop_token_ids", f"token id {bad_stop[0]} is outside the vocabulary")
+        if params.n != 1:
+            raise InvalidParameter("n", "an engine request samples one sequence; LLM.generate and the server "
+                                        "fan n > 1 out into n requests")
+        self.core.validate_params(params)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                        params.include_stop_str_in_output, params.skip_special_tokens)
         self.states[request_id] = _RequestState(

@@ -32,7 +32,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    n: int = 1
+    n: int = 1  # samples per prompt: fanned out into n engine requests (seeds seed, seed+1, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,8 +47,8 @@ class SamplingParams:
         def bad(param: str, message: str) -> InvalidParameter:
             return InvalidParameter(param, f"{param} {message}")
 
-        if self.n != 1:
-            raise bad("n", f"must be 1 (parallel sampling is not supported), got {self.n}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be a positive integer, got {self.n!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not (self.temperature >= 0.0):

@@ -47,7 +47,7 @@ def test_token_id_outside_vocabulary(llm):
     (dict(max_tokens=0), "max_tokens"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(logprobs=50), "logprobs"),
-    (dict(n=2), "n"),
+    (dict(n=0), "n"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
 ])

@@ -111,3 +111,20 @@ def test_bfloat16_weights_and_cache(tiny_llama_dir):
     assert all(len(o.token_ids) == 8 for o in b)
     # Same model at lower precision: the first greedy token agrees on these well-separated logits.
     assert [o.token_ids[0] for o in a] == [o.token_ids[0] for o in b]
+
+
+def test_n_samples_per_prompt(llm):
+    sp = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=21, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:2], sp)
+    assert len(outs) == 2 and all(len(o.outputs) == 3 for o in outs)
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    # sample j is the request seeded seed + j, whatever else runs beside it
+    for j in range(3):
+        alone = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=1.0, seed=21 + j,
+                                                          ignore_eos=True))[0]
+        assert outs[1].outputs[j].token_ids == alone.token_ids
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+    greedy = llm.generate([PROMPTS[0]], SamplingParams(n=2, max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    with pytest.raises(Exception, match="fan n > 1 out"):
+        llm.engine.add_request(PROMPTS[0], SamplingParams(n=2))

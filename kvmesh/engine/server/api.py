@@ -98,6 +98,18 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
+@dataclass
+class _Choice:
+    """One engine request of an HTTP request: choice ``index`` (the response's), of prompt ``prompt_index``."""
+
+    index: int
+    prompt_index: int
+    prompt: str | list[int]
+    ids: list[int]
+    params: SamplingParams
+    stream: RequestStream | None = None
+
+
 class _Handler:
     """One request's life: parse, validate, admit, then stream or collect outputs."""
 
@@ -142,48 +154,62 @@ class _Handler:
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{name}`.",
                            param="model", code="model_not_found")
 
-    async def prepare(self, body) -> tuple[str | list[int], list[int], SamplingParams]:
-        """Sampling params and prompt token ids (tokenised here, on the HTTP side; long prompts
-        in a worker thread so the event loop keeps serving other streams)."""
+    async def prepare(self, body) -> list[_Choice]:
+        """One engine request per (prompt, sample): the prompts tokenised here, on the HTTP side
+        (long ones in a worker thread so the event loop keeps serving other streams)."""
         engine = self.engine
-        prompt_param = "prompt" if self.kind == "completion" else "messages"
         try:
             params = body.sampling_params(engine.sampling_defaults)
-            if self.kind == "completion":
-                prompt = body.prompt_input()
-                if isinstance(prompt, str):
-                    ids = await self._off_loop(len(prompt), engine.tokenizer.encode, prompt)
-                else:
-                    ids = list(prompt)
-            else:
-                messages = [m.as_template_dict() for m in body.messages]
-                try:
-                    size = sum(len(m["content"]) for m in messages)
-                    ids = await self._off_loop(size, engine.tokenizer.encode_chat, messages,
-                                               body.add_generation_prompt)
-                except TemplateError as exc:
-                    raise InvalidParameter("messages", str(exc))
-                prompt = ids
-            try:
-                engine.validate(ids, params)
-            except InvalidParameter as exc:
-                if exc.param == "prompt":
-                    exc.param = prompt_param
-                raise
+            n = body.num_choices()
+            prompts = body.prompt_inputs() if self.kind == "completion" else [None]
+            choices: list[_Choice] = []
+            for p_index, prompt in enumerate(prompts):
+                prompt, ids = await self._tokenize(body, prompt, params)
+                fitted = self._fit_max_tokens(body, ids, params)
+                for j in range(n):
+                    # Seeded samples of one prompt differ by seed + j (as vLLM's parallel sampling).
+                    child = fitted if j == 0 or fitted.seed is None else replace(fitted, seed=fitted.seed + j)
+                    choices.append(_Choice(len(choices), p_index, prompt, ids, child))
         except InvalidParameter as exc:
             raise bad_request(str(exc), param=exc.param)
-        if params.max_tokens is not None and len(ids) + params.max_tokens > engine.max_model_len:
-            room = engine.max_model_len - len(ids)
-            if body.requested_max_tokens() is None and room >= max(1, params.min_tokens):
-                # The model's default (max_new_tokens), not the client's ask: shorten it to fit.
-                return prompt, ids, replace(params, max_tokens=room)
-            raise bad_request(
-                f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
-                f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
-                f"{prompt_param}, {params.max_tokens} in the completion). Please reduce the length "
-                f"of the {prompt_param} or the completion.", param="max_tokens",
-                code="context_length_exceeded")
-        return prompt, ids, params
+        return choices
+
+    async def _tokenize(self, body, prompt, params: SamplingParams) -> tuple[str | list[int], list[int]]:
+        engine = self.engine
+        if self.kind == "completion":
+            ids = (await self._off_loop(len(prompt), engine.tokenizer.encode, prompt)
+                   if isinstance(prompt, str) else list(prompt))
+        else:
+            messages = [m.as_template_dict() for m in body.messages]
+            try:
+                size = sum(len(m["content"]) for m in messages)
+                ids = await self._off_loop(size, engine.tokenizer.encode_chat, messages, body.add_generation_prompt)
+            except TemplateError as exc:
+                raise InvalidParameter("messages", str(exc))
+            prompt = ids
+        try:
+            engine.validate(ids, params)
+        except InvalidParameter as exc:
+            if exc.param == "prompt" and self.kind == "chat":
+                exc.param = "messages"
+            raise
+        return prompt, ids
+
+    def _fit_max_tokens(self, body, ids: list[int], params: SamplingParams) -> SamplingParams:
+        max_len = self.engine.max_model_len
+        if params.max_tokens is None or len(ids) + params.max_tokens <= max_len:
+            return params
+        room = max_len - len(ids)
+        if body.requested_max_tokens() is None and room >= max(1, params.min_tokens):
+            # The model's default (max_new_tokens), not the client's ask: shorten it to fit.
+            return replace(params, max_tokens=room)
+        prompt_param = "prompt" if self.kind == "completion" else "messages"
+        raise bad_request(
+            f"This model's maximum context length is {max_len} tokens. However, you "
+            f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
+            f"{prompt_param}, {params.max_tokens} in the completion). Please reduce the length "
+            f"of the {prompt_param} or the completion.", param="max_tokens",
+            code="context_length_exceeded")
 
     @staticmethod
     async def _off_loop(size: int, fn, *args):
@@ -191,31 +217,35 @@ class _Handler:
             return fn(*args)
         return await asyncio.to_thread(fn, *args)
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, requests: int = 1) -> None:
         state = self.state
-        if self.engine.num_in_flight >= state.config.capacity:
+        if self.engine.num_in_flight + requests > state.config.capacity:
             state.metrics.reject("queue_full")
             raise APIError(429, f"the server is at capacity ({state.config.capacity} requests admitted: "
                            f"{state.config.max_num_seqs} running + {state.config.max_waiting} waiting); "
                            "retry later", code="queue_full",
                            headers={"Retry-After": str(state.config.retry_after_s)})
 
-    def admit(self, prompt, ids, params, cache_salt) -> RequestStream:
+    def admit(self, choices: list[_Choice], cache_salt: str | None) -> None:
         state = self.state
         if state.draining:
             state.metrics.reject("draining")
             raise APIError(503, "the server is draining and admits no new requests",
                            headers={"Retry-After": "1"})
-        self.check_capacity()
-        rid = self.engine.unique_id(self.request_id)
-        self.engine_id = rid
+        self.check_capacity(len(choices))
         try:
-            stream = self.engine.add(rid, prompt, ids, params, cache_salt)
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc))
-        log.info("request %s admitted: %d prompt tokens, max_tokens=%s, stream=%s", self.request_id,
-                 len(ids), params.max_tokens, getattr(self, "streaming", False))
-        return stream
+            for c in choices:
+                rid = self.engine.unique_id(self.request_id if len(choices) == 1 else f"{self.request_id}-{c.index}")
+                c.stream = self.engine.add(rid, c.prompt, c.ids, c.params, cache_salt)
+                log.info("request %s admitted: %d prompt tokens, max_tokens=%s, stream=%s", rid,
+                         len(c.ids), c.params.max_tokens, getattr(self, "streaming", False))
+        except BaseException as exc:
+            for c in choices:  # all or nothing
+                if c.stream is not None:
+                    self.engine.abort(c.stream.request_id)
+            if isinstance(exc, EngineDeadError):
+                raise APIError(503, str(exc))
+            raise
 
     # -- outputs ---------------------------------------------------------------------------
     async def outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
@@ -287,102 +317,132 @@ class _Handler:
     def chunk_object(self) -> str:
         return "text_completion" if self.kind == "completion" else "chat.completion.chunk"
 
-    async def stream_response(self, stream: RequestStream, params: SamplingParams, n_prompt: int,
-                              include_usage: bool) -> AsyncIterator[str]:
-        want_lp = params.logprobs is not None
-        offset = 0
-        n_out, cached = 0, 0
+    def usage(self, choices: list[_Choice], completion_tokens: list[int], cached: list[int]) -> dict[str, Any]:
+        """Prompt and cached tokens once per prompt (its first choice), completion tokens of all."""
+        first: dict[int, _Choice] = {}
+        for c in choices:
+            first.setdefault(c.prompt_index, c)
+        return _usage(sum(len(c.ids) for c in first.values()), sum(completion_tokens),
+                      sum(cached[c.index] for c in first.values()))
+
+    async def stream_response(self, choices: list[_Choice], include_usage: bool) -> AsyncIterator[str]:
+        want_lp = choices[0].params.logprobs is not None
+        offsets, n_out, cached = [0] * len(choices), [0] * len(choices), [0] * len(choices)
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: _Choice) -> None:  # one engine request's outputs into the merged queue
+            gen = self.outputs(c.stream)
+            try:
+                async for out in gen:
+                    merged.put_nowait((c, out))
+            except Exception as exc:  # noqa: BLE001 - reported in-band below
+                merged.put_nowait((c, exc))
+            finally:
+                await gen.aclose()
+                merged.put_nowait((c, None))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
             if self.kind == "chat":
-                yield _sse(self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], None, include_usage))
-            async for out in self.outputs(stream):
-                n_out = len(out.token_ids)
-                cached = out.num_cached_tokens
+                for c in choices:
+                    yield _sse(self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}], None, include_usage))
+            running = len(choices)
+            while running:
+                c, out = await merged.get()
+                if out is None:
+                    running -= 1
+                    continue
+                if isinstance(out, Exception):
+                    raise out
+                i = c.index
+                n_out[i], cached[i] = len(out.token_ids), out.num_cached_tokens
                 if not (out.delta_text or out.finished or (want_lp and out.delta_logprobs)):
                     continue
                 finish = out.finish_reason if out.finished else None
                 if self.kind == "completion":
-                    choice = {"index": 0, "text": out.delta_text,
-                              "logprobs": self.completion_logprobs(out.delta_logprobs, offset) if want_lp else None,
+                    choice = {"index": i, "text": out.delta_text,
+                              "logprobs": self.completion_logprobs(out.delta_logprobs, offsets[i]) if want_lp else None,
                               "finish_reason": finish, "stop_reason": out.outputs[0].stop_reason if finish else None}
-                    offset += len(out.delta_text)
+                    offsets[i] += len(out.delta_text)
                 else:
                     delta = {"content": out.delta_text} if out.delta_text or not finish else {}
-                    choice = {"index": 0, "delta": delta,
+                    choice = {"index": i, "delta": delta,
                               "logprobs": self.chat_logprobs(out.delta_logprobs) if want_lp else None,
                               "finish_reason": finish}
                     if finish:
                         choice["stop_reason"] = out.outputs[0].stop_reason
                 yield _sse(self.chunk([choice], None, include_usage))
             if include_usage:
-                yield _sse(self.chunk([], _usage(n_prompt, n_out, cached), True))
+                yield _sse(self.chunk([], self.usage(choices, n_out, cached), True))
         except Exception as exc:  # noqa: BLE001 - the status line is sent already: report in-band
             log.exception("request %s failed mid-stream", self.request_id)
             yield _sse(error_body(500, str(exc)))
+        finally:
+            for task in tasks:  # the client left (or one choice failed): abort the others
+                task.cancel()
         yield "data: [DONE]\n\n"
 
-    async def collect(self, stream: RequestStream) -> RequestOutput:
-        """Run to completion; abort the request if the client disconnects meanwhile."""
-        final: list[RequestOutput] = []
+    async def collect(self, choices: list[_Choice]) -> list[RequestOutput]:
+        """Run every choice to completion; abort them all if the client disconnects meanwhile."""
+        final: dict[int, RequestOutput] = {}
 
-        async def consume() -> None:
-            gen = self.outputs(stream)
+        async def consume(c: _Choice) -> None:
+            gen = self.outputs(c.stream)
             try:
                 async for out in gen:
-                    final[:] = [out]
+                    final[c.index] = out
             finally:
                 await gen.aclose()
 
-        task = asyncio.ensure_future(consume())
+        tasks = [asyncio.ensure_future(consume(c)) for c in choices]
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=0.5)
-                if done:
-                    task.result()
-                    return final[0]
+                done, pending = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    task.result()  # re-raises a choice's failure
+                if not pending:
+                    return [final[c.index] for c in choices]
                 if await self.request.is_disconnected():
                     log.info("request %s: client disconnected", self.request_id)
-                    task.cancel()
                     raise APIError(499, "client disconnected")
-        except BaseException:
-            if not task.done():
-                task.cancel()
-            raise
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
 
-    def full_response(self, out: RequestOutput, params: SamplingParams, n_prompt: int) -> dict[str, Any]:
-        comp = out.outputs[0]
-        usage = _usage(n_prompt, len(comp.token_ids), out.num_cached_tokens)
-        if self.kind == "completion":
-            choice = {"index": 0, "text": comp.text,
-                      "logprobs": self.completion_logprobs(comp.logprobs or [], 0)
-                      if params.logprobs is not None else None,
-                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
-            obj = "text_completion"
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": comp.text},
-                      "logprobs": self.chat_logprobs(comp.logprobs or []) if params.logprobs is not None else None,
-                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
-            obj = "chat.completion"
-        return {"id": self.response_id, "object": obj, "created": self.created,
-                "model": self.state.config.served_model_name, "choices": [choice], "usage": usage}
+    def full_response(self, choices: list[_Choice], outs: list[RequestOutput]) -> dict[str, Any]:
+        items = []
+        for c, out in zip(choices, outs):
+            comp, want_lp = out.outputs[0], c.params.logprobs is not None
+            if self.kind == "completion":
+                items.append({"index": c.index, "text": comp.text,
+                              "logprobs": self.completion_logprobs(comp.logprobs or [], 0) if want_lp else None,
+                              "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+            else:
+                items.append({"index": c.index, "message": {"role": "assistant", "content": comp.text},
+                              "logprobs": self.chat_logprobs(comp.logprobs or []) if want_lp else None,
+                              "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+        usage = self.usage(choices, [len(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs])
+        return {"id": self.response_id, "object": "text_completion" if self.kind == "completion" else "chat.completion",
+                "created": self.created, "model": self.state.config.served_model_name, "choices": items,
+                "usage": usage}
 
     async def handle(self, model_cls) -> Response:
         check_ready(self.state)
         self.check_capacity()  # refuse early, before parsing and tokenising (checked again at admission)
         body = await self.parse(model_cls)
         self.check_model(body.model)
-        prompt, ids, params = await self.prepare(body)
+        choices = await self.prepare(body)
         self.streaming = body.stream
-        stream = self.admit(prompt, ids, params, body.cache_salt)
+        self.admit(choices, body.cache_salt)
         self.state.active += 1
         if body.stream:
-            return StreamingResponse(self._counted(self.stream_response(stream, params, len(ids),
-                                                                        body.include_usage)),
+            return StreamingResponse(self._counted(self.stream_response(choices, body.include_usage)),
                                      media_type="text/event-stream",
                                      headers={**self.headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            out = await self.collect(stream)
+            outs = await self.collect(choices)
         except APIError:
             raise
         except InvalidParameter as exc:  # refused by the engine itself
@@ -392,7 +452,7 @@ class _Handler:
             raise APIError(500, f"{exc}", code="engine_error")
         finally:
             self.state.active -= 1
-        return JSONResponse(self.full_response(out, params, len(ids)), headers=self.headers)
+        return JSONResponse(self.full_response(choices, outs), headers=self.headers)
 
     async def _counted(self, gen: AsyncIterator[str]) -> AsyncIterator[str]:
         try:

@@ -13,6 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 
 
+MAX_N = 128  # choices per prompt
+MAX_PROMPTS = 256  # prompts in one completion request
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
@@ -80,8 +84,14 @@ class _Common(BaseModel):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
-            n=self.n,
         )
+
+    def num_choices(self) -> int:
+        """``n``: choices per prompt, each its own engine request (they share the prompt's KV blocks
+        through the prefix cache once the first has computed them)."""
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidParameter("n", f"n must be between 1 and {MAX_N}, got {self.n}")
+        return self.n
 
     @property
     def include_usage(self) -> bool:
@@ -96,15 +106,16 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
-    def prompt_input(self) -> str | list[int]:
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The prompts: one text or token-id list, or a batch of them (OpenAI's prompt array)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise InvalidParameter("prompt", "batched prompts are not supported: send one prompt per request")
-            p = p[0]
-        if isinstance(p, list) and not p:
-            raise InvalidParameter("prompt", "prompt is empty: it must contain at least one token")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(batch) > MAX_PROMPTS:
+            raise InvalidParameter("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}")
+        for one in batch:
+            if isinstance(one, list) and not one:
+                raise InvalidParameter("prompt", "prompt is empty: it must contain at least one token")
+        return batch
 
     def sampling_params(self, defaults: Mapping[str, Any] = {}) -> SamplingParams:  # noqa: B006 - read only
         if self.echo:
