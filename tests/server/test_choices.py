@@ -108,3 +108,14 @@ def test_client_leaving_a_stream_aborts_every_choice(server):
                 break
     wait_for(lambda: server.state.engine.num_in_flight == 0, timeout=15)
     wait_for(lambda: server.state.engine.snapshot()["num_running"] == 0, timeout=15)  # the engine dropped them
+
+
+def test_continuous_usage_stats_on_every_chunk(server):
+    body = dict(prompt="count with me", max_tokens=6, temperature=0,
+                stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = stream(server, "/v1/completions", **body)
+    assert all(ch["usage"] is not None for ch in chunks)
+    done = [ch["usage"]["completion_tokens"] for ch in chunks]
+    assert done == sorted(done) and done[-1] == 6 and done[0] >= 1
+    plain = stream(server, "/v1/completions", **{**body, "stream_options": {"include_usage": True}})
+    assert all(ch["usage"] is None for ch in plain[:-1]) and plain[-1]["usage"] == chunks[-1]["usage"]

@@ -325,7 +325,8 @@ class _Handler:
         return _usage(sum(len(c.ids) for c in first.values()), sum(completion_tokens),
                       sum(cached[c.index] for c in first.values()))
 
-    async def stream_response(self, choices: list[_Choice], include_usage: bool) -> AsyncIterator[str]:
+    async def stream_response(self, choices: list[_Choice], include_usage: bool,
+                              continuous_usage: bool = False) -> AsyncIterator[str]:
         want_lp = choices[0].params.logprobs is not None
         offsets, n_out, cached = [0] * len(choices), [0] * len(choices), [0] * len(choices)
         merged: asyncio.Queue = asyncio.Queue()
@@ -341,12 +342,15 @@ class _Handler:
                 await gen.aclose()
                 merged.put_nowait((c, None))
 
+        def so_far() -> dict[str, Any] | None:
+            return self.usage(choices, n_out, cached) if continuous_usage else None
+
         tasks = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
             if self.kind == "chat":
                 for c in choices:
                     yield _sse(self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}], None, include_usage))
+                                            "logprobs": None, "finish_reason": None}], so_far(), include_usage))
             running = len(choices)
             while running:
                 c, out = await merged.get()
@@ -372,7 +376,7 @@ class _Handler:
                               "finish_reason": finish}
                     if finish:
                         choice["stop_reason"] = out.outputs[0].stop_reason
-                yield _sse(self.chunk([choice], None, include_usage))
+                yield _sse(self.chunk([choice], so_far(), include_usage))
             if include_usage:
                 yield _sse(self.chunk([], self.usage(choices, n_out, cached), True))
         except Exception as exc:  # noqa: BLE001 - the status line is sent already: report in-band
@@ -438,7 +442,8 @@ class _Handler:
         self.admit(choices, body.cache_salt)
         self.state.active += 1
         if body.stream:
-            return StreamingResponse(self._counted(self.stream_response(choices, body.include_usage)),
+            return StreamingResponse(self._counted(self.stream_response(choices, body.include_usage,
+                                                                        body.continuous_usage)),
                                      media_type="text/event-stream",
                                      headers={**self.headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
