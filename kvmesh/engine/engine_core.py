@@ -39,6 +39,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked for
 
     @property
     def finished(self) -> bool:
@@ -170,7 +171,12 @@ class EngineCore:
             # Prompt tokens computed this step (recomputation after preemption counts too).
             n = sched.num_scheduled_tokens[req.request_id]
             self.prompt_tokens += max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
-        sampled, logprobs = self.runner.execute(sched, self.kv)
+        sampled, logprobs, prompt_lps = self.runner.execute(sched, self.kv)
+        if prompt_lps:
+            by_id = {r.request_id: r for r in sched.requests}
+            for rid, entries in prompt_lps.items():
+                for pos, lp in entries:  # a recompute after preemption writes the same values again
+                    by_id[rid].prompt_logprobs[pos] = lp
         for req, token in self.scheduler.update_from_output(sched, sampled):
             self.generation_tokens += 1
             finished = req.status.finished
@@ -182,7 +188,9 @@ class EngineCore:
                 finish_reason=req.status.value if finished else None,
                 stop_reason=req.stop_reason if finished else None,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
-                num_prompt_tokens=req.num_prompt_tokens))
+                num_prompt_tokens=req.num_prompt_tokens,
+                prompt_logprobs=(list(req.prompt_logprobs) if req.prompt_logprobs is not None
+                                 and req.num_output_tokens == 1 else None)))
         return outputs
 
     def reset_prefix_cache(self) -> bool:

@@ -39,8 +39,8 @@ class KVCacheManager:
         At most (num_tokens - 1) tokens are served from the cache: the last token
         is always computed, so the step has logits to sample from.
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need logits at every prompt position: compute them all
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for key in request.block_keys(max_blocks):

@@ -24,6 +24,7 @@ class _RequestState:
     params: SamplingParams
     detok: IncrementalDetokenizer
     output: CompletionOutput
+    prompt_logprobs: list | None = None
 
 
 class LLMEngine:
@@ -122,6 +123,8 @@ class LLMEngine:
         if state is None:
             return None
         comp = state.output
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = out.prompt_logprobs
         delta_text, stop_str = "", None
         if out.new_token_ids:
             comp.token_ids.extend(out.new_token_ids)
@@ -138,7 +141,7 @@ class LLMEngine:
         return RequestOutput(
             out.request_id, state.prompt, state.prompt_token_ids, [comp],
             finished=finish_reason is not None, num_cached_tokens=out.num_cached_tokens,
-            delta_text=delta_text, delta_token_ids=list(out.new_token_ids),
+            prompt_logprobs=state.prompt_logprobs, delta_text=delta_text, delta_token_ids=list(out.new_token_ids),
             delta_logprobs=list(out.new_logprobs))
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:

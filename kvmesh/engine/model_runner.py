@@ -12,6 +12,7 @@ from kvmesh.engine.attention import AttentionMetadata, PrefillSeq
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvmesh.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
+from kvmesh.engine.request import Request
 from kvmesh.engine.sampler import Sampler, TokenLogprobs
 from kvmesh.engine.scheduler import SchedulerOutput
 from kvmesh.engine.weights import load_weights
@@ -86,6 +87,9 @@ class ModelRunner:
         prefills: list[PrefillSeq] = []
         prefill_rows: list[tuple[int, int, int]] = []  # for the compiled kernel
         prefill_tables: list[list[int]] = []
+        prompt_rows: list[tuple[Request, int]] = []  # (request, position) rows that give prompt logprobs
+        prompt_idx: list[int] = []
+        prompt_tables: list[list[int]] = []
         offset = 0
         for req in out.requests:
             n = out.num_scheduled_tokens[req.request_id]
@@ -100,6 +104,11 @@ class ModelRunner:
                 sampling_requests.append(req)
                 sample_tables.append(table[:cdiv(start + n, bs)])
                 sample_ctx.append(start + n)
+            if req.prompt_logprobs is not None:  # position p's logits score prompt token p + 1
+                for p in range(start, min(start + n, req.num_prompt_tokens - 1)):
+                    prompt_rows.append((req, p))
+                    prompt_idx.append(offset + p - start)
+                    prompt_tables.append(table[:cdiv(p + 1, bs)])
             if n == 1:
                 decode_idx.append(offset)
                 decode_tables.append(table[:cdiv(start + 1, bs)])
@@ -124,6 +133,10 @@ class ModelRunner:
         if decode_idx:
             meta.decode_indices = self._tensor(decode_idx)
             self._set_decodes(meta, decode_tables, decode_ctx)
+        if prompt_rows:  # after the sampling rows, so the sampler's logits come first
+            logits_indices += prompt_idx
+            sample_tables += prompt_tables
+            sample_ctx += [p + 1 for _, p in prompt_rows]
         if sample_ctx:
             # The last layer only carries on for the rows that sample: to them it is a decode
             # step over their whole context (this step's K/V are stored by then).
@@ -132,7 +145,7 @@ class ModelRunner:
                 decode_block_tables=None, decode_mask=None, prefills=[])
             self._set_decodes(meta.sample_meta, sample_tables, sample_ctx)
         return (self._tensor(ids), self._tensor(pos_all), meta,
-                self._tensor(logits_indices), sampling_requests)
+                self._tensor(logits_indices), sampling_requests, prompt_rows)
 
     def _set_decodes(self, meta: AttentionMetadata, tables: list[list[int]], ctx_lens: list[int]) -> None:
         """Block tables and context lengths (kernel) or a length mask (torch path) of decode rows."""
@@ -149,12 +162,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager
-                ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        input_ids, positions, meta, logits_indices, sampling_requests = self.prepare(out, kv)
+                ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[tuple[int, TokenLogprobs]]]]:
+        """Sampled tokens, their logprobs, and prompt logprobs as (position, logprob) per request."""
+        input_ids, positions, meta, logits_indices, sampling_requests, prompt_rows = self.prepare(out, kv)
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        prompt_lps = {}
+        if prompt_rows:
+            prompt_lps = prompt_logprobs(logits[len(sampling_requests):], prompt_rows)
+            logits = logits[:len(sampling_requests)]
         if not sampling_requests:
-            return {}, {}
+            return {}, {}, prompt_lps
         tokens, logprobs = self.sampler(logits, sampling_requests)
         sampled = {r.request_id: t for r, t in zip(sampling_requests, tokens)}
         lps = {r.request_id: lp for r, lp in zip(sampling_requests, logprobs) if lp is not None}
-        return sampled, lps
+        return sampled, lps, prompt_lps
+
+
+def prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Request, int]], chunk: int = 256
+                    ) -> dict[str, list[tuple[int, TokenLogprobs]]]:
+    """Logprob, rank and top-N of prompt token p + 1 under row p's logits (the raw distribution),
+    a slice of rows at a time so the [rows, vocab] log-softmax stays small."""
+    result: dict[str, list[tuple[int, TokenLogprobs]]] = {}
+    k = max(req.sampling_params.prompt_logprobs for req, _ in rows)
+    for s in range(0, len(rows), chunk):
+        part = rows[s:s + chunk]
+        lp = torch.log_softmax(logits[s:s + chunk].float(), dim=-1)
+        target = torch.tensor([req.all_token_ids[p + 1] for req, p in part], device=lp.device)
+        chosen = lp.gather(1, target[:, None])[:, 0]
+        ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
+        top_v, top_i = lp.topk(max(k, 1), dim=-1)
+        chosen_l, ranks_l, target_l = chosen.tolist(), ranks.tolist(), target.tolist()
+        top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
+        for j, (req, p) in enumerate(part):
+            n = req.sampling_params.prompt_logprobs
+            top = list(zip(top_i_l[j][:n], top_v_l[j][:n]))
+            result.setdefault(req.request_id, []).append(
+                (p + 1, TokenLogprobs(target_l[j], chosen_l[j], ranks_l[j], top)))
+    return result

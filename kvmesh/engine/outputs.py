@@ -25,6 +25,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first), once the prompt is computed.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # Streaming deltas of the last step (the full text/token_ids are in outputs[0]).
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)

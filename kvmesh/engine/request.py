@@ -55,6 +55,9 @@ class Request:
         if sampling_params.max_tokens is not None:
             limit = min(limit, sampling_params.max_tokens)
         self.max_output_tokens = limit
+        # Prompt logprobs by position (the first token has none), filled as the prompt is computed.
+        self.prompt_logprobs: list | None = (
+            [None] * self.num_prompt_tokens if sampling_params.prompt_logprobs is not None else None)
         self._root = root_key(model_id, cache_salt)
         self._block_keys: list[int] = []
 

@@ -30,6 +30,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (its prompt is not read from the cache)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1  # samples per prompt: fanned out into n engine requests (seeds seed, seed+1, ...)
@@ -75,6 +76,8 @@ class SamplingParams:
             raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise bad("logprobs", f"must be between 0 and 20, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", f"must be between 0 and 20, got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -282,16 +282,39 @@ class _Handler:
     def _token_text(self, tid: int) -> str:
         return self.engine.tokenizer.decode([tid], skip_special_tokens=False)
 
-    def completion_logprobs(self, lps, offset: int) -> dict[str, Any]:
+    def completion_logprobs(self, lps, offset: int, prompt: list[tuple[int, Any]] = ()) -> dict[str, Any]:
+        """OpenAI's completion logprobs; with echo, the prompt's (token id, logprob or None) first."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        for lp in lps:
-            text = self._token_text(lp.token_id)
+        for tid, lp in [*prompt, *((lp.token_id, lp) for lp in lps)]:
+            text = self._token_text(tid)
             tokens.append(text)
-            token_lps.append(lp.logprob)
-            tops.append({self._token_text(t): v for t, v in lp.top})
+            token_lps.append(lp.logprob if lp is not None else None)
+            tops.append({self._token_text(t): v for t, v in lp.top} if lp is not None else None)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def echo_prefix(self, c: _Choice, out: RequestOutput) -> tuple[str, list[tuple[int, Any]]]:
+        """The prompt's text and its (token id, logprob) entries, for echo."""
+        text = c.prompt if isinstance(c.prompt, str) else self.engine.tokenizer.decode(
+            c.ids, skip_special_tokens=c.params.skip_special_tokens)
+        lps = out.prompt_logprobs or [None] * len(c.ids)
+        return text, list(zip(c.ids, lps))
+
+    def prompt_logprobs_field(self, out: RequestOutput) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: per prompt token, {token id: logprob, rank, decoded_token} for the
+        token itself and the top N."""
+        field_ = []
+        for lp in out.prompt_logprobs or []:
+            if lp is None:
+                field_.append(None)
+                continue
+            entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                        "decoded_token": self._token_text(lp.token_id)}}
+            for rank, (tid, value) in enumerate(lp.top, 1):
+                entry.setdefault(str(tid), {"logprob": value, "rank": rank, "decoded_token": self._token_text(tid)})
+            field_.append(entry)
+        return field_
 
     def chat_logprobs(self, lps) -> dict[str, Any]:
         content = []
@@ -329,6 +352,7 @@ class _Handler:
                               continuous_usage: bool = False) -> AsyncIterator[str]:
         want_lp = choices[0].params.logprobs is not None
         offsets, n_out, cached = [0] * len(choices), [0] * len(choices), [0] * len(choices)
+        started = [False] * len(choices)
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(c: _Choice) -> None:  # one engine request's outputs into the merged queue
@@ -360,22 +384,32 @@ class _Handler:
                 if isinstance(out, Exception):
                     raise out
                 i = c.index
-                n_out[i], cached[i] = len(out.token_ids), out.num_cached_tokens
-                if not (out.delta_text or out.finished or (want_lp and out.delta_logprobs)):
+                first, started[i] = not started[i], True
+                n_out[i], cached[i] = (0 if self.echo_only else len(out.token_ids)), out.num_cached_tokens
+                delta_text, delta_lps = ("", []) if self.echo_only else (out.delta_text, out.delta_logprobs)
+                prefix, prompt_entries = self.echo_prefix(c, out) if self.echo and first else ("", [])
+                with_plp = first and self.with_prompt_logprobs
+                if not (prefix or delta_text or out.finished or (want_lp and delta_lps) or with_plp):
                     continue
                 finish = out.finish_reason if out.finished else None
+                if self.echo_only and finish:
+                    finish = "length"
                 if self.kind == "completion":
-                    choice = {"index": i, "text": out.delta_text,
-                              "logprobs": self.completion_logprobs(out.delta_logprobs, offsets[i]) if want_lp else None,
+                    text = prefix + delta_text
+                    choice = {"index": i, "text": text,
+                              "logprobs": self.completion_logprobs(delta_lps, offsets[i], prompt_entries)
+                              if want_lp else None,
                               "finish_reason": finish, "stop_reason": out.outputs[0].stop_reason if finish else None}
-                    offsets[i] += len(out.delta_text)
+                    offsets[i] += len(text)
                 else:
-                    delta = {"content": out.delta_text} if out.delta_text or not finish else {}
+                    delta = {"content": delta_text} if delta_text or not finish else {}
                     choice = {"index": i, "delta": delta,
-                              "logprobs": self.chat_logprobs(out.delta_logprobs) if want_lp else None,
+                              "logprobs": self.chat_logprobs(delta_lps) if want_lp else None,
                               "finish_reason": finish}
                     if finish:
                         choice["stop_reason"] = out.outputs[0].stop_reason
+                if with_plp:
+                    choice["prompt_logprobs"] = self.prompt_logprobs_field(out)
                 yield _sse(self.chunk([choice], so_far(), include_usage))
             if include_usage:
                 yield _sse(self.chunk([], self.usage(choices, n_out, cached), True))
@@ -416,18 +450,26 @@ class _Handler:
                     task.cancel()
 
     def full_response(self, choices: list[_Choice], outs: list[RequestOutput]) -> dict[str, Any]:
-        items = []
+        items, generated = [], []
         for c, out in zip(choices, outs):
             comp, want_lp = out.outputs[0], c.params.logprobs is not None
+            text, lps, finish = comp.text, comp.logprobs or [], comp.finish_reason
+            if self.echo_only:  # the prompt alone: the one token generated is dropped
+                text, lps, finish = "", [], "length"
+            generated.append(0 if self.echo_only else len(comp.token_ids))
             if self.kind == "completion":
-                items.append({"index": c.index, "text": comp.text,
-                              "logprobs": self.completion_logprobs(comp.logprobs or [], 0) if want_lp else None,
-                              "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+                prefix, prompt_entries = self.echo_prefix(c, out) if self.echo else ("", [])
+                item = {"index": c.index, "text": prefix + text,
+                        "logprobs": self.completion_logprobs(lps, 0, prompt_entries) if want_lp else None,
+                        "finish_reason": finish, "stop_reason": comp.stop_reason}
             else:
-                items.append({"index": c.index, "message": {"role": "assistant", "content": comp.text},
-                              "logprobs": self.chat_logprobs(comp.logprobs or []) if want_lp else None,
-                              "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
-        usage = self.usage(choices, [len(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs])
+                item = {"index": c.index, "message": {"role": "assistant", "content": text},
+                        "logprobs": self.chat_logprobs(lps) if want_lp else None,
+                        "finish_reason": finish, "stop_reason": comp.stop_reason}
+            if self.with_prompt_logprobs:
+                item["prompt_logprobs"] = self.prompt_logprobs_field(out)
+            items.append(item)
+        usage = self.usage(choices, generated, [o.num_cached_tokens for o in outs])
         return {"id": self.response_id, "object": "text_completion" if self.kind == "completion" else "chat.completion",
                 "created": self.created, "model": self.state.config.served_model_name, "choices": items,
                 "usage": usage}
@@ -439,6 +481,9 @@ class _Handler:
         self.check_model(body.model)
         choices = await self.prepare(body)
         self.streaming = body.stream
+        self.echo = self.kind == "completion" and body.echo
+        self.echo_only = self.kind == "completion" and body.echo_only
+        self.with_prompt_logprobs = body.prompt_logprobs is not None
         self.admit(choices, body.cache_salt)
         self.state.active += 1
         if body.stream:

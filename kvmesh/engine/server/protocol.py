@@ -49,9 +49,10 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: top-N logprobs of every prompt token
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         defaults: Mapping[str, Any]) -> SamplingParams:
+                         defaults: Mapping[str, Any], prompt_logprobs: int | None = None) -> SamplingParams:
         """``defaults``: the model's generation-config values for what the request leaves out."""
         if self.cache_salt is not None and not self.cache_salt:
             raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string")
@@ -76,6 +77,7 @@ class _Common(BaseModel):
             frequency_penalty=pick(self.frequency_penalty, "frequency_penalty", 0.0),
             repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
             logit_bias=logit_bias,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
             seed=self.seed,
             min_tokens=self.min_tokens,
             stop=self.stop,
@@ -123,16 +125,23 @@ class CompletionRequest(_Common):
         return batch
 
     def sampling_params(self, defaults: Mapping[str, Any] = {}) -> SamplingParams:  # noqa: B006 - read only
-        if self.echo:
-            raise InvalidParameter("echo", "echo is not supported")
         if self.suffix:
             raise InvalidParameter("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
             raise InvalidParameter("best_of", "best_of must be 1")
-        return self._sampling_params(self.requested_max_tokens(), self.logprobs, defaults)
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidParameter("max_tokens", "max_tokens must be at least 1 (0 only with echo)")
+        # echo with logprobs scores the prompt too (how evaluation harnesses get loglikelihoods)
+        echo_lps = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling_params(self.requested_max_tokens(), self.logprobs, defaults, echo_lps)
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        # echo with max_tokens 0 returns the prompt alone: one token is generated and dropped
+        return 1 if self.echo_only else self.max_tokens
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
 
 class ChatMessage(BaseModel):
