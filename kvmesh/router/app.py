@@ -246,7 +246,7 @@ class Router:
             return await _error(send, 400, "request body must be a JSON object", "invalid_request_error", extra)
 
         tokens = self._tokens(path, req)
-        est = len(tokens) + int(req.get("max_tokens") or req.get("max_completion_tokens") or 0)
+        est = estimate_tokens(req, len(tokens))
         ok, retry_after, which = self.limiter.admit(client_id, est, key_info.rpm if key_info else None,
                                                     key_info.tpm if key_info else None)
         if not ok:
@@ -474,6 +474,19 @@ class Router:
                     resp.close()  # a half-read response closes its connection (cancels the engine's work)
         await _error(send, 502, f"no engine could take the request ({last_err})", "upstream_error", extra)
         return 502, attempts[-1].name if attempts else "", None, len(attempts)
+
+
+def estimate_tokens(req: dict[str, Any], prompt_tokens: int) -> int:
+    """Tokens a request will use, charged to the rate limit up front (settled with its usage):
+    every prompt of a batch (sized like the first) and n completions of each."""
+    try:
+        n = max(1, int(req.get("n") or 1))
+        max_tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or 0)
+    except (TypeError, ValueError):
+        n, max_tokens = 1, 0  # malformed: the engine refuses it
+    prompt = req.get("prompt")
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+    return prompts * (prompt_tokens + n * max_tokens)
 
 
 def _usage(data: bytes, stream: bool) -> dict | None:

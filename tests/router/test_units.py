@@ -178,3 +178,14 @@ def test_router_tokenizes_every_prompt_shape():
     assert router._tokens("/v1/completions", {"prompt": 42}) == []  # malformed: the engine answers it
     chat = router._tokens("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert chat  # rendered with the chat template, then encoded
+
+
+def test_rate_limit_estimate_counts_batches_and_choices():
+    from kvmesh.router.app import estimate_tokens
+
+    assert estimate_tokens({"prompt": "x", "max_tokens": 10}, 5) == 15
+    assert estimate_tokens({"prompt": "x", "max_tokens": 10, "n": 3}, 5) == 35
+    assert estimate_tokens({"prompt": ["a", "b"], "max_tokens": 10, "n": 2}, 5) == 50
+    assert estimate_tokens({"prompt": [1, 2, 3], "max_tokens": 4}, 3) == 7  # token ids, not a batch
+    assert estimate_tokens({"messages": [], "max_completion_tokens": 8}, 2) == 10
+    assert estimate_tokens({"prompt": "x", "n": "many"}, 2) == 2
