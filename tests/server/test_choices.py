@@ -94,10 +94,19 @@ def test_chat_n_streams_a_role_and_content_per_choice(server):
     assert content == {c["index"]: c["message"]["content"] for c in full["choices"]}
 
 
-def test_more_choices_than_capacity_is_429_and_nothing_is_admitted(server):
+def test_choices_past_capacity_are_refused_and_nothing_is_admitted(server):
+    # more than the server could ever admit at once: 400, not a 429 that no retry would cure
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "n": 9, "max_tokens": 2}, timeout=30)
-    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
-    assert server.state.engine.num_in_flight == 0
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    # more than there is room for now: 429, and none of the choices is admitted
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "prompt": "busy", "n": 5, "max_tokens": 300, "ignore_eos": True, "stream": True}) as busy:
+        wait_for(lambda: server.state.engine.num_in_flight == 5, timeout=15)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "n": 4, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert server.state.engine.num_in_flight == 5
+        busy.close()
+    wait_for(lambda: server.state.engine.num_in_flight == 0, timeout=15)
 
 
 def test_client_leaving_a_stream_aborts_every_choice(server):

@@ -232,6 +232,9 @@ class _Handler:
             state.metrics.reject("draining")
             raise APIError(503, "the server is draining and admits no new requests",
                            headers={"Retry-After": "1"})
+        if len(choices) > state.config.capacity:  # could never be admitted: retrying is no use
+            raise bad_request(f"{len(choices)} choices (prompts x n) exceed the {state.config.capacity} requests "
+                              "this server admits at once", param="n")
         self.check_capacity(len(choices))
         try:
             for c in choices:
