@@ -52,7 +52,7 @@ class LLM:
         order: dict[str, tuple[int, int]] = {}  # engine request -> (prompt, sample)
         for i, ((text, ids), sp) in enumerate(zip(tokenized, params)):
             for j in range(sp.n):
-                # n samples of a prompt: n requests (the later ones hit the first's prefix blocks)
+                # n samples of a prompt: n requests (the later ones hit the first's prompt blocks)
                 child = sp if sp.n == 1 else replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
                 rid = self.engine.add_request(text if text is not None else ids, child,
                                               cache_salt=cache_salt, prompt_token_ids=ids)

@@ -128,3 +128,13 @@ def test_n_samples_per_prompt(llm):
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
     with pytest.raises(Exception, match="fan n > 1 out"):
         llm.engine.add_request(PROMPTS[0], SamplingParams(n=2))
+
+
+def test_n_samples_compute_the_prompt_once(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, num_kv_blocks=256)
+    prompt = list(range(5, 205))  # 12 full blocks of 16 and a tail
+    out = llm.generate([prompt], SamplingParams(n=4, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True))[0]
+    assert len(out.outputs) == 4
+    # the first sample registers the prompt's full blocks on allocation; the other three hit them
+    # within the same step
+    assert llm.stats().prefix_cache_hits == 3 * 192

@@ -89,8 +89,8 @@ class _Common(BaseModel):
         )
 
     def num_choices(self) -> int:
-        """``n``: choices per prompt, each its own engine request (they share the prompt's KV blocks
-        through the prefix cache once the first has computed them)."""
+        """``n``: choices per prompt, each its own engine request (they share the prompt's full
+        KV blocks through the prefix cache, even when admitted in the same step)."""
         if not 1 <= self.n <= MAX_N:
             raise InvalidParameter("n", f"n must be between 1 and {MAX_N}, got {self.n}")
         return self.n
