@@ -21,6 +21,9 @@ class TemplateError(ValueError):
     pass
 
 
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 def _raise_exception(message: str):
     raise TemplateError(message)
 
@@ -88,7 +91,15 @@ class KVMeshTokenizer:
         return [self.tokenizer.id_to_token(i) or "" for i in ids]
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> str:
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+        """The chat template applied. ``continue_final_message`` (vLLM's) leaves the final message
+        open, so the model continues it; ``template_kwargs`` reach the template as variables."""
+        template_kwargs = template_kwargs or {}
+        if continue_final_message and add_generation_prompt:
+            raise TemplateError("continue_final_message and add_generation_prompt cannot both be true")
+        clash = sorted(_RESERVED_TEMPLATE_VARS & template_kwargs.keys())
+        if clash:
+            raise TemplateError(f"chat_template_kwargs may not set {', '.join(clash)}")
         if not self.chat_template:
             raise TemplateError("this model has no chat template; use /v1/completions with a plain prompt")
         if self._template is None:
@@ -101,14 +112,25 @@ class KVMeshTokenizer:
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
-        return self._template.render(
+        text = self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **template_kwargs,
         )
+        if continue_final_message:  # cut what the template put after the final message's content
+            last = messages[-1].get("content") if messages else None
+            at = text.rfind(last) if isinstance(last, str) and last else -1
+            if at < 0:
+                raise TemplateError("continue_final_message: the final message's content is not in the "
+                                    "rendered prompt (is it empty?)")
+            text = text[:at + len(last)]
+        return text
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None
+                    ) -> list[int]:
         # The template already contains the special tokens it wants.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, continue_final_message,
+                                            template_kwargs), add_special_tokens=False)

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.common.tokenizer import KVMeshTokenizer
+from kvmesh.common.tokenizer import KVMeshTokenizer, TemplateError
 from kvmesh.engine.config import EngineArgs
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.engine_core import EngineCore, EngineCoreOutput
@@ -144,5 +144,11 @@ class LLMEngine:
             prompt_logprobs=state.prompt_logprobs, delta_text=delta_text, delta_token_ids=list(out.new_token_ids),
             delta_logprobs=list(out.new_logprobs))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tokenizer.encode_chat(messages)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        try:
+            return self.tokenizer.encode_chat(messages, add_generation_prompt, continue_final_message,
+                                              chat_template_kwargs)
+        except TemplateError as exc:
+            raise InvalidParameter("messages", str(exc)) from None

@@ -314,7 +314,9 @@ class Router:
                 msgs = req.get("messages")
                 if not isinstance(msgs, list):
                     return []
-                return self.encoder.encode_chat(msgs, add_generation_prompt=req.get("add_generation_prompt", True))
+                return self.encoder.encode_chat(msgs, add_generation_prompt=req.get("add_generation_prompt", True),
+                                                continue_final_message=bool(req.get("continue_final_message")),
+                                                template_kwargs=req.get("chat_template_kwargs"))
             if path == "/v1/completions":
                 prompt = req.get("prompt")
                 if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

@@ -105,5 +105,8 @@ class FastEncoder:
                 self._encode_pieces(_ASCII_PIECES.findall(part), out)
         return out
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.tok.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None
+                    ) -> list[int]:
+        return self.encode(self.tok.render_chat(messages, add_generation_prompt, continue_final_message,
+                                                template_kwargs), add_special_tokens=False)

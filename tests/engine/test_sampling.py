@@ -98,6 +98,14 @@ def test_chat_uses_the_chat_template(tiny_llama_dir):
     out = llm.chat(messages, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     assert out.prompt_token_ids == llm.tokenizer.encode_chat(messages)
     assert len(out.token_ids) == 3
+    turn = messages + [{"role": "assistant", "content": "Hello, I am"}]
+    cont = llm.chat(turn, SamplingParams(max_tokens=2), add_generation_prompt=False, continue_final_message=True)[0]
+    assert cont.prompt_token_ids == llm.tokenizer.encode_chat(turn, False, True)
+    assert llm.tokenizer.decode(cont.prompt_token_ids).endswith("Hello, I am")
+    from kvmesh.engine import InvalidParameter
+
+    with pytest.raises(InvalidParameter, match="cannot both be true"):
+        llm.chat(turn, continue_final_message=True)
 
 
 def test_bfloat16_weights_and_cache(tiny_llama_dir):

@@ -43,3 +43,28 @@ def test_chat_equals_engine_path(encoders):
             {"role": "assistant", "content": "A cache.\n\n  Of keys."}, {"role": "user", "content": "Héllo ☃"}]
     assert fast.encode_chat(msgs) == tok.encode_chat(msgs)
     assert fast.encode_chat(msgs[:3], add_generation_prompt=False) == tok.encode_chat(msgs[:3], False)
+    # vLLM's continue_final_message: the final message stays open, identically on both paths
+    cont = fast.encode_chat(msgs[:3], add_generation_prompt=False, continue_final_message=True)
+    assert cont == tok.encode_chat(msgs[:3], False, True)
+    closed = tok.encode_chat(msgs[:3], False)
+    assert closed[:len(cont)] == cont and len(closed) > len(cont)
+    assert tok.render_chat(msgs[:3], False, True).endswith("Of keys.")
+
+
+def test_chat_template_kwargs_and_bad_combinations(encoders):
+    from kvmesh.common.tokenizer import TemplateError
+
+    tok, fast = encoders
+    custom = KVMeshTokenizer(resolve_model_dir("smollm2-135m-instruct", convert=False))
+    custom.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if shout %}!!!{% endif %}"
+    msgs = [{"role": "user", "content": "hi"}]
+    shout = {"shout": True}
+    assert custom.render_chat(msgs, template_kwargs=shout) == "hi!!!" and custom.render_chat(msgs) == "hi"
+    assert FastEncoder(custom).encode_chat(msgs, template_kwargs=shout) == custom.encode_chat(msgs,
+                                                                                           template_kwargs=shout)
+    with pytest.raises(TemplateError, match="cannot both be true"):
+        tok.render_chat(msgs, True, True)
+    with pytest.raises(TemplateError, match="may not set messages"):
+        tok.render_chat(msgs, template_kwargs={"messages": []})
+    with pytest.raises(TemplateError, match="not in the rendered prompt"):
+        tok.render_chat([{"role": "assistant", "content": ""}], False, True)

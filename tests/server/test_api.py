@@ -109,6 +109,29 @@ def test_sampling_parameters(client, server):
     assert forced.choices[0].text == server.state.engine.tokenizer.decode([42] * 4)
 
 
+def test_continue_final_message_and_chat_template_kwargs(http, server):
+    tok = server.state.engine.tokenizer
+    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "add_generation_prompt": False,
+                                                "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    # the prompt ends inside the assistant's message: no end-of-turn after "The colour is"
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode_chat(msgs, False, True))
+    assert len(tok.encode_chat(msgs, False, True)) < len(tok.encode_chat(msgs, False, False))
+    both = http.post("/v1/chat/completions", json={"messages": msgs, "continue_final_message": True})
+    _err(both, 400, "messages")
+    assert "cannot both be true" in both.json()["error"]["message"]
+    # template variables pass through (this template has none to change); reserved names are refused
+    plain = http.post("/v1/chat/completions", json={"messages": msgs[:1], "max_tokens": 1}).json()
+    extra = http.post("/v1/chat/completions", json={"messages": msgs[:1], "max_tokens": 1,
+                                                    "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert extra["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    _err(http.post("/v1/chat/completions", json={"messages": msgs[:1], "chat_template_kwargs": {"messages": []}}),
+         400, "messages")
+    _err(http.post("/v1/chat/completions", json={"messages": msgs[:1], "chat_template_kwargs": [1]}),
+         400, "chat_template_kwargs")
+
+
 def test_stop_strings(client):
     base = client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0).choices[0].text
     words = base.split()

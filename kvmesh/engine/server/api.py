@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from functools import partial
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
@@ -183,7 +184,9 @@ class _Handler:
             messages = [m.as_template_dict() for m in body.messages]
             try:
                 size = sum(len(m["content"]) for m in messages)
-                ids = await self._off_loop(size, engine.tokenizer.encode_chat, messages, body.add_generation_prompt)
+                ids = await self._off_loop(size, partial(engine.tokenizer.encode_chat, messages,
+                                                         body.add_generation_prompt, body.continue_final_message,
+                                                         body.chat_template_kwargs))
             except TemplateError as exc:
                 raise InvalidParameter("messages", str(exc))
             prompt = ids

@@ -169,6 +169,8 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the model continues the final (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
 
     def sampling_params(self, defaults: Mapping[str, Any] = {}) -> SamplingParams:  # noqa: B006 - read only
         if self.top_logprobs is not None and not self.logprobs:
