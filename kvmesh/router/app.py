@@ -175,7 +175,7 @@ class Router:
         if kind != "http":
             return
         path, method = scope["path"], scope["method"]
-        if method == "POST" and path.startswith("/v1/"):
+        if method == "POST" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
             return await self.handle(scope, receive, send)
         if path == "/health":
             return await _json(send, 200, {"status": "ok"})

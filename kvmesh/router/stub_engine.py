@@ -158,6 +158,12 @@ class StubEngine:
             return await _json(send, 200, {"ok": True})
         if path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
             return await self.generate(path, scope, body, receive, send)
+        if path == "/tokenize" and method == "POST":
+            req = json.loads(body or b"{}")
+            tokens = (self.encoder.encode_chat(req["messages"]) if "messages" in req
+                      else self.encoder.encode(req.get("prompt") or ""))
+            return await _json(send, 200, {"count": len(tokens), "max_model_len": 8192, "tokens": tokens,
+                                           "token_strs": None})
         return await _json(send, 404, {"error": {"message": f"no route {path}", "type": "not_found", "code": 404}})
 
     async def generate(self, path, scope, body, receive, send):

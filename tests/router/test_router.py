@@ -219,6 +219,10 @@ def test_streaming_passthrough_and_request_id(mesh, router_factory, redis_server
     resp = complete(router.url, "hello", headers={"X-Request-Id": "bad id\twith spaces"})
     assert len(resp.headers["x-request-id"]) == 32
     assert resp.headers["x-request-id"] in stubs[0].stats()["request_ids"]
+    # vLLM's /tokenize goes through to an engine like the /v1 routes
+    tok = httpx.post(router.url + "/tokenize", json={"prompt": "hello world"}, timeout=20)
+    assert tok.status_code == 200 and tok.headers["x-kvmesh-pod"] == "pod-0"
+    assert tok.json()["tokens"] == router.router.encoder.encode("hello world")
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -415,3 +415,23 @@ def test_hundreds_of_concurrent_streams_and_responsive_http(server):
     finishes, worst_health = asyncio.run(main())
     assert finishes == ["length"] * 200
     assert worst_health < 2.0  # the HTTP side answers while the engine steps
+
+
+def test_tokenize_and_detokenize(http, server):
+    tok = server.state.engine.tokenizer
+    r = http.post("/tokenize", json={"prompt": "Hello there, world", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("Hello there, world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == server.state.engine.max_model_len and len(r["token_strs"]) == r["count"]
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = http.post("/tokenize", json={"messages": msgs}).json()
+    assert chat["tokens"] == tok.encode_chat(msgs) and chat["token_strs"] is None
+    # what /tokenize says is what a completion counts
+    done = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == chat["count"]
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == tok.decode(
+        r["tokens"], skip_special_tokens=False)
+    _err(http.post("/tokenize", json={}), 400, "prompt")
+    _err(http.post("/tokenize", json={"prompt": "x", "messages": msgs}), 400, "prompt")
+    _err(http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+    _err(http.post("/tokenize", json={"prompt": "x", "model": "other"}), 404, "model")
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401

@@ -25,7 +25,8 @@ from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvmesh.engine.server.errors import APIError, bad_request, error_body
 from kvmesh.engine.server.metrics import ServerMetrics
-from kvmesh.engine.server.protocol import ChatCompletionRequest, CompletionRequest, first_error_param
+from kvmesh.engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                          TokenizeRequest, first_error_param)
 
 log = logging.getLogger("kvmesh.server")
 
@@ -577,6 +578,42 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         check_auth(state, request)
         return await _Handler(state, request, "chat").handle(ChatCompletionRequest)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: the token ids the engine would see for a prompt or chat messages."""
+        check_auth(state, request)
+        check_ready(state)
+        handler = _Handler(state, request, "tokenize")
+        body = await handler.parse(TokenizeRequest)
+        handler.check_model(body.model)
+        tok = state.engine.tokenizer
+        try:
+            body.check()
+            if body.messages is not None:
+                ids = tok.encode_chat([m.as_template_dict() for m in body.messages], body.add_generation_prompt,
+                                      body.continue_final_message, body.chat_template_kwargs)
+            else:
+                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except InvalidParameter as exc:
+            raise bad_request(str(exc), param=exc.param)
+        except TemplateError as exc:
+            raise bad_request(str(exc), param="messages")
+        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids,
+                "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        check_auth(state, request)
+        check_ready(state)
+        handler = _Handler(state, request, "detokenize")
+        body = await handler.parse(DetokenizeRequest)
+        handler.check_model(body.model)
+        vocab = state.engine.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": state.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -190,3 +190,27 @@ def first_error_param(exc: ValidationError) -> tuple[str, str]:
     loc = [x for x in loc if x not in ("str", "int", "list[int]", "list[str]", "list[list[int]]")]
     param = ".".join(loc) or None
     return param or "body", f"{param or 'body'}: {err.get('msg', 'invalid value')}"
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidParameter("prompt", "send exactly one of prompt and messages")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
