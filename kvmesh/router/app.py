@@ -255,8 +255,12 @@ class Router:
             return await _error(send, 429, f"rate limit exceeded ({which} per minute)", "rate_limit_error",
                                 extra + [(b"retry-after", str(retry_after).encode())])
 
+        # A request scoring its prompt (prompt logprobs, or echo with logprobs) computes every
+        # position and reads nothing from the cache: no prefix to match, it goes by load.
+        scores_prompt = req.get("prompt_logprobs") is not None or (bool(req.get("echo"))
+                                                                    and req.get("logprobs") is not None)
         keys = block_keys(tokens, self.cfg.model, self.cfg.block_size, cache_salt=req.get("cache_salt")) \
-            if tokens else []
+            if tokens and not scores_prompt else []
         pods = self.discovery.routable()
         now = time.monotonic()
         usable = [p for p in pods if not self.breaker.ejected(p.name, now)] or pods
@@ -264,6 +268,8 @@ class Router:
             m.requests.labels(path, "503").inc()
             return await _error(send, 503, "no ready engine for this model", "service_unavailable", extra)
         ordered, reason = await self.decide(usable, keys, headers, body)
+        if scores_prompt and reason == "short_prompt":
+            reason = "scores_prompt"
         m.decisions.labels(self.cfg.policy, reason).inc()
         predicted = ordered[0].matched_blocks * self.cfg.block_size
 

@@ -75,6 +75,11 @@ def test_routing_follows_the_longest_prefix(mesh, router_factory, redis_server, 
     assert metric(router.url, "kvmesh_router_predicted_cached_tokens_total") == cached
     assert metric(router.url, "kvmesh_router_engine_cached_tokens_total") == cached
     assert metric(router.url, "kvmesh_router_decisions_total", policy="prefix", reason="prefix_match") == 1
+    # A request scoring its prompt reads nothing from the cache: no prefix is matched, none predicted.
+    scored = complete(router.url, prompt, prompt_logprobs=1)
+    assert scored.status_code == 200
+    assert metric(router.url, "kvmesh_router_predicted_cached_tokens_total") == cached
+    assert metric(router.url, "kvmesh_router_decisions_total", policy="prefix", reason="scores_prompt") == 1
     # A new prompt lands somewhere; its continuation follows it there.
     other = text(2, 200)
     first = complete(router.url, other).headers["x-kvmesh-pod"]
