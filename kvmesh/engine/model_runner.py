@@ -13,7 +13,7 @@ from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvmesh.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from kvmesh.engine.request import Request
-from kvmesh.engine.sampler import Sampler, TokenLogprobs
+from kvmesh.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from kvmesh.engine.scheduler import SchedulerOutput
 from kvmesh.engine.weights import load_weights
 
@@ -178,24 +178,12 @@ class ModelRunner:
         return sampled, lps, prompt_lps
 
 
-def prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Request, int]], chunk: int = 256
+def prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Request, int]]
                     ) -> dict[str, list[tuple[int, TokenLogprobs]]]:
-    """Logprob, rank and top-N of prompt token p + 1 under row p's logits (the raw distribution),
-    a slice of rows at a time so the [rows, vocab] log-softmax stays small."""
+    """Per request, (position, logprob) of prompt token p + 1 under row p's logits."""
+    found = token_logprobs(logits, [req.all_token_ids[p + 1] for req, p in rows],
+                           [req.sampling_params.prompt_logprobs for req, _ in rows])
     result: dict[str, list[tuple[int, TokenLogprobs]]] = {}
-    k = max(req.sampling_params.prompt_logprobs for req, _ in rows)
-    for s in range(0, len(rows), chunk):
-        part = rows[s:s + chunk]
-        lp = torch.log_softmax(logits[s:s + chunk].float(), dim=-1)
-        target = torch.tensor([req.all_token_ids[p + 1] for req, p in part], device=lp.device)
-        chosen = lp.gather(1, target[:, None])[:, 0]
-        ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
-        top_v, top_i = lp.topk(max(k, 1), dim=-1)
-        chosen_l, ranks_l, target_l = chosen.tolist(), ranks.tolist(), target.tolist()
-        top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
-        for j, (req, p) in enumerate(part):
-            n = req.sampling_params.prompt_logprobs
-            top = list(zip(top_i_l[j][:n], top_v_l[j][:n]))
-            result.setdefault(req.request_id, []).append(
-                (p + 1, TokenLogprobs(target_l[j], chosen_l[j], ranks_l[j], top)))
+    for (req, p), lp in zip(rows, found):
+        result.setdefault(req.request_id, []).append((p + 1, lp))
     return result

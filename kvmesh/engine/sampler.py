@@ -24,6 +24,24 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int], chunk: int = 256
+                   ) -> list[TokenLogprobs]:
+    """Logprob, rank and top-N (``num_top[i]``) of ``token_ids[i]`` under row i's logits, from the
+    raw distribution; a slice of rows at a time, so the [rows, vocab] log-softmax stays small."""
+    out: list[TokenLogprobs] = []
+    k = max(1, max(num_top))
+    for s in range(0, len(token_ids), chunk):
+        lp = torch.log_softmax(logits[s:s + chunk].float(), dim=-1)
+        target = torch.tensor(token_ids[s:s + chunk], device=lp.device)
+        chosen = lp.gather(1, target[:, None])[:, 0]
+        ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
+        top_v, top_i = lp.topk(k, dim=-1)
+        for tid, n, value, rank, tv, ti in zip(token_ids[s:s + chunk], num_top[s:s + chunk], chosen.tolist(),
+                                              ranks.tolist(), top_v.tolist(), top_i.tolist()):
+            out.append(TokenLogprobs(tid, value, rank, list(zip(ti[:n], tv[:n]))))
+    return out
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.generator = torch.Generator(device=device)
@@ -67,16 +85,10 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if wanted:
-            lp = torch.log_softmax(raw[wanted], dim=-1)
-            k = max(requests[i].sampling_params.logprobs or 0 for i in wanted)
-            top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
-            for row, i in enumerate(wanted):
-                tok = token_list[i]
-                value = lp[row, tok]
-                rank = int((lp[row] > value).sum()) + 1
-                n = requests[i].sampling_params.logprobs or 0
-                top = list(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist()))
-                logprobs[i] = TokenLogprobs(tok, float(value), rank, top)
+            found = token_logprobs(raw[wanted], [token_list[i] for i in wanted],
+                                   [requests[i].sampling_params.logprobs for i in wanted])
+            for i, lp in zip(wanted, found):
+                logprobs[i] = lp
         return token_list, logprobs
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor) -> torch.Tensor:
