@@ -121,18 +121,18 @@ class EngineCore:
             raise PromptTooLong(
                 f"prompt has {n} tokens, but the model's maximum context length is {self.max_model_len} "
                 f"tokens and at least one must be left for the output")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not (0 <= t < vocab)]
-        if bad:
-            raise InvalidParameter("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self.check_token_ids("prompt", prompt_token_ids)
 
     def validate_params(self, params: SamplingParams) -> None:
         """Checks of sampling params that need the vocabulary."""
+        self.check_token_ids("stop_token_ids", params.stop_token_ids)
+        self.check_token_ids("logit_bias", params.logit_bias or ())
+
+    def check_token_ids(self, param: str, token_ids) -> None:
         vocab = self.model_config.vocab_size
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise InvalidParameter(name, f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameter(param, f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> Request:

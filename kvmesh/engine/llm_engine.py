@@ -81,7 +81,6 @@ class LLMEngine:
         if params.n != 1:
             raise InvalidParameter("n", "an engine request samples one sequence; LLM.generate and the server "
                                         "fan n > 1 out into n requests")
-        self.core.validate_params(params)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                        params.include_stop_str_in_output, params.skip_special_tokens)
         self.states[request_id] = _RequestState(

@@ -609,10 +609,10 @@ def build_app(state: ServerState) -> FastAPI:
         handler = _Handler(state, request, "detokenize")
         body = await handler.parse(DetokenizeRequest)
         handler.check_model(body.model)
-        vocab = state.engine.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        try:
+            state.engine.engine.core.check_token_ids("tokens", body.tokens)
+        except InvalidParameter as exc:
+            raise bad_request(str(exc), param=exc.param)
         return {"prompt": state.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/v1/models")
