@@ -579,14 +579,19 @@ def build_app(state: ServerState) -> FastAPI:
         check_auth(state, request)
         return await _Handler(state, request, "chat").handle(ChatCompletionRequest)
 
+    async def tokenizer_request(request: Request, model_cls):
+        """Auth, readiness, the body and its model: what /tokenize and /detokenize check first."""
+        check_auth(state, request)
+        check_ready(state)
+        handler = _Handler(state, request, model_cls.__name__)
+        body = await handler.parse(model_cls)
+        handler.check_model(body.model)
+        return body
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """vLLM's /tokenize: the token ids the engine would see for a prompt or chat messages."""
-        check_auth(state, request)
-        check_ready(state)
-        handler = _Handler(state, request, "tokenize")
-        body = await handler.parse(TokenizeRequest)
-        handler.check_model(body.model)
+        body = await tokenizer_request(request, TokenizeRequest)
         tok = state.engine.tokenizer
         try:
             body.check()
@@ -604,11 +609,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        check_auth(state, request)
-        check_ready(state)
-        handler = _Handler(state, request, "detokenize")
-        body = await handler.parse(DetokenizeRequest)
-        handler.check_model(body.model)
+        body = await tokenizer_request(request, DetokenizeRequest)
         try:
             state.engine.engine.core.check_token_ids("tokens", body.tokens)
         except InvalidParameter as exc:
