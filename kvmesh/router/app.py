@@ -23,6 +23,7 @@ import aiohttp
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import block_keys, key_hex
+from kvmesh.common.prompts import prompt_batch
 from kvmesh.router.auth import ApiKeys, KeyInfo, RateLimiter
 from kvmesh.router.discovery import Discovery, EndpointSlices, Pod
 from kvmesh.router.metrics import RouterMetrics
@@ -324,9 +325,7 @@ class Router:
                                                 continue_final_message=bool(req.get("continue_final_message")),
                                                 template_kwargs=req.get("chat_template_kwargs"))
             if path == "/v1/completions":
-                prompt = req.get("prompt")
-                if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-                    prompt = prompt[0]  # a batch (of texts or of token-id lists): route on its first prompt
+                prompt = prompt_batch(req.get("prompt"))[0]  # a batch routes on its first prompt
                 if isinstance(prompt, str):
                     return self.encoder.encode(prompt)
                 if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -492,8 +491,7 @@ def estimate_tokens(req: dict[str, Any], prompt_tokens: int) -> int:
         max_tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or 0)
     except (TypeError, ValueError):
         n, max_tokens = 1, 0  # malformed: the engine refuses it
-    prompt = req.get("prompt")
-    prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+    prompts = len(prompt_batch(req.get("prompt")))
     return prompts * (prompt_tokens + n * max_tokens)
 
 

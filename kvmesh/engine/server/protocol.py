@@ -10,6 +10,7 @@ from typing import Any, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvmesh.common.prompts import prompt_batch
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 
 
@@ -115,8 +116,7 @@ class CompletionRequest(_Common):
 
     def prompt_inputs(self) -> list[str | list[int]]:
         """The prompts: one text or token-id list, or a batch of them (OpenAI's prompt array)."""
-        p = self.prompt
-        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        batch = prompt_batch(self.prompt)
         if len(batch) > MAX_PROMPTS:
             raise InvalidParameter("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}")
         for one in batch:
