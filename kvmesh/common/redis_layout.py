@@ -6,6 +6,9 @@ Everything lives under a versioned prefix, namespaced by the served model name:
 - ``kvmesh:v1:{model}:pod:{pod}``          heartbeat hash, TTL ``HEARTBEAT_TTL_S``, refreshed
                                            every <= 1 s by the pod's sidecar; fields below
 - ``kvmesh:v1:{model}:blocks:{pod}``       set of the block keys (``key_hex``) the pod holds
+- ``kvmesh:v1:{model}:demand``             unix time of the newest request a router holds
+                                           because no replica is ready (scale from zero);
+                                           TTL ``DEMAND_TTL_S``; the autoscalers read it
 
 A pod whose heartbeat hash is gone is dead: it is never routed to, and its block set
 is deleted (by its sidecar on shutdown or engine restart, or by any router that finds
@@ -51,6 +54,15 @@ def heartbeat_key(model: str, pod: str) -> str:
 
 def blocks_key(model: str, pod: str) -> str:
     return f"{PREFIX}{model}:blocks:{pod}"
+
+
+DEMAND_TTL_S = 60
+
+
+def demand_key(model: str) -> str:
+    """A router holding requests with no ready replica sets this key to the current
+    unix time (TTL ``DEMAND_TTL_S``): the signal to scale a model up from zero."""
+    return f"{PREFIX}{model}:demand"
 
 
 @dataclass

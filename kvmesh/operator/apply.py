@@ -23,6 +23,9 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Service": ("/api/v1", "services"),
     "Secret": ("/api/v1", "secrets"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
+    "Job": ("/apis/batch/v1", "jobs"),
     crd.KIND: (f"/apis/{crd.GROUP}/{crd.VERSION}", crd.PLURAL),
 }
 

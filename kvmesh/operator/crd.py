@@ -33,6 +33,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_DRAIN_TIMEOUT = 30
 DEFAULT_GRACE_PERIOD = 60
+DEFAULT_PRESTOP_SLEEP = 5       # let heartbeats/endpoints drop the pod before SIGTERM
 ENGINE_PORT = 8000
 ROUTER_PORT = 8000
 REDIS_PORT = 6379
@@ -66,28 +67,63 @@ def _secret_ref(desc: str, default_key: str) -> dict[str, Any]:
 
 
 _QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+_INT_OR_PERCENT = {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]+%$"}],
+                   "x-kubernetes-int-or-string": True}
+# Kubernetes core types passed through to the pod template as the user wrote them
+# (the API server validates them when the operator applies the Deployment).
+_K8S_LIST = {"type": "array", "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
+_K8S_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+def _k8s_list(desc: str) -> dict[str, Any]:
+    return {**copy.deepcopy(_K8S_LIST), "description": desc}
+
+
+def _k8s_object(desc: str) -> dict[str, Any]:
+    return {**copy.deepcopy(_K8S_OBJECT), "description": desc}
+
+
+def _probe(desc: str, period: int, failures: int, timeout: int = 1) -> dict[str, Any]:
+    return _obj(desc, {
+        "periodSeconds": _int("How often to probe.", default=period, minimum=1),
+        "failureThreshold": _int("Failures in a row before the probe fails.", default=failures, minimum=1),
+        "timeoutSeconds": _int("Probe timeout.", default=timeout, minimum=1),
+        "initialDelaySeconds": _int("Delay before the first probe.", default=0, minimum=0),
+    }, default={})
+
+
+_TOLERATION = _obj("A toleration (core/v1 Toleration).", {
+    "key": _str("Taint key; empty with operator Exists matches every taint."),
+    "operator": _str("Exists or Equal.", enum=["Exists", "Equal"]),
+    "value": _str("Taint value (operator Equal)."),
+    "effect": _str("Taint effect; empty matches all.", enum=["", "NoSchedule", "PreferNoSchedule", "NoExecute"]),
+    "tolerationSeconds": _int("How long a NoExecute taint is tolerated."),
+})
 
 # (CEL rule, message) pairs. Each rule is mirrored in spec.py's Python checks and
 # evaluated by the tests with a CEL interpreter against the same examples.
-SPEC_RULES: list[dict[str, str]] = [
-    {"rule": "!(has(self.replicas) && has(self.autoscaling))",
-     "message": "set either spec.replicas or spec.autoscaling, not both"},
-]
+# Every rule reads optional keys only behind has(): the API server validates the schema's
+# own defaults (e.g. `engine: {}` before its nested defaults apply) against these rules.
+SPEC_RULES: list[dict[str, str]] = []
 MODEL_RULES = [
     {"rule": "(has(self.builtin) ? 1 : 0) + (has(self.huggingFace) ? 1 : 0) + (has(self.pvc) ? 1 : 0) == 1",
      "message": "set exactly one model source: builtin, huggingFace or pvc"},
 ]
 ENGINE_RULES = [
-    {"rule": "self.drainTimeoutSeconds < self.terminationGracePeriodSeconds",
-     "message": "drainTimeoutSeconds must be less than terminationGracePeriodSeconds"},
+    {"rule": f"!has(self.drainTimeoutSeconds) || !has(self.terminationGracePeriodSeconds) || "
+             f"self.drainTimeoutSeconds + (has(self.preStopSleepSeconds) ? self.preStopSleepSeconds : "
+             f"{DEFAULT_PRESTOP_SLEEP}) < self.terminationGracePeriodSeconds",
+     "message": "drainTimeoutSeconds + preStopSleepSeconds must be less than terminationGracePeriodSeconds"},
 ]
 AUTOSCALING_RULES = [
-    {"rule": "self.minReplicas <= self.maxReplicas",
+    {"rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
      "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas"},
 ]
 REDIS_RULES = [
-    {"rule": "self.mode != 'external' || has(self.url) || has(self.secretRef)",
+    {"rule": "!has(self.mode) || self.mode != 'external' || has(self.url) || has(self.secretRef)",
      "message": "external Redis needs a url or a secretRef"},
+    {"rule": "!has(self.url) || !self.url.matches('^rediss?://[^/]*@')",
+     "message": "redis.url must not carry credentials: put the URL in a Secret and use redis.secretRef"},
 ]
 
 SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
@@ -100,7 +136,17 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
             "repoId": _str("Repository id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct.", minLength=1),
             "revision": _str("Branch, tag or commit.", default="main"),
             "tokenSecretRef": _secret_ref("Secret holding a Hugging Face token (gated models).", "HF_TOKEN"),
-            "cacheSize": _str("Size limit of the download volume.", default="50Gi"),
+            "cacheSize": _str("Size of the download volume (emptyDir limit, or the shared cache's claim).",
+                              default="50Gi"),
+            "sharedCache": _obj("Download the model once into an operator-managed PersistentVolumeClaim "
+                                "(filled by a Job, mounted read-only by every engine), so scale-up does "
+                                "not download it again.", {
+                "enabled": _bool("Use the shared cache.", default=False),
+                "storageClassName": _str("StorageClass of the claim; empty means the cluster default."),
+                "accessMode": _str("Access mode of the claim: ReadWriteMany lets engines on any node mount it.",
+                                   enum=["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"],
+                                   default="ReadWriteMany"),
+            }, default={}),
         }, required=["repoId"]),
         "pvc": _obj("A Hugging Face directory on an existing PersistentVolumeClaim (mounted read-only).", {
             "claimName": _str("PersistentVolumeClaim name.", minLength=1),
@@ -127,24 +173,64 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
         "kvCacheMemory": _str("KV cache size in bytes, e.g. 2GiB (--kv-cache-memory)."),
         "drainTimeoutSeconds": _int("On shutdown, how long in-flight requests may finish (--drain-timeout).",
                                     default=DEFAULT_DRAIN_TIMEOUT, minimum=0),
-        "terminationGracePeriodSeconds": _int("Pod grace period; must exceed the drain timeout.",
+        "preStopSleepSeconds": _int("preStop sleep before SIGTERM, so routers and endpoints drop the pod first.",
+                                    default=DEFAULT_PRESTOP_SLEEP, minimum=0),
+        "terminationGracePeriodSeconds": _int("Pod grace period; must exceed drain timeout + preStop sleep.",
                                               default=DEFAULT_GRACE_PERIOD, minimum=1),
+        "rollout": _obj("How a change of model, image or arguments replaces the engines.", {
+            "strategy": _str("RollingUpdate surges new pods before old ones go (the router serves from the "
+                             "old ones until the new are ready); Recreate stops all first (GPU-full clusters).",
+                             enum=["RollingUpdate", "Recreate"], default="RollingUpdate"),
+            "maxSurge": {**_INT_OR_PERCENT, "description": "RollingUpdate: extra pods during a rollout.",
+                         "default": 1},
+            "maxUnavailable": {**_INT_OR_PERCENT, "description": "RollingUpdate: pods that may be unavailable.",
+                               "default": 0},
+        }, default={}),
+        "podDisruptionBudget": _obj("PodDisruptionBudget of the engines (voluntary evictions, node drains).", {
+            "enabled": _bool("Render the budget.", default=True),
+            "maxUnavailable": {**_INT_OR_PERCENT, "description": "Engines a drain may evict at once.",
+                               "default": 1},
+        }, default={}),
+        "probes": _obj("Probe timing; the startup probe covers model loading.", {
+            "startup": _probe("Startup probe on /health (period x failures = time allowed to load).", 5, 120),
+            "readiness": _probe("Readiness probe on /ready.", 2, 2),
+            "liveness": _probe("Liveness probe on /health.", 10, 3),
+        }, default={}),
+        "env": _k8s_list("Extra environment variables of the engine container (core/v1 EnvVar)."),
+        "envFrom": _k8s_list("Extra env sources of the engine container (core/v1 EnvFromSource)."),
+        "volumes": _k8s_list("Extra pod volumes (core/v1 Volume)."),
+        "volumeMounts": _k8s_list("Extra engine container volume mounts (core/v1 VolumeMount)."),
+        "imagePullSecrets": {"type": "array", "description": "Pull secrets of every pod the operator runs.",
+                             "items": _obj("A Secret reference.", {"name": _str("Secret name.", minLength=1)},
+                                           required=["name"])},
+        "affinity": _k8s_object("Engine pod affinity (core/v1 Affinity)."),
+        "topologySpreadConstraints": _k8s_list("Engine pod topology spread (core/v1 TopologySpreadConstraint)."),
+        "priorityClassName": _str("Engine pod priority class."),
+        "runtimeClassName": _str("Engine pod runtime class (e.g. nvidia)."),
         "resources": _obj("Container resources, e.g. limits: {nvidia.com/gpu: 1}.", {
             "requests": {"type": "object", "additionalProperties": _QUANTITY},
             "limits": {"type": "object", "additionalProperties": _QUANTITY},
         }),
         "shmSize": _str("Size of the in-memory /dev/shm.", default="1Gi"),
         "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
-        "tolerations": {"type": "array", "items": {"type": "object",
-                                                   "x-kubernetes-preserve-unknown-fields": True}},
+        "tolerations": {"type": "array", "items": _TOLERATION, "description": "Engine pod tolerations."},
         "heartbeatIntervalSeconds": _num("Sidecar heartbeat interval.", default=1, minimum=0.1),
     }, default={}, **{"x-kubernetes-validations": ENGINE_RULES}),
-    "replicas": _int("Fixed number of engine replicas (mutually exclusive with autoscaling).", minimum=0),
-    "autoscaling": _obj("Scale engine replicas on KV-cache utilisation.", {
-        "minReplicas": _int("Lower bound.", default=1, minimum=1),
+    "replicas": _int("Engine replicas: the scale subresource's target. Without autoscaling the user sets it; "
+                     "with autoscaling.mode builtin the operator's autoscaler writes it; with external an "
+                     "HPA or KEDA does. Kept within [minReplicas, maxReplicas] when autoscaling.",
+                     default=1, minimum=0),
+    "autoscaling": _obj("Scale engine replicas on KV-cache utilisation and queue depth.", {
+        "mode": _str("builtin: the operator's autoscaler sets spec.replicas; external: an HPA or KEDA "
+                     "ScaledObject pointed at this ModelDeployment's scale subresource does.",
+                     enum=["builtin", "external"], default="builtin"),
+        "minReplicas": _int("Lower bound; 0 allows scale to zero (the router holds requests and asks "
+                            "for a replica).", default=1, minimum=0),
         "maxReplicas": _int("Upper bound.", minimum=1),
         "targetKVUtilization": _num("Target mean KV utilisation of ready replicas (0..1].",
                                     default=0.7, exclusiveMinimum=True, minimum=0, maximum=1),
+        "targetQueuePerReplica": _num("Target waiting requests per replica (0 disables the queue signal).",
+                                      default=4, minimum=0),
         "tolerance": _num("No change while |utilisation/target - 1| <= tolerance.",
                           default=0.1, minimum=0, maximum=1),
         "scaleUpStabilizationSeconds": _int("Scale up to the lowest recommendation of this window.",
@@ -152,6 +238,15 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
         "scaleDownStabilizationSeconds": _int("Scale down to the highest recommendation of this window.",
                                               default=300, minimum=0),
         "maxScaleDownStep": _int("Most replicas removed in one decision.", default=1, minimum=1),
+        "scaleUpPercent": _int("Scale-up cap per period, in percent of the current replicas "
+                               "(HPA's default policy: 100).", default=100, minimum=1),
+        "scaleUpPods": _int("Scale-up cap per period, in pods; the larger of the two caps applies "
+                            "(HPA's default policy: 4).", default=4, minimum=1),
+        "scaleUpPeriodSeconds": _int("Period of the scale-up caps.", default=15, minimum=1),
+        "startupTimeoutSeconds": _int("A replica not ready this long after its pod was created stops counting "
+                                      "as coming capacity (and is reported).", default=600, minimum=1),
+        "scaleToZeroIdleSeconds": _int("With minReplicas 0: scale to zero after this long with no request "
+                                       "running, waiting or held by a router.", default=300, minimum=0),
         "intervalSeconds": _num("How often the autoscaler decides.", default=15, minimum=0.1),
     }, required=["maxReplicas"], **{"x-kubernetes-validations": AUTOSCALING_RULES}),
     "router": _obj("The prefix-aware router in front of the engines.", {
@@ -171,11 +266,17 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
             "requests": {"type": "object", "additionalProperties": _QUANTITY},
             "limits": {"type": "object", "additionalProperties": _QUANTITY},
         }),
+        "podDisruptionBudget": _obj("PodDisruptionBudget of the routers (rendered with 2 or more replicas).", {
+            "enabled": _bool("Render the budget.", default=True),
+            "maxUnavailable": {**_INT_OR_PERCENT, "description": "Routers a drain may evict at once.",
+                               "default": 1},
+        }, default={}),
     }, default={}),
     "redis": _obj("The Redis the sidecars write and the router reads.", {
         "mode": _str("managed: the operator runs one; external: use url or secretRef.",
                      enum=["managed", "external"], default="managed"),
-        "url": _str("redis:// URL of an external Redis.", pattern=r"^rediss?://"),
+        "url": _str("redis:// URL of an external Redis without credentials (use secretRef for a URL "
+                    "with a password).", pattern=r"^rediss?://", maxLength=2048),
         "secretRef": _secret_ref("Secret holding the external Redis URL.", "url"),
         "image": _str("Managed Redis image; empty means the operator's default."),
     }, default={}, **{"x-kubernetes-validations": REDIS_RULES}),
@@ -259,7 +360,7 @@ def crd_manifest() -> dict[str, Any]:
                 "subresources": {
                     "status": {},
                     "scale": {"specReplicasPath": ".spec.replicas",
-                              "statusReplicasPath": ".status.replicas",
+                              "statusReplicasPath": ".status.readyReplicas",
                               "labelSelectorPath": ".status.selector"},
                 },
                 "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS),

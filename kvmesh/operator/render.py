@@ -7,6 +7,9 @@ deletes everything). The pods call exactly the flags of docs/cli.md.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import posixpath
 import shlex
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_SCRAPER = "kvmesh.io/metrics-scraper"
 ENGINE, ROUTER, REDIS = "engine", "router", "redis"
 MODELS_DIR = "/models"
-PRESTOP_SLEEP_SECONDS = 5   # let heartbeats/endpoints drop the pod before SIGTERM
+ROUTER_PRESTOP_SLEEP_SECONDS = 5   # let the Service endpoints drop a router before it stops
 KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5558
 RUN_AS_USER = 10001
 
@@ -35,10 +38,15 @@ class Images:
     redis: str = "redis:7.4-alpine"
 
 
+MODEL_CACHE = "model-cache"
+MODEL_READY_MARKER = ".kvmesh-model-ready"   # written by the fetch Job when the download is complete
+
+
 def names(md_name: str) -> dict[str, str]:
     """Child object names."""
     return {ENGINE: f"{md_name}-engine", ROUTER: f"{md_name}-router", REDIS: f"{md_name}-redis",
-            "redis-secret": f"{md_name}-redis-url", "netpol": f"{md_name}-engine"}
+            "redis-secret": f"{md_name}-redis-url", "netpol": f"{md_name}-engine",
+            MODEL_CACHE: f"{md_name}-model-cache"}
 
 
 def labels(md_name: str, component: str) -> dict[str, str]:
@@ -71,15 +79,15 @@ def redis_secret_ref(md_name: str, spec: dict[str, Any]) -> tuple[str, str]:
     return names(md_name)["redis-secret"], "url"
 
 
-def engine_replicas(spec: dict[str, Any], status: dict[str, Any] | None) -> int:
-    """Replicas of the engine Deployment: spec.replicas, or the autoscaler's last
-    decision (status.desiredReplicas) kept within [min, max]."""
+def engine_replicas(spec: dict[str, Any], status: dict[str, Any] | None = None) -> int:
+    """Replicas of the engine Deployment: spec.replicas (written by the user, the builtin
+    autoscaler or an HPA through /scale), kept within [min, max] when autoscaling."""
+    replicas = int(spec.get("replicas", 1))
     if "autoscaling" not in spec:
-        return int(spec.get("replicas", 1))
+        return replicas
     auto = spec["autoscaling"]
     lo, hi = int(auto.get("minReplicas", 1)), int(auto["maxReplicas"])
-    desired = (status or {}).get("desiredReplicas")
-    return max(lo, min(hi, int(desired))) if desired is not None else lo
+    return max(lo, min(hi, replicas))
 
 
 def _meta(md: dict[str, Any], name: str, component: str) -> dict[str, Any]:
@@ -89,6 +97,16 @@ def _meta(md: dict[str, Any], name: str, component: str) -> dict[str, Any]:
         "ownerReferences": [{"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": m["name"],
                              "uid": m["uid"], "controller": True, "blockOwnerDeletion": True}],
     }
+
+
+def _image_pull_secrets(spec: dict[str, Any]) -> dict[str, Any]:
+    secrets = (spec.get("engine") or {}).get("imagePullSecrets") or []
+    return {"imagePullSecrets": [{"name": s["name"]} for s in secrets]} if secrets else {}
+
+
+def _probe(kind: str, path: str, timing: dict[str, Any]) -> dict[str, Any]:
+    del kind
+    return {"httpGet": {"path": path, "port": "http"}, **{k: int(v) for k, v in sorted(timing.items())}}
 
 
 def _container_security() -> dict[str, Any]:
@@ -117,7 +135,7 @@ def _model_arg(spec: dict[str, Any]) -> str:
     if "builtin" in model:
         return model["builtin"]
     if "huggingFace" in model:
-        return f"{MODELS_DIR}/model"
+        return model_dir(spec)
     path = (model["pvc"].get("path") or "").strip("/")
     return posixpath.join(MODELS_DIR, path) if path else MODELS_DIR
 
@@ -182,6 +200,10 @@ def _redis_env(md_name: str, spec: dict[str, Any]) -> dict[str, Any]:
 def _model_volumes(spec: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     """(volumes, engine volumeMounts) for the model source."""
     model = spec["model"]
+    if uses_shared_cache(spec):
+        return ([{"name": "models", "persistentVolumeClaim": {"claimName": model_cache_claim(spec, "?"),
+                                                              "readOnly": True}}],
+                [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}])
     if "huggingFace" in model:
         return ([{"name": "models", "emptyDir": {"sizeLimit": model["huggingFace"]["cacheSize"]}}],
                 [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}])
@@ -192,11 +214,44 @@ def _model_volumes(spec: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     return [], []
 
 
-def _download_init_container(spec: dict[str, Any], image: str, pull: str) -> dict[str, Any]:
+def uses_shared_cache(spec: dict[str, Any]) -> bool:
+    hf = (spec.get("model") or {}).get("huggingFace") or {}
+    return bool((hf.get("sharedCache") or {}).get("enabled"))
+
+
+def model_cache_claim(spec: dict[str, Any], md_name: str) -> str:
+    """The shared model cache's claim (one per ModelDeployment)."""
+    del spec
+    return names(md_name)[MODEL_CACHE]
+
+
+def _revision_digest(spec: dict[str, Any]) -> str:
+    hf = spec["model"]["huggingFace"]
+    return hashlib.sha256(f"{hf['repoId']}@{hf['revision']}".encode()).hexdigest()[:10]
+
+
+def model_dir(spec: dict[str, Any]) -> str:
+    """Where the engine finds a Hugging Face model: one directory per (repo, revision) on
+    the shared cache, so a new revision never overwrites the one old pods still read."""
+    if uses_shared_cache(spec):
+        return posixpath.join(MODELS_DIR, _revision_digest(spec))
+    return posixpath.join(MODELS_DIR, "model")
+
+
+def _download_script(spec: dict[str, Any], marker: bool) -> str:
     hf = spec["model"]["huggingFace"]
     script = ("from huggingface_hub import snapshot_download; "
               f"snapshot_download(repo_id={hf['repoId']!r}, revision={hf['revision']!r}, "
-              f"local_dir={MODELS_DIR + '/model'!r})")
+              f"local_dir={model_dir(spec)!r})")
+    if marker:   # written last, so a reader never sees a half-downloaded model as ready
+        stamp = json.dumps(f"{hf['repoId']}@{hf['revision']}")
+        script += f"; open({posixpath.join(model_dir(spec), MODEL_READY_MARKER)!r}, 'w').write({stamp})"
+    return script
+
+
+def _download_init_container(spec: dict[str, Any], image: str, pull: str) -> dict[str, Any]:
+    hf = spec["model"]["huggingFace"]
+    script = _download_script(spec, marker=False)
     env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": "/tmp/hf"}, {"name": "HOME", "value": "/tmp"}]
     if hf.get("tokenSecretRef"):
         ref = hf["tokenSecretRef"]
@@ -215,23 +270,27 @@ def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
     sidecar_image = spec["router"].get("image") or images.router
     pull = eng["imagePullPolicy"]
     model_vols, model_mounts = _model_volumes(spec)
+    if uses_shared_cache(spec):
+        model_vols[0]["persistentVolumeClaim"]["claimName"] = model_cache_claim(spec, name)
     common_mounts = [{"name": "tmp", "mountPath": "/tmp"}]
     grace = int(eng["terminationGracePeriodSeconds"])
+    probes = eng["probes"]
     engine = {
         "name": "engine", "image": image, "imagePullPolicy": pull, "command": engine_args(spec),
         "ports": [{"name": "http", "containerPort": crd.ENGINE_PORT, "protocol": "TCP"}],
-        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}],
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
+               + list(eng.get("env") or []),
         "resources": _resources(eng.get("resources")),
-        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
-                         "failureThreshold": 120},
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2,
-                           "failureThreshold": 2},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
-                          "failureThreshold": 3},
-        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
-        "volumeMounts": common_mounts + [{"name": "dshm", "mountPath": "/dev/shm"}] + model_mounts,
+        "startupProbe": _probe("startup", "/health", probes["startup"]),
+        "readinessProbe": _probe("readiness", "/ready", probes["readiness"]),
+        "livenessProbe": _probe("liveness", "/health", probes["liveness"]),
+        "lifecycle": {"preStop": {"sleep": {"seconds": int(eng["preStopSleepSeconds"])}}},
+        "volumeMounts": common_mounts + [{"name": "dshm", "mountPath": "/dev/shm"}] + model_mounts
+                        + list(eng.get("volumeMounts") or []),
         "securityContext": _container_security(),
     }
+    if eng.get("envFrom"):
+        engine["envFrom"] = list(eng["envFrom"])
     sidecar = {
         "name": "sidecar", "image": sidecar_image, "imagePullPolicy": pull, "command": sidecar_args(spec),
         "env": [
@@ -249,14 +308,24 @@ def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
         "terminationGracePeriodSeconds": grace,
         "securityContext": _pod_security(),
         "automountServiceAccountToken": False,
+        **_image_pull_secrets(spec),
         "containers": [engine, sidecar],
         "volumes": [{"name": "tmp", "emptyDir": {}},
-                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": eng["shmSize"]}}] + model_vols,
+                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": eng["shmSize"]}}] + model_vols
+                   + list(eng.get("volumes") or []),
     }
-    if "huggingFace" in spec["model"]:
+    if uses_shared_cache(spec):
+        pod_spec["initContainers"] = [_wait_for_model_container(spec, image, pull)]
+    elif "huggingFace" in spec["model"]:
         pod_spec["initContainers"] = [_download_init_container(spec, image, pull)]
-    if eng.get("nodeSelector"):
-        pod_spec["nodeSelector"] = dict(eng["nodeSelector"])
+    for key in ("nodeSelector", "affinity"):
+        if eng.get(key):
+            pod_spec[key] = dict(eng[key])
+    for key in ("priorityClassName", "runtimeClassName"):
+        if eng.get(key):
+            pod_spec[key] = eng[key]
+    if eng.get("topologySpreadConstraints"):
+        pod_spec["topologySpreadConstraints"] = list(eng["topologySpreadConstraints"])
     if eng.get("tolerations"):
         pod_spec["tolerations"] = list(eng["tolerations"])
     if GPU in (_resources(eng.get("resources")).get("limits") or {}):
@@ -268,13 +337,81 @@ def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
         "spec": {
             "replicas": engine_replicas(spec, md.get("status")),
             "selector": {"matchLabels": selector(name, ENGINE)},
-            # Surge one pod at a time; never take serving capacity away during a rollout.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": _strategy(eng["rollout"]),
             "template": {"metadata": {"labels": labels(name, ENGINE),
                                       "annotations": {"kvmesh.io/model": served_model_name(spec)}},
                          "spec": pod_spec},
         },
     }
+
+
+def _strategy(rollout: dict[str, Any]) -> dict[str, Any]:
+    """RollingUpdate (default: surge one pod, never take serving capacity away) or Recreate."""
+    if rollout["strategy"] == "Recreate":
+        return {"type": "Recreate"}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": rollout["maxSurge"],
+                                                       "maxUnavailable": rollout["maxUnavailable"]}}
+
+
+def _wait_for_model_container(spec: dict[str, Any], image: str, pull: str) -> dict[str, Any]:
+    """Engines on the shared cache wait until the fetch Job has written its marker."""
+    marker = posixpath.join(model_dir(spec), MODEL_READY_MARKER)
+    script = ("import os, sys, time\n"
+              f"print('waiting for the model-fetch Job to fill the shared cache ({marker})', flush=True)\n"
+              f"while not os.path.exists({marker!r}):\n    time.sleep(2)\n")
+    return {"name": "wait-for-model", "image": image, "imagePullPolicy": pull,
+            "command": ["python", "-c", script],
+            "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}],
+            "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
+            "securityContext": _container_security()}
+
+
+def render_model_cache(md: dict[str, Any], spec: dict[str, Any], images: Images) -> list[dict[str, Any]]:
+    """The shared model cache: a claim, and a Job that downloads the model into it once."""
+    if not uses_shared_cache(spec):
+        return []
+    name = md["metadata"]["name"]
+    hf = spec["model"]["huggingFace"]
+    cache = hf["sharedCache"]
+    image = spec["engine"].get("image") or images.engine
+    pull = spec["engine"]["imagePullPolicy"]
+    claim: dict[str, Any] = {"accessModes": [cache["accessMode"]],
+                             "resources": {"requests": {"storage": hf["cacheSize"]}}}
+    if cache.get("storageClassName"):
+        claim["storageClassName"] = cache["storageClassName"]
+    fetch = _download_init_container(spec, image, pull)
+    fetch["command"] = ["python", "-c", _download_script(spec, marker=True)]
+    fetch["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
+    template = {"metadata": {"labels": labels(name, MODEL_CACHE)}, "spec": {
+        "restartPolicy": "OnFailure", "securityContext": _pod_security(),
+        "automountServiceAccountToken": False, **_image_pull_secrets(spec),
+        "containers": [fetch],
+        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": model_cache_claim(spec, name)}},
+                    {"name": "tmp", "emptyDir": {}}]}}
+    # A Job's template is immutable: a new template (revision, image) is a new Job, and the
+    # old one is pruned. The same template is the same Job, which never runs twice.
+    digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:8]
+    return [
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+         "metadata": _meta(md, model_cache_claim(spec, name), MODEL_CACHE), "spec": claim},
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(md, f"{name}-fetch-{digest}", MODEL_CACHE),
+         "spec": {"backoffLimit": 6, "template": template}},
+    ]
+
+
+def render_pdbs(md: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """PodDisruptionBudgets: node drains evict engines (and routers) a few at a time."""
+    name = md["metadata"]["name"]
+    out = []
+    for component, budget, present in ((ENGINE, spec["engine"]["podDisruptionBudget"], True),
+                                       (ROUTER, spec["router"]["podDisruptionBudget"],
+                                        int(spec["router"]["replicas"]) >= 2)):
+        if budget["enabled"] and present:
+            out.append({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+                        "metadata": _meta(md, names(name)[component], component),
+                        "spec": {"maxUnavailable": budget["maxUnavailable"],
+                                 "selector": {"matchLabels": selector(name, component)}}})
+    return out
 
 
 def render_engine_service(md: dict[str, Any]) -> dict[str, Any]:
@@ -308,6 +445,7 @@ def render_router_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
                                                              "limits": {"memory": "2Gi"}},
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
+        "lifecycle": {"preStop": {"sleep": {"seconds": ROUTER_PRESTOP_SLEEP_SECONDS}}},
         "volumeMounts": mounts, "securityContext": _container_security(),
     }
     return {
@@ -315,6 +453,7 @@ def render_router_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
         "spec": {"replicas": int(router["replicas"]), "selector": {"matchLabels": selector(name, ROUTER)},
                  "template": {"metadata": {"labels": labels(name, ROUTER)},
                               "spec": {"securityContext": _pod_security(), "automountServiceAccountToken": False,
+                                       **_image_pull_secrets(spec),
                                        "containers": [container], "volumes": volumes}}},
     }
 
@@ -362,7 +501,7 @@ def render_redis_secret(md: dict[str, Any], spec: dict[str, Any]) -> dict[str, A
     else:
         return None
     return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(md, names(name)["redis-secret"], "redis"),
-            "type": "Opaque", "stringData": {"url": url}}
+            "type": "Opaque", "data": {"url": base64.b64encode(url.encode()).decode()}}
 
 
 def render_network_policy(md: dict[str, Any]) -> dict[str, Any]:
@@ -398,7 +537,7 @@ def render_children(md: dict[str, Any], spec: dict[str, Any], images: Images = I
         children.append(secret)
     if spec["redis"]["mode"] == "managed":
         children += render_redis(md, spec, images)
-    return children
+    return children + render_pdbs(md, spec) + render_model_cache(md, spec, images)
 
 
 def command_line(args: list[str]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import posixpath
+import re
 from typing import Any
 
 import jsonschema
@@ -54,20 +55,22 @@ def _schema_errors(spec: dict[str, Any]) -> list[str]:
 def _rule_errors(spec: dict[str, Any]) -> list[str]:
     """The CEL rules of crd.py, mirrored in Python (tests check both agree)."""
     errors = []
-    if "replicas" in spec and "autoscaling" in spec:
-        errors.append(crd.SPEC_RULES[0]["message"])
     model = spec.get("model") or {}
     if sum(k in model for k in ("builtin", "huggingFace", "pvc")) != 1:
         errors.append(crd.MODEL_RULES[0]["message"])
     engine = spec.get("engine") or {}
-    if engine.get("drainTimeoutSeconds", 0) >= engine.get("terminationGracePeriodSeconds", 1):
+    if "drainTimeoutSeconds" in engine and "terminationGracePeriodSeconds" in engine and (
+            engine["drainTimeoutSeconds"] + engine.get("preStopSleepSeconds", crd.DEFAULT_PRESTOP_SLEEP)
+            >= engine["terminationGracePeriodSeconds"]):
         errors.append(crd.ENGINE_RULES[0]["message"])
     auto = spec.get("autoscaling")
-    if auto is not None and auto.get("minReplicas", 1) > auto.get("maxReplicas", 1):
+    if auto is not None and "minReplicas" in auto and auto["minReplicas"] > auto.get("maxReplicas", 1):
         errors.append(crd.AUTOSCALING_RULES[0]["message"])
     redis = spec.get("redis") or {}
     if redis.get("mode") == "external" and "url" not in redis and "secretRef" not in redis:
         errors.append(crd.REDIS_RULES[0]["message"])
+    if re.match(r"^rediss?://[^/]*@", str(redis.get("url", ""))):
+        errors.append(crd.REDIS_RULES[1]["message"])
     return errors
 
 

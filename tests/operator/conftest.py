@@ -24,6 +24,9 @@ DEPLOYMENTS = "apps/v1/deployments"
 SERVICES = "v1/services"
 SECRETS = "v1/secrets"
 NETPOLS = "networking.k8s.io/v1/networkpolicies"
+PDBS = "policy/v1/poddisruptionbudgets"
+PVCS = "v1/persistentvolumeclaims"
+JOBS = "batch/v1/jobs"
 EVENTS = "v1/events"
 
 
@@ -56,6 +59,9 @@ async def k8s() -> AsyncIterator[K8sEmulator]:
         emulator.register(SERVICES, "Service", subresources=("status",))
         emulator.register(SECRETS, "Secret")
         emulator.register(NETPOLS, "NetworkPolicy")
+        emulator.register(PDBS, "PodDisruptionBudget", subresources=("status",))
+        emulator.register(PVCS, "PersistentVolumeClaim", subresources=("status",))
+        emulator.register(JOBS, "Job", subresources=("status",))
         yield emulator
 
 

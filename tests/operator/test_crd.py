@@ -57,7 +57,7 @@ def test_crd_shape():
     version = crd.crd_manifest()["spec"]["versions"][0]
     assert crd.crd_manifest()["spec"]["names"]["shortNames"] == ["md"]
     assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
-                                                "statusReplicasPath": ".status.replicas",
+                                                "statusReplicasPath": ".status.readyReplicas",
                                                 "labelSelectorPath": ".status.selector"}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Model", "Ready", "Replicas", "KV%", "Age"]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
@@ -82,7 +82,7 @@ def test_engine_defaults_match_kvmesh_serve():
     assert d["engine"]["enablePrefixCaching"] is True and d["engine"]["enableChunkedPrefill"] is True
     assert d["engine"]["dtype"] == "auto" and d["engine"]["drainTimeoutSeconds"] == 30
     assert d["router"] == {"replicas": 1, "policy": "prefix", "weights": {"prefix": 1.0, "kv": 0.5, "queue": 0.5},
-                           "serviceType": "ClusterIP"}
+                           "serviceType": "ClusterIP", "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1}}
     assert d["redis"] == {"mode": "managed"}
     a = specs.apply_defaults({"model": {"builtin": "x"}, "autoscaling": {"maxReplicas": 3}})["autoscaling"]
     assert a["minReplicas"] == 1 and a["targetKVUtilization"] == 0.7 and a["maxScaleDownStep"] == 1
@@ -103,11 +103,14 @@ VALID = [
 ]
 
 INVALID = [  # (spec, expected message fragment, caught by CEL?)
-    ({"model": {"builtin": "m"}, "replicas": 2, "autoscaling": {"maxReplicas": 3}}, "not both", True),
+    ({"model": {"builtin": "m"}, "redis": {"mode": "external", "url": "redis://:hunter2@r:6379/0"}},
+     "must not carry credentials", True),
+    ({"model": {"builtin": "m"}, "engine": {"drainTimeoutSeconds": 50, "preStopSleepSeconds": 10}},
+     "drainTimeoutSeconds + preStopSleepSeconds must be less", True),
     ({"model": {"builtin": "m"}, "autoscaling": {"minReplicas": 4, "maxReplicas": 3}}, "minReplicas must be", True),
     ({"model": {"builtin": "m"}, "redis": {"mode": "external"}}, "external Redis needs", True),
     ({"model": {"builtin": "m"}, "engine": {"drainTimeoutSeconds": 60, "terminationGracePeriodSeconds": 60}},
-     "drainTimeoutSeconds must be less", True),
+     "drainTimeoutSeconds + preStopSleepSeconds must be less", True),
     ({"model": {"builtin": "m", "pvc": {"claimName": "x"}}}, "exactly one model source", True),
     ({"model": {}}, "exactly one model source", True),
     ({"model": {"builtin": "m"}, "engine": {"blockSize": 0}}, "less than the minimum", False),
@@ -153,6 +156,38 @@ def test_cel_rules_and_python_mirrors_agree_on_many_specs():
         d = specs.apply_defaults(spec)
         assert sorted(cel_errors(d)) == sorted(specs._rule_errors(d))
     check()
+
+
+def _nodes(schema, path="spec"):
+    yield path, schema
+    for key, sub in (schema.get("properties") or {}).items():
+        yield from _nodes(sub, f"{path}.{key}")
+
+
+def test_every_schema_default_satisfies_its_own_rules():
+    """What the API server checks when the CRD is created: each default, exactly as written
+    (nested defaults not applied), must pass the CEL rules of its node. `engine: {}` with a
+    rule that read a key without has() made a real API server reject the whole CRD."""
+    env = celpy.Environment()
+    checked = 0
+    for path, node in _nodes(crd.SPEC_SCHEMA):
+        if "default" not in node:
+            continue
+        for rule in node.get("x-kubernetes-validations", []):
+            prog = env.program(env.compile(rule["rule"]))
+            try:
+                ok = bool(prog.evaluate({"self": celpy.json_to_cel(node["default"])}))
+            except celpy.CELEvalError as exc:
+                raise AssertionError(f"{path}: rule {rule['rule']!r} fails on the default: {exc}") from exc
+            assert ok, f"{path}: the default {node['default']!r} breaks {rule['message']!r}"
+            checked += 1
+    assert checked >= 3   # engine, redis, and at least one more node carry rules and defaults
+
+
+def test_spec_replicas_is_always_there_for_the_scale_subresource():
+    """/scale reads .spec.replicas: without a default, GET .../scale answered 500."""
+    assert specs.apply_defaults({"model": {"builtin": "m"}})["replicas"] == 1
+    assert specs.apply_defaults({"model": {"builtin": "m"}, "autoscaling": {"maxReplicas": 3}})["replicas"] == 1
 
 
 def test_name_too_long_is_reported():

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 
 import redis.asyncio as aioredis
 
 from kvmesh.operator.metrics_source import heartbeat_key, pods_key
 
-from tests.operator.conftest import DEPLOYMENTS, MD, NETPOLS, SECRETS, SERVICES, eventually, md_body
+from tests.operator.conftest import DEPLOYMENTS, MD, NETPOLS, PDBS, SECRETS, SERVICES, eventually, md_body
 
 
 class Heartbeats:
@@ -56,12 +57,12 @@ async def test_create_children_status_ready_and_delete(k8s, operator):
     await eventually(lambda: k8s.fetch_object(SERVICES, "ns", "demo-redis"))
     md = k8s.fetch_object(MD, "ns", "demo")
     uid = md["metadata"]["uid"]
-    names = {(k, o["metadata"]["name"]) for k in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS)
+    names = {(k, o["metadata"]["name"]) for k in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS, PDBS)
              for o in k8s.list_objects(k, "ns")}
     assert names == {(DEPLOYMENTS, "demo-engine"), (DEPLOYMENTS, "demo-router"), (DEPLOYMENTS, "demo-redis"),
                      (SERVICES, "demo-engine"), (SERVICES, "demo-router"), (SERVICES, "demo-redis"),
-                     (SECRETS, "demo-redis-url"), (NETPOLS, "demo-engine")}
-    for key in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS):
+                     (SECRETS, "demo-redis-url"), (NETPOLS, "demo-engine"), (PDBS, "demo-engine")}
+    for key in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS, PDBS):
         for obj in k8s.list_objects(key, "ns"):
             assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
     assert k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine")["spec"]["replicas"] == 2
@@ -81,7 +82,7 @@ async def test_create_children_status_ready_and_delete(k8s, operator):
 
     await k8s.delete_object(MD, "ns", "demo")
     await eventually(lambda: k8s.fetch_object(MD, "ns", "demo") is None)
-    for key in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS):
+    for key in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS, PDBS):
         assert k8s.list_objects(key, "ns") == []
 
 
@@ -103,7 +104,7 @@ async def test_spec_update_updates_and_prunes_children(k8s, operator, redis_url)
     # Managed Redis is gone; the URL Secret now carries the external URL.
     await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-redis") is None
                      and k8s.fetch_object(SERVICES, "ns", "demo-redis") is None)
-    assert k8s.fetch_object(SECRETS, "ns", "demo-redis-url")["stringData"]["url"] == redis_url
+    assert base64.b64decode(k8s.fetch_object(SECRETS, "ns", "demo-redis-url")["data"]["url"]).decode() == redis_url
     router = k8s.fetch_object(DEPLOYMENTS, "ns", "demo-router")
     assert router["spec"]["template"]["spec"]["containers"][0]["command"][-1] == "32"
 
@@ -122,13 +123,14 @@ async def test_scale_subresource_drives_engine_replicas(k8s, operator):
 
 
 async def test_invalid_spec_reports_condition_without_crashing(k8s, operator):
-    bad = md_body(replicas=2, autoscaling={"minReplicas": 3, "maxReplicas": 2})
+    bad = md_body(replicas=2, autoscaling={"minReplicas": 3, "maxReplicas": 2},
+                  redis={"mode": "external", "url": "redis://:secret@r:6379/0"})
     await k8s.put_object(MD, bad)
     md = await eventually(lambda: (m := k8s.fetch_object(MD, "ns", "demo")) and (m.get("status") or {}).get(
         "conditions") and m)
     ready = cond(md, "Ready")
     assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
-    assert "not both" in ready["message"] and "minReplicas must be <= " in ready["message"]
+    assert "must not carry credentials" in ready["message"] and "minReplicas must be <= " in ready["message"]
     assert cond(md, "Degraded")["status"] == "True"
     assert k8s.list_objects(DEPLOYMENTS, "ns") == []
     await eventually(lambda: any(e.get("reason") == "InvalidSpec" and e["type"] == "Warning"
@@ -141,6 +143,7 @@ async def test_invalid_spec_reports_condition_without_crashing(k8s, operator):
     # Fixing the spec recovers.
     md = k8s.fetch_object(MD, "ns", "demo")
     md["spec"].pop("autoscaling")
+    md["spec"].pop("redis")
     await k8s.put_object(MD, md)
     await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine"))
     await eventually(lambda: cond(k8s.fetch_object(MD, "ns", "demo"), "Ready")["reason"] != "InvalidSpec")

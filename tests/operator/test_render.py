@@ -33,6 +33,30 @@ CASES = {
         "redis": {"mode": "external", "secretRef": {"name": "shared-redis", "key": "REDIS_URL"}},
         "engine": {"kvCacheMemory": "8GiB", "dtype": "bfloat16", "nodeSelector": {"gpu": "h100"}},
     },
+    "hf-shared-cache-pod-template": {
+        "model": {"huggingFace": {"repoId": "Qwen/Qwen2.5-7B-Instruct", "revision": "v1", "cacheSize": "40Gi",
+                                  "sharedCache": {"enabled": True, "storageClassName": "nfs"}}},
+        "replicas": 3,
+        "engine": {
+            "resources": {"limits": {"nvidia.com/gpu": 1}},
+            "rollout": {"strategy": "Recreate"},
+            "probes": {"startup": {"failureThreshold": 360, "periodSeconds": 10}},
+            "env": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+            "envFrom": [{"configMapRef": {"name": "engine-env"}}],
+            "imagePullSecrets": [{"name": "registry"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100", "h200"]}]}]}}},
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                           "whenUnsatisfiable": "ScheduleAnyway",
+                                           "labelSelector": {"matchLabels": {"kvmesh.io/model-deployment": "demo"}}}],
+            "priorityClassName": "inference", "runtimeClassName": "nvidia",
+            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
+            "volumes": [{"name": "extra", "configMap": {"name": "chat-templates"}}],
+            "volumeMounts": [{"name": "extra", "mountPath": "/templates", "readOnly": True}],
+            "drainTimeoutSeconds": 60, "preStopSleepSeconds": 10, "terminationGracePeriodSeconds": 90,
+        },
+        "router": {"replicas": 3},
+    },
 }
 
 
@@ -163,3 +187,90 @@ def test_network_policy_admits_only_router_and_scrapers():
 def test_headless_engine_service():
     svc = next(c for c in rendered("builtin-fixed") if c["kind"] == "Service" and c["metadata"]["name"] == "demo-engine")
     assert svc["spec"]["clusterIP"] == "None"
+
+
+def _kind(children, kind, name=None):
+    return [c for c in children if c["kind"] == kind and (name is None or c["metadata"]["name"] == name)]
+
+
+def test_redis_secret_is_rendered_as_data_for_server_side_apply():
+    """stringData is write-only: under server-side apply the API server folds it into data,
+    so the applied field never matches and the operator fights itself. Render data."""
+    import base64
+
+    (secret,) = _kind(rendered("builtin-fixed"), "Secret")
+    assert "stringData" not in secret
+    assert base64.b64decode(secret["data"]["url"]).decode() == "redis://demo-redis.prod.svc:6379/0"
+
+
+def test_shared_model_cache_claim_job_and_read_only_mounts():
+    children = rendered("hf-shared-cache-pod-template")
+    (claim,) = _kind(children, "PersistentVolumeClaim")
+    assert claim["metadata"]["name"] == "demo-model-cache"
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "40Gi"}},
+                             "storageClassName": "nfs"}
+    (job,) = _kind(children, "Job")
+    fetch = job["spec"]["template"]["spec"]["containers"][0]
+    model_dir = render.model_dir(specs.apply_defaults(CASES["hf-shared-cache-pod-template"]))
+    assert model_dir.startswith("/models/") and model_dir != "/models/model"
+    assert f"local_dir={model_dir!r}" in fetch["command"][-1] and render.MODEL_READY_MARKER in fetch["command"][-1]
+    pod = _kind(children, "Deployment", "demo-engine")[0]["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["initContainers"]] == ["wait-for-model"]   # no per-pod download
+    assert model_dir in pod["initContainers"][0]["command"][-1]
+    models = next(v for v in pod["volumes"] if v["name"] == "models")
+    assert models["persistentVolumeClaim"] == {"claimName": "demo-model-cache", "readOnly": True}
+    engine = pod["containers"][0]
+    assert engine["command"][engine["command"].index("--model") + 1] == model_dir
+    # Another revision is another directory and another Job; the same spec is the same Job.
+    other = dict(CASES["hf-shared-cache-pod-template"])
+    other["model"] = {"huggingFace": {**other["model"]["huggingFace"], "revision": "v2"}}
+    other_children = render.render_children(MD, specs.apply_defaults(other))
+    assert _kind(other_children, "Job")[0]["metadata"]["name"] != job["metadata"]["name"]
+    assert render.model_dir(specs.apply_defaults(other)) != model_dir
+    assert _kind(rendered("hf-shared-cache-pod-template"), "Job")[0]["metadata"]["name"] == job["metadata"]["name"]
+
+
+def test_pod_template_passthrough_rollout_and_probes():
+    children = rendered("hf-shared-cache-pod-template")
+    dep = _kind(children, "Deployment", "demo-engine")[0]
+    case = CASES["hf-shared-cache-pod-template"]["engine"]
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    pod = dep["spec"]["template"]["spec"]
+    for key in ("affinity", "topologySpreadConstraints", "priorityClassName", "runtimeClassName", "imagePullSecrets"):
+        assert pod[key] == case[key], key
+    assert case["tolerations"][0] in pod["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert {"name": "extra", "configMap": {"name": "chat-templates"}} in pod["volumes"]
+    engine = pod["containers"][0]
+    assert {"name": "NCCL_DEBUG", "value": "WARN"} in engine["env"] and engine["envFrom"] == case["envFrom"]
+    assert case["volumeMounts"][0] in engine["volumeMounts"]
+    assert engine["startupProbe"]["failureThreshold"] == 360 and engine["startupProbe"]["periodSeconds"] == 10
+    assert engine["readinessProbe"]["periodSeconds"] == 2      # untouched probes keep their defaults
+    assert engine["lifecycle"]["preStop"]["sleep"]["seconds"] == 10
+    assert pod["terminationGracePeriodSeconds"] == 90
+    router = _kind(children, "Deployment", "demo-router")[0]["spec"]["template"]["spec"]
+    assert router["imagePullSecrets"] == case["imagePullSecrets"]
+    assert router["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+    default = _kind(rendered("builtin-fixed"), "Deployment", "demo-engine")[0]
+    assert default["spec"]["strategy"] == {"type": "RollingUpdate",
+                                           "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+
+
+def test_pod_disruption_budgets():
+    pdbs = {p["metadata"]["name"]: p for p in _kind(rendered("hf-shared-cache-pod-template"), "PodDisruptionBudget")}
+    assert set(pdbs) == {"demo-engine", "demo-router"}
+    assert pdbs["demo-engine"]["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": render.selector("demo", "engine")}}
+    # A single router gets none: a budget of one pod with maxUnavailable 1 protects nothing.
+    assert [p["metadata"]["name"] for p in _kind(rendered("builtin-fixed"), "PodDisruptionBudget")] == ["demo-engine"]
+    off = specs.apply_defaults({**CASES["builtin-fixed"], "engine": {"podDisruptionBudget": {"enabled": False}}})
+    assert _kind(render.render_children(MD, off), "PodDisruptionBudget") == []
+
+
+def test_engine_replicas_follow_spec_replicas_within_bounds():
+    auto = {"model": {"builtin": "m"}, "autoscaling": {"minReplicas": 2, "maxReplicas": 5}}
+    assert render.engine_replicas(specs.apply_defaults({**auto, "replicas": 4})) == 4
+    assert render.engine_replicas(specs.apply_defaults({**auto, "replicas": 9})) == 5
+    assert render.engine_replicas(specs.apply_defaults(auto)) == 2          # default 1, raised to min
+    zero = {"model": {"builtin": "m"}, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}, "replicas": 0}
+    assert render.engine_replicas(specs.apply_defaults(zero)) == 0
+    assert render.engine_replicas(specs.apply_defaults({"model": {"builtin": "m"}, "replicas": 7})) == 7
