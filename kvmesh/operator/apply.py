@@ -22,6 +22,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Deployment": ("/apis/apps/v1", "deployments"),
     "Service": ("/api/v1", "services"),
     "Secret": ("/api/v1", "secrets"),
+    "Pod": ("/api/v1", "pods"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
@@ -40,6 +41,15 @@ class ApiError(Exception):
     def transient(self) -> bool:
         """Worth retrying: server-side trouble, throttling, conflicts."""
         return self.status >= 500 or self.status in (409, 429)
+
+
+class ApplyConflict(ApiError):
+    """Server-side apply without force met fields another manager owns (HTTP 409). Not
+    transient: retrying the same apply conflicts again; the caller decides who wins."""
+
+    @property
+    def transient(self) -> bool:
+        return False
 
 
 @dataclass
@@ -124,7 +134,7 @@ class KubeClient:
             await self._session.close()
 
     async def request(self, method: str, path: str, *, body: Any = None, content_type: str | None = None,
-                      params: dict[str, str] | None = None) -> Any:
+                      params: dict[str, str] | None = None, retry_conflicts: bool = True) -> Any:
         session = await self._sess()
         url = self.conn.server.rstrip("/") + path
         data = None if body is None else json.dumps(body)
@@ -143,7 +153,7 @@ class KubeClient:
                     error = ApiError(resp.status, message)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 error = ApiError(503, f"connection error: {exc!r}")
-            if not error.transient or attempt == self.retries:
+            if not error.transient or attempt == self.retries or (error.status == 409 and not retry_conflicts):
                 raise error
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
@@ -162,12 +172,33 @@ class KubeClient:
         result = await self.request("GET", object_path(kind, namespace), params=params)
         return list((result or {}).get("items") or [])
 
-    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply (idempotent; the operator owns the fields it renders)."""
+    async def apply(self, obj: dict[str, Any], *, force: bool = True) -> dict[str, Any]:
+        """Server-side apply (idempotent). With ``force`` the operator takes the fields it
+        renders from any other manager (drift is healed); without it, a field another manager
+        owns raises :class:`ApplyConflict` and nothing is changed."""
         meta = obj["metadata"]
         path = object_path(obj["kind"], meta.get("namespace"), meta["name"])
-        return await self.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
-                                  params={"fieldManager": FIELD_MANAGER, "force": "true"})
+        params = {"fieldManager": FIELD_MANAGER, "force": "true" if force else "false"}
+        try:
+            return await self.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
+                                      params=params, retry_conflicts=force)
+        except ApiError as exc:
+            if exc.status == 409 and not force:
+                raise ApplyConflict(exc.status, exc.message) from None
+            raise
+
+    async def delete(self, kind: str, namespace: str | None, name: str) -> None:
+        """Delete (background propagation: the garbage collector removes dependents); gone is fine."""
+        try:
+            await self.request("DELETE", object_path(kind, namespace, name))
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+
+    async def patch(self, kind: str, namespace: str | None, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """JSON merge patch of the main resource (e.g. annotations)."""
+        return await self.request("PATCH", object_path(kind, namespace, name), body=body,
+                                  content_type="application/merge-patch+json")
 
     async def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         return await self.request("PATCH", object_path(kind, namespace, name, "status"), body={"status": status},
