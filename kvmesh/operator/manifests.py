@@ -51,6 +51,40 @@ def rbac(namespace: str = NAMESPACE) -> list[dict[str, Any]]:
     ]
 
 
+# Resources a Role cannot grant (cluster-scoped). RBAC_RULES must not need any of them, or the
+# namespace-scoped install (one Role per watched namespace) would silently lack a permission.
+CLUSTER_SCOPED_RESOURCES = frozenset({
+    "namespaces", "nodes", "persistentvolumes", "customresourcedefinitions", "clusterroles",
+    "clusterrolebindings", "storageclasses", "priorityclasses", "runtimeclasses", "ingressclasses",
+    "volumeattachments", "csidrivers", "csinodes", "apiservices", "certificatesigningrequests",
+    "validatingwebhookconfigurations", "mutatingwebhookconfigurations", "validatingadmissionpolicies",
+    "validatingadmissionpolicybindings", "tokenreviews", "subjectaccessreviews",
+})
+
+
+def namespaced_rbac(watch_namespaces: list[str], namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+    """Namespace-scoped install (``kvmesh operator --namespace NS ...``): the ServiceAccount in
+    ``namespace`` and RBAC_RULES as a Role + RoleBinding in each watched namespace, instead of
+    the ClusterRole/Binding of :func:`rbac`. The chart renders the same with ``watchNamespaces``."""
+    if not watch_namespaces:
+        raise ValueError("a namespace-scoped install needs at least one watched namespace")
+    cluster = sorted({r for rule in RBAC_RULES for r in rule["resources"]
+                      if r.split("/")[0] in CLUSTER_SCOPED_RESOURCES})
+    if cluster:
+        raise ValueError(f"RBAC_RULES grant cluster-scoped {cluster}: a Role cannot; keep a ClusterRole for them")
+    out: list[dict[str, Any]] = [rbac(namespace)[0]]
+    for ns in watch_namespaces:
+        out += [
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+             "metadata": {"name": NAME, "namespace": ns, "labels": _LABELS}, "rules": RBAC_RULES},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": NAME, "namespace": ns, "labels": _LABELS},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": NAME},
+             "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": namespace}]},
+        ]
+    return out
+
+
 def operator_deployment(namespace: str = NAMESPACE, image: str = OPERATOR_IMAGE) -> list[dict[str, Any]]:
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace, "labels": {
