@@ -16,7 +16,7 @@ state through kopf's ``memo`` (:class:`Memo`).
 from __future__ import annotations
 
 import asyncio
-import base64
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,12 +25,16 @@ from typing import Any, Callable
 import kopf
 
 from kvmesh.operator import crd, render, spec as specs, status as st
-from kvmesh.operator.apply import ApiError, Connection, KubeClient, object_path
+from kvmesh.operator.apply import ApiError, ApplyConflict, Connection, KubeClient
 
 registry = kopf.OperatorRegistry()
 ANNOTATION_PREFIX = "kvmesh.io"
 PRUNED_KINDS = ("Deployment", "Service", "Secret", "NetworkPolicy", "PodDisruptionBudget", "Job",
                 "PersistentVolumeClaim")
+# The same kinds as kopf resource selectors: their changes trigger a reconcile of the owner.
+CHILD_RESOURCES = (("apps", "v1", "deployments"), ("v1", "services"), ("v1", "secrets"),
+                   ("networking.k8s.io", "v1", "networkpolicies"), ("policy", "v1", "poddisruptionbudgets"),
+                   ("v1", "persistentvolumeclaims"), ("batch", "v1", "jobs"))
 
 
 @dataclass
@@ -43,6 +47,12 @@ class OperatorConfig:
     clock: Callable[[], float] = time.time        # the autoscaler's clock (tests fast-forward it)
     api_retries: int = 4
     rejected_retry_delay: float = 60.0            # slow retry after the API server rejected a child
+    resync_interval: float = 60.0                 # full reconcile of every ModelDeployment this often,
+                                                  # besides the one a child's change triggers
+    heal_debounce: float = 0.2                    # gather a burst of child events into one reconcile
+    watch_server_timeout: float = 300.0           # the API server ends a watch after this; kopf re-lists
+    watch_client_timeout: float = 330.0           # a watch silent this long is dead: restart it
+    watch_connect_timeout: float = 30.0
 
 
 @dataclass
@@ -51,6 +61,9 @@ class Shared:
     so anything that must be seen everywhere after startup lives in this one object."""
     client: KubeClient | None = None
     stopping: bool = False
+    dirty: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)   # (ns, md) -> heal now
+    fingerprints: dict[str, str] = field(default_factory=dict)                   # child uid -> last seen
+    conflicts: dict[str, str] = field(default_factory=dict)                      # md uid -> conflict message
 
 
 @dataclass
@@ -88,6 +101,15 @@ async def configure(settings: kopf.OperatorSettings, memo: Memo, **_: Any) -> No
     # its one CRD, so RBAC needs no cluster-wide list/watch of namespaces and CRDs.
     settings.scanning.disabled = True
     settings.networking.error_backoffs = [1, 2, 5, 10]
+    # A watch that silently stalls (a dropped connection a proxy keeps open) is restarted:
+    # the server closes each watch after server_timeout, the client gives up after client_timeout.
+    settings.watching.server_timeout = memo.config.watch_server_timeout
+    settings.watching.client_timeout = memo.config.watch_client_timeout
+    settings.watching.connect_timeout = memo.config.watch_connect_timeout
+    # Children are watched through the API server's label selector: the operator only ever
+    # receives objects it labelled (never, say, every Secret of a namespace).
+    for resource in CHILD_RESOURCES:
+        settings.watching.label_selectors[resource] = render.LABEL_MD
 
 
 @kopf.on.login(registry=registry)
@@ -147,8 +169,15 @@ async def reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | log
         return
     children = render.render_children(md, spec, memo.config.images)
     try:
+        conflicts = []
         for child in children:
-            await memo.client.apply(child)
+            conflict = await _apply_child(memo, md, spec, child)
+            if conflict:
+                conflicts.append(conflict)
+        if conflicts:
+            memo.shared.conflicts[meta["uid"]] = "; ".join(conflicts)
+        else:
+            memo.shared.conflicts.pop(meta["uid"], None)
         await _prune(memo, md, children)
     except ApiError as exc:
         if exc.transient:
@@ -158,6 +187,34 @@ async def reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | log
         raise kopf.TemporaryError(f"child rejected: {exc}", delay=memo.config.rejected_retry_delay)
     await refresh_status(memo, md, spec, observed=True)
     logger.info(f"reconciled {len(children)} children")
+
+
+def _shares_replicas(spec: dict[str, Any], child: dict[str, Any]) -> bool:
+    """The engine Deployment's replica count under external autoscaling: an HPA or KEDA
+    may legitimately own it, so the operator applies it without force."""
+    return (child["kind"] == "Deployment" and child["metadata"]["labels"].get(render.LABEL_COMPONENT) == render.ENGINE
+            and (spec.get("autoscaling") or {}).get("mode") == "external")
+
+
+async def _apply_child(memo: Memo, md: dict[str, Any], spec: dict[str, Any], child: dict[str, Any]) -> str | None:
+    """Server-side apply one child. Every field the operator renders is re-asserted with
+    force (hand edits are drift and are healed), except where another manager may own a
+    field: there a conflict is reported (returned) and the field is left to its owner."""
+    assert memo.client is not None
+    if not _shares_replicas(spec, child):
+        await memo.client.apply(child)
+        return None
+    try:
+        await memo.client.apply(child, force=False)
+        return None
+    except ApplyConflict as exc:
+        # Apply the rest without the contested replica count, still without force.
+        released = {**child, "spec": {k: v for k, v in child["spec"].items() if k != "replicas"}}
+        try:
+            await memo.client.apply(released, force=False)
+        except ApplyConflict as again:
+            return f"{child['kind']} {child['metadata']['name']}: {again.message}"
+        return f"{child['kind']} {child['metadata']['name']}: {exc.message}"
 
 
 async def _prune(memo: Memo, md: dict[str, Any], children: list[dict[str, Any]]) -> None:
@@ -172,7 +229,7 @@ async def _prune(memo: Memo, md: dict[str, Any], children: list[dict[str, Any]])
             ometa = obj.get("metadata") or {}
             owned = any(ref.get("uid") == meta["uid"] for ref in ometa.get("ownerReferences") or [])
             if owned and (kind, ometa.get("name")) not in wanted:
-                await memo.client.request("DELETE", object_path(kind, meta["namespace"], ometa["name"]))
+                await memo.client.delete(kind, meta["namespace"], ometa["name"])
 
 
 async def refresh_status(memo: Memo, md: dict[str, Any], spec: dict[str, Any], *, observed: bool = False,
@@ -204,9 +261,12 @@ async def refresh_status(memo: Memo, md: dict[str, Any], spec: dict[str, Any], *
               and c.get("observedGeneration") == meta.get("generation")]
     if sticky and not observed:
         del patch["conditions"]   # only a successful reconcile of this generation clears these
-    if "autoscaling" not in spec or "desiredReplicas" not in old:
-        # The autoscaler owns desiredReplicas once it exists (only tick() writes it then).
-        patch["desiredReplicas"] = render.engine_replicas(spec, old)
+    patch["desiredReplicas"] = render.engine_replicas(spec)
+    if "conditions" in patch:
+        message = memo.shared.conflicts.get(meta["uid"], "")
+        patch["conditions"].append(st.condition(
+            st.CONFLICT, bool(message), "FieldManagedElsewhere" if message else "NoConflict",
+            message or "the operator owns every field it renders", gen, old.get("conditions"), st.now_iso()))
     if observed:
         patch["observedGeneration"] = gen
     patch.update(extra or {})
@@ -231,3 +291,84 @@ async def autoscaler_daemon(stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: 
     from kvmesh.operator import scaling
 
     await scaling.run_loop(stopped, meta, memo, logger)
+
+
+# --- Healing: children are reconciled continuously, not only on spec changes. ---
+
+def _fingerprint(body: Any) -> str:
+    """What a change of a child means: everything but status and bookkeeping metadata."""
+    meta = dict(body.get("metadata") or {})
+    keep = {k: meta.get(k) for k in ("labels", "annotations", "ownerReferences")}
+    rest = {k: v for k, v in body.items() if k not in ("metadata", "status")}
+    return json.dumps([keep, rest], sort_keys=True, default=str)
+
+
+def _owner(body: Any) -> tuple[str, str] | None:
+    meta = body.get("metadata") or {}
+    name = (meta.get("labels") or {}).get(render.LABEL_MD)
+    owned = any(ref.get("kind") == crd.KIND and ref.get("controller") for ref in meta.get("ownerReferences") or [])
+    return (meta.get("namespace"), name) if name and owned else None
+
+
+def _child_event(event: dict[str, Any], memo: Memo, **_: Any) -> None:
+    """A child was deleted or changed by someone: reconcile its ModelDeployment now.
+    Status-only changes (a Deployment's rollout progress) are not drift and are ignored."""
+    body = event.get("object") or {}
+    owner = _owner(body)
+    uid = (body.get("metadata") or {}).get("uid")
+    if owner is None or uid is None:
+        return
+    fingerprint = _fingerprint(body)
+    if event.get("type") == "DELETED":
+        memo.shared.fingerprints.pop(uid, None)
+    elif memo.shared.fingerprints.get(uid) == fingerprint:
+        return
+    else:
+        first_sight = uid not in memo.shared.fingerprints
+        memo.shared.fingerprints[uid] = fingerprint
+        if first_sight and event.get("type") is None:
+            return   # the initial listing: the resume handler reconciles everything anyway
+    memo.shared.dirty.setdefault(owner, asyncio.Event()).set()
+
+
+for _resource in CHILD_RESOURCES:
+    kopf.on.event(*_resource, registry=registry, labels={render.LABEL_MD: kopf.PRESENT},
+                  id=f"heal-{_resource[-1]}")(_child_event)
+
+
+@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry, id="healer", cancellation_timeout=5.0)
+async def healer_daemon(stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo, logger: Any, **_: Any) -> None:
+    """One loop per ModelDeployment: reconcile when a child drifted, and every resync interval."""
+    key = (meta["namespace"], meta["name"])
+    dirty = memo.shared.dirty.setdefault(key, asyncio.Event())
+    delay = 1.0
+    try:
+        loop = asyncio.get_running_loop()
+        while not stopped and not memo.stopping:
+            deadline = loop.time() + memo.config.resync_interval
+            while not (stopped or memo.stopping or dirty.is_set()) and loop.time() < deadline:
+                try:   # short waits: a stopped daemon exits within a fraction of a second
+                    await asyncio.wait_for(dirty.wait(), timeout=min(0.25, max(deadline - loop.time(), 0.01)))
+                except asyncio.TimeoutError:
+                    pass
+            if dirty.is_set():
+                await asyncio.sleep(memo.config.heal_debounce)
+            if stopped or memo.stopping:
+                break
+            dirty.clear()
+            try:
+                md = await memo.client.get(crd.KIND, *key) if memo.client else None
+                if md is None or md["metadata"].get("deletionTimestamp"):
+                    break
+                await reconcile(memo, md, logger)
+                delay = 1.0
+            except (kopf.TemporaryError, ApiError, OSError, asyncio.TimeoutError) as exc:
+                if memo.stopping:
+                    break
+                wait = max(delay, float(getattr(exc, "delay", None) or 0))   # a rejected child: slow retry
+                logger.warning(f"healing reconcile failed, retrying in {wait:.0f}s: {exc}")
+                await stopped.wait(wait)
+                delay = min(delay * 2, 60.0)
+                dirty.set()
+    finally:
+        memo.shared.dirty.pop(key, None)

@@ -6,6 +6,7 @@ import datetime
 from typing import Any
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+CONFLICT = "ApplyConflict"   # a rendered field is owned by another manager (e.g. an HPA's replicas)
 
 
 def now_iso(ts: float | None = None) -> str:

@@ -28,6 +28,7 @@ PDBS = "policy/v1/poddisruptionbudgets"
 PVCS = "v1/persistentvolumeclaims"
 JOBS = "batch/v1/jobs"
 EVENTS = "v1/events"
+PODS = "v1/pods"
 
 
 
@@ -59,6 +60,7 @@ async def k8s() -> AsyncIterator[K8sEmulator]:
         emulator.register(SERVICES, "Service", subresources=("status",))
         emulator.register(SECRETS, "Secret")
         emulator.register(NETPOLS, "NetworkPolicy")
+        emulator.register(PODS, "Pod", subresources=("status",))
         emulator.register(PDBS, "PodDisruptionBudget", subresources=("status",))
         emulator.register(PVCS, "PersistentVolumeClaim", subresources=("status",))
         emulator.register(JOBS, "Job", subresources=("status",))
@@ -96,7 +98,7 @@ class OperatorRunner:
         from kvmesh.operator.cli import run_operator
         from kvmesh.operator.handlers import OperatorConfig
 
-        config = OperatorConfig(connection=Connection(server=str(self.k8s.url).rstrip("/")),
+        self.config = config = OperatorConfig(connection=Connection(server=str(self.k8s.url).rstrip("/")),
                                 status_interval=0.2, managed_redis_url=self.redis_url, clock=self.clock,
                                 api_retries=3, rejected_retry_delay=1.0)
         self.stop_flag, ready = threading.Event(), threading.Event()
