@@ -21,17 +21,28 @@ LIVENESS_PORT = 8080
 # - status: kopf and refresh_status() merge-patch it.
 # - children: server-side apply = PATCH, plus CREATE when the object is new; GET for status;
 #   LIST + DELETE to prune children no longer rendered; secrets GET for an external Redis URL.
+# - pods: the autoscaler (scaling.py) lists the engine pods (readiness, startup deadline) and
+#   patches their pod-deletion-cost annotation before a scale-down.
 # - events: kopf posts core/v1 Events (create).
 # tests/operator/test_operator_runtime.py checks that the operator uses all of these and no more.
 # Not needed: namespaces and CRDs (kopf scanning is disabled), peering (standalone).
 RBAC_RULES: list[dict[str, Any]] = [
     {"apiGroups": [crd.GROUP], "resources": [crd.PLURAL], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": [crd.GROUP], "resources": [f"{crd.PLURAL}/status"], "verbs": ["patch"]},
-    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "create", "patch", "delete"]},
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "create", "patch", "delete"]},
-    {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "create", "patch", "delete"]},
+    {"apiGroups": [crd.GROUP], "resources": [f"{crd.PLURAL}/scale"], "verbs": ["patch"]},
+    # Children: watched (label-selected) so drift is healed within seconds.
+    {"apiGroups": ["apps"], "resources": ["deployments"],
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch", "create", "patch", "delete"]},
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
-     "verbs": ["list", "create", "patch", "delete"]},
+     "verbs": ["list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"],
+     "verbs": ["list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["list", "watch", "create", "patch", "delete"]},
+    # The autoscaler: engine pods (readiness, startup deadline) and their deletion cost.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
 
