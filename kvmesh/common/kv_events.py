@@ -11,7 +11,10 @@ vLLM (``vllm/distributed/kv_events.py``) defines its events as msgspec Structs w
 
 Block hashes are ints (uint64; our engine publishes contract-1 keys) or bytes (vLLM's
 sha256 hashes). The decoder accepts missing trailing optional fields and ignores extra
-trailing fields, so it reads older and newer vLLM versions too.
+trailing fields, so it reads older and newer vLLM versions too. Anything else that is not
+this schema (not msgpack, a field of the wrong type, an unknown event kind) raises
+``DecodeError``, the only exception ``decode_batch`` raises; the subscriber counts it and
+resyncs (see ``KVEventSubscriber``).
 
 Transport (vLLM's ``ZmqEventPublisher``): a PUB socket sends multipart
 ``[topic, seq (8 bytes big-endian), payload]``; a ROUTER replay socket receives
@@ -81,7 +84,13 @@ class EventBatch:
 
 
 class DecodeError(ValueError):
-    pass
+    """The one error the decoder raises: the payload is not a well-formed EventBatch.
+
+    Raised for bytes that are not msgpack, for a structure that is not
+    ``[ts, [event, ...], dp_rank?]``, for a field of the wrong type (a hash that is not an
+    int or bytes, a token id that is not a uint32, a block size that is not a positive
+    int, ...) and for an event kind this decoder does not know. A batch is decoded
+    all-or-nothing: a consumer never sees half of a bad batch."""
 
 
 def encode_batch(events: Iterable[KVEvent], ts: float | None = None,
@@ -91,43 +100,111 @@ def encode_batch(events: Iterable[KVEvent], ts: float | None = None,
     return msgpack.packb(wire, use_bin_type=True)
 
 
+_MAX_REPR = 80
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_REPR else text[:_MAX_REPR] + "..."
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int  # bool is an int subclass, and never a valid field here
+
+
+def _hash(v: Any, what: str) -> BlockHash:
+    if _is_int(v) or type(v) is bytes:
+        return v
+    raise DecodeError(f"{what} must be an int or bytes, got {type(v).__name__} {_short(v)}")
+
+
+def _opt_hash(v: Any, what: str) -> BlockHash | None:
+    return None if v is None else _hash(v, what)
+
+
+def _hashes(v: Any, what: str) -> list[BlockHash]:
+    if not isinstance(v, list):
+        raise DecodeError(f"{what} must be an array, got {type(v).__name__}")
+    return [_hash(h, what) for h in v]
+
+
+def _token_ids(v: Any) -> list[int]:
+    if not isinstance(v, list):
+        raise DecodeError(f"BlockStored.token_ids must be an array, got {type(v).__name__}")
+    for t in v:
+        if not _is_int(t) or not 0 <= t <= 0xFFFFFFFF:
+            raise DecodeError(f"BlockStored.token_ids must hold uint32 ints, got {_short(t)}")
+    return v
+
+
+def _opt_int(v: Any, what: str) -> int | None:
+    if v is None or _is_int(v):
+        return v
+    raise DecodeError(f"{what} must be an int or nil, got {type(v).__name__}")
+
+
+def _opt_str(v: Any, what: str) -> str | None:
+    if v is None or type(v) is str:
+        return v
+    raise DecodeError(f"{what} must be a string or nil, got {type(v).__name__}")
+
+
 def _opt(items: list[Any], i: int) -> Any:
     return items[i] if len(items) > i else None
 
 
-def _decode_event(item: Any) -> KVEvent | None:
-    if isinstance(item, dict):  # tolerate a map-encoded event {"type": ..., fields...}
+def _decode_event(item: Any) -> KVEvent:
+    if isinstance(item, dict):  # tolerate a map-encoded event {"type": ..., fields in order}
         tag = item.get("type")
         item = [tag] + [v for k, v in item.items() if k != "type"]
-    if not isinstance(item, (list, tuple)) or not item:
-        raise DecodeError(f"event is not a tagged array: {item!r}")
+    if not isinstance(item, list) or not item:
+        raise DecodeError(f"event is not a tagged array: {_short(item)}")
     tag = item[0]
-    if isinstance(tag, bytes):
-        tag = tag.decode()
+    if type(tag) is bytes:
+        try:
+            tag = tag.decode()
+        except UnicodeDecodeError:
+            raise DecodeError(f"event tag is not text: {_short(tag)}") from None
     if tag == "BlockStored":
         if len(item) < 5:
             raise DecodeError(f"BlockStored needs 4 fields, got {len(item) - 1}")
-        return BlockStored(list(item[1] or []), item[2], list(item[3] or []), int(item[4]),
-                           _opt(item, 5), _opt(item, 6))
+        block_size = item[4]
+        if not _is_int(block_size) or block_size <= 0:
+            raise DecodeError(f"BlockStored.block_size must be a positive int, got {_short(block_size)}")
+        return BlockStored(_hashes(item[1], "BlockStored.block_hashes"),
+                           _opt_hash(item[2], "BlockStored.parent_block_hash"), _token_ids(item[3]), block_size,
+                           _opt_int(_opt(item, 5), "BlockStored.lora_id"), _opt_str(_opt(item, 6), "BlockStored.medium"))
     if tag == "BlockRemoved":
         if len(item) < 2:
             raise DecodeError("BlockRemoved needs block_hashes")
-        return BlockRemoved(list(item[1] or []), _opt(item, 2))
+        return BlockRemoved(_hashes(item[1], "BlockRemoved.block_hashes"),
+                            _opt_str(_opt(item, 2), "BlockRemoved.medium"))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
-    log.debug("ignoring unknown KV event type %r", tag)
-    return None
+    # An event this decoder does not know may change the engine's cache in a way the index
+    # cannot follow: the batch is undecodable (the subscriber resyncs), never silently skipped.
+    raise DecodeError(f"unknown KV event kind {_short(tag)}")
 
 
 def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one msgpack EventBatch. Raises only :class:`DecodeError` (any input)."""
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # noqa: BLE001 - msgpack raises several types
-        raise DecodeError(f"not msgpack: {exc}") from exc
-    if not isinstance(raw, (list, tuple)) or len(raw) < 2:
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several types (and TypeError, ValueError...)
+        raise DecodeError(f"not msgpack: {type(exc).__name__}: {_short(str(exc))}") from None
+    if not isinstance(raw, list) or len(raw) < 2:
         raise DecodeError(f"EventBatch must be an array [ts, events, ...], got {type(raw).__name__}")
-    events = [e for e in (_decode_event(x) for x in (raw[1] or [])) if e is not None]
-    return EventBatch(ts=float(raw[0]), events=events, data_parallel_rank=_opt(list(raw), 2))
+    ts = raw[0]
+    if not (_is_int(ts) or type(ts) is float):
+        raise DecodeError(f"EventBatch.ts must be a number, got {type(ts).__name__}")
+    try:
+        ts = float(ts)
+    except OverflowError:
+        raise DecodeError(f"EventBatch.ts out of range: {_short(ts)}") from None
+    if not isinstance(raw[1], list):
+        raise DecodeError(f"EventBatch.events must be an array, got {type(raw[1]).__name__}")
+    events = [_decode_event(x) for x in raw[1]]
+    return EventBatch(ts=ts, events=events, data_parallel_rank=_opt_int(_opt(raw, 2), "EventBatch.data_parallel_rank"))
 
 
 class KVEventPublisher:
@@ -240,16 +317,29 @@ class KVEventSubscriber:
       * a gap (seq jumps ahead): replay the missing range; if the publisher no longer
         buffers it, deliver a reset (the index would be wrong otherwise), then what is left;
       * a publisher restart (the live seq goes backwards): a reset, then a replay from 0;
-      * ``request_resync()`` (e.g. the engine's process start time changed): same as restart.
+      * ``request_resync()`` (e.g. the engine's process start time changed): same as restart;
+      * a batch that does not decode (:class:`DecodeError`: not msgpack, a field of the
+        wrong type, an unknown event kind) or a malformed frame: counted in
+        ``stats["decode_errors"]``, then a replay from that sequence number (a frame
+        damaged on the way is intact in the publisher's buffer). A batch that is
+        undecodable in the buffer too is lost: its effect on the cache is unknown, so a
+        reset is delivered and the index is rebuilt from the batches after it (what the
+        index then holds is a subset of the engine's cache, never a block it dropped).
+        A batch is re-fetched at most once (a replayed batch is never retried), so a bad
+        publisher cannot make the subscriber loop.
     On the first poll it replays from 0 so a sidecar that starts after its engine catches up.
+    ``poll()`` raises only for a closed socket: nothing in a message can make it raise.
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 replay_timeout_s: float = 1.0):
+                 replay_timeout_s: float = 1.0, validate=None):
         self._ctx = zmq.Context.instance()
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.replay_timeout_s = replay_timeout_s
+        # Optional consumer check of a decoded batch (raises DecodeError), e.g. the sidecar's
+        # "hashes are uint64 contract keys": a failing batch is handled like an undecodable one.
+        self.validate = validate
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
@@ -264,7 +354,9 @@ class KVEventSubscriber:
         self._last_live_seq: int | None = None
         self._needs_catch_up = True
         self._resync_reason: str | None = None
-        self.stats = {"batches": 0, "gaps": 0, "replays": 0, "resets": 0, "decode_errors": 0}
+        self.caught_up = False  # the first catch-up (replay from 0) has run
+        self.last_decode_error: str | None = None
+        self.stats = {"batches": 0, "gaps": 0, "replays": 0, "resets": 0, "decode_errors": 0, "lost_batches": 0}
 
     # -- replay ---------------------------------------------------------------------------
     def _replay_from(self, start: int) -> list[tuple[int, bytes]] | None:
@@ -289,7 +381,8 @@ class KVEventSubscriber:
             frames = self._dealer.recv_multipart()
             if len(frames) == 3:
                 frames = frames[1:]
-            if len(frames) != 2:
+            if len(frames) != 2 or len(frames[0]) != 8:
+                self._bad_frame(f"replay answer with {len(frames)} frames")
                 continue
             seq_b, payload = frames
             if seq_b == END_SEQ:
@@ -299,20 +392,49 @@ class KVEventSubscriber:
     def request_resync(self, reason: str) -> None:
         self._resync_reason = reason
 
-    def _decode(self, seq: int, payload: bytes) -> Delivery | None:
+    def _bad_frame(self, what: str) -> None:
+        self.stats["decode_errors"] += 1
+        self.last_decode_error = what
+        log.warning("malformed KV-event message: %s", what)
+
+    def _decode(self, seq: int, payload: bytes) -> EventBatch | DecodeError:
         try:
             batch = decode_batch(payload)
+            if self.validate is not None:
+                self.validate(batch)
+            return batch
         except DecodeError as exc:
             self.stats["decode_errors"] += 1
-            log.warning("dropping undecodable KV-event batch seq=%d: %s", seq, exc)
-            return None
-        self.stats["batches"] += 1
-        return Delivery(seq=seq, batch=batch)
+            self.last_decode_error = f"seq {seq}: {exc}"
+            log.warning("undecodable KV-event batch seq=%d: %s", seq, exc)
+            return exc
 
     def _reset(self, reason: str) -> Delivery:
         self.stats["resets"] += 1
         log.info("KV-event state reset: %s", reason)
         return Delivery(seq=None, reset=reason)
+
+    def _accept(self, seq: int, payload: bytes, out: list[Delivery], live: bool) -> None:
+        """Deliver batch `seq` (the next in order) into `out`; on a decode error, recover."""
+        got = self._decode(seq, payload)
+        if isinstance(got, EventBatch):
+            self.stats["batches"] += 1
+            out.append(Delivery(seq=seq, batch=got))
+            self.next_seq = seq + 1
+            return
+        if live and self.replay_endpoint:
+            # A live frame that does not decode: the publisher's buffer may hold it intact.
+            # (Replayed batches are never retried again: a bad publisher cannot make this loop.)
+            self.next_seq = seq
+            self._catch_up(seq, out)
+            if self.next_seq is not None and self.next_seq > seq:
+                # The replay delivered seq and what followed; or it found seq undecodable too,
+                # or no longer buffered, and delivered a reset before what followed.
+                return
+        self.stats["lost_batches"] += 1
+        out.append(self._reset(f"KV-event batch seq {seq} is undecodable ({got}); "
+                               "rebuilding the index from the batches after it"))
+        self.next_seq = seq + 1
 
     def _catch_up(self, start: int, out: list[Delivery]) -> bool:
         """Replay from `start` into `out`; True if the range from `start` was complete."""
@@ -325,10 +447,7 @@ class KVEventSubscriber:
         for seq, payload in items:
             if self.next_seq is not None and seq < self.next_seq:
                 continue
-            d = self._decode(seq, payload)
-            if d:
-                out.append(d)
-            self.next_seq = seq + 1
+            self._accept(seq, payload, out, live=False)
         return complete
 
     # -- main loop ------------------------------------------------------------------------
@@ -355,16 +474,24 @@ class KVEventSubscriber:
         if self._needs_catch_up:
             self._needs_catch_up = False
             self._catch_up(0, out)
+            self.caught_up = True
         if not self._sub.poll(timeout_ms):
             self._check_connection()
             return out
+        replayed_for_bad_frame = False
         for _ in range(max_messages):
             try:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) != 3:
-                log.warning("ignoring KV-event message with %d frames", len(frames))
+            if len(frames) != 3 or len(frames[1]) != 8:
+                # A truncated or foreign message: its seq is unknown, so fetch whatever the
+                # publisher buffers after the last batch delivered (once per poll).
+                self._bad_frame(f"{len(frames)} frames" + (f", seq frame of {len(frames[1])} bytes"
+                                                           if len(frames) == 3 else ""))
+                if not replayed_for_bad_frame and self.next_seq is not None:
+                    replayed_for_bad_frame = True
+                    self._catch_up(self.next_seq, out)
                 continue
             _, seq_b, payload = frames
             seq = int.from_bytes(seq_b, "big")
@@ -374,17 +501,12 @@ class KVEventSubscriber:
                 # The live stream went backwards: the engine (publisher) restarted.
                 out.append(self._reset(f"engine restarted (seq {seq} after {last_live})"))
                 self.next_seq = None
-                if not self._catch_up(0, out) or self.next_seq is None or self.next_seq <= seq:
-                    d = self._decode(seq, payload)
-                    if d:
-                        out.append(d)
-                    self.next_seq = seq + 1
+                self._catch_up(0, out)
+                if self.next_seq is None or self.next_seq <= seq:
+                    self._accept(seq, payload, out, live=True)
                 continue
             if self.next_seq is None or seq == self.next_seq:
-                d = self._decode(seq, payload)
-                if d:
-                    out.append(d)
-                self.next_seq = seq + 1
+                self._accept(seq, payload, out, live=True)
             elif seq < self.next_seq:
                 continue  # already delivered by a replay
             else:
@@ -394,10 +516,7 @@ class KVEventSubscriber:
                 if not self._catch_up(missing_from, out) and (self.next_seq or 0) == missing_from:
                     out.append(self._reset(f"seq {missing_from}..{seq - 1} lost and replay unavailable"))
                 if self.next_seq is None or self.next_seq <= seq:
-                    d = self._decode(seq, payload)
-                    if d:
-                        out.append(d)
-                    self.next_seq = seq + 1
+                    self._accept(seq, payload, out, live=True)
         return out
 
     def close(self) -> None:

@@ -40,13 +40,57 @@ def test_decoder_reads_vllm_bytes_with_bytes_hashes_and_dp_rank():
 def test_decoder_tolerates_missing_and_extra_trailing_fields():
     payload = msgpack.packb([2.0, [["BlockStored", [1], None, [1, 2], 2],  # older: no lora/medium
                                    ["BlockStored", [2], 1, [3, 4], 2, None, "GPU", "lora-x", 9],  # newer
-                                   ["BlockRemoved", [1]],
-                                   ["SomethingNew", 1]]])
+                                   ["BlockRemoved", [1]]], 0, "extra"])
     batch = kv.decode_batch(payload)
     assert [type(e).__name__ for e in batch.events] == ["BlockStored", "BlockStored", "BlockRemoved"]
-    assert batch.events[1].medium == "GPU" and batch.data_parallel_rank is None
+    assert batch.events[1].medium == "GPU" and batch.data_parallel_rank == 0
     with pytest.raises(kv.DecodeError):
         kv.decode_batch(b"\xc1garbage")
+
+
+GOOD_STORED = ["BlockStored", [1, 2], None, list(range(8)), 4, None, "GPU"]
+
+
+@pytest.mark.parametrize("batch, needle", [
+    ([1.0, [GOOD_STORED, ["SomethingNew", 1]]], "unknown KV event kind"),  # an unknown kind is not skipped
+    ([1.0, [["BlockStored", [[1, 2]], None, [1, 2, 3, 4], 4]]], "block_hashes"),  # unhashable hash
+    ([1.0, [["BlockStored", [{"a": 1}], None, [1, 2, 3, 4], 4]]], "block_hashes"),
+    ([1.0, [["BlockStored", [1.5], None, [1, 2, 3, 4], 4]]], "block_hashes"),
+    ([1.0, [["BlockStored", [True], None, [1, 2, 3, 4], 4]]], "block_hashes"),
+    ([1.0, [["BlockStored", [1], [9], [1, 2, 3, 4], 4]]], "parent_block_hash"),
+    ([1.0, [["BlockStored", [1], None, [1, -2, 3, 4], 4]]], "token_ids"),
+    ([1.0, [["BlockStored", [1], None, [1, 2**32, 3, 4], 4]]], "token_ids"),
+    ([1.0, [["BlockStored", [1], None, "abcd", 4]]], "token_ids"),
+    ([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], 0]]], "block_size"),
+    ([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], "4"]]], "block_size"),
+    ([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], 4, "lora", None]]], "lora_id"),
+    ([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], 4, None, 7]]], "medium"),
+    ([1.0, [["BlockStored", 5, None, [1, 2, 3, 4], 4]]], "block_hashes"),
+    ([1.0, [["BlockStored", [1], None]]], "needs 4 fields"),
+    ([1.0, [["BlockRemoved", None]]], "block_hashes"),
+    ([1.0, [["BlockRemoved"]]], "needs block_hashes"),
+    ([1.0, [[]]], "tagged array"),
+    ([1.0, [7]], "tagged array"),
+    ([1.0, {"a": 1}], "events must be an array"),
+    ([1.0, None], "events must be an array"),
+    (["soon", []], "ts must be a number"),
+    ([2**64 - 1, [], "rank"], "data_parallel_rank"),
+    ({"ts": 1.0}, "must be an array"),
+    ([1.0], "must be an array"),
+])
+def test_decoder_refuses_wrong_types_with_the_one_error(batch, needle):
+    """Each of these would have reached the sidecar's index as a bad value (or been skipped in
+    silence): the decoder refuses the whole batch, naming the field."""
+    with pytest.raises(kv.DecodeError, match=needle):
+        kv.decode_batch(msgpack.packb(batch, use_bin_type=True))
+
+
+def test_decoder_refuses_truncated_payloads():
+    payload = kv.encode_batch([kv.BlockStored([1, 2], None, list(range(32)), 16, None, "GPU")], ts=3.0)
+    assert kv.decode_batch(payload).events
+    for cut in range(len(payload)):
+        with pytest.raises(kv.DecodeError):
+            kv.decode_batch(payload[:cut])
 
 
 def _wait_for(cond, timeout=3.0):
@@ -148,3 +192,137 @@ def test_unrecoverable_gap_resets():
     finally:
         pub.close()
         sub.close()
+
+
+def _until_live(pub, sub):
+    """Publish probes until one reaches the subscriber live (no replay needed): the SUB is connected."""
+    for _ in range(100):
+        replays = sub.stats["replays"]
+        pub.publish([kv.BlockRemoved([999])])
+        got = _drain(sub, 3)
+        if got and sub.stats["replays"] == replays and not any(d.reset for d in got):
+            return
+    raise AssertionError("the subscriber never received a live message")
+
+
+def _send_raw(pub, wire_payload, buffered_payload=None, frames=None):
+    """Publish one seq with `wire_payload` on the PUB socket while the replay buffer keeps
+    `buffered_payload` (default: the same bytes). Returns the seq."""
+    with pub._lock:
+        seq = pub._seq
+        pub._seq += 1
+        pub._buffer.append((seq, wire_payload if buffered_payload is None else buffered_payload))
+        pub._pub.send_multipart(frames or (b"", seq.to_bytes(8, "big"), wire_payload))
+    return seq
+
+
+def _batches(deliveries):
+    return [(d.seq, d.batch.events[0].block_hashes) for d in deliveries if d.batch is not None]
+
+
+def test_frame_damaged_on_the_wire_is_recovered_from_the_replay_buffer():
+    pub = kv.KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    sub = kv.KVEventSubscriber(pub.endpoint, pub.replay_endpoint)
+    try:
+        _until_live(pub, sub)
+        good = kv.encode_batch([kv.BlockRemoved([1])])
+        seq = _send_raw(pub, good[:-2], buffered_payload=good)  # truncated on the wire only
+        pub.publish([kv.BlockRemoved([2])])
+        got = _drain(sub, 5)
+        assert _batches(got) == [(seq, [1]), (seq + 1, [2])]
+        assert not any(d.reset for d in got)  # nothing lost: no reset
+        assert sub.stats["decode_errors"] == 1 and sub.stats["lost_batches"] == 0
+        assert f"seq {seq}" in sub.last_decode_error
+    finally:
+        sub.close()
+        pub.close()
+
+
+@pytest.mark.parametrize("bad", [
+    msgpack.packb([1.0, [["BlockRemoved", [3]], ["BlockMoved", [3], [4]]]]),  # an unknown kind
+    msgpack.packb([1.0, [["BlockRemoved", [[3, 4]]]]]),  # an unhashable hash
+    msgpack.packb([1.0, [["BlockStored", ["3"], None, [1], 1]]]),  # a wrong field type
+    kv.encode_batch([kv.BlockRemoved([3])])[:-1],  # truncated, in the buffer too
+], ids=["unknown-kind", "unhashable-hash", "wrong-type", "truncated"])
+def test_undecodable_batch_is_counted_then_reset_and_the_stream_goes_on(bad):
+    pub = kv.KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    sub = kv.KVEventSubscriber(pub.endpoint, pub.replay_endpoint)
+    try:
+        _until_live(pub, sub)
+        seq = _send_raw(pub, bad)
+        pub.publish([kv.BlockRemoved([5])])
+        got = _drain(sub, 5)
+        resets = [i for i, d in enumerate(got) if d.reset]
+        # One reset, in order: after everything before the bad batch, before everything after it.
+        assert len(resets) == 1 and f"seq {seq} is undecodable" in got[resets[0]].reset
+        assert _batches(got[resets[0] + 1:]) == [(seq + 1, [5])]
+        assert sub.stats["lost_batches"] == 1
+        assert sub.stats["decode_errors"] == 2  # live, then its copy in the replay buffer: retried once
+        # It is not retried again, and later batches flow normally: no loop.
+        pub.publish([kv.BlockRemoved([6])])
+        got = _drain(sub, 5)
+        assert _batches(got) == [(seq + 2, [6])] and not any(d.reset for d in got)
+        assert sub.stats["decode_errors"] == 2 and sub.stats["resets"] == 1
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_undecodable_batch_without_replay_resets_and_continues():
+    pub = kv.KVEventPublisher("tcp://127.0.0.1:*", None)
+    sub = kv.KVEventSubscriber(pub.endpoint, None)
+    try:
+        for _ in range(100):  # no replay: wait until live messages arrive
+            pub.publish([kv.BlockRemoved([999])])
+            if _drain(sub, 3):
+                break
+        seq = _send_raw(pub, b"\x93\x01")
+        pub.publish([kv.BlockRemoved([7])])
+        got = _drain(sub, 5)
+        assert got[0].reset and f"seq {seq}" in got[0].reset
+        assert _batches(got[1:]) == [(seq + 1, [7])]
+        assert sub.stats["decode_errors"] == 1 and sub.stats["lost_batches"] == 1
+    finally:
+        sub.close()
+        pub.close()
+
+
+@pytest.mark.parametrize("frames", [
+    lambda seq, payload: (b"", payload),  # a frame missing
+    lambda seq, payload: (b"", seq.to_bytes(8, "big")[:3], payload),  # a truncated sequence number
+], ids=["two-frames", "short-seq"])
+def test_malformed_message_is_counted_and_its_batch_fetched_by_replay(frames):
+    pub = kv.KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    sub = kv.KVEventSubscriber(pub.endpoint, pub.replay_endpoint)
+    try:
+        _until_live(pub, sub)
+        payload = kv.encode_batch([kv.BlockRemoved([8])])
+        with pub._lock:
+            seq = pub._seq
+        _send_raw(pub, payload, frames=frames(seq, payload))
+        got = _drain(sub, 5)  # nothing follows: the replay after the bad frame must find seq by itself
+        assert _batches(got) == [(seq, [8])] and not any(d.reset for d in got)
+        assert sub.stats["decode_errors"] == 1
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_validation_hook_failures_are_decode_errors():
+    """The sidecar's format check (e.g. kvmesh hashes are uint64) rides the same recovery."""
+    def no_sevens(batch):
+        if any(7 in getattr(e, "block_hashes", []) for e in batch.events):
+            raise kv.DecodeError("seven")
+
+    pub = kv.KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    sub = kv.KVEventSubscriber(pub.endpoint, pub.replay_endpoint, validate=no_sevens)
+    try:
+        _until_live(pub, sub)
+        pub.publish([kv.BlockRemoved([7])])
+        pub.publish([kv.BlockRemoved([8])])
+        got = _drain(sub, 5)
+        assert got[0].reset and _batches(got[1:])[-1][1] == [8]
+        assert sub.stats["lost_batches"] == 1 and "seven" in sub.last_decode_error
+    finally:
+        sub.close()
+        pub.close()
