@@ -186,6 +186,19 @@ def rendered_children(spec=None):
     return render.render_children(MD, specs.apply_defaults(spec or {"model": {"builtin": crd.DEFAULT_MODEL}}))
 
 
+def operator_secrets():
+    """Every Secret the operator writes: rendered children, and the credentials it generates
+    (render.generated_secret, where this version of the renderer has them)."""
+    out = []
+    for spec in ({"model": {"builtin": crd.DEFAULT_MODEL}},
+                 {"model": {"builtin": crd.DEFAULT_MODEL}, "redis": {"mode": "external", "url": "redis://r:6379/0"}}):
+        full = specs.apply_defaults(spec)
+        out += [c for c in render.render_children(MD, full) if c["kind"] == "Secret"]
+        if hasattr(render, "generated_secret_names"):
+            out += [render.generated_secret(MD, full, n, "t0ken") for n in render.generated_secret_names("demo", full)]
+    return out
+
+
 def guard_programs(objs):
     (policy,) = [o for o in objs if o["kind"] == "ValidatingAdmissionPolicy"]
     (binding,) = [o for o in objs if o["kind"] == "ValidatingAdmissionPolicyBinding"]
@@ -215,8 +228,8 @@ def test_secret_write_guard_admits_only_the_operators_own_secrets():
     programs = guard_programs(objs)
     sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
     operator = f"system:serviceaccount:ops:{sa}"
-    owned = [c for c in rendered_children() if c["kind"] == "Secret"]
-    assert owned, "the operator renders a Secret (the Redis URL) to check the policy against"
+    owned = operator_secrets()
+    assert owned, "the operator writes Secrets (the Redis URL at least) to check the policy against"
     for secret in owned:
         changed = {**secret, "data": {"url": "cmVkaXM6Ly9vdGhlcjo2Mzc5LzA="}}
         assert admitted(programs, "CREATE", secret, None, operator)
@@ -337,6 +350,31 @@ def test_monitor_scrapes_engines_and_routers_on_their_http_port(kind, key):
         assert relabel["component"] == [meta_label(render.LABEL_COMPONENT)] and set(relabel["component"]) <= have
 
 
+def test_engine_network_policy_admits_scrapers_on_the_scraped_port():
+    """The monitors scrape the engine's `http` port; the NetworkPolicy in front of the engines
+    must let a Prometheus labelled (or in a namespace labelled) as a scraper reach that port,
+    as docs/operator.md tells users to do."""
+    children = rendered_children()
+    names = render.names("demo")
+    engine_pod = pod_templates(children)[names[render.ENGINE]]
+    (port,) = [p["containerPort"] for c in engine_pod["spec"]["containers"] for p in c.get("ports", [])
+               if p.get("name") == "http"]
+    (policy,) = [c for c in children if c["kind"] == "NetworkPolicy"
+                 and selects(c["spec"]["podSelector"], engine_pod["metadata"]["labels"])]
+    scraper = {render.LABEL_SCRAPER: "true"}
+
+    def admits(peer_ok):
+        return any(any(peer_ok(peer) for peer in rule.get("from", [])) and
+                   any(p.get("port") in (port, "http") for p in rule.get("ports", []))
+                   for rule in policy["spec"]["ingress"])
+    # A Prometheus namespace labelled as a scraper (any pod in it) ...
+    assert admits(lambda peer: "podSelector" not in peer
+                  and selects(peer.get("namespaceSelector", {"matchLabels": {"-": "-"}}), scraper))
+    # ... or a labelled Prometheus pod in the engines' namespace.
+    assert admits(lambda peer: "namespaceSelector" not in peer
+                  and selects(peer.get("podSelector", {"matchLabels": {"-": "-"}}), scraper))
+
+
 def test_monitor_options():
     objs = render_chart({"watchNamespaces": ["team-a", "team-b"], "metrics": {
         "components": ["engine"],
@@ -376,10 +414,8 @@ DASHBOARD = CHART / "dashboards" / "kvmesh.json"
 def registered_metric_names():
     """Every sample name the engine server and the router expose on /metrics, as Prometheus
     stores them (prometheus_client adds _total to counters, _bucket/_sum/_count to histograms)."""
-    stats = SimpleNamespace(kv_cache_usage=0.0, num_running=0, num_waiting=0, num_total_blocks=0,
-                            prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, prompt_tokens=0,
-                            generation_tokens=0)
-    engine = SimpleNamespace(stats=stats, num_in_flight=0, engine_args=SimpleNamespace(
+    # stats=None: the engine before its first step, when the collector still yields every family.
+    engine = SimpleNamespace(stats=None, num_in_flight=0, engine_args=SimpleNamespace(
         block_size=16, enable_prefix_caching=True, dtype="float32"))
     registries: list[CollectorRegistry] = [ServerMetrics(engine, "m").registry, RouterMetrics().registry]
     suffixes = {"counter": ["_total", "_created"], "histogram": ["_bucket", "_sum", "_count", "_created"],
