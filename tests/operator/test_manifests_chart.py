@@ -164,6 +164,27 @@ def test_namespaced_install_grants_the_rules_only_in_the_watched_namespaces():
         kubernetes_validate.validate(obj, K8S, strict=True)
 
 
+def test_docs_rbac_section_names_every_resource_granted():
+    text = (ROOT / "docs" / "operator.md").read_text()
+    section = text.split("\n## RBAC\n", 1)[1].split("\n## ", 1)[0]
+    missing = [r for rule in manifests.RBAC_RULES for r in rule["resources"]
+               if not re.search(rf"(?<![\w/-]){re.escape(r)}(?![\w/-])", section)]
+    assert not missing, f"docs/operator.md's RBAC section does not say why the operator needs {missing}"
+
+
+def test_chart_operator_pod_passes_the_network_policies_that_admit_the_operator():
+    """The operator reads the managed Redis (heartbeats): a NetworkPolicy that admits the
+    operator by its pod labels must select the pod the chart runs."""
+    (operator_pod,) = pod_templates(render_chart()).values()
+    peers = [peer for c in rendered_children() if c["kind"] == "NetworkPolicy"
+             for rule in c["spec"].get("ingress", []) for peer in rule.get("from", [])
+             if (peer.get("podSelector", {}).get("matchLabels") or {}).get(render.LABEL_COMPONENT) == "operator"]
+    if not peers:
+        pytest.skip("no rendered NetworkPolicy admits the operator by its labels")
+    for peer in peers:
+        assert selects(peer["podSelector"], operator_pod["metadata"]["labels"]), peer
+
+
 def test_namespaced_rbac_refuses_rules_a_role_cannot_grant(monkeypatch):
     # Every rule the operator needs is namespaced today, so a Role per namespace loses nothing...
     manifests.namespaced_rbac(["team-a"])
