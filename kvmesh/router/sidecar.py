@@ -16,15 +16,25 @@ Two threads:
 Redis failures never lose the engine's state: the in-memory index keeps being updated,
 and after Redis comes back (retried with exponential backoff) the whole set is rewritten
 atomically (temp key + RENAME). A clean stop deletes the pod's keys.
+
+Nothing in an event can stop the events thread: a batch that does not decode (or that is
+not valid for ``--engine-format``) is counted and resynced by the subscriber, and any other
+failure of an iteration is counted, logged and followed by a full resync. If the events
+loop is dead or has not completed an iteration for ``events_stale_after`` seconds, the
+index is not trusted: the heartbeat says ``index=stale`` and the pod's block set is
+withdrawn from Redis (the router then routes to the pod by load only), and the health
+server's ``/health`` and ``/ready`` answer 503.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Hashable
 
 import httpx
@@ -32,7 +42,8 @@ import redis
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import block_keys, key_hex, root_key
-from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Delivery, KVEventSubscriber
+from kvmesh.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Delivery, EventBatch,
+                                     KVEventSubscriber)
 from kvmesh.router.engine_metrics import engine_load
 
 log = logging.getLogger("kvmesh.sidecar")
@@ -54,6 +65,14 @@ class SidecarConfig:
     engine_format: str = "kvmesh"  # or "vllm"
     engine_down_after: int = 2  # failed polls before the heartbeat is withdrawn
     max_backoff: float = 5.0
+    health_host: str = "0.0.0.0"
+    health_port: int | None = None  # /health, /ready, /metrics; None: no health server (0: any free port)
+    events_stale_after: float = 20.0  # an events loop without a completed iteration this long is stale
+
+
+# The heartbeat's extra field saying whether the pod's block set can be trusted.
+F_INDEX = "index"
+MAX_U64 = 2**64 - 1
 
 
 class BlockIndex:
@@ -91,12 +110,7 @@ class BlockIndex:
                     return
             keys = block_keys(ev.token_ids, self.cfg.model, ev.block_size, parent=parent)
         else:
-            keys = []
-            for h in hashes:
-                if not isinstance(h, int):
-                    log.warning("engine published non-integer block hashes; use --engine-format vllm")
-                    return
-                keys.append(h)
+            keys = hashes  # contract keys already (checked by Sidecar.validate_batch)
         for h, k in zip(hashes, keys):
             if h in self.by_hash:
                 continue
@@ -121,7 +135,18 @@ class BlockIndex:
 
 
 def _hashable(h: Any) -> Hashable:
-    return bytes(h) if isinstance(h, (bytearray, memoryview, list)) else h
+    return bytes(h) if isinstance(h, (bytearray, memoryview)) else h
+
+
+def validate_kvmesh_batch(batch: EventBatch) -> None:
+    """``--engine-format kvmesh``: every hash is a contract key, a uint64 int."""
+    for ev in batch.events:
+        hashes = ev.block_hashes if isinstance(ev, (BlockStored, BlockRemoved)) else []
+        parent = [ev.parent_block_hash] if isinstance(ev, BlockStored) and ev.parent_block_hash is not None else []
+        for h in (*hashes, *parent):
+            if type(h) is not int or not 0 <= h <= MAX_U64:
+                raise DecodeError(f"block hash {h!r:.40} is not a uint64 contract key "
+                                  "(an engine with its own hashes needs --engine-format vllm)")
 
 
 class Sidecar:
@@ -139,19 +164,33 @@ class Sidecar:
         self._redis_retry_at = 0.0
         self._redis_backoff = 0.1
         self._threads: list[threading.Thread] = []
+        self._events_thread: threading.Thread | None = None
+        self._hb_thread: threading.Thread | None = None
         self.subscriber: KVEventSubscriber | None = None
         self.state: str | None = None  # None until the engine is first ready
         self.engine_start: float | None = None
         self.engine_failures = 0
         self.stats = Counter()
+        self.started_at = time.monotonic()
+        self.events_last_ok: float | None = None  # monotonic time of the last completed events iteration
+        self.hb_last_iteration: float | None = None
+        self.events_error: str | None = None  # the last events-loop failure
+        self.index_withdrawn = False  # the block set was removed from Redis because the index is not trusted
+        self.health_server: ThreadingHTTPServer | None = None
+        self.health_port: int | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> "Sidecar":
-        self.subscriber = KVEventSubscriber(self.cfg.kv_events_endpoint, self.cfg.kv_events_replay_endpoint)
-        for target, name in ((self._events_loop, "sidecar-events"), (self._heartbeat_loop, "sidecar-heartbeat")):
-            t = threading.Thread(target=target, name=name, daemon=True)
+        validate = validate_kvmesh_batch if self.cfg.engine_format == "kvmesh" else None
+        self.subscriber = KVEventSubscriber(self.cfg.kv_events_endpoint, self.cfg.kv_events_replay_endpoint,
+                                            validate=validate)
+        self._events_thread = threading.Thread(target=self._events_loop, name="sidecar-events", daemon=True)
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="sidecar-heartbeat", daemon=True)
+        for t in (self._events_thread, self._hb_thread):
             t.start()
             self._threads.append(t)
+        if self.cfg.health_port is not None:
+            self._start_health_server()
         return self
 
     def stop(self, clean: bool = True) -> None:
@@ -159,6 +198,9 @@ class Sidecar:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
+        if self.health_server is not None:
+            self.health_server.shutdown()
+            self.health_server.server_close()
         if clean:
             try:
                 pipe = self.redis.pipeline(transaction=True)
@@ -179,6 +221,104 @@ class Sidecar:
             self.hb_redis.hset(self.hb_key, rl.F_STATE, rl.STATE_DRAINING)
         except redis.RedisError:
             pass
+
+    # -- health ---------------------------------------------------------------------------
+    def events_problem(self) -> str | None:
+        """Why the block index cannot be trusted now (None: the events loop is alive and current)."""
+        t = self._events_thread
+        if t is None:
+            return "not started"
+        if not t.is_alive():
+            return "events loop dead" + (f" ({self.events_error})" if self.events_error else "")
+        last = self.events_last_ok if self.events_last_ok is not None else self.started_at
+        age = time.monotonic() - last
+        if age > self.cfg.events_stale_after:
+            why = f" (last error: {self.events_error})" if self.events_error else ""
+            return f"events loop stale: no completed iteration for {age:.1f}s{why}"
+        return None
+
+    def liveness(self) -> tuple[bool, dict[str, Any]]:
+        problem = self.events_problem()
+        hb = self._hb_thread
+        if problem is None and hb is not None and not hb.is_alive() and not self._stop.is_set():
+            problem = "heartbeat loop dead"
+        return problem is None, self.health_detail(problem)
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        ok, detail = self.liveness()
+        if ok and not (self.subscriber is not None and self.subscriber.caught_up):
+            ok, detail["problem"] = False, "catching up with the engine's KV events"
+        return ok, detail
+
+    def health_detail(self, problem: str | None) -> dict[str, Any]:
+        sub = self.subscriber
+        last = self.events_last_ok
+        return {
+            "status": "ok" if problem is None else "unhealthy", "problem": problem, "pod": self.cfg.pod_name,
+            "events_loop_age_s": None if last is None else round(time.monotonic() - last, 3),
+            "block_keys": len(self.index.refs), "index_withdrawn": self.index_withdrawn,
+            "redis_dirty": self._redis_dirty, "engine_state": self.state,
+            "last_decode_error": sub.last_decode_error if sub else None, "last_events_error": self.events_error,
+            "stats": {**(sub.stats if sub else {}), **self.stats},
+        }
+
+    def metrics_text(self) -> str:
+        sub = self.subscriber.stats if self.subscriber else {}
+        last = self.events_last_ok
+        lines = []
+
+        def metric(name: str, kind: str, help_: str, value: float) -> None:
+            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"])
+
+        for key, help_ in (("batches", "KV-event batches applied"), ("decode_errors", "undecodable KV-event "
+                           "batches or malformed messages"), ("lost_batches", "batches undecodable in the "
+                           "replay buffer too (the index was reset)"), ("gaps", "sequence gaps seen"),
+                           ("replays", "replay requests sent"), ("resets", "index resets by the subscriber")):
+            metric(f"kvmesh_sidecar_kv_event_{key}_total", "counter", help_, sub.get(key, 0))
+        for key, help_ in (("events_loop_errors", "events-loop iterations that failed (each followed by a resync)"),
+                           ("redis_errors", "Redis operations that failed"), ("full_rewrites", "block set rewrites"),
+                           ("heartbeats", "heartbeats written"), ("index_withdrawals", "block set withdrawn because "
+                           "the events loop was dead or stale")):
+            metric(f"kvmesh_sidecar_{key}_total", "counter", help_, self.stats.get(key, 0))
+        metric("kvmesh_sidecar_block_keys", "gauge", "block keys in the index", len(self.index.refs))
+        metric("kvmesh_sidecar_events_ok", "gauge", "1 if the events loop is alive and current",
+               int(self.events_problem() is None))
+        metric("kvmesh_sidecar_events_loop_age_seconds", "gauge", "seconds since the last completed events iteration",
+               -1 if last is None else round(time.monotonic() - last, 3))
+        return "\n".join(lines) + "\n"
+
+    def _start_health_server(self) -> None:
+        sidecar = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's API
+                path = self.path.split("?", 1)[0]
+                if path in ("/health", "/healthz", "/livez"):
+                    ok, detail = sidecar.liveness()
+                    return self._send(200 if ok else 503, json.dumps(detail).encode(), "application/json")
+                if path in ("/ready", "/readyz"):
+                    ok, detail = sidecar.readiness()
+                    return self._send(200 if ok else 503, json.dumps(detail).encode(), "application/json")
+                if path == "/metrics":
+                    return self._send(200, sidecar.metrics_text().encode(), "text/plain; version=0.0.4")
+                self._send(404, b'{"error": "not found"}', "application/json")
+
+            def _send(self, status: int, body: bytes, ctype: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # probes every few seconds: no access log
+                pass
+
+        self.health_server = ThreadingHTTPServer((self.cfg.health_host, self.cfg.health_port), Handler)
+        self.health_server.daemon_threads = True
+        self.health_port = self.health_server.server_address[1]
+        t = threading.Thread(target=self.health_server.serve_forever, name="sidecar-health", daemon=True)
+        t.start()
+        log.info("health on %s:%d (/health, /ready, /metrics)", self.cfg.health_host, self.health_port)
 
     # -- events -> Redis ------------------------------------------------------------------
     def apply(self, deliveries: list[Delivery]) -> tuple[set[int], set[int], bool]:
@@ -209,22 +349,42 @@ class Sidecar:
 
     def _events_loop(self) -> None:
         assert self.subscriber is not None
-        while not self._stop.is_set():
-            try:
-                deliveries = self.subscriber.poll(100)
-            except Exception:  # noqa: BLE001 - keep the sidecar alive
-                log.exception("KV-event subscriber failed")
-                time.sleep(0.5)
-                continue
-            with self._lock:
-                added, removed, full = self.apply(deliveries)
-                if full:
-                    self._redis_dirty = True
-                if self._redis_dirty:
-                    if time.monotonic() >= self._redis_retry_at:
-                        self._full_rewrite()
-                elif added or removed:
-                    self._incremental(added, removed)
+        failures = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._events_iteration()
+                except Exception as exc:  # noqa: BLE001 - nothing may end this thread
+                    failures += 1
+                    self.stats["events_loop_errors"] += 1
+                    self.events_error = f"{type(exc).__name__}: {exc}"[:300]
+                    if failures <= 3 or failures % 100 == 0:
+                        log.exception("KV-event loop failed (%d in a row); resyncing", failures)
+                    # Whatever the failure left half-applied is dropped: reset and replay from 0.
+                    with self._lock:
+                        self.index.clear()
+                        self._redis_dirty = True
+                    self.subscriber.request_resync(f"events loop failed: {self.events_error}")
+                    self._stop.wait(min(0.1 * 2 ** min(failures, 6), self.cfg.max_backoff))
+                    continue
+                failures = 0
+                self.events_last_ok = time.monotonic()
+        except BaseException as exc:  # noqa: BLE001 - e.g. SystemExit from a library: say why the loop is gone
+            self.events_error = f"{type(exc).__name__}: {exc}"[:300]
+            log.critical("KV-event loop ended: %s; /health and /ready now fail, the block set is withdrawn",
+                         self.events_error)
+
+    def _events_iteration(self) -> None:
+        deliveries = self.subscriber.poll(100)
+        with self._lock:
+            added, removed, full = self.apply(deliveries)
+            if full or self.index_withdrawn:
+                self._redis_dirty = True
+            if self._redis_dirty:
+                if time.monotonic() >= self._redis_retry_at:
+                    self._full_rewrite()
+            elif added or removed:
+                self._incremental(added, removed)
 
     def _redis_failed(self, exc: Exception) -> None:
         self.stats["redis_errors"] += 1
@@ -267,6 +427,24 @@ class Sidecar:
         self.stats["full_rewrites"] += 1
         self._redis_dirty = False
         self._redis_backoff = 0.1
+        self.index_withdrawn = False
+
+    def _withdraw_index(self, problem: str) -> None:
+        """The events loop is dead or stale: its block set may be frozen. Remove it from Redis
+        (the router then scores this pod by load only) until the loop rewrites it."""
+        if self.index_withdrawn:
+            return
+        log.error("%s: withdrawing this pod's block set from Redis", problem)
+        locked = self._lock.acquire(timeout=1.0)
+        try:
+            self.hb_redis.delete(self.blocks_key)
+            self.index_withdrawn = True
+            self.stats["index_withdrawals"] += 1
+            if locked:
+                self._redis_dirty = True
+        finally:
+            if locked:
+                self._lock.release()
 
     # -- heartbeat --------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
@@ -275,6 +453,7 @@ class Sidecar:
         try:
             while not self._stop.is_set():
                 t0 = time.monotonic()
+                self.hb_last_iteration = t0
                 try:
                     self.heartbeat_once(client)
                     backoff = 0.0
@@ -315,14 +494,18 @@ class Sidecar:
             self.state = rl.STATE_DRAINING
         if self.state is None:
             return  # not ready yet: not routable
+        problem = self.events_problem()
+        if problem is not None:
+            self._withdraw_index(problem)
         hb = rl.Heartbeat(pod=self.cfg.pod_name, url=self.cfg.pod_url, model=self.cfg.model, state=self.state,
-                          num_keys=len(self.index.refs))
+                          num_keys=0 if self.index_withdrawn else len(self.index.refs))
         if load:
             hb.kv_usage, hb.running, hb.waiting = load.kv_usage, load.running, load.waiting
             hb.total_blocks = load.total_blocks
             hb.prefix_cache_queries, hb.prefix_cache_hits = load.prefix_cache_queries, load.prefix_cache_hits
         mapping = hb.to_mapping()
         mapping[rl.F_BLOCK_SIZE] = str(self.cfg.block_size)
+        mapping[F_INDEX] = "stale" if self.index_withdrawn else "ok"
         pipe = self.hb_redis.pipeline(transaction=True)
         pipe.hset(self.hb_key, mapping=mapping)
         pipe.expire(self.hb_key, rl.HEARTBEAT_TTL_S)

@@ -24,6 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--engine-format", choices=["kvmesh", "vllm"], default="kvmesh")
+    p.add_argument("--health-port", type=int, default=None,
+                   help="serve /health (liveness), /ready (readiness) and /metrics on this port; "
+                        "both probes fail when the KV-event loop is dead or stale (default: off)")
+    p.add_argument("--health-host", default="0.0.0.0")
+    p.add_argument("--events-stale-after", type=float, default=20.0,
+                   help="seconds without a completed KV-event loop iteration before the index is stale")
     p.add_argument("--log-format", choices=["json", "text"], default=os.environ.get("KVMESH_LOG_FORMAT", "json"))
     p.add_argument("--log-level", default="INFO")
 
@@ -38,7 +44,12 @@ def run(args: argparse.Namespace) -> int:
         engine_url=args.engine_url.rstrip("/"), kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=replay, redis_url=args.redis_url, block_size=args.block_size,
         heartbeat_interval=args.heartbeat_interval, engine_format=args.engine_format,
+        health_host=args.health_host, health_port=args.health_port, events_stale_after=args.events_stale_after,
     )
+    if cfg.health_port is not None and not 0 <= cfg.health_port <= 65535:
+        raise SystemExit(f"kvmesh sidecar: --health-port must be 0..65535, got {cfg.health_port}")
+    if cfg.events_stale_after <= 0:
+        raise SystemExit("kvmesh sidecar: --events-stale-after must be positive")
     sidecar = Sidecar(cfg).start()
     done = threading.Event()
 
@@ -51,9 +62,18 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     logging.getLogger("kvmesh.sidecar").info("sidecar for %s (%s) -> %s", cfg.pod_name, cfg.pod_url,
                                              _redact(cfg.redis_url))
-    done.wait()
+    rc = 0
+    while not done.wait(1.0):
+        # The events thread never ends on its own; if it did, the index is frozen: exit so the
+        # supervisor (Kubernetes, `kvmesh up`) restarts the sidecar, which rebuilds it by replay.
+        events = sidecar._events_thread
+        if events is not None and not events.is_alive():
+            logging.getLogger("kvmesh.sidecar").critical("the KV-event loop is dead (%s); exiting",
+                                                         sidecar.events_error)
+            rc = 1
+            break
     sidecar.stop(clean=True)
-    return 0
+    return rc
 
 
 def _redact(url: str) -> str:

@@ -60,17 +60,26 @@ def test_sidecar_indexes_blocks_heartbeats_drains_and_cleans_up(redis_server, st
 
 
 def test_eviction_removes_keys(redis_server, stub_factory, model_name):
+    """An 8-block LRU cache, 4 prompts with no common prefix: exactly the 8 most recently stored
+    keys stay; the Redis set must be exactly those (a sidecar ignoring or misapplying
+    BlockRemoved leaves other keys behind, or removes the wrong ones)."""
     (stub,) = stub_factory(model_name, 1, "--num-blocks", "8")
     r = redis_server.client()
     sidecar = _sidecar(stub, redis_server, model_name)
     try:
         bkey = rl.blocks_key(model_name, "pod-a")
+        per_prompt = [_keys_for(f"Prompt {i}: " + PROMPT, model_name) for i in range(4)]
+        stored_order = [k for keys in per_prompt for k in keys]
+        assert len(set(stored_order)) == len(stored_order) > 8 + len(per_prompt[-1])  # eviction crosses prompts
         for i in range(4):
             httpx.post(stub.url + "/v1/completions", json={"prompt": f"Prompt {i}: " + PROMPT}, timeout=10)
-        wait_until(lambda: r.scard(bkey) == 8 and stub.stats()["cache_blocks"] == 8, 5, msg="bounded set")
-        last = _keys_for("Prompt 3: " + PROMPT, model_name)
-        assert set(last[-8:]) == r.smembers(bkey) or set(r.smembers(bkey)) <= set().union(
-            *[_keys_for(f"Prompt {i}: " + PROMPT, model_name) for i in range(4)])
+        assert stub.stats()["cache_blocks"] == 8
+        survivors = set(stored_order[-8:])  # LRU: the last 8 stored (prompt 3's and the tail of prompt 2's)
+        evicted = set(stored_order[:-8])
+        wait_until(lambda: r.smembers(bkey) == survivors, 5, msg="exactly the surviving keys")
+        assert not evicted & r.smembers(bkey)
+        assert set(per_prompt[3]) <= survivors and set(per_prompt[2][-(8 - len(per_prompt[3])):]) <= survivors
+        assert sidecar.index.keys() and set(map(key_hex, sidecar.index.keys())) == survivors
     finally:
         sidecar.stop()
 
