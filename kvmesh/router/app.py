@@ -1,10 +1,13 @@
 """The prefix-aware router: an OpenAI-compatible front door (raw ASGI, for a lean hot path).
 
-Per request: authenticate, read the body (size-limited), tokenize exactly like the engine
-(chat template included), compute the contract-1 block keys, ask Redis in one round trip
-how long a prefix of them each live pod holds, score (contract 4), and proxy to the best
-pod with streaming passthrough, retrying the next-best pod on a connect failure or a
-5xx before the first byte. See docs/router.md.
+Per request: authenticate, read the body (size-limited), check the fields the router reads,
+charge the rate limit, tokenize exactly like the engine (chat template included; long prompts
+in a worker thread), compute the contract-1 block keys, ask Redis in one round trip how long a
+prefix of them each live pod holds, score (contract 4), and proxy to the best pod with
+streaming passthrough. Only what provably did not reach an engine (a connect error) or an
+engine's "not me" (502/503, or 429 while another pod has room) is retried on the next pod: a
+generation is never run twice. With no routable pod the request is held (scale from zero)
+while a Redis key tells the autoscalers there is demand. See docs/router.md.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,7 +32,8 @@ from kvmesh.common.block_keys import block_keys, key_hex
 from kvmesh.common.prompts import prompt_batch
 from kvmesh.router.auth import ApiKeys, KeyInfo, RateLimiter
 from kvmesh.router.discovery import Discovery, EndpointSlices, Pod
-from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.logging_setup import redact_url
+from kvmesh.router.metrics import RouterMetrics, route_label, status_label
 from kvmesh.router.scoring import Candidate, Weights, rank, rendezvous
 
 log = logging.getLogger("kvmesh.router")
@@ -35,6 +42,15 @@ access_log = logging.getLogger("kvmesh.router.access")
 POLICIES = ("prefix", "least-load", "round-robin", "session")
 _RID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _PASS_HEADERS = {"content-type", "content-encoding", "cache-control", "retry-after"}
+_GENERATE = ("/v1/completions", "/v1/chat/completions")
+
+# The engine's own limits (kvmesh.engine.server.protocol; tests/router/test_front_door.py keeps
+# them equal), so the router refuses exactly what an engine would and never charges more.
+MAX_N = 128  # choices per prompt
+MAX_PROMPTS = 256  # prompts in one completion request
+MAX_TOKENS_ESTIMATE = 1 << 31  # a max_tokens above this is charged as this
+OFF_LOOP_CHARS = 16384  # prompts this long are tokenised in a worker thread
+KEEPALIVE_S = 3.0  # below the engines' 5 s keep-alive: a pooled connection is never one they closed
 
 
 @dataclass
@@ -66,6 +82,10 @@ class RouterConfig:
     k8s_service: str | None = None
     k8s_namespace: str | None = None
     k8s_api_url: str | None = None
+    # scale from zero: requests held while no pod is routable
+    max_pending_requests: int = 256
+    scale_from_zero_timeout: float = 300.0
+    vocab_size: int | None = None  # token ids must be below it (default: the model's config.json)
 
 
 class Breaker:
@@ -97,8 +117,35 @@ class Breaker:
             self.until.pop(name, None)
 
 
-class _Upstream5xx(Exception):
-    pass
+class BadRequest(Exception):
+    """A request the router refuses itself: 400 (or `status`) with an OpenAI error naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+@dataclass
+class Outcome:
+    status: int
+    pod: str
+    usage: dict | None = None
+    attempts: int = 1
+    error: str | None = None  # what went wrong upstream (logged)
+
+
+class _Held:
+    """A request held for lack of a routable pod; `go` resolves when it may be routed, `sent` is
+    set once it has been sent (or has given up), so the next one is released in arrival order."""
+
+    __slots__ = ("go", "sent")
+
+    def __init__(self):
+        self.go: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.sent = asyncio.Event()
 
 
 class Router:
@@ -107,17 +154,23 @@ class Router:
         if cfg.policy not in POLICIES:
             raise ValueError(f"unknown policy {cfg.policy!r} (expected one of {', '.join(POLICIES)})")
         self.metrics = RouterMetrics()
+        vocab = cfg.vocab_size
         if encoder is None:
             from kvmesh.common.models import resolve_model_dir
             from kvmesh.common.tokenizer import KVMeshTokenizer
             from kvmesh.router.fast_tokenize import FastEncoder
 
-            encoder = FastEncoder(KVMeshTokenizer(resolve_model_dir(cfg.tokenizer or cfg.model, convert=False)))
+            model_dir = resolve_model_dir(cfg.tokenizer or cfg.model, convert=False)
+            encoder = FastEncoder(KVMeshTokenizer(model_dir))
+            vocab = vocab or _config_vocab(model_dir)
         self.encoder = encoder
+        # The engine refuses token ids outside its model's vocabulary; so does the router.
+        self.vocab_size = vocab or getattr(getattr(encoder, "tok", None), "vocab_size", None) or (1 << 32)
         self.keys = ApiKeys(cfg.api_keys)
         self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm)
         self.breaker = Breaker(cfg.eject_after, cfg.eject_seconds, self.metrics)
         self.inflight: dict[str, int] = {}
+        self.full_until: dict[str, float] = {}  # pods that answered 429, until when
         self._rr = count()
         self.redis = None
         self.discovery: Discovery | None = None
@@ -126,6 +179,14 @@ class Router:
         self._use_lua = True
         self._match = None
         self._started = False
+        self._held: deque[_Held] = deque()
+        self._hold_task: asyncio.Task | None = None
+        self._demand_at = -1e9
+
+    @property
+    def holds(self) -> bool:
+        """Whether requests are held while no pod is routable (scale from zero)."""
+        return self.cfg.max_pending_requests > 0 and self.cfg.scale_from_zero_timeout > 0
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -144,11 +205,13 @@ class Router:
                                    self.cfg.refresh_interval, slices)
         await self.discovery.refresh()
         self.discovery.start()
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              skip_auto_headers=("User-Agent",))
 
     async def shutdown(self) -> None:
+        if self._hold_task is not None:
+            self._hold_task.cancel()
         if self.discovery is not None:
             await self.discovery.stop()
         if self.session is not None:
@@ -175,43 +238,91 @@ class Router:
                     return
         if kind != "http":
             return
+        started = False
+
+        async def tracked(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        # Nothing raises out of the app: an unexpected error is logged, counted, and answered
+        # with a 500 if the status line is not out yet.
+        try:
+            await self._http(scope, receive, tracked)
+        except asyncio.CancelledError:
+            raise
+        except OSError as exc:  # the client's connection is gone: nothing to answer
+            log.debug("client connection error on %s: %s", scope.get("path"), exc)
+        except Exception:  # noqa: BLE001
+            self.metrics.internal_errors.inc()
+            log.exception("unexpected error on %s %s", scope.get("method"), route_label(scope.get("path", "")))
+            if not started:
+                try:
+                    await _error(send, 500, "internal router error", "server_error")
+                except Exception:  # noqa: BLE001
+                    pass
+
+    async def _http(self, scope, receive, send):
         path, method = scope["path"], scope["method"]
         if method == "POST" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
             return await self.handle(scope, receive, send)
         if path == "/health":
             return await _json(send, 200, {"status": "ok"})
         if path == "/ready":
-            n = len(self.discovery.routable()) if self.discovery else 0
-            return await _json(send, 200 if n else 503, {"status": "ready" if n else "no ready engines",
-                                                         "pods": n, "redis": bool(self.discovery and self.discovery.redis_ok)})
+            return await self.ready(send)
         if path == "/metrics":
             return await _send(send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
         if path == "/v1/models" and method == "GET":
             if self.keys.enabled and self.keys.check(_header(scope, b"authorization")) is None:
                 self.metrics.auth_failures.inc()
+                self.metrics.requests.labels("/v1/models", "401").inc()
                 return await _error(send, 401, "invalid or missing API key", "authentication_error")
             return await _json(send, 200, {"object": "list", "data": [
                 {"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "kvmesh"}]})
-        return await _error(send, 404, f"no route for {method} {path}", "not_found_error")
+        self.metrics.requests.labels(route_label(path), "404").inc()
+        return await _error(send, 404, f"no route for {method} {path[:200]}", "not_found_error")
+
+    async def ready(self, send):
+        """200 while the router can accept requests: a routable pod, or none but requests are held
+        until one is (scale from zero); the detail says how many are held."""
+        n = len(self.discovery.routable()) if self.discovery else 0
+        ok = bool(n) or self.holds
+        if n:
+            status = "ready"
+        elif self.holds:
+            status = "ready: no routable engine, requests are held until one is (scale from zero)"
+        else:
+            status = "no ready engines"
+        return await _json(send, 200 if ok else 503, {
+            "status": status, "pods": n, "redis": bool(self.discovery and self.discovery.redis_ok),
+            "held_requests": len(self._held), "max_pending_requests": self.cfg.max_pending_requests if self.holds else 0})
 
     # -- the request path -----------------------------------------------------------------------
     async def handle(self, scope, receive, send):
         t0 = time.perf_counter()
         m = self.metrics
         path = scope["path"]
+        route = route_label(path)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         rid = headers.get("x-request-id")
         if not rid or not _RID_OK.match(rid):
             rid = uuid.uuid4().hex
         extra = [(b"x-request-id", rid.encode())]
 
+        async def refuse(status: int, message: str, etype: str, param: str | None = None, code: str | None = None,
+                         more=()) -> None:
+            m.requests.labels(route, status_label(status)).inc()
+            await _error(send, status, message, etype, extra + list(more), param=param, code=code)
+
+        # 1. cheap checks first: key, body size, JSON, the fields the router reads, rate limit
         key_info = None
         if self.keys.enabled:
             key_info = self.keys.check(headers.get("authorization"))
             if key_info is None:
                 m.auth_failures.inc()
-                m.requests.labels(path, "401").inc()
-                return await _error(send, 401, "invalid or missing API key", "authentication_error", extra)
+                return await refuse(401, "invalid or missing API key", "authentication_error",
+                                    code="invalid_api_key")
         client_id = key_info.key_id if key_info else "ip:" + ((scope.get("client") or ("?",))[0])
 
         limit = self.cfg.max_body_bytes
@@ -220,8 +331,8 @@ class Router:
         except ValueError:
             declared = 0
         if declared > limit:
-            m.requests.labels(path, "413").inc()
-            return await _error(send, 413, f"request body larger than {limit} bytes", "invalid_request_error", extra)
+            return await refuse(413, f"request body is {declared} bytes; the limit is {limit}",
+                                "invalid_request_error", code="body_too_large")
         chunks = []
         size = 0
         while True:
@@ -231,108 +342,256 @@ class Router:
             part = msg.get("body", b"")
             size += len(part)
             if size > limit:
-                m.requests.labels(path, "413").inc()
-                return await _error(send, 413, f"request body larger than {limit} bytes", "invalid_request_error",
-                                    extra)
+                return await refuse(413, f"request body exceeds the limit of {limit} bytes",
+                                    "invalid_request_error", code="body_too_large")
             chunks.append(part)
             if not msg.get("more_body"):
                 break
         body = b"".join(chunks)
         try:
             req = json.loads(body)
-            if not isinstance(req, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            m.requests.labels(path, "400").inc()
-            return await _error(send, 400, "request body must be a JSON object", "invalid_request_error", extra)
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly nested JSON
+            return await refuse(400, f"request body is not valid JSON: {str(exc)[:200]}", "invalid_request_error",
+                                code="invalid_json")
+        if not isinstance(req, dict):
+            return await refuse(400, "request body must be a JSON object", "invalid_request_error")
+        generate = path in _GENERATE
+        if generate:
+            try:
+                check_request(path, req, self.vocab_size)
+            except BadRequest as exc:
+                return await refuse(exc.status, exc.message, "invalid_request_error", exc.param, exc.code)
 
-        tokens = self._tokens(path, req)
-        est = estimate_tokens(req, len(tokens))
-        ok, retry_after, which = self.limiter.admit(client_id, est, key_info.rpm if key_info else None,
-                                                    key_info.tpm if key_info else None)
+        # The rate limit is charged a bounded estimate before the tokenizer runs (a client over
+        # its limit costs no tokenization); it is corrected with the real prompt length, and
+        # settled with the engine's usage (or refunded if the request is refused).
+        chars = prompt_chars(path, req) if generate else 0
+        tpm = key_info.tpm if key_info else None
+        ok, retry_after, which, charged = self.limiter.admit_charge(
+            client_id, estimate_tokens(req, chars // 4 + 1) if generate else 0,
+            key_info.rpm if key_info else None, tpm)
         if not ok:
             m.rate_limited.labels(which).inc()
-            m.requests.labels(path, "429").inc()
-            return await _error(send, 429, f"rate limit exceeded ({which} per minute)", "rate_limit_error",
-                                extra + [(b"retry-after", str(retry_after).encode())])
+            return await refuse(429, f"rate limit exceeded ({which} per minute)", "rate_limit_error",
+                                code="rate_limit_exceeded", more=[(b"retry-after", str(retry_after).encode())])
 
-        # A request scoring its prompt (prompt logprobs, or echo with logprobs) computes every
-        # position and reads nothing from the cache: no prefix to match, it goes by load.
-        scores_prompt = req.get("prompt_logprobs") is not None or (bool(req.get("echo"))
-                                                                    and req.get("logprobs") is not None)
-        keys = block_keys(tokens, self.cfg.model, self.cfg.block_size, cache_salt=req.get("cache_salt")) \
-            if tokens and not scores_prompt else []
-        pods = self.discovery.routable()
-        now = time.monotonic()
-        usable = [p for p in pods if not self.breaker.ejected(p.name, now)] or pods
-        if not usable:
-            m.requests.labels(path, "503").inc()
-            return await _error(send, 503, "no ready engine for this model", "service_unavailable", extra)
-        ordered, reason = await self.decide(usable, keys, headers, body)
-        if scores_prompt and reason == "short_prompt":
-            reason = "scores_prompt"
-        m.decisions.labels(self.cfg.policy, reason).inc()
-        predicted = ordered[0].matched_blocks * self.cfg.block_size
-
-        task = asyncio.ensure_future(self.proxy(scope, send, path, body, headers, rid, ordered, t0, extra))
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        held: _Held | None = None
         try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
+            # 2. tokenize (long prompts off the event loop) and block keys
+            scores_prompt = req.get("prompt_logprobs") is not None or (bool(req.get("echo"))
+                                                                        and req.get("logprobs") is not None)
+            tokens: list[int] = []
+            keys: list[int] = []
+            if generate:
+                t_tok = time.perf_counter()
+                if chars >= OFF_LOOP_CHARS:
+                    tokens, keys = await asyncio.to_thread(self._tokens_and_keys, path, req, scores_prompt, True)
+                else:
+                    tokens, keys = self._tokens_and_keys(path, req, scores_prompt, False)
+                m.tokenize.observe(time.perf_counter() - t_tok)
+                if tokens and charged:
+                    charged += self.limiter.adjust(client_id, estimate_tokens(req, len(tokens)) - charged, tpm)
+            if watcher.done():  # gone while we tokenised
+                m.client_disconnects.inc()
+                m.requests.labels(route, "499").inc()
+                return
+
+            # 3. a pod to send it to; none routable: hold it until one is (scale from zero)
+            pods = self.discovery.routable()
+            held_s = None
+            if self.holds and (not pods or self._held):
+                outcome, held_s, held = await self._hold(watcher)
+                if outcome == "disconnect":
+                    m.client_disconnects.inc()
+                    m.requests.labels(route, "499").inc()
+                    self.limiter.adjust(client_id, -charged, tpm)
+                    return
+                if outcome != "dispatched":
+                    self.limiter.adjust(client_id, -charged, tpm)
+                    if outcome == "queue_full":
+                        msg = (f"no engine is ready and {self.cfg.max_pending_requests} requests already wait for "
+                               "one (scale from zero); retry later")
+                    else:
+                        msg = (f"no engine became ready within {self.cfg.scale_from_zero_timeout:g} s "
+                               "(scale from zero); retry later")
+                    return await refuse(503, msg, "service_unavailable", code="no_ready_engine",
+                                        more=[(b"retry-after", b"5" if outcome == "queue_full" else b"10")])
+                pods = self.discovery.routable()
+            now = time.monotonic()
+            usable = [p for p in pods if not self.breaker.ejected(p.name, now)] or pods
+            if not usable:
+                self.limiter.adjust(client_id, -charged, tpm)
+                return await refuse(503, "no ready engine for this model", "service_unavailable",
+                                    code="no_ready_engine", more=[(b"retry-after", b"1")])
+            ordered, reason = await self.decide(usable, keys, headers, body)
+            if scores_prompt and reason == "short_prompt":
+                reason = "scores_prompt"
+            if self.full_until:  # pods that just answered 429 go last
+                ordered.sort(key=lambda c: self.full_until.get(c.name, 0.0) > now)
+            m.decisions.labels(self.cfg.policy, reason).inc()
+            predicted = ordered[0].matched_blocks * self.cfg.block_size
+
+            # 4. proxy; a client that goes away cancels the upstream request
+            on_sent = held.sent.set if held is not None else None
+            task = asyncio.ensure_future(self.proxy(scope, send, path, body, headers, rid, ordered, t0, extra,
+                                                    on_sent))
+            try:
+                await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            if not task.done():
+                task.cancel()  # the client went away: cancel the upstream request (closes its connection)
+                m.client_disconnects.inc()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                    pass
+                out = Outcome(499, ordered[0].name)
+            else:
+                out = task.result()
         finally:
             watcher.cancel()
-        if not task.done():
-            task.cancel()  # the client went away: cancel the upstream request (closes its connection)
-            m.client_disconnects.inc()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
-            status, pod, usage, attempts = 499, ordered[0].name, None, 1
-        else:
-            status, pod, usage, attempts = task.result()
+            if held is not None:
+                held.sent.set()
+
+        # 5. settle: metrics, the rate limit, the access log
+        status = out.status
         dur = time.perf_counter() - t0
-        m.requests.labels(path, str(status)).inc()
+        m.requests.labels(route, status_label(status)).inc()
         m.duration.observe(dur)
         m.prompt_tokens.inc(len(tokens))
         cached = None
         if status == 200:
             m.predicted_cached.inc(predicted)
+            usage = out.usage
             if usage:
                 cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
                 if isinstance(cached, int):
                     m.engine_cached.inc(cached)
                     m.prediction_error.observe(predicted - cached)
-                real = int(usage.get("total_tokens") or 0)
-                if real and real != est:
-                    self.limiter.adjust(client_id, real - est, key_info.tpm if key_info else None)
+                real = usage.get("total_tokens")
+                if isinstance(real, int) and real >= 0 and charged:
+                    self.limiter.adjust(client_id, real - charged, tpm)
+        elif status >= 400 and status not in (499, 504) and charged:
+            self.limiter.adjust(client_id, -charged, tpm)  # refused, or never reached an engine: refund
         if access_log.isEnabledFor(logging.INFO):
             access_log.info("request", extra={"fields": {
-                "request_id": rid, "route": path, "status": status, "pod": pod, "policy": self.cfg.policy,
-                "reason": reason, "attempts": attempts, "prompt_tokens": len(tokens),
+                "request_id": rid, "route": route, "status": status, "pod": redact_url(out.pod),
+                "policy": self.cfg.policy, "reason": reason, "attempts": out.attempts, "prompt_tokens": len(tokens),
                 "predicted_cached_tokens": predicted, "cached_tokens": cached, "stream": bool(req.get("stream")),
+                "held_s": round(held_s, 3) if held_s is not None else None, "error": out.error,
                 "duration_ms": round(dur * 1000, 2), "client": client_id}})
 
-    def _tokens(self, path: str, req: dict[str, Any]) -> list[int]:
+    def _tokens_and_keys(self, path: str, req: dict[str, Any], scores_prompt: bool,
+                         large: bool) -> tuple[list[int], list[int]]:
+        tokens = self._tokens(path, req, large)
+        # A request scoring its prompt (prompt logprobs, or echo with logprobs) computes every
+        # position and reads nothing from the cache: no prefix to match, it goes by load.
+        keys = (block_keys(tokens, self.cfg.model, self.cfg.block_size, cache_salt=req.get("cache_salt"))
+                if tokens and not scores_prompt else [])
+        return tokens, keys
+
+    def _tokens(self, path: str, req: dict[str, Any], large: bool = False) -> list[int]:
         try:
             if path == "/v1/chat/completions":
                 msgs = req.get("messages")
                 if not isinstance(msgs, list):
                     return []
+                kw = {"large": True} if large else {}
                 return self.encoder.encode_chat(msgs, add_generation_prompt=req.get("add_generation_prompt", True),
                                                 continue_final_message=bool(req.get("continue_final_message")),
-                                                template_kwargs=req.get("chat_template_kwargs"))
+                                                template_kwargs=req.get("chat_template_kwargs"), **kw)
             if path == "/v1/completions":
                 prompt = prompt_batch(req.get("prompt"))[0]  # a batch routes on its first prompt
                 if isinstance(prompt, str):
+                    if large and hasattr(self.encoder, "encode_large"):
+                        return self.encoder.encode_large(prompt)
                     return self.encoder.encode(prompt)
-                if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                    return prompt
+                if isinstance(prompt, list) and prompt:
+                    if all(type(t) is int for t in prompt):
+                        return prompt
+                    if all(isinstance(t, (int, float)) and float(t).is_integer() for t in prompt):
+                        return [int(t) for t in prompt]
         except Exception as exc:  # noqa: BLE001 - the engine will answer the malformed request
             log.debug("could not tokenize: %s", exc)
         return []
+
+    # -- scale from zero ---------------------------------------------------------------------------
+    async def _hold(self, watcher: asyncio.Future) -> tuple[str, float, _Held | None]:
+        """Wait, in arrival order, for a routable pod. Returns (outcome, seconds held, the hold):
+        outcome is dispatched, timeout, queue_full or disconnect."""
+        m = self.metrics
+        if len(self._held) >= self.cfg.max_pending_requests:
+            m.held_outcomes.labels("queue_full").inc()
+            return "queue_full", 0.0, None
+        h = _Held()
+        self._held.append(h)
+        m.held.set(len(self._held))
+        if self._hold_task is None or self._hold_task.done():
+            self._hold_task = asyncio.ensure_future(self._hold_loop())
+        t = time.monotonic()
+        try:
+            await asyncio.wait({h.go, watcher}, timeout=self.cfg.scale_from_zero_timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not h.go.done():  # timed out, client gone, or cancelled: leave the queue
+                h.go.cancel()
+                try:
+                    self._held.remove(h)
+                except ValueError:
+                    pass
+                m.held.set(len(self._held))
+        waited = time.monotonic() - t
+        if not h.go.cancelled():
+            outcome = "dispatched"
+        elif watcher.done():
+            outcome = "disconnect"
+        else:
+            outcome = "timeout"
+        m.held_outcomes.labels(outcome).inc()
+        m.held_wait.labels(outcome).observe(waited)
+        if outcome == "timeout":
+            log.warning("held request gave up: no engine ready within %.0f s", self.cfg.scale_from_zero_timeout)
+        return outcome, waited, h
+
+    async def _hold_loop(self) -> None:
+        """While requests are held: signal demand (at most once a second) and release them, oldest
+        first, one at a time, as soon as a pod is routable."""
+        try:
+            while self._held:
+                now = time.monotonic()
+                if now - self._demand_at >= 1.0:
+                    self._demand_at = now
+                    await self.signal_demand()
+                if self.discovery.routable():
+                    while self._held and self.discovery.routable():
+                        h = self._held.popleft()
+                        self.metrics.held.set(len(self._held))
+                        if h.go.done():
+                            continue
+                        h.go.set_result(True)
+                        try:  # the next one goes once this one is on its way
+                            await asyncio.wait_for(h.sent.wait(), 2.0)
+                        except asyncio.TimeoutError:
+                            pass
+                    continue
+                await asyncio.sleep(0.05)
+        finally:
+            self.metrics.held.set(len(self._held))
+
+    async def signal_demand(self) -> None:
+        """Set the model's demand key (the current unix time, TTL DEMAND_TTL_S): the autoscalers
+        (operator, `kvmesh up --autoscale`) scale a model at zero replicas back up when they see it."""
+        if self.redis is None:
+            return
+        try:
+            await self.redis.set(rl.demand_key(self.cfg.model), f"{time.time():.3f}", ex=rl.DEMAND_TTL_S)
+            self.metrics.demand_signals.inc()
+        except Exception as exc:  # noqa: BLE001 - the request still waits; the next second tries again
+            self.metrics.redis_errors.labels("demand").inc()
+            log.warning("could not signal demand in Redis: %s", exc)
 
     async def match(self, pods: list[Pod], keys: list[int]) -> dict[str, int] | None:
         """Matched leading blocks per pod, in one Redis round trip; None if Redis is unavailable."""
@@ -407,8 +666,11 @@ class Router:
                 reason = "no_match"
         return ordered, reason
 
-    async def proxy(self, scope, send, path, body, headers, rid, ordered, t0, extra):
-        """Try the candidates in order; returns (status, pod, usage, attempts)."""
+    async def proxy(self, scope, send, path, body, headers, rid, ordered, t0, extra, on_sent=None) -> Outcome:
+        """Send to the candidates in order. Retried on the next pod: a connect error (the request
+        never left), a 502/503 (the engine says "not me"), a 429 while another pod has room. Not
+        retried, and not counted against the pod's breaker: a disconnect after the request was
+        sent, a timeout, any other 5xx (caused by the request), a failure mid-stream."""
         m = self.metrics
         cfg = self.cfg
         fwd = {"Content-Type": headers.get("content-type", "application/json"), "X-Request-Id": rid,
@@ -423,76 +685,269 @@ class Router:
         target = path + ("?" + qs.decode("latin-1") if qs else "")
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout, sock_connect=cfg.connect_timeout,
                                         sock_read=cfg.read_timeout)
-        attempts = ordered[: cfg.max_retries + 1]
+        budget = cfg.max_retries + 1
+        queue = list(ordered)
+        tried = 0
         last_err = "no attempt"
-        for i, cand in enumerate(attempts):
-            final = i == len(attempts) - 1
-            if i:
-                m.retries.labels(last_err.split(":")[0]).inc()
+        while queue and tried < budget:
+            cand = queue.pop(0)
+            tried += 1
+            if tried > 1:
+                m.retries.labels(last_err).inc()
+            pod_hdr = [(b"x-kvmesh-pod", cand.name.encode())]
             self.inflight[cand.name] = self.inflight.get(cand.name, 0) + 1
             resp = None
             try:
-                if i == 0:
+                if tried == 1:
                     m.overhead.observe(time.perf_counter() - t0)
+                    if on_sent is not None:
+                        on_sent()
                 t_send = time.perf_counter()
                 try:
                     resp = await self.session.post(cand.url + target, data=body, headers=fwd, timeout=timeout)
-                except asyncio.TimeoutError:
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                    # The connection was never made: the engine never saw the request.
                     self.breaker.failure(cand.name)
-                    await _error(send, 504, "upstream engine timed out", "timeout_error",
-                                 extra + [(b"x-kvmesh-pod", cand.name.encode())])
-                    return 504, cand.name, None, i + 1
-                except (aiohttp.ClientError, OSError) as exc:
-                    self.breaker.failure(cand.name)
-                    last_err = f"connect: {type(exc).__name__}"
-                    log.info("upstream %s failed before the response: %s", cand.name, exc,
+                    m.upstream_failures.labels("connect").inc()
+                    last_err = "connect"
+                    log.info("could not connect to %s: %s", redact_url(cand.name), exc,
                              extra={"fields": {"request_id": rid}})
                     continue
+                except asyncio.TimeoutError:  # sent, no answer in time: the engine may still run it
+                    m.upstream_failures.labels("before_response").inc()
+                    log.warning("%s did not answer in time", redact_url(cand.name),
+                                extra={"fields": {"request_id": rid}})
+                    await _error(send, 504, "upstream engine timed out", "timeout_error", extra + pod_hdr)
+                    return Outcome(504, cand.name, None, tried, "timeout")
+                except (aiohttp.ClientError, OSError) as exc:
+                    # Sent, then the connection failed: the engine may be running it. Never twice.
+                    m.upstream_failures.labels("before_response").inc()
+                    log.warning("%s closed the connection before answering: %s", redact_url(cand.name), exc,
+                                extra={"fields": {"request_id": rid}})
+                    await _error(send, 502, "the engine closed the connection before answering", "upstream_error",
+                                 extra + pod_hdr, code="upstream_disconnected")
+                    return Outcome(502, cand.name, None, tried, "disconnected")
                 m.ttfb.observe(time.perf_counter() - t_send)
-                if resp.status >= 500:
-                    self.breaker.failure(cand.name)
-                    if not final:
-                        last_err = f"status_{resp.status}: upstream"
+                st = resp.status
+                if st == 429:  # the engine's queue is full: another pod with room may take it
+                    self.full_until[cand.name] = time.monotonic() + _retry_after(resp, 1.0, 10.0)
+                    now = time.monotonic()
+                    queue = [c for c in queue if self.full_until.get(c.name, 0.0) <= now]
+                    if queue and tried < budget:
+                        last_err = "status_429"
                         await resp.read()
                         continue
-                else:
+                elif st in (502, 503):  # "not me": draining, loading, or a proxy in front of a dead engine
+                    self.breaker.failure(cand.name)
+                    if queue and tried < budget:
+                        last_err = f"status_{st}"
+                        await resp.read()
+                        continue
+                elif st < 500:
                     self.breaker.success(cand.name)
+                    self.full_until.pop(cand.name, None)
                 m.routed.labels(cand.name).inc()
                 out_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()
                                if k.lower() in _PASS_HEADERS]
-                await send({"type": "http.response.start", "status": resp.status,
-                            "headers": out_headers + extra + [(b"x-kvmesh-pod", cand.name.encode())]})
-                stream = "event-stream" in resp.headers.get("content-type", "")
-                keep = b""
-                async for chunk in resp.content.iter_any():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    if stream:
-                        keep = (keep + chunk)[-8192:]
-                    elif len(keep) < 1 << 20:
-                        keep += chunk
-                await send({"type": "http.response.body", "body": b""})
-                usage = _usage(keep, stream) if resp.status == 200 else None
-                return resp.status, cand.name, usage, i + 1
-            except asyncio.TimeoutError:
-                return 504, cand.name, None, i + 1  # headers already sent: the stream just ends
+                start = {"type": "http.response.start", "status": st, "headers": out_headers + extra + pod_hdr}
+                if "event-stream" not in resp.headers.get("content-type", ""):
+                    try:
+                        data = await resp.read()
+                    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                        m.upstream_failures.labels("body").inc()
+                        log.warning("%s failed while sending its answer: %s", redact_url(cand.name), exc,
+                                    extra={"fields": {"request_id": rid}})
+                        await _error(send, 502, "the engine failed while sending its answer", "upstream_error",
+                                     extra + pod_hdr, code="upstream_failed")
+                        return Outcome(502, cand.name, None, tried, "body")
+                    await send(start)
+                    await send({"type": "http.response.body", "body": data})
+                    return Outcome(st, cand.name, _usage(data, False) if st == 200 else None, tried)
+                return await self._stream(send, resp, start, cand.name, rid, tried, extra + pod_hdr)
             finally:
                 self.inflight[cand.name] -= 1
                 if resp is not None:
                     resp.close()  # a half-read response closes its connection (cancels the engine's work)
-        await _error(send, 502, f"no engine could take the request ({last_err})", "upstream_error", extra)
-        return 502, attempts[-1].name if attempts else "", None, len(attempts)
+        await _error(send, 502, f"no engine could take the request ({last_err})", "upstream_error", extra,
+                     code="no_engine_reachable")
+        return Outcome(502, ordered[-1].name if ordered else "", None, tried, last_err)
+
+    async def _stream(self, send, resp, start, pod, rid, tried, err_headers) -> Outcome:
+        """Pass an SSE stream through. The status line waits for the first event, so an engine
+        that dies before it gives a clean 502; one that dies later ends the stream with an error
+        event and [DONE] (the client never sees a silently truncated stream)."""
+        m = self.metrics
+        it = resp.content.iter_any()
+        keep = b""
+        error = None
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            m.upstream_failures.labels("before_response").inc()
+            log.warning("%s failed before its first event: %s", redact_url(pod), exc,
+                        extra={"fields": {"request_id": rid}})
+            await _error(send, 502, "the engine failed before its first event", "upstream_error", err_headers,
+                         code="upstream_failed")
+            return Outcome(502, pod, None, tried, "before_first_event")
+        await send(start)
+        chunk = first
+        while chunk:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            keep = (keep + chunk)[-8192:]
+            try:
+                chunk = await it.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                error = "mid_stream"
+                m.upstream_failures.labels("mid_stream").inc()
+                log.warning("%s failed mid-stream: %s", redact_url(pod), exc or type(exc).__name__,
+                            extra={"fields": {"request_id": rid}})
+                lead = b"" if not keep or keep.endswith(b"\n\n") else b"\n\n"
+                event = {"error": {"message": "the engine failed mid-stream; the response is incomplete",
+                                   "type": "upstream_error", "param": None, "code": "upstream_failed"}}
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": lead + b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"})
+                break
+        await send({"type": "http.response.body", "body": b""})
+        usage = _usage(keep, True) if start["status"] == 200 and error is None else None
+        return Outcome(start["status"], pod, usage, tried, error)
 
 
 def estimate_tokens(req: dict[str, Any], prompt_tokens: int) -> int:
     """Tokens a request will use, charged to the rate limit up front (settled with its usage):
-    every prompt of a batch (sized like the first) and n completions of each."""
+    every prompt of a batch (sized like the first) and n completions of each. Malformed or
+    absurd values are bounded (the limiter charges at most a minute's budget anyway)."""
+    n = min(max(1, _lax_int(req.get("n"), 1)), MAX_N)
+    mt = req.get("max_completion_tokens")
+    if mt is None:
+        mt = req.get("max_tokens")
+    max_tokens = min(max(0, _lax_int(mt, 0)), MAX_TOKENS_ESTIMATE)
+    prompts = min(len(prompt_batch(req.get("prompt"))), MAX_PROMPTS)
+    return prompts * (max(0, prompt_tokens) + n * max_tokens)
+
+
+def prompt_chars(path: str, req: dict[str, Any]) -> int:
+    """The size of the prompt the router tokenises (characters, or token ids), read cheaply:
+    1/4 of it estimates its tokens before tokenising, and a long one is tokenised off the loop."""
+    if path == "/v1/chat/completions":
+        total = 0
+        for msg in req.get("messages") or ():
+            content = msg.get("content") if isinstance(msg, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict)
+                             and isinstance(p.get("text"), str))
+            total += 16  # role and template markup
+        return total
+    first = prompt_batch(req.get("prompt"))[0]
+    if isinstance(first, list):
+        return 4 * len(first)  # token ids: exact after the division by 4
+    return len(first) if isinstance(first, str) else 0
+
+
+def _lax_int(value: Any, default: int) -> int:
     try:
-        n = max(1, int(req.get("n") or 1))
-        max_tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or 0)
-    except (TypeError, ValueError):
-        n, max_tokens = 1, 0  # malformed: the engine refuses it
-    prompts = len(prompt_batch(req.get("prompt")))
-    return prompts * (prompt_tokens + n * max_tokens)
+        return int(value) if value is not None else default
+    except (TypeError, ValueError, OverflowError):
+        return default
+
+
+def _int_param(req: dict[str, Any], name: str, lo: int, hi: int | None = None) -> None:
+    """An integer field as the engine's request model accepts it (an int, an integral float, a
+    numeric string), within [lo, hi]; anything else is a 400 naming the field."""
+    v = req.get(name)
+    if v is None:
+        return
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise BadRequest(f"{name} must be a finite integer, got {v}", name)
+        if not v.is_integer():
+            raise BadRequest(f"{name} must be an integer, got {v}", name)
+        v = int(v)
+    elif isinstance(v, str):
+        try:
+            v = int(v.strip())
+        except ValueError:
+            raise BadRequest(f"{name} must be an integer, got {v[:50]!r}", name) from None
+    elif not isinstance(v, int):
+        raise BadRequest(f"{name} must be an integer, got {type(v).__name__}", name)
+    if v < lo or (hi is not None and v > hi):
+        raise BadRequest(f"{name} must be between {lo} and {hi}, got {v}" if hi is not None
+                         else f"{name} must be at least {lo}, got {v}", name)
+
+
+def _token_ids(ids: list, vocab: int) -> None:
+    for t in ids:
+        if type(t) is not int:
+            if isinstance(t, bool) or not (isinstance(t, (int, float)) and math.isfinite(t) and float(t).is_integer()):
+                raise BadRequest(f"prompt: token ids must be integers, got {str(t)[:50]!r}", "prompt")
+            t = int(t)
+        if not 0 <= t < vocab:
+            raise BadRequest(f"token id {t} is outside the vocabulary [0, {vocab})", "prompt",
+                             code="invalid_token_id")
+
+
+def check_request(path: str, req: dict[str, Any], vocab: int) -> None:
+    """The fields the router itself reads, checked as the engine checks them (so the router never
+    fails on them and refuses exactly what an engine would): a 400 naming the field. The rest of
+    the request is the engine's to validate."""
+    _int_param(req, "n", 1, MAX_N)
+    _int_param(req, "max_tokens", 0)
+    if path == "/v1/chat/completions":
+        _int_param(req, "max_completion_tokens", 0)
+    salt = req.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise BadRequest("cache_salt must be a non-empty string", "cache_salt")
+    if path == "/v1/chat/completions":
+        msgs = req.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("messages must be a non-empty list of messages", "messages")
+        for i, msg in enumerate(msgs):
+            if not isinstance(msg, dict):
+                raise BadRequest(f"messages.{i} must be an object with a role and a content", f"messages.{i}")
+        return
+    prompt = req.get("prompt")
+    if prompt is None:
+        raise BadRequest("prompt is required", "prompt")
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, list):
+        raise BadRequest("prompt must be a string, a list of token ids, or a list of either", "prompt")
+    if not prompt:
+        raise BadRequest("prompt is empty: it must contain at least one token", "prompt")
+    batch = prompt_batch(prompt)
+    if len(batch) > MAX_PROMPTS:
+        raise BadRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}", "prompt")
+    if batch is not prompt:  # one list of token ids
+        _token_ids(prompt, vocab)
+        return
+    for one in batch:
+        if isinstance(one, str):
+            continue
+        if not isinstance(one, list) or not one:
+            raise BadRequest("each prompt of a batch must be a string or a non-empty list of token ids", "prompt")
+        _token_ids(one, vocab)
+
+
+def _config_vocab(model_dir: Path) -> int | None:
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return v if isinstance(v, int) and v > 0 else None
+
+
+def _retry_after(resp, lo: float, hi: float) -> float:
+    try:
+        v = float(resp.headers.get("Retry-After", lo))
+    except ValueError:
+        v = lo
+    return min(max(v, lo), hi) if math.isfinite(v) else lo
 
 
 def _usage(data: bytes, stream: bool) -> dict | None:
@@ -533,5 +988,7 @@ async def _json(send, status: int, obj: Any, extra=()):
     await _send(send, status, json.dumps(obj).encode(), extra=extra)
 
 
-async def _error(send, status: int, message: str, etype: str, extra=()):
-    await _json(send, status, {"error": {"message": message, "type": etype, "param": None, "code": status}}, extra)
+async def _error(send, status: int, message: str, etype: str, extra=(), param: str | None = None,
+                 code: str | None = None):
+    """An OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
+    await _json(send, status, {"error": {"message": message, "type": etype, "param": param, "code": code}}, extra)

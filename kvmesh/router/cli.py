@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="key the router presents to engines (env KVMESH_UPSTREAM_API_KEY)")
     p.add_argument("--k8s-service", default=None, help="cross-check pods with this Service's EndpointSlices")
     p.add_argument("--k8s-namespace", default=None)
+    p.add_argument("--max-pending-requests", type=int, default=256,
+                   help="scale from zero: requests held while no engine is routable; more get 503 "
+                        "(0: none are held, 503 at once)")
+    p.add_argument("--scale-from-zero-timeout", type=float, default=300.0,
+                   help="scale from zero: seconds a request is held waiting for an engine before a 503")
     p.add_argument("--log-format", choices=["json", "text"], default=os.environ.get("KVMESH_LOG_FORMAT", "json"))
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--no-access-log", action="store_true")
@@ -47,21 +52,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from kvmesh.router.app import RouterConfig
-    from kvmesh.router.auth import load_keys
+    from kvmesh.router.auth import KeyFileError, load_keys
     from kvmesh.router.scoring import Weights
 
+    if args.max_pending_requests < 0:
+        raise SystemExit("kvmesh router: --max-pending-requests must be >= 0")
+    if not args.scale_from_zero_timeout >= 0:
+        raise SystemExit("kvmesh router: --scale-from-zero-timeout must be >= 0")
+    try:
+        api_keys = load_keys(args.api_keys_file)
+    except KeyFileError as exc:  # a missing key file is a startup error, never "no keys"
+        raise SystemExit(f"kvmesh router: {exc}") from None
     redis_url = None if (args.redis_url or "").lower() in ("", "none") else args.redis_url
     return RouterConfig(
         model=args.model, tokenizer=args.tokenizer, redis_url=redis_url,
         static_backends=[u.strip() for u in (args.static_backends or "").split(",") if u.strip()],
         policy=args.policy, weights=Weights.parse(args.weights), block_size=args.block_size,
-        api_keys=load_keys(args.api_keys_file), rate_limit_rpm=args.rate_limit_rpm,
+        api_keys=api_keys, rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm, max_body_bytes=args.max_body_bytes, max_retries=args.max_retries,
         connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, request_timeout=args.request_timeout,
         eject_after=args.eject_after, eject_seconds=args.eject_seconds, hot_ratio=args.hotspot_ratio,
         hot_min=args.hotspot_min_load, session_header=args.session_header, redis_timeout=args.redis_timeout,
         refresh_interval=args.refresh_interval, upstream_api_key=args.upstream_api_key,
         k8s_service=args.k8s_service, k8s_namespace=args.k8s_namespace,
+        max_pending_requests=args.max_pending_requests, scale_from_zero_timeout=args.scale_from_zero_timeout,
     )
 
 
@@ -81,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     router = Router(cfg)
     logging.getLogger("kvmesh.router").info(
         "router for %s on %s:%d, policy %s, %s, auth %s", cfg.model, args.host, args.port, cfg.policy,
-        f"static backends {cfg.static_backends}" if cfg.static_backends else f"redis {redact_url(cfg.redis_url or '')}",
+        f"static backends {[redact_url(u) for u in cfg.static_backends]}" if cfg.static_backends else f"redis {redact_url(cfg.redis_url or '')}",
         "on" if cfg.api_keys is not None else "off")
     uvicorn.run(router, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="on",
                 timeout_graceful_shutdown=30, loop="auto", http="auto")

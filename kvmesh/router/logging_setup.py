@@ -8,12 +8,34 @@ import re
 import sys
 import time
 
-_URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]*@")
+# scheme://USERINFO@host...: the user info is everything up to the LAST "@" before the next
+# whitespace or quote (a password may itself hold "@", "/", ":" or "#"), redacted whole.
+_URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^\s\"'<>]*@")
+# secrets passed as query parameters (redis://host/0?password=...)
+_URL_QUERY_SECRET = re.compile(r"([?&](?:password|passwd|pwd|token|key|secret|api_key)=)[^&\s\"'<>]*",
+                               re.IGNORECASE)
 
 
 def redact_url(url: str) -> str:
-    """redis://user:secret@host -> redis://user:***@host"""
-    return _URL_PASSWORD.sub(r"\1***@", url)
+    """Credentials in URLs, wholly: redis://user:p@ss/word@host -> redis://***@host (the user name
+    goes too), ?password=x -> ?password=***. Works on any text holding URLs."""
+    if "@" in url:
+        url = _URL_USERINFO.sub(r"\1***@", url)
+    if "=" in url:
+        url = _URL_QUERY_SECRET.sub(r"\1***", url)
+    return url
+
+
+class _Redacting(logging.Formatter):
+    """Any formatter's output with URL credentials redacted (a log line never holds a password,
+    whoever logged the URL)."""
+
+    def __init__(self, inner: logging.Formatter):
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_url(self.inner.format(record))
 
 
 class JsonFormatter(logging.Formatter):
@@ -31,9 +53,9 @@ class JsonFormatter(logging.Formatter):
 def setup_logging(fmt: str = "json", level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(_Redacting(JsonFormatter()))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(_Redacting(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -1,10 +1,31 @@
-"""The router's Prometheus metrics (its own registry, served on /metrics)."""
+"""The router's Prometheus metrics (its own registry, served on /metrics).
+
+Label values come from fixed sets only (route templates, status codes the router knows, pod
+names it routes to, reasons it names), so no client can grow /metrics by sending junk.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LAT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+
+# The `route` label: these templates, anything else is "other".
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/embeddings", "/tokenize",
+                    "/detokenize", "/health", "/ready", "/metrics"})
+# The `status` label: these codes as they are, any other as its class ("2xx" ... "5xx").
+STATUSES = frozenset({200, 400, 401, 403, 404, 405, 408, 409, 413, 422, 429, 499, 500, 501, 502, 503, 504})
+
+
+def route_label(path: str) -> str:
+    return path if path in ROUTES else "other"
+
+
+def status_label(status: int) -> str:
+    if status in STATUSES:
+        return str(status)
+    return f"{status // 100}xx" if 100 <= status < 600 else "other"
 ERR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
 
 
@@ -43,6 +64,25 @@ class RouterMetrics:
                                           "Client disconnects that cancelled the upstream request", registry=r)
         self.pods = Gauge("kvmesh_router_pods", "Pods known to the router by state", ["state"], registry=r)
         self.redis_up = Gauge("kvmesh_router_redis_up", "1 if the last Redis operation succeeded", registry=r)
+        self.upstream_failures = Counter("kvmesh_router_upstream_failures",
+                                         "Engine failures by phase: connect (not sent, retried), before_response "
+                                         "(sent, no answer: 502), body (502), mid_stream (SSE error event)",
+                                         ["phase"], registry=r)
+        self.internal_errors = Counter("kvmesh_router_internal_errors",
+                                       "Unexpected exceptions caught at the ASGI boundary", registry=r)
+        self.tokenize = Histogram("kvmesh_router_tokenize_seconds", "Prompt tokenization and block keys",
+                                  buckets=LAT_BUCKETS, registry=r)
+        # scale from zero
+        self.held = Gauge("kvmesh_router_held_requests",
+                          "Requests held because no replica is routable (scale from zero)", registry=r)
+        self.held_wait = Histogram("kvmesh_router_scale_from_zero_wait_seconds",
+                                   "How long held requests waited, by outcome", ["outcome"],
+                                   buckets=WAIT_BUCKETS, registry=r)
+        self.held_outcomes = Counter("kvmesh_router_scale_from_zero",
+                                     "Held requests by outcome: served, timeout, queue_full, disconnect",
+                                     ["outcome"], registry=r)
+        self.demand_signals = Counter("kvmesh_router_demand_signals",
+                                      "Writes of the scale-from-zero demand key to Redis", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

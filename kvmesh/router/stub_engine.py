@@ -178,7 +178,8 @@ class StubEngine:
             self.cfg["fail_count"] -= 1
             self.stats["failed"] += 1
             return await _json(send, fail, {"error": {"message": "stub failure", "type": "server_error",
-                                                      "code": fail}})
+                                                      "code": fail}},
+                               [(b"retry-after", b"1")] if fail in (429, 503) else ())
         if self.cfg["draining"]:
             return await _json(send, 503, {"error": {"message": "draining", "type": "unavailable", "code": 503}})
         try:
@@ -261,13 +262,13 @@ async def _wait_disconnect(receive):
             return
 
 
-async def _send(send, status: int, body: bytes, ctype: bytes = b"application/json"):
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype)]})
+async def _send(send, status: int, body: bytes, ctype: bytes = b"application/json", headers=()):
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype), *headers]})
     await send({"type": "http.response.body", "body": body})
 
 
-async def _json(send, status: int, obj: Any):
-    await _send(send, status, json.dumps(obj).encode())
+async def _json(send, status: int, obj: Any, headers=()):
+    await _send(send, status, json.dumps(obj).encode(), headers=headers)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

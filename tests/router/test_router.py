@@ -254,19 +254,20 @@ def test_client_disconnect_cancels_the_engine_request(mesh, router_factory, redi
     wait_until(lambda: metric(router.url, "kvmesh_router_client_disconnects_total") == 1, 5)
 
 
-def test_retry_on_5xx_then_eject(mesh, router_factory, redis_server, model_name):
+def test_not_me_answers_are_retried_then_the_pod_ejected(mesh, router_factory, redis_server, model_name):
+    """A 503 ("not me": draining, loading) goes to the next pod and counts against the breaker."""
     stubs, _ = mesh(2)
-    stubs[0].config(fail_status=500)
+    stubs[0].config(fail_status=503)
     router = router_factory(model=model_name, redis_url=redis_server.url, eject_after=2, eject_seconds=30)
     results = [complete(router.url, text(60 + i, 50)) for i in range(8)]
     assert all(x.status_code == 200 and x.headers["x-kvmesh-pod"] == "pod-1" for x in results)
     assert metric(router.url, "kvmesh_router_ejections_total", pod="pod-0") == 1
-    assert 1 <= metric(router.url, "kvmesh_router_retries_total") <= 2  # ejected after two failures
+    assert 1 <= metric(router.url, "kvmesh_router_retries_total", reason="status_503") <= 2  # ejected after two
     assert stubs[0].stats()["failed"] == 2
-    # every pod failing: the last 5xx is passed through, not hidden
+    # every pod failing: the last answer is passed through, not hidden
     stubs[1].config(fail_status=503)
     bad = complete(router.url, "x")
-    assert bad.status_code in (500, 503)
+    assert bad.status_code == 503 and bad.headers["retry-after"] == "1"
 
 
 def test_draining_pod_is_not_routed_to(mesh, router_factory, redis_server, model_name):
