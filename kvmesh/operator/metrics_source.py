@@ -5,7 +5,10 @@ Key layout (contract 3, owned by kvmesh/common/redis_layout.py):
 * ``kvmesh:v1:{model}:pods``             set of pod names
 * ``kvmesh:v1:{model}:pod:{pod_name}``   heartbeat hash (TTL ~10 s): url, model, kv_usage,
   running, waiting, total_blocks, state (ready|draining), ts (unix seconds)
-* ``kvmesh:v1:{model}:blocks:{pod_name}`` block-key set (not read here)
+* ``kvmesh:v1:{model}:blocks:{pod_name}`` block-key set (not read here; the heartbeat's
+  optional ``num_keys`` is its size)
+* ``kvmesh:v1:{model}:demand``           unix time a router last held a request for lack of
+  a ready replica (TTL 60 s): the scale-from-zero signal
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.common.redis_layout import HEARTBEAT_TTL_S, blocks_key, heartbeat_key, pods_key  # noqa: F401
+from kvmesh.common.redis_layout import (HEARTBEAT_TTL_S, blocks_key, demand_key, heartbeat_key,  # noqa: F401
+                                       pods_key)
 
 HEARTBEAT_STALE_SECONDS = float(HEARTBEAT_TTL_S)
 
@@ -29,13 +33,20 @@ class Heartbeat:
     total_blocks: int
     state: str
     ts: float
+    num_keys: int | None = None     # cached blocks (optional field of the kvmesh sidecar)
 
     @classmethod
     def parse(cls, pod: str, h: dict[str, str]) -> "Heartbeat":
         return cls(pod=pod, url=h.get("url", ""), kv_usage=min(1.0, max(0.0, float(h.get("kv_usage", 0.0)))),
                    running=int(float(h.get("running", 0))), waiting=int(float(h.get("waiting", 0))),
                    total_blocks=int(float(h.get("total_blocks", 0))), state=h.get("state", ""),
-                   ts=float(h.get("ts", 0.0)))
+                   ts=float(h.get("ts", 0.0)),
+                   num_keys=int(float(h["num_keys"])) if h.get("num_keys") not in (None, "") else None)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks this replica holds: the sidecar's block-key count, else the used share of its KV cache."""
+        return self.num_keys if self.num_keys is not None else round(self.kv_usage * self.total_blocks)
 
 
 @dataclass(frozen=True)
@@ -92,3 +103,14 @@ class RedisHeartbeats:
                 continue
             (ready if hb.state == "ready" else draining).append(hb)
         return Snapshot(ready=ready, draining=draining)
+
+    async def demand(self, model: str) -> float | None:
+        """When a router last held a request for lack of a ready replica (unix time), if
+        within the key's TTL; None otherwise."""
+        raw = await self._redis.get(demand_key(model))
+        if raw is None:
+            return None
+        try:
+            return float(_s(raw))
+        except ValueError:
+            return 0.0   # present but unreadable: still a demand

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import time
 
 import redis.asyncio as aioredis
 
+from kvmesh.common.redis_layout import demand_key
+from kvmesh.operator import crd, render
 from kvmesh.operator.metrics_source import heartbeat_key, pods_key
+from kvmesh.operator.scaling import DELETION_COST
 
-from tests.operator.conftest import DEPLOYMENTS, MD, NETPOLS, PDBS, SECRETS, SERVICES, eventually, md_body
+from tests.operator.conftest import DEPLOYMENTS, MD, NETPOLS, PDBS, PODS, SECRETS, SERVICES, eventually, md_body
 
 
 class Heartbeats:
@@ -20,13 +24,18 @@ class Heartbeats:
         self.r = aioredis.Redis.from_url(url)
         self.model = model
 
-    async def beat(self, pod, kv, state="ready"):
+    async def beat(self, pod, kv, state="ready", running=1, waiting=0, num_keys=None):
         await self.r.sadd(pods_key(self.model), pod)
         key = heartbeat_key(self.model, pod)
+        extra = {} if num_keys is None else {"num_keys": num_keys}
         await self.r.hset(key, mapping={"url": f"http://{pod}:8000", "model": self.model, "kv_usage": kv,
-                                        "running": 1, "waiting": 0, "total_blocks": 1000, "state": state,
-                                        "ts": time.time()})
+                                        "running": running, "waiting": waiting, "total_blocks": 1000,
+                                        "state": state, "ts": time.time(), **extra})
         await self.r.expire(key, 10)
+
+    async def demand(self):
+        """What a router holding requests at 0 replicas writes."""
+        await self.r.set(demand_key(self.model), time.time(), ex=60)
 
     async def drop(self, pod):
         await self.r.delete(heartbeat_key(self.model, pod))
@@ -41,6 +50,46 @@ def cond(obj, ctype):
         if c["type"] == ctype:
             return c
     raise AssertionError(f"no {ctype} condition in {obj.get('status')}")
+
+
+async def add_pod(k8s, clock, name, ready=True, age=0.0, md="demo"):
+    """An engine pod as the ReplicaSet controller would create it (the emulator runs none);
+    its creationTimestamp is on the operator's (fast-forwarded) clock."""
+    created = datetime.datetime.fromtimestamp(clock.now - age, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    await k8s.put_object(PODS, {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "ns", "labels": render.labels(md, render.ENGINE),
+                     "creationTimestamp": created},
+        "status": {"phase": "Running" if ready else "Pending",
+                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}})
+
+
+async def set_ready(k8s, name, ready=True):
+    pod = k8s.fetch_object(PODS, "ns", name)
+    pod["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    await k8s.put_object(PODS, pod)
+
+
+def operator_requests(k8s, plural, method="GET", name=None, subresource=None):
+    """The operator's API calls on one resource (from the emulator's request log), in order."""
+    out = []
+    for i, req in enumerate(list(k8s._requests)):
+        if req.resource is None or req.resource.plural != plural or req.params.get("watch") == "true":
+            continue
+        if not req.headers.get("User-Agent", "").startswith("kvmesh"):
+            continue
+        if (str(getattr(req.method, "value", req.method)).upper() == method and req.name == name
+                and req.subresource == subresource):
+            out.append(i)
+    return out
+
+
+async def after_ticks(k8s, n=2, plural="pods", name=None):
+    """Wait until the operator's loop has run ``n`` more full ticks (each autoscaling tick lists
+    the engine pods once; pass plural=modeldeployments, name=... for other loops, which GET their
+    ModelDeployment once a tick): proof that "nothing changed" is not a race with a slow tick."""
+    start = len(operator_requests(k8s, plural, name=name))
+    await eventually(lambda: len(operator_requests(k8s, plural, name=name)) >= start + n + 1, timeout=15)
 
 
 async def mark_available(k8s, name, ready=None):
@@ -135,8 +184,8 @@ async def test_invalid_spec_reports_condition_without_crashing(k8s, operator):
     assert k8s.list_objects(DEPLOYMENTS, "ns") == []
     await eventually(lambda: any(e.get("reason") == "InvalidSpec" and e["type"] == "Warning"
                                  for e in k8s.list_objects("v1/events", "ns")))
-    # Handled, not retried: no crash loop of the handler.
-    await asyncio.sleep(0.5)
+    # Handled, not retried: no crash loop of the handler (status loop ticks meanwhile).
+    await after_ticks(k8s, 2, plural=crd.PLURAL, name="demo")
     annotations = k8s.fetch_object(MD, "ns", "demo")["metadata"].get("annotations") or {}
     assert not any("retries" in v for k, v in annotations.items() if k.startswith("kvmesh.io/"))
 
@@ -159,19 +208,21 @@ async def test_transient_api_errors_are_retried(k8s, operator):
     await eventually(lambda: k8s.fetch_object(MD, "ns", "demo")["status"].get("observedGeneration") == 1)
 
 
-async def test_restart_changes_nothing(k8s, operator, redis_url):
+async def test_restart_changes_nothing(k8s, operator, redis_url, clock):
     await k8s.put_object(MD, md_body(autoscaling={"minReplicas": 1, "maxReplicas": 5, "intervalSeconds": 0.1,
                                                   "targetKVUtilization": 0.5}))
     await eventually(lambda: k8s.fetch_object(SERVICES, "ns", "demo-redis"))
     hb = Heartbeats(redis_url, "smollm2-135m-instruct")
+    await add_pod(k8s, clock, "demo-engine-a")
     await hb.beat("demo-engine-a", 0.9)   # load 0.9 / target 0.5 -> 2 replicas
     await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine")["spec"]["replicas"] == 2)
+    await add_pod(k8s, clock, "demo-engine-b")
     await hb.beat("demo-engine-b", 0.45)
     await hb.beat("demo-engine-a", 0.45)  # steady: utilisation ~ target
     for dep in ("demo-engine", "demo-router", "demo-redis"):
         await mark_available(k8s, dep)
     await eventually(lambda: cond(k8s.fetch_object(MD, "ns", "demo"), "Ready")["status"] == "True")
-    await asyncio.sleep(0.3)
+    await eventually(lambda: k8s.fetch_object(MD, "ns", "demo")["status"]["lastDecision"]["action"] == "none")
 
     def snapshot():
         return {(key, o["metadata"]["name"]): (o["metadata"]["resourceVersion"], o["metadata"].get("generation"),
@@ -182,11 +233,9 @@ async def test_restart_changes_nothing(k8s, operator, redis_url):
     await hb.beat("demo-engine-b", 0.1)   # load dropped while the operator was down
     await hb.beat("demo-engine-a", 0.1)
     await operator.start()
-    for _ in range(10):                   # resume handler + many autoscaler ticks
-        await asyncio.sleep(0.1)
-        await hb.beat("demo-engine-a", 0.1)
-        await hb.beat("demo-engine-b", 0.1)
+    await after_ticks(k8s, 5)             # resume handler + several autoscaler ticks
     assert snapshot() == before           # no duplicate, no re-created, no re-scaled child
+    assert k8s.fetch_object(MD, "ns", "demo")["spec"]["replicas"] == 2
     status = k8s.fetch_object(MD, "ns", "demo")["status"]
     assert status["desiredReplicas"] == 2
     assert status["lastDecision"]["action"] == "hold"   # a fresh scaler waits a full scale-down window
@@ -235,35 +284,47 @@ async def test_autoscaler_from_redis_heartbeats_across_windows(k8s, operator, re
         assert "no KV-utilisation metrics" in md()["status"]["lastDecision"]["reason"]
         assert engine() == 1
 
-        # One ready pod at 90% KV -> ceil(0.9 / 0.5) = 2.
+        # A heartbeat without a pod in the API adds no replica (and no load).
+        await hb.beat("demo-engine-ghost", 1.0)
+        await after_ticks(k8s)
+        assert md()["status"]["lastDecision"]["action"] == "hold" and engine() == 1
+
+        # One ready pod at 90% KV -> ceil(0.9 / 0.5) = 2, written to spec.replicas through /scale.
+        await add_pod(k8s, clock, "demo-engine-a")
         await hb.beat("demo-engine-a", 0.9)
         await hb.beat("other-engine-z", 1.0)    # another deployment's pod on a shared Redis: ignored
         await eventually(lambda: engine() == 2)
         status = md()["status"]
         assert status["desiredReplicas"] == 2 and status["lastScaleTime"]
+        assert md()["spec"]["replicas"] == 2
+        assert operator_requests(k8s, crd.PLURAL, "PATCH", "demo", "scale")
         await eventually(lambda: events(k8s, "ScaledUp"))
         assert "1 -> 2" in events(k8s, "ScaledUp")[0]["message"]
 
-        # The new pod is starting (no heartbeat): it counts as requested capacity, no cascade.
+        # The new pod is starting (not Ready): it counts as requested capacity, no cascade.
+        await add_pod(k8s, clock, "demo-engine-b", ready=False)
         await hb.beat("demo-engine-a", 1.0)
         clock.advance(5)
-        await asyncio.sleep(0.5)
-        assert engine() == 2
+        await after_ticks(k8s)
+        assert engine() == 2 and md()["spec"]["replicas"] == 2
         assert md()["status"]["kvUtilization"] == 1.0 and md()["status"]["kvPercent"] == 100
 
         # Both ready, load falls: scale-down waits for the 60 s window (fast-forwarded).
+        await set_ready(k8s, "demo-engine-b")
         await hb.beat("demo-engine-a", 0.1)
         await hb.beat("demo-engine-b", 0.1)
         await eventually(lambda: md()["status"]["lastDecision"]["recommendation"] == 1)
         clock.advance(30)
-        await asyncio.sleep(0.4)
+        await after_ticks(k8s)
         assert engine() == 2
         await hb.beat("demo-engine-a", 0.1)
         await hb.beat("demo-engine-b", 0.1)
         clock.advance(31)
         await eventually(lambda: engine() == 1)
+        assert md()["spec"]["replicas"] == 1
         await eventually(lambda: events(k8s, "ScaledDown"))
         assert "2 -> 1" in events(k8s, "ScaledDown")[0]["message"]
+        await k8s.delete_object(PODS, "ns", "demo-engine-b")
 
         # Heartbeats vanish (Redis lost them): hold at the current count.
         await hb.drop("demo-engine-a")
@@ -275,18 +336,22 @@ async def test_autoscaler_from_redis_heartbeats_across_windows(k8s, operator, re
         await hb.close()
 
 
-async def test_operator_uses_exactly_its_rbac(k8s, operator):
+async def test_operator_uses_exactly_its_rbac(k8s, operator, clock):
     """Create, switch to an external Redis from a Secret (prunes the managed Redis and the
-    URL Secret), scale, delete: every permission of the ClusterRole is exercised, and (the
-    fixture checks) nothing beyond it."""
+    URL Secret), scale (through /scale, the pods' deletion cost first), delete: every
+    permission of the ClusterRole is exercised, and (the fixture checks) nothing beyond it."""
     from kvmesh.operator.manifests import RBAC_RULES
     from tests.operator.conftest import used_permissions
 
     await k8s.put_object("v1/secrets", {"apiVersion": "v1", "kind": "Secret",
                                         "metadata": {"name": "shared", "namespace": "ns"},
                                         "data": {"url": "cmVkaXM6Ly8xMjcuMC4wLjE6MS8w"}})
-    await k8s.put_object(MD, md_body(autoscaling={"maxReplicas": 2, "intervalSeconds": 0.1}))
+    await add_pod(k8s, clock, "demo-engine-a")
+    await add_pod(k8s, clock, "demo-engine-b")
+    # spec.replicas above maxReplicas: the bounds scale it down at once (pods annotated, then /scale).
+    await k8s.put_object(MD, md_body(replicas=3, autoscaling={"maxReplicas": 2, "intervalSeconds": 0.1}))
     await eventually(lambda: k8s.fetch_object(SERVICES, "ns", "demo-redis"))
+    await eventually(lambda: k8s.fetch_object(MD, "ns", "demo")["spec"]["replicas"] == 2)
     await eventually(lambda: events(k8s, "AutoscalerHold"))
     md = k8s.fetch_object(MD, "ns", "demo")
     md["spec"]["redis"] = {"mode": "external", "secretRef": {"name": "shared"}}
@@ -357,3 +422,136 @@ async def test_children_of_another_owner_are_left_alone(k8s, operator):
     await k8s.delete_object(SERVICES, "ns", "demo-engine")
     await eventually(lambda: k8s.fetch_object(SERVICES, "ns", "demo-engine"), timeout=5)
     assert k8s.fetch_object(SERVICES, "ns", "demo-extra") is not None
+
+
+# -- autoscaling: startup deadline, scale to zero, deletion cost, external mode ------------------
+
+def auto(**kw):
+    return {"minReplicas": 1, "maxReplicas": 4, "targetKVUtilization": 0.5, "intervalSeconds": 0.1,
+            "scaleDownStabilizationSeconds": 60, **kw}
+
+
+async def test_pod_not_ready_past_the_startup_timeout_is_reported_and_not_counted(k8s, operator, redis_url, clock):
+    await k8s.put_object(MD, md_body(replicas=2, autoscaling=auto(startupTimeoutSeconds=60)))
+    await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine"))
+    md = lambda: k8s.fetch_object(MD, "ns", "demo")  # noqa: E731
+    hb = Heartbeats(redis_url, "smollm2-135m-instruct")
+    try:
+        await add_pod(k8s, clock, "demo-engine-a")
+        await add_pod(k8s, clock, "demo-engine-b", ready=False)     # e.g. unschedulable: no free GPU
+        await hb.beat("demo-engine-a", 0.9)   # over the 2 requested replicas: 0.45, on target
+        await eventually(lambda: md()["status"]["lastDecision"]["action"] == "none")
+        await after_ticks(k8s)
+        assert md()["spec"]["replicas"] == 2
+        assert cond(md(), "Degraded")["reason"] != "ReplicasNotStarting"
+
+        clock.advance(61)    # b is past its startup deadline: 1 serving replica at 90% needs 2, + b's slot
+        await eventually(lambda: md()["spec"]["replicas"] == 3)
+        await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine")["spec"]["replicas"] == 3)
+        degraded = await eventually(lambda: (c := cond(md(), "Degraded"))["reason"] == "ReplicasNotStarting" and c)
+        assert degraded["status"] == "True" and "demo-engine-b" in degraded["message"]
+        assert "demo-engine-a" not in degraded["message"]
+        warning = await eventually(lambda: events(k8s, "ReplicasNotStarting"))
+        assert warning[0]["type"] == "Warning" and "demo-engine-b" in warning[0]["message"]
+        assert "demo-engine-b" in md()["status"]["lastDecision"]["reason"]
+
+        await set_ready(k8s, "demo-engine-b")   # it started after all: the condition clears
+        await eventually(lambda: cond(md(), "Degraded")["reason"] != "ReplicasNotStarting")
+        assert len(events(k8s, "ReplicasNotStarting")) == 1   # one Warning per change of the set
+    finally:
+        await hb.close()
+
+
+async def test_scale_to_zero_when_idle_and_back_on_a_routers_demand(k8s, operator, redis_url, clock):
+    await k8s.put_object(MD, md_body(replicas=1, autoscaling=auto(minReplicas=0, maxReplicas=2,
+                                                                  scaleToZeroIdleSeconds=30,
+                                                                  scaleUpStabilizationSeconds=120)))
+    await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine"))
+    md = lambda: k8s.fetch_object(MD, "ns", "demo")  # noqa: E731
+    engine = lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine")["spec"]["replicas"]  # noqa: E731
+    hb = Heartbeats(redis_url, "smollm2-135m-instruct")
+    try:
+        await add_pod(k8s, clock, "demo-engine-a")
+        await hb.beat("demo-engine-a", 0.1, running=1)
+        await eventually(lambda: "KV utilisation 0.10" in md()["status"]["lastDecision"]["reason"])
+        clock.advance(40)                     # a request is running: never idle, however long
+        await after_ticks(k8s)
+        assert md()["spec"]["replicas"] == 1 and engine() == 1
+
+        await hb.beat("demo-engine-a", 0.0, running=0, waiting=0)
+        await after_ticks(k8s)                # idle from here on
+        assert md()["spec"]["replicas"] == 1
+        clock.advance(31)
+        await eventually(lambda: md()["spec"]["replicas"] == 0)
+        await eventually(lambda: engine() == 0)
+        assert "scaling to zero" in md()["status"]["lastDecision"]["reason"]
+        await k8s.delete_object(PODS, "ns", "demo-engine-a")
+        await hb.drop("demo-engine-a")
+
+        clock.advance(600)                    # no demand: stays at zero
+        await after_ticks(k8s)
+        assert md()["spec"]["replicas"] == 0 and md()["status"]["lastDecision"]["action"] == "none"
+
+        await hb.demand()                     # a router holds a request: back to 1 at once
+        await eventually(lambda: md()["spec"]["replicas"] == 1)   # (the clock did not move: no window)
+        await eventually(lambda: engine() == 1)
+        await eventually(lambda: any("scaling from zero" in e["message"] for e in events(k8s, "ScaledUp")))
+    finally:
+        await hb.close()
+
+
+async def test_scale_down_sets_pod_deletion_costs_before_lowering_replicas(k8s, operator, redis_url, clock):
+    await k8s.put_object(MD, md_body(replicas=3, autoscaling=auto(startupTimeoutSeconds=60)))
+    await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine"))
+    md = lambda: k8s.fetch_object(MD, "ns", "demo")  # noqa: E731
+    hb = Heartbeats(redis_url, "smollm2-135m-instruct")
+    try:
+        for pod in ("demo-engine-a", "demo-engine-b", "demo-engine-c"):
+            await add_pod(k8s, clock, pod)
+        await add_pod(k8s, clock, "demo-engine-d", ready=False, age=120)   # stuck (a surge that never started)
+        await hb.beat("demo-engine-a", 0.05, running=0, num_keys=500)      # most cached blocks, idle
+        await hb.beat("demo-engine-b", 0.05, running=0, num_keys=10)       # cheapest ready pod
+        await hb.beat("demo-engine-c", 0.05, running=2, num_keys=100)      # busy
+        await eventually(lambda: md()["status"]["lastDecision"]["recommendation"] == 1)
+        assert not operator_requests(k8s, "pods", "PATCH", "demo-engine-b")   # nothing before a scale-down
+        clock.advance(61)
+        await eventually(lambda: md()["spec"]["replicas"] == 2)
+        costs = {p: (k8s.fetch_object(PODS, "ns", p)["metadata"].get("annotations") or {}).get(DELETION_COST)
+                 for p in ("demo-engine-a", "demo-engine-b", "demo-engine-c", "demo-engine-d")}
+        assert costs == {"demo-engine-a": "500", "demo-engine-b": "10", "demo-engine-c": "2100",
+                         "demo-engine-d": "-1000"}
+        # Annotated before spec.replicas went down (the ReplicaSet reads the costs when it scales).
+        last_annotation = max(operator_requests(k8s, "pods", "PATCH", p) [-1] for p in costs)
+        first_scale = operator_requests(k8s, crd.PLURAL, "PATCH", "demo", "scale")[0]
+        assert last_annotation < first_scale
+    finally:
+        await hb.close()
+
+
+async def test_external_mode_never_writes_spec_replicas(k8s, operator, redis_url, clock):
+    await k8s.put_object(MD, md_body(replicas=1, autoscaling=auto(mode="external")))
+    await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine"))
+    md = lambda: k8s.fetch_object(MD, "ns", "demo")  # noqa: E731
+    hb = Heartbeats(redis_url, "smollm2-135m-instruct")
+    try:
+        await add_pod(k8s, clock, "demo-engine-a")
+        await hb.beat("demo-engine-a", 1.0, waiting=30)    # builtin would scale this up
+        await eventually(lambda: md()["status"].get("kvUtilization") == 1.0)   # status still refreshed
+        clock.advance(60)
+        await after_ticks(k8s, 3)
+        assert md()["spec"]["replicas"] == 1 and "lastDecision" not in md()["status"]
+        assert not operator_requests(k8s, crd.PLURAL, "PATCH", "demo", "scale")
+
+        # What an HPA does: the /scale target moves; the engines follow; the operator leaves it.
+        async with k8s.servers[0].client.patch(
+                "/apis/kvmesh.io/v1alpha1/namespaces/ns/modeldeployments/demo/scale",
+                json={"spec": {"replicas": 3}}, headers={"Content-Type": "application/merge-patch+json"}) as resp:
+            assert resp.status == 200
+        await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine")["spec"]["replicas"] == 3)
+        await hb.beat("demo-engine-a", 0.0, waiting=0)
+        clock.advance(600)
+        await after_ticks(k8s, 3)
+        assert md()["spec"]["replicas"] == 3
+        assert not operator_requests(k8s, crd.PLURAL, "PATCH", "demo", "scale")
+    finally:
+        await hb.close()
