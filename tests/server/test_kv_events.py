@@ -82,11 +82,21 @@ def _complete(server, prompt_ids, max_tokens=4):
 
 
 def test_events_match_blocks_stored_and_evicted(server):
+    """Every BlockStored chains from its parent (the model's root for None, else a live block),
+    including blocks after a prefix hit and a block filled by decoding; what a subscriber derives
+    from the events is the engine's prefix cache, parents included."""
     sub = _subscribe(server.pub_endpoint)
     try:
         prompts = [[100 + 7 * p + i for i in range(5 * BS + 3)] for p in range(6)]  # 5 full blocks each
         for ids in prompts:
             _complete(server, ids)
+        # A prefix hit: the newest prompt's first 3 blocks, then 2 new ones chained from block 3.
+        hit = prompts[-1][:3 * BS] + [5000 + i for i in range(2 * BS + 3)]
+        assert _complete(server, hit)["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BS
+        # A block filled by decoding: 2 full prompt blocks + 10 tokens, then 10 generated tokens;
+        # block 3 (10 prompt + 6 generated tokens) becomes full, and is stored, during decode.
+        filled = [7000 + i for i in range(2 * BS + 10)]
+        _complete(server, filled, max_tokens=10)
         messages = _drain(sub)
     finally:
         sub.close(0)
@@ -96,13 +106,19 @@ def test_events_match_blocks_stored_and_evicted(server):
     stored: set[int] = set()
     removed: set[int] = set()
     live: set[int] = set()
+    parent_of: dict[int, int | None] = {}
+    events_with_parent: list[BlockStored] = []
     root = root_key(MODEL)
     for _, payload in messages:
         for ev in decode_batch(payload).events:
             if isinstance(ev, BlockStored):
                 assert ev.block_size == BS and len(ev.token_ids) == BS * len(ev.block_hashes)
+                if ev.parent_block_hash is not None:
+                    assert ev.parent_block_hash in live, "a parent is a block the engine holds"
+                    events_with_parent.append(ev)
                 parent = ev.parent_block_hash if ev.parent_block_hash is not None else root
                 for i, h in enumerate(ev.block_hashes):  # every hash is the contract-1 key of its tokens
+                    parent_of[h] = None if parent == root else parent
                     parent = block_key(parent, ev.token_ids[i * BS:(i + 1) * BS])
                     assert h == parent
                 stored.update(ev.block_hashes)
@@ -117,8 +133,22 @@ def test_events_match_blocks_stored_and_evicted(server):
         assert set(block_keys(ids, MODEL, BS)) <= stored
     # 6 prompts x 5 blocks do not fit 24 blocks: the oldest were evicted and reported.
     assert removed and set(block_keys(prompts[0], MODEL, BS)) & removed
-    # What the subscriber derived is exactly what the engine's prefix cache holds now.
-    assert live == set(server.state.engine.engine.core.kv.pool.cached)
+
+    # The prefix hit: its new blocks chain from the shared block 3, and are the router's keys.
+    hit_keys = block_keys(hit, MODEL, BS)
+    (after_hit,) = [e for e in events_with_parent if e.parent_block_hash == hit_keys[2]]
+    assert after_hit.block_hashes == hit_keys[3:] and after_hit.token_ids == hit[3 * BS:5 * BS]
+    # The decode-filled block: chained from the prompt's block 2, its first 10 tokens the prompt's tail.
+    filled_keys = block_keys(filled, MODEL, BS)
+    assert len(filled_keys) == 2
+    (decoded,) = [e for e in events_with_parent if e.parent_block_hash == filled_keys[1]]
+    assert len(decoded.block_hashes) == 1 and decoded.token_ids[:10] == filled[2 * BS:]
+    assert decoded.block_hashes[0] in live
+
+    # What the subscriber derived is exactly what the engine's prefix cache holds now, parents too.
+    cached = server.state.engine.engine.core.kv.pool.cached
+    assert live == set(cached)
+    assert {k: b.parent_key for k, b in cached.items()} == {k: parent_of[k] for k in live}
 
 
 def test_missed_sequence_is_recovered_through_replay(server):
