@@ -24,6 +24,7 @@ import pytest
 from kvmesh.operator import crd, render, spec as specs
 from tests.operator.apiserver_env import (ControlPlane, LogCapture, OperatorThread, find_environment, path,
                                           register_kind, wait_for)
+from tests.operator.test_render import CASES as RENDER_CASES
 
 ASSETS, SKIP_REASON = find_environment()
 pytestmark = pytest.mark.skipif(ASSETS is None, reason=f"no real control plane: {SKIP_REASON}")
@@ -227,6 +228,25 @@ def test_create_renders_owned_children_by_server_side_apply(cluster: ControlPlan
     secret = children[("Secret", redis_url_secret(md))]
     url = base64.b64decode(secret["data"]["url"]).decode()
     assert url.startswith("redis://") and f"@{render.names('demo')[render.REDIS]}.{NS}.svc:" in url, url
+
+
+@pytest.mark.parametrize("case", sorted(RENDER_CASES))
+def test_the_server_accepts_every_rendered_variant(cluster: ControlPlane, api: httpx.Client,
+                                                   operator: OperatorThread, case: str) -> None:
+    """The specs of the golden render cases (test_render.py): admitted, and every child they
+    render (PDBs, the shared cache's claim and Job, Recreate rollouts, pod template
+    passthrough...) is accepted by the server's own validation."""
+    md = create_md(api, case, **RENDER_CASES[case])
+    children = wait_children(cluster, md)
+    assert all(o["metadata"]["ownerReferences"][0]["uid"] == md["metadata"]["uid"] for o in children.values())
+
+    def reconciled() -> dict[str, Any]:
+        conds = md_conditions(cluster, case)
+        assert "Ready" in conds, conds
+        return conds
+
+    ready = wait_for(reconciled, timeout=20)["Ready"]
+    assert ready["reason"] not in ("ApplyFailed", "InvalidSpec"), ready["message"]
 
 
 def test_controller_manager_admits_the_engine_pods(cluster: ControlPlane, api: httpx.Client,
