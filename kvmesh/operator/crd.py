@@ -215,6 +215,9 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
         "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
         "tolerations": {"type": "array", "items": _TOLERATION, "description": "Engine pod tolerations."},
         "heartbeatIntervalSeconds": _num("Sidecar heartbeat interval.", default=1, minimum=0.1),
+        "requireApiKey": _bool("Engines accept /v1 requests only with a generated key (Secret "
+                               "<name>-engine-api-key), which the router sends: nothing but the router "
+                               "can use the engines' API.", default=True),
     }, default={}, **{"x-kubernetes-validations": ENGINE_RULES}),
     "replicas": _int("Engine replicas: the scale subresource's target. Without autoscaling the user sets it; "
                      "with autoscaling.mode builtin the operator's autoscaler writes it; with external an "
@@ -279,6 +282,9 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
                     "with a password).", pattern=r"^rediss?://", maxLength=2048),
         "secretRef": _secret_ref("Secret holding the external Redis URL.", "url"),
         "image": _str("Managed Redis image; empty means the operator's default."),
+        "requirePassword": _bool("Managed Redis requires a generated password (Secret <name>-redis-auth, "
+                                 "keys password and url); only this deployment's pods and the operator "
+                                 "may connect (NetworkPolicy).", default=True),
     }, default={}, **{"x-kubernetes-validations": REDIS_RULES}),
 }, required=["model"], **{"x-kubernetes-validations": SPEC_RULES})
 

@@ -16,8 +16,10 @@ state through kopf's ``memo`` (:class:`Memo`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -25,7 +27,7 @@ from typing import Any, Callable
 import kopf
 
 from kvmesh.operator import crd, render, spec as specs, status as st
-from kvmesh.operator.apply import ApiError, ApplyConflict, Connection, KubeClient
+from kvmesh.operator.apply import ApiError, ApplyConflict, Connection, KubeClient, object_path
 
 registry = kopf.OperatorRegistry()
 ANNOTATION_PREFIX = "kvmesh.io"
@@ -167,8 +169,9 @@ async def reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | log
         logger.warning(f"invalid spec: {errors}")
         await _mark_invalid(memo, md, errors)
         return
-    children = render.render_children(md, spec, memo.config.images)
     try:
+        credentials = await _ensure_generated_secrets(memo, md, spec)
+        children = render.render_children(md, spec, memo.config.images, credentials)
         conflicts = []
         for child in children:
             conflict = await _apply_child(memo, md, spec, child)
@@ -178,7 +181,7 @@ async def reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | log
             memo.shared.conflicts[meta["uid"]] = "; ".join(conflicts)
         else:
             memo.shared.conflicts.pop(meta["uid"], None)
-        await _prune(memo, md, children)
+        await _prune(memo, md, children, keep=render.generated_secret_names(meta["name"], spec))
     except ApiError as exc:
         if exc.transient:
             raise kopf.TemporaryError(f"applying children: {exc}", delay=5)
@@ -217,12 +220,36 @@ async def _apply_child(memo: Memo, md: dict[str, Any], spec: dict[str, Any], chi
         return f"{child['kind']} {child['metadata']['name']}: {exc.message}"
 
 
-async def _prune(memo: Memo, md: dict[str, Any], children: list[dict[str, Any]]) -> None:
+async def _ensure_generated_secrets(memo: Memo, md: dict[str, Any], spec: dict[str, Any]) -> str | None:
+    """Create the generated credentials that do not exist yet (a random token each; an
+    existing Secret is never overwritten). Returns a digest of their identities, which the
+    pod templates carry, so a Secret made anew rolls every pod that uses it."""
+    assert memo.client is not None
+    meta = md["metadata"]
+    uids = []
+    for name in render.generated_secret_names(meta["name"], spec):
+        secret = await memo.client.get("Secret", meta["namespace"], name)
+        if secret is None:
+            body = render.generated_secret(md, spec, name, secrets.token_hex(24))
+            try:   # create, never apply: an existing token must not be replaced
+                secret = await memo.client.request("POST", object_path("Secret", meta["namespace"]), body=body,
+                                                   retry_conflicts=False)
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                secret = await memo.client.get("Secret", meta["namespace"], name)   # a concurrent reconcile won
+                if secret is None:
+                    raise
+        uids.append(f"{name}={secret['metadata']['uid']}")
+    return hashlib.sha256(",".join(uids).encode()).hexdigest()[:16] if uids else None
+
+
+async def _prune(memo: Memo, md: dict[str, Any], children: list[dict[str, Any]], keep: list[str] = ()) -> None:
     """Delete children this ModelDeployment owns that are no longer rendered
     (e.g. the managed Redis after switching to an external one)."""
     assert memo.client is not None
     meta = md["metadata"]
-    wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
+    wanted = {(c["kind"], c["metadata"]["name"]) for c in children} | {("Secret", n) for n in keep}
     selector = f"{render.LABEL_MD}={meta['name']}"
     for kind in PRUNED_KINDS:
         for obj in await memo.client.list(kind, meta["namespace"], selector):
@@ -284,7 +311,8 @@ async def reconcile_handler(body: kopf.Body, memo: Memo, logger: Any, **_: Any) 
     await reconcile(memo, md, logger)
 
 
-@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry, cancellation_timeout=5.0)
+@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry, cancellation_backoff=1.0,
+             cancellation_timeout=5.0)
 async def autoscaler_daemon(stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo, logger: Any,
                             **_: Any) -> None:
     """One loop per ModelDeployment: status refresh and autoscaling (scaling.run_loop)."""
@@ -336,7 +364,8 @@ for _resource in CHILD_RESOURCES:
                   id=f"heal-{_resource[-1]}")(_child_event)
 
 
-@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry, id="healer", cancellation_timeout=5.0)
+@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry, id="healer", cancellation_backoff=1.0,
+             cancellation_timeout=5.0)
 async def healer_daemon(stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo, logger: Any, **_: Any) -> None:
     """One loop per ModelDeployment: reconcile when a child drifted, and every resync interval."""
     key = (meta["namespace"], meta["name"])

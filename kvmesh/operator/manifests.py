@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.operator import crd
-from kvmesh.operator.render import VERSION
+from kvmesh.operator.render import OPERATOR_POD_LABELS, VERSION
 
 NAMESPACE = "kvmesh-system"
 NAME = "kvmesh-operator"
@@ -46,7 +46,7 @@ RBAC_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
 
-_LABELS = {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/component": "operator"}
+_LABELS = dict(OPERATOR_POD_LABELS)   # the managed Redis' NetworkPolicy admits pods labelled so
 
 
 def rbac(namespace: str = NAMESPACE) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ MODELS_DIR = "/models"
 ROUTER_PRESTOP_SLEEP_SECONDS = 5   # let the Service endpoints drop a router before it stops
 KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5558
 RUN_AS_USER = 10001
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/component": "operator"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ def names(md_name: str) -> dict[str, str]:
     """Child object names."""
     return {ENGINE: f"{md_name}-engine", ROUTER: f"{md_name}-router", REDIS: f"{md_name}-redis",
             "redis-secret": f"{md_name}-redis-url", "netpol": f"{md_name}-engine",
-            MODEL_CACHE: f"{md_name}-model-cache"}
+            MODEL_CACHE: f"{md_name}-model-cache", "engine-api-key": f"{md_name}-engine-api-key",
+            "redis-auth": f"{md_name}-redis-auth", "redis-netpol": f"{md_name}-redis"}
 
 
 def labels(md_name: str, component: str) -> dict[str, str]:
@@ -76,7 +78,49 @@ def redis_secret_ref(md_name: str, spec: dict[str, Any]) -> tuple[str, str]:
     redis = spec.get("redis") or {}
     if redis.get("mode") == "external" and "secretRef" in redis and "url" not in redis:
         return redis["secretRef"]["name"], redis["secretRef"].get("key", "url")
+    if redis.get("mode", "managed") == "managed" and redis.get("requirePassword", True):
+        return names(md_name)["redis-auth"], "url"
     return names(md_name)["redis-secret"], "url"
+
+
+# --- Generated credentials: made once by the operator (random), never rendered. ---
+
+def generated_secret_names(md_name: str, spec: dict[str, Any]) -> list[str]:
+    """The Secrets the operator generates for this spec (created once, kept, owned)."""
+    out = []
+    if spec["engine"].get("requireApiKey", True):
+        out.append(names(md_name)["engine-api-key"])
+    if spec["redis"]["mode"] == "managed" and spec["redis"].get("requirePassword", True):
+        out.append(names(md_name)["redis-auth"])
+    return out
+
+
+def generated_secret(md: dict[str, Any], spec: dict[str, Any], name: str, token: str) -> dict[str, Any]:
+    """One generated Secret around a random ``token`` (the caller draws it)."""
+    md_name, ns = md["metadata"]["name"], md["metadata"]["namespace"]
+    if name == names(md_name)["engine-api-key"]:
+        data, component = {"api-key": token}, ENGINE
+    elif name == names(md_name)["redis-auth"]:
+        url = managed_redis_url(md_name, ns).replace("redis://", f"redis://:{token}@", 1)
+        data, component = {"password": token, "url": url}, REDIS
+    else:
+        raise KeyError(name)
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(md, name, component), "type": "Opaque",
+            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
+
+
+def _annotations(annotations: dict[str, str]) -> dict[str, Any]:
+    return {"annotations": annotations} if annotations else {}
+
+
+def _secret_env(env: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def _credentials_annotation(credentials: str | None) -> dict[str, str]:
+    """Pods roll when a generated credential is replaced (e.g. its Secret was deleted and
+    made anew), so engines and routers never hold different keys."""
+    return {"kvmesh.io/credentials": credentials} if credentials else {}
 
 
 def engine_replicas(spec: dict[str, Any], status: dict[str, Any] | None = None) -> int:
@@ -263,7 +307,8 @@ def _download_init_container(spec: dict[str, Any], image: str, pull: str) -> dic
             "securityContext": _container_security()}
 
 
-def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: Images) -> dict[str, Any]:
+def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: Images,
+                             credentials: str | None = None) -> dict[str, Any]:
     name = md["metadata"]["name"]
     eng = spec["engine"]
     image = eng.get("image") or images.engine
@@ -279,6 +324,8 @@ def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
         "name": "engine", "image": image, "imagePullPolicy": pull, "command": engine_args(spec),
         "ports": [{"name": "http", "containerPort": crd.ENGINE_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
+               + ([_secret_env("KVMESH_API_KEY", names(name)["engine-api-key"], "api-key")]
+                  if eng["requireApiKey"] else [])
                + list(eng.get("env") or []),
         "resources": _resources(eng.get("resources")),
         "startupProbe": _probe("startup", "/health", probes["startup"]),
@@ -339,7 +386,8 @@ def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
             "selector": {"matchLabels": selector(name, ENGINE)},
             "strategy": _strategy(eng["rollout"]),
             "template": {"metadata": {"labels": labels(name, ENGINE),
-                                      "annotations": {"kvmesh.io/model": served_model_name(spec)}},
+                                      "annotations": {"kvmesh.io/model": served_model_name(spec),
+                                                      **_credentials_annotation(credentials)}},
                          "spec": pod_spec},
         },
     }
@@ -422,7 +470,8 @@ def render_engine_service(md: dict[str, Any]) -> dict[str, Any]:
                                 "protocol": "TCP"}]}}
 
 
-def render_router_deployment(md: dict[str, Any], spec: dict[str, Any], images: Images) -> dict[str, Any]:
+def render_router_deployment(md: dict[str, Any], spec: dict[str, Any], images: Images,
+                             credentials: str | None = None) -> dict[str, Any]:
     name = md["metadata"]["name"]
     router = spec["router"]
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
@@ -440,7 +489,9 @@ def render_router_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
         "name": "router", "image": router.get("image") or images.router,
         "imagePullPolicy": spec["engine"]["imagePullPolicy"], "command": router_args(spec),
         "ports": [{"name": "http", "containerPort": crd.ROUTER_PORT, "protocol": "TCP"}],
-        "env": [_redis_env(name, spec), {"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}],
+        "env": [_redis_env(name, spec), {"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
+               + ([_secret_env("KVMESH_UPSTREAM_API_KEY", names(name)["engine-api-key"], "api-key")]
+                  if spec["engine"]["requireApiKey"] else []),
         "resources": _resources(router.get("resources")) or {"requests": {"cpu": "250m", "memory": "512Mi"},
                                                              "limits": {"memory": "2Gi"}},
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
@@ -451,7 +502,8 @@ def render_router_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(md, names(name)[ROUTER], ROUTER),
         "spec": {"replicas": int(router["replicas"]), "selector": {"matchLabels": selector(name, ROUTER)},
-                 "template": {"metadata": {"labels": labels(name, ROUTER)},
+                 "template": {"metadata": {"labels": labels(name, ROUTER),
+                                           **_annotations(_credentials_annotation(credentials))},
                               "spec": {"securityContext": _pod_security(), "automountServiceAccountToken": False,
                                        **_image_pull_secrets(spec),
                                        "containers": [container], "volumes": volumes}}},
@@ -465,12 +517,17 @@ def render_router_service(md: dict[str, Any], spec: dict[str, Any]) -> dict[str,
                      "ports": [{"name": "http", "port": crd.ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}]}}
 
 
-def render_redis(md: dict[str, Any], spec: dict[str, Any], images: Images) -> list[dict[str, Any]]:
+def render_redis(md: dict[str, Any], spec: dict[str, Any], images: Images,
+                 credentials: str | None = None) -> list[dict[str, Any]]:
     name = md["metadata"]["name"]
     n = names(name)[REDIS]
+    auth = spec["redis"]["requirePassword"]
     container = {
         "name": "redis", "image": spec["redis"].get("image") or images.redis, "imagePullPolicy": "IfNotPresent",
-        "args": ["--save", "", "--appendonly", "no", "--port", str(crd.REDIS_PORT)],
+        # $(REDIS_PASSWORD) is expanded by the kubelet from the env below; it never appears in the spec.
+        "args": ["--save", "", "--appendonly", "no", "--port", str(crd.REDIS_PORT)]
+                + (["--requirepass", "$(REDIS_PASSWORD)"] if auth else []),
+        **({"env": [_secret_env("REDIS_PASSWORD", names(name)["redis-auth"], "password")]} if auth else {}),
         "ports": [{"name": "redis", "containerPort": crd.REDIS_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
@@ -481,19 +538,32 @@ def render_redis(md: dict[str, Any], spec: dict[str, Any], images: Images) -> li
     return [
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(md, n, REDIS),
          "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": selector(name, REDIS)},
-                  "template": {"metadata": {"labels": labels(name, REDIS)},
+                  "template": {"metadata": {"labels": labels(name, REDIS),
+                                            **_annotations(_credentials_annotation(credentials))},
                                "spec": {"securityContext": _pod_security(999), "automountServiceAccountToken": False,
+                                        **_image_pull_secrets(spec),
                                         "containers": [container], "volumes": [{"name": "data", "emptyDir": {}}]}}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": _meta(md, n, REDIS),
          "spec": {"selector": selector(name, REDIS),
                   "ports": [{"name": "redis", "port": crd.REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}]}},
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(md, names(name)["redis-netpol"], REDIS),
+         "spec": {
+             "podSelector": {"matchLabels": selector(name, REDIS)},
+             "policyTypes": ["Ingress"],
+             # This deployment's sidecars and routers, and the operator (any namespace) only.
+             "ingress": [{"from": [{"podSelector": {"matchLabels": {LABEL_MD: name}}},
+                                   {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}],
+                          "ports": [{"protocol": "TCP", "port": crd.REDIS_PORT}]}]}},
     ]
 
 
 def render_redis_secret(md: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any] | None:
-    """The Secret with the Redis URL, unless the user supplies their own."""
+    """The Secret with the Redis URL, unless the user supplies their own (or the URL carries
+    a generated password: then it is in the generated <name>-redis-auth Secret)."""
     name, ns = md["metadata"]["name"], md["metadata"]["namespace"]
     redis = spec["redis"]
+    if redis["mode"] == "managed" and redis["requirePassword"]:
+        return None
     if redis["mode"] == "managed":
         url = managed_redis_url(name, ns)
     elif "url" in redis:
@@ -526,17 +596,19 @@ def render_network_policy(md: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def render_children(md: dict[str, Any], spec: dict[str, Any], images: Images = Images()) -> list[dict[str, Any]]:
-    """Every child of a ModelDeployment ``md`` (its metadata, and status for the
-    autoscaler's replica count) with the defaulted, validated ``spec``."""
-    children = [render_engine_deployment(md, spec, images), render_engine_service(md),
-                render_router_deployment(md, spec, images), render_router_service(md, spec),
+def render_children(md: dict[str, Any], spec: dict[str, Any], images: Images = Images(),
+                    credentials: str | None = None) -> list[dict[str, Any]]:
+    """Every child of a ModelDeployment ``md`` with the defaulted, validated ``spec``.
+    ``credentials`` identifies the generated Secrets' current versions (pods roll when it
+    changes); the generated Secrets themselves are not rendered (see generated_secret)."""
+    children = [render_engine_deployment(md, spec, images, credentials), render_engine_service(md),
+                render_router_deployment(md, spec, images, credentials), render_router_service(md, spec),
                 render_network_policy(md)]
     secret = render_redis_secret(md, spec)
     if secret is not None:
         children.append(secret)
     if spec["redis"]["mode"] == "managed":
-        children += render_redis(md, spec, images)
+        children += render_redis(md, spec, images, credentials)
     return children + render_pdbs(md, spec) + render_model_cache(md, spec, images)
 
 

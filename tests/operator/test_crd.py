@@ -83,7 +83,7 @@ def test_engine_defaults_match_kvmesh_serve():
     assert d["engine"]["dtype"] == "auto" and d["engine"]["drainTimeoutSeconds"] == 30
     assert d["router"] == {"replicas": 1, "policy": "prefix", "weights": {"prefix": 1.0, "kv": 0.5, "queue": 0.5},
                            "serviceType": "ClusterIP", "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1}}
-    assert d["redis"] == {"mode": "managed"}
+    assert d["redis"] == {"mode": "managed", "requirePassword": True}
     a = specs.apply_defaults({"model": {"builtin": "x"}, "autoscaling": {"maxReplicas": 3}})["autoscaling"]
     assert a["minReplicas"] == 1 and a["targetKVUtilization"] == 0.7 and a["maxScaleDownStep"] == 1
     # The docs table says the same.

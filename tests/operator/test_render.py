@@ -150,7 +150,11 @@ def test_engine_pod_contract():
     env = {e["name"]: e for e in sidecar["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    assert env["KVMESH_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "demo-redis-url", "key": "url"}
+    # Managed Redis requires a password: the URL (with it) is in the generated Secret.
+    assert env["KVMESH_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "demo-redis-auth", "key": "url"}
+    engine_env = {e["name"]: e for e in engine["env"]}
+    assert engine_env["KVMESH_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "demo-engine-api-key",
+                                                                          "key": "api-key"}
     assert pod["securityContext"]["runAsNonRoot"] is True
     for c in pod["containers"] + pod["initContainers"]:
         sc = c["securityContext"]
@@ -198,9 +202,49 @@ def test_redis_secret_is_rendered_as_data_for_server_side_apply():
     so the applied field never matches and the operator fights itself. Render data."""
     import base64
 
-    (secret,) = _kind(rendered("builtin-fixed"), "Secret")
+    spec = specs.apply_defaults({**CASES["builtin-fixed"], "redis": {"requirePassword": False}})
+    (secret,) = _kind(render.render_children(MD, spec), "Secret")
     assert "stringData" not in secret
     assert base64.b64decode(secret["data"]["url"]).decode() == "redis://demo-redis.prod.svc:6379/0"
+    redis = _kind(render.render_children(MD, spec), "Deployment", "demo-redis")[0]
+    assert "--requirepass" not in redis["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_generated_credentials_wire_engines_router_and_redis():
+    """Engines take a generated API key that only the router holds; the managed Redis takes
+    a generated password that only this deployment's pods (and the operator) know."""
+    import base64
+
+    spec = specs.apply_defaults(CASES["builtin-fixed"])
+    assert render.generated_secret_names("demo", spec) == ["demo-engine-api-key", "demo-redis-auth"]
+    auth = render.generated_secret(MD, spec, "demo-redis-auth", "tok3n")
+    data = {k: base64.b64decode(v).decode() for k, v in auth["data"].items()}
+    assert data == {"password": "tok3n", "url": "redis://:tok3n@demo-redis.prod.svc:6379/0"}
+    assert auth["metadata"]["ownerReferences"][0]["uid"] == MD["metadata"]["uid"]
+    children = render.render_children(MD, spec, credentials="c0ffee")
+    assert not _kind(children, "Secret")            # generated, never rendered (render is pure)
+    redis = _kind(children, "Deployment", "demo-redis")[0]["spec"]["template"]
+    args = redis["spec"]["containers"][0]["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert redis["spec"]["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"] == {
+        "name": "demo-redis-auth", "key": "password"}
+    router = _kind(children, "Deployment", "demo-router")[0]["spec"]["template"]
+    env = {e["name"]: e for e in router["spec"]["containers"][0]["env"]}
+    assert env["KVMESH_UPSTREAM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "demo-engine-api-key",
+                                                                           "key": "api-key"}
+    # A replaced credential rolls every pod that holds it.
+    for dep in ("demo-engine", "demo-router", "demo-redis"):
+        tmpl = _kind(children, "Deployment", dep)[0]["spec"]["template"]
+        assert tmpl["metadata"]["annotations"]["kvmesh.io/credentials"] == "c0ffee"
+    (netpol,) = _kind(children, "NetworkPolicy", "demo-redis")
+    sources = netpol["spec"]["ingress"][0]["from"]
+    assert {"podSelector": {"matchLabels": {render.LABEL_MD: "demo"}}} in sources
+    assert all(s.get("podSelector") for s in sources)   # no source admits whole namespaces
+    off = specs.apply_defaults({**CASES["builtin-fixed"], "engine": {"requireApiKey": False},
+                                "redis": {"requirePassword": False}})
+    assert render.generated_secret_names("demo", off) == []
+    engine = _kind(render.render_children(MD, off), "Deployment", "demo-engine")[0]
+    assert "KVMESH_API_KEY" not in {e["name"] for e in engine["spec"]["template"]["spec"]["containers"][0]["env"]}
 
 
 def test_shared_model_cache_claim_job_and_read_only_mounts():
