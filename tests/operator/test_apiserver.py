@@ -249,6 +249,28 @@ def test_the_server_accepts_every_rendered_variant(cluster: ControlPlane, api: h
     assert ready["reason"] not in ("ApplyFailed", "InvalidSpec"), ready["message"]
 
 
+def test_a_child_the_server_rejects_is_reported(cluster: ControlPlane, api: httpx.Client,
+                                                operator: OperatorThread) -> None:
+    """maxSurge 0 with maxUnavailable 0 is a Deployment the server refuses. Either the CRD
+    refuses it at admission, or the operator reports the server's message (no hot loop)."""
+    body = md_body("stuck", engine={"rollout": {"strategy": "RollingUpdate", "maxSurge": 0, "maxUnavailable": 0}})
+    resp = api.post(path(MD, NS), json=body)
+    if resp.status_code == 422:
+        assert "spec.engine.rollout" in resp.text, resp.text
+        return
+    assert resp.status_code == 201, resp.text
+
+    def reported() -> dict[str, Any]:
+        ready = md_conditions(cluster, "stuck")["Ready"]
+        assert ready["reason"] == "ApplyFailed", ready
+        return ready
+
+    ready = wait_for(reported, timeout=20)
+    assert "may not be 0 when `maxSurge` is 0" in ready["message"], ready["message"]
+    assert cluster.get("Deployment", NS, render.names("stuck")[render.ENGINE]) is None
+    api.delete(path(MD, NS, "stuck")).raise_for_status()   # stop the operator's slow retries
+
+
 def test_controller_manager_admits_the_engine_pods(cluster: ControlPlane, api: httpx.Client,
                                                    operator: OperatorThread) -> None:
     """Deployment -> ReplicaSet -> Pod, in a namespace enforcing the restricted Pod Security level."""
