@@ -9,11 +9,13 @@ from pathlib import Path
 
 import argparse
 import json
+import logging
 import re
 from types import SimpleNamespace
 
 import celpy
 import helm_python as helm
+import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -659,3 +661,151 @@ def test_values_schema_rejects_bad_values(values):
     schema = json.loads((CHART / "values.schema.json").read_text())
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(values, schema)
+
+
+# -- the chart's namespaced RBAC and Secret write guard on a real kube-apiserver -------------------
+# Runs when kube-apiserver and etcd are found (tests/operator/apiserver_env.py; docs/operator.md,
+# "Testing against a real API server"), skipped otherwise: RBAC and ValidatingAdmissionPolicy are
+# enforced by the API server itself, so no controller manager is needed.
+
+RELEASE_NS, WATCHED, UNWATCHED = "ops", "team-a", "team-b"
+
+
+@pytest.fixture(scope="module")
+def real_cluster(tmp_path_factory):
+    try:
+        from tests.operator import apiserver_env as env
+    except ImportError as exc:   # pragma: no cover - the helper ships with the operator tests
+        pytest.skip(f"no apiserver_env: {exc}")
+    assets, why = env.find_environment()
+    if assets is None:
+        pytest.skip(f"no real control plane: {why}")
+    env.register_kind(crd.KIND, crd.API_VERSION, crd.PLURAL)
+    for kind, api_version, plural, namespaced in (
+            ("Role", "rbac.authorization.k8s.io/v1", "roles", True),
+            ("RoleBinding", "rbac.authorization.k8s.io/v1", "rolebindings", True),
+            ("ValidatingAdmissionPolicy", "admissionregistration.k8s.io/v1", "validatingadmissionpolicies", False),
+            ("ValidatingAdmissionPolicyBinding", "admissionregistration.k8s.io/v1",
+             "validatingadmissionpolicybindings", False)):
+        env.register_kind(kind, api_version, plural, namespaced)
+    cp = env.ControlPlane(assets, tmp_path_factory.mktemp("chart-apiserver"))
+    try:
+        cp.start()
+        for ns in (RELEASE_NS, WATCHED, UNWATCHED):
+            cp.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}).raise_for_status()
+        # The chart as `helm install -n ops --set watchNamespaces={team-a}` would create it
+        # (the operator Deployment aside: no nodes here, the operator runs in this process).
+        objs = render_chart({"watchNamespaces": [WATCHED]}, namespace=RELEASE_NS)
+        for obj in objs:
+            if obj["kind"] != "Deployment":
+                resp = cp.apply(obj)
+                assert resp.status_code < 300, (obj["kind"], resp.text)
+        sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
+        token = cp.request_token(RELEASE_NS, sa)
+        client = httpx.Client(base_url=cp.server, verify=cp.ssl_context(), timeout=30.0,
+                              headers={"Authorization": f"Bearer {token}"})
+        yield SimpleNamespace(cp=cp, env=env, objs=objs, sa=sa, token=token, client=client)
+        client.close()
+    finally:
+        cp.stop()
+
+
+def _secret(name, ns, labels=None):
+    meta = {"name": name, "namespace": ns, **({"labels": labels} if labels else {})}
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "data": {"k": "dg=="}}
+
+
+def test_real_apiserver_enforces_the_namespaced_role_and_the_secret_write_guard(real_cluster):
+    cp, env, op = real_cluster.cp, real_cluster.env, real_cluster.client
+    # (The API server compiled the policy's CEL when the chart's objects were applied: a
+    # syntax or undeclared-variable error would have been a 422 there.)
+    # RBAC: the Role grants the rules in the watched namespace only.
+    assert op.get(env.path("Secret", WATCHED)).status_code == 200
+    assert op.get(env.path("Deployment", WATCHED)).status_code == 200
+    for forbidden in (env.path("Secret", UNWATCHED), env.path("Secret"), env.path("Deployment", UNWATCHED),
+                      env.path("Deployment")):
+        assert op.get(forbidden).status_code == 403, forbidden
+    # The admission policy: the operator's ServiceAccount cannot write a Secret it does not own.
+    foreign = _secret("db", WATCHED)
+
+    def refused():   # the policy takes effect once the API server has loaded it
+        resp = op.post(env.path("Secret", WATCHED), json=foreign, params={"dryRun": "All"})
+        return resp if resp.status_code != 201 else None
+    resp = env.wait_for(refused, timeout=20, interval=0.2, message="the Secret write guard in force")
+    assert resp.status_code == 403 and "kvmesh-secret-writes" in resp.text, resp.text
+    cp.apply(foreign).raise_for_status()                                  # a Secret someone else made
+    owned_labels = {render.LABEL_MD: "demo", "app.kubernetes.io/managed-by": render.FIELD_MANAGER}
+    adopt = {**foreign, "metadata": {**foreign["metadata"], "labels": owned_labels}}
+    assert op.delete(env.path("Secret", WATCHED, "db")).status_code == 403
+    assert op.put(env.path("Secret", WATCHED, "db"), json=adopt).status_code == 403   # no adopting by labels
+    assert cp.get("Secret", WATCHED, "db") is not None
+    # Its own Secrets it creates, changes (server-side apply, as it does) and deletes.
+    mine = _secret("demo-redis-url", WATCHED, owned_labels)
+    apply = {"Content-Type": "application/apply-patch+yaml"}
+    params = {"fieldManager": render.FIELD_MANAGER, "force": "true"}
+    resp = op.patch(env.path("Secret", WATCHED, "demo-redis-url"), content=json.dumps(mine), headers=apply,
+                    params=params)
+    assert resp.status_code == 201, resp.text
+    resp = op.patch(env.path("Secret", WATCHED, "demo-redis-url"), headers=apply, params=params,
+                    content=json.dumps({**mine, "data": {"k": "dzI="}}))
+    assert resp.status_code == 200, resp.text
+    stripped = {**mine, "metadata": {"name": "demo-redis-url", "namespace": WATCHED, "labels": {}}}
+    resp = op.patch(env.path("Secret", WATCHED, "demo-redis-url"), content=json.dumps(stripped), headers=apply,
+                    params=params)
+    assert resp.status_code == 403, resp.text                             # nor give one away
+    assert op.delete(env.path("Secret", WATCHED, "demo-redis-url")).status_code == 200
+    # Nothing but the operator's ServiceAccount is constrained: the admin deletes the foreign one.
+    assert cp.client.delete(env.path("Secret", WATCHED, "db")).status_code == 200
+
+
+def test_real_apiserver_operator_reconciles_under_the_namespaced_rbac(real_cluster, redis_url):
+    """The real operator with `--namespace team-a`, authenticated as the chart's ServiceAccount:
+    it renders a ModelDeployment's children (Secrets included, through the write guard) in the
+    watched namespace without a single refused request, and never sees the unwatched one."""
+    from kvmesh.operator.apply import Connection
+    from kvmesh.operator.handlers import OperatorConfig
+
+    cp, env = real_cluster.cp, real_cluster.env
+    resp = cp.apply(crd.crd_manifest())   # = manifests/crd.yaml and the chart's crds/ (tested above)
+    assert resp.status_code < 300, resp.text
+    env.wait_for(lambda: any(c["type"] == "Established" and c["status"] == "True" for c in (
+        cp.get("CustomResourceDefinition", None, crd.CRD_NAME) or {}).get("status", {}).get("conditions", [])),
+        timeout=30, message="CRD Established")
+    body = lambda ns: {"apiVersion": crd.API_VERSION, "kind": crd.KIND,  # noqa: E731
+                       "metadata": {"name": "demo", "namespace": ns},
+                       "spec": {"model": {"builtin": crd.DEFAULT_MODEL}}}
+    outside = cp.client.post(env.path(crd.KIND, UNWATCHED), json=body(UNWATCHED))
+    assert outside.status_code == 201, outside.text
+    op = real_cluster.client
+    assert op.get(env.path(crd.KIND, WATCHED)).status_code == 200 and op.get(env.path(crd.KIND)).status_code == 403
+    config = OperatorConfig(connection=Connection(server=cp.server, token=real_cluster.token, ca_path=cp.ca_path),
+                            status_interval=1.0, managed_redis_url=redis_url, api_retries=3,
+                            rejected_retry_delay=5.0)
+    with env.LogCapture("kopf", "kvmesh") as logs:
+        runner = env.OperatorThread(config, namespaces=[WATCHED])
+        runner.start()
+        try:
+            created = cp.client.post(env.path(crd.KIND, WATCHED), json=body(WATCHED))
+            assert created.status_code == 201, created.text
+            md = created.json()
+            spec = specs.apply_defaults(dict(md["spec"]))
+            wanted = [(c["kind"], c["metadata"]["name"]) for c in render.render_children(md, spec)]
+            if hasattr(render, "generated_secret_names"):
+                wanted += [("Secret", n) for n in render.generated_secret_names("demo", spec)]
+            assert ("Secret", "demo-redis-url") in wanted or any(k == "Secret" for k, _ in wanted)
+
+            def children():
+                missing = [(k, n) for k, n in wanted if cp.get(k, WATCHED, n) is None]
+                assert not missing, f"children not created: {missing}"
+                return True
+            env.wait_for(children, timeout=30, interval=0.2)
+            env.wait_for(lambda: (cp.get(crd.KIND, WATCHED, "demo") or {}).get("status", {}).get("conditions"),
+                         timeout=20, interval=0.2, message="status written")
+        finally:
+            runner.stop()
+    refused = [m for m in logs.messages(logging.WARNING) if "403" in m or "forbidden" in m.lower()]
+    assert not refused, "\n".join(refused[:5])
+    # The unwatched namespace: no finalizer, no status, no children.
+    untouched = cp.get(crd.KIND, UNWATCHED, "demo")
+    assert not untouched["metadata"].get("finalizers") and not untouched.get("status")
+    assert cp.list("Deployment", UNWATCHED) == [] and cp.list("Secret", UNWATCHED) == []
