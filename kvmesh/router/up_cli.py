@@ -5,7 +5,10 @@ engine replicas (`kvmesh serve`) each with its sidecar, and the router on `--por
 (8000). Every child's output is prefixed with its name. Ctrl-C or SIGTERM stops the
 router, then the sidecars (they remove their keys), then the engines (they drain), then
 Redis. A crashed engine is restarted (its sidecar resyncs). `--autoscale` adds or removes
-replicas from the KV utilisation in the heartbeats (the operator's policy, locally).
+replicas with the operator's policy (``kvmesh.operator.autoscaler.decide``: KV utilisation
+and queue depth from the heartbeats, the scale-up rate cap, the startup deadline), scales to
+zero after `--scale-to-zero-idle` seconds idle when `--min-replicas 0`, and back to one
+replica as soon as the router signals demand (the Redis key ``redis_layout.demand_key``).
 """
 
 from __future__ import annotations
@@ -98,6 +101,11 @@ class Replica:
         self.port = port
         self.started = time.monotonic()
 
+    @property
+    def pod(self) -> str:
+        """Its name in Redis (the sidecar's --pod-name)."""
+        return f"replica-{self.index}"
+
 
 class Mesh:
     def __init__(self, args: argparse.Namespace):
@@ -110,6 +118,8 @@ class Mesh:
         self.replicas: list[Replica] = []
         self.next_index = 0
         self.stop_event = threading.Event()
+        self.state_file: Path | None = None
+        self.scaler = None   # kvmesh.operator.autoscaler.Autoscaler with --autoscale
         self.engine_template = args.engine_command or os.environ.get("KVMESH_ENGINE_COMMAND") or DEFAULT_ENGINE_COMMAND
         self.env = dict(os.environ)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
@@ -144,7 +154,8 @@ class Mesh:
         # thread pools oversubscribe the CPU and every parallel op waits on a descheduled thread.
         env = dict(self.env if self.env is not None else os.environ)
         if "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, self.args.replicas)))
+            share = self.args.max_replicas if self.args.autoscale else self.args.replicas
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, share)))
         return env
 
     def add_replica(self) -> Replica:
@@ -168,9 +179,10 @@ class Mesh:
         say("up", f"replica-{i}: engine on :{port}, KV events on :{ev}/:{rp}")
         return rep
 
-    def remove_replica(self) -> None:
-        rep = self.replicas.pop()
-        say("up", f"scaling down: stopping replica-{rep.index}")
+    def remove_replica(self, rep: Replica | None = None) -> None:
+        rep = rep if rep is not None else self.replicas[-1]
+        self.replicas.remove(rep)
+        say("up", f"scaling down: stopping {rep.pod}")
         rep.sidecar.terminate()
         rep.engine.terminate()
         threading.Thread(target=lambda: (rep.sidecar.wait(10), rep.engine.wait(self.args.drain_timeout + 5)),
@@ -185,7 +197,11 @@ class Mesh:
         argv += shlex.split(self.args.router_args or "")
         self.router = Child("router", argv, self.env).start()
 
-    def write_state(self, path: Path) -> None:
+    def write_state(self, path: Path | None = None) -> None:
+        path = path or self.state_file
+        if path is None:
+            return
+        self.state_file = path
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {"redis_url": self.redis_url, "model": self.served, "router_url": f"http://{self._host()}:{self.args.port}",
                  "pid": os.getpid(), "replicas": [f"replica-{r.index}" for r in self.replicas]}
@@ -196,8 +212,8 @@ class Mesh:
 
     # -- run ----------------------------------------------------------------------------------
     def wait_ready(self, timeout: float) -> int:
-        """Until the router can route (one replica is enough to serve); the number of ready replicas
-        then, 0 if it never got there."""
+        """Until the router can route (one replica is enough to serve; with no replica, until
+        it answers at all); the number of ready replicas then (>= 1), 0 if it never got there."""
         import httpx
 
         url = f"http://{self._host()}:{self.args.port}/ready"
@@ -206,6 +222,11 @@ class Mesh:
             if self.router and not self.router.alive():
                 return 0
             try:
+                if not self.replicas:   # scaled to zero from the start: the router is enough
+                    if httpx.get(url.replace("/ready", "/health"), timeout=1).status_code == 200:
+                        return 1
+                    time.sleep(0.3)
+                    continue
                 r = httpx.get(url, timeout=1)
                 pods = int(r.json().get("pods", 0)) if r.status_code == 200 else 0
                 if r.status_code == 200 and pods >= min(len(self.replicas), 1):
@@ -216,8 +237,7 @@ class Mesh:
         return 0
 
     def supervise(self) -> int:
-        last_scale = time.monotonic()
-        high_since = low_since = None
+        next_decision = time.monotonic()
         while not self.stop_event.wait(0.5):
             if self.redis and not self.redis.alive():
                 say("up", "embedded Redis exited; shutting down")
@@ -236,42 +256,93 @@ class Mesh:
                         say("up", f"{child.name} exited (code {child.proc.returncode}); restarting "
                                   f"({child.restarts}/{self.args.max_restarts})")
                         child.start()
-            if self.args.autoscale and time.monotonic() - last_scale > self.args.scale_interval:
-                usage = self.mean_kv_usage()
-                now = time.monotonic()
-                if usage is None:
-                    continue
-                target = self.args.target_kv_usage
-                high_since = (high_since or now) if usage > target else None
-                low_since = (low_since or now) if usage < target / 2 else None
-                if high_since and now - high_since >= self.args.scale_up_window and \
-                        len(self.replicas) < self.args.max_replicas:
-                    say("up", f"mean KV usage {usage:.0%} > {target:.0%}: adding a replica")
-                    self.add_replica()
-                    high_since, last_scale = None, now
-                elif low_since and now - low_since >= self.args.scale_down_window and \
-                        len(self.replicas) > self.args.min_replicas:
-                    say("up", f"mean KV usage {usage:.0%} < {target / 2:.0%}: removing a replica")
-                    self.remove_replica()
-                    low_since, last_scale = None, now
+            if self.scaler is not None and time.monotonic() >= next_decision:
+                next_decision = time.monotonic() + self.args.scale_interval
+                self.autoscale_step()
         return 0
 
-    def mean_kv_usage(self) -> float | None:
+    # -- autoscaling (the operator's decide(), over local processes) ----------------------------
+    def scaling_policy(self):
+        from kvmesh.operator.autoscaler import ScalingPolicy
+
+        a = self.args
+        return ScalingPolicy(min_replicas=a.min_replicas, max_replicas=a.max_replicas,
+                             target_kv_utilization=a.target_kv_usage, tolerance=a.tolerance,
+                             scale_up_stabilization_s=a.scale_up_window, scale_down_stabilization_s=a.scale_down_window,
+                             max_scale_down_step=a.max_scale_down_step, target_queue_per_replica=a.target_queue,
+                             scale_up_percent=a.scale_up_percent, scale_up_pods=a.scale_up_pods,
+                             scale_up_period_s=a.scale_up_period, startup_timeout_s=a.startup_timeout,
+                             scale_to_zero_idle_s=a.scale_to_zero_idle)
+
+    def read_load(self) -> tuple[dict, int, bool] | None:
+        """(pod -> live `ready` heartbeat, requests in flight on any replica, router demand),
+        or None when Redis cannot be read."""
         import redis
 
         from kvmesh.common import redis_layout as rl
 
         try:
             r = redis.Redis.from_url(self.redis_url, socket_timeout=1, decode_responses=True)
-            vals = []
+            ready, busy = {}, 0
+            now = time.time()
             for rep in self.replicas:
-                hb = rl.Heartbeat.from_mapping(f"replica-{rep.index}",
-                                               r.hgetall(rl.heartbeat_key(self.served, f"replica-{rep.index}")))
-                if hb and hb.state == rl.STATE_READY:
-                    vals.append(hb.kv_usage)
-            return sum(vals) / len(vals) if vals else None
+                hb = rl.Heartbeat.from_mapping(rep.pod, r.hgetall(rl.heartbeat_key(self.served, rep.pod)))
+                if hb is None or now - hb.ts > rl.HEARTBEAT_TTL_S:
+                    continue
+                busy += hb.running + hb.waiting
+                if hb.state == rl.STATE_READY:
+                    ready[rep.pod] = hb
+            demand = bool(r.exists(rl.demand_key(self.served)))
+            return ready, busy, demand
         except redis.RedisError:
             return None
+
+    def observe(self, now: float):
+        from kvmesh.operator.autoscaler import Observation
+
+        load = self.read_load()
+        beats, busy, demand = load if load is not None else ({}, 0, False)
+        waiting = sum(h.waiting for h in beats.values())
+        return Observation(
+            now=now, current_replicas=len(self.replicas), ready_replicas=len(beats),
+            kv_utilization=sum(h.kv_usage for h in beats.values()) / len(beats) if beats else None,
+            waiting=waiting if load is not None else None, running=max(0, busy - waiting),
+            pending=tuple((rep.pod, rep.started) for rep in self.replicas if rep.pod not in beats),
+            demand=demand), beats
+
+    def removal_order(self, beats: dict, stuck: tuple[str, ...]) -> list[Replica]:
+        """Cheapest first, as the operator's pod-deletion cost ranks them: stuck, starting, then
+        ready replicas by cached blocks + 1000 x requests."""
+        def cost(rep: Replica) -> tuple[int, int]:
+            hb = beats.get(rep.pod)
+            if hb is None:
+                return (0 if rep.pod in stuck else 1, 0)
+            return (2, hb.num_keys + 1000 * (hb.running + hb.waiting))
+        return sorted(self.replicas, key=cost)
+
+    def autoscale_step(self) -> None:
+        obs, beats = self.observe(time.monotonic())
+        decision = self.scaler.step(obs)
+        if decision.stuck and decision.stuck != getattr(self, "_reported_stuck", ()):
+            say("up", f"not ready within {self.args.startup_timeout:g}s, no longer counted: "
+                      f"{', '.join(decision.stuck)}")
+        self._reported_stuck = decision.stuck
+        if not decision.changed:
+            return
+        current, desired = decision.current_replicas, decision.desired_replicas
+        if desired > current:
+            if current == 0:
+                say("up", f"a request is waiting at zero replicas: starting a replica ({decision.reason})")
+            else:
+                say("up", f"scaling up {current} -> {desired}: adding a replica ({decision.reason})")
+            for _ in range(desired - current):
+                self.add_replica()
+        else:
+            verb = "scaling to zero" if desired == 0 else f"scaling down {current} -> {desired}"
+            say("up", f"{verb}: removing a replica ({decision.reason})")
+            for rep in self.removal_order(beats, decision.stuck)[:current - desired]:
+                self.remove_replica(rep)
+        self.write_state()
 
     def shutdown(self) -> None:
         say("up", "shutting down: router, sidecars, engines, redis")
@@ -311,21 +382,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, default=5)
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--state-file", default=None, help="where `kvmesh status` finds this mesh")
-    p.add_argument("--autoscale", action="store_true")
-    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--autoscale", action="store_true",
+                   help="scale the engines with the operator's policy (docs/operator.md, 'Autoscaling policy')")
+    p.add_argument("--min-replicas", type=int, default=1, help="0 allows scale to zero")
     p.add_argument("--max-replicas", type=int, default=4)
-    p.add_argument("--target-kv-usage", type=float, default=0.7)
-    p.add_argument("--scale-interval", type=float, default=5.0)
-    p.add_argument("--scale-up-window", type=float, default=10.0)
-    p.add_argument("--scale-down-window", type=float, default=60.0)
+    p.add_argument("--target-kv-usage", type=float, default=0.7, help="target mean KV utilisation")
+    p.add_argument("--target-queue", type=float, default=4.0,
+                   help="target waiting requests per replica; 0 disables the queue signal")
+    p.add_argument("--tolerance", type=float, default=0.1)
+    p.add_argument("--scale-interval", type=float, default=5.0, help="seconds between decisions")
+    p.add_argument("--scale-up-window", type=float, default=10.0, help="scale-up stabilisation (seconds)")
+    p.add_argument("--scale-down-window", type=float, default=60.0, help="scale-down stabilisation (seconds)")
+    p.add_argument("--max-scale-down-step", type=int, default=1)
+    p.add_argument("--scale-up-percent", type=float, default=100.0, help="scale-up cap per period, percent")
+    p.add_argument("--scale-up-pods", type=int, default=4, help="scale-up cap per period, replicas")
+    p.add_argument("--scale-up-period", type=float, default=15.0)
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="a replica not ready this long stops counting as coming capacity")
+    p.add_argument("--scale-to-zero-idle", type=float, default=300.0,
+                   help="with --min-replicas 0: stop the last replica after this long with no request")
 
 
 def run(args: argparse.Namespace) -> int:
     mesh = Mesh(args)
     if mesh.engine_template == "stub":
         mesh.engine_template = STUB_ENGINE_COMMAND
-    if args.replicas < 1:
-        raise SystemExit("kvmesh up: --replicas must be at least 1")
+    if args.autoscale:
+        if not 0 <= args.min_replicas <= args.max_replicas or args.max_replicas < 1:
+            raise SystemExit("kvmesh up: need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1")
+        if not args.min_replicas <= args.replicas <= args.max_replicas:
+            raise SystemExit("kvmesh up: --replicas must be within [--min-replicas, --max-replicas] with --autoscale")
+        from kvmesh.operator.autoscaler import Autoscaler
+
+        mesh.scaler = Autoscaler(mesh.scaling_policy())
+    elif args.replicas < 1:
+        raise SystemExit("kvmesh up: --replicas must be at least 1 (0 only with --autoscale --min-replicas 0)")
     # Convert the built-in model once, before N engines and the router all want it.
     from kvmesh.common.models import resolve_model_dir
 
@@ -351,9 +442,13 @@ def run(args: argparse.Namespace) -> int:
         ready = mesh.wait_ready(args.ready_timeout)
         if ready:
             base = f"http://{mesh._host()}:{args.port}"
-            joining = "" if ready >= len(mesh.replicas) else "; the others join as they finish loading"
-            say("up", f"kvmesh is up: {base}/v1  ({ready} of {len(mesh.replicas)} replicas of {mesh.served} "
-                      f"ready{joining}, redis {mesh.redis_url}). Ctrl-C to stop.")
+            if not mesh.replicas:
+                say("up", f"kvmesh is up: {base}/v1  (0 replicas of {mesh.served}: the first request starts one; "
+                          f"redis {mesh.redis_url}). Ctrl-C to stop.")
+            else:
+                joining = "" if ready >= len(mesh.replicas) else "; the others join as they finish loading"
+                say("up", f"kvmesh is up: {base}/v1  ({ready} of {len(mesh.replicas)} replicas of {mesh.served} "
+                          f"ready{joining}, redis {mesh.redis_url}). Ctrl-C to stop.")
             say("up", f"try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
                       f"-d '{{\"model\": \"{mesh.served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'")
         elif not mesh.stop_event.is_set():
