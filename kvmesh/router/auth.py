@@ -131,8 +131,9 @@ class TokenBucket:
         self.stamp = time.monotonic()
 
     def _refill(self, now: float) -> None:
-        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
+        if now > self.stamp:  # (a `now` read before the bucket was made must not drain it)
+            self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
 
     def wait_for(self, amount: float, now: float) -> float:
         """Seconds until `amount` is available (0 if it is now)."""
@@ -190,10 +191,10 @@ class RateLimiter:
     def admit_charge(self, client: str, tokens: int = 0, rpm: float | None = None, tpm: float | None = None,
                      ) -> tuple[bool, int, str, int]:
         """admit(), also returning the tokens charged (the estimate, capped at one minute's budget)."""
-        now = time.monotonic()
         tokens = max(0, int(tokens))
         rb = self._bucket(client, "rpm", rpm if rpm is not None else self.rpm)
         tb = self._bucket(client, "tpm", tpm if tpm is not None else self.tpm)
+        now = time.monotonic()
         if rb is not None:
             w = rb.wait_for(1, now)
             if w > 0:

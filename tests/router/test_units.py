@@ -189,3 +189,85 @@ def test_rate_limit_estimate_counts_batches_and_choices():
     assert estimate_tokens({"prompt": [1, 2, 3], "max_tokens": 4}, 3) == 7  # token ids, not a batch
     assert estimate_tokens({"messages": [], "max_completion_tokens": 8}, 2) == 10
     assert estimate_tokens({"prompt": "x", "n": "many"}, 2) == 2
+
+
+def test_a_key_file_line_is_the_whole_key_and_a_missing_file_is_an_error(tmp_path):
+    from kvmesh.router.auth import KeyFileError
+
+    f = tmp_path / "keys"
+    f.write_text("# a comment line\n  sk-a#b rpm=5\nsk-c,d\nsk with spaces name=team\n\n")
+    api = ApiKeys(load_keys(str(f)))
+    assert api.check("Bearer sk-a#b").rpm == 5 and api.check("Bearer sk-a") is None  # no comment truncation
+    assert api.check("Bearer sk-c,d") is not None and api.check("Bearer sk-c") is None  # no comma split
+    assert api.check("Bearer sk with spaces").name == "team"
+    assert len(api.keys) == 3
+    with pytest.raises(KeyFileError, match="No such file"):
+        load_keys(str(tmp_path / "missing"))
+    with pytest.raises(KeyFileError, match="No such file"):  # an env value naming a file that is not there
+        load_keys(None, env_value=str(tmp_path / "missing"))
+    with pytest.raises(KeyFileError, match="rpm"):
+        parse_keys("sk-x rpm=fast")
+    with pytest.raises(KeyFileError, match="64 hex"):
+        parse_keys("sha256:abc")
+
+
+def test_router_cli_refuses_to_start_without_its_key_file(tmp_path):
+    import argparse
+
+    from kvmesh.router import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    with pytest.raises(SystemExit, match="API key file"):
+        cli.config_from_args(p.parse_args(["--api-keys-file", str(tmp_path / "nope")]))
+    cfg = cli.config_from_args(p.parse_args(["--max-pending-requests", "3", "--scale-from-zero-timeout", "9"]))
+    assert (cfg.max_pending_requests, cfg.scale_from_zero_timeout) == (3, 9.0)
+
+
+def test_urls_with_passwords_are_redacted_wholly_in_logs():
+    import logging
+
+    from kvmesh.router.logging_setup import JsonFormatter, _Redacting, redact_url
+
+    for url, secret in [("redis://user:p@ss/w0rd@host:6379/0", ("p@ss", "w0rd", "ss/")),
+                        ("redis://:s3cret@redis:6379", ("s3cret",)),
+                        ("rediss://default:a:b#c@r.example.com:6380/1", ("a:b", "#c")),
+                        ("redis://r:6379/0?password=hunter2&db=1", ("hunter2",))]:
+        red = redact_url(url)
+        assert not any(s in red for s in secret), red
+        assert "***" in red
+    assert redact_url("http://10.0.0.1:8000/v1") == "http://10.0.0.1:8000/v1"
+    record = logging.LogRecord("kvmesh.router", logging.INFO, __file__, 1, "connecting to %s", (
+        "redis://admin:pa@ss@redis:6379/0",), None)
+    record.fields = {"upstream": "http://u:tok3n@engine:8000"}
+    line = _Redacting(JsonFormatter()).format(record)
+    assert "pa@ss" not in line and "tok3n" not in line and "redis:6379" in line
+
+
+def test_rate_limit_charges_are_bounded_so_no_key_is_locked_out_past_its_window(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("kvmesh.router.auth.time.monotonic", lambda: now[0])
+    lim = RateLimiter(tpm=1000)
+    ok, _, _, charged = lim.admit_charge("a", 10**12)  # max_tokens absurdly large
+    assert ok and charged == 1000  # at most one minute's budget
+    ok, retry, which = lim.admit("a", 10)
+    assert not ok and which == "tokens" and retry <= 60
+    lim.adjust("a", 10**12)  # usage far beyond the estimate: the bucket empties, no further
+    assert lim.admit("a", 1000)[1] <= 60
+    assert lim.adjust("a", -(10**12)) <= 1000  # a refund never grants more than the bucket holds
+    now[0] += 60
+    assert lim.admit("a", 1000)[0]  # a window later the key is whole again
+    from kvmesh.router.app import estimate_tokens
+
+    assert estimate_tokens({"prompt": "x", "max_tokens": float("inf")}, 5) == 5
+    assert estimate_tokens({"prompt": "x", "max_tokens": -7, "n": 10**9}, 5) == 5
+    assert estimate_tokens({"prompt": "x", "max_tokens": 10**30}, 1) == 1 + (1 << 31)
+
+
+def test_metric_labels_come_from_fixed_sets():
+    from kvmesh.router.metrics import route_label, status_label
+
+    assert route_label("/v1/completions") == "/v1/completions"
+    assert route_label("/v1/completions/../../etc") == "other" and route_label("/x" * 100) == "other"
+    assert status_label(200) == "200" and status_label(429) == "429"
+    assert status_label(418) == "4xx" and status_label(299) == "2xx" and status_label(999) == "other"
