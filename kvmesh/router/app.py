@@ -82,6 +82,8 @@ class RouterConfig:
     k8s_service: str | None = None
     k8s_namespace: str | None = None
     k8s_api_url: str | None = None
+    backends_file: str | None = None  # NAME=URL lines, re-read on change (kvmesh up's supervisor)
+    redis_stale_after: float = float(rl.HEARTBEAT_TTL_S)  # then route to known pods by load only
     # scale from zero: requests held while no pod is routable
     max_pending_requests: int = 256
     scale_from_zero_timeout: float = 300.0
@@ -182,6 +184,7 @@ class Router:
         self._held: deque[_Held] = deque()
         self._hold_task: asyncio.Task | None = None
         self._demand_at = -1e9
+        self._demand_warned = -1e9
 
     @property
     def holds(self) -> bool:
@@ -202,7 +205,8 @@ class Router:
         slices = (EndpointSlices(self.cfg.k8s_service, self.cfg.k8s_namespace, self.cfg.k8s_api_url)
                   if self.cfg.k8s_service else None)
         self.discovery = Discovery(self.cfg.model, self.redis, self.metrics, self.cfg.static_backends,
-                                   self.cfg.refresh_interval, slices)
+                                   self.cfg.refresh_interval, slices, backends_file=self.cfg.backends_file,
+                                   redis_stale_after=self.cfg.redis_stale_after)
         await self.discovery.refresh()
         self.discovery.start()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S)
@@ -296,6 +300,7 @@ class Router:
             status = "no ready engines"
         return await _json(send, 200 if ok else 503, {
             "status": status, "pods": n, "redis": bool(self.discovery and self.discovery.redis_ok),
+            "discovery": self.discovery.detail() if self.discovery else None,
             "held_requests": len(self._held), "max_pending_requests": self.cfg.max_pending_requests if self.holds else 0})
 
     # -- the request path -----------------------------------------------------------------------
@@ -591,11 +596,14 @@ class Router:
             self.metrics.demand_signals.inc()
         except Exception as exc:  # noqa: BLE001 - the request still waits; the next second tries again
             self.metrics.redis_errors.labels("demand").inc()
-            log.warning("could not signal demand in Redis: %s", exc)
+            now = time.monotonic()
+            if now - self._demand_warned > 30:  # once per 30 s, not every second
+                self._demand_warned = now
+                log.warning("could not signal demand in Redis (requests are held for lack of an engine): %s", exc)
 
     async def match(self, pods: list[Pod], keys: list[int]) -> dict[str, int] | None:
         """Matched leading blocks per pod, in one Redis round trip; None if Redis is unavailable."""
-        if self.redis is None or time.monotonic() < self._redis_down_until:
+        if self.redis is None or time.monotonic() < self._redis_down_until or not self.discovery.redis_fresh:
             return None
         named = [p.name for p in pods if p.has_blocks]
         if not named:
