@@ -3,6 +3,7 @@ while the Redis demand key tells the autoscalers to scale up; they go out, in ar
 soon as an engine is ready, and get a 503 with Retry-After when the queue is full or the wait
 too long. Real Redis, real stub engines with their sidecars, real HTTP on loopback."""
 
+import dataclasses
 import math
 import threading
 import time
@@ -10,8 +11,29 @@ import time
 import httpx
 
 from kvmesh.common import redis_layout as rl
+from kvmesh.router.app import RouterConfig
 from tests.router.conftest import wait_until
 from tests.router.test_router import metric, text
+
+
+class Endpoints:
+    """The router's endpoint source at zero replicas: an empty backends file that gains a line
+    when an engine comes up (as `kvmesh up` writes it), where the router reads one; else the
+    heartbeats in Redis are the source."""
+
+    FILE = "backends_file" in {f.name for f in dataclasses.fields(RouterConfig)}
+
+    def __init__(self, tmp_path):
+        self.path = tmp_path / "backends"
+        self.path.write_text("")
+
+    @property
+    def kw(self) -> dict:
+        return {"backends_file": str(self.path)} if self.FILE else {}
+
+    def add(self, name: str, url: str) -> None:
+        with self.path.open("a") as f:
+            f.write(f"{name}={url}\n")
 
 
 def post(base: str, prompt: str, timeout: float = 60, **headers) -> httpx.Response:
@@ -26,9 +48,11 @@ def ready(router) -> dict:
 
 
 def test_held_requests_signal_demand_and_go_out_in_order_once_an_engine_is_ready(
-        redis_server, router_factory, mesh, model_name):
+        redis_server, router_factory, mesh, model_name, tmp_path):
     r = redis_server.client()
-    router = router_factory(model=model_name, redis_url=redis_server.url, scale_from_zero_timeout=60)
+    endpoints = Endpoints(tmp_path)
+    router = router_factory(model=model_name, redis_url=redis_server.url, scale_from_zero_timeout=60,
+                            **endpoints.kw)
     assert ready(router)["pods"] == 0 and ready(router)["held_requests"] == 0
     assert r.get(rl.demand_key(model_name)) is None  # nothing held, no demand
 
@@ -51,6 +75,7 @@ def test_held_requests_signal_demand_and_go_out_in_order_once_an_engine_is_ready
     wait_until(lambda: float(r.get(rl.demand_key(model_name))) > float(value), 5, msg="demand refreshed")
 
     stubs, _ = mesh(1)  # an engine (and its sidecar) comes up
+    endpoints.add("pod-0", stubs[0].url)
     for t in threads:
         t.join(30)
     held_for = time.time() - t_first
@@ -69,8 +94,9 @@ def test_held_requests_signal_demand_and_go_out_in_order_once_an_engine_is_ready
     assert metric(router.url, "kvmesh_router_scale_from_zero_total", outcome="dispatched") == 3
 
 
-def test_a_held_request_times_out_with_503_and_retry_after(redis_server, router_factory, model_name):
-    router = router_factory(model=model_name, redis_url=redis_server.url, scale_from_zero_timeout=0.5)
+def test_a_held_request_times_out_with_503_and_retry_after(redis_server, router_factory, model_name, tmp_path):
+    router = router_factory(model=model_name, redis_url=redis_server.url, scale_from_zero_timeout=0.5,
+                            **Endpoints(tmp_path).kw)
     t0 = time.monotonic()
     resp = post(router.url, "is anyone there?")
     assert time.monotonic() - t0 >= 0.5
@@ -83,9 +109,10 @@ def test_a_held_request_times_out_with_503_and_retry_after(redis_server, router_
     assert redis_server.client().exists(rl.demand_key(model_name))  # it did ask for an engine
 
 
-def test_full_queue_is_503_and_a_client_that_leaves_frees_its_place(redis_server, router_factory, model_name):
+def test_full_queue_is_503_and_a_client_that_leaves_frees_its_place(redis_server, router_factory, model_name,
+                                                                     tmp_path):
     router = router_factory(model=model_name, redis_url=redis_server.url, max_pending_requests=1,
-                            scale_from_zero_timeout=60)
+                            scale_from_zero_timeout=60, **Endpoints(tmp_path).kw)
     gave_up = threading.Event()
 
     def impatient():
@@ -109,8 +136,9 @@ def test_full_queue_is_503_and_a_client_that_leaves_frees_its_place(redis_server
     assert metric(router.url, "kvmesh_router_held_requests") == 0
 
 
-def test_holding_off_answers_503_at_once_and_is_not_ready(redis_server, router_factory, model_name):
-    router = router_factory(model=model_name, redis_url=redis_server.url, max_pending_requests=0)
+def test_holding_off_answers_503_at_once_and_is_not_ready(redis_server, router_factory, model_name, tmp_path):
+    router = router_factory(model=model_name, redis_url=redis_server.url, max_pending_requests=0,
+                            **Endpoints(tmp_path).kw)
     resp = post(router.url, "hello")
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
     assert resp.json()["error"]["type"] == "service_unavailable"
