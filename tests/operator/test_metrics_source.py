@@ -7,7 +7,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from kvmesh.operator.metrics_source import RedisHeartbeats, Snapshot, heartbeat_key, pods_key
+from kvmesh.operator.metrics_source import RedisHeartbeats, Snapshot, demand_key, heartbeat_key, pods_key
 
 MODEL = "m-test"
 
@@ -62,5 +62,24 @@ async def test_unreachable_redis_raises():
     try:
         with pytest.raises(Exception):
             await source.snapshot(MODEL)
+    finally:
+        await source.close()
+
+
+async def test_cached_blocks_and_demand(r, redis_url):
+    await beat(r, "md-engine-a", 0.25)                          # no num_keys: the used share of the cache
+    await r.hset(heartbeat_key(MODEL, "md-engine-b"), mapping={
+        "url": "http://b:8000", "kv_usage": 0.5, "total_blocks": 512, "state": "ready", "ts": time.time(),
+        "num_keys": 300})
+    await r.sadd(pods_key(MODEL), "md-engine-b")
+    source = RedisHeartbeats(redis_url)
+    try:
+        snap = {h.pod: h for h in (await source.snapshot(MODEL, "md-engine-")).ready}
+        assert snap["md-engine-a"].num_keys is None and snap["md-engine-a"].cached_blocks == 128
+        assert snap["md-engine-b"].cached_blocks == 300
+        assert await source.demand(MODEL) is None
+        await r.set(demand_key(MODEL), "1700000000.5", ex=60)     # what a holding router writes
+        assert await source.demand(MODEL) == 1700000000.5
+        assert await source.demand("other-model") is None
     finally:
         await source.close()
