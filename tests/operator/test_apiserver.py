@@ -39,7 +39,7 @@ GC_TIMEOUT = 30.0
 register_kind(MD, crd.API_VERSION, crd.PLURAL)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     """etcd + kube-apiserver, the CRD and RBAC of manifests/ installed, and the controller
     manager when there is one."""
@@ -66,13 +66,13 @@ def _established(cp: ControlPlane) -> bool:
     return conds.get("Established") == "True"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def operator_logs() -> Iterator[LogCapture]:
     with LogCapture("kopf", "kvmesh") as capture:
         yield capture
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def operator(cluster: ControlPlane, redis_url: str, operator_logs: LogCapture) -> Iterator[OperatorThread]:
     """The real operator, cluster-wide, authenticated with a TokenRequest token of the
     kvmesh-operator ServiceAccount: only the ClusterRole of manifests/rbac.yaml applies."""
@@ -91,7 +91,7 @@ def operator(cluster: ControlPlane, redis_url: str, operator_logs: LogCapture) -
         runner.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def api(cluster: ControlPlane) -> httpx.Client:
     assert cluster.client is not None
     return cluster.client
@@ -433,7 +433,7 @@ def test_delete_garbage_collects_the_children(cluster: ControlPlane, api: httpx.
     assert cluster.list("ReplicaSet", NS, f"{render.LABEL_MD}=doomed") == []
 
 
-# --- RBAC: runs last, over everything the operator did in this session ------------------------
+# --- RBAC: runs last, over everything the operator did in this module -------------------------
 
 def test_operator_runs_within_its_rbac(cluster: ControlPlane, operator: OperatorThread,
                                        operator_logs: LogCapture) -> None:
@@ -444,7 +444,7 @@ def test_operator_runs_within_its_rbac(cluster: ControlPlane, operator: Operator
         assert sa.get("/api/v1/namespaces").status_code == 403
         assert sa.get(path("CustomResourceDefinition")).status_code == 403
         assert sa.get(path(MD, NS)).status_code == 200
-    # ...and nothing the operator did in this session was refused.
+    # ...and nothing the operator did in this module was refused.
     refused = [m for m in operator_logs.messages(logging.WARNING)
                if "403" in m or "forbidden" in m.lower()]
     assert not refused, "\n".join(refused[:5])
