@@ -67,8 +67,11 @@ def _secret_ref(desc: str, default_key: str) -> dict[str, Any]:
 
 
 _QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
-_INT_OR_PERCENT = {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]+%$"}],
-                   "x-kubernetes-int-or-string": True}
+# A structural schema allows no value checks inside anyOf branches: the check is a CEL rule.
+_INT_OR_PERCENT = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
+                   "x-kubernetes-validations": [{
+                       "rule": "type(self) == int ? self >= 0 : self.matches('^[0-9]+%$')",
+                       "message": "must be a non-negative integer or a percentage such as 25%"}]}
 # Kubernetes core types passed through to the pod template as the user wrote them
 # (the API server validates them when the operator applies the Deployment).
 _K8S_LIST = {"type": "array", "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}

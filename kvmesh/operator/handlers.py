@@ -52,7 +52,8 @@ class OperatorConfig:
     resync_interval: float = 60.0                 # full reconcile of every ModelDeployment this often,
                                                   # besides the one a child's change triggers
     heal_debounce: float = 0.2                    # gather a burst of child events into one reconcile
-    watch_server_timeout: float = 300.0           # the API server ends a watch after this; kopf re-lists
+    watch_server_timeout: int = 300               # the API server ends a watch after this (whole seconds:
+                                                  # timeoutSeconds=300.0 is a 400); kopf re-lists
     watch_client_timeout: float = 330.0           # a watch silent this long is dead: restart it
     watch_connect_timeout: float = 30.0
 
@@ -105,7 +106,7 @@ async def configure(settings: kopf.OperatorSettings, memo: Memo, **_: Any) -> No
     settings.networking.error_backoffs = [1, 2, 5, 10]
     # A watch that silently stalls (a dropped connection a proxy keeps open) is restarted:
     # the server closes each watch after server_timeout, the client gives up after client_timeout.
-    settings.watching.server_timeout = memo.config.watch_server_timeout
+    settings.watching.server_timeout = int(memo.config.watch_server_timeout)
     settings.watching.client_timeout = memo.config.watch_client_timeout
     settings.watching.connect_timeout = memo.config.watch_connect_timeout
     # Children are watched through the API server's label selector: the operator only ever

@@ -71,7 +71,23 @@ def _rule_errors(spec: dict[str, Any]) -> list[str]:
         errors.append(crd.REDIS_RULES[0]["message"])
     if re.match(r"^rediss?://[^/]*@", str(redis.get("url", ""))):
         errors.append(crd.REDIS_RULES[1]["message"])
+    message = crd._INT_OR_PERCENT["x-kubernetes-validations"][0]["message"]
+    for path, value in _int_or_percent_values(spec):
+        if not ((isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+                or (isinstance(value, str) and re.fullmatch(r"[0-9]+%", value))):
+            errors.append(f"{path}: {message}")
     return errors
+
+
+def _int_or_percent_values(spec: dict[str, Any]) -> list[tuple[str, Any]]:
+    engine, router = spec.get("engine") or {}, spec.get("router") or {}
+    out = [(f"engine.rollout.{k}", (engine.get("rollout") or {})[k]) for k in ("maxSurge", "maxUnavailable")
+           if k in (engine.get("rollout") or {})]
+    for where, obj in (("engine", engine), ("router", router)):
+        pdb = obj.get("podDisruptionBudget") or {}
+        if "maxUnavailable" in pdb:
+            out.append((f"{where}.podDisruptionBudget.maxUnavailable", pdb["maxUnavailable"]))
+    return out
 
 
 def _semantic_errors(name: str, spec: dict[str, Any]) -> list[str]:

@@ -94,6 +94,7 @@ def test_engine_defaults_match_kvmesh_serve():
 
 VALID = [
     {"model": {"builtin": "smollm2-135m-instruct"}},
+    {"model": {"builtin": "m"}, "engine": {"rollout": {"maxSurge": "25%", "maxUnavailable": 0}}},
     {"model": {"huggingFace": {"repoId": "HuggingFaceTB/SmolLM2-135M-Instruct",
                                "tokenSecretRef": {"name": "hf"}}}, "replicas": 3},
     {"model": {"pvc": {"claimName": "models", "path": "llama"}}, "autoscaling": {"minReplicas": 2, "maxReplicas": 2}},
@@ -112,6 +113,9 @@ INVALID = [  # (spec, expected message fragment, caught by CEL?)
     ({"model": {"builtin": "m"}, "engine": {"drainTimeoutSeconds": 60, "terminationGracePeriodSeconds": 60}},
      "drainTimeoutSeconds + preStopSleepSeconds must be less", True),
     ({"model": {"builtin": "m", "pvc": {"claimName": "x"}}}, "exactly one model source", True),
+    ({"model": {"builtin": "m"}, "engine": {"rollout": {"maxSurge": "ten"}}}, "percentage such as 25%", True),
+    ({"model": {"builtin": "m"}, "router": {"podDisruptionBudget": {"maxUnavailable": -1}}},
+     "non-negative integer", True),
     ({"model": {}}, "exactly one model source", True),
     ({"model": {"builtin": "m"}, "engine": {"blockSize": 0}}, "less than the minimum", False),
     ({"model": {"builtin": "m"}, "router": {"policy": "random"}}, "is not one of", False),
@@ -208,7 +212,7 @@ def test_schema_rejects_unknown_shapes():
     with pytest.raises(jsonschema.ValidationError):
         validate_instance({"spec": {"model": {"builtin": "m"}, "autoscaling": {"maxReplicas": 2,
                                                                                 "targetKVUtilization": 0}}})
-    bad = copy.deepcopy(VALID[1])
+    bad = copy.deepcopy(next(v for v in VALID if "huggingFace" in v["model"]))
     del bad["model"]["huggingFace"]["repoId"]
     with pytest.raises(jsonschema.ValidationError):
         validate_instance({"spec": bad})
