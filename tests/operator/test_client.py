@@ -264,3 +264,73 @@ async def test_credentials_from_kopf_token_and_inline_pem(k8s):
     assert not any(os.path.exists(p) for p in written)                # the PEM files go with the client
     sent = requests(k8s, "GET", "/pods/p")[-1].headers
     assert sent["Authorization"] == "Bearer s3cret" and sent["User-Agent"].startswith("kvmesh")
+
+
+async def test_apiserver_credentials_conflicts_and_subresources(tmp_path):
+    """The same client against a real kube-apiserver (skipped without one; see
+    tests/operator/apiserver_env.py): TLS with a CA file or inline CA and client-certificate
+    data, bearer tokens, a real field-ownership conflict, /scale and /status, RBAC errors."""
+    import subprocess
+
+    from tests.operator.apiserver_env import ControlPlane, find_environment
+
+    assets, why = find_environment()
+    if assets is None:
+        pytest.skip(f"no real control plane: {why}")
+    cp = ControlPlane(assets, tmp_path)
+    clients: list[KubeClient] = []
+
+    def make(**kw) -> KubeClient:
+        clients.append(KubeClient(Connection(server=cp.server, **kw), retries=1, backoff=0.01))
+        return clients[-1]
+
+    try:
+        await asyncio.to_thread(cp.start)
+        cp.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns"}}).raise_for_status()
+        for args in (["req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                      "-keyout", "client.key", "-out", "client.csr", "-subj", "/O=system:masters/CN=cert-admin"],
+                     ["x509", "-req", "-in", "client.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                      "-out", "client.crt", "-days", "1"]):
+            subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
+        admin = make(token=cp.admin_token, ca_path=cp.ca_path)
+        by_cert = make(ca_data=(tmp_path / "ca.crt").read_bytes(),
+                       certificate_data=(tmp_path / "client.crt").read_bytes(),
+                       private_key_data=(tmp_path / "client.key").read_bytes())
+        stranger = make(token="not-a-token", ca_path=cp.ca_path)
+        unverified = make(token=cp.admin_token)                    # the test CA is not trusted
+
+        dep = {"apiVersion": "apps/v1", "kind": "Deployment",
+               "metadata": {"name": "d", "namespace": "ns", "labels": {"app": "x"}},
+               "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "x"}},
+                        "template": {"metadata": {"labels": {"app": "x"}},
+                                     "spec": {"containers": [{"name": "c", "image": "img:1"}]}}}}
+        created = await by_cert.apply(dep)
+        assert [m["manager"] for m in created["metadata"]["managedFields"]] == [FIELD_MANAGER]
+        assert [o["metadata"]["name"] for o in await admin.list("Deployment", "ns", "app=x")] == ["d"]
+        assert await admin.list("Deployment", "ns", "app=y") == []
+        # Another manager (an HPA, say) takes spec.replicas: without force the apply conflicts.
+        cp.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": "ns"},
+                  "spec": {"replicas": 5}}, manager="hpa").raise_for_status()
+        with pytest.raises(ApplyConflict) as info:
+            await admin.apply(dep, force=False)
+        assert "hpa" in info.value.message and ".spec.replicas" in info.value.message
+        assert (await admin.apply(dep))["spec"]["replicas"] == 2       # force takes it back
+        assert (await admin.scale("Deployment", "ns", "d", 3))["spec"]["replicas"] == 3
+        status = await admin.patch_status("Deployment", "ns", "d", {"observedGeneration": 99})
+        assert status["status"]["observedGeneration"] == 99
+        patched = await admin.patch("Deployment", "ns", "d", {"metadata": {"annotations": {"a": "b"}}})
+        assert patched["metadata"]["annotations"] == {"a": "b"}
+        await admin.delete("Deployment", "ns", "d")
+        await admin.delete("Deployment", "ns", "d")
+        assert await admin.get("Deployment", "ns", "d") is None
+
+        with pytest.raises(ApiError) as info:
+            await stranger.get("Deployment", "ns", "d")
+        assert info.value.status == 401 and not info.value.transient
+        with pytest.raises(ApiError) as info:
+            await unverified.get("Deployment", "ns", "d")
+        assert info.value.status == 503 and "CERTIFICATE_VERIFY_FAILED" in info.value.message
+    finally:
+        for c in clients:
+            await c.close()
+        await asyncio.to_thread(cp.stop)
