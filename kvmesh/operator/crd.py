@@ -118,6 +118,11 @@ ENGINE_RULES = [
              f"{DEFAULT_PRESTOP_SLEEP}) < self.terminationGracePeriodSeconds",
      "message": "drainTimeoutSeconds + preStopSleepSeconds must be less than terminationGracePeriodSeconds"},
 ]
+ROLLOUT_RULES = [
+    {"rule": "!has(self.maxSurge) || !has(self.maxUnavailable) || "
+             "!(string(self.maxSurge) in ['0', '0%'] && string(self.maxUnavailable) in ['0', '0%'])",
+     "message": "rollout.maxSurge and rollout.maxUnavailable cannot both be 0: the rollout could never progress"},
+]
 AUTOSCALING_RULES = [
     {"rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
      "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas"},
@@ -188,7 +193,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
                          "default": 1},
             "maxUnavailable": {**_INT_OR_PERCENT, "description": "RollingUpdate: pods that may be unavailable.",
                                "default": 0},
-        }, default={}),
+        }, default={}, **{"x-kubernetes-validations": ROLLOUT_RULES}),
         "podDisruptionBudget": _obj("PodDisruptionBudget of the engines (voluntary evictions, node drains).", {
             "enabled": _bool("Render the budget.", default=True),
             "maxUnavailable": {**_INT_OR_PERCENT, "description": "Engines a drain may evict at once.",
@@ -381,5 +386,5 @@ def crd_manifest() -> dict[str, Any]:
 def all_cel_rules() -> list[tuple[str, dict[str, str]]]:
     """(JSON path of the schema node, rule) for every CEL rule, for tests and docs."""
     return ([("spec", r) for r in SPEC_RULES] + [("spec.model", r) for r in MODEL_RULES]
-            + [("spec.engine", r) for r in ENGINE_RULES] + [("spec.autoscaling", r) for r in AUTOSCALING_RULES]
+            + [("spec.engine", r) for r in ENGINE_RULES] + [("spec.engine.rollout", r) for r in ROLLOUT_RULES] + [("spec.autoscaling", r) for r in AUTOSCALING_RULES]
             + [("spec.redis", r) for r in REDIS_RULES])

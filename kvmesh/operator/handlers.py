@@ -160,8 +160,10 @@ async def _mark_invalid(memo: Memo, md: dict[str, Any], errors: list[str], reaso
         kopf.warn(_md_ref(md), reason=reason, message="; ".join(errors)[:1000])
 
 
-async def reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter) -> None:
-    """Make the children match the spec (idempotent)."""
+async def reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter,
+                    should_stop: Callable[[], bool] = lambda: False) -> None:
+    """Make the children match the spec (idempotent). ``should_stop`` is asked before each
+    write, so a reconcile whose ModelDeployment is being deleted stops creating children."""
     assert memo.client is not None, "not logged in"
     meta = md["metadata"]
     spec = specs.apply_defaults(dict(md.get("spec") or {}))
@@ -175,6 +177,8 @@ async def reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | log
         children = render.render_children(md, spec, memo.config.images, credentials)
         conflicts = []
         for child in children:
+            if should_stop():
+                return
             conflict = await _apply_child(memo, md, spec, child)
             if conflict:
                 conflicts.append(conflict)
@@ -365,7 +369,7 @@ for _resource in CHILD_RESOURCES:
                   id=f"heal-{_resource[-1]}")(_child_event)
 
 
-@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry, id="healer", cancellation_backoff=1.0,
+@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry, id="healer", cancellation_backoff=3.0,
              cancellation_timeout=5.0)
 async def healer_daemon(stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo, logger: Any, **_: Any) -> None:
     """One loop per ModelDeployment: reconcile when a child drifted, and every resync interval."""
@@ -390,7 +394,7 @@ async def healer_daemon(stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo
                 md = await memo.client.get(crd.KIND, *key) if memo.client else None
                 if md is None or md["metadata"].get("deletionTimestamp"):
                     break
-                await reconcile(memo, md, logger)
+                await reconcile(memo, md, logger, should_stop=lambda: bool(stopped) or memo.stopping)
                 delay = 1.0
             except (kopf.TemporaryError, ApiError, OSError, asyncio.TimeoutError) as exc:
                 if memo.stopping:

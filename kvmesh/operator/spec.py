@@ -71,6 +71,9 @@ def _rule_errors(spec: dict[str, Any]) -> list[str]:
         errors.append(crd.REDIS_RULES[0]["message"])
     if re.match(r"^rediss?://[^/]*@", str(redis.get("url", ""))):
         errors.append(crd.REDIS_RULES[1]["message"])
+    rollout = engine.get("rollout") or {}
+    if str(rollout.get("maxSurge", 1)) in ("0", "0%") and str(rollout.get("maxUnavailable", 1)) in ("0", "0%"):
+        errors.append(crd.ROLLOUT_RULES[0]["message"])
     message = crd._INT_OR_PERCENT["x-kubernetes-validations"][0]["message"]
     for path, value in _int_or_percent_values(spec):
         if not ((isinstance(value, int) and not isinstance(value, bool) and value >= 0)

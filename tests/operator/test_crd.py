@@ -114,6 +114,8 @@ INVALID = [  # (spec, expected message fragment, caught by CEL?)
      "drainTimeoutSeconds + preStopSleepSeconds must be less", True),
     ({"model": {"builtin": "m", "pvc": {"claimName": "x"}}}, "exactly one model source", True),
     ({"model": {"builtin": "m"}, "engine": {"rollout": {"maxSurge": "ten"}}}, "percentage such as 25%", True),
+    ({"model": {"builtin": "m"}, "engine": {"rollout": {"maxSurge": "0%", "maxUnavailable": 0}}},
+     "cannot both be 0", True),
     ({"model": {"builtin": "m"}, "router": {"podDisruptionBudget": {"maxUnavailable": -1}}},
      "non-negative integer", True),
     ({"model": {}}, "exactly one model source", True),
