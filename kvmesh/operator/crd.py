@@ -312,6 +312,12 @@ _DECISION = _obj("An autoscaling decision.", {
     "desiredReplicas": _int("Replicas after."),
     "recommendation": _int("Raw recommendation before stabilisation and bounds."),
     "kvUtilization": _num("Mean KV utilisation of ready replicas, if known."),
+    "readyReplicas": _int("Replicas that served when it was taken."),
+    "waitingRequests": _int("Requests waiting on the replicas (the queue signal), if known."),
+    "runningRequests": _int("Requests running on the replicas."),
+    "stuckPods": {"type": "array", "items": {"type": "string"},
+                  "description": "Pods not Ready within startupTimeoutSeconds (not counted as coming capacity)."},
+    "demand": _bool("A router held requests for lack of a ready replica (scale from zero)."),
     "reason": _str("Why."),
 })
 

@@ -73,7 +73,7 @@ class Shared:
 class Memo:
     config: OperatorConfig = field(default_factory=OperatorConfig)
     shared: Shared = field(default_factory=Shared)
-    scalers: dict[str, Any] = field(default_factory=dict)     # uid -> autoscaler.Autoscaler
+    scalers: dict[str, Any] = field(default_factory=dict)     # uid -> scaling.LoopState
     redis: dict[str, Any] = field(default_factory=dict)       # url -> metrics_source.RedisHeartbeats
     last_actions: dict[str, str] = field(default_factory=dict)
 

@@ -33,7 +33,7 @@ from kvmesh.operator import crd, render, spec as specs, status as st
 from kvmesh.operator.apply import ApiError
 from kvmesh.operator.autoscaler import (HOLD, NONE, Autoscaler, Decision, Observation, ScalingPolicy,
                                         split_pending)
-from kvmesh.operator.handlers import Memo, _md_ref, _write_status, refresh_status
+from kvmesh.operator.handlers import Memo, _ensure_generated_secrets, _md_ref, _write_status, refresh_status
 from kvmesh.operator.metrics_source import Heartbeat, RedisHeartbeats
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
@@ -264,7 +264,9 @@ async def tick(memo: Memo, namespace: str, name: str, logger: Any) -> float:
     extra["lastDecision"] = {
         "time": st.now_iso(now), "action": decision.action, "currentReplicas": current,
         "desiredReplicas": decision.desired_replicas, "recommendation": decision.recommendation,
-        "kvUtilization": kv, "reason": decision.reason}
+        "kvUtilization": kv, "readyReplicas": obs.ready_replicas, "waitingRequests": obs.waiting,
+        "runningRequests": obs.running, "stuckPods": list(decision.stuck), "demand": obs.demand,
+        "reason": decision.reason}
     if decision.changed:
         await _scale(memo, md, spec, decision, pods, load, now, extra, logger)
     elif decision.action != loop.last_action and decision.action in (HOLD, NONE):
@@ -293,8 +295,10 @@ async def _scale(memo: Memo, md: dict[str, Any], spec: dict[str, Any], decision:
     await memo.client.scale(crd.KIND, ns, name, desired)
     scaled = dict(md, spec={**(md.get("spec") or {}), "replicas": desired},
                   status={**(md.get("status") or {}), "desiredReplicas": desired})
+    # The same Deployment a reconcile renders (credentials included), or the pods would roll.
+    credentials = await _ensure_generated_secrets(memo, scaled, spec)
     await memo.client.apply(render.render_engine_deployment(scaled, dict(spec, replicas=desired),
-                                                            memo.config.images))
+                                                            memo.config.images, credentials))
     verb = "ScaledUp" if desired > current else "ScaledDown"
     kopf.event(_md_ref(md), type="Normal", reason=verb, message=f"{current} -> {desired} replicas: {decision.reason}")
     logger.info(f"autoscaler: {current} -> {desired}: {decision.reason}")

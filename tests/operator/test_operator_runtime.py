@@ -278,6 +278,8 @@ async def test_autoscaler_from_redis_heartbeats_across_windows(k8s, operator, re
     await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine"))
     assert k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine")["spec"]["replicas"] == 1   # minReplicas
     engine = lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine")["spec"]["replicas"]  # noqa: E731
+    template = lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine")["spec"]["template"]  # noqa: E731
+    credentials = await eventually(lambda: template()["metadata"]["annotations"].get("kvmesh.io/credentials"))
     md = lambda: k8s.fetch_object(MD, "ns", "demo")  # noqa: E731
     hb = Heartbeats(redis_url, "smollm2-135m-instruct")
     try:
@@ -299,6 +301,10 @@ async def test_autoscaler_from_redis_heartbeats_across_windows(k8s, operator, re
         status = md()["status"]
         assert status["desiredReplicas"] == 2 and status["lastScaleTime"]
         assert md()["spec"]["replicas"] == 2
+        decision = status["lastDecision"]
+        assert decision["readyReplicas"] == 1 and decision["waitingRequests"] == 0 and decision["stuckPods"] == []
+        # Scaling changed the replica count and nothing else: the engine pods do not roll.
+        assert template()["metadata"]["annotations"]["kvmesh.io/credentials"] == credentials
         assert operator_requests(k8s, crd.PLURAL, "PATCH", "demo", "scale")
         await eventually(lambda: events(k8s, "ScaledUp"))
         assert "1 -> 2" in events(k8s, "ScaledUp")[0]["message"]
