@@ -414,6 +414,46 @@ def test_hand_edits_are_put_back(cluster: ControlPlane, api: httpx.Client, opera
     wait_for(restored, timeout=HEAL_TIMEOUT, message="replicas and image put back")
 
 
+def test_external_autoscaler_owns_the_engine_replicas_and_conflicts_are_reported(
+        cluster: ControlPlane, api: httpx.Client, operator: OperatorThread) -> None:
+    """With autoscaling.mode external another manager (an HPA on the engine Deployment)
+    legitimately owns spec.replicas: the operator applies without force, so the real
+    server's field ownership decides; the conflict is a condition, not an overwrite."""
+    md = create_md(api, "hpa", autoscaling={"mode": "external", "minReplicas": 1, "maxReplicas": 5})
+    children = wait_children(cluster, md)
+    name = render.names("hpa")[render.ENGINE]
+    assert children[("Deployment", name)]["spec"]["replicas"] == 1
+    # What the HPA controller sends: an update of the Deployment's scale by its own manager.
+    resp = api.patch(path("Deployment", NS, name, "scale"), content=json.dumps({"spec": {"replicas": 4}}),
+                     headers={"Content-Type": "application/merge-patch+json"},
+                     params={"fieldManager": "horizontal-pod-autoscaler"})
+    assert resp.status_code == 200, resp.text
+    # A spec change makes the operator re-apply the engine Deployment (new --max-num-seqs).
+    resp = api.patch(path(MD, NS, "hpa"), content=json.dumps({"spec": {"engine": {"maxNumSeqs": 64}}}),
+                     headers={"Content-Type": "application/merge-patch+json"})
+    assert resp.status_code == 200, resp.text
+
+    def reapplied() -> dict[str, Any]:
+        dep = cluster.get("Deployment", NS, name)
+        command = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert command[command.index("--max-num-seqs") + 1] == "64", "not re-applied yet"
+        return dep
+    dep = wait_for(reapplied, timeout=HEAL_TIMEOUT, message="engine Deployment re-applied")
+    assert dep["spec"]["replicas"] == 4          # the HPA's value stands
+    conflict = wait_for(lambda: (c := md_conditions(cluster, "hpa").get("ApplyConflict")) and
+                        c["status"] == "True" and c, timeout=HEAL_TIMEOUT, message="ApplyConflict=True")
+    assert "replicas" in conflict["message"] and conflict["reason"] == "FieldManagedElsewhere"
+
+    # Built-in autoscaling (the default) owns the field: a hand edit is put back by force.
+    resp = api.patch(path(MD, NS, "hpa"), content=json.dumps({"spec": {"autoscaling": {"mode": "builtin"}}}),
+                     headers={"Content-Type": "application/merge-patch+json"})
+    assert resp.status_code == 200, resp.text
+    wait_for(lambda: cluster.get("Deployment", NS, name)["spec"]["replicas"] == 1, timeout=HEAL_TIMEOUT,
+             message="builtin mode re-asserts the operator's replica count")
+    wait_for(lambda: md_conditions(cluster, "hpa")["ApplyConflict"]["status"] == "False", timeout=HEAL_TIMEOUT,
+             message="ApplyConflict cleared")
+
+
 def test_delete_garbage_collects_the_children(cluster: ControlPlane, api: httpx.Client,
                                               operator: OperatorThread) -> None:
     md = create_md(api, "doomed")
