@@ -114,7 +114,8 @@ def overhead(args: argparse.Namespace) -> None:
             if os.environ.get("KVMESH_BENCH_PROFILE") else []
         router_cmd = [sys.executable, *profile, "-m", "kvmesh.cli", "router", "--model", "bench-model", "--tokenizer",
                       "smollm2-135m-instruct", "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
-                      "--policy", args.policy]
+                      "--policy", args.policy, "--static-backends",  # the platform's list; Redis adds load
+                      ",".join(f"bench-pod-{i:02d}=http://127.0.0.1:{sport}" for i in range(args.pods))]
         if args.no_access_log:
             router_cmd.append("--no-access-log")
         procs.append(subprocess.Popen(router_cmd, env=env(), stderr=subprocess.DEVNULL))

@@ -15,7 +15,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--redis-url", default=os.environ.get("KVMESH_REDIS_URL", "redis://127.0.0.1:6379/0"),
                    help="'none' with --static-backends for no Redis at all")
-    p.add_argument("--static-backends", default=None, help="URL,URL: route to a fixed list of engines")
+    p.add_argument("--static-backends", default=None,
+                   help="URL or NAME=URL, comma-separated: the engines (NAME: the pod name its sidecar heart-beats "
+                        "under); one endpoint source is required")
+    p.add_argument("--backends-file", default=None,
+                   help="endpoint source: a file of NAME=URL lines, re-read when it changes (kvmesh up)")
     p.add_argument("--policy", choices=["prefix", "least-load", "round-robin", "session"], default="prefix")
     p.add_argument("--weights", default="prefix=1.0,kv=0.5,queue=0.5")
     p.add_argument("--block-size", type=int, default=16)
@@ -38,8 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refresh-interval", type=float, default=0.5, help="heartbeat re-read period")
     p.add_argument("--upstream-api-key", default=os.environ.get("KVMESH_UPSTREAM_API_KEY"),
                    help="key the router presents to engines (env KVMESH_UPSTREAM_API_KEY)")
-    p.add_argument("--k8s-service", default=None, help="cross-check pods with this Service's EndpointSlices")
+    p.add_argument("--k8s-service", default=None,
+                   help="endpoint source: the engine Service; routes to the ready endpoints of its EndpointSlices "
+                        "(list+watch; RBAC get/list/watch on endpointslices.discovery.k8s.io)")
     p.add_argument("--k8s-namespace", default=None)
+    p.add_argument("--redis-stale-after", type=float, default=10.0,
+                   help="seconds without reading Redis before its heartbeats expire and known pods are routed "
+                        "to by load only")
     p.add_argument("--max-pending-requests", type=int, default=256,
                    help="scale from zero: requests held while no engine is routable; more get 503 "
                         "(0: none are held, 503 at once)")
@@ -64,9 +73,19 @@ def config_from_args(args: argparse.Namespace):
     except KeyFileError as exc:  # a missing key file is a startup error, never "no keys"
         raise SystemExit(f"kvmesh router: {exc}") from None
     redis_url = None if (args.redis_url or "").lower() in ("", "none") else args.redis_url
+    static_backends = [u.strip() for u in (args.static_backends or "").split(",") if u.strip()]
+    try:
+        from kvmesh.router.discovery import StaticEndpoints
+
+        StaticEndpoints(static_backends)
+    except ValueError as exc:
+        raise SystemExit(f"kvmesh router: --static-backends: {exc}") from None
+    if not args.redis_stale_after > 0:
+        raise SystemExit("kvmesh router: --redis-stale-after must be > 0")
     return RouterConfig(
         model=args.model, tokenizer=args.tokenizer, redis_url=redis_url,
-        static_backends=[u.strip() for u in (args.static_backends or "").split(",") if u.strip()],
+        static_backends=static_backends, backends_file=args.backends_file,
+        redis_stale_after=args.redis_stale_after,
         policy=args.policy, weights=Weights.parse(args.weights), block_size=args.block_size,
         api_keys=api_keys, rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm, max_body_bytes=args.max_body_bytes, max_retries=args.max_retries,
@@ -90,8 +109,11 @@ def run(args: argparse.Namespace) -> int:
     if args.no_access_log:
         logging.getLogger("kvmesh.router.access").setLevel(logging.WARNING)
     cfg = config_from_args(args)
-    if not cfg.redis_url and not cfg.static_backends:
-        raise SystemExit("kvmesh router: --redis-url none needs --static-backends")
+    if not (cfg.static_backends or cfg.backends_file or cfg.k8s_service):
+        # Where engines are comes from the platform, never from Redis (anyone who can write
+        # Redis could otherwise send users' prompts anywhere): heartbeats only add load.
+        raise SystemExit("kvmesh router: no endpoint source: pass --k8s-service (Kubernetes), --static-backends "
+                         "or --backends-file")
     router = Router(cfg)
     logging.getLogger("kvmesh.router").info(
         "router for %s on %s:%d, policy %s, %s, auth %s", cfg.model, args.host, args.port, cfg.policy,

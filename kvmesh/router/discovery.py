@@ -1,17 +1,47 @@
-"""Which pods the router may use: Redis heartbeats (contract 3), or a static list, optionally
-cross-checked against the engine Service's EndpointSlices in Kubernetes."""
+"""Which pods the router may use (DESIGN.md contract 3, "Trust").
+
+Where a pod is reachable comes from the platform, never from Redis. The router knows its
+pods from one or more *endpoint sources*:
+
+* ``--k8s-service``: the ready endpoints of the engine Service's EndpointSlices (list, then
+  watch, with the pod's service account). A pod is named by its ``targetRef`` (the Pod name,
+  which is the sidecar's ``--pod-name``); its URL is the endpoint address and the slice's
+  ``http`` port.
+* ``--static-backends``: a fixed list of ``URL`` or ``NAME=URL``.
+* ``--backends-file``: ``NAME=URL`` lines that the router re-reads when the file changes
+  (``kvmesh up``'s supervisor writes it as it adds and removes replicas).
+
+Redis heartbeats only add load, readiness (``ready``/``draining``) and a block set to a pod
+the router already knows. A heartbeat is matched to a known pod by its name (and must then
+name the same URL), or, for an unnamed static backend, by its URL. The router always sends
+traffic to the URL from the platform. Any other heartbeat (an unknown pod, a URL that does
+not match) is ignored and counted (``kvmesh_router_ignored_heartbeats_total{reason}``), so
+whoever can write Redis can at worst skew the scores of known pods, never redirect a request.
+
+Routability:
+* Redis answering: a *named* pod (Kubernetes, ``NAME=URL``) needs a live heartbeat in state
+  ``ready`` (it has a sidecar, which only heart-beats once its engine is ready); an unnamed
+  static backend without a heartbeat is routed to by load.
+* Redis unreachable: the last heartbeats are used for ``--redis-stale-after`` seconds (10 s,
+  the heartbeat TTL); after that the view expires and every known pod is routed to by load
+  only (in-flight counts), until Redis answers again. ``/ready`` and
+  ``kvmesh_router_discovery_fallback`` say so.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import ssl
 import time
 from dataclasses import dataclass
-from urllib.parse import urlparse
+from typing import Any, Iterable
+from urllib.parse import quote, urlsplit
 
 import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.router.metrics import RouterMetrics
@@ -19,6 +49,11 @@ from kvmesh.router.metrics import RouterMetrics
 log = logging.getLogger("kvmesh.router.discovery")
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+STATE_NO_HEARTBEAT = "no_heartbeat"  # a known pod with a sidecar whose heartbeat is missing
+STATE_UNKNOWN = "unknown"  # a heartbeat state this router does not know (never routed to)
+STATE_NOT_READY = "not_ready"  # the platform lists the pod as not ready
+IGNORE_REASONS = ("unknown_pod", "url_mismatch", "duplicate_url")
+FALLBACK_REDIS = "redis_unavailable"
 
 
 @dataclass
@@ -37,43 +72,284 @@ class Pod:
         return self.running + self.waiting
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """A pod as the platform knows it: `name` is None for an unnamed static backend; `ready`
+    is False for an endpoint Kubernetes lists as not ready (starting, failing its readiness
+    probe, terminating): known, so its heartbeat is not "unknown", but never routed to."""
+
+    name: str | None
+    url: str
+    ready: bool = True
+
+
+def normalize_url(url: str) -> tuple[str, str, int | None, str] | None:
+    """(scheme, host, port, path) for comparing URLs; None if it is not an http(s) URL."""
+    try:
+        u = urlsplit(url.strip())
+        port = u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        return None
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return None
+    return u.scheme, u.hostname.lower(), port, u.path.rstrip("/")
+
+
+def parse_backend(entry: str) -> Endpoint:
+    """`URL` or `NAME=URL` (a static backend, a line of --backends-file)."""
+    entry = entry.strip()
+    name: str | None = None
+    if "=" in entry and "://" not in entry.split("=", 1)[0]:
+        name, entry = (x.strip() for x in entry.split("=", 1))
+        if not name:
+            raise ValueError(f"backend {entry!r}: empty name before '='")
+    if normalize_url(entry) is None:
+        raise ValueError(f"backend {entry!r} is not an http(s) URL")
+    return Endpoint(name, entry.rstrip("/"))
+
+
+class StaticEndpoints:
+    def __init__(self, entries: Iterable[str]):
+        self.items = [parse_backend(e) for e in entries if e.strip()]
+        names = [e.name for e in self.items if e.name]
+        if len(names) != len(set(names)):
+            raise ValueError("duplicate backend names in --static-backends")
+
+    def endpoints(self) -> list[Endpoint] | None:
+        return self.items
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "static", "endpoints": len(self.items)}
+
+
+class FileEndpoints:
+    """`NAME=URL` (or `URL`) lines, `#` comments; re-read when the file changes. A file that
+    cannot be read or parsed keeps the last good list (and says so in `error`)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._stamp: tuple[float, int] | None = None
+        self.items: list[Endpoint] | None = None
+        self.error: str | None = None
+
+    def endpoints(self) -> list[Endpoint] | None:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime, st.st_size)
+            if stamp != self._stamp:
+                with open(self.path) as f:
+                    lines = [ln.split("#", 1)[0].strip() for ln in f]
+                self.items = [parse_backend(ln) for ln in lines if ln]
+                self._stamp = stamp
+                self.error = None
+        except (OSError, ValueError) as exc:
+            if self.error != str(exc):
+                log.warning("--backends-file %s: %s (keeping the last good list)", self.path, exc)
+            self.error = str(exc)
+        return self.items
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "file", "path": self.path, "endpoints": len(self.items or []), "error": self.error}
+
+
+class _DiscoveryMetrics:
+    """Discovery's own series, registered on the router's registry."""
+
+    def __init__(self, metrics: RouterMetrics):
+        r = metrics.registry
+        self.ignored = Counter("kvmesh_router_ignored_heartbeats",
+                               "Heartbeats ignored because they name a pod or URL the platform does not know "
+                               "(counted once each time one appears)", ["reason"], registry=r)
+        self.ignored_now = Gauge("kvmesh_router_ignored_heartbeats_current",
+                                 "Heartbeats ignored in the last refresh", ["reason"], registry=r)
+        self.known = Gauge("kvmesh_router_known_pods", "Pods known from the endpoint sources (platform)",
+                           registry=r)
+        self.fallback = Gauge("kvmesh_router_discovery_fallback",
+                              "1 while routing to the platform's pods by load only because the Redis view "
+                              "expired", registry=r)
+        self.view_age = Gauge("kvmesh_router_redis_view_age_seconds",
+                              "Seconds since heartbeats were last read from Redis (-1: never)", registry=r)
+        for reason in IGNORE_REASONS:
+            self.ignored.labels(reason)
+            self.ignored_now.labels(reason).set(0)
+        self.view_age.set(-1)
+
+
+def _discovery_metrics(metrics: RouterMetrics) -> _DiscoveryMetrics:
+    dm = getattr(metrics, "_discovery", None)
+    if dm is None:
+        dm = metrics._discovery = _DiscoveryMetrics(metrics)
+    return dm
+
+
 class Discovery:
     def __init__(self, model: str, redis_client: aioredis.Redis | None, metrics: RouterMetrics,
                  static_backends: list[str] | None = None, refresh_interval: float = 0.5,
-                 endpoint_slices: "EndpointSlices | None" = None):
+                 endpoint_slices: "EndpointSlices | None" = None, backends_file: str | None = None,
+                 redis_stale_after: float = float(rl.HEARTBEAT_TTL_S)):
         self.model = model
         self.redis = redis_client
         self.metrics = metrics
-        self.static = [u.rstrip("/") for u in static_backends or []]
+        self.dm = _discovery_metrics(metrics)
         self.refresh_interval = refresh_interval
         self.endpoint_slices = endpoint_slices
+        self.redis_stale_after = redis_stale_after
+        self.sources: list[Any] = []
+        if static_backends:
+            self.sources.append(StaticEndpoints(static_backends))
+        if backends_file:
+            self.sources.append(FileEndpoints(backends_file))
+        if endpoint_slices is not None:
+            self.sources.append(endpoint_slices)
+        self.static = [e.url for src in self.sources if isinstance(src, StaticEndpoints) for e in src.items]
         self.pods: dict[str, Pod] = {}
         self.redis_ok = False
         self.last_refresh = 0.0
+        self.fallback: str | None = None
+        self.known: list[Endpoint] = []
+        self.ignored: dict[tuple[str, str], str] = {}  # (pod, reason) -> the URL its heartbeat named
+        self._heartbeats: dict[str, rl.Heartbeat] | None = None  # the last good Redis view
+        self._redis_read_at: float | None = None
         self._pods_key = rl.pods_key(model)
         self._cleanup = redis_client.register_script(rl.ORPHAN_CLEANUP_LUA) if redis_client is not None else None
         self._task: asyncio.Task | None = None
-        if self.static:
-            self.pods = {u: Pod(name=u, url=u, has_blocks=False) for u in self.static}
+        self._compose()
 
+    # -- the view the router routes on ------------------------------------------------------------
     def routable(self) -> list[Pod]:
         pods = [p for p in self.pods.values() if p.state == rl.STATE_READY]
         if self.endpoint_slices is not None and self.endpoint_slices.ready_hosts is not None:
-            hosts = self.endpoint_slices.ready_hosts
-            pods = [p for p in pods if urlparse(p.url).hostname in hosts]
+            hosts = self.endpoint_slices.ready_hosts  # defence in depth: only ready addresses
+            pods = [p for p in pods if urlsplit(p.url).hostname in hosts]
         return pods
 
+    @property
+    def redis_fresh(self) -> bool:
+        """True while the heartbeats held are a current Redis view (block sets may be used)."""
+        return self.redis is not None and self.fallback is None and self._heartbeats is not None
+
+    def detail(self) -> dict[str, Any]:
+        """For the router's /ready: where pods come from and how fresh the Redis view is."""
+        age = None if self._redis_read_at is None else round(time.monotonic() - self._redis_read_at, 3)
+        return {
+            "sources": [s.describe() for s in self.sources],
+            "known_pods": len(self.known),
+            "routable_pods": len(self.routable()),
+            "redis": "off" if self.redis is None else ("ok" if self.redis_ok else "unreachable"),
+            "redis_view_age_s": age,
+            "redis_stale_after_s": self.redis_stale_after,
+            "fallback": self.fallback,
+            "ignored_heartbeats": len(self.ignored),
+        }
+
+    def _known_endpoints(self) -> tuple[list[Endpoint], bool]:
+        """Every source's endpoints, and whether every source has answered at least once."""
+        seen: dict[tuple[str | None, str], Endpoint] = {}
+        synced = True
+        for src in self.sources:
+            eps = src.endpoints()
+            if eps is None:
+                synced = False
+            for e in eps or []:
+                seen.setdefault((e.name, e.url), e)
+        return list(seen.values()), synced
+
+    def _compose(self) -> None:
+        known, synced = self._known_endpoints()
+        now = time.monotonic()
+        if self.redis is not None and self._redis_read_at is not None:
+            self.dm.view_age.set(round(now - self._redis_read_at, 3))
+        hbs = self._heartbeats
+        fallback = None
+        expired = self._redis_read_at is None or now - self._redis_read_at > self.redis_stale_after
+        if self.redis is not None and expired:
+            # No current Redis view: drop the last heartbeats (their load and block sets are
+            # older than a heartbeat's TTL) and route to every known pod by load only.
+            if self.fallback is None and self._redis_read_at is not None:
+                log.warning("no Redis view for %.1fs: routing to the %d known pods by load only",
+                            now - self._redis_read_at, len(known))
+            hbs = self._heartbeats = None
+            fallback = FALLBACK_REDIS
+        elif self.fallback is not None:
+            log.info("Redis view restored: routing on heartbeats and block sets again")
+        self.fallback = fallback
+        self.dm.fallback.set(1 if fallback else 0)
+
+        named = {e.name: e for e in known if e.name}
+        unnamed = {normalize_url(e.url): e for e in known if not e.name}
+        pods: dict[str, Pod] = {}
+        claimed: set[Endpoint] = set()
+        ignored: dict[tuple[str, str], str] = {}
+        for name, hb in sorted((hbs or {}).items()):
+            hb_url = normalize_url(hb.url)
+            ep = named.get(name)
+            reason = None
+            if ep is not None:
+                if hb_url is None or hb_url != normalize_url(ep.url):
+                    reason = "url_mismatch"
+            else:
+                ep = unnamed.get(hb_url) if hb_url is not None else None
+                if ep is None:
+                    reason = "unknown_pod"
+                elif ep in claimed:
+                    reason = "duplicate_url"
+            if reason is not None:
+                if synced:  # before every source has answered, an unmatched heartbeat proves nothing
+                    ignored[(name, reason)] = hb.url
+                continue
+            claimed.add(ep)
+            state = hb.state if hb.state in (rl.STATE_READY, rl.STATE_DRAINING) else STATE_UNKNOWN
+            if not ep.ready:
+                state = STATE_NOT_READY
+            # The URL is always the platform's; the heartbeat adds load, state and its block set.
+            pods[name] = Pod(name=name, url=ep.url, kv_usage=hb.kv_usage, running=hb.running, waiting=hb.waiting,
+                             state=state, has_blocks=True, ts=hb.ts)
+        for ep in known:
+            if ep in claimed:
+                continue
+            name = ep.name or ep.url
+            if name in pods:
+                continue
+            if not ep.ready:
+                pods[name] = Pod(name=name, url=ep.url, state=STATE_NOT_READY, has_blocks=False)
+            elif hbs is None or not ep.name:
+                # No Redis (or an expired view), or an unnamed static backend: by load only.
+                pods[name] = Pod(name=name, url=ep.url, has_blocks=False)
+            else:
+                pods[name] = Pod(name=name, url=ep.url, state=STATE_NO_HEARTBEAT, has_blocks=False)
+        for key in ignored.keys() - self.ignored.keys():
+            self.dm.ignored.labels(key[1]).inc()
+            log.warning("ignoring the heartbeat of pod %r (%s): it names %r, which is not a pod this router "
+                        "knows from %s", key[0][:100], key[1], ignored[key][:200],
+                        "/".join(s.describe()["kind"] for s in self.sources) or "any endpoint source")
+        for reason in IGNORE_REASONS:
+            self.dm.ignored_now.labels(reason).set(sum(1 for k in ignored if k[1] == reason))
+        self.ignored = ignored
+        self.known = known
+        self.pods = pods
+        self.dm.known.set(len(known))
+        states = {rl.STATE_READY: 0, rl.STATE_DRAINING: 0, STATE_NO_HEARTBEAT: 0, STATE_NOT_READY: 0,
+                  STATE_UNKNOWN: 0}
+        for p in pods.values():
+            states[p.state] = states.get(p.state, 0) + 1
+        for s, n in states.items():
+            self.metrics.pods.labels(s).set(n)
+
     async def refresh(self) -> None:
-        if self.redis is None:
-            return
+        if self.redis is not None:
+            await self._read_redis()
+        self._compose()
+        self.last_refresh = time.monotonic()
+
+    async def _read_redis(self) -> None:
         try:
-            names = sorted(n.decode() if isinstance(n, bytes) else n
+            names = sorted(n.decode(errors="replace") if isinstance(n, bytes) else n
                            for n in await self.redis.smembers(self._pods_key))
             pipe = self.redis.pipeline(transaction=False)
             for n in names:
                 pipe.hgetall(rl.heartbeat_key(self.model, n))
             results = await pipe.execute() if names else []
-        except Exception as exc:  # noqa: BLE001 - any Redis/network error: keep the last known view
+        except Exception as exc:  # noqa: BLE001 - any Redis/network error: keep the last view until it expires
             self.redis_ok = False
             self.metrics.redis_errors.labels("discovery").inc()
             self.metrics.redis_up.set(0)
@@ -81,98 +357,234 @@ class Discovery:
             return
         self.redis_ok = True
         self.metrics.redis_up.set(1)
-        found: dict[str, Pod] = {}
+        found: dict[str, rl.Heartbeat] = {}
         dead: list[str] = []
         for name, data in zip(names, results):
             hb = rl.Heartbeat.from_mapping(name, data)
             if hb is None:
                 dead.append(name)
-                continue
-            found[name] = Pod(name=name, url=hb.url.rstrip("/"), kv_usage=hb.kv_usage, running=hb.running,
-                              waiting=hb.waiting, state=hb.state, ts=hb.ts)
+            else:
+                found[name] = hb
         for name in dead:  # orphaned: heartbeat expired; delete its block set unless it just came back
             try:
                 await self._cleanup(keys=[rl.heartbeat_key(self.model, name), rl.blocks_key(self.model, name),
                                           self._pods_key], args=[name])
             except Exception:  # noqa: BLE001
                 self.metrics.redis_errors.labels("cleanup").inc()
-        if self.static:
-            by_url = {p.url: p for p in found.values()}
-            pods = {}
-            for u in self.static:
-                if u in by_url:  # a static backend with a sidecar: use its name (block set) and load
-                    pods[by_url[u].name] = by_url[u]
-                else:
-                    pods[u] = Pod(name=u, url=u, has_blocks=False)
-            found = pods
-        self.pods = found
-        self.last_refresh = time.monotonic()
-        states: dict[str, int] = {rl.STATE_READY: 0, rl.STATE_DRAINING: 0}
-        for p in found.values():
-            states[p.state] = states.get(p.state, 0) + 1
-        for s, n in states.items():
-            self.metrics.pods.labels(s).set(n)
+        self._heartbeats = found
+        self._redis_read_at = time.monotonic()
 
     async def run(self) -> None:
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - never let the refresh loop die
+                log.exception("discovery refresh failed")
             await asyncio.sleep(self.refresh_interval)
 
     def start(self) -> None:
-        if self.redis is not None and self._task is None:
+        if self._task is None:
             self._task = asyncio.ensure_future(self.run())
         if self.endpoint_slices is not None:
             self.endpoint_slices.start()
 
     async def stop(self) -> None:
-        for t in (self._task, self.endpoint_slices._task if self.endpoint_slices else None):
-            if t is not None:
-                t.cancel()
+        tasks = [t for t in (self._task, self.endpoint_slices._task if self.endpoint_slices else None) if t]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # let them close their HTTP sessions
 
 
 class EndpointSlices:
-    """Ready addresses of a Service's EndpointSlices, polled from the Kubernetes API.
+    """The ready endpoints of a Service's EndpointSlices: a list, then a watch from its
+    resourceVersion (re-listing when the watch ends, fails or is told 410 Gone).
 
-    `ready_hosts` is None until the first successful poll (and after failures it keeps the
-    last good answer), so an API outage never empties the pool."""
+    `endpoints()` is None until the first successful list; after a failure the last good
+    answer is kept (an API outage never empties the pool). The service-account token is
+    re-read for every request (projected tokens rotate).
+
+    RBAC: `get`, `list` and `watch` on `endpointslices` in API group `discovery.k8s.io`,
+    in the Service's namespace."""
 
     def __init__(self, service: str, namespace: str | None = None, api_url: str | None = None,
-                 token: str | None = None, ca_file: str | None = None, interval: float = 5.0):
+                 token: str | None = None, ca_file: str | None = None, interval: float = 5.0,
+                 port_name: str = "http", watch: bool = True, watch_timeout: int = 300):
         self.service = service
         self.namespace = namespace or _read(f"{SA_DIR}/namespace") or "default"
         host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if host and ":" in host:
+            host = f"[{host}]"
         self.api_url = (api_url or (f"https://{host}:{port}" if host else "https://kubernetes.default.svc")).rstrip("/")
-        self.token = token if token is not None else _read(f"{SA_DIR}/token")
+        self.token = token
+        self.token_file = None if token is not None else f"{SA_DIR}/token"
         self.ca_file = ca_file or (f"{SA_DIR}/ca.crt" if os.path.exists(f"{SA_DIR}/ca.crt") else None)
         self.interval = interval
-        self.ready_hosts: set[str] | None = None
+        self.port_name = port_name
+        self.watch = watch
+        self.watch_timeout = watch_timeout
+        self.slices: dict[str, tuple[list[Endpoint], set[str]]] = {}  # name -> (endpoints, ready addresses)
+        self.synced = False
+        self.last_error: str | None = None
+        self.lists = 0
+        self.watch_events = 0
+        self._endpoints: list[Endpoint] | None = None
+        self._hosts: set[str] | None = None
         self._task: asyncio.Task | None = None
 
-    async def poll_once(self) -> None:
+    # -- the answer ---------------------------------------------------------------------------------
+    def endpoints(self) -> list[Endpoint] | None:
+        """Every endpoint of the Service's slices (not-ready ones marked); None before the first list."""
+        return self._endpoints
+
+    @property
+    def ready_hosts(self) -> set[str] | None:
+        """Ready addresses (None before the first list)."""
+        return self._hosts
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "k8s", "service": self.service, "namespace": self.namespace, "synced": self.synced,
+                "endpoints": len(self._endpoints or []), "error": self.last_error}
+
+    def _publish(self) -> None:
+        seen: dict[str, Endpoint] = {}
+        hosts: set[str] = set()
+        for eps, addrs in self.slices.values():
+            hosts |= addrs
+            for e in eps:
+                if e.ready or (e.name or e.url) not in seen:  # a pod in two slices: ready wins
+                    seen[e.name or e.url] = e
+        self._endpoints = list(seen.values())
+        self._hosts = hosts
+
+    def parse_slice(self, item: Any) -> tuple[list[Endpoint], set[str]]:
+        """The ready endpoints of one EndpointSlice, named by their Pod, and its ready addresses.
+        The port is the slice's port named `port_name` (`http`), else its first port."""
+        if not isinstance(item, dict):
+            return [], set()
+        ports = [p for p in item.get("ports") or [] if isinstance(p, dict) and isinstance(p.get("port"), int)]
+        port = next((p["port"] for p in ports if p.get("name") == self.port_name), None)
+        if port is None and ports:
+            port = ports[0]["port"]
+        ipv6 = item.get("addressType") == "IPv6"
+        out, hosts = [], set()
+        for ep in item.get("endpoints") or []:
+            if not isinstance(ep, dict):
+                continue
+            cond = ep.get("conditions") or {}
+            ready = isinstance(cond, dict) and cond.get("ready") is not False  # nil means ready (the API's rule)
+            addrs = [a for a in ep.get("addresses") or [] if isinstance(a, str) and a]
+            if not addrs:
+                continue
+            if ready:
+                hosts.update(addrs)
+            if port is None:
+                continue  # a Service without ports: nothing to send requests to
+            host = f"[{addrs[0]}]" if ipv6 or ":" in addrs[0] else addrs[0]
+            ref = ep.get("targetRef") if isinstance(ep.get("targetRef"), dict) else {}
+            name = ref.get("name") if ref.get("kind", "Pod") == "Pod" and isinstance(ref.get("name"), str) else None
+            out.append(Endpoint(name, f"http://{host}:{port}", ready))
+        return out, hosts
+
+    # -- the Kubernetes API -------------------------------------------------------------------------
+    def _url(self, **params: str) -> str:
+        query = "&".join([f"labelSelector={quote('kubernetes.io/service-name=' + self.service)}"] +
+                         [f"{k}={quote(str(v))}" for k, v in params.items()])
+        return f"{self.api_url}/apis/discovery.k8s.io/v1/namespaces/{quote(self.namespace)}/endpointslices?{query}"
+
+    def _headers(self) -> dict[str, str]:
+        token = self.token if self.token is not None else (_read(self.token_file) if self.token_file else None)
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    def _ssl(self, url: str):
+        return ssl.create_default_context(cafile=self.ca_file) if url.startswith("https") else None
+
+    async def _list(self, session) -> str:
         import aiohttp
 
-        url = (f"{self.api_url}/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices"
-               f"?labelSelector=kubernetes.io/service-name%3D{self.service}")
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        ssl_ctx = ssl.create_default_context(cafile=self.ca_file) if url.startswith("https") else None
-        async with aiohttp.ClientSession() as s:
-            async with s.get(url, headers=headers, ssl=ssl_ctx, timeout=aiohttp.ClientTimeout(total=5)) as r:
-                r.raise_for_status()
-                data = await r.json()
-        hosts: set[str] = set()
+        url = self._url()
+        async with session.get(url, headers=self._headers(), ssl=self._ssl(url),
+                               timeout=aiohttp.ClientTimeout(total=10)) as r:
+            r.raise_for_status()
+            data = await r.json(content_type=None)
+        self.slices = {}
         for item in data.get("items") or []:
-            for ep in item.get("endpoints") or []:
-                if (ep.get("conditions") or {}).get("ready", True):
-                    hosts.update(ep.get("addresses") or [])
-        self.ready_hosts = hosts
+            name = ((item or {}).get("metadata") or {}).get("name") or f"#{len(self.slices)}"
+            self.slices[name] = self.parse_slice(item)
+        self._publish()
+        self.synced = True
+        self.last_error = None
+        self.lists += 1
+        return str((data.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def _watch(self, session, rv: str) -> str | None:
+        """Apply watch events until the server ends the watch; the resourceVersion to resume
+        from, or None to re-list (410 Gone, or an ERROR event)."""
+        import aiohttp
+
+        params = {"watch": "1", "allowWatchBookmarks": "true", "timeoutSeconds": str(self.watch_timeout)}
+        if rv:
+            params["resourceVersion"] = rv
+        url = self._url(**params)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.watch_timeout + 30)
+        async with session.get(url, headers=self._headers(), ssl=self._ssl(url), timeout=timeout) as r:
+            if r.status == 410:
+                return None
+            r.raise_for_status()
+            buf = b""
+            async for chunk in r.content.iter_any():
+                buf += chunk
+                if len(buf) > 64 << 20:
+                    raise ValueError("watch event larger than 64 MiB")
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        rv = self._apply_event(json.loads(line), rv)
+                        if rv is None:
+                            return None
+        return rv
+
+    def _apply_event(self, event: dict[str, Any], rv: str) -> str | None:
+        kind = event.get("type")
+        obj = event.get("object") or {}
+        meta = obj.get("metadata") or {}
+        if kind == "ERROR":
+            log.info("EndpointSlices watch: %s (code %s); re-listing", obj.get("message"), obj.get("code"))
+            return None
+        self.watch_events += 1
+        name = meta.get("name")
+        if kind in ("ADDED", "MODIFIED") and name:
+            self.slices[name] = self.parse_slice(obj)
+        elif kind == "DELETED" and name:
+            self.slices.pop(name, None)
+        if kind in ("ADDED", "MODIFIED", "DELETED"):
+            self._publish()
+        return str(meta.get("resourceVersion") or rv)
+
+    async def poll_once(self) -> None:
+        """One list (no watch)."""
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+            await self._list(s)
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.poll_once()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("EndpointSlices poll failed: %s", exc)
-            await asyncio.sleep(self.interval)
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    rv: str | None = await self._list(session)
+                    while self.watch and rv is not None:
+                        rv = await self._watch(session, rv)
+                    if not self.watch:
+                        await asyncio.sleep(self.interval)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - keep the last good answer, retry
+                    self.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                    log.warning("EndpointSlices of %s/%s: %s (keeping the last good list)", self.namespace,
+                                self.service, self.last_error)
+                    await asyncio.sleep(self.interval)
 
     def start(self) -> None:
         if self._task is None:

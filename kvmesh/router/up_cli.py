@@ -17,9 +17,11 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -124,6 +126,16 @@ class Mesh:
         self.env = dict(os.environ)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.env["KVMESH_LOG_FORMAT"] = "text"
+        # The router's endpoint source: the supervisor's list of replicas (NAME=URL lines). Redis
+        # heartbeats only add load and block sets to these; they never say where to send requests.
+        self.backends_dir = Path(tempfile.mkdtemp(prefix="kvmesh-up-"))
+        self.backends_file = self.backends_dir / "backends"
+        self.write_backends()
+
+    def write_backends(self) -> None:
+        tmp = self.backends_dir / "backends.tmp"
+        tmp.write_text("".join(f"{r.pod}=http://127.0.0.1:{r.port}\n" for r in self.replicas))
+        os.replace(tmp, self.backends_file)  # atomic: the router never reads half a file
 
     # -- pieces -------------------------------------------------------------------------------
     def start_redis(self) -> None:
@@ -176,12 +188,14 @@ class Mesh:
             self.env).start()
         rep = Replica(i, engine, sidecar, port)
         self.replicas.append(rep)
+        self.write_backends()
         say("up", f"replica-{i}: engine on :{port}, KV events on :{ev}/:{rp}")
         return rep
 
     def remove_replica(self, rep: Replica | None = None) -> None:
         rep = rep if rep is not None else self.replicas[-1]
         self.replicas.remove(rep)
+        self.write_backends()  # no new requests to it from now on
         say("up", f"scaling down: stopping {rep.pod}")
         rep.sidecar.terminate()
         rep.engine.terminate()
@@ -191,6 +205,7 @@ class Mesh:
     def start_router(self) -> None:
         argv = [self.python, "-m", "kvmesh.cli", "router", "--model", self.served, "--tokenizer", self.args.model,
                 "--host", self.args.host, "--port", str(self.args.port), "--redis-url", self.redis_url,
+                "--backends-file", str(self.backends_file),
                 "--policy", self.args.policy, "--block-size", str(self.args.block_size), "--log-format", "text"]
         if self.args.api_keys_file:
             argv += ["--api-keys-file", self.args.api_keys_file]
@@ -360,6 +375,7 @@ class Mesh:
         if self.redis:
             self.redis.terminate()
             self.redis.wait(5)
+        shutil.rmtree(self.backends_dir, ignore_errors=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

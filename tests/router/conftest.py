@@ -216,13 +216,22 @@ def shared_encoder():
 
 
 @pytest.fixture
-def router_factory():
+def mesh_backends() -> list[str]:
+    """NAME=URL of the pods `mesh` started: the routers' endpoint source (the platform's list;
+    Redis heartbeats only add load to these)."""
+    return []
+
+
+@pytest.fixture
+def router_factory(mesh_backends):
     routers: list[RouterThread] = []
 
     def start(**kw) -> RouterThread:
         from kvmesh.router.app import RouterConfig
 
         kw.setdefault("refresh_interval", 0.1)
+        if not any(kw.get(k) for k in ("static_backends", "backends_file", "k8s_service")):
+            kw["static_backends"] = list(mesh_backends)
         rt = RouterThread(RouterConfig(**kw))
         routers.append(rt)
         return rt
@@ -233,7 +242,7 @@ def router_factory():
 
 
 @pytest.fixture
-def mesh(redis_server, stub_factory, router_factory, model_name):
+def mesh(redis_server, stub_factory, router_factory, model_name, mesh_backends):
     """n stub engines, each with an in-process sidecar, registered in the shared Redis."""
     from kvmesh.router.sidecar import Sidecar, SidecarConfig
 
@@ -247,6 +256,7 @@ def mesh(redis_server, stub_factory, router_factory, model_name):
                                 kv_events_endpoint=s.events_endpoint, kv_events_replay_endpoint=s.replay_endpoint,
                                 redis_url=server.url, heartbeat_interval=0.2)
             sidecars.append(Sidecar(cfg).start())
+            mesh_backends.append(f"pod-{i}={s.url}")
         r = server.client()
         from kvmesh.common import redis_layout as rl
 

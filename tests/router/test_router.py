@@ -151,19 +151,28 @@ def test_killed_replica_is_routed_around(mesh, router_factory, redis_server, mod
 
 def test_redis_killed_mid_run_every_request_succeeds(own_redis, mesh, router_factory, model_name):
     stubs, _ = mesh(2, redis=own_redis)
-    router = router_factory(model=model_name, redis_url=own_redis.url)
+    router = router_factory(model=model_name, redis_url=own_redis.url, redis_stale_after=1.0)
     prompts = [text(20 + i, 150) for i in range(5)]
     for p in prompts:
         assert complete(router.url, p).status_code == 200
     own_redis.kill()
-    for p in prompts * 3:
+    for p in prompts * 3:  # at once: the last known heartbeats, no block sets
         resp = complete(router.url, p)
         assert resp.status_code == 200, resp.text
-    # both pods still used: load-only routing from the last known heartbeats plus in-flight counts
     assert metric(router.url, "kvmesh_router_redis_errors_total") > 0
-    assert metric(router.url, "kvmesh_router_decisions_total", reason="redis_unavailable") >= 1
+    assert metric(router.url, "kvmesh_router_decisions_total", reason="redis_unavailable") == len(prompts) * 3
+    # After --redis-stale-after the Redis view expires: the platform's pods, by load only.
+    wait_until(lambda: httpx.get(router.url + "/ready").json()["discovery"]["fallback"] == "redis_unavailable",
+               10, msg="router falls back to load-only routing")
+    assert metric(router.url, "kvmesh_router_discovery_fallback") == 1
+    after = [complete(router.url, p) for p in prompts + [text(200 + i, 60) for i in range(10)]]
+    assert all(r.status_code == 200 for r in after), [r.text for r in after if r.status_code != 200]
+    # Both pods still used: with the stale load figures dropped, equal scores are broken by the prompt.
+    assert {r.headers["x-kvmesh-pod"] for r in after} == {"pod-0", "pod-1"}
     own_redis.start()
-    wait_until(lambda: httpx.get(router.url + "/ready").json()["redis"], 10, msg="router sees redis again")
+    wait_until(lambda: (lambda d: d["redis"] and d["discovery"]["fallback"] is None)(
+        httpx.get(router.url + "/ready").json()), 10, msg="router sees redis again")
+    assert metric(router.url, "kvmesh_router_discovery_fallback") == 0
 
 
 def test_two_routers_on_one_redis_pick_the_same_pod(mesh, router_factory, redis_server, model_name):
