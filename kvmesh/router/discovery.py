@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import ssl
 import time
@@ -302,8 +303,10 @@ class Discovery:
             if not ep.ready:
                 state = STATE_NOT_READY
             # The URL is always the platform's; the heartbeat adds load, state and its block set.
-            pods[name] = Pod(name=name, url=ep.url, kv_usage=hb.kv_usage, running=hb.running, waiting=hb.waiting,
-                             state=state, has_blocks=True, ts=hb.ts)
+            # Numbers from Redis are clamped: a NaN or a negative load must not upset the ranking.
+            kv = hb.kv_usage if math.isfinite(hb.kv_usage) else 1.0
+            pods[name] = Pod(name=name, url=ep.url, kv_usage=min(max(kv, 0.0), 1.0), running=max(0, hb.running),
+                             waiting=max(0, hb.waiting), state=state, has_blocks=True, ts=hb.ts)
         for ep in known:
             if ep in claimed:
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -32,6 +33,8 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
             value = float(m.group(4))
         except ValueError:
             continue
+        if not math.isfinite(value):
+            continue  # NaN/Inf: no usable figure (and int() of it would raise)
         labels = dict(_LABEL.findall(m.group(3) or ""))
         samples.append((m.group(1), labels, value))
     return samples

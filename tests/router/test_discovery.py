@@ -377,3 +377,26 @@ def test_router_on_endpoint_slices_follows_pod_readiness(kube, mesh, router_fact
     # The pod is deleted from the Service: gone from the router, whatever Redis says.
     kube.delete("engine-1")
     wait_until(lambda: "pod-1" not in router.router.discovery.pods, 5, msg="pod-1 deleted")
+
+
+def test_numbers_from_redis_and_engine_metrics_are_clamped(redis_server, model_name):
+    from kvmesh.router.engine_metrics import engine_load
+
+    load = engine_load('vllm:kv_cache_usage_perc NaN\nvllm:num_requests_running +Inf\n'
+                       'vllm:num_requests_waiting 2\nvllm:kv_cache_usage_perc 0.25\n')
+    assert (load.kv_usage, load.running, load.waiting) == (0.25, 0, 2)
+    r = redis_server.client()
+    rogue_heartbeat(r, model_name, "a", "http://10.0.0.1:8000")
+    r.hset(rl.heartbeat_key(model_name, "a"), mapping={"kv_usage": "nan", "running": "-50", "waiting": "-1"})
+
+    async def scenario():
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(redis_server.url)
+        d = Discovery(model_name, client, RouterMetrics(), ["a=http://10.0.0.1:8000"])
+        await d.refresh()
+        await client.aclose()
+        return d.pods["a"]
+
+    pod = asyncio.run(scenario())
+    assert (pod.kv_usage, pod.running, pod.waiting) == (1.0, 0, 0)
