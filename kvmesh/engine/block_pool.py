@@ -117,6 +117,12 @@ class BlockPool:
         if self.enable_events and stored_keys:
             self.events.append(BlockStored(stored_keys, first_parent, stored_tokens, block_size, medium="GPU"))
 
+    def uncache(self, blocks: list[KVBlock]) -> None:
+        """Take blocks out of the prefix cache (their content was never computed: a failed step)."""
+        for block in blocks:
+            if block.key is not None and self.cached.get(block.key) is block:
+                self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.key is not None:
             del self.cached[block.key]

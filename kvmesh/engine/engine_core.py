@@ -20,7 +20,7 @@ from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampler import TokenLogprobs
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
-from kvmesh.engine.scheduler import Scheduler
+from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,9 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
+    error: str | None = None  # with finish_reason "error": what failed in the step, for this request only
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked for
@@ -59,6 +60,14 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_steps: int
+    # Failed steps: "request" counts requests failed alone (the rest of their step went on),
+    # "batch" counts steps that lost every request in them.
+    step_failures: dict[str, int] = field(default_factory=dict)
+
+
+def _subset(sched: SchedulerOutput, requests: list[Request]) -> SchedulerOutput:
+    return SchedulerOutput({r.request_id: sched.num_scheduled_tokens[r.request_id] for r in requests},
+                           list(requests))
 
 
 def _pick_device(requested: str) -> torch.device:
@@ -108,6 +117,7 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_steps = 0
+        self.step_failures = {"request": 0, "batch": 0}
         self._pending_aborts: list[EngineCoreOutput] = []
         log.info("engine ready: model=%s dtype=%s device=%s blocks=%d (%d tokens) max_model_len=%d",
                  self.model_id, self.dtype, self.device, num_blocks, capacity, self.max_model_len)
@@ -124,7 +134,15 @@ class EngineCore:
         self.check_token_ids("prompt", prompt_token_ids)
 
     def validate_params(self, params: SamplingParams) -> None:
-        """Checks of sampling params that need the vocabulary."""
+        """Checks of sampling params that need the model (SamplingParams checked the rest on
+        construction): every count within the vocabulary, every token id in it."""
+        vocab = self.model_config.vocab_size
+        if params.top_k > vocab:
+            raise InvalidParameter("top_k", f"top_k must be -1 (off) or at most the vocabulary size {vocab}, "
+                                            f"got {params.top_k}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab:
+                raise InvalidParameter(name, f"{name} must be at most the vocabulary size {vocab}")
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
         self.check_token_ids("logit_bias", params.logit_bias or ())
 
@@ -171,7 +189,11 @@ class EngineCore:
             # Prompt tokens computed this step (recomputation after preemption counts too).
             n = sched.num_scheduled_tokens[req.request_id]
             self.prompt_tokens += max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
-        sampled, logprobs, prompt_lps = self.runner.execute(sched, self.kv)
+        seeded = [r for r in sched.requests if r.sampling_params.seed is not None]
+        rng = self.runner.sampler.checkpoint(seeded) if seeded else {}
+        sampled, logprobs, prompt_lps, failed = self._execute(sched, rng)
+        if failed:
+            outputs.extend(self._drop_failed(sched, failed, rng, sampled, logprobs, prompt_lps))
         if prompt_lps:
             by_id = {r.request_id: r for r in sched.requests}
             for rid, entries in prompt_lps.items():
@@ -193,6 +215,95 @@ class EngineCore:
                                  and req.num_output_tokens == 1 else None)))
         return outputs
 
+    # -- failures: one request's fault fails that request only ----------------------------
+    def _execute(self, sched: SchedulerOutput, rng: dict):
+        """runner.execute, isolating failures: when the step raises, it is run again in halves
+        (in schedule order, so a request that reads blocks another computes this step still runs
+        after it) until each failure is pinned to the request that causes it. Returns
+        (sampled, logprobs, prompt logprobs, {request id: exception} of the requests that failed)."""
+        try:
+            return (*self.runner.execute(sched, self.kv), {})
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            if len(sched.requests) == 1:
+                log.exception("engine step failed on request %s", sched.requests[0].request_id)
+                return {}, {}, {}, {sched.requests[0].request_id: exc}
+            log.exception("engine step of %d requests failed; finding the request(s) that cause it",
+                          len(sched.requests))
+        sampled, logprobs, prompt_lps, failed = {}, {}, {}, {}
+        # Bisection costs about 2 log2(n) runs per culprit; past this budget, a failure that
+        # every subset hits (not a request's fault) fails what remains rather than running on.
+        budget = [8 + 4 * max(1, len(sched.requests)).bit_length()]
+
+        def attempt(part: list) -> None:
+            self.runner.sampler.rollback(rng, part)  # a seeded request draws the same noise again
+            budget[0] -= 1
+            try:
+                s, lp, plp = self.runner.execute(_subset(sched, part), self.kv)
+            except Exception as exc:  # noqa: BLE001
+                if len(part) == 1 or budget[0] <= 0:
+                    for r in part:
+                        log.warning("request %s fails the engine step: %s: %s", r.request_id,
+                                    type(exc).__name__, exc)
+                        failed[r.request_id] = exc
+                    return
+                half = len(part) // 2
+                attempt(part[:half])
+                attempt(part[half:])
+                return
+            sampled.update(s)
+            logprobs.update(lp)
+            prompt_lps.update(plp)
+
+        half = len(sched.requests) // 2
+        attempt(sched.requests[:half])
+        attempt(sched.requests[half:])
+        return sampled, logprobs, prompt_lps, failed
+
+    def _drop_failed(self, sched: SchedulerOutput, failed: dict[str, Exception], rng: dict, sampled: dict,
+                     logprobs: dict, prompt_lps: dict) -> list[EngineCoreOutput]:
+        """Fail the requests in ``failed`` (an "error" output each) and keep the rest of the step.
+
+        The KV that a failed request was to write this step is garbage: its blocks leave the
+        prefix cache, and a request that read them this step (a prefix-cache hit on a block
+        computed in the same step) is sent back to recompute, as are requests reading those."""
+        if len(failed) == len(sched.requests) > 1:
+            self.step_failures["batch"] += 1
+        else:
+            self.step_failures["request"] += len(failed)
+        tainted = {rid for rid in failed}
+        todo = [r for r in sched.requests if r.request_id in failed]
+        bad_blocks: set[int] = set()
+        while todo:
+            req = todo.pop()
+            written = self.kv.blocks_written(req, sched.num_scheduled_tokens[req.request_id])
+            self.kv.pool.uncache(written)
+            bad_blocks.update(b.block_id for b in written)
+            for other in sched.requests:
+                if other.request_id not in tainted and bad_blocks.intersection(
+                        self.kv.block_table(other.request_id)):
+                    tainted.add(other.request_id)
+                    todo.append(other)
+        outputs = []
+        for req in [r for r in sched.requests if r.request_id in tainted]:
+            rid = req.request_id
+            sampled.pop(rid, None)
+            logprobs.pop(rid, None)
+            prompt_lps.pop(rid, None)
+            del sched.num_scheduled_tokens[rid]
+            if rid in failed:
+                exc = failed[rid]
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+                self.runner.sampler.forget(rid)
+                outputs.append(EngineCoreOutput(
+                    rid, [], finish_reason="error", error=f"{type(exc).__name__}: {exc}",
+                    num_cached_tokens=max(req.num_cached_tokens, 0), num_prompt_tokens=req.num_prompt_tokens))
+            else:
+                log.info("request %s read KV of a failed request in the same step: recomputing it", rid)
+                self.runner.sampler.rollback(rng, [req])  # it samples this token again, after the recompute
+                self.scheduler.requeue(req)
+        sched.requests = [r for r in sched.requests if r.request_id not in tainted]
+        return outputs
+
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
@@ -212,4 +323,5 @@ class EngineCore:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             num_steps=self.num_steps,
+            step_failures=dict(self.step_failures),
         )

@@ -91,6 +91,12 @@ class KVCacheManager:
             request.all_token_ids[start * bs:num_full * bs], bs)
         self.num_cached_blocks[request.request_id] = num_full
 
+    def blocks_written(self, request: Request, num_tokens: int) -> list[KVBlock]:
+        """The blocks that the request's next ``num_tokens`` tokens (from num_computed_tokens) fill."""
+        start = request.num_computed_tokens
+        blocks = self.req_blocks.get(request.request_id, [])
+        return blocks[start // self.block_size:cdiv(start + num_tokens, self.block_size)]
+
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)

@@ -53,8 +53,7 @@ class LLM:
         for i, ((text, ids), sp) in enumerate(zip(tokenized, params)):
             for j in range(sp.n):
                 # n samples of a prompt: n requests (the later ones hit the first's prompt blocks)
-                child = sp if sp.n == 1 else replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
-                rid = self.engine.add_request(text if text is not None else ids, child,
+                rid = self.engine.add_request(text if text is not None else ids, sp.sample(j),
                                               cache_salt=cache_salt, prompt_token_ids=ids)
                 order[rid] = (i, j)
         return self._run(order, len(prompts), use_tqdm)

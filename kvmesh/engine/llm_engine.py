@@ -12,7 +12,7 @@ from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.engine_core import EngineCore, EngineCoreOutput
 from kvmesh.engine.generation_defaults import load_sampling_defaults
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput
-from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
+from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams, check_text
 
 PromptType = str | list[int]
 
@@ -48,6 +48,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidParameter("prompt", "prompt is empty: it must contain at least one token")
+            check_text("prompt", prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
@@ -141,11 +142,15 @@ class LLMEngine:
             out.request_id, state.prompt, state.prompt_token_ids, [comp],
             finished=finish_reason is not None, num_cached_tokens=out.num_cached_tokens,
             prompt_logprobs=state.prompt_logprobs, delta_text=delta_text, delta_token_ids=list(out.new_token_ids),
-            delta_logprobs=list(out.new_logprobs))
+            delta_logprobs=list(out.new_logprobs), error=out.error)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
                             chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        for i, message in enumerate(messages):
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_text(f"messages.{i}.{key}", value)
         try:
             return self.tokenizer.encode_chat(messages, add_generation_prompt, continue_final_message,
                                               chat_template_kwargs)

@@ -31,6 +31,8 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With finish_reason "error": the engine step failed on this request (and on it alone).
+    error: str | None = None
 
     # Conveniences for the common single-output case.
     @property

@@ -52,6 +52,23 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
 
+    def checkpoint(self, requests: list[Request]) -> dict[str, torch.Tensor | None]:
+        """The generator states of these (seeded) requests, for rollback() after a failed step."""
+        return {r.request_id: (g.get_state() if (g := self._request_generators.get(r.request_id)) is not None
+                               else None) for r in requests}
+
+    def rollback(self, checkpoint: dict[str, torch.Tensor | None], requests: list[Request]) -> None:
+        """Put the requests' generators back as they were at checkpoint(): a step that is run again
+        draws the same noise, so a seeded request samples the same tokens."""
+        for r in requests:
+            if r.request_id not in checkpoint:
+                continue
+            state = checkpoint[r.request_id]
+            if state is None:
+                self._request_generators.pop(r.request_id, None)  # re-created from the seed on use
+            elif (g := self._request_generators.get(r.request_id)) is not None:
+                g.set_state(state)
+
     def _generator_for(self, request: Request) -> torch.Generator:
         seed = request.sampling_params.seed
         if seed is None:

@@ -80,6 +80,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def requeue(self, request: Request) -> None:
+        """Send a running request back to the front of the queue to recompute from scratch (its
+        step's results were discarded: it read KV that a failed request never wrote)."""
+        self.running.remove(request)
+        self._preempt(request)
+
     # -- one step ----------------------------------------------------------------
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
