@@ -13,7 +13,7 @@ from functools import partial
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -26,7 +26,7 @@ from kvmesh.engine.server.async_engine import AsyncEngine, EngineDeadError, Requ
 from kvmesh.engine.server.errors import APIError, bad_request, error_body
 from kvmesh.engine.server.metrics import ServerMetrics
 from kvmesh.engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                          TokenizeRequest, first_error_param)
+                                          TokenizeRequest, first_error_param, invalid_text_field)
 
 log = logging.getLogger("kvmesh.server")
 
@@ -138,12 +138,17 @@ class _Handler:
                 self.state.metrics.reject("body_too_large")
                 raise APIError(413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes")
             chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
-            data = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json")
         if not isinstance(data, dict):
             raise bad_request("request body must be a JSON object")
+        bad_text = invalid_text_field(raw, data)
+        if bad_text is not None:  # every string field: prompt, messages, stop, model, ...
+            raise bad_request(f"{bad_text} is not valid Unicode text (a lone surrogate such as \\ud800)",
+                              param=bad_text, code="invalid_text")
         try:
             return model_cls.model_validate(data)
         except ValidationError as exc:
@@ -170,9 +175,9 @@ class _Handler:
                 fitted = self._fit_max_tokens(body, ids, params)
                 for j in range(n):
                     # Seeded samples of one prompt differ by seed + j (as vLLM's parallel sampling).
-                    child = fitted if j == 0 or fitted.seed is None else replace(fitted, seed=fitted.seed + j)
-                    choices.append(_Choice(len(choices), p_index, prompt, ids, child))
+                    choices.append(_Choice(len(choices), p_index, prompt, ids, fitted.sample(j)))
         except InvalidParameter as exc:
+            exc = body.renamed(exc)
             raise bad_request(str(exc), param=exc.param)
         return choices
 
@@ -191,12 +196,7 @@ class _Handler:
             except TemplateError as exc:
                 raise InvalidParameter("messages", str(exc))
             prompt = ids
-        try:
-            engine.validate(ids, params)
-        except InvalidParameter as exc:
-            if exc.param == "prompt" and self.kind == "chat":
-                exc.param = "messages"
-            raise
+        engine.validate(ids, params)
         return prompt, ids
 
     def _fit_max_tokens(self, body, ids: list[int], params: SamplingParams) -> SamplingParams:
@@ -482,7 +482,7 @@ class _Handler:
                 "usage": usage}
 
     async def handle(self, model_cls) -> Response:
-        check_ready(self.state)
+        # auth and readiness: checked for every /v1 route by build_app's guard
         self.check_capacity()  # refuse early, before parsing and tokenising (checked again at admission)
         body = await self.parse(model_cls)
         self.check_model(body.model)
@@ -569,20 +569,36 @@ def build_app(state: ServerState) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def guard(request: Request) -> None:
+        """Every /v1 route: the API key, then readiness. Like vLLM, nothing under /v1 answers before
+        the model is loaded (503 with Retry-After), /v1/models included: a client that polls it
+        before sending can trust its 200. /health is liveness, /ready readiness."""
         check_auth(state, request)
+        check_ready(state)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(guard)])
+
+    @v1.post("/completions")
+    async def completions(request: Request):
         return await _Handler(state, request, "completion").handle(CompletionRequest)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        check_auth(state, request)
         return await _Handler(state, request, "chat").handle(ChatCompletionRequest)
+
+    @v1.get("/models")
+    async def models(request: Request):
+        eng = state.engine
+        return {"object": "list", "data": [{
+            "id": state.config.served_model_name, "object": "model", "created": int(state.started),
+            "owned_by": "kvmesh", "root": str(eng.engine_args.model), "parent": None,
+            "max_model_len": eng.max_model_len or None}]}
+
+    app.include_router(v1)
 
     async def tokenizer_request(request: Request, model_cls):
         """Auth, readiness, the body and its model: what /tokenize and /detokenize check first."""
-        check_auth(state, request)
-        check_ready(state)
+        await guard(request)
         handler = _Handler(state, request, model_cls.__name__)
         body = await handler.parse(model_cls)
         handler.check_model(body.model)
@@ -615,15 +631,6 @@ def build_app(state: ServerState) -> FastAPI:
         except InvalidParameter as exc:
             raise bad_request(str(exc), param=exc.param)
         return {"prompt": state.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_auth(state, request)
-        eng = state.engine
-        return {"object": "list", "data": [{
-            "id": state.config.served_model_name, "object": "model", "created": int(state.started),
-            "owned_by": "kvmesh", "root": str(eng.engine_args.model), "parent": None,
-            "max_model_len": eng.max_model_len or None}]}
 
     @app.get("/health")
     async def health():

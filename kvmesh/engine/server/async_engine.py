@@ -34,7 +34,8 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """The engine failed while this request was in flight; the request was aborted."""
+    """The engine step failed on this request (or, as a last resort, on the whole batch); the
+    request was ended and its client gets a 500 (or a final SSE error event)."""
 
 
 @dataclass
@@ -125,12 +126,23 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
 
     def _deliver(self, items: list[tuple[str, Any]]) -> None:
-        # On the event loop: detokenise one step's core outputs and fan them out.
+        # On the event loop: detokenise one step's core outputs and fan them out. A failure
+        # here (or a core output carrying one) ends that request only.
         for rid, item in items:
+            if not isinstance(item, BaseException) and item.error is not None:
+                item = EngineStepError(f"the engine failed on this request: {item.error}")
             if isinstance(item, BaseException):
                 self.engine.states.pop(rid, None)
             else:
-                item, by_stop_string = self.engine.process_output(item)
+                try:
+                    item, by_stop_string = self.engine.process_output(item)
+                except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer: this request only
+                    log.exception("request %s: processing its output failed", rid)
+                    self.engine.states.pop(rid, None)
+                    self._commands.put(("abort", [rid]))
+                    self.engine.core.step_failures["request"] += 1  # read by the engine thread's stats
+                    item = EngineStepError(f"processing this request's output failed: {type(exc).__name__}: {exc}")
+                    by_stop_string = False
                 if item is None:
                     continue
                 if by_stop_string:
@@ -201,13 +213,19 @@ class AsyncEngine:
         return items
 
     def _fail_all(self, exc: Exception) -> list[tuple[str, Any]]:
+        """The last resort, when a failure escapes the core's own per-request isolation (a fault
+        outside the model run: scheduling, bookkeeping): every in-flight request is ended, and the
+        prefix cache, which that step may have left inconsistent, is dropped."""
         self.num_step_errors += 1
-        log.exception("engine step failed; aborting all in-flight requests")
+        log.exception("engine step failed outside the model run; aborting all in-flight requests")
         engine = self.engine
         rids = list(engine.core.scheduler.requests)
+        engine.core.step_failures["batch"] += 1
         try:
             engine.core.abort_requests(rids)
             engine.core.step()  # flush the abort outputs
+            if not engine.core.reset_prefix_cache():
+                log.warning("the prefix cache could not be reset after a failed step")
         except Exception:  # noqa: BLE001
             log.exception("cleanup after a failed step failed too")
         try:

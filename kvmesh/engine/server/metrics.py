@@ -67,6 +67,14 @@ class _EngineCollector:
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens if s else 0)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
                       s.generation_tokens if s else 0)
+        failures = CounterMetricFamily(
+            "kvmesh:engine_step_failures",
+            "Engine failures: scope=request counts requests failed alone (the rest of their step went on); "
+            "scope=batch counts steps that lost every request in them (the last resort).",
+            labels=["model_name", "scope"])
+        for scope in ("request", "batch"):
+            failures.add_metric([self.model_name, scope], (s.step_failures.get(scope, 0) if s else 0))
+        yield failures
 
 
 class ServerMetrics:

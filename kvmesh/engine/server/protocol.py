@@ -6,6 +6,7 @@ dicts built in ``api.py``; their shapes follow OpenAI's API reference.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -69,6 +70,7 @@ class _Common(BaseModel):
             return value if value is not None else defaults.get(name, openai_default)
 
         return SamplingParams(
+            n=self.n,  # validated with the seed: the n samples are seeded seed .. seed + n - 1
             max_tokens=pick(max_tokens, "max_tokens", None),
             temperature=pick(self.temperature, "temperature", 1.0),
             top_p=pick(self.top_p, "top_p", 1.0),
@@ -88,6 +90,17 @@ class _Common(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
         )
+
+    def request_param(self, param: str) -> str:
+        """The request field that carries an engine parameter (chat names some differently)."""
+        return param
+
+    def renamed(self, exc: InvalidParameter) -> InvalidParameter:
+        """``exc`` naming the field as this request sent it."""
+        param = self.request_param(exc.param)
+        if param == exc.param:
+            return exc
+        return InvalidParameter(param, str(exc).replace(exc.param, param, 1))
 
     def num_choices(self) -> int:
         """``n``: choices per prompt, each its own engine request (they share the prompt's full
@@ -178,8 +191,52 @@ class ChatCompletionRequest(_Common):
         n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(self.requested_max_tokens(), n_logprobs, defaults)
 
+    def request_param(self, param: str) -> str:
+        if param == "prompt":
+            return "messages"
+        if param == "logprobs":
+            return "top_logprobs"
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return param
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# A lone surrogate can only come from a \\uD800-\\uDFFF escape or from UTF-8-encoded surrogate bytes
+# (json.loads decodes bytes with surrogatepass): a body with neither is not walked.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def invalid_text_field(body: bytes, data: Any) -> str | None:
+    """The dotted path (``messages.0.content``) of the first string of ``data`` that is not valid
+    Unicode (a lone surrogate, which cannot be encoded, tokenised or sent back), or None."""
+    if not _MAYBE_SURROGATE.search(body):
+        return None
+
+    def bad(text: str) -> bool:
+        try:
+            text.encode("utf-8")
+            return False
+        except UnicodeEncodeError:
+            return True
+
+    stack: list[tuple[Any, list[str]]] = [(data, [])]  # depth-first, in document order; no recursion
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if bad(value):
+                return ".".join(path) or "body"
+        elif isinstance(value, dict):
+            for key in value:
+                if bad(key):
+                    return ".".join(path + [key.encode("utf-8", "backslashreplace").decode()])
+            stack.extend((item, path + [key]) for key, item in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((item, path + [str(i)]) for i, item in reversed(list(enumerate(value)))
+                         if isinstance(item, (str, dict, list)))
+    return None
 
 
 def first_error_param(exc: ValidationError) -> tuple[str, str]:
