@@ -116,16 +116,22 @@ async def configure(settings: kopf.OperatorSettings, memo: Memo, **_: Any) -> No
 
 
 @kopf.on.login(registry=registry)
-def login(memo: Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
+async def login(memo: Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
     conn = memo.config.connection
     if conn is not None:
-        info = kopf.ConnectionInfo(server=conn.server, token=conn.token, ca_path=conn.ca_path,
+        info = kopf.ConnectionInfo(server=conn.server, token=conn.token, ca_path=conn.ca_path, ca_data=conn.ca_data,
                                    insecure=conn.insecure or None, certificate_path=conn.certificate_path,
-                                   private_key_path=conn.private_key_path)
+                                   certificate_data=conn.certificate_data, private_key_path=conn.private_key_path,
+                                   private_key_data=conn.private_key_data)
     else:
         info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
     if info is not None:
-        memo.shared.client = KubeClient(Connection.from_kopf(info), retries=memo.config.api_retries)
+        # A re-login (e.g. after a 401 with a rotated token) replaces the client; the old
+        # one's connections and threads are released.
+        old, memo.shared.client = memo.shared.client, KubeClient(Connection.from_kopf(info),
+                                                                  retries=memo.config.api_retries)
+        if old is not None:
+            await old.close()
     return info
 
 

@@ -8,7 +8,8 @@ relies on:
   and JSON patch (with ``test`` ops -> 422);
 * ``status`` and ``scale`` subresources (a main-resource patch ignores status);
 * label selectors on lists; finalizers and ``deletionTimestamp``;
-* garbage collection of dependents through ownerReferences;
+* garbage collection of dependents through ownerReferences (also of a dependent created
+  after its owner is gone);
 * fault injection for transient errors.
 
 Discovery and the request log stay kmock's; watches follow resourceVersion like the
@@ -176,7 +177,21 @@ class K8sEmulator(kmock.KubernetesEmulator):
         else:
             self._objects[key] = obj
         await self._publish(res, ns, event, obj)
+        owners = {ref.get("uid") for ref in obj["metadata"].get("ownerReferences") or []}
+        if event == "ADDED" and owners and not self._any_live(owners):
+            # The garbage collector deletes a dependent whose owners are all gone, e.g. one
+            # created by a request that was still in flight when its owner was deleted.
+            asyncio.get_running_loop().create_task(self._collect_orphan(res, ns, name))
         return copy.deepcopy(obj)
+
+    def _any_live(self, uids: set[str | None]) -> bool:
+        return any(not o.deleted and o.raw["metadata"].get("uid") in uids for o in self._objects.values())
+
+    async def _collect_orphan(self, res: references.resource, ns: str | None, name: str) -> None:
+        try:
+            await self._delete(res, ns, name)
+        except kmock.KubernetesObjectNotFoundError:
+            pass
 
     async def _publish(self, res: references.resource, ns: str | None, event: str, obj: dict[str, Any]) -> None:
         rv = int(obj["metadata"]["resourceVersion"])
