@@ -195,3 +195,30 @@ def test_a_fault_one_request_triggers_fails_it_alone(server, http, monkeypatch):
     wait_for(lambda: server.state.engine.num_in_flight == 0)
     assert http.post("/v1/completions", json={"prompt": prompts[0], **body}).json()["choices"][0]["text"] == (
         expected[0])
+
+
+def test_a_failure_while_one_output_is_detokenised_ends_that_request_alone(server, http, monkeypatch):
+    body = {"prompt": [21, 22, 23, 24], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    expected = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    llm_engine = server.state.engine.engine
+    real = llm_engine.process_output
+
+    def process_output(out):
+        if out.request_id.startswith("poison"):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(out)
+
+    monkeypatch.setattr(llm_engine, "process_output", process_output)
+    before = metrics(http)["kvmesh:engine_step_failures_total{scope=request}"]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await asyncio.gather(
+                client.post("/v1/completions", json=body, headers={"X-Request-Id": "poison-1"}),
+                *(client.post("/v1/completions", json=body) for _ in range(3)))
+
+    bad, *good = asyncio.run(main())
+    assert bad.status_code == 500 and "injected" in bad.json()["error"]["message"]
+    assert [r.json()["choices"][0]["text"] for r in good] == [expected] * 3
+    wait_for(lambda: server.state.engine.num_in_flight == 0 and server.state.engine.stats.num_running == 0)
+    assert metrics(http)["kvmesh:engine_step_failures_total{scope=request}"] == before + 1

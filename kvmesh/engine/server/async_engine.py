@@ -133,6 +133,8 @@ class AsyncEngine:
                 item = EngineStepError(f"the engine failed on this request: {item.error}")
             if isinstance(item, BaseException):
                 self.engine.states.pop(rid, None)
+            elif rid not in self.engine.states:
+                continue  # ended already (an earlier failure, a stop string): the core's late outputs
             else:
                 try:
                     item, by_stop_string = self.engine.process_output(item)
