@@ -42,6 +42,9 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Job": ("/apis/batch/v1", "jobs"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     crd.KIND: (f"/apis/{crd.GROUP}/{crd.VERSION}", crd.PLURAL),
 }
 

@@ -32,11 +32,12 @@ from kvmesh.operator.apply import ApiError, ApplyConflict, Connection, KubeClien
 registry = kopf.OperatorRegistry()
 ANNOTATION_PREFIX = "kvmesh.io"
 PRUNED_KINDS = ("Deployment", "Service", "Secret", "NetworkPolicy", "PodDisruptionBudget", "Job",
-                "PersistentVolumeClaim")
+                "PersistentVolumeClaim")   # the router's ServiceAccount/Role/RoleBinding are always rendered
 # The same kinds as kopf resource selectors: their changes trigger a reconcile of the owner.
 CHILD_RESOURCES = (("apps", "v1", "deployments"), ("v1", "services"), ("v1", "secrets"),
                    ("networking.k8s.io", "v1", "networkpolicies"), ("policy", "v1", "poddisruptionbudgets"),
-                   ("v1", "persistentvolumeclaims"), ("batch", "v1", "jobs"))
+                   ("v1", "persistentvolumeclaims"), ("batch", "v1", "jobs"), ("v1", "serviceaccounts"),
+                   ("rbac.authorization.k8s.io", "v1", "roles"), ("rbac.authorization.k8s.io", "v1", "rolebindings"))
 
 
 @dataclass

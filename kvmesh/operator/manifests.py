@@ -41,6 +41,13 @@ RBAC_RULES: list[dict[str, Any]] = [
      "verbs": ["list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["list", "watch", "create", "patch", "delete"]},
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["list", "watch", "create", "patch", "delete"]},
+    # The router's own identity (ServiceAccount + Role + RoleBinding per ModelDeployment).
+    # Always rendered, so never pruned: no delete (the garbage collector removes them with their owner).
+    {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["list", "watch", "create", "patch"]},
+    {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
+     "verbs": ["list", "watch", "create", "patch"]},
+    # Held only so the operator may grant it to routers (RBAC forbids granting more than one holds).
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
     # The autoscaler: engine pods (readiness, startup deadline) and their deletion cost.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},

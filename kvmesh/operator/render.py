@@ -27,6 +27,7 @@ ENGINE, ROUTER, REDIS = "engine", "router", "redis"
 MODELS_DIR = "/models"
 ROUTER_PRESTOP_SLEEP_SECONDS = 5   # let the Service endpoints drop a router before it stops
 KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5558
+SIDECAR_HEALTH_PORT = 8081
 RUN_AS_USER = 10001
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/component": "operator"}
 
@@ -211,18 +212,21 @@ def sidecar_args(spec: dict[str, Any]) -> list[str]:
             "--kv-events-endpoint", f"tcp://127.0.0.1:{KV_EVENTS_PORT}",
             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{KV_REPLAY_PORT}",
             "--model", served_model_name(spec), "--block-size", str(spec["engine"]["blockSize"]),
-            "--heartbeat-interval", _num(spec["engine"]["heartbeatIntervalSeconds"])]
+            "--heartbeat-interval", _num(spec["engine"]["heartbeatIntervalSeconds"]),
+            "--health-port", str(SIDECAR_HEALTH_PORT)]
 
 
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def router_args(spec: dict[str, Any]) -> list[str]:
-    """The `kvmesh router` command line (Redis URL from env)."""
+def router_args(spec: dict[str, Any], md_name: str) -> list[str]:
+    """The `kvmesh router` command line (Redis URL from env). Where the engines are comes
+    from the platform (the engine Service's EndpointSlices), never from Redis."""
     router = spec["router"]
     w = router["weights"]
     args = ["kvmesh", "router", "--model", served_model_name(spec), "--host", "0.0.0.0",
+            "--k8s-service", names(md_name)[ENGINE],
             "--port", str(crd.ROUTER_PORT), "--policy", router["policy"],
             "--weights", f"prefix={_num(w['prefix'])},kv={_num(w['kv'])},queue={_num(w['queue'])}",
             "--block-size", str(spec["engine"]["blockSize"])]
@@ -347,6 +351,11 @@ def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
             _redis_env(name, spec),
             {"name": "HOME", "value": "/tmp"},
         ],
+        "ports": [{"name": "sidecar-health", "containerPort": SIDECAR_HEALTH_PORT, "protocol": "TCP"}],
+        # A dead KV-event loop restarts the sidecar (a stale index is already withdrawn from
+        # Redis, so the engine keeps serving by load: no readiness probe takes it out).
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "sidecar-health"}, "periodSeconds": 10,
+                          "failureThreshold": 3},
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp", "subPath": "sidecar"}],
         "securityContext": _container_security(),
@@ -487,7 +496,7 @@ def render_router_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
         mounts += model_mounts
     container = {
         "name": "router", "image": router.get("image") or images.router,
-        "imagePullPolicy": spec["engine"]["imagePullPolicy"], "command": router_args(spec),
+        "imagePullPolicy": spec["engine"]["imagePullPolicy"], "command": router_args(spec, name),
         "ports": [{"name": "http", "containerPort": crd.ROUTER_PORT, "protocol": "TCP"}],
         "env": [_redis_env(name, spec), {"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
                + ([_secret_env("KVMESH_UPSTREAM_API_KEY", names(name)["engine-api-key"], "api-key")]
@@ -504,10 +513,32 @@ def render_router_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
         "spec": {"replicas": int(router["replicas"]), "selector": {"matchLabels": selector(name, ROUTER)},
                  "template": {"metadata": {"labels": labels(name, ROUTER),
                                            **_annotations(_credentials_annotation(credentials))},
-                              "spec": {"securityContext": _pod_security(), "automountServiceAccountToken": False,
-                                       **_image_pull_secrets(spec),
+                              # The router reads the engine Service's EndpointSlices with its own
+                              # ServiceAccount (a Role for exactly that).
+                              "spec": {"serviceAccountName": names(name)[ROUTER],
+                                       "automountServiceAccountToken": True,
+                                       "securityContext": _pod_security(), **_image_pull_secrets(spec),
                                        "containers": [container], "volumes": volumes}}},
     }
+
+
+ROUTER_RULES = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                 "verbs": ["get", "list", "watch"]}]
+
+
+def render_router_rbac(md: dict[str, Any]) -> list[dict[str, Any]]:
+    """The router's identity: a ServiceAccount that may read EndpointSlices in this
+    namespace, nothing else."""
+    name = names(md["metadata"]["name"])[ROUTER]
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(md, name, ROUTER),
+         "automountServiceAccountToken": False},   # mounted by the router pod alone
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(md, name, ROUTER),
+         "rules": ROUTER_RULES},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(md, name, ROUTER),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": md["metadata"]["namespace"]}]},
+    ]
 
 
 def render_router_service(md: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
@@ -603,7 +634,7 @@ def render_children(md: dict[str, Any], spec: dict[str, Any], images: Images = I
     changes); the generated Secrets themselves are not rendered (see generated_secret)."""
     children = [render_engine_deployment(md, spec, images, credentials), render_engine_service(md),
                 render_router_deployment(md, spec, images, credentials), render_router_service(md, spec),
-                render_network_policy(md)]
+                *render_router_rbac(md), render_network_policy(md)]
     secret = render_redis_secret(md, spec)
     if secret is not None:
         children.append(secret)

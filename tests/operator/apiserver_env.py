@@ -117,6 +117,9 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets", True),
     "ClusterRole": ("rbac.authorization.k8s.io/v1", "clusterroles", False),
     "ClusterRoleBinding": ("rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+    "Role": ("rbac.authorization.k8s.io/v1", "roles", True),
+    "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings", True),
+    "EndpointSlice": ("discovery.k8s.io/v1", "endpointslices", True),
     "CustomResourceDefinition": ("apiextensions.k8s.io/v1", "customresourcedefinitions", False),
 }
 

@@ -27,6 +27,9 @@ NETPOLS = "networking.k8s.io/v1/networkpolicies"
 PDBS = "policy/v1/poddisruptionbudgets"
 PVCS = "v1/persistentvolumeclaims"
 JOBS = "batch/v1/jobs"
+SERVICEACCOUNTS = "v1/serviceaccounts"
+ROLES = "rbac.authorization.k8s.io/v1/roles"
+ROLEBINDINGS = "rbac.authorization.k8s.io/v1/rolebindings"
 EVENTS = "v1/events"
 PODS = "v1/pods"
 
@@ -64,6 +67,9 @@ async def k8s() -> AsyncIterator[K8sEmulator]:
         emulator.register(PDBS, "PodDisruptionBudget", subresources=("status",))
         emulator.register(PVCS, "PersistentVolumeClaim", subresources=("status",))
         emulator.register(JOBS, "Job", subresources=("status",))
+        emulator.register(SERVICEACCOUNTS, "ServiceAccount")
+        emulator.register(ROLES, "Role")
+        emulator.register(ROLEBINDINGS, "RoleBinding")
         yield emulator
 
 

@@ -60,9 +60,17 @@ def test_rbac_is_least_privilege():
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
     granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     # Never anything cluster-admin-ish.
-    assert not any(r in ("namespaces", "customresourcedefinitions", "nodes", "roles", "clusterroles", "rolebindings",
-                         "clusterrolebindings", "serviceaccounts", "serviceaccounts/token", "pods/exec",
+    assert not any(r in ("namespaces", "customresourcedefinitions", "nodes", "clusterroles",
+                         "clusterrolebindings", "serviceaccounts/token", "pods/exec",
                          "pods/attach", "pods/portforward", "pods/ephemeralcontainers") for _, r, _ in granted)
+    # Roles and RoleBindings only for the routers' own identity, and without `escalate` or
+    # `bind`: the API server then refuses any Role granting more than the operator holds
+    # itself, or a binding to one. What routers get is held by the operator (so it can grant it).
+    assert not any(v in ("escalate", "bind", "impersonate") for _, _, v in granted)
+    from kvmesh.operator import render
+    router_grants = {(g, r, v) for rule in render.ROUTER_RULES for g in rule["apiGroups"]
+                     for r in rule["resources"] for v in rule["verbs"]}
+    assert router_grants <= granted, router_grants - granted
     # Pods belong to the engine Deployments: the autoscaler may read them and annotate their
     # deletion cost, never create, delete or replace one.
     assert {v for _, r, v in granted if r == "pods"} <= {"get", "list", "watch", "patch"}

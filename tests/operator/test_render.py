@@ -115,7 +115,7 @@ def test_pods_call_only_documented_flags(case):
     assert _flags(engine) <= _cli_flags("serve")
     sidecar = render.sidecar_args(spec)
     assert sidecar[:2] == ["kvmesh", "sidecar"] and _flags(sidecar) <= _cli_flags("sidecar")
-    router = render.router_args(spec)
+    router = render.router_args(spec, "demo")
     assert router[:2] == ["kvmesh", "router"] and _flags(router) <= _cli_flags("router")
     # The three agree on the block size and model identity.
     bs = str(spec["engine"]["blockSize"])
@@ -133,7 +133,7 @@ def test_engine_args_reflect_spec():
     assert "--no-enable-prefix-caching" in args and "--enable-chunked-prefill" in args
     assert args[args.index("--max-model-len") + 1] == "4096"
     assert args[-2:] == ["--max-waiting", "256"]
-    assert render.router_args(spec)[render.router_args(spec).index("--weights") + 1] == "prefix=2,kv=0.5,queue=0.5"
+    assert render.router_args(spec, "demo")[render.router_args(spec, "demo").index("--weights") + 1] == "prefix=2,kv=0.5,queue=0.5"
 
 
 def test_engine_pod_contract():
