@@ -28,6 +28,7 @@ MODELS_DIR = "/models"
 ROUTER_PRESTOP_SLEEP_SECONDS = 5   # let the Service endpoints drop a router before it stops
 KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5558
 SIDECAR_HEALTH_PORT = 8081
+METRICS_PORT = 8001          # /metrics alone (engine and router): the only engine port scrapers reach
 RUN_AS_USER = 10001
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/component": "operator"}
 
@@ -198,7 +199,7 @@ def engine_args(spec: dict[str, Any]) -> list[str]:
             "--dtype", eng["dtype"],
             "--kv-events-endpoint", f"tcp://127.0.0.1:{KV_EVENTS_PORT}",   # in-pod only
             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{KV_REPLAY_PORT}",
-            "--drain-timeout", str(eng["drainTimeoutSeconds"])]
+            "--drain-timeout", str(eng["drainTimeoutSeconds"]), "--metrics-port", str(METRICS_PORT)]
     if eng.get("maxModelLen"):
         args += ["--max-model-len", str(eng["maxModelLen"])]
     if eng.get("kvCacheMemory"):
@@ -226,7 +227,7 @@ def router_args(spec: dict[str, Any], md_name: str) -> list[str]:
     router = spec["router"]
     w = router["weights"]
     args = ["kvmesh", "router", "--model", served_model_name(spec), "--host", "0.0.0.0",
-            "--k8s-service", names(md_name)[ENGINE],
+            "--k8s-service", names(md_name)[ENGINE], "--metrics-port", str(METRICS_PORT),
             "--port", str(crd.ROUTER_PORT), "--policy", router["policy"],
             "--weights", f"prefix={_num(w['prefix'])},kv={_num(w['kv'])},queue={_num(w['queue'])}",
             "--block-size", str(spec["engine"]["blockSize"])]
@@ -326,7 +327,7 @@ def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
     probes = eng["probes"]
     engine = {
         "name": "engine", "image": image, "imagePullPolicy": pull, "command": engine_args(spec),
-        "ports": [{"name": "http", "containerPort": crd.ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": crd.ENGINE_PORT, "protocol": "TCP"}, _METRICS_CONTAINER_PORT],
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
                + ([_secret_env("KVMESH_API_KEY", names(name)["engine-api-key"], "api-key")]
                   if eng["requireApiKey"] else [])
@@ -471,12 +472,16 @@ def render_pdbs(md: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]
     return out
 
 
+_METRICS_CONTAINER_PORT = {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}
+_METRICS_SERVICE_PORT = {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}
+
+
 def render_engine_service(md: dict[str, Any]) -> dict[str, Any]:
     name = md["metadata"]["name"]
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(md, names(name)[ENGINE], ENGINE),
             "spec": {"clusterIP": "None", "selector": selector(name, ENGINE), "publishNotReadyAddresses": False,
                      "ports": [{"name": "http", "port": crd.ENGINE_PORT, "targetPort": "http",
-                                "protocol": "TCP"}]}}
+                                "protocol": "TCP"}, _METRICS_SERVICE_PORT]}}
 
 
 def render_router_deployment(md: dict[str, Any], spec: dict[str, Any], images: Images,
@@ -497,7 +502,7 @@ def render_router_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
     container = {
         "name": "router", "image": router.get("image") or images.router,
         "imagePullPolicy": spec["engine"]["imagePullPolicy"], "command": router_args(spec, name),
-        "ports": [{"name": "http", "containerPort": crd.ROUTER_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": crd.ROUTER_PORT, "protocol": "TCP"}, _METRICS_CONTAINER_PORT],
         "env": [_redis_env(name, spec), {"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
                + ([_secret_env("KVMESH_UPSTREAM_API_KEY", names(name)["engine-api-key"], "api-key")]
                   if spec["engine"]["requireApiKey"] else []),
@@ -545,7 +550,8 @@ def render_router_service(md: dict[str, Any], spec: dict[str, Any]) -> dict[str,
     name = md["metadata"]["name"]
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(md, names(name)[ROUTER], ROUTER),
             "spec": {"type": spec["router"]["serviceType"], "selector": selector(name, ROUTER),
-                     "ports": [{"name": "http", "port": crd.ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+                     "ports": [{"name": "http", "port": crd.ROUTER_PORT, "targetPort": "http", "protocol": "TCP"},
+                               _METRICS_SERVICE_PORT]}}
 
 
 def render_redis(md: dict[str, Any], spec: dict[str, Any], images: Images,
@@ -606,8 +612,8 @@ def render_redis_secret(md: dict[str, Any], spec: dict[str, Any]) -> dict[str, A
 
 
 def render_network_policy(md: dict[str, Any]) -> dict[str, Any]:
-    """Only this deployment's routers (and pods labelled as metrics scrapers, in any
-    namespace labelled the same) reach the engines."""
+    """Only this deployment's routers reach the engines' API; pods labelled as metrics
+    scrapers (or in a namespace labelled so) reach their metrics port alone."""
     name = md["metadata"]["name"]
     scraper = {LABEL_SCRAPER: "true"}
     return {
@@ -619,9 +625,10 @@ def render_network_policy(md: dict[str, Any]) -> dict[str, Any]:
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": selector(name, ROUTER)}}],
                  "ports": [{"protocol": "TCP", "port": crd.ENGINE_PORT}]},
+                # Scrapers reach the metrics-only port, never the API.
                 {"from": [{"podSelector": {"matchLabels": scraper}},
                           {"namespaceSelector": {"matchLabels": scraper}}],
-                 "ports": [{"protocol": "TCP", "port": crd.ENGINE_PORT}]},
+                 "ports": [{"protocol": "TCP", "port": METRICS_PORT}]},
             ],
         },
     }

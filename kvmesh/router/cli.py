@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="endpoint source: the engine Service; routes to the ready endpoints of its EndpointSlices "
                         "(list+watch; RBAC get/list/watch on endpointslices.discovery.k8s.io)")
     p.add_argument("--k8s-namespace", default=None)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve /metrics (only) on this port (the one the chart's monitors scrape)")
     p.add_argument("--redis-stale-after", type=float, default=10.0,
                    help="seconds without reading Redis before its heartbeats expire and known pods are routed "
                         "to by load only")
@@ -115,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("kvmesh router: no endpoint source: pass --k8s-service (Kubernetes), --static-backends "
                          "or --backends-file")
     router = Router(cfg)
+    if args.metrics_port is not None:
+        from kvmesh.common.metrics_port import serve_metrics_only
+
+        serve_metrics_only(router.metrics.registry, args.host, args.metrics_port)
     logging.getLogger("kvmesh.router").info(
         "router for %s on %s:%d, policy %s, %s, auth %s", cfg.model, args.host, args.port, cfg.policy,
         f"static backends {[redact_url(u) for u in cfg.static_backends]}" if cfg.static_backends else f"redis {redact_url(cfg.redis_url or '')}",

@@ -348,7 +348,7 @@ def pod_templates(objs):
 
 
 @pytest.mark.parametrize("kind,key", [("ServiceMonitor", "serviceMonitor"), ("PodMonitor", "podMonitor")])
-def test_monitor_scrapes_engines_and_routers_on_their_http_port(kind, key):
+def test_monitor_scrapes_engines_and_routers_on_their_metrics_port(kind, key):
     objs = render_chart({"metrics": {key: {"enabled": True, "interval": "15s", "labels": {"release": "kps"}}}})
     (mon,) = [o for o in objs if o["kind"] == kind]
     validate(mon)
@@ -356,18 +356,18 @@ def test_monitor_scrapes_engines_and_routers_on_their_http_port(kind, key):
     assert mon["metadata"]["labels"]["release"] == "kps"
     assert mon["spec"]["namespaceSelector"] == {"any": True}
     (ep,) = mon["spec"]["endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints"]
-    assert ep["port"] == "http" and ep["path"] == "/metrics" and ep["interval"] == "15s"
+    assert ep["port"] == "metrics" and ep["path"] == "/metrics" and ep["interval"] == "15s"
     children = rendered_children()
     pods = pod_templates(children)
     if kind == "ServiceMonitor":   # selects Services; the port name is the Service's
         targets = {o["metadata"]["name"]: o for o in children if o["kind"] == "Service"
                    and selects(mon["spec"]["selector"], o["metadata"]["labels"])}
         for svc in targets.values():
-            assert "http" in [p["name"] for p in svc["spec"]["ports"]]
+            assert "metrics" in [p["name"] for p in svc["spec"]["ports"]]
     else:                          # selects pods; the port name is a container port's
         targets = {n: t for n, t in pods.items() if selects(mon["spec"]["selector"], t["metadata"]["labels"])}
         for t in targets.values():
-            assert "http" in [p.get("name") for c in t["spec"]["containers"] for p in c.get("ports", [])]
+            assert "metrics" in [p.get("name") for c in t["spec"]["containers"] for p in c.get("ports", [])]
     names = render.names("demo")
     assert set(targets) == {names[render.ENGINE], names[render.ROUTER]}   # not Redis
     # Not the operator's own pod (same app.kubernetes.io/name), which has no /metrics.
@@ -382,21 +382,21 @@ def test_monitor_scrapes_engines_and_routers_on_their_http_port(kind, key):
 
 
 def test_engine_network_policy_admits_scrapers_on_the_scraped_port():
-    """The monitors scrape the engine's `http` port; the NetworkPolicy in front of the engines
+    """The monitors scrape the engine's `metrics` port; the NetworkPolicy in front of the engines
     must let a Prometheus labelled (or in a namespace labelled) as a scraper reach that port,
-    as docs/operator.md tells users to do."""
+    as docs/operator.md tells users to do, and no other (the API stays the routers')."""
     children = rendered_children()
     names = render.names("demo")
     engine_pod = pod_templates(children)[names[render.ENGINE]]
     (port,) = [p["containerPort"] for c in engine_pod["spec"]["containers"] for p in c.get("ports", [])
-               if p.get("name") == "http"]
+               if p.get("name") == "metrics"]
     (policy,) = [c for c in children if c["kind"] == "NetworkPolicy"
                  and selects(c["spec"]["podSelector"], engine_pod["metadata"]["labels"])]
     scraper = {render.LABEL_SCRAPER: "true"}
 
     def admits(peer_ok):
         return any(any(peer_ok(peer) for peer in rule.get("from", [])) and
-                   any(p.get("port") in (port, "http") for p in rule.get("ports", []))
+                   any(p.get("port") in (port, "metrics") for p in rule.get("ports", []))
                    for rule in policy["spec"]["ingress"])
     # A Prometheus namespace labelled as a scraper (any pod in it) ...
     assert admits(lambda peer: "podSelector" not in peer
@@ -404,6 +404,11 @@ def test_engine_network_policy_admits_scrapers_on_the_scraped_port():
     # ... or a labelled Prometheus pod in the engines' namespace.
     assert admits(lambda peer: "namespaceSelector" not in peer
                   and selects(peer.get("podSelector", {"matchLabels": {"-": "-"}}), scraper))
+    # The API port admits this deployment's routers only.
+    api_rules = [rule for rule in policy["spec"]["ingress"]
+                 if any(p.get("port") in (8000, "http") for p in rule.get("ports", []))]
+    assert [peer for rule in api_rules for peer in rule["from"]] == [
+        {"podSelector": {"matchLabels": render.selector("demo", render.ROUTER)}}]
 
 
 def test_monitor_options():

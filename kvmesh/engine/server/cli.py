@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM: how long in-flight requests may finish (seconds)")
     parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", "info"))
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="also serve /metrics (only) on this port, so a NetworkPolicy can admit "
+                             "scrapers there without exposing the API")
 
 
 def build_state(args: argparse.Namespace):
@@ -138,4 +141,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 2
+    if args.metrics_port is not None:
+        from kvmesh.common.metrics_port import serve_metrics_only
+
+        serve_metrics_only(state.metrics.registry, args.host, args.metrics_port)
     return asyncio.run(serve(state, args.host, args.port, args.drain_timeout, args.log_level.lower()))
+
