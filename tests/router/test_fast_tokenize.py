@@ -1,5 +1,5 @@
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.common.models import resolve_model_dir
@@ -30,11 +30,40 @@ def test_fast_path_equals_tokenizers(encoders, text):
     assert fast.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=st.text(max_size=80))
+# Non-ASCII text where the ASCII-only regex would cut differently from tokenizers' Unicode one:
+# letters with diacritics inside ASCII words (\p{L} is one run, [A-Za-z] is not), combining marks,
+# non-ASCII digits and spaces, emoji sequences, CJK. Pure random text rarely puts a non-ASCII
+# letter next to an ASCII one, so the pieces are mixed on purpose.
+UNICODE_PIECES = st.sampled_from([
+    "naïve", " résumé", "café", "e\u0301", "n\u0303o", " Straße", "İstanbul", "ﬁne", " Ωmega", "über",
+    "👩\u200d👩\u200d👧", "🇫🇷", " 👍🏽", "日本語", " 中文", "٣٤٥", "½", "\u00a0", "\u2003", "\u200b", "x\u0300y",
+    "Ǆ", "ℌ", "\u3000", "—", "’s", "'ś"])
+WORDS = st.sampled_from(["na", "ve", " hello", "world", " 12", "don't", " ", "  ", "\n", "x", ".", "'s"])
+UNICODE_MIXED = st.lists(st.one_of(UNICODE_PIECES, WORDS, st.text(max_size=6)), min_size=1, max_size=10).map(
+    "".join).filter(lambda t: not t.isascii())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=UNICODE_MIXED)
+@example(text="naïve résumé")
+@example(text="Straße über café")
 def test_non_ascii_falls_back_exactly(encoders, text):
+    """Non-ASCII text must take the regular path: the fast path's ASCII regex would cut "naïve" into
+    "na" + "ï" + "ve" (3546, 25972, 307) where tokenizers keeps one letter run (3546, 46494)."""
     tok, fast = encoders
     assert fast.encode(text) == tok.encode(text)
+    assert fast.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
+    assert fast.encode_large(text) == tok.encode(text)
+
+
+def test_non_ascii_examples_differ_from_an_ascii_split(encoders):
+    """The examples above are ones where the fallback matters: the ASCII-regex path gives other ids."""
+    tok, fast = encoders
+    for text in ("naïve résumé", "Straße über café"):
+        ascii_split = []
+        fast._encode_ascii(text, ascii_split)
+        assert ascii_split != tok.encode(text), text
+        assert fast.encode(text) == tok.encode(text)
 
 
 def test_chat_equals_engine_path(encoders):
