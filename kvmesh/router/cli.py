@@ -84,6 +84,12 @@ def config_from_args(args: argparse.Namespace):
         raise SystemExit(f"kvmesh router: --static-backends: {exc}") from None
     if not args.redis_stale_after > 0:
         raise SystemExit("kvmesh router: --redis-stale-after must be > 0")
+    from kvmesh.router.scoring import check_hotspot_params
+
+    try:
+        check_hotspot_params(args.hotspot_ratio, args.hotspot_min_load)
+    except ValueError as exc:
+        raise SystemExit(f"kvmesh router: --hotspot-ratio/--hotspot-min-load: {exc}") from None
     return RouterConfig(
         model=args.model, tokenizer=args.tokenizer, redis_url=redis_url,
         static_backends=static_backends, backends_file=args.backends_file,

@@ -5,7 +5,8 @@
 `matched/total` is the fraction of the request's full blocks the pod already holds
 (its longest leading run of block keys), `queue_share` the pod's share of the load
 (running + waiting) of all candidate pods. A pod whose load is far above the others'
-(> hot_ratio x their mean + hot_min) is skipped unless every pod is that hot. Ties are
+(> hot_ratio x their mean + hot_min) goes last; with hot_ratio >= 1 and hot_min >= 0 the
+least-loaded pod never is, so a pod is always left in front (not every pod can be hot). Ties are
 broken by rendezvous hashing on the request's last full block key, so every router picks
 the same pod for the same prompt and different prompts spread over the pods.
 """
@@ -52,7 +53,24 @@ def rendezvous(tie_key: bytes, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(tie_key + b"\0" + name.encode(), digest_size=8).digest(), "big")
 
 
+def check_hotspot_params(hot_ratio: float, hot_min: int) -> None:
+    """The guard's parameters: ``hot_ratio >= 1`` and ``hot_min >= 0`` (ValueError otherwise).
+
+    Below these, "hot" would no longer mean "far above the others" (with a ratio under 1 a pod
+    at the others' mean is hot), and every pod could be hot at once."""
+    if not (isinstance(hot_ratio, (int, float)) and 1.0 <= hot_ratio < float("inf")):
+        raise ValueError(f"hotspot ratio must be a finite number >= 1, got {hot_ratio!r}")
+    if isinstance(hot_min, bool) or not isinstance(hot_min, int) or hot_min < 0:
+        raise ValueError(f"hotspot minimum load must be an integer >= 0, got {hot_min!r}")
+
+
 def mark_hot(cands: list[Candidate], hot_ratio: float, hot_min: int) -> None:
+    """Mark the pods whose load is far above the others': load > hot_ratio x (mean of the others) + hot_min.
+
+    "Skipped unless all are" holds by construction, so there is no all-hot fallback: with
+    hot_ratio >= 1 and hot_min >= 0 (check_hotspot_params) the least-loaded pod is never hot, since
+    its load is at most the mean of the others, which is at most hot_ratio x that mean + hot_min.
+    At least one pod is always left in front of the hot ones."""
     n = len(cands)
     if n < 2:
         return
@@ -60,9 +78,6 @@ def mark_hot(cands: list[Candidate], hot_ratio: float, hot_min: int) -> None:
     for c in cands:
         others_mean = (total - c.load) / (n - 1)
         c.hot = c.load > hot_ratio * others_mean + hot_min
-    if all(c.hot for c in cands):
-        for c in cands:
-            c.hot = False
 
 
 def rank(cands: list[Candidate], total_blocks: int, weights: Weights, tie_key: bytes,

@@ -5,11 +5,13 @@ import json
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.router.auth import ApiKeys, RateLimiter, hash_key, load_keys, parse_keys
 from kvmesh.router.engine_metrics import engine_load
-from kvmesh.router.scoring import Candidate, Weights, rank
+from kvmesh.router.scoring import Candidate, Weights, check_hotspot_params, rank
 
 
 def cands(*specs):
@@ -28,10 +30,46 @@ def test_score_prefers_the_longest_prefix_then_load():
 
 
 def test_hotspot_guard_skips_a_far_hotter_pod_unless_all_are():
+    # The hot pod holds the whole prefix (the best score) and still goes last.
     ordered = rank(cands(("hot", 0.5, 30, 10), ("cool", 0.5, 1, 0), ("cool2", 0.5, 2, 0)), 10, Weights(), b"k")
     assert ordered[0].name == "cool" and ordered[-1].name == "hot" and ordered[-1].hot
+    assert max(ordered, key=lambda c: c.score).name == "hot"
+    # Just over the line (30 > 2 x 14 + 1) is hot, on it (29 = 2 x 14 + 1) is not.
+    assert [c.hot for c in rank(cands(("a", 0, 30, 0), ("b", 0, 14, 0)), 1, Weights(), b"k", 2.0, 1)
+            if c.name == "a"] == [True]
+    assert not any(c.hot for c in rank(cands(("a", 0, 29, 0), ("b", 0, 14, 0)), 1, Weights(), b"k", 2.0, 1))
     ordered = rank(cands(("a", 0.5, 30, 10), ("b", 0.5, 29, 0)), 10, Weights(), b"k")
     assert ordered[0].name == "a" and not any(c.hot for c in ordered)
+    # "Unless all are": with the guard's parameters not every pod can be hot (the least-loaded one
+    # never is: property below), so there is no all-hot fallback; parameters that would let every
+    # pod be hot are refused at start-up.
+    for ratio, low in ((0.5, 2), (float("nan"), 2), (float("inf"), 2), (2.0, -1), (2.0, 1.5), ("2", 1)):
+        with pytest.raises(ValueError):
+            check_hotspot_params(ratio, low)
+    check_hotspot_params(1.0, 0)
+    import argparse
+
+    from kvmesh.router import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(SystemExit, match="hotspot"):
+        cli.config_from_args(parser.parse_args(["--static-backends", "http://a:1", "--hotspot-ratio", "0.9"]))
+    with pytest.raises(SystemExit, match="hotspot"):
+        cli.config_from_args(parser.parse_args(["--static-backends", "http://a:1", "--hotspot-min-load", "-1"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(loads=st.lists(st.integers(0, 10_000), min_size=2, max_size=8),
+       ratio=st.floats(1.0, 50.0), low=st.integers(0, 20), matched=st.lists(st.integers(0, 10), min_size=8, max_size=8))
+def test_hotspot_guard_always_leaves_a_pod_in_front(loads, ratio, low, matched):
+    """For every load pattern and allowed parameters, the least-loaded pod is not hot and the
+    first choice is never a hot pod: the guard can skip pods, never all of them."""
+    cs = cands(*[(f"p{i}", 0.1, load, matched[i]) for i, load in enumerate(loads)])
+    ordered = rank(cs, 10, Weights(), b"k", ratio, low)
+    assert not ordered[0].hot
+    assert not min(ordered, key=lambda c: c.load).hot
+    assert sum(c.hot for c in ordered) < len(ordered)
 
 
 def test_ties_break_deterministically_and_spread():
