@@ -136,10 +136,22 @@ def test_stop_strings(client):
     base = client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0).choices[0].text
     words = base.split()
     assert len(words) >= 3
-    stop = words[2]
+    # A stop string whose first occurrence has text before it: the output is exactly that text
+    # (not empty, not the whole base, nothing of the stop string).
+    stop = next(w for w in words[1:] if base.find(w) > 0 and base[:base.find(w)].strip())
+    head = base[:base.find(stop)]
     r = client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0, stop=[stop])
     assert r.choices[0].finish_reason == "stop"
-    assert stop not in r.choices[0].text and base.startswith(r.choices[0].text)
+    assert r.choices[0].text == head and r.choices[0].text.strip()
+    # Several stop strings: the earliest in the text wins; one that never occurs changes nothing.
+    r = client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0,
+                                  stop=["\x00never\x00", stop])
+    assert r.choices[0].text == head and r.choices[0].finish_reason == "stop"
+    # Streamed, the deltas add up to the same text.
+    chunks = list(client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0,
+                                            stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == head
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
 
 
 def test_token_id_and_list_prompts(client, server):
