@@ -77,21 +77,32 @@ def test_sigterm_finishes_in_flight_stream_then_exits_0(tiny_model):
 
 
 def test_drain_timeout_cuts_and_still_exits_0(tiny_model):
+    """A stream longer than --drain-timeout is cut close to the timeout (not finished, not cut at
+    once), and the process still exits 0."""
+    timeout = 4.0
+    grace = 2.0  # uvicorn's timeout_graceful_shutdown (cli._make_server): open streams get this much more
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _spawn(tiny_model, port, "--drain-timeout", "0.5")
+    proc = _spawn(tiny_model, port, "--drain-timeout", str(timeout))
     try:
         _wait_ready(url, proc)
         got = threading.Event()
+        arrivals: list[float] = []  # monotonic time of each SSE data line
+        events: list[str] = []
+        ended: list[float] = []
 
         def consume():
             try:
                 with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-                        "prompt": "too long", "max_tokens": 1900, "ignore_eos": True, "stream": True}) as r:
-                    for _ in r.iter_lines():
-                        got.set()
+                        "prompt": "too long", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            arrivals.append(time.monotonic())
+                            events.append(line[6:])
+                            got.set()
             except httpx.HTTPError:
                 pass
+            ended.append(time.monotonic())
 
         t = threading.Thread(target=consume, daemon=True)
         t.start()
@@ -99,11 +110,25 @@ def test_drain_timeout_cuts_and_still_exits_0(tiny_model):
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+        t.join(10)
+        assert ended, "the stream did not end"
+        # Cut, not finished: no final chunk with a finish reason, no [DONE], far fewer tokens than asked.
+        assert "[DONE]" not in events
+        chunks = [json.loads(e) for e in events]
+        assert not any(c["choices"][0].get("finish_reason") for c in chunks if c.get("choices"))
+        assert len(chunks) < 2000
+        # Near the timeout: tokens kept coming while draining (not cut at SIGTERM), and the stream
+        # ended within the timeout plus the server's shutdown grace (plus slack for a busy machine).
+        assert arrivals[-1] - start >= 0.8 * timeout, "the stream was cut before the drain timeout"
+        assert ended[0] - start <= timeout + grace + 3.0, f"cut {ended[0] - start:.1f}s after SIGTERM"
         assert time.monotonic() - start < 15
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    out = proc.stdout.read()
+    assert "drain timeout" in out and "cut" in out, out[-2000:]
+    print(f"cut after {ended[0] - start:.2f}s, {len(events)} chunks, last at {arrivals[-1] - start:.2f}s")
 
 
 def test_model_that_fails_to_load_exits_nonzero(tmp_path):
