@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from kvmesh.common import redis_layout as rl
-from kvmesh.router.scoring import Weights
+from kvmesh.router.scoring import Weights, rendezvous
 from kvmesh.router.auth import hash_key
 from tests.router.conftest import wait_until
 
@@ -176,14 +176,35 @@ def test_redis_killed_mid_run_every_request_succeeds(own_redis, mesh, router_fac
 
 
 def test_two_routers_on_one_redis_pick_the_same_pod(mesh, router_factory, redis_server, model_name):
-    mesh(3)
+    """Two routers agree because the tie-break is deterministic, not because the first request
+    left blocks behind: the engines publish no KV events (--no-tokenize), so no block set ever
+    holds a key and every pod scores the same; both routers must still pick the same pod, the
+    rendezvous winner of the prompt's last block key, and different prompts spread."""
+    mesh(3, "--no-tokenize")
     a = router_factory(model=model_name, redis_url=redis_server.url)
     b = router_factory(model=model_name, redis_url=redis_server.url)
-    for i in range(8):
+    pods = [f"pod-{i}" for i in range(3)]
+    r = redis_server.client()
+
+    def idle():  # both routers see every pod unloaded (no heartbeat caught a request in flight)
+        return all(router_sees(rt, p, running=0, waiting=0) for rt in (a, b) for p in pods)
+
+    picks = []
+    for i in range(10):
         p = text(30 + i, 100 + 10 * i)
+        wait_until(idle, 10, msg="pods idle")
         pa = complete(a.url, p).headers["x-kvmesh-pod"]
+        wait_until(idle, 10, msg="pods idle")
         pb = complete(b.url, p).headers["x-kvmesh-pod"]
         assert pa == pb, (i, pa, pb)
+        _, keys = b.router._tokens_and_keys("/v1/completions", {"prompt": p}, False, False)
+        tie = keys[-1].to_bytes(8, "little")
+        assert pa == max(pods, key=lambda name: rendezvous(tie, name)), i
+        picks.append(pa)
+    assert len(set(picks)) >= 2, picks  # not one pod for everything
+    assert all(r.scard(rl.blocks_key(model_name, p)) == 0 for p in pods)  # no cache state to follow
+    for rt in (a, b):
+        assert metric(rt.url, "kvmesh_router_decisions_total", reason="no_match") == 10
 
 
 def test_auth_rate_limits_body_limit_and_no_secrets_in_logs(mesh, router_factory, redis_server, model_name, caplog):
@@ -294,10 +315,17 @@ def test_policies_round_robin_session_least_load_and_static(mesh, router_factory
     seen = [complete(rr.url, "same prompt " * 40).headers["x-kvmesh-pod"] for _ in range(4)]
     assert seen in (["pod-0", "pod-1"] * 2, ["pod-1", "pod-0"] * 2)
     sess = router_factory(model=model_name, redis_url=redis_server.url, policy="session")
-    for sid in ("user-1", "user-2", "user-3"):
+    by_session = {}
+    for sid in ("user-0", "user-1", "user-2", "user-3", "user-4"):
+        # Different prompts (which the prefix policy would spread) stay on the session's pod: the
+        # rendezvous winner of the session id; and the sessions spread over both pods.
         pods = {complete(sess.url, text(80 + i, 30), headers={"X-Session-Id": sid}).headers["x-kvmesh-pod"]
                 for i in range(3)}
         assert len(pods) == 1
+        by_session[sid] = pods.pop()
+        assert by_session[sid] == max(["pod-0", "pod-1"], key=lambda name: rendezvous(sid.encode(), name)), sid
+    assert set(by_session.values()) == {"pod-0", "pod-1"}, by_session
+    assert metric(sess.url, "kvmesh_router_decisions_total", reason="session") == 15
     stubs[0].config(running_extra=3)
     r = redis_server.client()
     wait_until(lambda: r.hget(rl.heartbeat_key(model_name, "pod-0"), "running") == "3", 5)
