@@ -28,7 +28,10 @@ VARIANTS = {
 }
 
 
-def build_tiny_model(path: Path, variant: str = "tiny-llama", seed: int = 0) -> Path:
+def build_tiny_model(path: Path, variant: str = "tiny-llama", seed: int = 0,
+                     tokenizer_source: Path | None = None) -> Path:
+    """A tiny checkpoint in `path`; its tokenizer files come from `tokenizer_source` (default: the
+    built-in model's, converted on first use)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -54,7 +57,7 @@ def build_tiny_model(path: Path, variant: str = "tiny-llama", seed: int = 0) -> 
         model = Qwen2ForCausalLM(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    source = resolve_model_dir("smollm2-135m-instruct")
+    source = Path(tokenizer_source) if tokenizer_source else resolve_model_dir("smollm2-135m-instruct")
     for name in TOKENIZER_FILES:
         if (source / name).exists():
             shutil.copy(source / name, path / name)

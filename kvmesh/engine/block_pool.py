@@ -95,27 +95,35 @@ class BlockPool:
 
     def cache_blocks(self, blocks: list[KVBlock], keys: list[int], parent_key: int | None,
                      token_ids: list[int], block_size: int) -> None:
-        """Register newly full blocks under their keys (one event for the run)."""
-        stored_keys: list[int] = []
-        stored_tokens: list[int] = []
-        first_parent = parent_key
+        """Register newly full blocks under their keys: one BlockStored event per contiguous run.
+
+        Each event is one continuous chain (its parent, then every block chained from the one
+        before it), because a vLLM-format consumer recomputes the keys from the token ids. A
+        block whose key is already cached (the same content computed twice) is not stored; it
+        ends the run, and the next stored block starts a new event chained from that key."""
+        run_keys: list[int] = []
+        run_tokens: list[int] = []
+        run_parent = parent_key
         for i, (block, key) in enumerate(zip(blocks, keys)):
             if block.key is not None:
                 raise RuntimeError(f"{block} is already cached")
             if key in self.cached:
                 # Same content computed twice concurrently: keep the first copy; this
                 # one stays an ordinary block and is freed normally.
-                parent_key = key
-                if not stored_keys:
-                    first_parent = key
+                self._emit_stored(run_keys, run_parent, run_tokens, block_size)
+                run_keys, run_tokens = [], []
+                parent_key = run_parent = key
                 continue
             block.key, block.parent_key = key, parent_key
             self.cached[key] = block
-            stored_keys.append(key)
-            stored_tokens.extend(token_ids[i * block_size:(i + 1) * block_size])
+            run_keys.append(key)
+            run_tokens.extend(token_ids[i * block_size:(i + 1) * block_size])
             parent_key = key
-        if self.enable_events and stored_keys:
-            self.events.append(BlockStored(stored_keys, first_parent, stored_tokens, block_size, medium="GPU"))
+        self._emit_stored(run_keys, run_parent, run_tokens, block_size)
+
+    def _emit_stored(self, keys: list[int], parent: int | None, tokens: list[int], block_size: int) -> None:
+        if self.enable_events and keys:
+            self.events.append(BlockStored(keys, parent, tokens, block_size, medium="GPU"))
 
     def uncache(self, blocks: list[KVBlock]) -> None:
         """Take blocks out of the prefix cache (their content was never computed: a failed step)."""
