@@ -14,8 +14,11 @@ Two threads:
   changed ``process_start_time_seconds`` or a comeback -> full resync.
 
 Redis failures never lose the engine's state: the in-memory index keeps being updated,
-and after Redis comes back (retried with exponential backoff) the whole set is rewritten
-atomically (temp key + RENAME). A clean stop deletes the pod's keys.
+and after Redis comes back (retried with exponential backoff, ended early by the first
+heartbeat that Redis accepts) the whole set is rewritten atomically (temp key + RENAME).
+A Redis that lost the set without an error (restarted empty between two writes, flushed,
+evicted) is caught by the heartbeat, which compares the set's size with the index and
+schedules the same rewrite. A clean stop deletes the pod's keys.
 
 Nothing in an event can stop the events thread: a batch that does not decode (or that is
 not valid for ``--engine-format``) is counted and resynced by the subscriber, and any other
@@ -278,7 +281,8 @@ class Sidecar:
         for key, help_ in (("events_loop_errors", "events-loop iterations that failed (each followed by a resync)"),
                            ("redis_errors", "Redis operations that failed"), ("full_rewrites", "block set rewrites"),
                            ("heartbeats", "heartbeats written"), ("index_withdrawals", "block set withdrawn because "
-                           "the events loop was dead or stale")):
+                           "the events loop was dead or stale"), ("block_set_repairs", "block set found different "
+                           "from the index in Redis (lost by Redis) and rewritten")):
             metric(f"kvmesh_sidecar_{key}_total", "counter", help_, self.stats.get(key, 0))
         metric("kvmesh_sidecar_block_keys", "gauge", "block keys in the index", len(self.index.refs))
         metric("kvmesh_sidecar_events_ok", "gauge", "1 if the events loop is alive and current",
@@ -512,6 +516,31 @@ class Sidecar:
         pipe.sadd(self.pods_key, self.cfg.pod_name)
         pipe.execute()
         self.stats["heartbeats"] += 1
+        self._verify_block_set()
+
+    def _verify_block_set(self) -> None:
+        """Redis can lose the block set without any error reaching this sidecar: a Redis restarted
+        (empty) between two writes is reconnected to transparently, and a flush or an eviction
+        says nothing. So every heartbeat compares the set's size with the index, under the lock
+        the events loop writes under (so the two agree whenever the set is not dirty), and any
+        difference schedules a full rewrite. Redis answering again also ends the rewrite's backoff."""
+        if not self._lock.acquire(timeout=1.0):
+            return  # the events loop is busy writing: next heartbeat
+        try:
+            if self.index_withdrawn:
+                return
+            if self._redis_dirty:
+                self._redis_retry_at = 0.0  # Redis answers this heartbeat: rewrite at the next iteration
+                return
+            in_redis = self.hb_redis.scard(self.blocks_key)
+            if in_redis != len(self.index.refs):
+                log.warning("the block set in Redis has %d keys, the index %d (Redis restarted or lost data); "
+                            "rewriting it", in_redis, len(self.index.refs))
+                self.stats["block_set_repairs"] += 1
+                self._redis_dirty = True
+                self._redis_retry_at = 0.0
+        finally:
+            self._lock.release()
 
     def _engine_restarted(self, reason: str) -> None:
         log.info("%s: resyncing the block index", reason)
