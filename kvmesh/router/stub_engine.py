@@ -10,6 +10,11 @@ Test hooks: `GET /stub/stats` (requests, request ids and bodies seen, cancellati
 `POST /stub/config` (fail_status, fail_count, waiting, running_extra, token_delay, draining),
 `POST /stub/reset_cache` (publishes AllBlocksCleared).
 
+Admission, as the engine's (`kvmesh serve --max-num-seqs N --max-waiting M`): with
+`--max-num-seqs` set, at most N requests generate at once, M more wait, and any request
+beyond N + M is refused with 429, `Retry-After: 1` and the engine's error body (code
+`queue_full`). `/stub/stats` counts `rejected` and the most ever admitted (`max_admitted`).
+
     python -m kvmesh.router.stub_engine --port 8101 --kv-events-endpoint tcp://127.0.0.1:5601
 """
 
@@ -56,7 +61,12 @@ class StubEngine:
                                     "token_delay": args.token_delay, "draining": False,
                                     "response_tokens": args.response_tokens, "kv_usage": None}
         self.stats: dict[str, Any] = {"requests": 0, "cancelled": 0, "completed": 0, "request_ids": [],
-                                      "last_body": None, "failed": 0}
+                                      "last_body": None, "failed": 0, "rejected": 0, "max_admitted": 0}
+        # Admission (the engine's max_num_seqs running + max_waiting waiting); 0: unlimited.
+        self.capacity = args.max_num_seqs + args.max_waiting if args.max_num_seqs > 0 else 0
+        self.slots = asyncio.Semaphore(args.max_num_seqs) if args.max_num_seqs > 0 else None
+        self.admitted = 0
+        self.queued = 0
 
     # -- the prefix cache -------------------------------------------------------------------
     def admit(self, tokens: list[int], salt: str | None) -> int:
@@ -105,7 +115,7 @@ class StubEngine:
             "# TYPE vllm:kv_cache_usage_perc gauge",
             f"vllm:kv_cache_usage_perc{label} {usage}",
             f"vllm:num_requests_running{label} {self.running + self.cfg['running_extra']}",
-            f"vllm:num_requests_waiting{label} {self.cfg['waiting']}",
+            f"vllm:num_requests_waiting{label} {self.cfg['waiting'] + self.queued}",
             f"vllm:prefix_cache_queries_total{label} {self.queries}",
             f"vllm:prefix_cache_hits_total{label} {self.hits}",
             f'vllm:cache_config_info{{block_size="{self.block_size}",num_gpu_blocks="{self.num_blocks}"}} 1.0',
@@ -187,6 +197,30 @@ class StubEngine:
         except ValueError:
             return await _json(send, 400, {"error": {"message": "bad json", "type": "invalid_request", "code": 400}})
         self.stats["last_body"] = req if len(body) < 20000 else {"truncated": True}
+        if self.capacity and self.admitted >= self.capacity:
+            self.stats["rejected"] += 1
+            return await _json(send, 429, {"error": {
+                "message": f"the server is at capacity ({self.capacity} requests admitted: {self.args.max_num_seqs} "
+                           f"running + {self.args.max_waiting} waiting); retry later",
+                "type": "rate_limit_error", "param": None, "code": "queue_full"}}, [(b"retry-after", b"1")])
+        self.admitted += 1
+        self.stats["max_admitted"] = max(self.stats["max_admitted"], self.admitted)
+        try:
+            if self.slots is not None:
+                self.queued += 1
+                try:
+                    await self.slots.acquire()
+                finally:
+                    self.queued -= 1
+            try:
+                await self._generate(path, req, rid, receive, send)
+            finally:
+                if self.slots is not None:
+                    self.slots.release()
+        finally:
+            self.admitted -= 1
+
+    async def _generate(self, path, req, rid, receive, send):
         chat = path.endswith("chat/completions")
         tokens: list[int] = []
         if self.encoder is not None:
@@ -286,6 +320,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--token-delay", type=float, default=0.0)
     p.add_argument("--api-key", default=os.environ.get("KVMESH_STUB_API_KEY"))
     p.add_argument("--no-tokenize", action="store_true", help="skip tokenization and the prefix cache")
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="requests generated at once, as the engine's (0: unlimited, no admission limit)")
+    p.add_argument("--max-waiting", type=int, default=0,
+                   help="requests waiting for a slot; beyond max-num-seqs + max-waiting: 429 (as the engine)")
     return p
 
 
