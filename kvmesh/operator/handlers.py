@@ -21,6 +21,7 @@ import json
 import logging
 import secrets
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -68,6 +69,9 @@ class Shared:
     dirty: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)   # (ns, md) -> heal now
     fingerprints: dict[str, str] = field(default_factory=dict)                   # child uid -> last seen
     conflicts: dict[str, str] = field(default_factory=dict)                      # md uid -> conflict message
+    # md uid -> the lock one reconcile holds (the create/update handler and the healer never overlap)
+    reconcile_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = field(
+        default_factory=weakref.WeakValueDictionary)
 
 
 @dataclass
@@ -170,7 +174,29 @@ async def _mark_invalid(memo: Memo, md: dict[str, Any], errors: list[str], reaso
 async def reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter,
                     should_stop: Callable[[], bool] = lambda: False) -> None:
     """Make the children match the spec (idempotent). ``should_stop`` is asked before each
-    write, so a reconcile whose ModelDeployment is being deleted stops creating children."""
+    write, so a reconcile whose ModelDeployment is being deleted stops creating children.
+
+    One reconcile of a ModelDeployment at a time (the create/update handler and the healer
+    daemon run concurrently otherwise): an older spec's prune could delete what a newer
+    spec's reconcile has just applied. One that had to wait re-reads the ModelDeployment."""
+    assert memo.client is not None, "not logged in"
+    meta = md["metadata"]
+    lock = memo.shared.reconcile_locks.get(meta["uid"])
+    if lock is None:
+        lock = memo.shared.reconcile_locks[meta["uid"]] = asyncio.Lock()
+    waited = lock.locked()
+    async with lock:
+        if waited:
+            fresh = await memo.client.get(crd.KIND, meta["namespace"], meta["name"])
+            if (fresh is None or fresh["metadata"].get("deletionTimestamp")
+                    or fresh["metadata"].get("uid") != meta["uid"]):
+                return
+            md = fresh
+        await _reconcile(memo, md, logger, should_stop)
+
+
+async def _reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter,
+                     should_stop: Callable[[], bool]) -> None:
     assert memo.client is not None, "not logged in"
     meta = md["metadata"]
     spec = specs.apply_defaults(dict(md.get("spec") or {}))
@@ -257,18 +283,35 @@ async def _ensure_generated_secrets(memo: Memo, md: dict[str, Any], spec: dict[s
 
 
 async def _prune(memo: Memo, md: dict[str, Any], children: list[dict[str, Any]], keep: list[str] = ()) -> None:
-    """Delete children this ModelDeployment owns that are no longer rendered
-    (e.g. the managed Redis after switching to an external one)."""
+    """Delete children this ModelDeployment controls that are no longer rendered
+    (e.g. the managed Redis after switching to an external one).
+
+    The label only narrows the listing: an object is pruned only when its *controller*
+    owner reference carries this ModelDeployment's uid (what the operator renders). A
+    labelled object with no owner, another owner, a stale owner of the same name (another
+    uid), or this ModelDeployment as a mere co-owner under another controller is left alone."""
     assert memo.client is not None
     meta = md["metadata"]
     wanted = {(c["kind"], c["metadata"]["name"]) for c in children} | {("Secret", n) for n in keep}
     selector = f"{render.LABEL_MD}={meta['name']}"
+    doomed = []
     for kind in PRUNED_KINDS:
         for obj in await memo.client.list(kind, meta["namespace"], selector):
             ometa = obj.get("metadata") or {}
-            owned = any(ref.get("uid") == meta["uid"] for ref in ometa.get("ownerReferences") or [])
-            if owned and (kind, ometa.get("name")) not in wanted:
-                await memo.client.delete(kind, meta["namespace"], ometa["name"])
+            controlled = any(ref.get("controller") is True and ref.get("uid") == meta["uid"]
+                             for ref in ometa.get("ownerReferences") or [])
+            if controlled and (kind, ometa.get("name")) not in wanted:
+                doomed.append((kind, ometa["name"]))
+    if not doomed:
+        return
+    # The spec these children were rendered from must still be the current one: after a
+    # change (a Redis mode switched back, a /scale write) the newer generation's own
+    # reconcile prunes, and nothing a newer spec wants is deleted by an older one.
+    current = await memo.client.get(crd.KIND, meta["namespace"], meta["name"])
+    if current is None or current["metadata"].get("generation") != meta.get("generation"):
+        return
+    for kind, name in doomed:
+        await memo.client.delete(kind, meta["namespace"], name)
 
 
 async def refresh_status(memo: Memo, md: dict[str, Any], spec: dict[str, Any], *, observed: bool = False,

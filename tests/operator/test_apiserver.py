@@ -454,6 +454,62 @@ def test_external_autoscaler_owns_the_engine_replicas_and_conflicts_are_reported
              message="ApplyConflict cleared")
 
 
+def test_prune_spares_labelled_objects_it_does_not_control(cluster: ControlPlane, api: httpx.Client,
+                                                           operator: OperatorThread, redis_url: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Switching to an external Redis prunes the managed Redis; objects that carry the
+    deployment's label but that it does not control (no owner, another owner, it as a mere
+    co-owner) stay, as the real server stores them (tests/operator/test_prune_safety.py
+    has every trigger against the emulator)."""
+    from tests.operator.test_prune_safety import PruneCounter
+
+    prunes = PruneCounter(monkeypatch)
+    md = create_md(api, "pruned")
+    engine_uid = wait_children(cluster, md)[("Deployment", render.names("pruned")[render.ENGINE])]["metadata"]["uid"]
+    owner = cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pruned-owner", "namespace": NS},
+                           "data": {"k": "dg=="}})
+    assert owner.status_code in (200, 201), owner.text
+    theirs = {"apiVersion": "v1", "kind": "Secret", "name": "pruned-owner", "uid": owner.json()["metadata"]["uid"],
+              "controller": True}
+    ours = {"apiVersion": crd.API_VERSION, "kind": MD, "name": "pruned", "uid": md["metadata"]["uid"],
+            "controller": False}
+    label = {render.LABEL_MD: "pruned", render.LABEL_COMPONENT: render.REDIS}
+
+    def meta(name: str, owners: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"name": name, "namespace": NS, "labels": label, **({"ownerReferences": owners} if owners else {})}
+    strangers = [
+        {"apiVersion": "v1", "kind": "Service", "metadata": meta("pruned-stray", []),
+         "spec": {"ports": [{"port": 80}]}},
+        {"apiVersion": "v1", "kind": "Secret", "metadata": meta("pruned-theirs", [theirs]), "data": {"k": "dg=="}},
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta("pruned-co-owned",
+                                                                                         [theirs, ours]),
+         "spec": {"podSelector": {}}},
+    ]
+    uids = {}
+    for obj in strangers:
+        resp = cluster.apply(obj)
+        assert resp.status_code in (200, 201), resp.text
+        uids[(obj["kind"], obj["metadata"]["name"])] = resp.json()["metadata"]["uid"]
+    since = prunes.passes
+    resp = api.patch(path(MD, NS, "pruned"), content=json.dumps({"spec": {"redis": {"mode": "external",
+                                                                                    "url": redis_url}}}),
+                     headers={"Content-Type": "application/merge-patch+json"})
+    assert resp.status_code == 200, resp.text
+    n = render.names("pruned")
+    managed = [("Deployment", n[render.REDIS]), ("Service", n[render.REDIS]), ("NetworkPolicy", n["redis-netpol"]),
+               ("Secret", n["redis-auth"])]
+    wait_for(lambda: all(cluster.get(k, NS, name) is None for k, name in managed), timeout=HEAL_TIMEOUT,
+             message="managed Redis pruned")
+    # Reconciles of one ModelDeployment run one at a time: the second pass after the
+    # switch started once the strangers existed, and has finished.
+    wait_for(lambda: prunes.passes >= since + 2, timeout=HEAL_TIMEOUT, message="two prune passes")
+    for (kind, name), uid in uids.items():
+        obj = cluster.get(kind, NS, name)
+        assert obj is not None and obj["metadata"]["uid"] == uid, f"{kind}/{name} was pruned"
+    assert cluster.get("Secret", NS, n["redis-secret"]) is not None
+    assert cluster.get("Deployment", NS, n[render.ENGINE])["metadata"]["uid"] == engine_uid
+
+
 def test_delete_garbage_collects_the_children(cluster: ControlPlane, api: httpx.Client,
                                               operator: OperatorThread) -> None:
     md = create_md(api, "doomed")
