@@ -433,12 +433,13 @@ class Load:
     """`workers` clients, each sending one request after another until stopped or until
     `max_requests` have been sent in all; every result is kept."""
 
-    def __init__(self, mesh: Mesh, workers: int, *, stream_share: float = 0.75, deadline: float = 20.0,
-                 max_requests: int = 10_000, headers: dict[str, str] | None = None, backoff_429: float = 0.0,
-                 prompt_words: int = 40, seed: int = 0):
+    def __init__(self, mesh: Mesh, workers: int, *, stream_share: float = 0.75, chat_share: float = 0.3,
+                 deadline: float = 20.0, max_requests: int = 10_000, headers: dict[str, str] | None = None,
+                 backoff_429: float = 0.0, prompt_words: int = 40, seed: int = 0):
         self.mesh = mesh
         self.workers = workers
         self.stream_share = stream_share
+        self.chat_share = chat_share  # /v1/chat/completions; the rest /v1/completions
         self.deadline = deadline
         self.max_requests = max_requests
         self.headers = headers
@@ -488,9 +489,13 @@ class Load:
             stream = self.rng.random() < self.stream_share
             # lengths vary (as real answers do), so the clients do not move in lockstep
             max_tokens = self.rng.randint(max(1, cfg.response_tokens // 2), cfg.response_tokens)
-            body = {"model": cfg.model, "prompt": f"worker {wid} request {seq}: " + words(self.rng, self.prompt_words),
-                    "max_tokens": max_tokens, "stream": stream}
-            r = await send_one(self._client, self.mesh.url + "/v1/completions", body, self.deadline, self.headers,
+            text = f"worker {wid} request {seq}: " + words(self.rng, self.prompt_words)
+            body: dict[str, Any] = {"model": cfg.model, "max_tokens": max_tokens, "stream": stream}
+            if self.rng.random() < self.chat_share:
+                route, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
+            else:
+                route, body["prompt"] = "/v1/completions", text
+            r = await send_one(self._client, self.mesh.url + route, body, self.deadline, self.headers,
                                expected_tokens=max_tokens, track=self.active)
             self.results.append(r)
             if r.kind in ("refused", "reset"):
