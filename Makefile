@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup build-kernels up demo test test-fast bench-offline bench-serve bench-router clean
+.PHONY: setup build-kernels up demo test test-fast bench-offline bench-serve bench-router mutation clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,13 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow" tests
+
+# Mutation testing of the contracts, KV-cache manager, scheduler, scoring and the sidecar's
+# index writer (docs/mutation.md). Not part of `make test` or CI; one worker, minutes per module.
+# MODULES="block_keys scoring" limits it to some modules.
+mutation: setup
+	$(PY) -c "import mutmut" 2>/dev/null || $(PIP) install -q -c constraints-cpu.txt -e '.[mutation]'
+	$(PY) bench/mutation.py $(MODULES)
 
 bench-offline: setup
 	$(PY) bench/offline_throughput.py

@@ -1,0 +1,243 @@
+"""Mutation testing of kvmesh's contracts and core state machines (``make mutation``; not in CI).
+
+For each module below: copy the package and the tests into a scratch folder (default
+``/tmp/kvmesh-mutation/<module>``, never the checkout), run mutmut 3 there with ONE worker
+over that one file (or the listed functions of it) against only the fast unit tests that
+cover it, then print the mutation score (killed / total) and every surviving mutant.
+
+    .venv/bin/python bench/mutation.py                     # every module
+    .venv/bin/python bench/mutation.py block_keys scoring  # some modules
+    .venv/bin/python bench/mutation.py --list              # modules, files and tests
+    .venv/bin/python bench/mutation.py --show scoring      # ... and the diff of each survivor
+
+A mutant counts as killed when a test failed (or it timed out); "no tests" (no selected test
+reaches the function) counts as a survivor. Mutants known to be equivalent are listed in
+``docs/mutation.md`` with the reason, and in ``EQUIVALENT`` below, so the report can tell
+them apart from the ones that still need a test: they stay in the score.
+
+Hypothesis runs derandomized, without a database and without shrinking (a failing example
+is enough to kill a mutant), so two runs over the same tree give the same score.
+
+Needs the ``mutation`` extra: ``pip install -e '.[mutation]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Module:
+    name: str
+    path: str  # the file mutated
+    tests: list[str]  # pytest arguments selecting the fast tests that cover it
+    functions: list[str] = field(default_factory=list)  # mutant-name globs (empty: the whole file)
+    doc: str = ""
+
+    @property
+    def dotted(self) -> str:
+        return self.path[:-3].replace("/", ".")
+
+    def globs(self) -> list[str]:
+        return [f"{self.dotted}.{f}__mutmut_*" for f in self.functions]
+
+
+def _m(cls: str, *methods: str) -> list[str]:
+    """mutmut 3's mangled name of a method: ``xǁClassǁmethod``."""
+    return [f"xǁ{cls}ǁ{m}" for m in methods]
+
+
+MODULES = [
+    Module("block_keys", "kvmesh/common/block_keys.py",
+           ["tests/test_block_keys.py", "tests/test_block_keys_mutants.py"],
+           doc="contract 1: chained block keys"),
+    Module("redis_layout", "kvmesh/common/redis_layout.py",
+           ["tests/router/test_units.py::test_heartbeat_roundtrip_and_layout_names",
+            "tests/router/test_units.py::test_prefix_match_lua_and_orphan_cleanup",
+            "tests/router/test_redis_layout_mutants.py"],
+           doc="contract 3: Redis key names and the heartbeat hash (the Lua scripts are module "
+               "constants: mutmut does not mutate them; test_units runs them on a real Redis)"),
+    Module("kv_events_codec", "kvmesh/common/kv_events.py",
+           ["tests/router/test_kv_events.py", "-k", "encoder or decoder or validation",
+            "tests/router/test_kv_events_fuzz.py", "tests/router/test_kv_events_codec_mutants.py"],
+           functions=["encode_batch", "_short", "_is_int", "_hash", "_opt_hash", "_hashes", "_token_ids",
+                      "_opt_int", "_opt_str", "_opt", "_decode_event", "decode_batch",
+                      *_m("BlockStored", "to_wire"), *_m("BlockRemoved", "to_wire"),
+                      *_m("AllBlocksCleared", "to_wire")],
+           doc="contract 2: the KV-event codec (not the ZMQ publisher/subscriber)"),
+    Module("block_pool", "kvmesh/engine/block_pool.py",
+           ["tests/engine/test_block_pool.py", "tests/engine/test_block_pool_mutants.py"],
+           doc="free queue, reference counts, prefix cache, events"),
+    Module("kv_cache_manager", "kvmesh/engine/kv_cache_manager.py",
+           ["tests/engine/test_block_pool.py", "tests/engine/test_block_pool_mutants.py"],
+           doc="block tables, prefix hits, slot allocation"),
+    Module("scheduler", "kvmesh/engine/scheduler.py",
+           ["tests/engine/test_scheduler.py", "tests/engine/test_scheduler_mutants.py"],
+           doc="token-budget scheduler"),
+    Module("scoring", "kvmesh/router/scoring.py",
+           ["tests/router/test_units.py", "-k", "score or hotspot or ties or weights",
+            "tests/router/test_scoring_mutants.py"],
+           doc="contract 4: routing score, hotspot guard, tie-breaking"),
+    Module("sidecar_index", "kvmesh/router/sidecar.py",
+           ["tests/router/test_sidecar_index.py"],
+           functions=[*_m("BlockIndex", "clear", "keys", "stored", "removed"), "_hashable",
+                      "validate_kvmesh_batch", *_m("Sidecar", "apply", "_incremental", "_full_rewrite")],
+           doc="the sidecar's index writer: events -> in-memory index -> the Redis block set"),
+]
+BY_NAME = {m.name: m for m in MODULES}
+
+# Mutants judged equivalent (no test can tell them from the original); the reasons are in
+# docs/mutation.md. They count as survivors in the score and are marked "(equivalent)".
+EQUIVALENT: dict[str, set[str]] = {}
+
+PLUGIN = '''\
+"""Loaded by bench/mutation.py's pytest runs: deterministic Hypothesis, no shrinking."""
+from hypothesis import Phase, settings
+
+settings.register_profile("kvmesh-mutation", derandomize=True, database=None,
+                          phases=(Phase.explicit, Phase.generate), print_blob=False)
+settings.load_profile("kvmesh-mutation")
+'''
+
+KILLED = {"killed", "timeout", "caught by type check"}
+
+
+def _toml_list(items: list[str]) -> str:
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
+def prepare(mod: Module, workdir: Path) -> None:
+    """A fresh copy of the package and the tests, with this module's mutmut config."""
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", "golden")
+    shutil.copytree(ROOT / "kvmesh", workdir / "kvmesh", ignore=ignore)
+    shutil.copytree(ROOT / "tests", workdir / "tests", ignore=ignore)
+    (workdir / "_kvmesh_mutation_plugin.py").write_text(PLUGIN)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    # A test file not there (yet) is left out rather than failing the run.
+    tests = [t for t in mod.tests if t.startswith("-") or (ROOT / t.split("::")[0]).exists()
+             or not t.startswith("tests/")]
+    if not any(t.startswith("tests/") for t in tests):
+        raise SystemExit(f"{mod.name}: none of its test files exist ({mod.tests})")
+    pyproject += f"""
+[tool.mutmut]
+source_paths = ["kvmesh"]
+only_mutate = [{json.dumps(mod.path)}]
+pytest_add_cli_args_test_selection = {_toml_list(tests)}
+pytest_add_cli_args = ["-p", "_kvmesh_mutation_plugin", "-p", "no:cacheprovider", "-W", "ignore"]
+also_copy = ["_kvmesh_mutation_plugin.py"]
+use_git_change_detection = false
+timeout_multiplier = 10.0
+"""
+    (workdir / "pyproject.toml").write_text(pyproject)
+
+
+def run_module(mod: Module, workdir: Path, log) -> int:
+    cmd = [str(Path(sys.executable).with_name("mutmut")), "run", "--max-children", "1", *mod.globs()]
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", MUTANT_UNDER_TEST="")
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def results(mod: Module, workdir: Path) -> dict[str, str]:
+    from mutmut.stats import status_by_exit_code
+
+    meta = workdir / "mutants" / (mod.path + ".meta")
+    if not meta.exists():
+        return {}
+    data = json.loads(meta.read_text())["exit_code_by_key"]
+    globs = mod.globs()
+    return {name: status_by_exit_code[code] for name, code in sorted(data.items())
+            if not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)}
+
+
+def diff(workdir: Path, name: str) -> str:
+    out = subprocess.run([str(Path(sys.executable).with_name("mutmut")), "show", name], cwd=workdir,
+                         capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def short(mod: Module, name: str) -> str:
+    return name[len(mod.dotted) + 1:] if name.startswith(mod.dotted + ".") else name
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("modules", nargs="*", help=f"some of: {', '.join(BY_NAME)} (default: all)")
+    ap.add_argument("--workdir", default=os.environ.get("KVMESH_MUTATION_DIR", "/tmp/kvmesh-mutation"),
+                    help="scratch folder (a subfolder per module; removed and rebuilt each run)")
+    ap.add_argument("--show", action="store_true", help="print the diff of every survivor")
+    ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--list", action="store_true", help="list the modules, their files and tests")
+    ap.add_argument("--tests", help="pytest arguments replacing the module's test selection (one module)")
+    args = ap.parse_args(argv)
+
+    unknown = [m for m in args.modules if m not in BY_NAME]
+    if unknown:
+        ap.error(f"unknown module(s) {unknown}; expected some of {list(BY_NAME)}")
+    mods = [BY_NAME[m] for m in args.modules] or MODULES
+    if args.tests:
+        if len(mods) != 1:
+            ap.error("--tests needs exactly one module")
+        mods = [Module(mods[0].name, mods[0].path, args.tests.split(), mods[0].functions, mods[0].doc)]
+    if args.list:
+        for m in mods:
+            print(f"{m.name:18} {m.path}{' (' + ', '.join(m.functions) + ')' if m.functions else ''}\n"
+                  f"{'':18} tests: {' '.join(m.tests)}\n{'':18} {m.doc}")
+        return 0
+
+    table = []
+    report: dict[str, dict] = {}
+    failed = False
+    for mod in mods:
+        workdir = Path(args.workdir) / mod.name
+        prepare(mod, workdir)
+        t0 = time.monotonic()
+        print(f"== {mod.name}: {mod.path} (log: {workdir / 'mutmut.log'})", flush=True)
+        with open(workdir / "mutmut.log", "w") as log:
+            rc = run_module(mod, workdir, log)
+        res = results(mod, workdir)
+        elapsed = time.monotonic() - t0
+        if rc != 0 or not res:
+            failed = True
+            print(f"   mutmut failed (exit {rc}); the end of its log:")
+            print("".join(open(workdir / "mutmut.log", errors="replace").readlines()[-30:]))
+        killed = sum(1 for s in res.values() if s in KILLED)
+        survivors = {n: s for n, s in res.items() if s not in KILLED}
+        equivalent = EQUIVALENT.get(mod.name, set())
+        score = killed / len(res) if res else 0.0
+        n_equivalent = sum(1 for n in survivors if short(mod, n) in equivalent)
+        table.append((mod.name, killed, len(res), n_equivalent, score, elapsed))
+        print(f"   {killed}/{len(res)} killed ({100 * score:.1f}%) in {elapsed:.0f}s")
+        for name, status in survivors.items():
+            tag = " (equivalent)" if short(mod, name) in equivalent else ""
+            print(f"   {status:10} {short(mod, name)}{tag}")
+            if args.show:
+                print("      " + diff(workdir, name).replace("\n", "\n      "))
+        report[mod.name] = {"path": mod.path, "killed": killed, "total": len(res), "results": res}
+
+    print()
+    print(f"| module | file | killed / total | score | survivors | of which equivalent |")
+    print(f"|---|---|---|---|---|---|")
+    for (name, killed, total, n_eq, score, _), mod in zip(table, mods):
+        print(f"| {name} | {mod.path} | {killed} / {total} | {100 * score:.1f}% | {total - killed} | {n_eq} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
