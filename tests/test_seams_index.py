@@ -104,6 +104,25 @@ def test_a_block_already_cached_mid_run_splits_the_event_into_chains():
     assert (ev.block_hashes, ev.parent_block_hash, ev.token_ids) == (keys[1:3], keys[0], tokens[BS:3 * BS])
 
 
+def test_a_block_whose_parent_left_the_cache_is_not_stored():
+    """The request's copy of block 1 was a duplicate and the cached copy was evicted since: block 2
+    (and what follows until a cached key) stays an ordinary block, so no BlockStored names a parent
+    the cache no longer holds (a vLLM-format consumer could not key it)."""
+    tokens = list(range(2000, 2000 + 5 * BS))
+    keys = block_keys(tokens, MODEL, BS)
+    pool = BlockPool(12, enable_events=True)
+    first = pool.allocate(4)
+    pool.cache_blocks(first, keys[:4], None, tokens[:4 * BS], BS)
+    pool.uncache(first[1:3])  # blocks 1 and 2 leave the cache, block 3 stays
+    pool.take_events()
+    blocks = pool.allocate(3)
+    pool.cache_blocks(blocks, keys[2:5], keys[1], tokens[2 * BS:], BS)  # parent keys[1]: not cached
+    (ev,) = pool.take_events()
+    assert (ev.block_hashes, ev.parent_block_hash) == ([keys[4]], keys[3])  # resumed after cached block 3
+    assert blocks[0].key is None and keys[2] not in pool.cached and pool.cached[keys[4]] is blocks[2]
+    assert chain_errors([ev], MODEL, BS) == []
+
+
 # -- the engine core, stepped by hand --------------------------------------------------------------
 
 class SteppedEngine:
@@ -210,6 +229,174 @@ def test_a_block_computed_twice_then_a_middle_hit_keeps_every_pods_index_exact(m
         stored = [e for e in eng.published[mark:] if isinstance(e, BlockStored)]
         assert [(e.block_hashes, e.parent_block_hash) for e in stored] == [([kc, kd, ke], kb), ([kg], kf)]
         assert chain_errors(eng.published, MODEL, BS) == []
+    finally:
+        pods.stop()
+        eng.close()
+
+
+# -- the server under churn -------------------------------------------------------------------------
+
+def _record_events(endpoint: str, replay: str, stop: threading.Event, into: list) -> threading.Thread:
+    """A third subscriber that keeps every event (replays from 0, so nothing is missed)."""
+    from kvmesh.common.kv_events import KVEventSubscriber
+
+    def run():
+        sub = KVEventSubscriber(endpoint, replay)
+        try:
+            while not stop.is_set():
+                for d in sub.poll(50):
+                    assert d.reset is None, d.reset
+                    into.extend(d.batch.events)
+            for d in sub.poll(200):  # whatever was still in flight
+                into.extend(d.batch.events)
+        finally:
+            sub.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_index_equals_the_prefix_cache_after_churn(model_dir, redis_server):
+    """A small KV cache (40 blocks) under concurrent requests that share system prompts: prefix
+    hits, eviction, preemption, decode-filled blocks, streams dropped midway. Once the engine is
+    idle, both pods' Redis block sets are exactly the engine's prefix-cache keys."""
+    from tests.server.conftest import ThreadServer
+
+    events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    srv = ThreadServer(["--model", model_dir, "--served-model-name", MODEL, "--num-kv-blocks", "40",
+                        "--max-model-len", "320", "--max-num-batched-tokens", "256", "--max-num-seqs", "8",
+                        "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay]).start()
+    pods = Pods(redis_server, events, replay, srv.url)
+    recorded: list = []
+    stop = threading.Event()
+    recorder = _record_events(events, replay, stop, recorded)
+    rng = random.Random(16)
+    systems = [[rng.randrange(3, 40000) for _ in range(n)] for n in (2 * BS, 3 * BS + 5, 4 * BS)]
+    prompts: list[list[int]] = []
+    lock = threading.Lock()
+
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            work(w)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    def work(w: int) -> None:
+        r = random.Random(w)
+        with httpx.Client(base_url=srv.url, timeout=120) as http:
+            for i in range(6):
+                prompt = r.choice(systems) + [r.randrange(3, 40000) for _ in range(r.randrange(1, 90))]
+                if i == 0:  # every worker starts with a long decode at once: the cache runs out (preemption)
+                    resp = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 140,
+                                                              "temperature": 0, "ignore_eos": True})
+                    assert resp.status_code == 200, resp.text
+                    with lock:
+                        prompts.append(prompt)
+                    continue
+                if r.random() < 0.3 and prompts:  # a repeat: a full prefix hit
+                    with lock:
+                        prompt = list(r.choice(prompts))
+                with lock:
+                    prompts.append(prompt)
+                body = {"prompt": prompt, "max_tokens": r.choice([1, 8, 24, 40, 120]), "temperature": 0,
+                        "ignore_eos": True}
+                if r.random() < 0.25:  # a stream the client drops after a few tokens: an abort
+                    with http.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                                       "max_tokens": 320 - len(prompt)}) as resp:
+                        assert resp.status_code == 200
+                        for n, _ in enumerate(resp.iter_lines()):
+                            if n >= 3:
+                                break
+                    continue
+                resp = http.post("/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        engine = srv.state.engine
+        core = engine.engine.core
+        # idle: nothing running or waiting, no block held (the last step's events are published)
+        wait_until(lambda: engine.stats.num_running == 0 and engine.stats.num_waiting == 0
+                   and core.kv.pool.num_free_blocks == core.kv.num_blocks, 30, msg="engine idle")
+        pods.assert_mirror(list(core.kv.pool.cached), engine.kv_publisher.next_seq)
+        stop.set()
+        recorder.join(10)
+        # The churn really happened.
+        removed = sum(len(e.block_hashes) for e in recorded if isinstance(e, BlockRemoved))
+        stored = [h for e in recorded if isinstance(e, BlockStored) for h in e.block_hashes]
+        prompt_keys = {k for p in prompts for k in block_keys(p, MODEL, BS)}
+        decoded = set(stored) - prompt_keys  # blocks filled by decoding
+        print(f"churn: {len(prompts)} requests, {core.scheduler.num_preemptions} preemptions, "
+              f"{core.kv.prefix_hits} prefix-hit tokens, {len(stored)} blocks stored, {removed} evicted, "
+              f"{len(decoded)} decode-filled")
+        assert decoded
+        assert core.scheduler.num_preemptions > 0
+        assert core.kv.prefix_hits > 0
+        assert removed >= 20  # half the cache evicted at least
+        assert chain_errors(recorded, MODEL, BS) == []
+        live = set()
+        for e in recorded:
+            if isinstance(e, BlockStored):
+                live.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                live.difference_update(e.block_hashes)
+        assert live == set(core.kv.pool.cached)
+    finally:
+        stop.set()
+        pods.stop()
+        srv.stop()
+
+
+def test_a_decode_filled_block_after_its_parents_copy_was_evicted(model_dir, redis_server):
+    """R1 decodes into blocks c, d, e that R2 computed first (R1's copies are duplicates); R2's copies
+    are then evicted while R1 still runs; R1 fills f, whose parent e the cache no longer holds. The
+    engine must not publish f chained from a removed block: both pods' sets equal the cache."""
+    eng = SteppedEngine(model_dir, num_kv_blocks=64, max_model_len=512)
+    pods = Pods(redis_server, eng.events_endpoint, eng.replay_endpoint, "http://127.0.0.1:9")
+    try:
+        prompt = [(3000 + 41 * i) % 40000 + 3 for i in range(2 * BS + 10)]
+        eng.add("probe", prompt, 80)
+        eng.run()
+        out = eng.outputs["probe"]
+        assert eng.core.reset_prefix_cache()
+        eng.publish()
+        eng.add("r1", prompt, 80)
+        eng.step()
+        eng.step()
+        eng.add("r2", prompt + out[:40], 1)  # computes c, d, e before R1 fills them
+        eng.step()
+        while len(eng.outputs["r1"]) < 40:  # R1 has filled c, d, e (duplicates), not yet f (at 54)
+            eng.step()
+        keys = block_keys(prompt + out[:72], MODEL, BS)
+        ka, kb, kc, kd, ke, kf, kg = keys
+        order = [b.key for b in eng.free_order()]
+        n = order.index(kc) + 1  # R2's e, d, c: evicted by one-block requests
+        for i in range(n):
+            eng.add(f"evict-{i}", [(21000 + 89 * i + j) % 40000 + 3 for j in range(BS - 1)], 1)
+        eng.step()
+        assert len(eng.outputs["r1"]) < 54 and not {kc, kd, ke} & set(eng.pool.cached)
+        eng.run()
+        assert eng.outputs["r1"] == out
+        assert {ka, kb} <= set(eng.pool.cached)
+        pods.assert_mirror(eng.pool.cached, eng.pub.next_seq)
+        assert chain_errors(eng.published, MODEL, BS) == []
+        live: set[int] = set()
+        for e in eng.published:  # every stored event's parent is a block the cache holds at that point
+            if isinstance(e, BlockStored):
+                assert e.parent_block_hash is None or e.parent_block_hash in live, e
+                live.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                live.difference_update(e.block_hashes)
+            else:
+                live.clear()
     finally:
         pods.stop()
         eng.close()

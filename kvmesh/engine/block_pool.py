@@ -97,22 +97,29 @@ class BlockPool:
                      token_ids: list[int], block_size: int) -> None:
         """Register newly full blocks under their keys: one BlockStored event per contiguous run.
 
-        Each event is one continuous chain (its parent, then every block chained from the one
-        before it), because a vLLM-format consumer recomputes the keys from the token ids. A
-        block whose key is already cached (the same content computed twice) is not stored; it
-        ends the run, and the next stored block starts a new event chained from that key."""
+        Each event is one continuous chain from a parent the cache holds (its parent, then every
+        block chained from the one before it), because a vLLM-format consumer recomputes the keys
+        from the token ids and keys each event from its parent's entry:
+        * a block whose key is already cached (the same content computed twice) is not stored;
+          it ends the run, and the next stored block starts a new event chained from that key;
+        * a block whose parent is no longer cached (the request's copy of the parent was a
+          duplicate, and the cached copy has been evicted since) is not stored either, nor what
+          follows it until a cached key resumes the chain: such a block could not be a prefix
+          hit before its parent is computed again, and its event could not be keyed."""
         run_keys: list[int] = []
         run_tokens: list[int] = []
         run_parent = parent_key
+        parent_live = parent_key is None or parent_key in self.cached
         for i, (block, key) in enumerate(zip(blocks, keys)):
             if block.key is not None:
                 raise RuntimeError(f"{block} is already cached")
-            if key in self.cached:
-                # Same content computed twice concurrently: keep the first copy; this
-                # one stays an ordinary block and is freed normally.
+            if key in self.cached or not parent_live:
+                # Same content computed twice concurrently: keep the first copy; this one stays an
+                # ordinary block and is freed normally. Or an orphan: it stays ordinary too.
                 self._emit_stored(run_keys, run_parent, run_tokens, block_size)
                 run_keys, run_tokens = [], []
                 parent_key = run_parent = key
+                parent_live = key in self.cached
                 continue
             block.key, block.parent_key = key, parent_key
             self.cached[key] = block
