@@ -895,8 +895,7 @@ def _token_ids(ids: list, vocab: int) -> None:
                 raise BadRequest(f"prompt: token ids must be integers, got {str(t)[:50]!r}", "prompt")
             t = int(t)
         if not 0 <= t < vocab:
-            raise BadRequest(f"token id {t} is outside the vocabulary [0, {vocab})", "prompt",
-                             code="invalid_token_id")
+            raise BadRequest(f"token id {t} is outside the vocabulary [0, {vocab})", "prompt")  # as the engine
 
 
 def check_request(path: str, req: dict[str, Any], vocab: int) -> None:

@@ -130,13 +130,15 @@ class _Handler:
         length = self.request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
             self.state.metrics.reject("body_too_large")
-            raise APIError(413, f"request body is {length} bytes; the limit is {cfg.max_body_bytes}")
+            raise APIError(413, f"request body is {length} bytes; the limit is {cfg.max_body_bytes}",
+                           code="body_too_large")
         chunks, size = [], 0
         async for chunk in self.request.stream():
             size += len(chunk)
             if size > cfg.max_body_bytes:
                 self.state.metrics.reject("body_too_large")
-                raise APIError(413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes")
+                raise APIError(413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes",
+                               code="body_too_large")
             chunks.append(chunk)
         raw = b"".join(chunks)
         try:
@@ -187,7 +189,7 @@ class _Handler:
             ids = (await self._off_loop(len(prompt), engine.tokenizer.encode, prompt)
                    if isinstance(prompt, str) else list(prompt))
         else:
-            messages = [m.as_template_dict() for m in body.messages]
+            messages = body.template_messages()
             try:
                 size = sum(len(m["content"]) for m in messages)
                 ids = await self._off_loop(size, partial(engine.tokenizer.encode_chat, messages,
@@ -201,18 +203,26 @@ class _Handler:
 
     def _fit_max_tokens(self, body, ids: list[int], params: SamplingParams) -> SamplingParams:
         max_len = self.engine.max_model_len
-        if params.max_tokens is None or len(ids) + params.max_tokens <= max_len:
-            return params
         room = max_len - len(ids)
+        prompt_param = "prompt" if self.kind == "completion" else "messages"
+        if params.max_tokens is None or len(ids) + params.max_tokens <= max_len:
+            if params.min_tokens > room:  # no max_tokens: the context bounds the output, below min_tokens
+                raise bad_request(
+                    f"This model's maximum context length is {max_len} tokens. However, you requested at "
+                    f"least {len(ids) + params.min_tokens} tokens ({len(ids)} in the {prompt_param}, min_tokens "
+                    f"{params.min_tokens}). Please reduce the length of the {prompt_param} or min_tokens.",
+                    param="min_tokens", code="context_length_exceeded")
+            return params
         if body.requested_max_tokens() is None and room >= max(1, params.min_tokens):
             # The model's default (max_new_tokens), not the client's ask: shorten it to fit.
             return replace(params, max_tokens=room)
-        prompt_param = "prompt" if self.kind == "completion" else "messages"
+        # the client's max_tokens (as it named it), or else its min_tokens, does not fit
+        param = body.request_param("max_tokens") if body.requested_max_tokens() is not None else "min_tokens"
         raise bad_request(
             f"This model's maximum context length is {max_len} tokens. However, you "
             f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
             f"{prompt_param}, {params.max_tokens} in the completion). Please reduce the length "
-            f"of the {prompt_param} or the completion.", param="max_tokens",
+            f"of the {prompt_param} or the completion.", param=param,
             code="context_length_exceeded")
 
     @staticmethod
@@ -237,8 +247,9 @@ class _Handler:
             raise APIError(503, "the server is draining and admits no new requests",
                            headers={"Retry-After": "1"})
         if len(choices) > state.config.capacity:  # could never be admitted: retrying is no use
+            per_prompt = len(choices) // (choices[-1].prompt_index + 1)
             raise bad_request(f"{len(choices)} choices (prompts x n) exceed the {state.config.capacity} requests "
-                              "this server admits at once", param="n")
+                              "this server admits at once", param="n" if per_prompt > 1 else "prompt")
         self.check_capacity(len(choices))
         try:
             for c in choices:
@@ -612,7 +623,8 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             body.check()
             if body.messages is not None:
-                ids = tok.encode_chat([m.as_template_dict() for m in body.messages], body.add_generation_prompt,
+                ids = tok.encode_chat([m.as_template_dict(i) for i, m in enumerate(body.messages)],
+                                      body.add_generation_prompt,
                                       body.continue_final_message, body.chat_template_kwargs)
             else:
                 ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -52,10 +52,41 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: top-N logprobs of every prompt token
+    # Asked for, but not supported: refused (a 400 naming the field), never silently ignored,
+    # so a client that asks for JSON mode or tool calls does not get free text back.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    guided_json: Any = None  # vLLM's guided decoding
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    def check_supported(self) -> None:
+        """Fields this server does not implement, when they ask for something."""
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            raise InvalidParameter("response_format", f"response_format {str(fmt.get('type'))[:40]!r} is not "
+                                                      "supported (structured output): only 'text'")
+        if self.tools:
+            raise InvalidParameter("tools", "tools (function calling) are not supported")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidParameter("tool_choice", "tool_choice requires tools, which are not supported")
+        if self.functions:
+            raise InvalidParameter("functions", "functions (function calling) are not supported")
+        if self.function_call not in (None, "none"):
+            raise InvalidParameter("function_call", "function_call requires functions, which are not supported")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise InvalidParameter(name, f"{name} (guided decoding) is not supported")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          defaults: Mapping[str, Any], prompt_logprobs: int | None = None) -> SamplingParams:
         """``defaults``: the model's generation-config values for what the request leaves out."""
+        self.check_supported()
         if self.cache_salt is not None and not self.cache_salt:
             raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string")
 
@@ -127,6 +158,16 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_not_booleans(cls, value: Any) -> Any:
+        """``true`` is not token id 1 (pydantic's lax mode would take it; the router refuses it too)."""
+        if isinstance(value, list):
+            for item in value:
+                if any(isinstance(t, bool) for t in (item if isinstance(item, list) else [item])):
+                    raise ValueError("token ids must be integers, not booleans")
+        return value
+
     def prompt_inputs(self) -> list[str | list[int]]:
         """The prompts: one text or token-id list, or a batch of them (OpenAI's prompt array)."""
         batch = prompt_batch(self.prompt)
@@ -162,15 +203,24 @@ class ChatMessage(BaseModel):
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
 
-    def as_template_dict(self) -> dict[str, Any]:
+    def as_template_dict(self, index: int | None = None) -> dict[str, Any]:
+        """The message for the chat template; ``index``: its place in ``messages`` (errors name
+        the part, e.g. ``messages.0.content.1.type``)."""
         d = self.model_dump(exclude_none=True)
         content = self.content
         if isinstance(content, list):  # content parts: only text is supported
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
+                where = "messages" if index is None else f"messages.{index}.content.{j}"
                 if part.get("type") != "text":
-                    raise InvalidParameter("messages", f"unsupported content part type {part.get('type')!r}")
-                texts.append(str(part.get("text", "")))
+                    raise InvalidParameter(where if index is None else f"{where}.type",
+                                           f"unsupported content part type {str(part.get('type'))[:40]!r}: "
+                                           "only 'text' parts are supported")
+                text = part.get("text", "")
+                if not isinstance(text, str):
+                    raise InvalidParameter(where if index is None else f"{where}.text",
+                                           "a text content part's text must be a string")
+                texts.append(text)
             content = "".join(texts)
         d["content"] = content or ""
         return d
@@ -184,8 +234,14 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the model continues the final (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+    echo: bool = False  # vLLM's chat echo (prefix the last message): not supported
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_dict(i) for i, m in enumerate(self.messages)]
 
     def sampling_params(self, defaults: Mapping[str, Any] = {}) -> SamplingParams:  # noqa: B006 - read only
+        if self.echo:
+            raise InvalidParameter("echo", "echo is not supported for chat completions")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
         n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
