@@ -435,7 +435,10 @@ class Router:
             if self.full_until:  # pods that just answered 429 go last
                 ordered.sort(key=lambda c: self.full_until.get(c.name, 0.0) > now)
             m.decisions.labels(self.cfg.policy, reason).inc()
-            predicted = ordered[0].matched_blocks * self.cfg.block_size
+            # The engine serves at most len - 1 prompt tokens from its cache (the last one is always
+            # computed, for logits): a prompt of whole blocks, all matched, has its last block recomputed.
+            bs = self.cfg.block_size
+            predicted = min(ordered[0].matched_blocks, max(len(tokens) - 1, 0) // bs) * bs
 
             # 4. proxy; a client that goes away cancels the upstream request
             on_sent = held.sent.set if held is not None else None
