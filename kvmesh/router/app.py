@@ -27,9 +27,10 @@ from typing import Any
 
 import aiohttp
 
+from kvmesh.common import openapi as oa
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import block_keys, key_hex
-from kvmesh.common.prompts import prompt_batch
+from kvmesh.common.prompts import chat_template_messages, prompt_batch
 from kvmesh.router.auth import ApiKeys, KeyInfo, RateLimiter
 from kvmesh.router.discovery import Discovery, EndpointSlices, Pod
 from kvmesh.router.logging_setup import redact_url
@@ -43,6 +44,10 @@ POLICIES = ("prefix", "least-load", "round-robin", "session")
 _RID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _PASS_HEADERS = {"content-type", "content-encoding", "cache-control", "retry-after"}
 _GENERATE = ("/v1/completions", "/v1/chat/completions")
+_GET = ("GET", "HEAD")
+_METHODS = {"/v1/completions": ("POST",), "/v1/chat/completions": ("POST",), "/tokenize": ("POST",),
+            "/detokenize": ("POST",), "/v1/models": _GET, "/health": _GET, "/ready": _GET, "/metrics": _GET,
+            "/openapi.json": _GET}  # the routes the router documents, and their methods
 
 # The engine's own limits (kvmesh.engine.server.protocol; tests/router/test_front_door.py keeps
 # them equal), so the router refuses exactly what an engine would and never charges more.
@@ -185,6 +190,15 @@ class Router:
         self._hold_task: asyncio.Task | None = None
         self._demand_at = -1e9
         self._demand_warned = -1e9
+        self._openapi: bytes | None = None
+
+    def openapi(self) -> bytes:
+        """The OpenAPI document of the router's surface (kvmesh.common.openapi): the engines'
+        request and response schemas, the router's own statuses, its probes."""
+        if self._openapi is None:
+            vocab = self.vocab_size if self.vocab_size < (1 << 32) else None
+            self._openapi = json.dumps(oa.router_document(self.cfg.model, vocab, auth=self.keys.enabled)).encode()
+        return self._openapi
 
     @property
     def holds(self) -> bool:
@@ -269,6 +283,12 @@ class Router:
 
     async def _http(self, scope, receive, send):
         path, method = scope["path"], scope["method"]
+        allowed = _METHODS.get(path)
+        if allowed is not None and method not in allowed:  # a route of ours, another method: 405 + Allow
+            self.metrics.requests.labels(route_label(path), "405").inc()
+            return await _error(send, 405, f"{method} is not allowed on {path}; use {' or '.join(allowed)}",
+                                "invalid_request_error", [(b"allow", ", ".join(allowed).encode())],
+                                code="method_not_allowed")
         if method == "POST" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
             return await self.handle(scope, receive, send)
         if path == "/health":
@@ -277,11 +297,14 @@ class Router:
             return await self.ready(send)
         if path == "/metrics":
             return await _send(send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
-        if path == "/v1/models" and method == "GET":
+        if path == "/openapi.json":
+            return await _send(send, 200, self.openapi())
+        if path == "/v1/models":
             if self.keys.enabled and self.keys.check(_header(scope, b"authorization")) is None:
                 self.metrics.auth_failures.inc()
                 self.metrics.requests.labels("/v1/models", "401").inc()
-                return await _error(send, 401, "invalid or missing API key", "authentication_error")
+                return await _error(send, 401, "invalid or missing API key", "authentication_error",
+                                    code="invalid_api_key")
             return await _json(send, 200, {"object": "list", "data": [
                 {"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "kvmesh"}]})
         self.metrics.requests.labels(route_label(path), "404").inc()
@@ -508,7 +531,9 @@ class Router:
                 if not isinstance(msgs, list):
                     return []
                 kw = {"large": True} if large else {}
-                return self.encoder.encode_chat(msgs, add_generation_prompt=req.get("add_generation_prompt", True),
+                # as the engine renders them: text parts joined, a null content as ""
+                return self.encoder.encode_chat(chat_template_messages(msgs),
+                                                add_generation_prompt=req.get("add_generation_prompt", True),
                                                 continue_final_message=bool(req.get("continue_final_message")),
                                                 template_kwargs=req.get("chat_template_kwargs"), **kw)
             if path == "/v1/completions":

@@ -32,6 +32,7 @@ from typing import Any
 
 from kvmesh.common.block_keys import block_keys
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
+from kvmesh.common.prompts import chat_template_messages, prompt_batch
 
 
 class StubEngine:
@@ -169,17 +170,27 @@ class StubEngine:
         if path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
             return await self.generate(path, scope, body, receive, send)
         if path == "/tokenize" and method == "POST":
-            req = json.loads(body or b"{}")
-            tokens = (self.encoder.encode_chat(req["messages"]) if "messages" in req
-                      else self.encoder.encode(req.get("prompt") or ""))
+            try:  # what the engine cannot read or render is its 400
+                req = json.loads(body or b"{}")
+                tokens = (self.encoder.encode_chat(chat_template_messages(req["messages"]))
+                          if req.get("messages") is not None else self.encoder.encode(req.get("prompt") or ""))
+            except Exception as exc:  # noqa: BLE001
+                return await _json(send, 400, _error(f"cannot tokenize: {exc}", "prompt"))
             return await _json(send, 200, {"count": len(tokens), "max_model_len": 8192, "tokens": tokens,
                                            "token_strs": None})
-        return await _json(send, 404, {"error": {"message": f"no route {path}", "type": "not_found", "code": 404}})
+        if path == "/detokenize" and method == "POST":
+            try:
+                tokens = json.loads(body)["tokens"]
+                text = self.encoder.tok.decode([int(t) for t in tokens], skip_special_tokens=False)
+            except Exception as exc:  # noqa: BLE001
+                return await _json(send, 400, _error(f"cannot detokenize: {exc}", "tokens"))
+            return await _json(send, 200, {"prompt": text})
+        return await _json(send, 404, _error(f"no route {path}", None, "not_found"))
 
     async def generate(self, path, scope, body, receive, send):
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         if self.args.api_key and headers.get("authorization") != f"Bearer {self.args.api_key}":
-            return await _json(send, 401, {"error": {"message": "bad api key", "type": "auth", "code": 401}})
+            return await _json(send, 401, _error("bad api key", None, "invalid_api_key", "authentication_error"))
         self.stats["requests"] += 1
         rid = headers.get("x-request-id")
         self.stats["request_ids"] = (self.stats["request_ids"] + [rid])[-100:]
@@ -187,15 +198,16 @@ class StubEngine:
         if fail and self.cfg["fail_count"] != 0:
             self.cfg["fail_count"] -= 1
             self.stats["failed"] += 1
-            return await _json(send, fail, {"error": {"message": "stub failure", "type": "server_error",
-                                                      "code": fail}},
+            return await _json(send, fail, _error("stub failure", None, "stub_failure", "server_error"),
                                [(b"retry-after", b"1")] if fail in (429, 503) else ())
         if self.cfg["draining"]:
-            return await _json(send, 503, {"error": {"message": "draining", "type": "unavailable", "code": 503}})
+            return await _json(send, 503, _error("draining", None, None, "service_unavailable"))
         try:
             req = json.loads(body)
         except ValueError:
-            return await _json(send, 400, {"error": {"message": "bad json", "type": "invalid_request", "code": 400}})
+            return await _json(send, 400, _error("bad json", None, "invalid_json"))
+        if not isinstance(req, dict):
+            return await _json(send, 400, _error("request body must be a JSON object"))
         self.stats["last_body"] = req if len(body) < 20000 else {"truncated": True}
         if self.capacity and self.admitted >= self.capacity:
             self.stats["rejected"] += 1
@@ -223,14 +235,22 @@ class StubEngine:
     async def _generate(self, path, req, rid, receive, send):
         chat = path.endswith("chat/completions")
         tokens: list[int] = []
-        if self.encoder is not None:
-            if chat:
-                tokens = self.encoder.encode_chat(req.get("messages") or [])
-            else:
-                prompt = req.get("prompt") or ""
-                tokens = list(prompt) if isinstance(prompt, list) else self.encoder.encode(prompt)
-        cached = self.admit(tokens, req.get("cache_salt")) if tokens else 0
-        n_out = int(req.get("max_tokens") or self.cfg["response_tokens"])
+        try:  # the engine refuses what it cannot read (a message it cannot render): its 400
+            if self.encoder is not None:
+                if chat:
+                    tokens = self.encoder.encode_chat(
+                        chat_template_messages(req.get("messages") or []), req.get("add_generation_prompt", True),
+                        bool(req.get("continue_final_message")), req.get("chat_template_kwargs"))
+                else:  # a batch: its first prompt (the one the router routes on)
+                    prompt = prompt_batch(req.get("prompt") or "")[0]
+                    tokens = [int(t) for t in prompt] if isinstance(prompt, list) else self.encoder.encode(prompt)
+            salt = req.get("cache_salt")
+            n_out = int(req.get("max_tokens") or self.cfg["response_tokens"])
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError("cache_salt must be a string")
+        except Exception as exc:  # noqa: BLE001
+            return await _json(send, 400, _error(f"invalid request: {exc}", "messages" if chat else "prompt"))
+        cached = self.admit(tokens, salt) if tokens else 0
         n_out = min(n_out, self.cfg["response_tokens"])
         usage = {"prompt_tokens": len(tokens), "completion_tokens": n_out, "total_tokens": len(tokens) + n_out,
                  "prompt_tokens_details": {"cached_tokens": cached}}
@@ -262,7 +282,8 @@ class StubEngine:
                          "created": created, "model": self.model,
                          "choices": [{"index": 0, **({"delta": {}} if chat else {"text": ""}),
                                       "finish_reason": "length"}]}
-                if (req.get("stream_options") or {}).get("include_usage"):
+                options = req.get("stream_options")
+                if isinstance(options, dict) and options.get("include_usage"):
                     final["usage"] = usage
                 await send({"type": "http.response.body", "more_body": True,
                             "body": b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n"})
@@ -287,6 +308,12 @@ class StubEngine:
         finally:
             self.running -= 1
             watcher.cancel()
+
+
+def _error(message: str, param: str | None = None, code: str | None = None,
+           etype: str = "invalid_request_error") -> dict[str, Any]:
+    """The engine's error body."""
+    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
 
 
 async def _wait_disconnect(receive):

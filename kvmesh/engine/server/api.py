@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvmesh.common import openapi as oa
 from kvmesh.common.tokenizer import TemplateError
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
@@ -563,6 +564,27 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvmesh engine", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
+    auth = bool(state.config.api_key)
+
+    def api(method: str, path: str) -> dict[str, Any]:
+        """A route's OpenAPI operation (kvmesh.common.openapi): its JSON request body (the routes
+        read raw JSON, so FastAPI would document none) and every status it answers."""
+        return oa.operation(method, path, auth=auth)
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, plus the shared schemas: the model name and, once the model is
+        loaded, its vocabulary bound the token ids."""
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        from fastapi.openapi.utils import get_openapi
+
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        doc["components"] = oa.components(state.config.served_model_name, state.engine.vocab_size or None, auth)
+        if state.engine.loaded.is_set():  # final: the vocabulary is known
+            app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -578,7 +600,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+        # its headers too: a 405 must say which methods the route allows (Allow)
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=exc.headers)
 
     async def guard(request: Request) -> None:
         """Every /v1 route: the API key, then readiness. Like vLLM, nothing under /v1 answers before
@@ -589,15 +613,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(guard)])
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=api("post", "/v1/completions"))
     async def completions(request: Request):
         return await _Handler(state, request, "completion").handle(CompletionRequest)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=api("post", "/v1/chat/completions"))
     async def chat_completions(request: Request):
         return await _Handler(state, request, "chat").handle(ChatCompletionRequest)
 
-    @v1.get("/models")
+    @v1.get("/models", openapi_extra=api("get", "/v1/models"))
     async def models(request: Request):
         eng = state.engine
         return {"object": "list", "data": [{
@@ -615,7 +639,7 @@ def build_app(state: ServerState) -> FastAPI:
         handler.check_model(body.model)
         return body
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=api("post", "/tokenize"))
     async def tokenize(request: Request):
         """vLLM's /tokenize: the token ids the engine would see for a prompt or chat messages."""
         body = await tokenizer_request(request, TokenizeRequest)
@@ -635,7 +659,7 @@ def build_app(state: ServerState) -> FastAPI:
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=api("post", "/detokenize"))
     async def detokenize(request: Request):
         body = await tokenizer_request(request, DetokenizeRequest)
         try:
@@ -644,7 +668,8 @@ def build_app(state: ServerState) -> FastAPI:
             raise bad_request(str(exc), param=exc.param)
         return {"prompt": state.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    @app.get("/health")
+    @app.get("/health", openapi_extra=oa.simple_get("liveness: 500 once the engine failed to load or its thread "
+                                                    "exited", [200, 500], status_body=True))
     async def health():
         if state.engine.load_error is not None:
             return JSONResponse({"status": "error", "error": str(state.engine.load_error)}, status_code=500)
@@ -652,14 +677,16 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "error", "error": "engine thread exited"}, status_code=500)
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", openapi_extra=oa.simple_get("readiness: 503 while loading, draining or with the engine "
+                                                   "down", [200, 503], status_body=True))
     async def ready():
         if state.ready:
             return {"status": "ready"}
         reason = "draining" if state.draining else "loading" if not state.engine.loaded.is_set() else "engine down"
         return JSONResponse({"status": reason}, status_code=503)
 
-    @app.get("/load")
+    @app.get("/load", openapi_extra=oa.simple_get("load figures the router and autoscalers read", [200],
+                                                  {"application/json": {"schema": oa.LOAD}}))
     async def load():
         snap = state.engine.snapshot()
         return {"model": state.config.served_model_name, "kv_cache_usage": snap["kv_cache_usage"],
@@ -667,7 +694,8 @@ def build_app(state: ServerState) -> FastAPI:
                 "num_total_blocks": snap["num_total_blocks"], "num_in_flight": state.engine.num_in_flight,
                 "draining": state.draining, "ready": state.ready, "timestamp": time.time()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", openapi_extra=oa.simple_get("Prometheus metrics (vLLM's names)", [200],
+                                                     {"text/plain": {"schema": {"type": "string"}}}))
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
