@@ -27,6 +27,7 @@ import argparse
 import fnmatch
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -50,7 +51,8 @@ class Module:
         return self.path[:-3].replace("/", ".")
 
     def globs(self) -> list[str]:
-        return [f"{self.dotted}.{f}__mutmut_*" for f in self.functions]
+        # mutmut 3's mangled names: x_function, xǁClassǁmethod
+        return [f"{self.dotted}.{f if f.startswith('xǁ') else 'x_' + f}__mutmut_*" for f in self.functions]
 
 
 def _m(cls: str, *methods: str) -> list[str]:
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tests:
         if len(mods) != 1:
             ap.error("--tests needs exactly one module")
-        mods = [Module(mods[0].name, mods[0].path, args.tests.split(), mods[0].functions, mods[0].doc)]
+        mods = [Module(mods[0].name, mods[0].path, shlex.split(args.tests), mods[0].functions, mods[0].doc)]
     if args.list:
         for m in mods:
             print(f"{m.name:18} {m.path}{' (' + ', '.join(m.functions) + ')' if m.functions else ''}\n"
