@@ -298,10 +298,10 @@ def _json_content(name: str) -> dict[str, Any]:
 _CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 EXAMPLES: dict[str, dict[str, Any]] = {
     "CompletionRequest": {
-        "text": {"summary": "one text prompt", "value": {"prompt": "The capital of France is", "max_tokens": 8,
+        "text": {"summary": "one text prompt", "value": {"prompt": "The capital of France is", "max_tokens": 4,
                                                          "temperature": 0}},
         "stream": {"summary": "a stream of n samples, with top logprobs and usage in every chunk", "value": {
-            "prompt": "Once upon a time", "max_tokens": 8, "n": 2, "seed": 7, "logprobs": 2, "stream": True,
+            "prompt": "Once upon a time", "max_tokens": 4, "n": 2, "seed": 7, "logprobs": 2, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}},
         "batch_echo": {"summary": "a batch of token-id prompts, echoed, with prompt logprobs", "value": {
             "prompt": [[1, 2, 3, 4], [5, 6]], "max_tokens": 2, "echo": True, "logprobs": 1,
@@ -310,9 +310,9 @@ EXAMPLES: dict[str, dict[str, Any]] = {
             "prompt": "Score me", "max_tokens": 0, "echo": True, "logprobs": 0}},
     },
     "ChatCompletionRequest": {
-        "chat": {"summary": "a chat turn", "value": {"messages": _CHAT, "max_tokens": 8, "temperature": 0}},
+        "chat": {"summary": "a chat turn", "value": {"messages": _CHAT, "max_tokens": 4, "temperature": 0}},
         "stream": {"summary": "a streamed turn with logprobs", "value": {
-            "messages": _CHAT, "max_completion_tokens": 6, "stream": True, "logprobs": True, "top_logprobs": 2,
+            "messages": _CHAT, "max_completion_tokens": 4, "stream": True, "logprobs": True, "top_logprobs": 2,
             "stream_options": {"include_usage": True}, "min_p": 0.1, "top_k": 20}},
         "continue": {"summary": "continue the assistant's message, with content parts", "value": {
             "messages": [{"role": "user", "content": [{"type": "text", "text": "Count:"}]},

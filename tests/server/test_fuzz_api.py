@@ -22,10 +22,10 @@ OPERATIONS = [("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("p
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    # Every generated request stays cheap: a short context, a default of 8 new tokens for a
+    # Every generated request stays cheap: a short context, a default of 4 new tokens for a
     # request that leaves max_tokens out, a small admission bound.
     gen = tmp_path_factory.mktemp("generation-config")
-    (gen / "generation_config.json").write_text(json.dumps({"max_new_tokens": 8}))
+    (gen / "generation_config.json").write_text(json.dumps({"max_new_tokens": 4}))
     srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "64",
                         "--max-model-len", "64", "--max-num-seqs", "4", "--max-waiting", "4",
                         "--max-num-batched-tokens", "256", "--generation-config", str(gen), "--api-key", KEY,
