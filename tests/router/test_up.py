@@ -124,8 +124,21 @@ def test_up_with_the_real_engine(tmp_path):
         chunks = list(client.completions.create(model="smollm2-135m-instruct", prompt="Once upon a time",
                                                 max_tokens=8, stream=True))
         assert chunks
-        metrics = httpx.get(up.url + "/metrics", timeout=5).text
-        assert "kvmesh_router_engine_cached_tokens_total" in metrics
+        # The router's figures are values only a real prefix hit produces (the metrics themselves are
+        # registered at start-up): the engine's reported cached tokens, summed, and the router's
+        # prediction of them from the sidecars' block sets (a router that landed on the pod by its
+        # tie-break alone, with nothing indexed, would predict 0).
+        from kvmesh.router.engine_metrics import parse_prometheus
+
+        totals: dict[str, float] = {}
+        for name, labels, value in parse_prometheus(httpx.get(up.url + "/metrics", timeout=5).text):
+            key = name + (f"{{reason={labels['reason']}}}" if "reason" in labels else "")
+            totals[key] = totals.get(key, 0.0) + value
+        cached = first.usage.prompt_tokens_details.cached_tokens + second.usage.prompt_tokens_details.cached_tokens
+        assert cached > 0
+        assert totals["kvmesh_router_engine_cached_tokens_total"] == cached
+        assert totals["kvmesh_router_predicted_cached_tokens_total"] == cached
+        assert totals.get("kvmesh_router_decisions_total{reason=prefix_match}", 0) >= 1
     finally:
         assert up.stop() == 0
 
