@@ -55,8 +55,14 @@ def trained_tokenizer_dir(path: Path) -> Path:
 
 
 def tokenizer_source(tmp: Path) -> Path:
+    """SmolLM2's tokenizer files if converted already, else the trained one (also with
+    KVMESH_SEAMS_TOKENIZER=bpe, to run the seam tests on it)."""
+    import os
+
     from kvmesh.common.models import resolve_model_dir
 
+    if os.environ.get("KVMESH_SEAMS_TOKENIZER") == "bpe":
+        return trained_tokenizer_dir(tmp / "bpe-tokenizer")
     try:
         return resolve_model_dir("smollm2-135m-instruct", convert=False)  # on disk already: no conversion
     except FileNotFoundError:
