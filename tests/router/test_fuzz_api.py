@@ -115,3 +115,59 @@ def test_router_tokenizes_content_parts_and_null_content_as_the_engine_renders_t
     # a null content is "" (the template would write "None")
     assert router._tokens(path, {"messages": [{"role": "user", "content": None}]}) == router._tokens(
         path, {"messages": [{"role": "user", "content": ""}]})
+
+
+def test_the_checks_catch_what_they_are_for():
+    """The fuzz tests pass only if their checks can fail: each bad answer below is caught."""
+    import datetime
+    import json
+
+    from schemathesis.core.failures import FailureGroup
+
+    from kvmesh.common.openapi import router_document
+    from tests.fuzz_checks import CHECKS
+
+    schema = schemathesis.openapi.from_dict(router_document("m", 100, auth=False), config=config())
+    op = schema["/v1/completions"]["POST"]
+    case = op.Case(body={"prompt": "hi"}, media_type="application/json")
+    usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    good = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "usage": usage,
+            "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": "length"}]}
+    chunk = {**good, "usage": None}
+
+    def answer(status: int, body: bytes, ctype: str = "application/json", **headers) -> httpx.Response:
+        request = httpx.Request("POST", "http://127.0.0.1:1/v1/completions", json=case.body)
+        response = httpx.Response(status, content=body, headers={"content-type": ctype, **headers}, request=request)
+        response.elapsed = datetime.timedelta(milliseconds=1)
+        return response
+
+    def sse(*events: str) -> bytes:
+        return "".join(f"data: {e}\n\n" for e in events).encode()
+
+    def caught(response: httpx.Response) -> str | None:
+        """The title of the first failure the checks report, or None."""
+        try:
+            case.validate_response(response, checks=CHECKS)
+        except FailureGroup as group:
+            return group.exceptions[0].title
+        return None
+
+    error = {"error": {"message": "x", "type": "invalid_request_error", "param": None, "code": None}}
+    assert not caught(answer(200, json.dumps(good).encode()))
+    assert not caught(answer(200, sse(json.dumps(chunk), "[DONE]"), "text/event-stream"))
+    assert not caught(answer(429, json.dumps(error).encode(), **{"retry-after": "1"}))
+    bad = [  # (the check's title, an answer it must catch)
+        ("Server error", answer(500, json.dumps({"error": {**error["error"], "type": "server_error"}}).encode())),
+        ("Undocumented status code", answer(418, json.dumps(error).encode())),
+        ("Response violates schema", answer(200, json.dumps({**good, "usage": None}).encode())),
+        ("Response violates schema", answer(400, json.dumps({"error": {**error["error"], "code": 400}}).encode())),
+        ("Custom check failed: `strict_json`", answer(200, json.dumps({**good, "x": float("nan")}).encode())),
+        ("Undocumented Content-Type", answer(200, b"ok", "text/plain")),
+        ("Missing required response headers", answer(429, json.dumps(error).encode())),
+        ("SSE event violates schema", answer(200, sse(json.dumps({**chunk, "choices": "x"}), "[DONE]"),
+                                             "text/event-stream")),
+        ("Custom check failed: `strict_json`", answer(200, sse(json.dumps(chunk)), "text/event-stream")),
+        ("Custom check failed: `strict_json`", answer(200, sse(json.dumps(error), json.dumps(chunk), "[DONE]"),
+                                                      "text/event-stream")),
+    ]
+    assert [caught(r) for _, r in bad] == [title for title, _ in bad]
