@@ -24,6 +24,12 @@ OPERATIONS = [("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("p
 def server(tiny_model, tmp_path_factory):
     # Every generated request stays cheap: a short context, a default of 4 new tokens for a
     # request that leaves max_tokens out, a small admission bound.
+    # One torch thread: a tiny model gains nothing from two, and on a machine busy with other
+    # processes two spin-waiting threads make each step ~20x slower. Restored afterwards.
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     gen = tmp_path_factory.mktemp("generation-config")
     (gen / "generation_config.json").write_text(json.dumps({"max_new_tokens": 4}))
     srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "64",
@@ -32,6 +38,7 @@ def server(tiny_model, tmp_path_factory):
                         "--max-body-bytes", "16384"]).start()
     yield srv
     srv.stop()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
