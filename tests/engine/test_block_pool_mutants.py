@@ -125,8 +125,8 @@ def test_touch_takes_a_free_cached_block_off_the_free_list():
 def test_eviction_emits_the_key_and_forgets_it():
     pool = BlockPool(2, enable_events=True)
     a, b = pool.allocate(2)
-    pool.cache_blocks([a, b], [1, 2], 77, list(range(8)), BS)
-    assert (a.parent_key, b.parent_key) == (77, 1)
+    pool.cache_blocks([a, b], [1, 2], None, list(range(8)), BS)
+    assert (a.parent_key, b.parent_key) == (None, 1)
     pool.free([b, a])
     pool.take_events()
     pool.allocate(2)
@@ -137,6 +137,8 @@ def test_eviction_emits_the_key_and_forgets_it():
 
 def test_cache_blocks_emits_one_chained_event_per_run():
     pool = BlockPool(8, enable_events=True)
+    pool.cache_blocks(pool.allocate(1), [9], None, [0] * BS, BS)
+    pool.take_events()
     blocks = pool.allocate(3)
     tokens = list(range(100, 112))
     pool.cache_blocks(blocks, [1, 2, 3], 9, tokens, BS)
@@ -147,7 +149,7 @@ def test_cache_blocks_emits_one_chained_event_per_run():
 def test_content_computed_twice_splits_the_event_chain_at_the_duplicate():
     pool = BlockPool(8, enable_events=True)
     (first,) = pool.allocate(1)
-    pool.cache_blocks([first], [11], 10, [0] * BS, BS)
+    pool.cache_blocks([first], [11], None, [0] * BS, BS)
     pool.take_events()
     blocks = pool.allocate(4)
     tokens = list(range(200, 216))
@@ -162,13 +164,26 @@ def test_content_computed_twice_splits_the_event_chain_at_the_duplicate():
 def test_a_duplicate_first_block_starts_the_chain_from_it_and_a_trailing_one_ends_it():
     pool = BlockPool(8, enable_events=True)
     held = pool.allocate(2)
-    pool.cache_blocks(held, [1, 3], 0, [0] * 8, BS)
+    pool.cache_blocks(held, [1, 3], None, [0] * 8, BS)
     pool.take_events()
     blocks = pool.allocate(3)
-    pool.cache_blocks(blocks, [1, 2, 3], 0, list(range(12)), BS)
+    pool.cache_blocks(blocks, [1, 2, 3], None, list(range(12)), BS)
     assert pool.take_events() == [BlockStored([2], 1, [4, 5, 6, 7], BS, medium="GPU")]
-    pool.cache_blocks(pool.allocate(2), [1, 3], 0, list(range(8)), BS)  # all duplicates: no event
+    pool.cache_blocks(pool.allocate(2), [1, 3], None, list(range(8)), BS)  # all duplicates: no event
     assert pool.take_events() == []
+
+
+def test_blocks_whose_parent_left_the_cache_wait_for_a_cached_key():
+    pool = BlockPool(8, enable_events=True)
+    (held,) = pool.allocate(1)
+    pool.cache_blocks([held], [7], None, [0] * BS, BS)
+    pool.take_events()
+    blocks = pool.allocate(4)
+    tokens = list(range(300, 316))
+    pool.cache_blocks(blocks, [5, 6, 7, 8], 99, tokens, BS)  # parent 99 is not cached
+    assert pool.take_events() == [BlockStored([8], 7, tokens[12:16], BS, medium="GPU")]
+    assert [b.key for b in blocks] == [None, None, None, 8] and blocks[3].parent_key == 7
+    assert pool.lookup(5) is None and pool.lookup(6) is None
 
 
 def test_caching_an_already_cached_block_is_refused():
@@ -201,8 +216,9 @@ def test_uncache_forgets_only_the_blocks_own_entries():
 def test_reset_prefix_cache_forgets_every_key():
     pool = BlockPool(2, enable_events=True)
     a, b = pool.allocate(2)
-    pool.cache_blocks([a, b], [1, 2], 3, list(range(8)), BS)
+    pool.cache_blocks([a, b], [1, 2], None, list(range(8)), BS)
     pool.free([a, b])
+    assert pool.lookup(2) is b
     assert pool.reset_prefix_cache() is True
     assert all(blk.key is None and blk.parent_key is None for blk in pool.blocks)
     assert pool.lookup(1) is None and pool.take_events()[-1] == AllBlocksCleared()
@@ -281,6 +297,7 @@ def test_no_prefix_hits_with_caching_off_or_prompt_logprobs():
     a = make_request("a", list(range(12)))
     kv.allocate_slots(a, 12)
     assert kv.pool.cached == {} and kv.get_computed_blocks(make_request("b", list(range(13)))) == ([], 0)
+    assert kv.prefix_queries == 0  # no lookup was made, so none is counted
     kv2 = KVCacheManager(num_blocks=8, block_size=BS)
     kv2.allocate_slots(make_request("a", list(range(12))), 12)
     assert kv2.get_computed_blocks(make_request("b", list(range(13)), prompt_logprobs=1)) == ([], 0)

@@ -264,3 +264,73 @@ def test_requeue_sends_the_request_to_the_front_to_recompute():
     assert s.kv.block_table("a") == []
     out = s.schedule()  # b decodes; a comes back first (its first block is a prefix hit), c waits
     assert out.num_scheduled_tokens == {"b": 1, "a": 2} and a.num_computed_tokens == 4
+
+
+def test_chunked_prefill_is_on_by_default():
+    s = Scheduler(KVCacheManager(16, BS), 4, 4, 64)
+    s.add_request(req("a", 10))
+    assert s.schedule().num_scheduled_tokens == {"a": 4}
+
+
+def test_a_request_preempted_twice_counts_two():
+    s = sched()
+    s.add_request(req("a", 5))
+    for n in (1, 2):
+        step(s)
+        a = s.requests["a"]
+        s.requeue(a)
+        assert a.num_preemptions == n and s.num_preemptions == n and a.num_computed_tokens == 0
+
+
+def test_a_skipped_request_in_the_middle_of_the_running_list():
+    s = sched(budget=16, max_len=8)
+    for rid, n in (("x", 2), ("y", 2), ("a", 7), ("z", 2)):
+        s.add_request(req(rid, n, max_tokens=20))
+    step(s)
+    step(s)  # a reaches the model length
+    assert s.requests["a"].num_computed_tokens == 8
+    out = s.schedule()
+    assert [r.request_id for r in out.requests] == ["x", "y", "z"]
+    assert out.num_scheduled_tokens == {"x": 1, "y": 1, "z": 1}
+
+
+def test_the_last_token_of_budget_admits_a_one_token_chunk():
+    s = sched(budget=5)
+    s.add_request(req("a", 4))
+    s.add_request(req("b", 6))
+    assert s.schedule().num_scheduled_tokens == {"a": 4, "b": 1}
+
+
+def test_a_re_admission_keeps_the_first_cached_count_even_when_it_was_zero():
+    s = sched(budget=64)
+    s.add_request(req("a", 9))
+    out = s.schedule()
+    a = s.requests["a"]
+    assert a.num_cached_tokens == 0
+    s.update_from_output(out, {"a": 1})
+    s.requeue(a)  # its blocks stay cached: the re-admission hits them
+    s.schedule()
+    assert a.num_computed_tokens == 8 and a.num_cached_tokens == 0
+
+
+def test_prefix_hit_blocks_join_the_block_table():
+    s = sched(budget=64)
+    tokens = list(range(10, 19))
+    s.add_request(req("a", 9, max_tokens=1, tokens=tokens))
+    out = s.schedule()
+    a_blocks = s.kv.block_table("a")
+    s.update_from_output(out, {"a": 1})  # a finishes
+    s.add_request(req("b", 9, tokens=tokens))
+    s.schedule()
+    table = s.kv.block_table("b")
+    assert len(table) == 3 and table[:2] == a_blocks[:2]
+
+
+def test_a_request_without_a_token_does_not_stop_the_others():
+    s = sched()
+    s.add_request(req("a", 3))
+    s.add_request(req("b", 3))
+    out = s.schedule()
+    results = s.update_from_output(out, {"b": 5})  # as if a's step were a chunk
+    assert [(r.request_id, t) for r, t in results] == [("b", 5)]
+    assert s.requests["a"].num_computed_tokens == 3 and s.requests["a"].num_output_tokens == 0
