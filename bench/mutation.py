@@ -119,18 +119,24 @@ def _toml_list(items: list[str]) -> str:
     return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
 
-def prepare(mod: Module, workdir: Path) -> None:
+def prepare(mod: Module, workdir: Path, rev: str | None = None) -> None:
     """A fresh copy of the package and the tests, with this module's mutmut config."""
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", "golden")
-    shutil.copytree(ROOT / "kvmesh", workdir / "kvmesh", ignore=ignore)
-    shutil.copytree(ROOT / "tests", workdir / "tests", ignore=ignore)
+    if rev:  # a commit, not the working tree (others' uncommitted edits stay out)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kvmesh", "tests"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(workdir), "--exclude=tests/operator/golden"], input=archive,
+                       check=True)
+    else:
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", "golden")
+        shutil.copytree(ROOT / "kvmesh", workdir / "kvmesh", ignore=ignore)
+        shutil.copytree(ROOT / "tests", workdir / "tests", ignore=ignore)
     (workdir / "_kvmesh_mutation_plugin.py").write_text(PLUGIN)
     pyproject = (ROOT / "pyproject.toml").read_text()
     # A test file not there (yet) is left out rather than failing the run.
-    tests = [t for t in mod.tests if t.startswith("-") or (ROOT / t.split("::")[0]).exists()
+    tests = [t for t in mod.tests if t.startswith("-") or (workdir / t.split("::")[0]).exists()
              or not t.startswith("tests/")]
     if not any(t.startswith("tests/") for t in tests):
         raise SystemExit(f"{mod.name}: none of its test files exist ({mod.tests})")
@@ -184,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--show", action="store_true", help="print the diff of every survivor")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--list", action="store_true", help="list the modules, their files and tests")
+    ap.add_argument("--rev", help="mutate and test this commit (git archive) instead of the working tree")
     ap.add_argument("--tests", help="pytest arguments replacing the module's test selection (one module)")
     args = ap.parse_args(argv)
 
@@ -206,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for mod in mods:
         workdir = Path(args.workdir) / mod.name
-        prepare(mod, workdir)
+        prepare(mod, workdir, args.rev)
         t0 = time.monotonic()
         print(f"== {mod.name}: {mod.path} (log: {workdir / 'mutmut.log'})", flush=True)
         with open(workdir / "mutmut.log", "w") as log:

@@ -128,3 +128,9 @@ def test_encoded_batches_round_trip_with_every_field():
 def test_error_messages_stay_short():
     msg = error([1.0, [["BlockStored", [1], None, list(range(-1, 500)), 4]]])
     assert re.fullmatch(r"BlockStored\.token_ids must hold uint32 ints, got -1", msg)
+
+
+def test_maps_with_integer_keys_are_msgpack_too():
+    # Another encoder may key a map-encoded event's fields by position.
+    batch = kv.decode_batch(msgpack.packb([1.0, [{"type": "BlockRemoved", 1: [4, 5]}]]))
+    assert batch.events == [kv.BlockRemoved([4, 5])]
