@@ -121,6 +121,15 @@ class AsyncEngine:
         if stream is not None and not stream.finished:
             self._commands.put(("abort", [request_id]))
 
+    def abort_all(self) -> list[str]:
+        """End every in-flight request (the drain timeout), keeping their streams: each gets the
+        core's final "abort" output, so its response ends properly (a finish reason, then
+        [DONE]) instead of being cut, and its KV blocks are freed. Returns the request ids."""
+        rids = [rid for rid, stream in self._streams.items() if not stream.finished]
+        if rids:
+            self._commands.put(("abort", rids))
+        return rids
+
     def release(self, request_id: str) -> None:
         """Forget a finished request's stream."""
         self._streams.pop(request_id, None)

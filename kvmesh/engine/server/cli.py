@@ -5,8 +5,9 @@ adds a few of its own (--max-body-bytes, --device, --seed, --log-level).
 
 Signals: uvicorn's own handlers are replaced. The first SIGTERM (or SIGINT) starts a
 graceful drain: /ready turns 503, new requests get 503, in-flight requests finish for
-up to --drain-timeout seconds, then the server stops and the process exits 0. A
-second signal stops at once.
+up to --drain-timeout seconds; those still running then are aborted (each response ends
+with finish_reason "abort" and [DONE], and frees its KV blocks), then the server stops
+and the process exits 0. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -80,6 +81,31 @@ def _make_server(app, host: str, port: int, log_level: str):
     return _Server(config)
 
 
+DRAIN_ABORT_GRACE_S = 2.0  # after the drain timeout: the aborted responses get this long to be written
+
+
+async def drain_then_exit(state, server, drain_timeout: float) -> bool:
+    """The drain after SIGTERM (``state.begin_drain()`` already refuses new requests): wait up to
+    ``drain_timeout`` for the in-flight requests; then abort the rest in the engine, so each
+    response still ends properly (finish reason "abort" and [DONE], a 200 with what was
+    generated) and frees its KV blocks, and give those responses a moment to be written.
+    Then the server exits. Returns whether everything finished in time."""
+    drained = await state.wait_drained(drain_timeout)
+    if drained:
+        log.info("drained: all in-flight requests finished")
+    else:
+        aborted = state.engine.abort_all()
+        log.warning("drain timeout (%.0fs): %d requests still in flight are cut (aborted)",
+                    drain_timeout, len(aborted))
+        finished = await state.wait_drained(DRAIN_ABORT_GRACE_S)
+        snap = state.engine.snapshot()
+        log.info("after the drain timeout: %s; kv cache usage %.1f%%",
+                 "every response ended" if finished else f"{state.engine.num_in_flight} requests still in flight",
+                 100 * snap["kv_cache_usage"])
+    server.should_exit = True
+    return drained
+
+
 async def serve(state, host: str, port: int, drain_timeout: float, log_level: str = "info") -> int:
     from kvmesh.engine.server.api import build_app
 
@@ -89,13 +115,7 @@ async def serve(state, host: str, port: int, drain_timeout: float, log_level: st
     rc = 0
 
     async def drain() -> None:
-        drained = await state.wait_drained(drain_timeout)
-        if not drained:
-            log.warning("drain timeout (%.0fs): %d requests still in flight are cut",
-                        drain_timeout, state.engine.num_in_flight)
-        else:
-            log.info("drained: all in-flight requests finished")
-        server.should_exit = True
+        await drain_then_exit(state, server, drain_timeout)
 
     def on_signal(sig: signal.Signals) -> None:
         if state.draining:
