@@ -39,8 +39,10 @@ def test_free_queue_order_counts_and_errors():
     assert [b.block_id for b in q] == [0, 2, 1] and q.num_free == 3
     assert [q.popleft().block_id for _ in range(3)] == [0, 2, 1] and q.num_free == 0
     assert list(q) == []
-    with pytest.raises(RuntimeError, match="no free KV blocks"):
+    with pytest.raises(RuntimeError, match="^no free KV blocks$"):
         q.popleft()
+    with pytest.raises(RuntimeError, match=r"^KVBlock\(id=9, ref=0, key=None\) is not in the free queue$"):
+        q.remove(KVBlock(9))  # a block never queued
     q.appendleft(blocks[2])
     q.appendleft(blocks[0])
     assert [b.block_id for b in q] == [0, 2] and q.num_free == 2
