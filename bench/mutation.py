@@ -123,6 +123,10 @@ EQUIVALENT: dict[str, set[str]] = {
                    *(f"xǁFreeBlockQueueǁ__init____mutmut_{i}" for i in (2, 3, 4, 6, 7, 8)),
                    "xǁFreeBlockQueueǁremove__mutmut_1", "xǁKVBlockǁ__init____mutmut_6", "xǁKVBlockǁ__init____mutmut_7"},
     "kv_cache_manager": {"xǁKVCacheManagerǁ__init____mutmut_7", "xǁKVCacheManagerǁ_cache_full_blocks__mutmut_9"},
+    "sidecar_index": {"xǁBlockIndexǁstored__mutmut_21", "xǁBlockIndexǁstored__mutmut_35",
+                      "xǁSidecarǁ_full_rewrite__mutmut_8", "xǁSidecarǁ_full_rewrite__mutmut_9",
+                      "xǁSidecarǁ_full_rewrite__mutmut_23", "xǁSidecarǁ_incremental__mutmut_2",
+                      "xǁSidecarǁ_incremental__mutmut_3"},
     "scheduler": {"xǁSchedulerǁschedule__mutmut_7", "xǁSchedulerǁschedule__mutmut_36"},
 }
 

@@ -44,7 +44,7 @@ def test_kvmesh_format_stores_and_removes_exactly_the_hashes():
     assert added == {11, 12, 13} and removed == set()
     assert sorted(index.keys()) == [11, 12, 13] and index.by_hash == {11: 11, 12: 12, 13: 13}
     added, removed = set(), set()
-    index.removed(BlockRemoved([12, 99]), added, removed)  # 99 was never stored: ignored
+    index.removed(BlockRemoved([99, 12]), added, removed)  # 99 was never stored: skipped, not the end
     assert removed == {12} and added == set()
     assert sorted(index.keys()) == [11, 13] and 12 not in index.by_hash and 12 not in index.refs
 
@@ -124,10 +124,12 @@ def test_vllm_format_uses_the_model_root_and_the_events_block_size():
     assert index._root == root_key("other-model")
 
 
-def test_vllm_format_skips_a_chain_whose_parent_is_unknown():
+def test_vllm_format_skips_a_chain_whose_parent_is_unknown(caplog):
     index = BlockIndex(cfg(fmt="vllm"))
-    added, _ = stored(index, BlockStored([b"x"], b"never-seen", [1] * BS, BS))
+    with caplog.at_level(logging.DEBUG, logger="kvmesh.sidecar"):
+        added, _ = stored(index, BlockStored([b"x", b"y"], b"never-seen", [1] * 2 * BS, BS))
     assert added == set() and index.keys() == [] and not index.by_hash
+    assert [r.getMessage() for r in caplog.records] == ["BlockStored with unknown parent; 2 blocks not indexed"]
 
 
 def test_vllm_format_bytearray_and_memoryview_hashes_are_the_same_block():
@@ -162,7 +164,8 @@ def test_vllm_format_warns_once_about_a_block_size_mismatch(caplog):
         stored(index, BlockStored([b"b"], b"a", [1] * 8, 8))
         stored(index, BlockStored([b"c"], b"b", [1] * BS, BS))  # matching size: no warning
     warnings = [r for r in caplog.records if "block size" in r.getMessage()]
-    assert len(warnings) == 1 and "8 != --block-size 4" in warnings[0].getMessage()
+    assert len(warnings) == 1
+    assert warnings[0].getMessage() == "engine block size 8 != --block-size 4: keys will not match the router's"
 
 
 def test_kvmesh_format_never_warns_about_block_size(caplog):
@@ -192,8 +195,10 @@ def test_a_hash_that_is_not_a_uint64_is_a_decode_error(h, where):
     ev = {"stored": BlockStored([1, h], None, [0] * 2 * BS, BS),
           "parent": BlockStored([1], h, [0] * BS, BS),
           "removed": BlockRemoved([2, h])}[where]
-    with pytest.raises(DecodeError, match="is not a uint64 contract key"):
+    with pytest.raises(DecodeError) as exc:
         validate_kvmesh_batch(EventBatch(1.0, [AllBlocksCleared(), ev]))
+    assert str(exc.value) == (f"block hash {h!r:.40} is not a uint64 contract key "
+                              "(an engine with its own hashes needs --engine-format vllm)")
 
 
 # -- Sidecar.apply ---------------------------------------------------------------------------
@@ -216,6 +221,8 @@ def test_apply_a_reset_drops_the_index_and_asks_for_a_full_rewrite():
                                      batch(BlockStored([9], None, [0] * BS, BS), seq=0)])
     assert full is True and added == {9} and removed == set()
     assert sc.index.keys() == [9] and sc.stats["resets"] == 1
+    sc.apply([Delivery(seq=None, reset="again"), Delivery(seq=None, reset="and again")])
+    assert sc.stats["resets"] == 3 and sc.index.keys() == []
 
 
 def test_apply_all_blocks_cleared_is_a_full_rewrite():
@@ -225,6 +232,8 @@ def test_apply_all_blocks_cleared_is_a_full_rewrite():
                                            BlockStored([5], None, [0] * BS, BS))])
     assert full is True and added == {5} and removed == set()
     assert sc.index.keys() == [5] and sc.stats["clears"] == 1 and sc.stats["resets"] == 0
+    sc.apply([batch(AllBlocksCleared(), AllBlocksCleared())])
+    assert sc.stats["clears"] == 3
 
 
 def test_apply_nothing():
@@ -256,7 +265,7 @@ def test_incremental_write_adds_and_removes_key_hex_members(sidecar, redis_serve
     assert sidecar.blocks_key == rl.blocks_key(sidecar.cfg.model, "pod-a")
 
 
-def test_full_rewrite_replaces_the_set_with_the_index(sidecar, redis_server):
+def test_full_rewrite_replaces_the_set_with_the_index(sidecar, redis_server, caplog):
     r = redis_server.client()
     r.sadd(sidecar.blocks_key, key_hex(100), key_hex(1))  # a previous incarnation's set
     sidecar.apply([batch(BlockStored([1, 2, 3], None, [0] * 3 * BS, BS))])
@@ -267,6 +276,12 @@ def test_full_rewrite_replaces_the_set_with_the_index(sidecar, redis_server):
     assert not r.exists(sidecar.blocks_key + ":tmp")
     assert sidecar.stats["full_rewrites"] == 1 and sidecar._redis_dirty is False
     assert sidecar._redis_backoff == 0.1 and sidecar.index_withdrawn is False
+    assert not [rec for rec in caplog.records if "rewrote" in rec.getMessage()]  # the first write is quiet
+    sidecar.apply([batch(BlockRemoved([3]))])
+    with caplog.at_level(logging.INFO, logger="kvmesh.sidecar"):
+        sidecar._full_rewrite()  # a later rewrite is logged
+    assert [rec.getMessage() for rec in caplog.records] == ["rewrote 2 block keys to Redis"]
+    assert sidecar.stats["full_rewrites"] == 2 and r.smembers(sidecar.blocks_key) == {key_hex(1), key_hex(2)}
 
 
 def test_full_rewrite_of_an_empty_index_deletes_the_set(sidecar, redis_server):
@@ -288,18 +303,36 @@ def test_full_rewrite_of_a_large_index_writes_every_key(sidecar, redis_server):
     assert r.sismember(sidecar.blocks_key, key_hex(10_000)) and r.sismember(sidecar.blocks_key, key_hex(10_001))
 
 
-def test_redis_down_marks_the_set_dirty_and_backs_off(model_name):
+def test_redis_down_marks_the_set_dirty_and_backs_off(model_name, caplog):
     sc = Sidecar(cfg(model=model_name, redis_url=f"redis://127.0.0.1:{free_port()}/0", max_backoff=0.35))
     try:
         sc._redis_dirty = False
-        sc._incremental({1}, set())
+        with caplog.at_level(logging.WARNING, logger="kvmesh.sidecar"):
+            sc._incremental({1}, set())
+        (rec,) = caplog.records
+        assert rec.getMessage().startswith("Redis write failed (Error ") and "keeping state in memory" in \
+            rec.getMessage()
         assert sc._redis_dirty and sc.stats["redis_errors"] == 1 and sc.stats["incremental_writes"] == 0
         assert sc._redis_backoff == pytest.approx(0.2)
         sc.index.refs.update([1])
         sc._full_rewrite()
         assert sc._redis_dirty and sc.stats["redis_errors"] == 2 and sc.stats["full_rewrites"] == 0
         assert sc._redis_backoff == pytest.approx(0.35)  # doubled, capped at max_backoff
+        caplog.clear()
+        sc._redis_dirty = False
+        with caplog.at_level(logging.WARNING, logger="kvmesh.sidecar"):
+            sc._full_rewrite()
+        assert [r.getMessage()[:26] for r in caplog.records] == ["Redis write failed (Error "]
         assert isinstance(sc.redis, redis.Redis)
     finally:
         sc.redis.close()
         sc.hb_redis.close()
+
+
+def test_the_first_rewrite_after_a_redis_error_is_logged(sidecar, redis_server, caplog):
+    sidecar.stats["redis_errors"] = 1
+    sidecar.index.refs.update([4])
+    with caplog.at_level(logging.INFO, logger="kvmesh.sidecar"):
+        sidecar._full_rewrite()
+    assert [rec.getMessage() for rec in caplog.records] == ["rewrote 1 block keys to Redis"]
+    assert redis_server.client().smembers(sidecar.blocks_key) == {key_hex(4)}
