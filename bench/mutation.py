@@ -118,7 +118,7 @@ EQUIVALENT: dict[str, set[str]] = {
     "redis_layout": {"xǁHeartbeatǁfrom_mapping__mutmut_13", "xǁHeartbeatǁfrom_mapping__mutmut_15"},
     "kv_events_codec": {"x_decode_batch__mutmut_3", "x_decode_batch__mutmut_4", "x_decode_batch__mutmut_6",
                         "x_decode_batch__mutmut_31", "x_decode_batch__mutmut_32", "x_encode_batch__mutmut_9"},
-    "scoring": {"x_check_hotspot_params__mutmut_8"},
+    "scoring": {"x_check_hotspot_params__mutmut_8", "x_rendezvous__mutmut_4"},
     "block_pool": {"xǁBlockPoolǁ__init____mutmut_1", "xǁBlockPoolǁ__init____mutmut_10",
                    *(f"xǁFreeBlockQueueǁ__init____mutmut_{i}" for i in (2, 3, 4, 6, 7, 8)),
                    "xǁFreeBlockQueueǁremove__mutmut_1", "xǁKVBlockǁ__init____mutmut_6", "xǁKVBlockǁ__init____mutmut_7"},
