@@ -9,9 +9,9 @@ deleted child, the periodic resync. Switching the Redis mode while the autoscale
 scaling deletes exactly the managed Redis objects (and, back, exactly the URL Secret).
 
 "Survives" is checked three ways: the object is still there with its uid, the operator
-never sent a DELETE for it (the emulator's request log), and — the wait — a number of
-complete prune passes has run after the trigger (a counter around ``handlers._prune``),
-so no assertion is a race with a slow reconcile.
+never sent a DELETE for it (the emulator's request log), and — the wait — a whole prune
+pass has run after the trigger (a counter around ``handlers._prune``), so no assertion is
+a race with a slow reconcile; a stopped operator is the final barrier.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ PLURAL_OF_KIND = {k: v.rsplit("/", 1)[1] for k, v in KEY_OF_KIND.items()}
 
 
 class PruneCounter:
-    """Counts complete prune passes of the running operator (same process, its own thread):
-    a wait on ``passes`` proves a whole prune ran after a trigger. ``hold`` parks the next
+    """Counts complete prune passes of the running operator (same process, its own thread).
+    Reconciles of one ModelDeployment run one at a time, so of two passes completed after a
+    point, the second began after it: ``more(2, since)`` proves a whole prune ran after a
+    trigger (one pass may have been under way already). ``hold`` parks the next
     prune whose ModelDeployment matches a predicate (its children applied, nothing pruned
     yet) until ``release``: the seam where an older spec's prune meets a newer spec."""
 
@@ -195,7 +197,9 @@ async def test_strangers_survive_create_update_heal_and_resync(k8s, operator, pr
     await eventually(lambda: children_present(k8s))
     md = k8s.fetch_object(MD, "ns", "demo")
     await set_demo_as_co_owner(k8s, md["metadata"]["uid"])
-    await prunes.more(1, since=0)
+    # Reconciles run one at a time: of two passes completed after a point, the second began
+    # after it (and the resync keeps them coming).
+    await prunes.more(2, since=prunes.passes)
     assert_strangers_intact(k8s, strangers)
 
     # 2. spec update (a new engine argument, more replicas, the router's budget).
@@ -205,7 +209,7 @@ async def test_strangers_survive_create_update_heal_and_resync(k8s, operator, pr
     await k8s.put_object(MD, md)
     await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine")["spec"]["replicas"] == 3
                      and k8s.fetch_object(PDBS, "ns", "demo-router"))
-    await prunes.more(1, since=since)
+    await prunes.more(2, since=since)
     assert_strangers_intact(k8s, strangers)
     # ...and a child the update no longer renders is pruned (the pass did run).
     md = k8s.fetch_object(MD, "ns", "demo")
@@ -220,7 +224,7 @@ async def test_strangers_survive_create_update_heal_and_resync(k8s, operator, pr
         old_uid = k8s.fetch_object(key, "ns", name)["metadata"]["uid"]
         await k8s.delete_object(key, "ns", name)
         await eventually(lambda: (o := k8s.fetch_object(key, "ns", name)) and o["metadata"]["uid"] != old_uid)
-        await prunes.more(1, since=since)
+        await prunes.more(2, since=since)
         assert_strangers_intact(k8s, strangers)
 
     # 4. resync: nothing changes, the healer reconciles on its interval.
