@@ -9,6 +9,7 @@ cover it, then print the mutation score (killed / total) and every surviving mut
     .venv/bin/python bench/mutation.py block_keys scoring  # some modules
     .venv/bin/python bench/mutation.py --list              # modules, files and tests
     .venv/bin/python bench/mutation.py --show scoring      # ... and the diff of each survivor
+    .venv/bin/python bench/mutation.py --strict            # exit 2 if a survivor is not known equivalent
 
 A mutant counts as killed when a test failed (or it timed out); "no tests" (no selected test
 reaches the function) counts as a survivor. Mutants known to be equivalent are listed in
@@ -217,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--show", action="store_true", help="print the diff of every survivor")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--list", action="store_true", help="list the modules, their files and tests")
+    ap.add_argument("--strict", action="store_true",
+                    help="exit 2 when a survivor is not listed as equivalent (a test is missing)")
     ap.add_argument("--rev", help="mutate and test this commit (git archive) instead of the working tree")
     ap.add_argument("--tests", help="pytest arguments replacing the module's test selection (one module)")
     args = ap.parse_args(argv)
@@ -266,13 +269,19 @@ def main(argv: list[str] | None = None) -> int:
         report[mod.name] = {"path": mod.path, "killed": killed, "total": len(res), "results": res}
 
     print()
-    print(f"| module | file | killed / total | score | survivors | of which equivalent |")
-    print(f"|---|---|---|---|---|---|")
+    print("| module | file | killed / total | score | survivors | of which equivalent |")
+    print("|---|---|---|---|---|---|")
     for (name, killed, total, n_eq, score, _), mod in zip(table, mods):
         print(f"| {name} | {mod.path} | {killed} / {total} | {100 * score:.1f}% | {total - killed} | {n_eq} |")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
-    return 1 if failed else 0
+    unexplained = sum(total - killed - n_eq for _, killed, total, n_eq, _, _ in table)
+    if unexplained:
+        print(f"\n{unexplained} survivor(s) not known to be equivalent: kill them with a test, or list them "
+              "in EQUIVALENT and docs/mutation.md with the reason")
+    if failed:
+        return 1
+    return 2 if args.strict and unexplained else 0
 
 
 if __name__ == "__main__":
