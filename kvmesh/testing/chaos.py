@@ -737,18 +737,24 @@ async def _check_routing(mesh: Mesh, cfg: ChaosConfig, client: httpx.AsyncClient
     return check
 
 
+async def _scenario(mesh: Mesh, scenario) -> int:
+    """Run one scenario on ``mesh``: a failure carries the processes' log tails; returns the
+    router's ASGI tracebacks (there must be none)."""
+    try:
+        await scenario
+    except ChaosError as exc:
+        raise ChaosError(f"{exc}\n{mesh.log_tails()}") from None
+    log = mesh.router.log_text()
+    return log.count("Exception in ASGI application") + log.count("Traceback")
+
+
 async def run_chaos(cfg: ChaosConfig) -> ChaosReport:
     rep = ChaosReport()
     t0 = time.monotonic()
     rep.timeline.append(("start", 0.0))
     async with Mesh(cfg.mesh) as mesh:
         rep.timeline.append(("mesh up", time.monotonic() - t0))
-        try:
-            await _chaos(mesh, cfg, rep)
-        except ChaosError as exc:
-            raise ChaosError(f"{exc}\n{mesh.log_tails()}") from None
-        log = mesh.router.log_text()
-        rep.asgi_tracebacks = log.count("Exception in ASGI application") + log.count("Traceback")
+        rep.asgi_tracebacks = await _scenario(mesh, _chaos(mesh, cfg, rep))
     rep.duration_s = time.monotonic() - t0
     return rep
 
@@ -971,12 +977,7 @@ async def run_overload(cfg: OverloadConfig) -> OverloadReport:
     rep = OverloadReport()
     t0 = time.monotonic()
     async with Mesh(cfg.mesh) as mesh:
-        try:
-            await _overload(mesh, cfg, rep)
-        except ChaosError as exc:
-            raise ChaosError(f"{exc}\n{mesh.log_tails()}") from None
-        log = mesh.router.log_text()
-        rep.asgi_tracebacks = log.count("Exception in ASGI application") + log.count("Traceback")
+        rep.asgi_tracebacks = await _scenario(mesh, _overload(mesh, cfg, rep))
     rep.duration_s = time.monotonic() - t0
     return rep
 
