@@ -193,7 +193,7 @@ class LocalServer:
     def __init__(self, model: str, engine_flags: list[str], log_path: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(os.environ)
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.cli", "serve", "--model", model, "--host", "127.0.0.1",

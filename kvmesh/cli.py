@@ -12,10 +12,10 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvmesh.engine.cli_generate", "generate text offline with the engine"),
     "serve": ("kvmesh.engine.server.cli", "run one engine replica (OpenAI-compatible HTTP server)"),
-    "sidecar": ("kvmesh.router.sidecar_cli", "publish an engine's KV-cache events to Redis"),
+    "sidecar": ("kvmesh.sidecar.cli", "publish an engine's KV-cache events to Redis"),
     "router": ("kvmesh.router.cli", "run the prefix-aware router"),
-    "up": ("kvmesh.router.up_cli", "run a local mesh: Redis, engines with sidecars, router"),
-    "status": ("kvmesh.router.status_cli", "show the replicas of a running mesh"),
+    "up": ("kvmesh.mesh.up", "run a local mesh: Redis, engines with sidecars, router"),
+    "status": ("kvmesh.mesh.status", "show the replicas of a running mesh"),
     "operator": ("kvmesh.operator.cli", "run the Kubernetes operator"),
     "convert": ("kvmesh.engine.cli_convert", "convert the built-in model (GGUF) to a Hugging Face directory"),
     "build-kernels": ("kvmesh.engine.cli_build_kernels", "compile the engine's CPU kernels ahead of the first start"),

@@ -18,7 +18,7 @@ from kvmesh.common.block_keys import block_keys, key_hex
 from kvmesh.common.kv_events import BlockRemoved, BlockStored, KVEventPublisher, decode_batch
 from kvmesh.common.ports import free_port
 from kvmesh.engine.block_pool import BlockPool
-from tests.router.conftest import RedisServer, wait_until
+from tests.conftest import RedisServer, wait_until
 from tests.seams_support import build_seam_model, chain_errors
 
 MODEL = "seams"
@@ -42,7 +42,7 @@ class Pods:
     contract keys), pod-v as vLLM events (keys recomputed from token ids and parents)."""
 
     def __init__(self, redis_server: RedisServer, events: str, replay: str, engine_url: str):
-        from kvmesh.router.sidecar import Sidecar, SidecarConfig
+        from kvmesh.sidecar.service import Sidecar, SidecarConfig
 
         self.redis = redis_server.client()
         self.sidecars = {}
@@ -261,7 +261,7 @@ def test_index_equals_the_prefix_cache_after_churn(model_dir, redis_server):
     """A small KV cache (40 blocks) under concurrent requests that share system prompts: prefix
     hits, eviction, preemption, decode-filled blocks, streams dropped midway. Once the engine is
     idle, both pods' Redis block sets are exactly the engine's prefix-cache keys."""
-    from tests.server.conftest import ThreadServer
+    from tests.engine.server.conftest import ThreadServer
 
     events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     srv = ThreadServer(["--model", model_dir, "--served-model-name", MODEL, "--num-kv-blocks", "40",

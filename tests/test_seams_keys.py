@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from kvmesh.common.block_keys import block_keys
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSubscriber
 from kvmesh.common.ports import free_port
-from tests.router.conftest import RedisServer, wait_until
+from tests.conftest import RedisServer, wait_until
 from tests.seams_support import build_seam_model, check_tokenizer_is_not_naive, chain_errors
 
 MODEL = "seams-keys"
@@ -93,8 +93,8 @@ class Mesh:
         import uvicorn
 
         from kvmesh.router.app import Router, RouterConfig
-        from kvmesh.router.sidecar import Sidecar, SidecarConfig
-        from tests.server.conftest import ThreadServer
+        from kvmesh.sidecar.service import Sidecar, SidecarConfig
+        from tests.engine.server.conftest import ThreadServer
 
         events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
         self.engine = ThreadServer(["--model", model_dir, "--served-model-name", MODEL, "--num-kv-blocks", "4096",

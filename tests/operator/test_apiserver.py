@@ -525,8 +525,10 @@ def test_delete_garbage_collects_the_children(cluster: ControlPlane, api: httpx.
         pytest.skip("no kube-controller-manager: owner references checked, garbage collection not")
     wait_for(lambda: all(cluster.get(k, NS, n) is None for k, n in children), timeout=GC_TIMEOUT,
              message="children garbage-collected")
-    # Including what the controller manager made from them.
-    assert cluster.list("ReplicaSet", NS, f"{render.LABEL_MD}=doomed") == []
+    # Including what the controller manager made from them (collected after their Deployment,
+    # in a later pass of the garbage collector).
+    wait_for(lambda: cluster.list("ReplicaSet", NS, f"{render.LABEL_MD}=doomed") == [], timeout=GC_TIMEOUT,
+             message="ReplicaSets garbage-collected")
 
 
 # --- RBAC: runs last, over everything the operator did in this module -------------------------

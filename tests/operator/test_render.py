@@ -120,8 +120,7 @@ def _render_in_process(hash_seed: str) -> str:
     import subprocess
     import sys
 
-    env = dict(os.environ, PYTHONHASHSEED=hash_seed,
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONHASHSEED=hash_seed)
     out = subprocess.run([sys.executable, "-c", _RENDER_ALL], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -14,7 +14,7 @@ import httpx
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.testing.chaos import ChaosConfig, MeshConfig, run_chaos
-from tests.router.conftest import wait_until
+from tests.conftest import wait_until
 
 
 def test_chaos_loses_only_the_killed_engines_requests_and_recovers_keys_and_routing():

@@ -20,7 +20,7 @@ from kvmesh.router.discovery import (Discovery, EndpointSlices, Endpoint, FileEn
                                      normalize_url, parse_backend)
 from kvmesh.router.engine_metrics import parse_prometheus
 from kvmesh.router.metrics import RouterMetrics
-from tests.router.conftest import free_port, shared_encoder, wait_until
+from tests.conftest import free_port, shared_encoder, wait_until
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 

@@ -1,4 +1,4 @@
-"""The engine's API error table (tests/server/test_error_table.py) through the router, in
+"""The engine's API error table (tests/engine/server/test_error_table.py) through the router, in
 front of a real engine: for every row of the generate routes the router's answer equals
 the engine's — the same status, and the same error ``type``, ``param`` and ``code`` —
 whether the router refuses the request itself (the fields it reads: n, max_tokens,
@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.router.conftest import RouterThread
-from tests.server.conftest import ThreadServer
-from tests.server.test_error_table import BODY_LIMIT, C, CHAT, MODEL, ROWS, SERVER_ARGS, VOCAB, check_row, error_of, send
+from tests.conftest import RouterThread
+from tests.engine.server.conftest import ThreadServer
+from tests.engine.server.test_error_table import BODY_LIMIT, C, CHAT, MODEL, ROWS, SERVER_ARGS, VOCAB, check_row, error_of, send
 from tests.tiny_models import build_tiny_model
 
 GENERATE_ROWS = [r for r in ROWS if r.path in (C, CHAT)]

@@ -14,7 +14,7 @@ import pytest
 
 from kvmesh.common.ports import free_port
 from kvmesh.router.metrics import ROUTES
-from tests.router.conftest import wait_until
+from tests.conftest import wait_until
 from tests.router.test_router import complete, metric, text
 
 VOCAB = 49152  # smollm2-135m-instruct

@@ -101,7 +101,7 @@ STUB_INPUTS = [
 
 def test_router_tokenizes_content_parts_and_null_content_as_the_engine_renders_them():
     from kvmesh.router.app import Router, RouterConfig
-    from tests.router.conftest import shared_encoder
+    from tests.conftest import shared_encoder
 
     router = Router(RouterConfig(model="m", redis_url=None), encoder=shared_encoder())
     path = "/v1/chat/completions"

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.common import kv_events as kv
-from kvmesh.router.sidecar import BlockIndex, Sidecar, SidecarConfig, validate_kvmesh_batch
+from kvmesh.sidecar.service import BlockIndex, Sidecar, SidecarConfig, validate_kvmesh_batch
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

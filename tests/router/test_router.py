@@ -8,7 +8,7 @@ import pytest
 from kvmesh.common import redis_layout as rl
 from kvmesh.router.scoring import Weights, rendezvous
 from kvmesh.router.auth import hash_key
-from tests.router.conftest import wait_until
+from tests.conftest import wait_until
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega").split()

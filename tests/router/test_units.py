@@ -169,7 +169,7 @@ def test_endpoint_slices_filter_pods():
 
     from kvmesh.router.discovery import Discovery, EndpointSlices, Pod
     from kvmesh.router.metrics import RouterMetrics
-    from tests.router.conftest import free_port, wait_until
+    from tests.conftest import free_port, wait_until
 
     seen = {}
 
@@ -205,7 +205,7 @@ def test_endpoint_slices_filter_pods():
 
 def test_router_tokenizes_every_prompt_shape():
     from kvmesh.router.app import Router, RouterConfig
-    from tests.router.conftest import shared_encoder
+    from tests.conftest import shared_encoder
 
     router = Router(RouterConfig(model="m", redis_url=None), encoder=shared_encoder())
     text = router._tokens("/v1/completions", {"prompt": "hello world"})
@@ -265,7 +265,7 @@ def test_router_cli_refuses_to_start_without_its_key_file(tmp_path):
 def test_urls_with_passwords_are_redacted_wholly_in_logs():
     import logging
 
-    from kvmesh.router.logging_setup import JsonFormatter, _Redacting, redact_url
+    from kvmesh.common.logging_setup import JsonFormatter, _Redacting, redact_url
 
     for url, secret in [("redis://user:p@ss/w0rd@host:6379/0", ("p@ss", "w0rd", "ss/")),
                         ("redis://:s3cret@redis:6379", ("s3cret",)),

@@ -1,0 +1,1029 @@
+"""The prefix-aware router: an OpenAI-compatible front door (raw ASGI, for a lean hot path).
+
+Per request: authenticate, read the body (size-limited), check the fields the router reads,
+charge the rate limit, tokenize exactly like the engine (chat template included; long prompts
+in a worker thread), compute the contract-1 block keys, ask Redis in one round trip how long a
+prefix of them each live pod holds, score (contract 4), and proxy to the best pod with
+streaming passthrough. Only what provably did not reach an engine (a connect error) or an
+engine's "not me" (502/503, or 429 while another pod has room) is retried on the next pod: a
+generation is never run twice. With no routable pod the request is held (scale from zero)
+while a Redis key tells the autoscalers there is demand. See docs/router.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import re
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvmesh.common import openapi as oa
+from kvmesh.common import redis_layout as rl
+from kvmesh.common.block_keys import block_keys, key_hex
+from kvmesh.common.prompts import chat_template_messages, prompt_batch
+from kvmesh.router.auth import ApiKeys, KeyInfo, RateLimiter
+from kvmesh.router.discovery import Discovery, EndpointSlices, Pod
+from kvmesh.common.logging_setup import redact_url
+from kvmesh.router.metrics import RouterMetrics, route_label, status_label
+from kvmesh.router.scoring import Candidate, Weights, rank, rendezvous
+
+log = logging.getLogger("kvmesh.router")
+access_log = logging.getLogger("kvmesh.router.access")
+
+POLICIES = ("prefix", "least-load", "round-robin", "session")
+_RID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_PASS_HEADERS = {"content-type", "content-encoding", "cache-control", "retry-after"}
+_GENERATE = ("/v1/completions", "/v1/chat/completions")
+_GET = ("GET", "HEAD")
+_METHODS = {"/v1/completions": ("POST",), "/v1/chat/completions": ("POST",), "/tokenize": ("POST",),
+            "/detokenize": ("POST",), "/v1/models": _GET, "/health": _GET, "/ready": _GET, "/metrics": _GET,
+            "/openapi.json": _GET}  # the routes the router documents, and their methods
+
+# The engine's own limits (kvmesh.engine.server.protocol; tests/router/test_front_door.py keeps
+# them equal), so the router refuses exactly what an engine would and never charges more.
+MAX_N = 128  # choices per prompt
+MAX_PROMPTS = 256  # prompts in one completion request
+MAX_TOKENS_ESTIMATE = 1 << 31  # a max_tokens above this is charged as this
+OFF_LOOP_CHARS = 16384  # prompts this long are tokenised in a worker thread
+KEEPALIVE_S = 3.0  # below the engines' 5 s keep-alive: a pooled connection is never one they closed
+
+
+@dataclass
+class RouterConfig:
+    model: str = "smollm2-135m-instruct"
+    tokenizer: str | None = None
+    redis_url: str | None = "redis://127.0.0.1:6379/0"
+    static_backends: list[str] = field(default_factory=list)
+    policy: str = "prefix"
+    weights: Weights = field(default_factory=Weights)
+    block_size: int = 16
+    api_keys: dict[str, KeyInfo] | None = None
+    rate_limit_rpm: float | None = None
+    rate_limit_tpm: float | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_retries: int = 2
+    connect_timeout: float = 2.0
+    read_timeout: float = 300.0
+    request_timeout: float | None = None
+    eject_after: int = 3
+    eject_seconds: float = 10.0
+    hot_ratio: float = 2.0
+    hot_min: int = 2
+    session_header: str = "x-session-id"
+    redis_timeout: float = 0.25
+    redis_retry_after: float = 1.0
+    refresh_interval: float = 0.5
+    upstream_api_key: str | None = None
+    k8s_service: str | None = None
+    k8s_namespace: str | None = None
+    k8s_api_url: str | None = None
+    backends_file: str | None = None  # NAME=URL lines, re-read on change (kvmesh up's supervisor)
+    redis_stale_after: float = float(rl.HEARTBEAT_TTL_S)  # then route to known pods by load only
+    # scale from zero: requests held while no pod is routable
+    max_pending_requests: int = 256
+    scale_from_zero_timeout: float = 300.0
+    vocab_size: int | None = None  # token ids must be below it (default: the model's config.json)
+
+
+class Breaker:
+    """Per-pod circuit breaker: `eject_after` consecutive failures eject a pod for `eject_seconds`;
+    after that it is tried again (one failure re-ejects it, one success closes the breaker)."""
+
+    def __init__(self, eject_after: int, eject_seconds: float, metrics: RouterMetrics):
+        self.eject_after = eject_after
+        self.eject_seconds = eject_seconds
+        self.metrics = metrics
+        self.failures: dict[str, int] = {}
+        self.until: dict[str, float] = {}
+
+    def ejected(self, name: str, now: float) -> bool:
+        return self.until.get(name, 0.0) > now
+
+    def failure(self, name: str) -> None:
+        n = self.failures.get(name, 0) + 1
+        self.failures[name] = n
+        now = time.monotonic()
+        if n >= self.eject_after and not self.ejected(name, now):
+            self.until[name] = now + self.eject_seconds
+            self.metrics.ejections.labels(name).inc()
+            log.warning("ejecting pod %s for %.0fs after %d consecutive failures", name, self.eject_seconds, n)
+
+    def success(self, name: str) -> None:
+        if self.failures.get(name):
+            self.failures[name] = 0
+            self.until.pop(name, None)
+
+
+class BadRequest(Exception):
+    """A request the router refuses itself: 400 (or `status`) with an OpenAI error naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+@dataclass
+class Outcome:
+    status: int
+    pod: str
+    usage: dict | None = None
+    attempts: int = 1
+    error: str | None = None  # what went wrong upstream (logged)
+
+
+class _Held:
+    """A request held for lack of a routable pod; `go` resolves when it may be routed, `sent` is
+    set once it has been sent (or has given up), so the next one is released in arrival order."""
+
+    __slots__ = ("go", "sent")
+
+    def __init__(self):
+        self.go: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.sent = asyncio.Event()
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, encoder=None):
+        self.cfg = cfg
+        if cfg.policy not in POLICIES:
+            raise ValueError(f"unknown policy {cfg.policy!r} (expected one of {', '.join(POLICIES)})")
+        self.metrics = RouterMetrics()
+        vocab = cfg.vocab_size
+        if encoder is None:
+            from kvmesh.common.models import resolve_model_dir
+            from kvmesh.common.tokenizer import KVMeshTokenizer
+            from kvmesh.router.fast_tokenize import FastEncoder
+
+            model_dir = resolve_model_dir(cfg.tokenizer or cfg.model, convert=False)
+            encoder = FastEncoder(KVMeshTokenizer(model_dir))
+            vocab = vocab or _config_vocab(model_dir)
+        self.encoder = encoder
+        # The engine refuses token ids outside its model's vocabulary; so does the router.
+        self.vocab_size = vocab or getattr(getattr(encoder, "tok", None), "vocab_size", None) or (1 << 32)
+        self.keys = ApiKeys(cfg.api_keys)
+        self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm)
+        self.breaker = Breaker(cfg.eject_after, cfg.eject_seconds, self.metrics)
+        self.inflight: dict[str, int] = {}
+        self.full_until: dict[str, float] = {}  # pods that answered 429, until when
+        self._rr = count()
+        self.redis = None
+        self.discovery: Discovery | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self._redis_down_until = 0.0
+        self._use_lua = True
+        self._match = None
+        self._started = False
+        self._held: deque[_Held] = deque()
+        self._hold_task: asyncio.Task | None = None
+        self._demand_at = -1e9
+        self._demand_warned = -1e9
+        self._openapi: bytes | None = None
+
+    def openapi(self) -> bytes:
+        """The OpenAPI document of the router's surface (kvmesh.common.openapi): the engines'
+        request and response schemas, the router's own statuses, its probes."""
+        if self._openapi is None:
+            vocab = self.vocab_size if self.vocab_size < (1 << 32) else None
+            self._openapi = json.dumps(oa.router_document(self.cfg.model, vocab, auth=self.keys.enabled)).encode()
+        return self._openapi
+
+    @property
+    def holds(self) -> bool:
+        """Whether requests are held while no pod is routable (scale from zero)."""
+        return self.cfg.max_pending_requests > 0 and self.cfg.scale_from_zero_timeout > 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def startup(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self.cfg.redis_url:
+            import redis.asyncio as aioredis
+
+            self.redis = aioredis.Redis.from_url(self.cfg.redis_url, socket_timeout=self.cfg.redis_timeout,
+                                                 socket_connect_timeout=self.cfg.redis_timeout)
+            self._match = self.redis.register_script(rl.PREFIX_MATCH_LUA)
+        slices = (EndpointSlices(self.cfg.k8s_service, self.cfg.k8s_namespace, self.cfg.k8s_api_url)
+                  if self.cfg.k8s_service else None)
+        self.discovery = Discovery(self.cfg.model, self.redis, self.metrics, self.cfg.static_backends,
+                                   self.cfg.refresh_interval, slices, backends_file=self.cfg.backends_file,
+                                   redis_stale_after=self.cfg.redis_stale_after)
+        await self.discovery.refresh()
+        self.discovery.start()
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                             skip_auto_headers=("User-Agent",))
+
+    async def shutdown(self) -> None:
+        if self._hold_task is not None:
+            self._hold_task.cancel()
+        if self.discovery is not None:
+            await self.discovery.stop()
+        if self.session is not None:
+            await self.session.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    # -- ASGI ---------------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send):
+        kind = scope["type"]
+        if kind == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    try:
+                        await self.startup()
+                    except Exception as exc:  # noqa: BLE001
+                        await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                        return
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await self.shutdown()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if kind != "http":
+            return
+        started = False
+
+        async def tracked(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        # Nothing raises out of the app: an unexpected error is logged, counted, and answered
+        # with a 500 if the status line is not out yet.
+        try:
+            await self._http(scope, receive, tracked)
+        except asyncio.CancelledError:
+            raise
+        except OSError as exc:  # the client's connection is gone: nothing to answer
+            log.debug("client connection error on %s: %s", scope.get("path"), exc)
+        except Exception:  # noqa: BLE001
+            self.metrics.internal_errors.inc()
+            log.exception("unexpected error on %s %s", scope.get("method"), route_label(scope.get("path", "")))
+            if not started:
+                try:
+                    await _error(send, 500, "internal router error", "server_error")
+                except Exception:  # noqa: BLE001
+                    pass
+
+    async def _http(self, scope, receive, send):
+        path, method = scope["path"], scope["method"]
+        allowed = _METHODS.get(path)
+        if allowed is not None and method not in allowed:  # a route of ours, another method: 405 + Allow
+            self.metrics.requests.labels(route_label(path), "405").inc()
+            return await _error(send, 405, f"{method} is not allowed on {path}; use {' or '.join(allowed)}",
+                                "invalid_request_error", [(b"allow", ", ".join(allowed).encode())],
+                                code="method_not_allowed")
+        if method == "POST" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+            return await self.handle(scope, receive, send)
+        if path == "/health":
+            return await _json(send, 200, {"status": "ok"})
+        if path == "/ready":
+            return await self.ready(send)
+        if path == "/metrics":
+            return await _send(send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
+        if path == "/openapi.json":
+            return await _send(send, 200, self.openapi())
+        if path == "/v1/models":
+            if self.keys.enabled and self.keys.check(_header(scope, b"authorization")) is None:
+                self.metrics.auth_failures.inc()
+                self.metrics.requests.labels("/v1/models", "401").inc()
+                return await _error(send, 401, "invalid or missing API key", "authentication_error",
+                                    code="invalid_api_key")
+            return await _json(send, 200, {"object": "list", "data": [
+                {"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "kvmesh"}]})
+        self.metrics.requests.labels(route_label(path), "404").inc()
+        return await _error(send, 404, f"no route for {method} {path[:200]}", "not_found_error")
+
+    async def ready(self, send):
+        """200 while the router can accept requests: a routable pod, or none but requests are held
+        until one is (scale from zero); the detail says how many are held."""
+        n = len(self.discovery.routable()) if self.discovery else 0
+        ok = bool(n) or self.holds
+        if n:
+            status = "ready"
+        elif self.holds:
+            status = "ready: no routable engine, requests are held until one is (scale from zero)"
+        else:
+            status = "no ready engines"
+        return await _json(send, 200 if ok else 503, {
+            "status": status, "pods": n, "redis": bool(self.discovery and self.discovery.redis_ok),
+            "discovery": self.discovery.detail() if self.discovery else None,
+            "held_requests": len(self._held), "max_pending_requests": self.cfg.max_pending_requests if self.holds else 0})
+
+    # -- the request path -----------------------------------------------------------------------
+    async def handle(self, scope, receive, send):
+        t0 = time.perf_counter()
+        m = self.metrics
+        path = scope["path"]
+        route = route_label(path)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rid = headers.get("x-request-id")
+        if not rid or not _RID_OK.match(rid):
+            rid = uuid.uuid4().hex
+        extra = [(b"x-request-id", rid.encode())]
+
+        async def refuse(status: int, message: str, etype: str, param: str | None = None, code: str | None = None,
+                         more=()) -> None:
+            m.requests.labels(route, status_label(status)).inc()
+            await _error(send, status, message, etype, extra + list(more), param=param, code=code)
+
+        # 1. cheap checks first: key, body size, JSON, the fields the router reads, rate limit
+        key_info = None
+        if self.keys.enabled:
+            key_info = self.keys.check(headers.get("authorization"))
+            if key_info is None:
+                m.auth_failures.inc()
+                return await refuse(401, "invalid or missing API key", "authentication_error",
+                                    code="invalid_api_key")
+        client_id = key_info.key_id if key_info else "ip:" + ((scope.get("client") or ("?",))[0])
+
+        limit = self.cfg.max_body_bytes
+        try:
+            declared = int(headers.get("content-length") or 0)
+        except ValueError:
+            declared = 0
+        if declared > limit:
+            return await refuse(413, f"request body is {declared} bytes; the limit is {limit}",
+                                "invalid_request_error", code="body_too_large")
+        chunks = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            part = msg.get("body", b"")
+            size += len(part)
+            if size > limit:
+                return await refuse(413, f"request body exceeds the limit of {limit} bytes",
+                                    "invalid_request_error", code="body_too_large")
+            chunks.append(part)
+            if not msg.get("more_body"):
+                break
+        body = b"".join(chunks)
+        try:
+            req = json.loads(body)
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly nested JSON
+            return await refuse(400, f"request body is not valid JSON: {str(exc)[:200]}", "invalid_request_error",
+                                code="invalid_json")
+        if not isinstance(req, dict):
+            return await refuse(400, "request body must be a JSON object", "invalid_request_error")
+        generate = path in _GENERATE
+        if generate:
+            try:
+                check_request(path, req, self.vocab_size)
+            except BadRequest as exc:
+                return await refuse(exc.status, exc.message, "invalid_request_error", exc.param, exc.code)
+
+        # The rate limit is charged a bounded estimate before the tokenizer runs (a client over
+        # its limit costs no tokenization); it is corrected with the real prompt length, and
+        # settled with the engine's usage (or refunded if the request is refused).
+        chars = prompt_chars(path, req) if generate else 0
+        tpm = key_info.tpm if key_info else None
+        ok, retry_after, which, charged = self.limiter.admit_charge(
+            client_id, estimate_tokens(req, chars // 4 + 1) if generate else 0,
+            key_info.rpm if key_info else None, tpm)
+        if not ok:
+            m.rate_limited.labels(which).inc()
+            return await refuse(429, f"rate limit exceeded ({which} per minute)", "rate_limit_error",
+                                code="rate_limit_exceeded", more=[(b"retry-after", str(retry_after).encode())])
+
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        held: _Held | None = None
+        try:
+            # 2. tokenize (long prompts off the event loop) and block keys
+            scores_prompt = req.get("prompt_logprobs") is not None or (bool(req.get("echo"))
+                                                                        and req.get("logprobs") is not None)
+            tokens: list[int] = []
+            keys: list[int] = []
+            if generate:
+                t_tok = time.perf_counter()
+                if chars >= OFF_LOOP_CHARS:
+                    tokens, keys = await asyncio.to_thread(self._tokens_and_keys, path, req, scores_prompt, True)
+                else:
+                    tokens, keys = self._tokens_and_keys(path, req, scores_prompt, False)
+                m.tokenize.observe(time.perf_counter() - t_tok)
+                if tokens and charged:
+                    charged += self.limiter.adjust(client_id, estimate_tokens(req, len(tokens)) - charged, tpm)
+            if watcher.done():  # gone while we tokenised
+                m.client_disconnects.inc()
+                m.requests.labels(route, "499").inc()
+                return
+
+            # 3. a pod to send it to; none routable: hold it until one is (scale from zero)
+            pods = self.discovery.routable()
+            held_s = None
+            if self.holds and (not pods or self._held):
+                outcome, held_s, held = await self._hold(watcher)
+                if outcome == "disconnect":
+                    m.client_disconnects.inc()
+                    m.requests.labels(route, "499").inc()
+                    self.limiter.adjust(client_id, -charged, tpm)
+                    return
+                if outcome != "dispatched":
+                    self.limiter.adjust(client_id, -charged, tpm)
+                    if outcome == "queue_full":
+                        msg = (f"no engine is ready and {self.cfg.max_pending_requests} requests already wait for "
+                               "one (scale from zero); retry later")
+                    else:
+                        msg = (f"no engine became ready within {self.cfg.scale_from_zero_timeout:g} s "
+                               "(scale from zero); retry later")
+                    return await refuse(503, msg, "service_unavailable", code="no_ready_engine",
+                                        more=[(b"retry-after", b"5" if outcome == "queue_full" else b"10")])
+                pods = self.discovery.routable()
+            now = time.monotonic()
+            usable = [p for p in pods if not self.breaker.ejected(p.name, now)] or pods
+            if not usable:
+                self.limiter.adjust(client_id, -charged, tpm)
+                return await refuse(503, "no ready engine for this model", "service_unavailable",
+                                    code="no_ready_engine", more=[(b"retry-after", b"1")])
+            ordered, reason = await self.decide(usable, keys, headers, body)
+            if scores_prompt and reason == "short_prompt":
+                reason = "scores_prompt"
+            if self.full_until:  # pods that just answered 429 go last
+                ordered.sort(key=lambda c: self.full_until.get(c.name, 0.0) > now)
+            m.decisions.labels(self.cfg.policy, reason).inc()
+            # The engine serves at most len - 1 prompt tokens from its cache (the last one is always
+            # computed, for logits): a prompt of whole blocks, all matched, has its last block recomputed.
+            bs = self.cfg.block_size
+            predicted = min(ordered[0].matched_blocks, max(len(tokens) - 1, 0) // bs) * bs
+
+            # 4. proxy; a client that goes away cancels the upstream request
+            on_sent = held.sent.set if held is not None else None
+            task = asyncio.ensure_future(self.proxy(scope, send, path, body, headers, rid, ordered, t0, extra,
+                                                    on_sent))
+            try:
+                await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            if not task.done():
+                task.cancel()  # the client went away: cancel the upstream request (closes its connection)
+                m.client_disconnects.inc()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                    pass
+                out = Outcome(499, ordered[0].name)
+            else:
+                out = task.result()
+        finally:
+            watcher.cancel()
+            if held is not None:
+                held.sent.set()
+
+        # 5. settle: metrics, the rate limit, the access log
+        status = out.status
+        dur = time.perf_counter() - t0
+        m.requests.labels(route, status_label(status)).inc()
+        m.duration.observe(dur)
+        m.prompt_tokens.inc(len(tokens))
+        cached = None
+        if status == 200:
+            m.predicted_cached.inc(predicted)
+            usage = out.usage
+            if usage:
+                cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+                if isinstance(cached, int):
+                    m.engine_cached.inc(cached)
+                    m.prediction_error.observe(predicted - cached)
+                real = usage.get("total_tokens")
+                if isinstance(real, int) and real >= 0 and charged:
+                    self.limiter.adjust(client_id, real - charged, tpm)
+        elif status >= 400 and status not in (499, 504) and charged:
+            self.limiter.adjust(client_id, -charged, tpm)  # refused, or never reached an engine: refund
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info("request", extra={"fields": {
+                "request_id": rid, "route": route, "status": status, "pod": redact_url(out.pod),
+                "policy": self.cfg.policy, "reason": reason, "attempts": out.attempts, "prompt_tokens": len(tokens),
+                "predicted_cached_tokens": predicted, "cached_tokens": cached, "stream": bool(req.get("stream")),
+                "held_s": round(held_s, 3) if held_s is not None else None, "error": out.error,
+                "duration_ms": round(dur * 1000, 2), "client": client_id}})
+
+    def _tokens_and_keys(self, path: str, req: dict[str, Any], scores_prompt: bool,
+                         large: bool) -> tuple[list[int], list[int]]:
+        tokens = self._tokens(path, req, large)
+        # A request scoring its prompt (prompt logprobs, or echo with logprobs) computes every
+        # position and reads nothing from the cache: no prefix to match, it goes by load.
+        keys = (block_keys(tokens, self.cfg.model, self.cfg.block_size, cache_salt=req.get("cache_salt"))
+                if tokens and not scores_prompt else [])
+        return tokens, keys
+
+    def _tokens(self, path: str, req: dict[str, Any], large: bool = False) -> list[int]:
+        try:
+            if path == "/v1/chat/completions":
+                msgs = req.get("messages")
+                if not isinstance(msgs, list):
+                    return []
+                kw = {"large": True} if large else {}
+                # as the engine renders them: text parts joined, a null content as ""
+                return self.encoder.encode_chat(chat_template_messages(msgs),
+                                                add_generation_prompt=req.get("add_generation_prompt", True),
+                                                continue_final_message=bool(req.get("continue_final_message")),
+                                                template_kwargs=req.get("chat_template_kwargs"), **kw)
+            if path == "/v1/completions":
+                prompt = prompt_batch(req.get("prompt"))[0]  # a batch routes on its first prompt
+                if isinstance(prompt, str):
+                    if large and hasattr(self.encoder, "encode_large"):
+                        return self.encoder.encode_large(prompt)
+                    return self.encoder.encode(prompt)
+                if isinstance(prompt, list) and prompt:
+                    if all(type(t) is int for t in prompt):
+                        return prompt
+                    if all(isinstance(t, (int, float)) and float(t).is_integer() for t in prompt):
+                        return [int(t) for t in prompt]
+        except Exception as exc:  # noqa: BLE001 - the engine will answer the malformed request
+            log.debug("could not tokenize: %s", exc)
+        return []
+
+    # -- scale from zero ---------------------------------------------------------------------------
+    async def _hold(self, watcher: asyncio.Future) -> tuple[str, float, _Held | None]:
+        """Wait, in arrival order, for a routable pod. Returns (outcome, seconds held, the hold):
+        outcome is dispatched, timeout, queue_full or disconnect."""
+        m = self.metrics
+        if len(self._held) >= self.cfg.max_pending_requests:
+            m.held_outcomes.labels("queue_full").inc()
+            return "queue_full", 0.0, None
+        h = _Held()
+        self._held.append(h)
+        m.held.set(len(self._held))
+        if self._hold_task is None or self._hold_task.done():
+            self._hold_task = asyncio.ensure_future(self._hold_loop())
+        t = time.monotonic()
+        try:
+            await asyncio.wait({h.go, watcher}, timeout=self.cfg.scale_from_zero_timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not h.go.done():  # timed out, client gone, or cancelled: leave the queue
+                h.go.cancel()
+                try:
+                    self._held.remove(h)
+                except ValueError:
+                    pass
+                m.held.set(len(self._held))
+        waited = time.monotonic() - t
+        if not h.go.cancelled():
+            outcome = "dispatched"
+        elif watcher.done():
+            outcome = "disconnect"
+        else:
+            outcome = "timeout"
+        m.held_outcomes.labels(outcome).inc()
+        m.held_wait.labels(outcome).observe(waited)
+        if outcome == "timeout":
+            log.warning("held request gave up: no engine ready within %.0f s", self.cfg.scale_from_zero_timeout)
+        return outcome, waited, h
+
+    async def _hold_loop(self) -> None:
+        """While requests are held: signal demand (at most once a second) and release them, oldest
+        first, one at a time, as soon as a pod is routable."""
+        try:
+            while self._held:
+                now = time.monotonic()
+                if now - self._demand_at >= 1.0:
+                    self._demand_at = now
+                    await self.signal_demand()
+                if self.discovery.routable():
+                    while self._held and self.discovery.routable():
+                        h = self._held.popleft()
+                        self.metrics.held.set(len(self._held))
+                        if h.go.done():
+                            continue
+                        h.go.set_result(True)
+                        try:  # the next one goes once this one is on its way
+                            await asyncio.wait_for(h.sent.wait(), 2.0)
+                        except asyncio.TimeoutError:
+                            pass
+                    continue
+                await asyncio.sleep(0.05)
+        finally:
+            self.metrics.held.set(len(self._held))
+
+    async def signal_demand(self) -> None:
+        """Set the model's demand key (the current unix time, TTL DEMAND_TTL_S): the autoscalers
+        (operator, `kvmesh up --autoscale`) scale a model at zero replicas back up when they see it."""
+        if self.redis is None:
+            return
+        try:
+            await self.redis.set(rl.demand_key(self.cfg.model), f"{time.time():.3f}", ex=rl.DEMAND_TTL_S)
+            self.metrics.demand_signals.inc()
+        except Exception as exc:  # noqa: BLE001 - the request still waits; the next second tries again
+            self.metrics.redis_errors.labels("demand").inc()
+            now = time.monotonic()
+            if now - self._demand_warned > 30:  # once per 30 s, not every second
+                self._demand_warned = now
+                log.warning("could not signal demand in Redis (requests are held for lack of an engine): %s", exc)
+
+    async def match(self, pods: list[Pod], keys: list[int]) -> dict[str, int] | None:
+        """Matched leading blocks per pod, in one Redis round trip; None if Redis is unavailable."""
+        if self.redis is None or time.monotonic() < self._redis_down_until or not self.discovery.redis_fresh:
+            return None
+        named = [p.name for p in pods if p.has_blocks]
+        if not named:
+            return {}
+        bkeys = [rl.blocks_key(self.cfg.model, n) for n in named]
+        hexes = [key_hex(k) for k in keys]
+        try:
+            if self._use_lua:
+                try:
+                    counts = await self._match(keys=bkeys, args=["".join(hexes)])
+                except Exception as exc:  # noqa: BLE001
+                    if "unknown command" in str(exc).lower() or "noscript" in str(exc).lower():
+                        self._use_lua = False  # EVAL disabled on this Redis: use SMISMEMBER
+                    raise
+            else:
+                pipe = self.redis.pipeline(transaction=False)
+                for b in bkeys:
+                    pipe.smismember(b, hexes)
+                counts = [rl.leading_run(flags) for flags in await pipe.execute()]
+        except Exception as exc:  # noqa: BLE001 - never fail a request because of Redis
+            self.metrics.redis_errors.labels("match").inc()
+            self.metrics.redis_up.set(0)
+            self._redis_down_until = time.monotonic() + self.cfg.redis_retry_after
+            log.debug("prefix match failed: %s", exc)
+            return None
+        return dict(zip(named, (int(c) for c in counts)))
+
+    async def decide(self, pods: list[Pod], keys: list[int], headers: dict[str, str],
+                     body: bytes) -> tuple[list[Candidate], str]:
+        policy = self.cfg.policy
+        cands = [Candidate(p.name, p.url, p.kv_usage, max(p.load, self.inflight.get(p.name, 0))) for p in pods]
+        # Ties break on the prompt's last full block: prompts that share only a system prompt
+        # spread over the pods, and every router still picks the same pod for the same prompt.
+        tie = keys[-1].to_bytes(8, "little") if keys else body[:512]
+        if policy == "round-robin":
+            cands.sort(key=lambda c: c.name)
+            i = next(self._rr) % len(cands)
+            return cands[i:] + cands[:i], "round_robin"
+        if policy == "session":
+            sid = headers.get(self.cfg.session_header.lower())
+            if sid:
+                rank(cands, 0, Weights(0, 0, 0), tie, self.cfg.hot_ratio, self.cfg.hot_min)  # marks hot pods
+                sid_b = sid.encode()
+                cands.sort(key=lambda c: (c.hot, -rendezvous(sid_b, c.name)))
+                return cands, "session"
+        if policy == "least-load":
+            return rank(cands, 0, Weights(0, self.cfg.weights.kv, self.cfg.weights.queue), tie,
+                        self.cfg.hot_ratio, self.cfg.hot_min), "least_load"
+        # prefix (and session without a session id)
+        reason = None
+        if keys:
+            matched = await self.match(pods, keys)
+            if matched is None:
+                reason = "redis_unavailable"
+            else:
+                for c in cands:
+                    c.matched_blocks = matched.get(c.name, 0)
+        ordered = rank(cands, len(keys), self.cfg.weights, tie, self.cfg.hot_ratio, self.cfg.hot_min)
+        if reason is None:
+            best = max(ordered, key=lambda c: c.score)
+            if best.hot and best is not ordered[0]:
+                reason = "hotspot_guard"
+            elif not keys:
+                reason = "short_prompt"
+            elif ordered[0].matched_blocks:
+                reason = "prefix_match"
+            else:
+                reason = "no_match"
+        return ordered, reason
+
+    async def proxy(self, scope, send, path, body, headers, rid, ordered, t0, extra, on_sent=None) -> Outcome:
+        """Send to the candidates in order. Retried on the next pod: a connect error (the request
+        never left), a 502/503 (the engine says "not me"), a 429 while another pod has room. Not
+        retried, and not counted against the pod's breaker: a disconnect after the request was
+        sent, a timeout, any other 5xx (caused by the request), a failure mid-stream."""
+        m = self.metrics
+        cfg = self.cfg
+        fwd = {"Content-Type": headers.get("content-type", "application/json"), "X-Request-Id": rid,
+               "Accept-Encoding": "identity"}
+        if "accept" in headers:
+            fwd["Accept"] = headers["accept"]
+        if cfg.upstream_api_key:
+            fwd["Authorization"] = f"Bearer {cfg.upstream_api_key}"
+        elif not self.keys.enabled and "authorization" in headers:
+            fwd["Authorization"] = headers["authorization"]
+        qs = scope.get("query_string") or b""
+        target = path + ("?" + qs.decode("latin-1") if qs else "")
+        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout, sock_connect=cfg.connect_timeout,
+                                        sock_read=cfg.read_timeout)
+        budget = cfg.max_retries + 1
+        queue = list(ordered)
+        tried = 0
+        last_err = "no attempt"
+        while queue and tried < budget:
+            cand = queue.pop(0)
+            tried += 1
+            if tried > 1:
+                m.retries.labels(last_err).inc()
+            pod_hdr = [(b"x-kvmesh-pod", cand.name.encode())]
+            self.inflight[cand.name] = self.inflight.get(cand.name, 0) + 1
+            resp = None
+            try:
+                if tried == 1:
+                    m.overhead.observe(time.perf_counter() - t0)
+                    if on_sent is not None:
+                        on_sent()
+                t_send = time.perf_counter()
+                try:
+                    resp = await self.session.post(cand.url + target, data=body, headers=fwd, timeout=timeout)
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                    # The connection was never made: the engine never saw the request.
+                    self.breaker.failure(cand.name)
+                    m.upstream_failures.labels("connect").inc()
+                    last_err = "connect"
+                    log.info("could not connect to %s: %s", redact_url(cand.name), exc,
+                             extra={"fields": {"request_id": rid}})
+                    continue
+                except asyncio.TimeoutError:  # sent, no answer in time: the engine may still run it
+                    m.upstream_failures.labels("before_response").inc()
+                    log.warning("%s did not answer in time", redact_url(cand.name),
+                                extra={"fields": {"request_id": rid}})
+                    await _error(send, 504, "upstream engine timed out", "timeout_error", extra + pod_hdr)
+                    return Outcome(504, cand.name, None, tried, "timeout")
+                except (aiohttp.ClientError, OSError) as exc:
+                    # Sent, then the connection failed: the engine may be running it. Never twice.
+                    m.upstream_failures.labels("before_response").inc()
+                    log.warning("%s closed the connection before answering: %s", redact_url(cand.name), exc,
+                                extra={"fields": {"request_id": rid}})
+                    await _error(send, 502, "the engine closed the connection before answering", "upstream_error",
+                                 extra + pod_hdr, code="upstream_disconnected")
+                    return Outcome(502, cand.name, None, tried, "disconnected")
+                m.ttfb.observe(time.perf_counter() - t_send)
+                st = resp.status
+                if st == 429:  # the engine's queue is full: another pod with room may take it
+                    self.full_until[cand.name] = time.monotonic() + _retry_after(resp, 1.0, 10.0)
+                    now = time.monotonic()
+                    queue = [c for c in queue if self.full_until.get(c.name, 0.0) <= now]
+                    if queue and tried < budget:
+                        last_err = "status_429"
+                        await resp.read()
+                        continue
+                elif st in (502, 503):  # "not me": draining, loading, or a proxy in front of a dead engine
+                    self.breaker.failure(cand.name)
+                    if queue and tried < budget:
+                        last_err = f"status_{st}"
+                        await resp.read()
+                        continue
+                elif st < 500:
+                    self.breaker.success(cand.name)
+                    self.full_until.pop(cand.name, None)
+                m.routed.labels(cand.name).inc()
+                out_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()
+                               if k.lower() in _PASS_HEADERS]
+                start = {"type": "http.response.start", "status": st, "headers": out_headers + extra + pod_hdr}
+                if "event-stream" not in resp.headers.get("content-type", ""):
+                    try:
+                        data = await resp.read()
+                    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                        m.upstream_failures.labels("body").inc()
+                        log.warning("%s failed while sending its answer: %s", redact_url(cand.name), exc,
+                                    extra={"fields": {"request_id": rid}})
+                        await _error(send, 502, "the engine failed while sending its answer", "upstream_error",
+                                     extra + pod_hdr, code="upstream_failed")
+                        return Outcome(502, cand.name, None, tried, "body")
+                    await send(start)
+                    await send({"type": "http.response.body", "body": data})
+                    return Outcome(st, cand.name, _usage(data, False) if st == 200 else None, tried)
+                return await self._stream(send, resp, start, cand.name, rid, tried, extra + pod_hdr)
+            finally:
+                self.inflight[cand.name] -= 1
+                if resp is not None:
+                    resp.close()  # a half-read response closes its connection (cancels the engine's work)
+        await _error(send, 502, f"no engine could take the request ({last_err})", "upstream_error", extra,
+                     code="no_engine_reachable")
+        return Outcome(502, ordered[-1].name if ordered else "", None, tried, last_err)
+
+    async def _stream(self, send, resp, start, pod, rid, tried, err_headers) -> Outcome:
+        """Pass an SSE stream through. The status line waits for the first event, so an engine
+        that dies before it gives a clean 502; one that dies later ends the stream with an error
+        event and [DONE] (the client never sees a silently truncated stream)."""
+        m = self.metrics
+        it = resp.content.iter_any()
+        keep = b""
+        error = None
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            m.upstream_failures.labels("before_response").inc()
+            log.warning("%s failed before its first event: %s", redact_url(pod), exc,
+                        extra={"fields": {"request_id": rid}})
+            await _error(send, 502, "the engine failed before its first event", "upstream_error", err_headers,
+                         code="upstream_failed")
+            return Outcome(502, pod, None, tried, "before_first_event")
+        await send(start)
+        chunk = first
+        while chunk:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            keep = (keep + chunk)[-8192:]
+            try:
+                chunk = await it.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                error = "mid_stream"
+                m.upstream_failures.labels("mid_stream").inc()
+                log.warning("%s failed mid-stream: %s", redact_url(pod), exc or type(exc).__name__,
+                            extra={"fields": {"request_id": rid}})
+                lead = b"" if not keep or keep.endswith(b"\n\n") else b"\n\n"
+                event = {"error": {"message": "the engine failed mid-stream; the response is incomplete",
+                                   "type": "upstream_error", "param": None, "code": "upstream_failed"}}
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": lead + b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"})
+                break
+        await send({"type": "http.response.body", "body": b""})
+        usage = _usage(keep, True) if start["status"] == 200 and error is None else None
+        return Outcome(start["status"], pod, usage, tried, error)
+
+
+def estimate_tokens(req: dict[str, Any], prompt_tokens: int) -> int:
+    """Tokens a request will use, charged to the rate limit up front (settled with its usage):
+    every prompt of a batch (sized like the first) and n completions of each. Malformed or
+    absurd values are bounded (the limiter charges at most a minute's budget anyway)."""
+    n = min(max(1, _lax_int(req.get("n"), 1)), MAX_N)
+    mt = req.get("max_completion_tokens")
+    if mt is None:
+        mt = req.get("max_tokens")
+    max_tokens = min(max(0, _lax_int(mt, 0)), MAX_TOKENS_ESTIMATE)
+    prompts = min(len(prompt_batch(req.get("prompt"))), MAX_PROMPTS)
+    return prompts * (max(0, prompt_tokens) + n * max_tokens)
+
+
+def prompt_chars(path: str, req: dict[str, Any]) -> int:
+    """The size of the prompt the router tokenises (characters, or token ids), read cheaply:
+    1/4 of it estimates its tokens before tokenising, and a long one is tokenised off the loop."""
+    if path == "/v1/chat/completions":
+        total = 0
+        for msg in req.get("messages") or ():
+            content = msg.get("content") if isinstance(msg, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict)
+                             and isinstance(p.get("text"), str))
+            total += 16  # role and template markup
+        return total
+    first = prompt_batch(req.get("prompt"))[0]
+    if isinstance(first, list):
+        return 4 * len(first)  # token ids: exact after the division by 4
+    return len(first) if isinstance(first, str) else 0
+
+
+def _lax_int(value: Any, default: int) -> int:
+    try:
+        return int(value) if value is not None else default
+    except (TypeError, ValueError, OverflowError):
+        return default
+
+
+def _int_param(req: dict[str, Any], name: str, lo: int, hi: int | None = None) -> None:
+    """An integer field as the engine's request model accepts it (an int, an integral float, a
+    numeric string), within [lo, hi]; anything else is a 400 naming the field."""
+    v = req.get(name)
+    if v is None:
+        return
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise BadRequest(f"{name} must be a finite integer, got {v}", name)
+        if not v.is_integer():
+            raise BadRequest(f"{name} must be an integer, got {v}", name)
+        v = int(v)
+    elif isinstance(v, str):
+        try:
+            v = int(v.strip())
+        except ValueError:
+            raise BadRequest(f"{name} must be an integer, got {v[:50]!r}", name) from None
+    elif not isinstance(v, int):
+        raise BadRequest(f"{name} must be an integer, got {type(v).__name__}", name)
+    if v < lo or (hi is not None and v > hi):
+        raise BadRequest(f"{name} must be between {lo} and {hi}, got {v}" if hi is not None
+                         else f"{name} must be at least {lo}, got {v}", name)
+
+
+def _token_ids(ids: list, vocab: int) -> None:
+    for t in ids:
+        if type(t) is not int:
+            if isinstance(t, bool) or not (isinstance(t, (int, float)) and math.isfinite(t) and float(t).is_integer()):
+                raise BadRequest(f"prompt: token ids must be integers, got {str(t)[:50]!r}", "prompt")
+            t = int(t)
+        if not 0 <= t < vocab:
+            raise BadRequest(f"token id {t} is outside the vocabulary [0, {vocab})", "prompt")  # as the engine
+
+
+def check_request(path: str, req: dict[str, Any], vocab: int) -> None:
+    """The fields the router itself reads, checked as the engine checks them (so the router never
+    fails on them and refuses exactly what an engine would): a 400 naming the field. The rest of
+    the request is the engine's to validate."""
+    _int_param(req, "n", 1, MAX_N)
+    _int_param(req, "max_tokens", 0)
+    if path == "/v1/chat/completions":
+        _int_param(req, "max_completion_tokens", 0)
+    salt = req.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise BadRequest("cache_salt must be a non-empty string", "cache_salt")
+    if path == "/v1/chat/completions":
+        msgs = req.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("messages must be a non-empty list of messages", "messages")
+        for i, msg in enumerate(msgs):
+            if not isinstance(msg, dict):
+                raise BadRequest(f"messages.{i} must be an object with a role and a content", f"messages.{i}")
+        return
+    prompt = req.get("prompt")
+    if prompt is None:
+        raise BadRequest("prompt is required", "prompt")
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, list):
+        raise BadRequest("prompt must be a string, a list of token ids, or a list of either", "prompt")
+    if not prompt:
+        raise BadRequest("prompt is empty: it must contain at least one token", "prompt")
+    batch = prompt_batch(prompt)
+    if len(batch) > MAX_PROMPTS:
+        raise BadRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}", "prompt")
+    if batch is not prompt:  # one list of token ids
+        _token_ids(prompt, vocab)
+        return
+    for one in batch:
+        if isinstance(one, str):
+            continue
+        if not isinstance(one, list) or not one:
+            raise BadRequest("each prompt of a batch must be a string or a non-empty list of token ids", "prompt")
+        _token_ids(one, vocab)
+
+
+def _config_vocab(model_dir: Path) -> int | None:
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return v if isinstance(v, int) and v > 0 else None
+
+
+def _retry_after(resp, lo: float, hi: float) -> float:
+    try:
+        v = float(resp.headers.get("Retry-After", lo))
+    except ValueError:
+        v = lo
+    return min(max(v, lo), hi) if math.isfinite(v) else lo
+
+
+def _usage(data: bytes, stream: bool) -> dict | None:
+    try:
+        if not stream:
+            return json.loads(data).get("usage")
+        at = data.rfind(b'"usage"')
+        if at < 0:
+            return None
+        start = data.rfind(b"data: ", 0, at)
+        end = data.find(b"\n", at)
+        return json.loads(data[start + 6: end if end >= 0 else None]).get("usage")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _header(scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return None
+
+
+async def _wait_disconnect(receive):
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _send(send, status: int, body: bytes, ctype: bytes = b"application/json", extra=()):
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", ctype), *extra]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _json(send, status: int, obj: Any, extra=()):
+    await _send(send, status, json.dumps(obj).encode(), extra=extra)
+
+
+async def _error(send, status: int, message: str, etype: str, extra=(), param: str | None = None,
+                 code: str | None = None):
+    """An OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
+    await _json(send, status, {"error": {"message": message, "type": etype, "param": param, "code": code}}, extra)

@@ -1,0 +1,57 @@
+"""The repository layout (design card): one folder per component at the root, imported
+under the kvmesh namespace through setuptools' package-dir mapping."""
+
+from __future__ import annotations
+
+import operator
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import kvmesh.engine
+import kvmesh.operator
+import kvmesh.router
+import kvmesh.sidecar
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_stdlib_operator_is_not_shadowed():
+    # The repository root is on sys.path under pytest; `operator/` must still not be `operator`.
+    assert Path(operator.__file__).name == "operator.py"
+    assert hasattr(operator, "itemgetter")
+
+
+def test_child_processes_see_the_stdlib_operator():
+    # A child started from the repository root (cwd on sys.path) imports the stdlib's module
+    # and the component under its kvmesh name.
+    out = subprocess.run(
+        [sys.executable, "-c", "import operator, kvmesh.operator as k; print(operator.__file__, k.__file__)"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    stdlib, component = out.stdout.split()
+    assert Path(stdlib).name == "operator.py"
+    assert Path(component) == ROOT / "operator" / "__init__.py"
+
+
+def test_components_live_at_the_repository_root():
+    for module, folder in ((kvmesh.engine, "engine"), (kvmesh.router, "router"),
+                           (kvmesh.sidecar, "sidecar"), (kvmesh.operator, "operator")):
+        assert Path(module.__file__).resolve().parent == ROOT / folder
+
+
+def test_pyproject_lists_every_package():
+    # setuptools installs only the listed packages: a new sub-package left out of the list
+    # would work in an editable install and be missing from the wheel (and the images).
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    mapping = {"kvmesh": "kvmesh", **tool["package-dir"]}
+    found = set()
+    for name, folder in mapping.items():
+        base = ROOT / folder
+        for init in base.rglob("__init__.py"):
+            rel = init.parent.relative_to(base).parts
+            found.add(".".join((name, *rel)))
+    # a mapped folder under kvmesh/ would be found twice; the mapped name wins
+    assert found == listed, (sorted(found - listed), sorted(listed - found))
