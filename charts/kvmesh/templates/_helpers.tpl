@@ -35,7 +35,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/*
 Which children a ServiceMonitor/PodMonitor selects: the engine and router objects the
-operator renders (kvmesh/operator/render.py labels()), nothing else with kvmesh's name.
+operator renders (operator/render.py labels()), nothing else with kvmesh's name.
 */}}
 {{- define "kvmesh.metricsSelector" -}}
 matchLabels:
