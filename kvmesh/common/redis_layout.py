@@ -42,6 +42,8 @@ F_NUM_KEYS = "num_keys"
 F_PREFIX_QUERIES = "prefix_cache_queries"
 F_PREFIX_HITS = "prefix_cache_hits"
 F_BLOCK_SIZE = "block_size"
+F_SPEC_DRAFT = "spec_draft_tokens"  # optional: an engine that speculates (absent: none)
+F_SPEC_ACCEPTED = "spec_accepted_tokens"
 
 
 def pods_key(model: str) -> str:
@@ -81,9 +83,13 @@ class Heartbeat:
     num_keys: int = 0
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
+    spec_draft_tokens: float = 0.0
+    spec_accepted_tokens: float = 0.0
 
     def to_mapping(self) -> dict[str, str]:
-        return {
+        extra = {F_SPEC_DRAFT: f"{self.spec_draft_tokens:g}", F_SPEC_ACCEPTED: f"{self.spec_accepted_tokens:g}"} \
+            if self.spec_draft_tokens else {}
+        return extra | {
             F_URL: self.url,
             F_MODEL: self.model,
             F_KV_USAGE: f"{self.kv_usage:.6f}",
@@ -126,6 +132,8 @@ class Heartbeat:
             num_keys=num(F_NUM_KEYS, int),
             prefix_cache_queries=num(F_PREFIX_QUERIES),
             prefix_cache_hits=num(F_PREFIX_HITS),
+            spec_draft_tokens=num(F_SPEC_DRAFT),
+            spec_accepted_tokens=num(F_SPEC_ACCEPTED),
         )
 
     @property
