@@ -104,14 +104,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens,
-                          budget, self.max_model_len - request.num_computed_tokens)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
                 i += 1
                 continue
-            if request.spec_token_ids:  # drafts ride along as far as the budget allows
-                request.spec_token_ids = request.spec_token_ids[:max(
-                    0, request.num_computed_tokens + num_new - request.num_tokens)]
+            if request.spec_token_ids:  # drafts ride along with a decode, as far as the budget allows
+                room = min(budget, self.max_model_len - request.num_computed_tokens) - num_new
+                request.spec_token_ids = request.spec_token_ids[:room] if num_new == 1 and room > 0 else []
+                num_new += len(request.spec_token_ids)
             scheduled = True
             while self.kv.allocate_slots(request, num_new) is None:
                 if request.spec_token_ids:  # drafts never cost a preemption: drop them first

@@ -128,7 +128,7 @@ class SpecDecoder:
             self._pause(st)
 
     def _pause(self, st: _Acceptance) -> None:
-        st.resume_step = self.step + self.config.reprobe_interval * st.backoff
+        st.resume_step = self.step + 1 + self.config.reprobe_interval * st.backoff  # steps with no drafts
         st.probing = True
 
     def stats(self) -> SpecDecodeStats:
