@@ -106,6 +106,7 @@ def main() -> int:
     ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
                                                     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
     ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--order", default="off,on", help="which engine runs each configuration first")
     ap.add_argument("--num-requests", type=int, default=None, help="per configuration (default: max(c, 2))")
     args = ap.parse_args()
 
@@ -131,7 +132,7 @@ def main() -> int:
             prompts = (copy_prompts(engines["off"], n, seed) if workload == "copy"
                        else random_prompts(n, seed, vocab))
             result = {}
-            for mode in ("off", "on"):
+            for mode in args.order.split(","):
                 before = spec_counts(engines[mode])
                 t0 = time.perf_counter()
                 wall_tpots, cpu_tpots = run_wave(engines[mode], prompts, c, args.max_tokens)
