@@ -72,11 +72,17 @@ class ModelRunner:
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
+    def _step_buffers(self, num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The per-step input buffers (token ids, positions, slots), reused from step to step."""
+        bufs = getattr(self, "_bufs", None)
+        if bufs is None or len(bufs[0]) < num_tokens:
+            size = max(num_tokens, 2048)
+            bufs = self._bufs = tuple(np.empty(size, dtype=np.int64) for _ in range(3))
+        return bufs
+
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager):
         bs = self.block_size
-        ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        ids_buf, pos_buf, slot_buf = self._step_buffers(out.total_tokens)
         logits_indices: list[int] = []
         sampling_requests = []
         decode_idx: list[int] = []
@@ -95,10 +101,15 @@ class ModelRunner:
             n = out.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
             table = kv.block_table(req.request_id)
-            ids.extend(req.all_token_ids[start:start + n])
-            pos = np.arange(start, start + n)
-            positions.append(pos)
-            slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            if n == 1:  # a decode row: scalars, no per-row numpy work
+                ids_buf[offset] = req.all_token_ids[start]
+                pos_buf[offset] = start
+                slot_buf[offset] = table[start // bs] * bs + start % bs
+            else:
+                ids_buf[offset:offset + n] = req.all_token_ids[start:start + n]
+                pos = np.arange(start, start + n)
+                pos_buf[offset:offset + n] = pos
+                slot_buf[offset:offset + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
             if start + n == req.num_tokens:
                 logits_indices.append(offset + n - 1)
                 sampling_requests.append(req)
@@ -120,9 +131,10 @@ class ModelRunner:
                 prefills.append(PrefillSeq(offset, n, start, self._tensor(table) if start else None))
             offset += n
 
-        pos_all = np.concatenate(positions)
+        # copies of the buffers' first `offset` entries: a step's tensors never alias the next step's
+        ids, pos_all = ids_buf[:offset].copy(), pos_buf[:offset].copy()
         meta = AttentionMetadata(
-            slots=self._tensor(np.concatenate(slots)),
+            slots=self._tensor(slot_buf[:offset].copy()),
             decode_indices=None, decode_block_tables=None, decode_mask=None,
             prefills=prefills,
         )
@@ -137,7 +149,13 @@ class ModelRunner:
             logits_indices += prompt_idx
             sample_tables += prompt_tables
             sample_ctx += [p + 1 for _, p in prompt_rows]
-        if sample_ctx:
+        if sample_ctx and len(decode_idx) == len(out.requests) == len(sample_ctx):
+            # Every row decodes and samples: the last layer's view is the decode rows' own.
+            meta.sample_meta = AttentionMetadata(
+                slots=None, decode_indices=meta.decode_indices, decode_block_tables=meta.decode_block_tables,
+                decode_mask=meta.decode_mask, prefills=[], decode_ctx_lens=meta.decode_ctx_lens,
+                cpu_ops=meta.cpu_ops)
+        elif sample_ctx:
             # The last layer only carries on for the rows that sample: to them it is a decode
             # step over their whole context (this step's K/V are stored by then).
             meta.sample_meta = AttentionMetadata(

@@ -40,8 +40,8 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     counts = counts[:, :vocab]
 
     sub = logits[rows].float()
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
-    if bool((rep != 1.0).any()):
+    if any(p.repetition_penalty != 1.0 for p in params):  # host-side: no device sync
+        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
         prompts = _padded([requests[i].prompt_token_ids for i in rows], vocab, dev).clamp(max=vocab)
         seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
         seen.scatter_(1, prompts, True)

@@ -93,10 +93,13 @@ class Sampler:
                         logits = logits.clone()  # only when something is banned: 12 MB at batch 64
                     logits[i, banned] = float("-inf")
 
-        greedy = torch.tensor([r.sampling_params.greedy for r in requests], device=logits.device)
+        # Decisions from the host-side params, never from device tensors: the only device-to-host
+        # copy of a step is the sampled ids' (tolist below).
+        greedy_rows = [r.sampling_params.greedy for r in requests]
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            tokens = torch.where(greedy, tokens, self._sample(logits, requests, greedy))
+        if not all(greedy_rows):
+            greedy = torch.tensor(greedy_rows, device=logits.device)
+            tokens = torch.where(greedy, tokens, self._sample(logits, requests, greedy_rows))
 
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
@@ -108,19 +111,19 @@ class Sampler:
                 logprobs[i] = lp
         return token_list, logprobs
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         dev = logits.device
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
         logits = logits / temps[:, None]
-        top_k = torch.tensor([p.top_k for p in params], device=dev)
-        if bool((top_k > 0).any()):
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k for p in params], device=dev)
             k = torch.where(top_k > 0, top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
             sorted_logits = logits.sort(dim=-1, descending=True).values
             kth = sorted_logits.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
-        if bool((top_p < 1.0).any()):
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=dev)
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             # Drop tokens once the mass before them already reaches top_p (keep at least one).
@@ -128,13 +131,13 @@ class Sampler:
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], device=dev)
-        if bool((min_p > 0).any()):
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=dev)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
         noise = torch.empty_like(probs)
         for i, req in enumerate(requests):
-            if not bool(greedy[i]):
+            if not greedy[i]:
                 noise[i].exponential_(generator=self._generator_for(req))
             else:
                 noise[i].fill_(1.0)

@@ -90,7 +90,9 @@ def events_from_wire(wire: list[list[Any]]) -> list:
 
 class CoreProcess:
     """The engine core's process: a fresh interpreter (not multiprocessing: nothing of this process's
-    ``__main__`` or ``sys.path`` is replayed in it), its config pickled on stdin. ``sentinel`` is the
+    ``__main__`` or ``sys.path`` is replayed in it; ``-P``: not even the working directory, which in
+    a checkout would shadow the stdlib's ``operator`` and kvmesh's installed copy), its config
+    pickled on stdin. ``sentinel`` is the
     read end of a pipe whose write end only the child holds: it turns readable (EOF) the moment the
     child exits, however it exits."""
 
@@ -98,7 +100,7 @@ class CoreProcess:
         read_fd, write_fd = os.pipe()
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, "-c", "from kvmesh.engine.core_proc import main; main()"],
+                [sys.executable, "-P", "-c", "from kvmesh.engine.core_proc import main; main()"],
                 stdin=subprocess.PIPE, pass_fds=(write_fd,), close_fds=True)
         except BaseException:
             os.close(read_fd)
@@ -338,6 +340,9 @@ class ProcAsyncEngine(AsyncEngine):
                         fut.set_exception(RuntimeError(res.error))
             else:
                 log.warning("unexpected message %r from the engine core", kind.bytes)
+            # A message already queued makes the await above return without yielding: let the HTTP
+            # side run between messages, or a core that runs ahead would starve it.
+            await asyncio.sleep(0)
 
     def _on_step(self, msg: StepOutputs) -> None:
         if msg.kv_events and self.kv_publisher is not None:
