@@ -226,10 +226,10 @@ def test_serve_exits_nonzero_when_its_core_dies(tiny_model):
         wait_for(ready, timeout=180, interval=0.1)
         (core_pid,) = _children(proc.pid)
         events, first, errors = [], threading.Event(), []
-        t = threading.Thread(target=_stream_events, args=(url, {"prompt": "x", "max_tokens": 2000,
+        t = threading.Thread(target=_stream_events, args=(url, {"prompt": "x", "max_tokens": 1000,
                                                                 "ignore_eos": True}, events, first, errors))
         t.start()
-        assert first.wait(60)
+        assert first.wait(60), errors
         os.kill(core_pid, signal.SIGKILL)
         assert proc.wait(30) == 3
         t.join(10)
