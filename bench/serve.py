@@ -250,7 +250,11 @@ class LocalServer:
         self.log.close()
 
     def __enter__(self):
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:  # __exit__ is not called when __enter__ raises
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc):
@@ -341,8 +345,24 @@ class VLLMServer(LocalServer):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([anchor, "serve", model_dir, str(self.port), name],
+        # cwd: not the repository root, whose operator/ would shadow the stdlib's in vLLM's `python -m` children
+        self.proc = subprocess.Popen([anchor, "serve", model_dir, str(self.port), name], cwd=log_path.parent,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 1200) -> None:
+        """vLLM has no /ready: its /v1/models answers once the engine is up (its first start
+        compiles, minutes on a small machine)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError("vllm serve did not become ready")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
