@@ -91,6 +91,7 @@ class StepOutputs(msgspec.Struct, array_like=True):
 
 class CoreReady(msgspec.Struct):
     pid: int
+    model_dir: str  # resolved (a built-in model converted) by the core: the API process loads its tokenizer
     max_model_len: int
     vocab_size: int
     num_blocks: int
@@ -261,7 +262,7 @@ class EngineCoreProc:
         core.eos_token_ids |= KVMeshTokenizer(core.model_dir).eos_token_ids  # as LLMEngine does
         self.loop = CoreLoop(core)
         _send(self.output, READY, CoreReady(
-            pid=os.getpid(), max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
+            pid=os.getpid(), model_dir=str(core.model_dir), max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
             num_blocks=core.num_blocks, eos_token_ids=sorted(core.eos_token_ids), stats=core.stats(),
             threads=threads))
 

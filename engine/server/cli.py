@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 
+from kvmesh.common.logging_setup import setup_logging
 from kvmesh.engine.cli_args import add_engine_arguments, engine_args_from
 
 log = logging.getLogger("kvmesh.server")
@@ -29,8 +30,8 @@ log = logging.getLogger("kvmesh.server")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument("--max-waiting", type=int, default=1024,
                         help="waiting-queue bound; over it requests get 429")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
@@ -52,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--omp-threads", type=int, default=None,
                         help="torch/OpenMP threads of the engine core (default: OMP_NUM_THREADS if set, "
                              "else every CPU not left to the frontend); process mode")
-    parser.add_argument("--frontend-cores", default="auto",
+    parser.add_argument("--frontend-cores", default="auto", metavar="K",
                         help="CPUs left to the API process; the core is pinned to the others (auto: 1 "
                              "on 4 or more CPUs, 0 below: shared); process mode")
     parser.add_argument("--metrics-port", type=int, default=None,
@@ -184,8 +185,7 @@ async def serve(state, host: str, port: int, drain_timeout: float, log_level: st
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("text", args.log_level)
     try:
         state = build_state(args)
     except (ValueError, FileNotFoundError, OSError) as exc:  # incl. a bad --omp-threads/--frontend-cores

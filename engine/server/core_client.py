@@ -187,9 +187,6 @@ class ProcAsyncEngine(AsyncEngine):
     async def _startup(self, cfg: CoreProcConfig) -> None:
         loop = self._loop
         try:
-            from kvmesh.common.models import resolve_model_dir
-
-            model_dir = str(resolve_model_dir(self.engine_args.model))
             self.process = self._spawn(cfg)
             loop.add_reader(self.process.sentinel, self._on_process_exit)
             log.info("engine core process %d started", self.process.pid)
@@ -200,7 +197,7 @@ class ProcAsyncEngine(AsyncEngine):
                 raise EngineDeadError(f"the engine core sent {kind!r} before it was ready")
             ready = msgspec.msgpack.decode(payload, type=CoreReady)
             # The text side: the tokenizer loads off the loop (other routes keep answering).
-            self.engine = await asyncio.to_thread(FrontendEngine, self.engine_args, model_dir, ready)
+            self.engine = await asyncio.to_thread(FrontendEngine, self.engine_args, ready.model_dir, ready)
             self.tokenizer = self.engine.tokenizer
             self.max_model_len = ready.max_model_len
             self.vocab_size = ready.vocab_size
