@@ -3,7 +3,8 @@
 The core process runs the model on torch's intra-op (OpenMP) threads; the frontend runs HTTP,
 tokenisation, detokenisation and SSE on one Python thread. On a CPU host they share the cores.
 
-``plan_threads`` decides, from the CPUs this process may use (its affinity mask):
+``plan_threads`` decides, from the CPUs this process may use (its affinity mask, capped by its
+cgroup's CPU quota: a container's CPU limit):
 
 - ``--omp-threads N`` (or ``OMP_NUM_THREADS`` in the environment, as every OpenMP program reads it):
   the core's torch threads; otherwise all CPUs not reserved for the frontend.
@@ -48,9 +49,32 @@ def available_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPU quota of this process's cgroup (a container's CPU limit) in CPUs, or None. The
+    affinity mask shows every CPU of the node; a pod limited to 2 of 16 that ran 16 OpenMP
+    threads would be throttled at every barrier."""
+    try:
+        quota, period = open(f"{root}/cpu.max").read().split()[:2]  # cgroup v2: "max 100000" / "200000 100000"
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:  # cgroup v1
+        quota = int(open(f"{root}/cpu/cpu.cfs_quota_us").read())
+        period = int(open(f"{root}/cpu/cpu.cfs_period_us").read())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
 def plan_threads(omp_threads: int | None = None, frontend_cores: int | str | None = "auto",
-                 cpus: list[int] | None = None, env: dict | None = None) -> ThreadPlan:
-    cpus = list(cpus) if cpus is not None else available_cpus()
+                 cpus: list[int] | None = None, env: dict | None = None,
+                 cpu_limit: float | None = None) -> ThreadPlan:
+    if cpus is None:
+        cpus = available_cpus()
+        cpu_limit = cgroup_cpu_limit() if cpu_limit is None else cpu_limit
+    cpus = list(cpus)
+    if cpu_limit is not None and cpu_limit < len(cpus):
+        cpus = cpus[:max(1, int(cpu_limit))]  # the CPUs the quota pays for
     env = os.environ if env is None else env
     if frontend_cores in (None, "auto"):
         reserve = 1 if len(cpus) >= AUTO_RESERVE_MIN_CPUS else 0

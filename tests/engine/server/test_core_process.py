@@ -75,6 +75,23 @@ def test_thread_plan():
     assert plan_threads(None, "auto", [0, 1], env={"OMP_NUM_THREADS": "1"}).core_threads == 1
     assert plan_threads(3, "0", cpus, env={"OMP_NUM_THREADS": "1"}).core_threads == 3  # the flag wins
     assert plan_threads(None, 2, cpus, env={}).core_cpus == list(range(2, 8))
+    limited = plan_threads(None, "auto", list(range(16)), env={}, cpu_limit=2.5)  # a pod's CPU limit of 2.5
+    assert (limited.core_threads, limited.core_cpus) == (2, None)
+    assert plan_threads(None, "auto", list(range(16)), env={}, cpu_limit=None).core_threads == 15
+
+
+def test_cgroup_cpu_limit(tmp_path):
+    from kvmesh.engine.threads import cgroup_cpu_limit
+
+    (tmp_path / "cpu.max").write_text("250000 100000\n")
+    assert cgroup_cpu_limit(str(tmp_path)) == 2.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(str(tmp_path)) is None
+    assert cgroup_cpu_limit(str(tmp_path / "absent")) is None
+
+
+def test_thread_plan_errors():
+    cpus = list(range(8))
     with pytest.raises(ValueError, match="frontend-cores"):
         plan_threads(None, 2, [0, 1], env={})
     with pytest.raises(ValueError, match="omp-threads"):
