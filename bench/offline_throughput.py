@@ -53,7 +53,7 @@ def in_fresh_process(fn, *args):
 
 def run_hf(model_dir, prompts, output_len: int, batch_size: int, malloc_tuning: bool) -> tuple[float, int]:
     if malloc_tuning:
-        from kvmesh.engine.malloc_tuning import tune_malloc
+        from kvmesh.engine.kernels.malloc_tuning import tune_malloc
 
         tune_malloc()
     import torch
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
 
     # Each system runs in its own fresh interpreter, as its users run it: neither inherits the
     # other's heap, allocator settings or warm caches, and the order does not matter. kvmesh's
-    # engine tunes glibc malloc for itself when it starts (engine/malloc_tuning.py);
+    # engine tunes glibc malloc for itself when it starts (engine/kernels/malloc_tuning.py);
     # --baseline-malloc-tuning gives the baseline the same settings.
     print("each system runs in a fresh process; baseline allocator: "
           + ("kvmesh's malloc tuning" if args.baseline_malloc_tuning else "glibc defaults"), flush=True)

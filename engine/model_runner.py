@@ -44,7 +44,7 @@ class ModelRunner:
             p.data = p.data.to(dtype)
         model.rope = RotaryEmbedding(config, max_model_len).to(device)  # fp32 tables
         load_weights(model, model_dir, dtype)
-        from kvmesh.engine.models import onednn_linear
+        from kvmesh.engine.kernels import onednn_linear
 
         if onednn_linear.available(device, dtype):
             log.debug("prepacked %d linear layers for oneDNN", model.use_onednn(batch_hint))
@@ -58,7 +58,7 @@ class ModelRunner:
         self.cpu_ops = None  # the compiled CPU kernels (kernels/cpu.py), when they build
         self.cpu_prefill_attention = False  # whether they cover this model's prefill attention
         if device.type == "cpu":
-            from kvmesh.engine.malloc_tuning import tune_malloc
+            from kvmesh.engine.kernels.malloc_tuning import tune_malloc
 
             tune_malloc()  # reuse freed activations instead of faulting them in every step
             from kvmesh.engine.kernels import cpu as cpu_kernels

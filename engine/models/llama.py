@@ -206,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_onednn(self, batch_hint: int) -> int:
         """Swap every projection (and the LM head) for prepacked oneDNN linears; see onednn_linear."""
-        from kvmesh.engine.models.onednn_linear import OneDNNLinear, pack_model
+        from kvmesh.engine.kernels.onednn_linear import OneDNNLinear, pack_model
 
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_lm_head = OneDNNLinear(head, None, batch_hint)
