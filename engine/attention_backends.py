@@ -146,7 +146,10 @@ class TritonBackend(AttentionBackend):
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """Several int32 arrays in one host-to-device copy; views of it, reshaped as given."""
         flat = np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int32)
-        dev = torch.from_numpy(flat).to(self.device, non_blocking=True)
+        host = torch.from_numpy(flat)
+        if self.device.type == "cuda":  # pinned: an asynchronous copy
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
         out, at = [], 0
         for a in arrays:
             out.append(dev[at:at + a.size].view(a.shape))

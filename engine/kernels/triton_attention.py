@@ -23,7 +23,7 @@ layer for a mixed batch, one for a decode-only one. Neither copies a context out
 Scores, softmax and the output accumulate in fp32 whatever the cache dtype (bf16/fp16 on
 GPU). Under the interpreter, ``tl.dot`` of bf16 operands is wrong in triton 3.9, so there
 the operands are upcast to fp32 first (``UPCAST``); the GPU path feeds them to the tensor
-cores as they are.
+cores as they are. The reductions avoid triton's standard-library helpers (see _add).
 """
 
 from __future__ import annotations
@@ -39,6 +39,20 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+# Reductions through tl.reduce with our own combine functions rather than tl.sum / tl.max:
+# those are @triton.jit functions of triton's standard library, compiled or interpreted as
+# decided when triton was first imported (torch imports it early), so on the CPU they would
+# refuse to run under the interpreter switched on later (attention_backends.py sets it).
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
 
 
 # ----------------------------------------------------------------------------------------
@@ -110,13 +124,13 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse,
         q = q.to(tl.float32)
 
     # This split's key range: equal shares of the context, rounded up to whole tiles.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+    per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + TILE_N - 1) // TILE_N * TILE_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
+    l_i = tl.full([GROUP_PAD], 0.0, dtype=tl.float32)
+    acc = tl.full([GROUP_PAD, DIM_PAD], 0.0, dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_base = kvh.to(tl.int64) * stride_ch
     for s in range(start, end, TILE_N):
@@ -132,10 +146,10 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse,
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, TILE_N], fp32
         scores = tl.where(nmask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_new = tl.maximum(m_i, tl.reduce(scores, 1, _maximum))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _add)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -168,14 +182,14 @@ def _decode_reduce_kernel(out_ptr, part_out, part_lse, seqs_ptr, query_start_ptr
     smask = s < NUM_SPLITS
     base = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
     lse = tl.load(part_lse + base + s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
+    m = tl.reduce(lse, 0, _maximum)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m)  # 0 for empty splits
     parts = tl.load(part_out + (base + s)[:, None] * DIM_PAD + d[None, :],
                     mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    total = tl.sum(w, 0)
+    total = tl.reduce(w, 0, _add)
     total = tl.where(total > 0, total, 1.0)
-    out = tl.sum(parts * w[:, None], 0) / total
+    out = tl.reduce(parts * w[:, None], 0, _add) / total
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
 
@@ -217,8 +231,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr,
     q_pos = context + qi  # absolute position of each query row
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, DIM_PAD], 0.0, dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_base = kvh.to(tl.int64) * stride_ch
     # Keys up to the tile's last query position (causal): later tiles are never read.
@@ -238,10 +252,10 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr,
         # Key 0 is visible to every row, so no row's first tile is fully masked.
         visible = nmask[None, :] & (n[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_new = tl.maximum(m_i, tl.reduce(scores, 1, _maximum))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _add)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.engine.kernels.triton_attention import INTERPRET, next_pow2
+from kvmesh.engine.kernels.triton_attention import INTERPRET, _add, next_pow2
 
 ROWS = 16 if INTERPRET else 1
 
@@ -42,7 +42,7 @@ def _rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, num_rows, n, stride_o, stri
                 s = (x + res).to(res_ptr.dtype.element_ty)
                 tl.store(res_ptr + r * stride_r + cols, s, mask=mask)
                 x = s.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
+            rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 0, _add) / n + eps)
             y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
             tl.store(out_ptr + r * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
