@@ -23,7 +23,7 @@ layer for a mixed batch, one for a decode-only one. Neither copies a context out
 Scores, softmax and the output accumulate in fp32 whatever the cache dtype (bf16/fp16 on
 GPU). Under the interpreter, ``tl.dot`` of bf16 operands is wrong in triton 3.9, so there
 the operands are upcast to fp32 first (``UPCAST``); the GPU path feeds them to the tensor
-cores as they are. The reductions avoid triton's standard-library helpers (see _add).
+cores as they are, and fp32 dots run in full precision (``input_precision="ieee"``, not TF32). The reductions avoid triton's standard-library helpers (see _add).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,13 +144,13 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse,
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, TILE_N], fp32
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, TILE_N], fp32
         scores = tl.where(nmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(scores, 1, _maximum))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _add)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out_mask = gmask[:, None] & dmask[None, :]
@@ -205,7 +205,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -248,7 +248,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr,
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, TILE_N]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE_N]
         # Key 0 is visible to every row, so no row's first tile is fully masked.
         visible = nmask[None, :] & (n[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -256,7 +256,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr,
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _add)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -279,9 +279,9 @@ def prefill_block_q(num_heads: int, num_kv_heads: int) -> int:
     return max(1, 64 // group_pad(num_heads, num_kv_heads))
 
 
-def check_cache(k_cache: torch.Tensor) -> None:
-    if k_cache.stride(3) != 1:
-        raise ValueError("the KV cache must have unit stride along head_dim")
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 runs (the parity tests) multiply in full fp32, not TF32; bf16/fp16 use the tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -308,7 +308,7 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, 
         scale,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad(num_heads, num_kv_heads, 16),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, TILE_N=TILE_N,
-        NUM_SPLITS=num_splits, UPCAST=INTERPRET)
+        NUM_SPLITS=num_splits, UPCAST=INTERPRET, PRECISION=dot_precision(q.dtype))
     if num_splits > 1:
         _decode_reduce_kernel[(num_rows, num_heads)](
             out, part_out, part_lse, seqs, query_start_loc, out.stride(0), out.stride(1),
@@ -334,4 +334,4 @@ def prefill_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
         scale,
         GROUP=num_heads // num_kv_heads, GROUP_PAD=group_pad(num_heads, num_kv_heads),
         HEAD_DIM=head_dim, DIM_PAD=next_pow2(head_dim), BLOCK_SIZE=block_size, BLOCK_Q=block_q,
-        TILE_N=TILE_N, UPCAST=INTERPRET)
+        TILE_N=TILE_N, UPCAST=INTERPRET, PRECISION=dot_precision(q.dtype))
