@@ -41,18 +41,14 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# Reductions through tl.reduce with our own combine functions rather than tl.sum / tl.max:
-# those are @triton.jit functions of triton's standard library, compiled or interpreted as
-# decided when triton was first imported (torch imports it early), so on the CPU they would
-# refuse to run under the interpreter switched on later (attention_backends.py sets it).
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
+# Reductions through tl.reduce with triton's own combine functions (those tl.sum and tl.max
+# use) rather than tl.sum / tl.max themselves: those are @triton.jit helpers compiled or
+# interpreted as decided when triton was first imported (torch imports it early), so on the
+# CPU they would refuse to run under the interpreter switched on later (attention_backends.py
+# sets it). The interpreter recognises these combine functions and reduces with numpy; on the
+# GPU the code is what tl.sum / tl.max compile to.
+_add = tl.standard._sum_combine
+_maximum = tl.standard._elementwise_max
 
 
 # ----------------------------------------------------------------------------------------
@@ -63,20 +59,17 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slots_ptr, num_tokens,
                      stride_ch, stride_cs,
                      NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                      HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, ROWS: tl.constexpr):
-    h = tl.arange(0, HEADS_PAD)
-    d = tl.arange(0, DIM_PAD)
-    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
-    for r in range(ROWS):
-        t = tl.program_id(0) * ROWS + r
-        if t < num_tokens:
-            slot = tl.load(slots_ptr + t).to(tl.int64)
-            if slot >= 0:
-                k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-                v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-                dst = h[:, None] * stride_ch + slot * stride_cs + d[None, :]
-                tl.store(k_cache + dst, k, mask=mask)
-                tl.store(v_cache + dst, v, mask=mask)
-
+    t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    j = tl.arange(0, HEADS_PAD * DIM_PAD)  # (kv head, dim) flattened
+    h = j // DIM_PAD
+    d = j % DIM_PAD
+    slot = tl.load(slots_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    mask = ((t < num_tokens) & (slot >= 0))[:, None] & ((h < NUM_KV_HEADS) & (d < HEAD_DIM))[None, :]
+    k = tl.load(k_ptr + t[:, None] * stride_kt + (h * stride_kh + d)[None, :], mask=mask)
+    v = tl.load(v_ptr + t[:, None] * stride_vt + (h * stride_vh + d)[None, :], mask=mask)
+    dst = (h * stride_ch + d)[None, :] + slot[:, None] * stride_cs
+    tl.store(k_cache + dst, k, mask=mask)
+    tl.store(v_cache + dst, v, mask=mask)
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:

@@ -12,8 +12,8 @@ model calls either through the same ``ops`` object:
 
 Each rounds where transformers' torch ops round (normalise in fp32, cast, then scale by the
 weight; silu rounded to the storage type before the product), so fp32 results match the
-torch path to summation order. Under the interpreter each program takes ROWS rows (fewer,
-larger programs run faster there); on the GPU one row per program.
+torch path to summation order. On the GPU one row per program; under the interpreter a tile
+of ROWS rows (fewer, larger programs run faster there), the same code.
 """
 
 from __future__ import annotations
@@ -24,27 +24,28 @@ import triton.language as tl
 
 from kvmesh.engine.kernels.triton_attention import INTERPRET, _add, next_pow2
 
+# Rows per program: one on the GPU; under the interpreter a tile of rows, since it pays per
+# program and per op rather than per element.
 ROWS = 16 if INTERPRET else 1
 
 
 @triton.jit
 def _rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, num_rows, n, stride_o, stride_x, stride_r, eps,
                      ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    for i in range(ROWS):
-        r = (tl.program_id(0) * ROWS + i).to(tl.int64)
-        if r < num_rows:
-            x = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            if ADD_RESIDUAL:
-                res = tl.load(res_ptr + r * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-                s = (x + res).to(res_ptr.dtype.element_ty)
-                tl.store(res_ptr + r * stride_r + cols, s, mask=mask)
-                x = s.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 0, _add) / n + eps)
-            y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
-            tl.store(out_ptr + r * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    mask = (r[:, None] < num_rows) & (cols[None, :] < n)
+    w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        res_at = res_ptr + r[:, None] * stride_r + cols[None, :]
+        res = tl.load(res_at, mask=mask, other=0.0).to(tl.float32)
+        s = (x + res).to(res_ptr.dtype.element_ty)
+        tl.store(res_at, s, mask=mask)
+        x = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 1, _add) / n + eps)
+    y = (x * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
+    tl.store(out_ptr + r[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -72,41 +73,42 @@ def _rotary_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache, v_cache, s
                          KV_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
                          DIM_PAD: tl.constexpr, STORE: tl.constexpr, ROWS: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
-    i = tl.arange(0, HALF_PAD)
-    imask = i < HALF
-    h = tl.arange(0, HEADS_PAD)  # q heads then k heads (v is not rotated)
-    hmask = h < NUM_HEADS + NUM_KV_HEADS
-    mask = hmask[:, None] & imask[None, :]
-    kh = tl.arange(0, KV_PAD)
-    d = tl.arange(0, DIM_PAD)
-    kv_mask = (kh[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
-    for j in range(ROWS):
-        r = (tl.program_id(0) * ROWS + j).to(tl.int64)
-        if r < num_rows:
-            pos = tl.load(pos_ptr + r).to(tl.int64)
-            c1 = tl.load(cos_ptr + pos * stride_tab + i, mask=imask, other=0.0)
-            s1 = tl.load(sin_ptr + pos * stride_tab + i, mask=imask, other=0.0)
-            c2 = tl.load(cos_ptr + pos * stride_tab + HALF + i, mask=imask, other=0.0)
-            s2 = tl.load(sin_ptr + pos * stride_tab + HALF + i, mask=imask, other=0.0)
-            base = qkv_ptr + r * stride_t + h[:, None] * HEAD_DIM + i[None, :]
-            x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
-            y1 = x1 * c1[None, :] - x2 * s1[None, :]
-            y2 = x2 * c2[None, :] + x1 * s2[None, :]
-            tl.store(base, y1.to(qkv_ptr.dtype.element_ty), mask=mask)
-            tl.store(base + HALF, y2.to(qkv_ptr.dtype.element_ty), mask=mask)
-            if STORE:
-                slot = tl.load(slots_ptr + r).to(tl.int64)
-                if slot >= 0:
-                    # The rotated k heads go to the cache from registers; v is copied as is.
-                    kh_of = h - NUM_HEADS
-                    k_mask = mask & (h[:, None] >= NUM_HEADS)
-                    k_dst = kh_of[:, None] * stride_ch + slot * stride_cs + i[None, :]
-                    tl.store(k_cache + k_dst, y1.to(k_cache.dtype.element_ty), mask=k_mask)
-                    tl.store(k_cache + k_dst + HALF, y2.to(k_cache.dtype.element_ty), mask=k_mask)
-                    v_src = qkv_ptr + r * stride_t + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM
-                    v = tl.load(v_src + kh[:, None] * HEAD_DIM + d[None, :], mask=kv_mask)
-                    tl.store(v_cache + kh[:, None] * stride_ch + slot * stride_cs + d[None, :], v, mask=kv_mask)
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    rmask = r < num_rows
+    # Columns: (head, i) for the q heads then the k heads (v is not rotated), i < HALF.
+    j = tl.arange(0, HEADS_PAD * HALF_PAD)
+    h = j // HALF_PAD
+    i = j % HALF_PAD
+    mask = rmask[:, None] & ((h < NUM_HEADS + NUM_KV_HEADS) & (i < HALF))[None, :]
+    pos = tl.load(pos_ptr + r, mask=rmask, other=0).to(tl.int64)
+    tab = pos[:, None] * stride_tab + i[None, :]
+    c1 = tl.load(cos_ptr + tab, mask=mask, other=0.0)
+    s1 = tl.load(sin_ptr + tab, mask=mask, other=0.0)
+    c2 = tl.load(cos_ptr + tab + HALF, mask=mask, other=0.0)
+    s2 = tl.load(sin_ptr + tab + HALF, mask=mask, other=0.0)
+    at = qkv_ptr + r[:, None] * stride_t + (h * HEAD_DIM + i)[None, :]
+    x1 = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(at + HALF, mask=mask, other=0.0).to(tl.float32)
+    y1 = x1 * c1 - x2 * s1
+    y2 = x2 * c2 + x1 * s2
+    tl.store(at, y1.to(qkv_ptr.dtype.element_ty), mask=mask)
+    tl.store(at + HALF, y2.to(qkv_ptr.dtype.element_ty), mask=mask)
+    if STORE:
+        slot = tl.load(slots_ptr + r, mask=rmask, other=-1).to(tl.int64)
+        keep = slot >= 0  # a negative slot (CUDA-graph padding) is not stored
+        # The rotated k heads go to the cache from registers; v is copied as is.
+        k_mask = mask & keep[:, None] & (h >= NUM_HEADS)[None, :]
+        k_dst = (h - NUM_HEADS)[None, :] * stride_ch + slot[:, None] * stride_cs + i[None, :]
+        tl.store(k_cache + k_dst, y1.to(k_cache.dtype.element_ty), mask=k_mask)
+        tl.store(k_cache + k_dst + HALF, y2.to(k_cache.dtype.element_ty), mask=k_mask)
+        jv = tl.arange(0, KV_PAD * DIM_PAD)
+        kh = jv // DIM_PAD
+        d = jv % DIM_PAD
+        v_mask = (rmask & keep)[:, None] & ((kh < NUM_KV_HEADS) & (d < HEAD_DIM))[None, :]
+        v = tl.load(qkv_ptr + r[:, None] * stride_t + ((NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kh * HEAD_DIM + d)[None, :],
+                    mask=v_mask)
+        tl.store(v_cache + (kh * stride_ch + d)[None, :] + slot[:, None] * stride_cs, v, mask=v_mask)
+
 
 def rotary_qk_store_kv_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor | None,
@@ -130,16 +132,14 @@ def rotary_qk_store_kv_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
 @triton.jit
 def _silu_and_mul_kernel(out_ptr, x_ptr, num_rows, n, stride_o, stride_x,
                          BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
-    for j in range(ROWS):
-        r = (tl.program_id(0) * ROWS + j).to(tl.int64)
-        if r < num_rows:
-            g = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(x_ptr + r * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-            tl.store(out_ptr + r * stride_o + cols, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
-
+    mask = (r[:, None] < num_rows) & (cols[None, :] < n)
+    at = x_ptr + r[:, None] * stride_x + cols[None, :]
+    g = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(at + n, mask=mask, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + r[:, None] * stride_o + cols[None, :], (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
