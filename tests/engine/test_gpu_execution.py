@@ -1,7 +1,7 @@
 """The GPU execution path, proven on the CPU: backend choice, CUDA-graph bookkeeping (torch.cuda
 stubbed at GraphAPI), KV sizing from memory (the memory query stubbed), a sampler without host
-syncs, and (slow) the tiny models through the Triton backend under the interpreter against
-transformers' greedy tokens."""
+syncs, and the tiny models (and, slow, the built-in one) through the Triton backend under the
+interpreter against transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -273,7 +273,6 @@ def test_sampler_reads_device_values_once_per_step(monkeypatch):
 
 # -- end to end through the Triton backend (interpreted) ---------------------------------------
 @needs_triton
-@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
 def test_triton_backend_greedy_matches_transformers(model, request):
     """Batched, chunked (a 24-token step budget) and with prefix-cache hits (a shared prefix)."""
@@ -287,3 +286,18 @@ def test_triton_backend_greedy_matches_transformers(model, request):
     for i, (p, o) in enumerate(zip(prompts, outs)):
         assert o.outputs[0].token_ids == hf_greedy(model_dir, p, 6, True), f"prompt {i} diverged"
     assert llm.stats().prefix_cache_hits > 0
+
+
+@needs_triton
+@pytest.mark.slow
+def test_triton_backend_builtin_model_matches_transformers(smollm2_dir):
+    """The built-in SmolLM2 (30 layers, GQA 9/3, head dim 64) through the interpreted kernels."""
+    from kvmesh.common.tokenizer import KVMeshTokenizer
+
+    tok = KVMeshTokenizer(smollm2_dir)
+    prompts = [tok.encode_chat([{"role": "user", "content": q}])
+               for q in ("What is the capital of France?", "List three fruits.")]
+    llm = LLM("smollm2-135m-instruct", attention_backend="triton", num_kv_blocks=64, dtype="float32")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(smollm2_dir, p, 8, False)
