@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One prepared check of the GPU execution path, for a machine with one NVIDIA GPU (a few minutes):
+#   0. the Triton kernel tests (tests/engine/test_triton_kernels.py), compiled on the GPU;
 #   1. greedy parity with transformers on the built-in model, fp32 (exact) and bf16, CUDA graphs
 #      and eager (bench/gpu_parity.py);
 #   2. decode tok/s at batch 1, 16, 64 with and without CUDA graphs, and the achieved fraction of
@@ -48,10 +49,15 @@ step() {
   local rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ]; then echo "!! $name failed (exit $rc; log $OUT/$name.log)"; status=1; fi
 }
+if "$PYTHON" -c "import pytest" 2>/dev/null; then  # the interpreter tests, compiled on the GPU
+  step kernels env TRITON_INTERPRET=0 "$PYTHON" -m pytest -q -p no:cacheprovider --noconftest tests/engine/test_triton_kernels.py
+else
+  echo "== kernels: skipped (no pytest in this environment)"
+fi
 step parity "$PYTHON" bench/gpu_parity.py
 step decode "$PYTHON" bench/gpu_decode.py
 step offline "$PYTHON" bench/offline_throughput.py --device cuda --dtype bfloat16 --attention-backend triton
 
 echo "== summary"
-grep -h -E "^parity|PARITY|^decode|speed-up|^fused ops|^ratio|^kvmesh |^hf-static" "$OUT"/*.log || true
+grep -h -E "passed|failed|^parity|PARITY|^decode|speed-up|^fused ops|^ratio|^kvmesh |^hf-static" "$OUT"/*.log || true
 exit $status

@@ -3,7 +3,9 @@ Triton's interpreter, against plain-torch references: KV write, paged attention 
 batches (decodes, fresh prefills, chunks after cached context, contexts crossing block
 boundaries and of exactly one block; split-KV), and the fused ops; fp32 and bf16.
 
-Shapes are small: the interpreter runs every program instance in Python."""
+Shapes are small: the interpreter runs every program instance in Python. On a GPU machine,
+``TRITON_INTERPRET=0 pytest tests/engine/test_triton_kernels.py`` runs the same tests compiled,
+on the GPU (bench/gpu_check.sh does)."""
 
 from __future__ import annotations
 
@@ -22,10 +24,21 @@ triton = pytest.importorskip("triton", reason="triton is not installed (the test
 from kvmesh.engine.attention_backends import PAD_SLOT, TritonBackend  # noqa: E402
 from kvmesh.engine.kernels import triton_attention, triton_ops  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not triton_attention.INTERPRET,
-                                reason="the kernels were imported without TRITON_INTERPRET=1 in this process")
+# Interpreted on the CPU, or compiled on a GPU when TRITON_INTERPRET=0 was set before the import.
+DEV = "cpu" if triton_attention.INTERPRET else "cuda"
+pytestmark = pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(),
+                                reason="the kernels were imported without TRITON_INTERPRET=1 and there is no GPU")
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+@pytest.fixture(autouse=True)
+def _on_kernel_device():
+    torch.set_default_device(DEV)
+    yield
+    torch.set_default_device(None)
+
+
+# bf16 on the GPU: P is rounded to bf16 for the tensor cores before P @ V.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2 if DEV == "cpu" else 3e-2}
 # BF16_NOTE: the interpreter converts fp32 to bf16 differently from the GPU (which rounds to
 # nearest even), so a bf16 result may sit one ulp from torch's: bf16 compares within 1e-2.
 
@@ -91,7 +104,7 @@ MIXED = [(1, 0), (1, 15), (1, 40), (5, 0), (16, 0), (19, 13), (3, 32), (1, 70), 
 def test_mixed_batch_matches_reference(bs, dim, group, dtype):
     """One step through the backend's own metadata: decode rows (split-KV) and prefill tiles."""
     q, k_cache, v_cache, tables, heads, kv_heads = _mixed_case(bs, dim, group, dtype, MIXED)
-    backend = TritonBackend(_config(heads, kv_heads), bs, torch.device("cpu"))
+    backend = TritonBackend(_config(heads, kv_heads), bs, torch.device(DEV))
     backend.target_programs = 64  # as on a small GPU: the few decode rows are split
     rows = [(n, c, t) for (n, c), t in zip(MIXED, tables)]
     meta = backend.build_metadata(rows, None, [], [])
@@ -109,7 +122,7 @@ def test_decode_split_kv_reduction(num_splits):
     """The same decode rows with 1, 3 and 8 key ranges (8 leaves some ranges empty for the short rows)."""
     specs = [(1, 0), (1, 31), (1, 32), (1, 100)]
     q, k_cache, v_cache, tables, heads, kv_heads = _mixed_case(16, 64, 4, torch.float32, specs, seed=1)
-    backend = TritonBackend(_config(heads, kv_heads), 16, torch.device("cpu"))
+    backend = TritonBackend(_config(heads, kv_heads), 16, torch.device(DEV))
     meta = backend.build_metadata([(n, c, t) for (n, c), t in zip(specs, tables)], None, [], [])
     meta.num_splits = num_splits
     got = backend.forward(q, None, None, k_cache, v_cache, meta, 0.125)
@@ -121,7 +134,7 @@ def test_decode_padding_rows_give_zeros_and_read_nothing():
     """A context of length 0 (a CUDA-graph padding row, block table all zeros) yields zeros, not NaN."""
     specs = [(1, 20), (1, 0)]
     q, k_cache, v_cache, tables, heads, kv_heads = _mixed_case(16, 64, 1, torch.float32, specs, seed=2)
-    backend = TritonBackend(_config(heads, kv_heads), 16, torch.device("cpu"))
+    backend = TritonBackend(_config(heads, kv_heads), 16, torch.device(DEV))
     meta = backend.decode_metadata([tables[0], [0]], [21, 0])
     for splits in (1, 4):
         meta.num_splits = splits
@@ -225,7 +238,7 @@ def test_prefill_tile_reads_only_its_causal_keys():
     q, k_cache, v_cache, tables, heads, kv_heads = _mixed_case(bs, dim, 1, torch.float32, specs, seed=3)
     flat_k = k_cache.view(kv_heads, -1, dim)
     table = tables[0]
-    backend = TritonBackend(_config(heads, kv_heads), bs, torch.device("cpu"))
+    backend = TritonBackend(_config(heads, kv_heads), bs, torch.device(DEV))
     meta = backend.build_metadata([(20, 5, table)], None, [], [])
     ref = _reference(q, k_cache, v_cache, specs, tables, dim ** -0.5)
     # Rows past the context (slot 25 .. end of its last block) are never part of any query's keys.
