@@ -10,6 +10,7 @@ implementations round differently, so a late divergence on a near-tie is expecte
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 
@@ -31,6 +32,7 @@ def hf_greedy(model_dir, dtype, prompts, max_new_tokens):
             out = hf.generate(torch.tensor([p], device="cuda"), generation_config=config)
             outs.append(out[0, len(p):].tolist())
     del hf
+    gc.collect()
     torch.cuda.empty_cache()
     return outs
 
@@ -75,6 +77,7 @@ def main(argv=None) -> int:
             if graphs is not None:
                 print(f"  decode steps replayed from CUDA graphs: {graphs.num_replays}", flush=True)
             del llm
+            gc.collect()
             torch.cuda.empty_cache()
     print("PARITY FAIL (fp32 must match exactly)" if failed else "parity ok", flush=True)
     return 1 if failed else 0
