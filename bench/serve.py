@@ -245,7 +245,7 @@ def run_offline_api(model: str, reqs: list[Req], engine_kwargs: dict) -> tuple[f
 
 
 def compare(args) -> int:
-    from kvmesh.common.models import resolve_model_dir
+    from kvmesh.engine.builtin import resolve_model_dir
     from kvmesh.engine.config import ModelConfig
 
     vocab = ModelConfig.from_dir(resolve_model_dir(args.model)).vocab_size
@@ -340,10 +340,10 @@ def main(argv=None) -> int:
         ap.error("give --url (a running server) or --compare")
     vocab = 49152
     try:
-        from kvmesh.common.models import resolve_model_dir
+        from kvmesh.common.models import find_model_dir
         from kvmesh.engine.config import ModelConfig
 
-        vocab = ModelConfig.from_dir(resolve_model_dir(args.model, convert=False)).vocab_size
+        vocab = ModelConfig.from_dir(find_model_dir(args.model)).vocab_size
     except Exception:  # noqa: BLE001 - any server: stay inside a common vocabulary size
         pass
     if args.workload == "offline":

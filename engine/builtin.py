@@ -16,7 +16,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvmesh.common.models import BuiltinModel, builtin_gguf_path
+from kvmesh.common.models import BuiltinModel, ModelNotConverted, builtin_gguf_path, find_model_dir
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A Hugging Face directory for `model`: a path, or a built-in name, converted on first use
+    (kvmesh.common.models.find_model_dir only looks up; conversion is the engine's)."""
+    try:
+        return find_model_dir(model)
+    except ModelNotConverted as missing:
+        return convert_builtin(missing.model, missing.target)
 
 
 def convert_builtin(model: BuiltinModel, target: Path) -> Path:

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import argparse
 
+from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
+from kvmesh.common.models import DEFAULT_MODEL
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by `generate` and `serve` (names as in docs/cli.md)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2-135m-instruct", help="built-in model name or HF directory")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="built-in model name or HF directory")
     g.add_argument("--served-model-name", default=None)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size, e.g. 4GiB (default: 4GiB on the CPU; on a GPU, what "

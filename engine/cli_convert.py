@@ -12,7 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.common.models import resolve_model_dir
+    from kvmesh.engine.builtin import resolve_model_dir
 
     print(resolve_model_dir(args.model))
     return 0

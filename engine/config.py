@@ -10,6 +10,9 @@ from typing import Any
 
 import torch
 
+from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
+from kvmesh.common.models import DEFAULT_MODEL
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
                "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
@@ -32,9 +35,9 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 class EngineArgs:
     """Knobs of one engine, named as vLLM names them."""
 
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     served_model_name: str | None = None
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     # None: 4GiB on the CPU; on a GPU, sized from free memory (gpu_memory_utilization)
     kv_cache_memory: int | str | None = None

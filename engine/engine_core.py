@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.common.models import resolve_model_dir
+from kvmesh.engine.builtin import resolve_model_dir
 from kvmesh.engine.config import EngineArgs, ModelConfig, parse_size
 from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvmesh.engine.model_runner import ModelRunner

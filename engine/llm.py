@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.engine.config import EngineArgs
 from kvmesh.engine.llm_engine import LLMEngine, PromptType
 from kvmesh.engine.outputs import RequestOutput
@@ -14,7 +15,7 @@ from kvmesh.engine.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m-instruct", **engine_args: Any):
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any):
         self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
 
     @classmethod

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-
+from kvmesh.common.logging_setup import setup_logging
 from kvmesh.operator import render
 
 
@@ -52,9 +51,8 @@ async def run_operator(config, *, namespaces: list[str] | None = None, liveness_
 def run(args: argparse.Namespace) -> int:
     import kopf
 
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    kopf.configure(verbose=args.verbose)
+    kopf.configure(verbose=args.verbose)  # kopf's own logger settings; then the one handler, ours
+    setup_logging("text", "DEBUG" if args.verbose else "INFO")
     asyncio.run(run_operator(config_from_args(args), namespaces=args.namespace,
                              liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz"))
     return 0

@@ -17,6 +17,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from kvmesh.common import block_keys as _block_keys, models as _models
+from kvmesh.router import policies as _policies
+
 GROUP = "kvmesh.io"
 VERSION = "v1alpha1"
 KIND = "ModelDeployment"
@@ -26,9 +29,10 @@ SHORT_NAMES = ["md"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-# Engine defaults: the same as `kvmesh serve` (docs/cli.md).
-DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_BLOCK_SIZE = 16
+# Engine defaults: the same as `kvmesh serve` (docs/cli.md); the model and block size are the
+# shared contracts' (kvmesh/common), the routing policies the router's registry.
+DEFAULT_MODEL = _models.DEFAULT_MODEL
+DEFAULT_BLOCK_SIZE = _block_keys.DEFAULT_BLOCK_SIZE
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_DRAIN_TIMEOUT = 30
@@ -139,7 +143,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
         "servedModelName": _str("Model name clients ask for (and the block-key identity). "
                                 "Default: the builtin name, the Hugging Face repo id, or the PVC path.",
                                 maxLength=253),
-        "builtin": _str("A model built into the engine image, e.g. smollm2-135m-instruct.", minLength=1),
+        "builtin": _str(f"A model built into the engine image, e.g. {DEFAULT_MODEL}.", minLength=1),
         "huggingFace": _obj("A Hugging Face repository, downloaded by an init container into a volume.", {
             "repoId": _str("Repository id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct.", minLength=1),
             "revision": _str("Branch, tag or commit.", default="main"),
@@ -263,8 +267,8 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
     "router": _obj("The prefix-aware router in front of the engines.", {
         "replicas": _int("Router replicas.", default=1, minimum=0),
         "image": _str("Router image; empty means the operator's default (also used for the sidecar)."),
-        "policy": _str("Routing policy (--policy).", enum=["prefix", "least-load", "round-robin", "session"],
-                       default="prefix"),
+        "policy": _str("Routing policy (--policy).", enum=list(_policies.NAMES),
+                       default=_policies.DEFAULT),
         "weights": _obj("Routing-score weights (--weights).", {
             "prefix": _num("Weight of the prefix match.", default=1.0, minimum=0),
             "kv": _num("Weight of the KV usage.", default=0.5, minimum=0),

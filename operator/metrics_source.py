@@ -1,6 +1,7 @@
 """KV utilisation of ready replicas, from the sidecars' Redis heartbeats.
 
-Key layout (contract 3, owned by kvmesh/common/redis_layout.py):
+Key layout (contract 3, owned by kvmesh/common/redis_layout.py, which also holds the one
+``Heartbeat`` type and ``read_heartbeats()`` used here):
 
 * ``kvmesh:v1:{model}:pods``             set of pod names
 * ``kvmesh:v1:{model}:pod:{pod_name}``   heartbeat hash (TTL ~10 s): url, model, kv_usage,
@@ -17,36 +18,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.common.redis_layout import (HEARTBEAT_TTL_S, blocks_key, demand_key, heartbeat_key,  # noqa: F401
-                                       pods_key)
+from kvmesh.common.redis_layout import (HEARTBEAT_TTL_S, STATE_READY, Heartbeat, blocks_key,  # noqa: F401
+                                       demand_key, heartbeat_key, pods_key, read_heartbeats)
 
 HEARTBEAT_STALE_SECONDS = float(HEARTBEAT_TTL_S)
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    pod: str
-    url: str
-    kv_usage: float
-    running: int
-    waiting: int
-    total_blocks: int
-    state: str
-    ts: float
-    num_keys: int | None = None     # cached blocks (optional field of the kvmesh sidecar)
-
-    @classmethod
-    def parse(cls, pod: str, h: dict[str, str]) -> "Heartbeat":
-        return cls(pod=pod, url=h.get("url", ""), kv_usage=min(1.0, max(0.0, float(h.get("kv_usage", 0.0)))),
-                   running=int(float(h.get("running", 0))), waiting=int(float(h.get("waiting", 0))),
-                   total_blocks=int(float(h.get("total_blocks", 0))), state=h.get("state", ""),
-                   ts=float(h.get("ts", 0.0)),
-                   num_keys=int(float(h["num_keys"])) if h.get("num_keys") not in (None, "") else None)
-
-    @property
-    def cached_blocks(self) -> int:
-        """Blocks this replica holds: the sidecar's block-key count, else the used share of its KV cache."""
-        return self.num_keys if self.num_keys is not None else round(self.kv_usage * self.total_blocks)
 
 
 @dataclass(frozen=True)
@@ -82,26 +57,13 @@ class RedisHeartbeats:
         await self._redis.aclose()
 
     async def snapshot(self, model: str, pod_prefix: str = "") -> Snapshot:
-        pods = sorted(_s(p) for p in await self._redis.smembers(pods_key(model)))
-        pods = [p for p in pods if p.startswith(pod_prefix)]
-        if not pods:
-            return Snapshot()
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for pod in pods:
-                pipe.hgetall(heartbeat_key(model, pod))
-            hashes = await pipe.execute()
+        beats = await read_heartbeats(self._redis, model, prefix=pod_prefix)
         now = self.clock()
         ready, draining = [], []
-        for pod, raw in zip(pods, hashes):
-            if not raw:
-                continue  # expired: the pod is gone or hung
-            try:
-                hb = Heartbeat.parse(pod, {_s(k): _s(v) for k, v in raw.items()})
-            except ValueError:
-                continue
-            if now - hb.ts > self.stale_after:
-                continue
-            (ready if hb.state == "ready" else draining).append(hb)
+        for hb in beats.values():
+            if hb is None or not hb.fresh(now, self.stale_after):
+                continue  # expired or stale: the pod is gone or hung
+            (ready if hb.state == STATE_READY else draining).append(hb)
         return Snapshot(ready=ready, draining=draining)
 
     async def demand(self, model: str) -> float | None:

@@ -29,12 +29,13 @@ from typing import Any
 
 import kopf
 
+from kvmesh.common.redis_layout import Heartbeat
 from kvmesh.operator import crd, render, spec as specs, status as st
 from kvmesh.operator.apply import ApiError
 from kvmesh.operator.autoscaler import (HOLD, NONE, Autoscaler, Decision, Observation, ScalingPolicy,
                                         split_pending)
 from kvmesh.operator.handlers import Memo, _ensure_generated_secrets, _md_ref, _write_status, refresh_status
-from kvmesh.operator.metrics_source import Heartbeat, RedisHeartbeats
+from kvmesh.operator.metrics_source import RedisHeartbeats
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 NOT_STARTING = "ReplicasNotStarting"

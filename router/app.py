@@ -21,7 +21,6 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import count
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +28,21 @@ import aiohttp
 
 from kvmesh.common import openapi as oa
 from kvmesh.common import redis_layout as rl
-from kvmesh.common.block_keys import block_keys, key_hex
+from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE, block_keys, key_hex
+from kvmesh.common.logging_setup import redact_url
+from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.common.prompts import chat_template_messages, prompt_batch
 from kvmesh.router.auth import ApiKeys, KeyInfo, RateLimiter
+from kvmesh.router import policies
 from kvmesh.router.discovery import Discovery, EndpointSlices, Pod
-from kvmesh.common.logging_setup import redact_url
 from kvmesh.router.metrics import RouterMetrics, route_label, status_label
-from kvmesh.router.scoring import Candidate, Weights, rank, rendezvous
+from kvmesh.router.policies import PolicySettings, RouteRequest
+from kvmesh.router.scoring import Candidate, Weights
 
 log = logging.getLogger("kvmesh.router")
 access_log = logging.getLogger("kvmesh.router.access")
 
-POLICIES = ("prefix", "least-load", "round-robin", "session")
+POLICIES = policies.NAMES  # the registry's names (router/policies)
 _RID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _PASS_HEADERS = {"content-type", "content-encoding", "cache-control", "retry-after"}
 _GENERATE = ("/v1/completions", "/v1/chat/completions")
@@ -60,13 +62,13 @@ KEEPALIVE_S = 3.0  # below the engines' 5 s keep-alive: a pooled connection is n
 
 @dataclass
 class RouterConfig:
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     tokenizer: str | None = None
     redis_url: str | None = "redis://127.0.0.1:6379/0"
     static_backends: list[str] = field(default_factory=list)
-    policy: str = "prefix"
+    policy: str = policies.DEFAULT
     weights: Weights = field(default_factory=Weights)
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     api_keys: dict[str, KeyInfo] | None = None
     rate_limit_rpm: float | None = None
     rate_limit_tpm: float | None = None
@@ -124,15 +126,25 @@ class Breaker:
             self.until.pop(name, None)
 
 
-class BadRequest(Exception):
+class Refused(Exception):
+    """A request the router answers itself: `status` with an OpenAI error body (and `headers`)."""
+
+    def __init__(self, status: int, message: str, etype: str, param: str | None = None, code: str | None = None,
+                 headers=()):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.etype = etype
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+class BadRequest(Refused):
     """A request the router refuses itself: 400 (or `status`) with an OpenAI error naming `param`."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.code = code
+        super().__init__(status, message, "invalid_request_error", param, code)
 
 
 @dataclass
@@ -142,6 +154,37 @@ class Outcome:
     usage: dict | None = None
     attempts: int = 1
     error: str | None = None  # what went wrong upstream (logged)
+
+
+@dataclass
+class _Call:
+    """One request on its way through Router.handle's stages (each fills in its part)."""
+
+    t0: float
+    path: str
+    route: str  # the metrics label
+    headers: dict[str, str]  # names lower-cased
+    rid: str  # X-Request-Id
+    extra: list  # headers on every answer (X-Request-Id)
+    client_id: str  # the rate-limit client: the API key's id, else "ip:<address>"
+    key_info: KeyInfo | None = None
+    body: bytes = b""
+    req: dict[str, Any] = field(default_factory=dict)
+    generate: bool = False  # a completion or chat completion (else /tokenize, /detokenize, ...)
+    chars: int = 0  # prompt size read cheaply (prompt_chars)
+    charged: int = 0  # tokens charged to the rate limit so far
+    scores_prompt: bool = False  # prompt logprobs: nothing comes from the cache
+    tokens: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # contract-1 block keys of the prompt
+    held: "_Held | None" = None  # set while held for lack of a routable pod
+    held_s: float | None = None
+    ordered: list[Candidate] = field(default_factory=list)  # the pods to try, best first
+    reason: str | None = None  # the routing decision's reason
+    predicted: int = 0  # prompt tokens the chosen pod should serve from its cache
+
+    @property
+    def tpm(self) -> float | None:
+        return self.key_info.tpm if self.key_info else None
 
 
 class _Held:
@@ -158,16 +201,16 @@ class _Held:
 class Router:
     def __init__(self, cfg: RouterConfig, encoder=None):
         self.cfg = cfg
-        if cfg.policy not in POLICIES:
-            raise ValueError(f"unknown policy {cfg.policy!r} (expected one of {', '.join(POLICIES)})")
+        self.policy = policies.create(cfg.policy, PolicySettings(cfg.weights, cfg.hot_ratio, cfg.hot_min,
+                                                                 cfg.session_header))
         self.metrics = RouterMetrics()
         vocab = cfg.vocab_size
         if encoder is None:
-            from kvmesh.common.models import resolve_model_dir
+            from kvmesh.common.models import find_model_dir
             from kvmesh.common.tokenizer import KVMeshTokenizer
             from kvmesh.router.fast_tokenize import FastEncoder
 
-            model_dir = resolve_model_dir(cfg.tokenizer or cfg.model, convert=False)
+            model_dir = find_model_dir(cfg.tokenizer or cfg.model)
             encoder = FastEncoder(KVMeshTokenizer(model_dir))
             vocab = vocab or _config_vocab(model_dir)
         self.encoder = encoder
@@ -178,7 +221,6 @@ class Router:
         self.breaker = Breaker(cfg.eject_after, cfg.eject_seconds, self.metrics)
         self.inflight: dict[str, int] = {}
         self.full_until: dict[str, float] = {}  # pods that answered 429, until when
-        self._rr = count()
         self.redis = None
         self.discovery: Discovery | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -326,194 +368,245 @@ class Router:
             "discovery": self.discovery.detail() if self.discovery else None,
             "held_requests": len(self._held), "max_pending_requests": self.cfg.max_pending_requests if self.holds else 0})
 
-    # -- the request path -----------------------------------------------------------------------
+    # -- the request path: a pipeline of short stages -----------------------------------------------
     async def handle(self, scope, receive, send):
+        """One generation (or tokenize) request: authenticate -> read body -> admit (rate limit)
+        -> route -> proxy -> record.
+
+        A stage that refuses the request raises :class:`Refused`: answered here with an OpenAI
+        error, counted by route and status (a refusal after admission refunds the rate-limit
+        charge). A client gone before its answer ends the pipeline with nothing sent."""
+        call = self._begin(scope)
+        try:  # the cheap checks first: key, body size, JSON, the fields the router reads, rate limit
+            self._authenticate(call)
+            if not await self._read_body(call, receive):
+                return  # the client went away while sending its body
+            self._parse(call)
+            self._admit(call)
+        except Refused as r:
+            return await self._refuse(send, call, r)
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            try:
+                if not await self._route(call, watcher):
+                    return  # the client went away (counted as a 499)
+            except Refused as r:
+                self.limiter.adjust(call.client_id, -call.charged, call.tpm)  # never reached an engine
+                return await self._refuse(send, call, r)
+            out = await self._proxy(call, scope, send, watcher)
+        finally:
+            watcher.cancel()
+            if call.held is not None:
+                call.held.sent.set()
+        self._record(call, out)
+
+    def _begin(self, scope) -> _Call:
         t0 = time.perf_counter()
-        m = self.metrics
         path = scope["path"]
-        route = route_label(path)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         rid = headers.get("x-request-id")
         if not rid or not _RID_OK.match(rid):
             rid = uuid.uuid4().hex
-        extra = [(b"x-request-id", rid.encode())]
+        return _Call(t0=t0, path=path, route=route_label(path), headers=headers, rid=rid,
+                     extra=[(b"x-request-id", rid.encode())],
+                     client_id="ip:" + ((scope.get("client") or ("?",))[0]))
 
-        async def refuse(status: int, message: str, etype: str, param: str | None = None, code: str | None = None,
-                         more=()) -> None:
-            m.requests.labels(route, status_label(status)).inc()
-            await _error(send, status, message, etype, extra + list(more), param=param, code=code)
+    async def _refuse(self, send, call: _Call, r: Refused) -> None:
+        self.metrics.requests.labels(call.route, status_label(r.status)).inc()
+        await _error(send, r.status, r.message, r.etype, call.extra + list(r.headers), param=r.param, code=r.code)
 
-        # 1. cheap checks first: key, body size, JSON, the fields the router reads, rate limit
-        key_info = None
-        if self.keys.enabled:
-            key_info = self.keys.check(headers.get("authorization"))
-            if key_info is None:
-                m.auth_failures.inc()
-                return await refuse(401, "invalid or missing API key", "authentication_error",
-                                    code="invalid_api_key")
-        client_id = key_info.key_id if key_info else "ip:" + ((scope.get("client") or ("?",))[0])
+    def _client_gone(self, call: _Call) -> None:
+        self.metrics.client_disconnects.inc()
+        self.metrics.requests.labels(call.route, "499").inc()
 
+    def _authenticate(self, call: _Call) -> None:
+        """With API keys on: the key's limits and id (the rate-limit client); else a 401."""
+        if not self.keys.enabled:
+            return
+        info = self.keys.check(call.headers.get("authorization"))
+        if info is None:
+            self.metrics.auth_failures.inc()
+            raise Refused(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        call.key_info, call.client_id = info, info.key_id
+
+    async def _read_body(self, call: _Call, receive) -> bool:
+        """The body, at most max_body_bytes (413 beyond, declared or sent); False if the client left."""
         limit = self.cfg.max_body_bytes
         try:
-            declared = int(headers.get("content-length") or 0)
+            declared = int(call.headers.get("content-length") or 0)
         except ValueError:
             declared = 0
         if declared > limit:
-            return await refuse(413, f"request body is {declared} bytes; the limit is {limit}",
-                                "invalid_request_error", code="body_too_large")
+            raise Refused(413, f"request body is {declared} bytes; the limit is {limit}", "invalid_request_error",
+                          code="body_too_large")
         chunks = []
         size = 0
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
-                return
+                return False
             part = msg.get("body", b"")
             size += len(part)
             if size > limit:
-                return await refuse(413, f"request body exceeds the limit of {limit} bytes",
-                                    "invalid_request_error", code="body_too_large")
+                raise Refused(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error",
+                              code="body_too_large")
             chunks.append(part)
             if not msg.get("more_body"):
                 break
-        body = b"".join(chunks)
+        call.body = b"".join(chunks)
+        return True
+
+    def _parse(self, call: _Call) -> None:
+        """A JSON object; for a generation, the fields the router reads checked as the engine would."""
         try:
-            req = json.loads(body)
+            req = json.loads(call.body)
         except (ValueError, RecursionError) as exc:  # RecursionError: absurdly nested JSON
-            return await refuse(400, f"request body is not valid JSON: {str(exc)[:200]}", "invalid_request_error",
-                                code="invalid_json")
+            raise Refused(400, f"request body is not valid JSON: {str(exc)[:200]}", "invalid_request_error",
+                          code="invalid_json") from None
         if not isinstance(req, dict):
-            return await refuse(400, "request body must be a JSON object", "invalid_request_error")
-        generate = path in _GENERATE
-        if generate:
-            try:
-                check_request(path, req, self.vocab_size)
-            except BadRequest as exc:
-                return await refuse(exc.status, exc.message, "invalid_request_error", exc.param, exc.code)
+            raise Refused(400, "request body must be a JSON object", "invalid_request_error")
+        call.req = req
+        call.generate = call.path in _GENERATE
+        if call.generate:
+            check_request(call.path, req, self.vocab_size)  # raises BadRequest (a Refused)
 
-        # The rate limit is charged a bounded estimate before the tokenizer runs (a client over
-        # its limit costs no tokenization); it is corrected with the real prompt length, and
-        # settled with the engine's usage (or refunded if the request is refused).
-        chars = prompt_chars(path, req) if generate else 0
-        tpm = key_info.tpm if key_info else None
+    def _admit(self, call: _Call) -> None:
+        """The rate limit, charged a bounded estimate before the tokenizer runs (a client over its
+        limit costs no tokenization); corrected with the real prompt length in _tokenize, settled
+        with the engine's usage in _record (or refunded if the request is refused)."""
+        req, info = call.req, call.key_info
+        call.chars = prompt_chars(call.path, req) if call.generate else 0
         ok, retry_after, which, charged = self.limiter.admit_charge(
-            client_id, estimate_tokens(req, chars // 4 + 1) if generate else 0,
-            key_info.rpm if key_info else None, tpm)
+            call.client_id, estimate_tokens(req, call.chars // 4 + 1) if call.generate else 0,
+            info.rpm if info else None, call.tpm)
         if not ok:
-            m.rate_limited.labels(which).inc()
-            return await refuse(429, f"rate limit exceeded ({which} per minute)", "rate_limit_error",
-                                code="rate_limit_exceeded", more=[(b"retry-after", str(retry_after).encode())])
+            self.metrics.rate_limited.labels(which).inc()
+            raise Refused(429, f"rate limit exceeded ({which} per minute)", "rate_limit_error",
+                          code="rate_limit_exceeded", headers=[(b"retry-after", str(retry_after).encode())])
+        call.charged = charged
 
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        held: _Held | None = None
-        try:
-            # 2. tokenize (long prompts off the event loop) and block keys
-            scores_prompt = req.get("prompt_logprobs") is not None or (bool(req.get("echo"))
+    async def _route(self, call: _Call, watcher: asyncio.Future) -> bool:
+        """Tokens and block keys, a routable pod (held until one is: scale from zero), the
+        policy's order. False if the client went away meanwhile; Refused (503) if no pod came."""
+        await self._tokenize(call)
+        if watcher.done():  # gone while we tokenised
+            self._client_gone(call)
+            return False
+        pods = await self._routable_pods(call, watcher)
+        if pods is None:
+            return False
+        await self._order(call, pods)
+        return True
+
+    async def _tokenize(self, call: _Call) -> None:
+        """Tokenize like the engine (long prompts off the event loop) and compute the block keys."""
+        req = call.req
+        call.scores_prompt = req.get("prompt_logprobs") is not None or (bool(req.get("echo"))
                                                                         and req.get("logprobs") is not None)
-            tokens: list[int] = []
-            keys: list[int] = []
-            if generate:
-                t_tok = time.perf_counter()
-                if chars >= OFF_LOOP_CHARS:
-                    tokens, keys = await asyncio.to_thread(self._tokens_and_keys, path, req, scores_prompt, True)
-                else:
-                    tokens, keys = self._tokens_and_keys(path, req, scores_prompt, False)
-                m.tokenize.observe(time.perf_counter() - t_tok)
-                if tokens and charged:
-                    charged += self.limiter.adjust(client_id, estimate_tokens(req, len(tokens)) - charged, tpm)
-            if watcher.done():  # gone while we tokenised
-                m.client_disconnects.inc()
-                m.requests.labels(route, "499").inc()
-                return
+        if not call.generate:
+            return
+        t_tok = time.perf_counter()
+        if call.chars >= OFF_LOOP_CHARS:
+            call.tokens, call.keys = await asyncio.to_thread(self._tokens_and_keys, call.path, req,
+                                                             call.scores_prompt, True)
+        else:
+            call.tokens, call.keys = self._tokens_and_keys(call.path, req, call.scores_prompt, False)
+        self.metrics.tokenize.observe(time.perf_counter() - t_tok)
+        if call.tokens and call.charged:
+            call.charged += self.limiter.adjust(call.client_id,
+                                                estimate_tokens(req, len(call.tokens)) - call.charged, call.tpm)
 
-            # 3. a pod to send it to; none routable: hold it until one is (scale from zero)
+    async def _routable_pods(self, call: _Call, watcher: asyncio.Future) -> list[Pod] | None:
+        """The pods to choose from (ejected ones only if nothing else); none routable: the request
+        is held until one is (scale from zero). None if the client left while held."""
+        pods = self.discovery.routable()
+        if self.holds and (not pods or self._held):
+            outcome, call.held_s, call.held = await self._hold(watcher)
+            if outcome == "disconnect":
+                self._client_gone(call)
+                self.limiter.adjust(call.client_id, -call.charged, call.tpm)
+                return None
+            if outcome == "queue_full":
+                raise Refused(503, f"no engine is ready and {self.cfg.max_pending_requests} requests already wait "
+                              "for one (scale from zero); retry later", "service_unavailable",
+                              code="no_ready_engine", headers=[(b"retry-after", b"5")])
+            if outcome != "dispatched":
+                raise Refused(503, f"no engine became ready within {self.cfg.scale_from_zero_timeout:g} s "
+                              "(scale from zero); retry later", "service_unavailable", code="no_ready_engine",
+                              headers=[(b"retry-after", b"10")])
             pods = self.discovery.routable()
-            held_s = None
-            if self.holds and (not pods or self._held):
-                outcome, held_s, held = await self._hold(watcher)
-                if outcome == "disconnect":
-                    m.client_disconnects.inc()
-                    m.requests.labels(route, "499").inc()
-                    self.limiter.adjust(client_id, -charged, tpm)
-                    return
-                if outcome != "dispatched":
-                    self.limiter.adjust(client_id, -charged, tpm)
-                    if outcome == "queue_full":
-                        msg = (f"no engine is ready and {self.cfg.max_pending_requests} requests already wait for "
-                               "one (scale from zero); retry later")
-                    else:
-                        msg = (f"no engine became ready within {self.cfg.scale_from_zero_timeout:g} s "
-                               "(scale from zero); retry later")
-                    return await refuse(503, msg, "service_unavailable", code="no_ready_engine",
-                                        more=[(b"retry-after", b"5" if outcome == "queue_full" else b"10")])
-                pods = self.discovery.routable()
+        now = time.monotonic()
+        usable = [p for p in pods if not self.breaker.ejected(p.name, now)] or pods
+        if not usable:
+            raise Refused(503, "no ready engine for this model", "service_unavailable", code="no_ready_engine",
+                          headers=[(b"retry-after", b"1")])
+        return usable
+
+    async def _order(self, call: _Call, pods: list[Pod]) -> None:
+        """The policy's order (pods that just answered 429 last), and the predicted cached tokens."""
+        ordered, reason = await self.decide(pods, call.keys, call.headers, call.body)
+        if call.scores_prompt and reason == "short_prompt":
+            reason = "scores_prompt"
+        if self.full_until:
             now = time.monotonic()
-            usable = [p for p in pods if not self.breaker.ejected(p.name, now)] or pods
-            if not usable:
-                self.limiter.adjust(client_id, -charged, tpm)
-                return await refuse(503, "no ready engine for this model", "service_unavailable",
-                                    code="no_ready_engine", more=[(b"retry-after", b"1")])
-            ordered, reason = await self.decide(usable, keys, headers, body)
-            if scores_prompt and reason == "short_prompt":
-                reason = "scores_prompt"
-            if self.full_until:  # pods that just answered 429 go last
-                ordered.sort(key=lambda c: self.full_until.get(c.name, 0.0) > now)
-            m.decisions.labels(self.cfg.policy, reason).inc()
-            # The engine serves at most len - 1 prompt tokens from its cache (the last one is always
-            # computed, for logits): a prompt of whole blocks, all matched, has its last block recomputed.
-            bs = self.cfg.block_size
-            predicted = min(ordered[0].matched_blocks, max(len(tokens) - 1, 0) // bs) * bs
+            ordered.sort(key=lambda c: self.full_until.get(c.name, 0.0) > now)
+        self.metrics.decisions.labels(self.cfg.policy, reason).inc()
+        # The engine serves at most len - 1 prompt tokens from its cache (the last one is always
+        # computed, for logits): a prompt of whole blocks, all matched, has its last block recomputed.
+        bs = self.cfg.block_size
+        call.predicted = min(ordered[0].matched_blocks, max(len(call.tokens) - 1, 0) // bs) * bs
+        call.ordered, call.reason = ordered, reason
 
-            # 4. proxy; a client that goes away cancels the upstream request
-            on_sent = held.sent.set if held is not None else None
-            task = asyncio.ensure_future(self.proxy(scope, send, path, body, headers, rid, ordered, t0, extra,
-                                                    on_sent))
-            try:
-                await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                task.cancel()
-                raise
-            if not task.done():
-                task.cancel()  # the client went away: cancel the upstream request (closes its connection)
-                m.client_disconnects.inc()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                    pass
-                out = Outcome(499, ordered[0].name)
-            else:
-                out = task.result()
-        finally:
-            watcher.cancel()
-            if held is not None:
-                held.sent.set()
+    async def _proxy(self, call: _Call, scope, send, watcher: asyncio.Future) -> Outcome:
+        """proxy() to the ordered pods; a client that goes away cancels the upstream request."""
+        on_sent = call.held.sent.set if call.held is not None else None
+        task = asyncio.ensure_future(self.proxy(scope, send, call.path, call.body, call.headers, call.rid,
+                                                call.ordered, call.t0, call.extra, on_sent))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if task.done():
+            return task.result()
+        task.cancel()  # the client went away: cancel the upstream request (closes its connection)
+        self.metrics.client_disconnects.inc()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            pass
+        return Outcome(499, call.ordered[0].name)
 
-        # 5. settle: metrics, the rate limit, the access log
+    def _record(self, call: _Call, out: Outcome) -> None:
+        """Settle: metrics, the rate limit (the engine's usage, or a refund), the access log."""
+        m = self.metrics
         status = out.status
-        dur = time.perf_counter() - t0
-        m.requests.labels(route, status_label(status)).inc()
+        dur = time.perf_counter() - call.t0
+        m.requests.labels(call.route, status_label(status)).inc()
         m.duration.observe(dur)
-        m.prompt_tokens.inc(len(tokens))
+        m.prompt_tokens.inc(len(call.tokens))
         cached = None
         if status == 200:
-            m.predicted_cached.inc(predicted)
+            m.predicted_cached.inc(call.predicted)
             usage = out.usage
             if usage:
                 cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
                 if isinstance(cached, int):
                     m.engine_cached.inc(cached)
-                    m.prediction_error.observe(predicted - cached)
+                    m.prediction_error.observe(call.predicted - cached)
                 real = usage.get("total_tokens")
-                if isinstance(real, int) and real >= 0 and charged:
-                    self.limiter.adjust(client_id, real - charged, tpm)
-        elif status >= 400 and status not in (499, 504) and charged:
-            self.limiter.adjust(client_id, -charged, tpm)  # refused, or never reached an engine: refund
+                if isinstance(real, int) and real >= 0 and call.charged:
+                    self.limiter.adjust(call.client_id, real - call.charged, call.tpm)
+        elif status >= 400 and status not in (499, 504) and call.charged:
+            self.limiter.adjust(call.client_id, -call.charged, call.tpm)  # refused, or never reached an engine
         if access_log.isEnabledFor(logging.INFO):
             access_log.info("request", extra={"fields": {
-                "request_id": rid, "route": route, "status": status, "pod": redact_url(out.pod),
-                "policy": self.cfg.policy, "reason": reason, "attempts": out.attempts, "prompt_tokens": len(tokens),
-                "predicted_cached_tokens": predicted, "cached_tokens": cached, "stream": bool(req.get("stream")),
-                "held_s": round(held_s, 3) if held_s is not None else None, "error": out.error,
-                "duration_ms": round(dur * 1000, 2), "client": client_id}})
+                "request_id": call.rid, "route": call.route, "status": status, "pod": redact_url(out.pod),
+                "policy": self.cfg.policy, "reason": call.reason, "attempts": out.attempts,
+                "prompt_tokens": len(call.tokens), "predicted_cached_tokens": call.predicted,
+                "cached_tokens": cached, "stream": bool(call.req.get("stream")),
+                "held_s": round(call.held_s, 3) if call.held_s is not None else None, "error": out.error,
+                "duration_ms": round(dur * 1000, 2), "client": call.client_id}})
 
     def _tokens_and_keys(self, path: str, req: dict[str, Any], scores_prompt: bool,
                          large: bool) -> tuple[list[int], list[int]]:
@@ -661,46 +754,12 @@ class Router:
 
     async def decide(self, pods: list[Pod], keys: list[int], headers: dict[str, str],
                      body: bytes) -> tuple[list[Candidate], str]:
-        policy = self.cfg.policy
+        """The routing policy's order of `pods` (best first) and its reason (router/policies)."""
         cands = [Candidate(p.name, p.url, p.kv_usage, max(p.load, self.inflight.get(p.name, 0))) for p in pods]
         # Ties break on the prompt's last full block: prompts that share only a system prompt
         # spread over the pods, and every router still picks the same pod for the same prompt.
         tie = keys[-1].to_bytes(8, "little") if keys else body[:512]
-        if policy == "round-robin":
-            cands.sort(key=lambda c: c.name)
-            i = next(self._rr) % len(cands)
-            return cands[i:] + cands[:i], "round_robin"
-        if policy == "session":
-            sid = headers.get(self.cfg.session_header.lower())
-            if sid:
-                rank(cands, 0, Weights(0, 0, 0), tie, self.cfg.hot_ratio, self.cfg.hot_min)  # marks hot pods
-                sid_b = sid.encode()
-                cands.sort(key=lambda c: (c.hot, -rendezvous(sid_b, c.name)))
-                return cands, "session"
-        if policy == "least-load":
-            return rank(cands, 0, Weights(0, self.cfg.weights.kv, self.cfg.weights.queue), tie,
-                        self.cfg.hot_ratio, self.cfg.hot_min), "least_load"
-        # prefix (and session without a session id)
-        reason = None
-        if keys:
-            matched = await self.match(pods, keys)
-            if matched is None:
-                reason = "redis_unavailable"
-            else:
-                for c in cands:
-                    c.matched_blocks = matched.get(c.name, 0)
-        ordered = rank(cands, len(keys), self.cfg.weights, tie, self.cfg.hot_ratio, self.cfg.hot_min)
-        if reason is None:
-            best = max(ordered, key=lambda c: c.score)
-            if best.hot and best is not ordered[0]:
-                reason = "hotspot_guard"
-            elif not keys:
-                reason = "short_prompt"
-            elif ordered[0].matched_blocks:
-                reason = "prefix_match"
-            else:
-                reason = "no_match"
-        return ordered, reason
+        return await self.policy.order(RouteRequest(cands, keys, headers, tie, lambda: self.match(pods, keys)))
 
     async def proxy(self, scope, send, path, body, headers, rid, ordered, t0, extra, on_sent=None) -> Outcome:
         """Send to the candidates in order. Retried on the next pod: a connect error (the request

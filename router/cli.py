@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
 from kvmesh.common.logging_setup import redact_url, setup_logging
+from kvmesh.common.models import DEFAULT_MODEL
+from kvmesh.router import policies
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="served model name (block-key identity)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="served model name (block-key identity)")
     p.add_argument("--tokenizer", default=None, help="tokenizer source: built-in model name or HF dir")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
@@ -20,9 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "under); one endpoint source is required")
     p.add_argument("--backends-file", default=None,
                    help="endpoint source: a file of NAME=URL lines, re-read when it changes (kvmesh up)")
-    p.add_argument("--policy", choices=["prefix", "least-load", "round-robin", "session"], default="prefix")
+    p.add_argument("--policy", choices=policies.NAMES, default=policies.DEFAULT)
     p.add_argument("--weights", default="prefix=1.0,kv=0.5,queue=0.5")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--api-keys-file", default=None,
                    help="API keys, one per line (env KVMESH_API_KEYS: a path or the keys themselves)")
     # additions beyond the agreed flags

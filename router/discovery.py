@@ -346,12 +346,7 @@ class Discovery:
 
     async def _read_redis(self) -> None:
         try:
-            names = sorted(n.decode(errors="replace") if isinstance(n, bytes) else n
-                           for n in await self.redis.smembers(self._pods_key))
-            pipe = self.redis.pipeline(transaction=False)
-            for n in names:
-                pipe.hgetall(rl.heartbeat_key(self.model, n))
-            results = await pipe.execute() if names else []
+            beats = await rl.read_heartbeats(self.redis, self.model)
         except Exception as exc:  # noqa: BLE001 - any Redis/network error: keep the last view until it expires
             self.redis_ok = False
             self.metrics.redis_errors.labels("discovery").inc()
@@ -360,14 +355,8 @@ class Discovery:
             return
         self.redis_ok = True
         self.metrics.redis_up.set(1)
-        found: dict[str, rl.Heartbeat] = {}
-        dead: list[str] = []
-        for name, data in zip(names, results):
-            hb = rl.Heartbeat.from_mapping(name, data)
-            if hb is None:
-                dead.append(name)
-            else:
-                found[name] = hb
+        found = {name: hb for name, hb in beats.items() if hb is not None}
+        dead = [name for name, hb in beats.items() if hb is None]
         for name in dead:  # orphaned: heartbeat expired; delete its block set unless it just came back
             try:
                 await self._cleanup(keys=[rl.heartbeat_key(self.model, name), rl.blocks_key(self.model, name),

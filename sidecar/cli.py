@@ -9,6 +9,8 @@ import signal
 import socket
 import threading
 
+from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
+from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.common.logging_setup import setup_logging
 
 
@@ -20,8 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=os.environ.get("KVMESH_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--pod-name", default=os.environ.get("POD_NAME") or socket.gethostname())
     p.add_argument("--pod-url", default=os.environ.get("KVMESH_POD_URL"))
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--engine-format", choices=["kvmesh", "vllm"], default="kvmesh")
     p.add_argument("--health-port", type=int, default=None,

@@ -44,9 +44,10 @@ import httpx
 import redis
 
 from kvmesh.common import redis_layout as rl
-from kvmesh.common.block_keys import block_keys, key_hex, root_key
+from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE, block_keys, key_hex, root_key
 from kvmesh.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Delivery, EventBatch,
                                      KVEventSubscriber)
+from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.router.engine_metrics import engine_load
 
 log = logging.getLogger("kvmesh.sidecar")
@@ -58,12 +59,12 @@ GPU_MEDIA = (None, "GPU", "gpu", "cuda", "CUDA")
 class SidecarConfig:
     pod_name: str
     pod_url: str
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     engine_url: str = "http://127.0.0.1:8000"
     kv_events_endpoint: str = "tcp://127.0.0.1:5557"
     kv_events_replay_endpoint: str | None = "tcp://127.0.0.1:5558"
     redis_url: str = "redis://127.0.0.1:6379/0"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     heartbeat_interval: float = 1.0
     engine_format: str = "kvmesh"  # or "vllm"
     engine_down_after: int = 2  # failed polls before the heartbeat is withdrawn

@@ -171,10 +171,16 @@ def stub_factory():
         p.kill()
 
 
-class RouterThread:
-    """A Router served by uvicorn in a background thread of the test process."""
+_SHARED = object()
 
-    def __init__(self, cfg):
+
+class RouterThread:
+    """A Router served by uvicorn in a background thread of the test process.
+
+    `encoder`: the router's tokenizer; by default the session's shared smollm2 encoder
+    (loaded once), None: the router loads the one `cfg.tokenizer` (or `cfg.model`) names."""
+
+    def __init__(self, cfg, encoder=_SHARED):
         import threading
 
         import uvicorn
@@ -182,7 +188,7 @@ class RouterThread:
         from kvmesh.router.app import Router
 
         self.port = free_port()
-        self.router = Router(cfg, encoder=shared_encoder())
+        self.router = Router(cfg, encoder=shared_encoder() if encoder is _SHARED else encoder)
         config = uvicorn.Config(self.router, host="127.0.0.1", port=self.port, log_level="warning",
                                 access_log=False, lifespan="on")
         self.server = uvicorn.Server(config)
@@ -206,11 +212,11 @@ _ENCODER = None
 def shared_encoder():
     global _ENCODER
     if _ENCODER is None:
-        from kvmesh.common.models import resolve_model_dir
+        from kvmesh.common.models import find_model_dir
         from kvmesh.common.tokenizer import KVMeshTokenizer
         from kvmesh.router.fast_tokenize import FastEncoder
 
-        _ENCODER = FastEncoder(KVMeshTokenizer(resolve_model_dir("smollm2-135m-instruct", convert=False)))
+        _ENCODER = FastEncoder(KVMeshTokenizer(find_model_dir("smollm2-135m-instruct")))
     return _ENCODER
 
 

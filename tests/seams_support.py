@@ -59,12 +59,12 @@ def tokenizer_source(tmp: Path) -> Path:
     KVMESH_SEAMS_TOKENIZER=bpe, to run the seam tests on it)."""
     import os
 
-    from kvmesh.common.models import resolve_model_dir
+    from kvmesh.common.models import find_model_dir
 
     if os.environ.get("KVMESH_SEAMS_TOKENIZER") == "bpe":
         return trained_tokenizer_dir(tmp / "bpe-tokenizer")
     try:
-        return resolve_model_dir("smollm2-135m-instruct", convert=False)  # on disk already: no conversion
+        return find_model_dir("smollm2-135m-instruct")  # on disk already: no conversion
     except FileNotFoundError:
         return trained_tokenizer_dir(tmp / "bpe-tokenizer")
 

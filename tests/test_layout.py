@@ -55,3 +55,45 @@ def test_pyproject_lists_every_package():
             found.add(".".join((name, *rel)))
     # a mapped folder under kvmesh/ would be found twice; the mapped name wins
     assert found == listed, (sorted(found - listed), sorted(listed - found))
+
+
+# torch (and transformers) are the engine's: the router, the sidecar, the operator, the local
+# mesh's supervisor and the shared contracts must import, and the router must start, without them.
+_NO_TORCH = """
+import sys
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError(f"{name} is blocked: this module must import without torch")
+
+sys.meta_path.insert(0, NoTorch())
+"""
+WITHOUT_TORCH = ["kvmesh.common.block_keys", "kvmesh.common.kv_events", "kvmesh.common.logging_setup",
+                 "kvmesh.common.models", "kvmesh.common.openapi", "kvmesh.common.redis_layout",
+                 "kvmesh.common.tokenizer", "kvmesh.router.app", "kvmesh.router.cli", "kvmesh.router.policies",
+                 "kvmesh.sidecar.service", "kvmesh.sidecar.cli", "kvmesh.operator.handlers",
+                 "kvmesh.operator.scaling", "kvmesh.operator.cli", "kvmesh.operator.generate", "kvmesh.mesh.up",
+                 "kvmesh.mesh.status", "kvmesh.testing.stub_engine"]
+
+
+def test_components_import_without_torch():
+    code = _NO_TORCH + f"""
+import importlib
+for name in {WITHOUT_TORCH!r}:
+    importlib.import_module(name)
+from kvmesh.router.app import Router, RouterConfig
+router = Router(RouterConfig(redis_url=None, static_backends=["http://127.0.0.1:9"]))  # loads its tokenizer
+assert router.encoder.encode("hello world")
+assert not {{"torch", "transformers"}} & {{m.split(".")[0] for m in sys.modules}}
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_the_torch_blocker_blocks():
+    # the check above proves something only if importing torch under the blocker fails
+    out = subprocess.run([sys.executable, "-c", _NO_TORCH + "import kvmesh.engine.config"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and "torch is blocked" in out.stderr

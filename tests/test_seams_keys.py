@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from kvmesh.common.block_keys import block_keys
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSubscriber
 from kvmesh.common.ports import free_port
-from tests.conftest import RedisServer, wait_until
+from tests.conftest import RedisServer, RouterThread, wait_until
 from tests.seams_support import build_seam_model, check_tokenizer_is_not_naive, chain_errors
 
 MODEL = "seams-keys"
@@ -90,9 +90,7 @@ class Mesh:
     """Engine (ThreadServer) + sidecar -> Redis + router, all real, on loopback."""
 
     def __init__(self, model_dir: str):
-        import uvicorn
-
-        from kvmesh.router.app import Router, RouterConfig
+        from kvmesh.router.app import RouterConfig
         from kvmesh.sidecar.service import Sidecar, SidecarConfig
         from tests.engine.server.conftest import ThreadServer
 
@@ -106,18 +104,12 @@ class Mesh:
             pod_name=POD, pod_url=self.engine.url, model=MODEL, engine_url=self.engine.url,
             kv_events_endpoint=events, kv_events_replay_endpoint=replay, redis_url=self.redis.url,
             block_size=BS, heartbeat_interval=0.2)).start()
-        self.router = Router(RouterConfig(model=MODEL, tokenizer=model_dir, redis_url=self.redis.url,
-                                          static_backends=[f"{POD}={self.engine.url}"], block_size=BS,
-                                          refresh_interval=0.1))
-        self.router_port = free_port()
-        config = uvicorn.Config(self.router, host="127.0.0.1", port=self.router_port, log_level="warning",
-                                access_log=False, lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.server.install_signal_handlers = lambda: None
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, 10, msg="router started")
-        self.url = f"http://127.0.0.1:{self.router_port}"
+        # the router loads the seam model's own tokenizer (not the shared smollm2 one)
+        self.router_thread = RouterThread(RouterConfig(model=MODEL, tokenizer=model_dir, redis_url=self.redis.url,
+                                                       static_backends=[f"{POD}={self.engine.url}"],
+                                                       block_size=BS, refresh_interval=0.1), encoder=None)
+        self.router = self.router_thread.router
+        self.url = self.router_thread.url
         self.http = httpx.Client(base_url=self.url, timeout=60)
         # The router's access log: its predicted cached tokens beside the engine's, per request.
         self.records: list[dict] = []
@@ -148,8 +140,7 @@ class Mesh:
     def close(self) -> None:
         logging.getLogger("kvmesh.router.access").removeHandler(self._handler)
         self.http.close()
-        self.server.should_exit = True
-        self.thread.join(10)
+        self.router_thread.stop()
         self.sidecar.stop(clean=True)
         self.log.close()
         self.engine.stop()

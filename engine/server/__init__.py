@@ -1,6 +1,8 @@
 """The engine server: one engine replica behind an OpenAI-compatible HTTP API.
 
 Modules: ``protocol`` (request/response models), ``async_engine`` (the engine thread
-and its asyncio bridge), ``api`` (FastAPI routes), ``metrics`` (Prometheus),
-``errors`` (OpenAI error bodies), ``cli`` (``kvmesh serve``).
+and its asyncio bridge), ``api`` (the FastAPI app: routes only), ``serving_base`` (what every
+request shares: admission, sampling parameters, SSE framing, errors), ``serving_completion`` and
+``serving_chat`` (the two generation APIs), ``serving_tokenization`` (/tokenize, /detokenize),
+``metrics`` (Prometheus), ``errors`` (OpenAI error bodies), ``cli`` (``kvmesh serve``).
 """

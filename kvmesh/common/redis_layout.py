@@ -1,5 +1,9 @@
 """Contract 3: the Redis key layout shared by sidecar, router, operator and `kvmesh status`.
 
+The one heartbeat type (:class:`Heartbeat`, written by the sidecar) and the one reader
+(:func:`read_heartbeats`, used by the router's discovery, the operator's autoscaler, `kvmesh
+status` and `kvmesh up --autoscale`) live here too.
+
 Everything lives under a versioned prefix, namespaced by the served model name:
 
 - ``kvmesh:v1:{model}:pods``               set of pod names that have (had) a sidecar
@@ -17,9 +21,10 @@ it orphaned, atomically with ``ORPHAN_CLEANUP_LUA``).
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 PREFIX = "kvmesh:v1:"
 HEARTBEAT_TTL_S = 10
@@ -67,23 +72,26 @@ def demand_key(model: str) -> str:
 
 @dataclass
 class Heartbeat:
-    """One pod's heartbeat, as written by its sidecar."""
+    """One pod's heartbeat, as written by its sidecar (and read by everyone else).
+
+    `num_keys` (the size of the pod's block set) is optional in the hash: None when absent;
+    :attr:`cached_blocks` then estimates it from the KV usage."""
 
     pod: str
     url: str
-    model: str
+    model: str = ""
     kv_usage: float = 0.0
     running: int = 0
     waiting: int = 0
     total_blocks: int = 0
     state: str = STATE_READY
     ts: float = field(default_factory=time.time)
-    num_keys: int = 0
+    num_keys: int | None = None
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
 
     def to_mapping(self) -> dict[str, str]:
-        return {
+        out = {
             F_URL: self.url,
             F_MODEL: self.model,
             F_KV_USAGE: f"{self.kv_usage:.6f}",
@@ -92,10 +100,11 @@ class Heartbeat:
             F_TOTAL_BLOCKS: str(int(self.total_blocks)),
             F_STATE: self.state,
             F_TS: f"{self.ts:.3f}",
-            F_NUM_KEYS: str(int(self.num_keys)),
+            F_NUM_KEYS: str(int(self.num_keys)) if self.num_keys is not None else None,
             F_PREFIX_QUERIES: f"{self.prefix_cache_queries:g}",
             F_PREFIX_HITS: f"{self.prefix_cache_hits:g}",
         }
+        return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
     def from_mapping(cls, pod: str, data: Mapping[Any, Any]) -> "Heartbeat | None":
@@ -123,7 +132,7 @@ class Heartbeat:
             total_blocks=num(F_TOTAL_BLOCKS, int),
             state=d.get(F_STATE, STATE_READY),
             ts=num(F_TS),
-            num_keys=num(F_NUM_KEYS, int),
+            num_keys=num(F_NUM_KEYS, int) if d.get(F_NUM_KEYS) not in (None, "") else None,
             prefix_cache_queries=num(F_PREFIX_QUERIES),
             prefix_cache_hits=num(F_PREFIX_HITS),
         )
@@ -131,6 +140,56 @@ class Heartbeat:
     @property
     def load(self) -> int:
         return self.running + self.waiting
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks this pod holds: its block-set size, else the used share of its KV cache."""
+        return self.num_keys if self.num_keys is not None else round(self.kv_usage * self.total_blocks)
+
+    def fresh(self, now: float, max_age: float = HEARTBEAT_TTL_S) -> bool:
+        """Written at most `max_age` seconds before `now` (unix time)."""
+        return now - self.ts <= max_age
+
+
+def read_heartbeats(client: Any, model: str, pods: Iterable[str] | None = None, *, prefix: str = ""):
+    """The heartbeats of `model`'s pods in one pipelined round trip: pod name -> :class:`Heartbeat`,
+    or None for a pod whose hash is gone (expired: the pod is dead or hung) or has no URL.
+
+    `pods`: these names, in this order (default: the model's pods set, sorted); `prefix`: only
+    names that start with it (e.g. one ModelDeployment's engine pods on a shared Redis). With a
+    ``redis.Redis`` the answer is the dict; with a ``redis.asyncio.Redis``, an awaitable of it.
+    Redis errors are the caller's to handle. The caller decides what a live heartbeat is (the
+    hash's TTL, :meth:`Heartbeat.fresh`, its state)."""
+    if inspect.iscoroutinefunction(getattr(client, "execute_command", None)):
+        return _read_heartbeats_async(client, model, pods, prefix)
+    names = _pod_names(client.smembers(pods_key(model)) if pods is None else pods, prefix, pods is None)
+    if not names:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(heartbeat_key(model, name))
+    return _parse_heartbeats(names, pipe.execute())
+
+
+async def _read_heartbeats_async(client: Any, model: str, pods: Iterable[str] | None,
+                                 prefix: str) -> dict[str, Heartbeat | None]:
+    names = _pod_names(await client.smembers(pods_key(model)) if pods is None else pods, prefix, pods is None)
+    if not names:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(heartbeat_key(model, name))
+    return _parse_heartbeats(names, await pipe.execute())
+
+
+def _pod_names(raw: Iterable[Any], prefix: str, sort: bool) -> list[str]:
+    names = [n.decode(errors="replace") if isinstance(n, bytes) else str(n) for n in raw]
+    names = [n for n in names if n.startswith(prefix)]
+    return sorted(names) if sort else names
+
+
+def _parse_heartbeats(names: list[str], hashes: list[Any]) -> dict[str, Heartbeat | None]:
+    return {name: Heartbeat.from_mapping(name, data) for name, data in zip(names, hashes)}
 
 
 # KEYS: heartbeat key, blocks key, pods set; ARGV: pod name.

@@ -29,8 +29,7 @@ def collect(redis_url: str, model: str | None = None) -> list[dict]:
         models = sorted(k[len(rl.PREFIX):-len(":pods")] for k in r.scan_iter(match=f"{rl.PREFIX}*:pods"))
     rows = []
     for m in models:
-        for pod in sorted(r.smembers(rl.pods_key(m))):
-            hb = rl.Heartbeat.from_mapping(pod, r.hgetall(rl.heartbeat_key(m, pod)))
+        for pod, hb in rl.read_heartbeats(r, m).items():
             keys = r.scard(rl.blocks_key(m, pod))
             if hb is None:
                 rows.append({"model": m, "pod": pod, "state": "gone", "blocks_indexed": keys})

@@ -26,7 +26,11 @@ import threading
 import time
 from pathlib import Path
 
+from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
+from kvmesh.common.logging_setup import setup_logging
+from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.common.ports import free_port
+from kvmesh.router import policies
 
 DEFAULT_ENGINE_COMMAND = (
     "{python} -m kvmesh.cli serve --model {model} --served-model-name {served_model_name} --host 127.0.0.1 "
@@ -300,13 +304,12 @@ class Mesh:
             r = redis.Redis.from_url(self.redis_url, socket_timeout=1, decode_responses=True)
             ready, busy = {}, 0
             now = time.time()
-            for rep in self.replicas:
-                hb = rl.Heartbeat.from_mapping(rep.pod, r.hgetall(rl.heartbeat_key(self.served, rep.pod)))
-                if hb is None or now - hb.ts > rl.HEARTBEAT_TTL_S:
+            for pod, hb in rl.read_heartbeats(r, self.served, [rep.pod for rep in self.replicas]).items():
+                if hb is None or not hb.fresh(now):
                     continue
                 busy += hb.running + hb.waiting
                 if hb.state == rl.STATE_READY:
-                    ready[rep.pod] = hb
+                    ready[pod] = hb
             demand = bool(r.exists(rl.demand_key(self.served)))
             return ready, busy, demand
         except redis.RedisError:
@@ -332,7 +335,7 @@ class Mesh:
             hb = beats.get(rep.pod)
             if hb is None:
                 return (0 if rep.pod in stuck else 1, 0)
-            return (2, hb.num_keys + 1000 * (hb.running + hb.waiting))
+            return (2, hb.cached_blocks + 1000 * (hb.running + hb.waiting))
         return sorted(self.replicas, key=cost)
 
     def autoscale_step(self) -> None:
@@ -379,14 +382,14 @@ class Mesh:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="built-in model name or HF directory")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="built-in model name or HF directory")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--host", default="127.0.0.1", help="router listen address")
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
-    p.add_argument("--policy", default="prefix", choices=["prefix", "least-load", "round-robin", "session"])
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--policy", default=policies.DEFAULT, choices=policies.NAMES)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--api-keys-file", default=None)
     p.add_argument("--engine-command", default=None,
                    help="engine command template (env KVMESH_ENGINE_COMMAND); fields: {python} {model} "
@@ -420,6 +423,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    setup_logging("text", "INFO")  # the supervisor's own log lines; its children's are prefixed by say()
     mesh = Mesh(args)
     if mesh.engine_template == "stub":
         mesh.engine_template = STUB_ENGINE_COMMAND
@@ -433,14 +437,17 @@ def run(args: argparse.Namespace) -> int:
         mesh.scaler = Autoscaler(mesh.scaling_policy())
     elif args.replicas < 1:
         raise SystemExit("kvmesh up: --replicas must be at least 1 (0 only with --autoscale --min-replicas 0)")
-    # Convert the built-in model once, before N engines and the router all want it.
-    from kvmesh.common.models import resolve_model_dir
+    # Convert the built-in model once, before N engines and the router all want it (the
+    # conversion is the engine's: torch, transformers).
+    from kvmesh.common.models import find_model_dir
 
     try:
-        resolve_model_dir(args.model, convert=False)
+        find_model_dir(args.model)
     except FileNotFoundError:
+        from kvmesh.engine.builtin import resolve_model_dir
+
         say("up", f"preparing model {args.model} (first run only)")
-        resolve_model_dir(args.model, convert=True)
+        resolve_model_dir(args.model)
 
     def on_signal(signum, _frame):
         mesh.stop_event.set()

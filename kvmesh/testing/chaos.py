@@ -42,6 +42,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 
 from kvmesh.common import redis_layout as rl
+from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.common.ports import free_port
 
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
@@ -138,7 +139,7 @@ async def wait_for(cond: Callable[[], Awaitable[Any]], timeout: float, what: str
 class MeshConfig:
     engines: int = 2
     model: str = field(default_factory=lambda: f"chaos-{uuid.uuid4().hex[:6]}")
-    tokenizer: str = "smollm2-135m-instruct"
+    tokenizer: str = DEFAULT_MODEL
     response_tokens: int = 24
     token_delay: float = 0.05
     num_blocks: int = 8192  # large: no evictions, so an engine's cache only grows

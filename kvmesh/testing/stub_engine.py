@@ -30,8 +30,9 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from kvmesh.common.block_keys import block_keys
+from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE, block_keys
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
+from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.common.prompts import chat_template_messages, prompt_batch
 
 
@@ -43,12 +44,11 @@ class StubEngine:
         self.num_blocks = args.num_blocks
         self.encoder = None
         if not args.no_tokenize:
-            from kvmesh.common.models import resolve_model_dir
+            from kvmesh.common.models import find_model_dir
             from kvmesh.common.tokenizer import KVMeshTokenizer
             from kvmesh.router.fast_tokenize import FastEncoder
 
-            self.encoder = FastEncoder(KVMeshTokenizer(resolve_model_dir(args.tokenizer or args.model,
-                                                                          convert=False)))
+            self.encoder = FastEncoder(KVMeshTokenizer(find_model_dir(args.tokenizer or args.model)))
         self.cache: OrderedDict[int, None] = OrderedDict()
         self.publisher = None
         if args.kv_events_endpoint:
@@ -334,12 +334,12 @@ async def _json(send, status: int, obj: Any, headers=()):
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="kvmesh-stub-engine", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--tokenizer", default=None, help="model dir for the tokenizer (default: from --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--num-blocks", "--num-kv-blocks", dest="num_blocks", type=int, default=512)
     p.add_argument("--kv-events-endpoint", default=None)
     p.add_argument("--kv-events-replay-endpoint", default=None)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvmesh.common.models import resolve_model_dir
+from kvmesh.engine.builtin import resolve_model_dir
 from tests.tiny_models import build_tiny_model
 
 

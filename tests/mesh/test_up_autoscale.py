@@ -20,7 +20,7 @@ FAST = ["--engine-command", "stub", "--autoscale", "--scale-interval", "0.3", "-
 
 def _router_holds_requests() -> bool:
     """The router's side of scale from zero (hold queue + demand key) is built separately."""
-    return any("demand_key" in p.read_text() for p in (ROOT / "kvmesh" / "router").glob("*.py")
+    return any("demand_key" in p.read_text() for p in (ROOT / "router").glob("*.py")
                if p.name != "up_cli.py")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.operator.metrics_source import Heartbeat
+from kvmesh.common.redis_layout import Heartbeat
 from kvmesh.operator.scaling import COST_STARTING, COST_STUCK, EnginePod, Load, deletion_costs, observe
 
 

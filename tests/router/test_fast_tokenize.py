@@ -2,14 +2,14 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.common.models import resolve_model_dir
+from kvmesh.common.models import find_model_dir
 from kvmesh.common.tokenizer import KVMeshTokenizer
 from kvmesh.router.fast_tokenize import FastEncoder
 
 
 @pytest.fixture(scope="module")
 def encoders():
-    tok = KVMeshTokenizer(resolve_model_dir("smollm2-135m-instruct", convert=False))
+    tok = KVMeshTokenizer(find_model_dir("smollm2-135m-instruct"))
     fast = FastEncoder(tok)
     assert fast.fast
     return tok, fast
@@ -84,7 +84,7 @@ def test_chat_template_kwargs_and_bad_combinations(encoders):
     from kvmesh.common.tokenizer import TemplateError
 
     tok, fast = encoders
-    custom = KVMeshTokenizer(resolve_model_dir("smollm2-135m-instruct", convert=False))
+    custom = KVMeshTokenizer(find_model_dir("smollm2-135m-instruct"))
     custom.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if shout %}!!!{% endif %}"
     msgs = [{"role": "user", "content": "hi"}]
     shout = {"shout": True}

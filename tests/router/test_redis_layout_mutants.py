@@ -49,7 +49,8 @@ def test_mixed_bytes_and_str_keys_and_values():
 def test_missing_fields_read_as_their_defaults():
     back = rl.Heartbeat.from_mapping("p", {"url": "http://u"})
     assert (back.model, back.state) == ("", rl.STATE_READY)
-    for name in ("kv_usage", "running", "waiting", "total_blocks", "ts", "num_keys", "prefix_cache_queries",
+    assert back.num_keys is None  # optional: unknown (cached_blocks then estimates it from the KV usage)
+    for name in ("kv_usage", "running", "waiting", "total_blocks", "ts", "prefix_cache_queries",
                  "prefix_cache_hits"):
         assert getattr(back, name) == 0, name
     assert type(back.running) is int and type(back.kv_usage) is float

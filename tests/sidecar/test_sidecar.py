@@ -21,10 +21,10 @@ def _sidecar(stub, redis_server, model, pod="pod-a", **kw) -> Sidecar:
 
 
 def _keys_for(prompt: str, model: str) -> list[str]:
-    from kvmesh.common.models import resolve_model_dir
+    from kvmesh.common.models import find_model_dir
     from kvmesh.common.tokenizer import KVMeshTokenizer
 
-    tok = KVMeshTokenizer(resolve_model_dir("smollm2-135m-instruct", convert=False))
+    tok = KVMeshTokenizer(find_model_dir("smollm2-135m-instruct"))
     return [key_hex(k) for k in block_keys(tok.encode(prompt), model)]
 
 
