@@ -135,13 +135,15 @@ class TritonBackend(AttentionBackend):
 
     def num_splits(self, num_rows: int, max_len: int) -> int:
         """Split-KV ranges per decode row: enough programs to fill the device, each range at
-        least one key tile long; one when the batch alone fills it."""
+        least one key tile long, rounded down to a power of two; one when the batch alone
+        fills the device."""
         if num_rows == 0:
             return 1
         programs = num_rows * self.num_kv_heads
         by_device = -(-self.target_programs // programs)
         by_length = max(1, max_len // self.kernels.TILE_N)
-        return int(max(1, min(self.max_splits, by_device, by_length)))
+        splits = int(max(1, min(self.max_splits, by_device, by_length)))
+        return 1 << (splits.bit_length() - 1)  # a power of two: few kernel variants to compile
 
     def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """Several int32 arrays in one host-to-device copy; views of it, reshaped as given."""

@@ -73,6 +73,20 @@ def test_torch_backend_forced_on_cpu(tiny_llama_dir):
     assert out[0].outputs[0].token_ids == hf_greedy(tiny_llama_dir, prompt, 4, True)
 
 
+@needs_triton
+def test_split_kv_ranges_fill_the_device_in_powers_of_two():
+    from types import SimpleNamespace
+
+    backend = ab.TritonBackend(SimpleNamespace(num_attention_heads=8, num_key_value_heads=2), 16, CPU)
+    backend.target_programs = 264  # 2 x the SMs of an H100/H200
+    tile = backend.kernels.TILE_N
+    assert backend.num_splits(1, 4096) == 16  # one row: as many ranges as allowed
+    assert backend.num_splits(64, 4096) == 2  # 128 programs: 3 ranges would fill it, rounded down
+    assert backend.num_splits(200, 4096) == 1  # the batch fills the device alone
+    assert backend.num_splits(1, tile) == 1 and backend.num_splits(1, 3 * tile) == 2  # >= one tile each
+    assert backend.num_splits(0, 0) == 1
+
+
 # -- CUDA graphs ---------------------------------------------------------------------------
 class FakeGraphAPI:
     """Stands in for torch.cuda at the GraphAPI boundary: capture records the function and runs
