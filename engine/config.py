@@ -160,6 +160,11 @@ class ModelConfig:
         declared = _DTYPES.get(str(self.torch_dtype).replace("torch.", ""), torch.float32)
         if device.type == "cpu" and declared == torch.float16:
             return torch.float32  # fp16 matmuls are slow and lossy on CPU
+        if device.type == "cuda" and declared == torch.float32:
+            # As vLLM's auto: a GPU serves an fp32 checkpoint in 16 bits (bf16 where supported).
+            if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+                return torch.float16
+            return torch.bfloat16
         return declared
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
