@@ -67,7 +67,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slots_ptr, num_tokens,
     mask = ((t < num_tokens) & (slot >= 0))[:, None] & ((h < NUM_KV_HEADS) & (d < HEAD_DIM))[None, :]
     k = tl.load(k_ptr + t[:, None] * stride_kt + (h * stride_kh + d)[None, :], mask=mask)
     v = tl.load(v_ptr + t[:, None] * stride_vt + (h * stride_vh + d)[None, :], mask=mask)
-    dst = (h * stride_ch + d)[None, :] + slot[:, None] * stride_cs
+    dst = (h.to(tl.int64) * stride_ch + d)[None, :] + slot[:, None] * stride_cs
     tl.store(k_cache + dst, k, mask=mask)
     tl.store(v_cache + dst, v, mask=mask)
 

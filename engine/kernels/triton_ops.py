@@ -98,7 +98,7 @@ def _rotary_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache, v_cache, s
         keep = slot >= 0  # a negative slot (CUDA-graph padding) is not stored
         # The rotated k heads go to the cache from registers; v is copied as is.
         k_mask = mask & keep[:, None] & (h >= NUM_HEADS)[None, :]
-        k_dst = (h - NUM_HEADS)[None, :] * stride_ch + slot[:, None] * stride_cs + i[None, :]
+        k_dst = (h - NUM_HEADS).to(tl.int64)[None, :] * stride_ch + slot[:, None] * stride_cs + i[None, :]
         tl.store(k_cache + k_dst, y1.to(k_cache.dtype.element_ty), mask=k_mask)
         tl.store(k_cache + k_dst + HALF, y2.to(k_cache.dtype.element_ty), mask=k_mask)
         jv = tl.arange(0, KV_PAD * DIM_PAD)
@@ -107,7 +107,7 @@ def _rotary_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache, v_cache, s
         v_mask = (rmask & keep)[:, None] & ((kh < NUM_KV_HEADS) & (d < HEAD_DIM))[None, :]
         v = tl.load(qkv_ptr + r[:, None] * stride_t + ((NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kh * HEAD_DIM + d)[None, :],
                     mask=v_mask)
-        tl.store(v_cache + (kh * stride_ch + d)[None, :] + slot[:, None] * stride_cs, v, mask=v_mask)
+        tl.store(v_cache + (kh.to(tl.int64) * stride_ch + d)[None, :] + slot[:, None] * stride_cs, v, mask=v_mask)
 
 
 def rotary_qk_store_kv_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
