@@ -316,6 +316,20 @@ def test_triton_backend_greedy_matches_transformers(model, request):
 
 
 @needs_triton
+def test_triton_backend_prompt_logprobs_match_transformers(tiny_llama_dir):
+    """Prompt-logprob rows ride the last layer as decodes over their own contexts: through the
+    Triton backend's metadata too (chunked, so some rows sit in a chunk after cached context)."""
+    from tests.engine.test_prompt_logprobs import assert_matches_hf
+
+    prompt = random_prompts(1, 30, 30, seed=21)[0]
+    llm = LLM(tiny_llama_dir, attention_backend="triton", num_kv_blocks=64, max_num_batched_tokens=16)
+    out = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                                                prompt_logprobs=2, logprobs=1))[0]
+    assert_matches_hf(tiny_llama_dir, prompt, out.prompt_logprobs, 2)
+    assert out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, prompt, 2, True)
+
+
+@needs_triton
 @pytest.mark.slow
 def test_triton_backend_builtin_model_matches_transformers(smollm2_dir):
     """The built-in SmolLM2 (30 layers, GQA 9/3, head dim 64) through the interpreted kernels."""
