@@ -191,7 +191,9 @@ class TritonBackend(AttentionBackend):
                               tile_seq=tseq_d, tile_q=tq_d, num_tiles=int(tile_seq.size))
         meta.decode_only = (not prefill.size and len(sample_ctx) == len(rows)
                             and np.array_equal(np.asarray(sample_ctx), seq_lens))
-        if sample_ctx:
+        if meta.decode_only:  # the sampling rows are the batch's rows: the same metadata serves
+            meta.sample_meta = meta
+        elif sample_ctx:
             meta.sample_meta = self.decode_metadata(sample_tables, sample_ctx)
         return meta
 
