@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.engine.penalties import apply_penalties
+from kvmesh.engine.penalties import apply_penalties, to_device
 from kvmesh.engine.request import Request
 
 
@@ -93,15 +93,15 @@ class Sampler:
                         logits = logits.clone()  # only when something is banned: 12 MB at batch 64
                     logits[i, banned] = float("-inf")
 
-        # Decisions from the host-side params, never from device tensors: the only device-to-host
-        # copy of a step is the sampled ids' (tolist below).
-        greedy_rows = [r.sampling_params.greedy for r in requests]
+        # Decisions from the host-side params, never from device values: no sync but the one
+        # copy of the sampled ids below.
+        greedy = [r.sampling_params.greedy for r in requests]
         tokens = logits.argmax(dim=-1)
-        if not all(greedy_rows):
-            greedy = torch.tensor(greedy_rows, device=logits.device)
-            tokens = torch.where(greedy, tokens, self._sample(logits, requests, greedy_rows))
+        if not all(greedy):
+            mask = to_device(greedy, torch.bool, logits.device)
+            tokens = torch.where(mask, tokens, self._sample(logits, requests, greedy))
 
-        token_list = tokens.tolist()
+        token_list = tokens.tolist()  # the step's one device-to-host copy
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if wanted:
@@ -114,16 +114,16 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         dev = logits.device
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+        temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, dev)
         logits = logits / temps[:, None]
         if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=dev)
+            top_k = to_device([p.top_k for p in params], torch.long, dev)
             k = torch.where(top_k > 0, top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
             sorted_logits = logits.sort(dim=-1, descending=True).values
             kth = sorted_logits.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=dev)
+            top_p = to_device([p.top_p for p in params], torch.float32, dev)
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             # Drop tokens once the mass before them already reaches top_p (keep at least one).
@@ -132,7 +132,7 @@ class Sampler:
             logits = logits.masked_fill(drop, float("-inf"))
         probs = logits.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev)
+            min_p = to_device([p.min_p for p in params], torch.float32, dev)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
         noise = torch.empty_like(probs)
