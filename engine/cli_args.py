@@ -15,15 +15,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by `generate` and `serve` (names as in docs/cli.md)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL, help="built-in model name or HF directory")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--served-model-name", default=None, help="the `model` clients ask for; also the block-key model identity (default: the model name)")
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: sized from `--kv-cache-memory`)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size, e.g. 4GiB (default: 4GiB on the CPU; on a GPU, what "
                         "--gpu-memory-utilization leaves after the weights and a profiling step)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
