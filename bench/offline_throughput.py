@@ -2,9 +2,10 @@
 """Offline throughput: kvmesh's continuous batching vs Hugging Face static batching.
 
 Workload (issue 2): 64 requests, prompts of random token ids with lengths uniform in
-[64, 512] (seed 0), 128 output tokens each, ignore_eos, greedy, fp32, the built-in
-model. The baseline runs the same requests through transformers' `generate` in static,
-left-padded batches of 16, on the same machine, in the same run. Each system runs in its
+[64, 512] (seed 0), 128 output tokens each, ignore_eos, greedy, the built-in model; fp32 on
+the CPU by default, ``--device cuda --dtype bfloat16`` on a GPU (bench/gpu_check.sh). The
+baseline runs the same requests through transformers' `generate` in static, left-padded
+batches of 16, on the same device and dtype, in the same run. Each system runs in its
 own fresh process.
 Prints output tok/s, total tok/s (prompt + output) and the ratio.
 """
@@ -51,16 +52,17 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def run_hf(model_dir, prompts, output_len: int, batch_size: int, malloc_tuning: bool) -> tuple[float, int]:
+def run_hf(model_dir, prompts, output_len: int, batch_size: int, malloc_tuning: bool,
+           device: str = "cpu", dtype: str = "float32") -> tuple[float, int]:
     if malloc_tuning:
-        from kvmesh.engine.malloc_tuning import tune_malloc
+        from kvmesh.engine.kernels.malloc_tuning import tune_malloc
 
         tune_malloc()
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     generated = 0
 
@@ -71,7 +73,7 @@ def run_hf(model_dir, prompts, output_len: int, batch_size: int, malloc_tuning: 
         for i, p in enumerate(batch):  # left padding
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        return ids, mask
+        return ids.to(device), mask.to(device)
 
     with torch.inference_mode():
         ids, mask = batch_inputs([prompts[0][:32]])
@@ -100,6 +102,10 @@ def main(argv=None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--skip-kvmesh", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda, for both systems")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--baseline-malloc-tuning", action="store_true",
                     help="run the baseline with kvmesh's glibc malloc settings too (default: glibc defaults)")
     args = ap.parse_args(argv)
@@ -112,24 +118,26 @@ def main(argv=None) -> int:
     prompts = make_workload(args.num_requests, args.min_len, args.max_len, vocab)
     prompt_tokens = sum(len(p) for p in prompts)
     print(f"workload: {len(prompts)} requests, {prompt_tokens} prompt tokens, "
-          f"{args.output_len} output tokens each, greedy, fp32, model {args.model}", flush=True)
+          f"{args.output_len} output tokens each, greedy, {args.dtype} on {args.device}, model {args.model}",
+          flush=True)
 
     # Each system runs in its own fresh interpreter, as its users run it: neither inherits the
     # other's heap, allocator settings or warm caches, and the order does not matter. kvmesh's
-    # engine tunes glibc malloc for itself when it starts (engine/malloc_tuning.py);
+    # engine tunes glibc malloc for itself when it starts (engine/kernels/malloc_tuning.py);
     # --baseline-malloc-tuning gives the baseline the same settings.
     print("each system runs in a fresh process; baseline allocator: "
           + ("kvmesh's malloc tuning" if args.baseline_malloc_tuning else "glibc defaults"), flush=True)
     results = {}
     engine_args = dict(max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_num_seqs=args.max_num_seqs, dtype="float32")
+                       max_num_seqs=args.max_num_seqs, dtype=args.dtype, device=args.device,
+                       attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
     if args.num_kv_blocks:
         engine_args["num_kv_blocks"] = args.num_kv_blocks
     if not args.skip_kvmesh:
         results["kvmesh"] = in_fresh_process(run_kvmesh, args.model, prompts, args.output_len, engine_args)
     if not args.skip_baseline:
         results["hf-static"] = in_fresh_process(run_hf, model_dir, prompts, args.output_len, args.hf_batch_size,
-                                                args.baseline_malloc_tuning)
+                                                args.baseline_malloc_tuning, args.device, args.dtype)
 
     print()
     print(f"{'system':<12} {'time s':>8} {'output tok/s':>13} {'total tok/s':>12}")

@@ -17,6 +17,14 @@ Modes:
       (1) shared-prefix workload on `kvmesh serve` with prefix caching on vs off (median TTFT)
       (2) offline workload through `kvmesh serve` vs the offline API (LLM.generate) throughput
   Scale it down for a small machine with --num-requests / --output-len / --prefix-num-requests.
+  bench/serve.py --compare-vllm auto                               # issue 14: kvmesh serve vs vLLM serve
+      the two workloads of issue 14 (random 256 in / 128 out, 64 prompts, concurrency 16; prefix
+      repetition: 4 prefixes of 384 + 128 random tokens, 32 out, 48 prompts, concurrency 8) against
+      vLLM's server, then against `kvmesh serve` (one server at a time), and the ratios: total tok/s,
+      TTFT p50, TPOT p50. `auto` starts vLLM's CPU build itself through
+      /work/shared/bench/vllm_anchor.sh (--vllm-anchor; `vllm_anchor.sh setup` first); a URL uses a
+      vLLM server already running there. --kvmesh-url uses a running kvmesh server instead of
+      starting one; --kvmesh-flags adds flags to the one started (e.g. "--engine-mode thread").
 """
 
 from __future__ import annotations
@@ -63,6 +71,24 @@ def shared_prefix_workload(n: int, prompt_len: int, shared_frac: float, output_l
     shared = [rng.randrange(0, vocab) for _ in range(int(prompt_len * shared_frac))]
     return [Req(shared + [rng.randrange(0, vocab) for _ in range(prompt_len - len(shared))], output_len)
             for _ in range(n)]
+
+
+def random_workload(n: int, input_len: int, output_len: int, vocab: int, seed: int = 0) -> list[Req]:
+    """vLLM bench's `random` dataset shape: fixed-length prompts of random token ids."""
+    rng = random.Random(seed + 2)
+    return [Req([rng.randrange(100, vocab) for _ in range(input_len)], output_len) for _ in range(n)]
+
+
+def prefix_repetition_workload(n: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int,
+                               vocab: int, seed: int = 0) -> list[Req]:
+    """vLLM bench's `prefix_repetition` shape: num_prefixes shared prefixes, a random suffix each,
+    the prompts shuffled."""
+    rng = random.Random(seed + 3)
+    prefixes = [[rng.randrange(100, vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    reqs = [Req(prefixes[i % num_prefixes] + [rng.randrange(100, vocab) for _ in range(suffix_len)], output_len)
+            for i in range(n)]
+    rng.shuffle(reqs)
+    return reqs
 
 
 # -- the load generator ---------------------------------------------------------------------------
@@ -224,7 +250,11 @@ class LocalServer:
         self.log.close()
 
     def __enter__(self):
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:  # __exit__ is not called when __enter__ raises
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc):
@@ -304,11 +334,137 @@ def compare(args) -> int:
     return 0
 
 
+# -- issue 14: kvmesh serve vs vLLM serve ----------------------------------------------------------------
+VLLM_ANCHOR = "/work/shared/bench/vllm_anchor.sh"
+
+
+class VLLMServer(LocalServer):
+    """`vllm_anchor.sh serve MODEL_DIR PORT NAME`: vLLM's CPU build, fp32, in its own venv."""
+
+    def __init__(self, anchor: str, model_dir: str, name: str, log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")
+        # cwd: not the repository root, whose operator/ would shadow the stdlib's in vLLM's `python -m` children
+        self.proc = subprocess.Popen([anchor, "serve", model_dir, str(self.port), name], cwd=log_path.parent,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 1200) -> None:
+        """vLLM has no /ready: its /v1/models answers once the engine is up (its first start
+        compiles, minutes on a small machine)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError("vllm serve did not become ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: vllm's engine process too
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def _tpot(results: list[Result]) -> list[float]:
+    return [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in results if r.ok and r.output_tokens > 1]
+
+
+def _issue14_workloads(vocab: int, args) -> list[tuple[str, list[Req], int]]:
+    return [
+        (f"random {args.random_input_len} in / {args.random_output_len} out, {args.random_num_prompts} prompts, "
+         f"concurrency {args.random_concurrency}",
+         random_workload(args.random_num_prompts, args.random_input_len, args.random_output_len, vocab),
+         args.random_concurrency),
+        (f"prefix_repetition {args.prefix_rep_prefix_len}+{args.prefix_rep_suffix_len}, "
+         f"{args.prefix_rep_num_prefixes} prefixes, {args.prefix_rep_output_len} out, {args.prefix_rep_num_prompts} "
+         f"prompts, concurrency {args.prefix_rep_concurrency}",
+         prefix_repetition_workload(args.prefix_rep_num_prompts, args.prefix_rep_prefix_len, args.prefix_rep_suffix_len,
+                                    args.prefix_rep_num_prefixes, args.prefix_rep_output_len, vocab),
+         args.prefix_rep_concurrency),
+    ]
+
+
+def _bench_server(label: str, url: str, model: str, workloads, vocab: int) -> list[dict]:
+    out = []
+    warm = random_workload(2, 64, 4, vocab, seed=99)
+    asyncio.run(run_load(url, warm, 2, None, model=model, label=f"{label} warm-up"))
+    for name, reqs, conc in workloads:
+        res, el = asyncio.run(run_load(url, reqs, conc, None, model=model, label=f"{label}: {name[:24]}"))
+        s = summarize(f"{label}: {name}", res, el)
+        s["tpot"] = _tpot(res)
+        out.append(s)
+    return out
+
+
+def compare_vllm(args) -> int:
+    from kvmesh.engine.builtin import resolve_model_dir
+    from kvmesh.engine.config import ModelConfig
+
+    model_dir = str(resolve_model_dir(args.model))
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    name = args.model
+    workloads = _issue14_workloads(vocab, args)
+    logs = Path(args.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {}
+    # One server at a time: on a small machine two would share its cores.
+    if args.compare_vllm == "auto":
+        with VLLMServer(args.vllm_anchor, model_dir, name, logs / "vllm-serve.log") as srv:
+            results["vllm"] = _bench_server("vllm serve", srv.url, name, workloads, vocab)
+    else:
+        results["vllm"] = _bench_server("vllm serve", args.compare_vllm.rstrip("/"), name, workloads, vocab)
+    if args.kvmesh_url:
+        results["kvmesh"] = _bench_server("kvmesh serve", args.kvmesh_url.rstrip("/"), name, workloads, vocab)
+    else:
+        flags = ["--served-model-name", name, "--dtype", args.dtype, *args.kvmesh_flags.split()]
+        with LocalServer(args.model, flags, logs / "kvmesh-serve.log") as srv:
+            results["kvmesh"] = _bench_server("kvmesh serve", srv.url, name, workloads, vocab)
+    print("\n== kvmesh serve vs vllm serve (same machine, same run, same client; "
+          "targets: >= 2.0x total tok/s, <= 0.5x TTFT p50)")
+    print(f"   {'workload':<58} {'metric':<14} {'vllm':>10} {'kvmesh':>10} {'ratio':>7}")
+    for i, (wname, _, _) in enumerate(workloads):
+        v, k = results["vllm"][i], results["kvmesh"][i]
+        rows = [("total tok/s", v["total_tok_s"], k["total_tok_s"], 1.0),
+                ("TTFT p50 ms", _pct(v["ttft"], 50), _pct(k["ttft"], 50), 1000.0),
+                ("TPOT p50 ms", _pct(v["tpot"], 50), _pct(k["tpot"], 50), 1000.0)]
+        for metric, a, b, scale in rows:
+            ratio = b / a if a else float("nan")
+            print(f"   {wname[:58]:<58} {metric:<14} {scale * a:10.1f} {scale * b:10.1f} {ratio:6.2f}x")
+        if v["failed"] or k["failed"]:
+            print(f"   (failed requests: vllm {v['failed']}, kvmesh {k['failed']})")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--url", help="base URL of a running OpenAI-compatible server")
     ap.add_argument("--compare", action="store_true", help="run the issue's comparison (starts its own servers)")
+    ap.add_argument("--compare-vllm", metavar="URL|auto", default=None,
+                    help="issue 14's comparison against vLLM's server at URL (auto: start it with --vllm-anchor)")
+    ap.add_argument("--vllm-anchor", default=VLLM_ANCHOR, help="vllm_anchor.sh (serves vLLM's CPU build)")
+    ap.add_argument("--kvmesh-url", default=None, help="--compare-vllm: a running kvmesh server (else one is started)")
+    ap.add_argument("--kvmesh-flags", default="", help="--compare-vllm: extra `kvmesh serve` flags, one string")
+    ap.add_argument("--random-num-prompts", type=int, default=64)
+    ap.add_argument("--random-input-len", type=int, default=256)
+    ap.add_argument("--random-output-len", type=int, default=128)
+    ap.add_argument("--random-concurrency", type=int, default=16)
+    ap.add_argument("--prefix-rep-num-prompts", type=int, default=48)
+    ap.add_argument("--prefix-rep-prefix-len", type=int, default=384)
+    ap.add_argument("--prefix-rep-suffix-len", type=int, default=128)
+    ap.add_argument("--prefix-rep-num-prefixes", type=int, default=4)
+    ap.add_argument("--prefix-rep-output-len", type=int, default=32)
+    ap.add_argument("--prefix-rep-concurrency", type=int, default=8)
     ap.add_argument("--workload", choices=["offline", "shared-prefix"], default="offline")
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="--compare: the model to serve; --url: the `model` field sent")
@@ -334,6 +490,8 @@ def main(argv=None) -> int:
     # On SIGTERM unwind normally, so the servers that --compare started are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
+    if args.compare_vllm:
+        return compare_vllm(args)
     if args.compare:
         return compare(args)
     if not args.url:

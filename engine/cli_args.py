@@ -15,13 +15,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by `generate` and `serve` (names as in docs/cli.md)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL, help="built-in model name or HF directory")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", default="4GiB")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--served-model-name", default=None, help="the `model` clients ask for; also the block-key model identity (default: the model name)")
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: sized from `--kv-cache-memory`)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size, e.g. 4GiB (default: 4GiB on the CPU; on a GPU, what "
+                        "--gpu-memory-utilization leaves after the weights and a profiling step)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -30,6 +32,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto",
                    help="sampling defaults for parameters a request leaves out: auto (the model's "
                         "generation_config.json), vllm (OpenAI's) or a folder holding a generation_config.json")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                   help="attention and fused-op kernels: auto (triton on CUDA, the compiled kernels on "
+                        "the CPU), or force one (triton on the CPU runs under Triton's interpreter)")
+    g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory the engine may use; the KV cache gets what the "
+                        "weights and a profiling step leave of it")
     g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (off by default)')
@@ -79,5 +88,6 @@ def engine_args_from(args: argparse.Namespace, **overrides):
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, dtype=args.dtype, device=args.device,
-        seed=args.seed, generation_config=args.generation_config,
+        seed=args.seed, generation_config=args.generation_config, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
         speculative_config=_with_batch_limit(args), **overrides)

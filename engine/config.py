@@ -39,7 +39,8 @@ class EngineArgs:
     served_model_name: str | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
-    kv_cache_memory: int | str = "4GiB"
+    # None: 4GiB on the CPU; on a GPU, sized from free memory (gpu_memory_utilization)
+    kv_cache_memory: int | str | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None
@@ -53,6 +54,9 @@ class EngineArgs:
     # Speculative decoding, as vLLM's: {"method": "ngram", "num_speculative_tokens": K,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2, ...} (a dict or its JSON); None: off.
     speculative_config: Any = None
+    attention_backend: str = "auto"  # auto | torch | cpu | triton (attention_backends.py)
+    enforce_eager: bool = False  # no CUDA graphs
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use (KV sized from it)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -72,6 +76,12 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        from kvmesh.engine.attention_backends import BACKENDS
+
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.speculative_config is not None:
@@ -157,6 +167,11 @@ class ModelConfig:
         declared = _DTYPES.get(str(self.torch_dtype).replace("torch.", ""), torch.float32)
         if device.type == "cpu" and declared == torch.float16:
             return torch.float32  # fp16 matmuls are slow and lossy on CPU
+        if device.type == "cuda" and declared == torch.float32:
+            # As vLLM's auto: a GPU serves an fp32 checkpoint in 16 bits (bf16 where supported).
+            if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+                return torch.float16
+            return torch.bfloat16
         return declared
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:

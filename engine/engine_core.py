@@ -93,7 +93,11 @@ class EngineCore:
         self.block_size = args.block_size
 
         per_block = self.model_config.kv_bytes_per_block(args.block_size, self.dtype)
-        num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // per_block
+        runner = None
+        if self.device.type == "cuda" and args.num_kv_blocks is None and args.kv_cache_memory is None:
+            runner, num_blocks = self._size_kv_from_gpu_memory(args, per_block)
+        else:
+            num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory or "4GiB") // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory {args.kv_cache_memory} holds no block of {per_block} bytes")
         capacity = num_blocks * args.block_size
@@ -115,9 +119,15 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, args.enable_kv_events)
         self.scheduler = Scheduler(self.kv, max_batched, args.max_num_seqs, self.max_model_len,
                                    args.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model_config, self.model_dir, self.dtype, self.device,
-                                  num_blocks, args.block_size, self.max_model_len, args.seed,
-                                  batch_hint=args.max_num_seqs)
+        if runner is None:
+            runner = ModelRunner(self.model_config, self.model_dir, self.dtype, self.device,
+                                 num_blocks, args.block_size, self.max_model_len, args.seed,
+                                 batch_hint=args.max_num_seqs, attention_backend=args.attention_backend)
+        else:
+            runner.allocate_kv_cache(num_blocks)
+        self.runner = runner
+        if self.device.type == "cuda" and not args.enforce_eager:
+            self.runner.capture_cuda_graphs(args.max_num_seqs, self.max_model_len)
         self.spec = None  # speculative decoding (spec_decode/), when speculative_config asks for it
         if args.speculative_config is not None:
             from kvmesh.engine.spec_decode.config import SpeculativeConfig
@@ -132,6 +142,22 @@ class EngineCore:
         self._pending_aborts: list[EngineCoreOutput] = []
         log.info("engine ready: model=%s dtype=%s device=%s blocks=%d (%d tokens) max_model_len=%d",
                  self.model_id, self.dtype, self.device, num_blocks, capacity, self.max_model_len)
+
+    def _size_kv_from_gpu_memory(self, args: EngineArgs, per_block: int) -> tuple[ModelRunner, int]:
+        """Load the model, profile one step at the largest batch, and fit the KV cache into
+        what gpu_memory_utilization leaves (kv_memory.py)."""
+        from kvmesh.engine import kv_memory
+
+        model_len = args.max_model_len or self.model_config.max_position_embeddings
+        runner = ModelRunner(self.model_config, self.model_dir, self.dtype, self.device, 0, args.block_size,
+                             model_len, args.seed, batch_hint=args.max_num_seqs,
+                             attention_backend=args.attention_backend)
+        max_batched = args.max_num_batched_tokens if args.enable_chunked_prefill else max(
+            args.max_num_batched_tokens, model_len)
+        sizing = kv_memory.size_kv_cache(runner, max_batched, args.max_num_seqs, model_len,
+                                         args.gpu_memory_utilization, per_block)
+        kv_memory.log_capacity(sizing, args.block_size, min(model_len, sizing.num_blocks * args.block_size))
+        return runner, sizing.num_blocks
 
     # -- requests ----------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:

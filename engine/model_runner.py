@@ -31,7 +31,9 @@ def _pad(tables: list[list[int]]) -> np.ndarray:
 class ModelRunner:
     def __init__(self, config: ModelConfig, model_dir: str | Path, dtype: torch.dtype,
                  device: torch.device, num_blocks: int, block_size: int, max_model_len: int,
-                 seed: int = 0, batch_hint: int = 128):
+                 seed: int = 0, batch_hint: int = 128, attention_backend: str = "auto"):
+        from kvmesh.engine import attention_backends
+
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -44,39 +46,74 @@ class ModelRunner:
             p.data = p.data.to(dtype)
         model.rope = RotaryEmbedding(config, max_model_len).to(device)  # fp32 tables
         load_weights(model, model_dir, dtype)
-        from kvmesh.engine.models import onednn_linear
+        from kvmesh.engine.kernels import onednn_linear
 
         if onednn_linear.available(device, dtype):
             log.debug("prepacked %d linear layers for oneDNN", model.use_onednn(batch_hint))
         self.model = model.eval()
-        shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_hidden_layers)
-        ]
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(seed, device)
         self.cpu_ops = None  # the compiled CPU kernels (kernels/cpu.py), when they build
         self.cpu_prefill_attention = False  # whether they cover this model's prefill attention
+        self.graphs = None  # the CUDA graphs of decode steps (cuda_graphs.py), once captured
+        self.backend = attention_backends.create(attention_backends.choose(attention_backend, device),
+                                                 config, block_size, device)
+        log.info("attention backend: %s", self.backend.name)
         if device.type == "cpu":
-            from kvmesh.engine.malloc_tuning import tune_malloc
+            from kvmesh.engine.kernels.malloc_tuning import tune_malloc
 
             tune_malloc()  # reuse freed activations instead of faulting them in every step
+        if self.backend.ops is not None:  # Triton: its fused ops and attention
+            self.model.use_fused_ops(self.backend.ops)
+            self.model.use_attention_backend(self.backend)
+        elif self.backend.name == "cpu":
             from kvmesh.engine.kernels import cpu as cpu_kernels
 
             self.cpu_ops = cpu_kernels.load()
             if self.cpu_ops is not None:
-                self.model.use_cpu_ops(self.cpu_ops)
+                self.model.use_fused_ops(self.cpu_ops)
                 self.cpu_prefill_attention = self.cpu_ops.prefill_attention_supported(
                     dtype, config.head_dim, block_size)
 
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One K and one V tensor per layer, [kv_heads, num_blocks, block_size, head_dim]."""
+        self.kv_caches = []  # the old cache goes first
+        shape = (self.config.num_key_value_heads, num_blocks, self.block_size, self.config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.config.num_hidden_layers)
+        ]
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, api=None) -> None:
+        """Capture the decode step's CUDA graphs (cuda_graphs.py); `api` stubs torch.cuda in tests."""
+        from kvmesh.engine.cuda_graphs import CUDAGraphRunner
+
+        if not self.backend.supports_cuda_graphs:
+            log.info("attention backend %s: no CUDA graphs", self.backend.name)
+            return
+        self.graphs = CUDAGraphRunner(self.model, self.backend, self.kv_caches, max_num_seqs, max_model_len,
+                                      self.block_size, self.device, api)
+        self.graphs.capture()
+
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        t = torch.as_tensor(values, dtype=dtype)
+        if self.device.type == "cuda":  # pinned: the copy does not wait for the device's queued work
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def _step_buffers(self, num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The per-step input buffers (token ids, positions, slots), reused from step to step."""
+        bufs = getattr(self, "_bufs", None)
+        if bufs is None or len(bufs[0]) < num_tokens:
+            size = max(num_tokens, 2048)
+            bufs = self._bufs = tuple(np.empty(size, dtype=np.int64) for _ in range(3))
+        return bufs
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager):
         bs = self.block_size
-        ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        ids_buf, pos_buf, slot_buf = self._step_buffers(out.total_tokens)
         logits_indices: list[int] = []
         sampling_requests = []
         decode_idx: list[int] = []
@@ -90,6 +127,7 @@ class ModelRunner:
         prompt_rows: list[tuple[Request, int]] = []  # (request, position) rows that give prompt logprobs
         prompt_idx: list[int] = []
         prompt_tables: list[list[int]] = []
+        rows = [] if self.backend.builds_metadata else None  # (new, cached, table): the backend's input
         spec_rows: list[tuple[Request, list[int]]] = []  # requests verifying drafts, and the drafts
         spec_idx: list[int] = []
         spec_tables: list[list[int]] = []
@@ -99,14 +137,21 @@ class ModelRunner:
             n = out.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
             table = kv.block_table(req.request_id)
-            ids.extend(req.all_token_ids[start:start + n])
-            pos = np.arange(start, start + n)
-            positions.append(pos)
-            slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
-            num_drafts = start + n - req.num_tokens
-            if num_drafts > 0:  # speculative: the drafts follow; every position from the last
-                drafts = req.spec_token_ids[:num_drafts]  # verified token on gives logits
-                ids.extend(drafts)
+            num_drafts = start + n - req.num_tokens  # > 0: speculative, the drafts follow
+            if n == 1:  # a decode row: scalars, no per-row numpy work
+                ids_buf[offset] = req.all_token_ids[start]
+                pos_buf[offset] = start
+                slot_buf[offset] = table[start // bs] * bs + start % bs
+            else:
+                if num_drafts > 0:
+                    drafts = req.spec_token_ids[:num_drafts]
+                    ids_buf[offset:offset + n] = req.all_token_ids[start:] + drafts
+                else:
+                    ids_buf[offset:offset + n] = req.all_token_ids[start:start + n]
+                pos = np.arange(start, start + n)
+                pos_buf[offset:offset + n] = pos
+                slot_buf[offset:offset + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+            if num_drafts > 0:  # every position from the last verified token on gives logits
                 spec_rows.append((req, drafts))
                 for p in range(req.num_tokens - 1, start + n):
                     spec_idx.append(offset + p - start)
@@ -122,7 +167,9 @@ class ModelRunner:
                     prompt_rows.append((req, p))
                     prompt_idx.append(offset + p - start)
                     prompt_tables.append(table[:cdiv(p + 1, bs)])
-            if n == 1:
+            if rows is not None:
+                rows.append((n, start, table))
+            elif n == 1:
                 decode_idx.append(offset)
                 decode_tables.append(table[:cdiv(start + 1, bs)])
                 decode_ctx.append(start + 1)
@@ -133,9 +180,17 @@ class ModelRunner:
                 prefills.append(PrefillSeq(offset, n, start, self._tensor(table) if start else None))
             offset += n
 
-        pos_all = np.concatenate(positions)
+        # copies of the buffers' first `offset` entries: a step's tensors never alias the next step's
+        ids, pos_all, slots = ids_buf[:offset].copy(), pos_buf[:offset].copy(), slot_buf[:offset].copy()
+        if rows is not None:
+            logits_indices += spec_idx + prompt_idx
+            meta = self.backend.build_metadata(rows, self._tensor(slots),
+                                               sample_tables + spec_tables + prompt_tables,
+                                               sample_ctx + spec_ctx + [p + 1 for _, p in prompt_rows])
+            return (self._tensor(ids), self._tensor(pos_all), meta,
+                    self._tensor(logits_indices), sampling_requests, prompt_rows, spec_rows)
         meta = AttentionMetadata(
-            slots=self._tensor(np.concatenate(slots)),
+            slots=self._tensor(slots),
             decode_indices=None, decode_block_tables=None, decode_mask=None,
             prefills=prefills,
         )
@@ -154,7 +209,13 @@ class ModelRunner:
             logits_indices += prompt_idx
             sample_tables += prompt_tables
             sample_ctx += [p + 1 for _, p in prompt_rows]
-        if sample_ctx:
+        if sample_ctx and len(decode_idx) == len(out.requests) == len(sample_ctx):
+            # Every row decodes and samples: the last layer's view is the decode rows' own.
+            meta.sample_meta = AttentionMetadata(
+                slots=None, decode_indices=meta.decode_indices, decode_block_tables=meta.decode_block_tables,
+                decode_mask=meta.decode_mask, prefills=[], decode_ctx_lens=meta.decode_ctx_lens,
+                cpu_ops=meta.cpu_ops)
+        elif sample_ctx:
             # The last layer only carries on for the rows that sample: to them it is a decode
             # step over their whole context (this step's K/V are stored by then).
             meta.sample_meta = AttentionMetadata(
@@ -186,7 +247,10 @@ class ModelRunner:
         token (and a list of logprobs, one per token)."""
         input_ids, positions, meta, logits_indices, sampling_requests, prompt_rows, spec_rows = \
             self.prepare(out, kv)
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        if not spec_rows and self.graphs is not None and self.graphs.can_replay(meta, len(sampling_requests)):
+            logits = self.graphs.replay(input_ids, positions, meta)
+        else:
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
         prompt_lps = {}
         num_plain = len(sampling_requests)
         num_sampling = num_plain + sum(len(d) + 1 for _, d in spec_rows)

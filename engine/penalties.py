@@ -17,13 +17,24 @@ import torch
 from kvmesh.engine.request import Request
 
 
+def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list on the device without waiting for the device's queued work: through pinned
+    memory and an asynchronous copy on CUDA (a pageable copy would synchronise the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     out = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         if r:
             out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    return out.to(device)
+    if torch.device(device).type == "cuda":
+        return out.pin_memory().to(device, non_blocking=True)
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -40,20 +51,20 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     counts = counts[:, :vocab]
 
     sub = logits[rows].float()
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
-    if bool((rep != 1.0).any()):
+    if any(p.repetition_penalty != 1.0 for p in params):
+        rep = to_device([p.repetition_penalty for p in params], torch.float32, dev)[:, None]
         prompts = _padded([requests[i].prompt_token_ids for i in rows], vocab, dev).clamp(max=vocab)
         seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
         seen.scatter_(1, prompts, True)
         seen = seen[:, :vocab] | (counts > 0)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+    freq = to_device([p.frequency_penalty for p in params], torch.float32, dev)[:, None]
+    pres = to_device([p.presence_penalty for p in params], torch.float32, dev)[:, None]
     sub = sub - freq * counts - pres * (counts > 0)
     biased = [(j, tid, bias) for j, p in enumerate(params) for tid, bias in (p.logit_bias or {}).items()]
     if biased:
         at_row, at_tok, bias = zip(*biased)
-        sub[list(at_row), list(at_tok)] += torch.tensor(bias, device=dev)
+        sub[list(at_row), list(at_tok)] += to_device(list(bias), sub.dtype, dev)
 
     out = logits.clone()
     out[rows] = sub.to(logits.dtype)

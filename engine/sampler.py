@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.engine.penalties import apply_penalties
+from kvmesh.engine.penalties import apply_penalties, to_device
 from kvmesh.engine.request import Request
 
 
@@ -85,12 +85,15 @@ class Sampler:
         raw = logits  # logprobs come from the model's distribution, before penalties and bans
         logits = self.adjust(logits, requests)
 
-        greedy = torch.tensor([r.sampling_params.greedy for r in requests], device=logits.device)
+        # Decisions from the host-side params, never from device values: no sync but the one
+        # copy of the sampled ids below.
+        greedy = [r.sampling_params.greedy for r in requests]
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            tokens = torch.where(greedy, tokens, self._sample(logits, requests, greedy))
+        if not all(greedy):
+            mask = to_device(greedy, torch.bool, logits.device)
+            tokens = torch.where(mask, tokens, self._sample(logits, requests, greedy))
 
-        token_list = tokens.tolist()
+        token_list = tokens.tolist()  # the step's one device-to-host copy
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if wanted:
@@ -116,11 +119,11 @@ class Sampler:
                     logits[i, banned] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
         probs = self.probs(logits, requests)
         noise = torch.empty_like(probs)
         for i, req in enumerate(requests):
-            if not bool(greedy[i]):
+            if not greedy[i]:
                 noise[i].exponential_(generator=self._generator_for(req))
             else:
                 noise[i].fill_(1.0)
@@ -130,16 +133,16 @@ class Sampler:
         """The distribution each row samples from: temperature, top-k, top-p, min-p applied."""
         params = [r.sampling_params for r in requests]
         dev = logits.device
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+        temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, dev)
         logits = logits / temps[:, None]
-        top_k = torch.tensor([p.top_k for p in params], device=dev)
-        if bool((top_k > 0).any()):
+        if any(p.top_k > 0 for p in params):
+            top_k = to_device([p.top_k for p in params], torch.long, dev)
             k = torch.where(top_k > 0, top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
             sorted_logits = logits.sort(dim=-1, descending=True).values
             kth = sorted_logits.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
-        if bool((top_p < 1.0).any()):
+        if any(p.top_p < 1.0 for p in params):
+            top_p = to_device([p.top_p for p in params], torch.float32, dev)
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             # Drop tokens once the mass before them already reaches top_p (keep at least one).
@@ -147,8 +150,8 @@ class Sampler:
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], device=dev)
-        if bool((min_p > 0).any()):
+        if any(p.min_p > 0 for p in params):
+            min_p = to_device([p.min_p for p in params], torch.float32, dev)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs

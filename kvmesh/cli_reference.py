@@ -7,7 +7,7 @@ environment variable its default reads, and its help.
 
 This imports every subcommand module (torch included); ``kvmesh`` itself still imports only the
 one it runs. The prose around the tables is here, in ``INTRO`` and ``PROSE``; a flag's meaning is
-its ``help=`` (``NOTES`` fills in for flags that have none yet: move them into ``help=``).
+its ``help=``.
 """
 
 from __future__ import annotations
@@ -76,36 +76,6 @@ starting (a no-op once built). Exits 0 when they are ready, 1 when they cannot b
 process is resumed, never waited on; while another live process builds, it waits at most
 `--wait-timeout` seconds, logging whom it waits for.""",
 }
-
-# Meanings for flags whose parser gives no help= yet (a flag's help wins over its note).
-_ENGINE_NOTES = {
-    "--served-model-name": "the `model` clients ask for; also the block-key model identity (default: the model name)",
-    "--block-size": "tokens per KV block",
-    "--num-kv-blocks": "KV cache size in blocks (default: sized from `--kv-cache-memory`)",
-    "--kv-cache-memory": "KV cache size in bytes (`2GiB`)",
-    "--max-num-batched-tokens": "token budget per engine step",
-    "--max-num-seqs": "most requests running at once",
-    "--max-model-len": "longest prompt + output (default: the model's)",
-}
-NOTES: dict[str, dict[str, str]] = {
-    "generate": _ENGINE_NOTES,
-    "serve": _ENGINE_NOTES,
-    "sidecar": {
-        "--engine-url": "the engine in this pod (for `/ready`, `/metrics`)",
-        "--kv-events-endpoint": "the engine's KV-event PUB socket",
-        "--pod-name": "identity of this replica in Redis",
-        "--pod-url": "where the router reaches this engine (default: `http://$POD_IP:8000`)",
-        "--model": "served model name (block-key model identity)",
-        "--block-size": "must match the engine",
-        "--engine-format": "`vllm`: recompute contract keys from token ids",
-    },
-    "router": {
-        "--weights": "routing-score weights (contract 4)",
-        "--block-size": "must match the engines",
-        "--k8s-namespace": "the namespace of `--k8s-service` (default: the pod's)",
-    },
-}
-
 
 class _EnvReads(dict):
     """An ``os.environ`` stand-in for building the parsers: every variable reads as unset (the
@@ -204,29 +174,23 @@ def _cell(text: str) -> str:
 
 
 def _rows(name: str, parser: argparse.ArgumentParser, env: dict[int, list[str]]) -> list[str]:
-    notes = dict(NOTES.get(name, {}))
     rows = []
     for a in parser._actions:
         if isinstance(a, argparse._HelpAction) or a.help == argparse.SUPPRESS:
             continue
         flag, meaning = _flag(a), a.help or ""
-        for opt in a.option_strings:
-            note = notes.pop(opt, "")
-            meaning = meaning or note
         if not a.option_strings and a.choices is not None:
             meaning = (meaning + "; " if meaning else "") + "one of " + ", ".join(f"`{c}`" for c in a.choices)
         names = [n for n in dict.fromkeys(env.get(id(a), [])) if n not in meaning]
         if names:
             flag += " (env " + ", ".join(f"`{n}`" for n in names) + ")"
         rows.append(f"| {flag} | {_default(a)} | {_cell(meaning)} |")
-    if notes:
-        raise ValueError(f"kvmesh.cli_reference.NOTES[{name!r}] names flags `kvmesh {name}` lacks: {sorted(notes)}")
     return rows
 
 
 def reference_markdown() -> str:
     """docs/cli.md."""
-    unknown = (set(PROSE) | set(NOTES)) - set(SUBCOMMANDS)
+    unknown = set(PROSE) - set(SUBCOMMANDS)
     if unknown:
         raise ValueError(f"kvmesh.cli_reference names subcommands kvmesh lacks: {sorted(unknown)}")
     lines = [HEADER, "", INTRO, "| command | what it runs |", "|---|---|",

@@ -24,8 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends-file", default=None,
                    help="endpoint source: a file of NAME=URL lines, re-read when it changes (kvmesh up)")
     p.add_argument("--policy", choices=policies.NAMES, default=policies.DEFAULT)
-    p.add_argument("--weights", default="prefix=1.0,kv=0.5,queue=0.5")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--weights", default="prefix=1.0,kv=0.5,queue=0.5", help="routing-score weights (contract 4)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="must match the engines")
     p.add_argument("--api-keys-file", default=None,
                    help="API keys, one per line (env KVMESH_API_KEYS: a path or the keys themselves)")
     # additions beyond the agreed flags
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k8s-service", default=None,
                    help="endpoint source: the engine Service; routes to the ready endpoints of its EndpointSlices "
                         "(list+watch; RBAC get/list/watch on endpointslices.discovery.k8s.io)")
-    p.add_argument("--k8s-namespace", default=None)
+    p.add_argument("--k8s-namespace", default=None, help="the namespace of `--k8s-service` (default: the pod's)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="also serve /metrics (only) on this port (the one the chart's monitors scrape)")
     p.add_argument("--redis-stale-after", type=float, default=10.0,

@@ -15,17 +15,17 @@ from kvmesh.common.logging_setup import setup_logging
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine-url", default="http://127.0.0.1:8000")
-    p.add_argument("--kv-events-endpoint", default="tcp://127.0.0.1:5557")
+    p.add_argument("--engine-url", default="http://127.0.0.1:8000", help="the engine in this pod (for `/ready`, `/metrics`)")
+    p.add_argument("--kv-events-endpoint", default="tcp://127.0.0.1:5557", help="the engine's KV-event PUB socket")
     p.add_argument("--kv-events-replay-endpoint", default="tcp://127.0.0.1:5558",
                    help="the engine's replay socket; 'none' to disable")
     p.add_argument("--redis-url", default=os.environ.get("KVMESH_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--pod-name", default=os.environ.get("POD_NAME") or socket.gethostname())
-    p.add_argument("--pod-url", default=os.environ.get("KVMESH_POD_URL"))
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--pod-name", default=os.environ.get("POD_NAME") or socket.gethostname(), help="identity of this replica in Redis")
+    p.add_argument("--pod-url", default=os.environ.get("KVMESH_POD_URL"), help="where the router reaches this engine (default: `http://$POD_IP:8000`)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="served model name (block-key model identity)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="must match the engine")
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
-    p.add_argument("--engine-format", choices=["kvmesh", "vllm"], default="kvmesh")
+    p.add_argument("--engine-format", choices=["kvmesh", "vllm"], default="kvmesh", help="`vllm`: recompute contract keys from token ids")
     p.add_argument("--health-port", type=int, default=None,
                    help="serve /health (liveness), /ready (readiness) and /metrics on this port; "
                         "both probes fail when the KV-event loop is dead or stale (default: off)")

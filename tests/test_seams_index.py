@@ -265,6 +265,7 @@ def test_index_equals_the_prefix_cache_after_churn(model_dir, redis_server):
 
     events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     srv = ThreadServer(["--model", model_dir, "--served-model-name", MODEL, "--num-kv-blocks", "40",
+                        "--engine-mode", "thread",  # the test reads the core's prefix cache in place
                         "--max-model-len", "320", "--max-num-batched-tokens", "256", "--max-num-seqs", "8",
                         "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay]).start()
     pods = Pods(redis_server, events, replay, srv.url)

@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.ops = None  # the compiled CPU ops, when available (set by use_cpu_ops)
+        self.ops = None  # fused ops (the compiled CPU ops or the Triton ones; set by use_fused_ops)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`: (norm(x + residual), x + residual), the residual stream updated."""
@@ -113,6 +113,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
         self.scale = self.head_dim ** -0.5
         self.ops = None
+        self.attend = paged_attention  # the attention backend's forward (use_attention_backend)
 
     def forward(self, x, step_rope: StepRope, k_cache, v_cache, meta: AttentionMetadata,
                 sample_rows: torch.Tensor | None = None):
@@ -121,7 +122,7 @@ class Attention(nn.Module):
         q, k, v = self.project_and_store(x, step_rope, k_cache, v_cache, meta)
         if sample_rows is not None:
             q, meta = q[sample_rows], meta.sample_meta
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        attn = self.attend(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(attn.reshape(-1, self.q_size))
 
     def project_and_store(self, x, step_rope: StepRope, k_cache, v_cache, meta: AttentionMetadata):
@@ -195,18 +196,24 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head: nn.Module | None = None  # set by use_onednn()
-        self.cpu_ops = None  # set by use_cpu_ops()
+        self.fused_ops = None  # set by use_fused_ops()
 
-    def use_cpu_ops(self, ops) -> None:
-        """Run norms, RoPE and SiLU-and-mul through the compiled CPU ops (kernels/cpu.py)."""
-        self.cpu_ops = ops
+    def use_fused_ops(self, ops) -> None:
+        """Run norms, RoPE (+ the KV store) and SiLU-and-mul through fused ops: the compiled CPU
+        ops (kernels/cpu.py) or the Triton ones (kernels/triton_ops.py), same signatures."""
+        self.fused_ops = ops
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.ops = ops
 
+    def use_attention_backend(self, backend) -> None:
+        """Attend through this backend (attention_backends.py) in every layer."""
+        for layer in self.layers:
+            layer.self_attn.attend = backend.forward
+
     def use_onednn(self, batch_hint: int) -> int:
         """Swap every projection (and the LM head) for prepacked oneDNN linears; see onednn_linear."""
-        from kvmesh.engine.models.onednn_linear import OneDNNLinear, pack_model
+        from kvmesh.engine.kernels.onednn_linear import OneDNNLinear, pack_model
 
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_lm_head = OneDNNLinear(head, None, batch_hint)
@@ -215,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
         x = self.embed_tokens(input_ids)
-        step_rope = StepRope(self.rope, positions, x.dtype, fused=self.cpu_ops is not None)
+        step_rope = StepRope(self.rope, positions, x.dtype, fused=self.fused_ops is not None)
         residual = None
         last = len(self.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):

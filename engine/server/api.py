@@ -116,13 +116,15 @@ def build_app(state: ServerState) -> FastAPI:
         await guard(request)
         return await TokenizationHandler(state, request).detokenize()
 
-    @app.get("/health", openapi_extra=oa.simple_get("liveness: 500 once the engine failed to load or its thread "
-                                                    "exited", [200, 500], status_body=True))
+    @app.get("/health", openapi_extra=oa.simple_get("liveness: 500 once the engine failed to load, 503 once its "
+                                                    "core process (or thread) exited", [200, 500, 503],
+                                                    status_body=True))
     async def health():
         if state.engine.load_error is not None:
             return JSONResponse({"status": "error", "error": str(state.engine.load_error)}, status_code=500)
         if state.engine.loaded.is_set() and not state.engine.alive:
-            return JSONResponse({"status": "error", "error": "engine thread exited"}, status_code=500)
+            return JSONResponse({"status": "error", "error": f"engine core ({state.engine.mode}) exited"},
+                                status_code=503)
         return {"status": "ok"}
 
     @app.get("/ready", openapi_extra=oa.simple_get("readiness: 503 while loading, draining or with the engine "

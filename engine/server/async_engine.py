@@ -11,6 +11,10 @@ call from any thread), and ``prompt_token_ids`` are passed in, so a long prompt
 never delays a step. The engine thread steps only the core (token ids in, token ids
 out); detokenisation and stop strings run on the event loop when outputs are delivered
 (``LLMEngine.process_output``), and a stop string sends an abort back to the core.
+
+This is the in-thread mode (``kvmesh serve --engine-mode thread``). The server's default runs the
+core in its own process instead (``ProcAsyncEngine``, engine/server/core_client.py) behind the
+same interface: the HTTP handlers (api.py) use either.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.engine.config import EngineArgs
+from kvmesh.engine.core_proc import CoreLoop, EngineStepError  # noqa: F401 - EngineStepError: api's import
 from kvmesh.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvmesh.server.engine")
@@ -33,17 +38,21 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-class EngineStepError(RuntimeError):
-    """The engine step failed on this request (or, as a last resort, on the whole batch); the
-    request was ended and its client gets a 500 (or a final SSE error event)."""
-
-
 @dataclass
 class RequestStream:
     request_id: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
     arrival: float = field(default_factory=time.monotonic)
+
+
+def _resolve(fut: asyncio.Future, result, exc) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
 
 
 class AsyncEngine:
@@ -65,7 +74,14 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
-        self.num_step_errors = 0
+        self._core_loop: CoreLoop | None = None
+        self.step_timing: dict[str, float] = {}  # StepTimer.snapshot(), refreshed with the stats
+        self.on_dead: list = []  # callbacks (on the event loop) once the engine died after loading
+        self.mode = "thread"
+
+    @property
+    def num_step_errors(self) -> int:
+        return self._core_loop.num_step_errors if self._core_loop is not None else 0
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -113,13 +129,13 @@ class AsyncEngine:
         self._streams[request_id] = stream
         # The text side (detokenizer, stop strings) lives on this thread, not the engine's.
         self.engine.create_state(prompt, params, request_id, prompt_token_ids)
-        self._commands.put(("add", request_id, prompt, prompt_token_ids, params, cache_salt))
+        self._submit(("add", request_id, prompt, prompt_token_ids, params, cache_salt))
         return stream
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
-            self._commands.put(("abort", [request_id]))
+            self._submit(("abort", [request_id]))
 
     def abort_all(self) -> list[str]:
         """End every in-flight request (the drain timeout), keeping their streams: each gets the
@@ -127,12 +143,37 @@ class AsyncEngine:
         [DONE]) instead of being cut, and its KV blocks are freed. Returns the request ids."""
         rids = [rid for rid, stream in self._streams.items() if not stream.finished]
         if rids:
-            self._commands.put(("abort", rids))
+            self._submit(("abort", rids))
         return rids
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's stream."""
         self._streams.pop(request_id, None)
+
+    def _submit(self, cmd: tuple) -> None:
+        """A command for the core: ("add", rid, prompt, ids, params, salt) or ("abort", [rid, ...])."""
+        self._commands.put(cmd)
+
+    def _count_frontend_failure(self) -> None:
+        self.engine.core.step_failures["request"] += 1  # read by the engine thread's stats
+
+    async def utility(self, name: str, *args):
+        """Run a utility call on the core between steps (CoreLoop.utility): "reset_prefix_cache",
+        or "hook" with a kvmesh.testing function (tests: fault injection, core state)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._commands.put(("utility", fut, name, list(args)))
+        return await fut
+
+    def call_utility(self, name: str, *args, timeout: float = 60.0):
+        """``utility`` from another thread (a test): blocks until the core answered."""
+        return asyncio.run_coroutine_threadsafe(self.utility(name, *args), self._loop).result(timeout)
+
+    def _fail_streams(self, exc: BaseException) -> None:
+        """End every in-flight stream with ``exc`` (on the event loop)."""
+        for stream in list(self._streams.values()):
+            if not stream.finished:
+                stream.finished = True
+                stream.queue.put_nowait(exc)
 
     def _deliver(self, items: list[tuple[str, Any]]) -> None:
         # On the event loop: detokenise one step's core outputs and fan them out. A failure
@@ -150,14 +191,14 @@ class AsyncEngine:
                 except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer: this request only
                     log.exception("request %s: processing its output failed", rid)
                     self.engine.states.pop(rid, None)
-                    self._commands.put(("abort", [rid]))
-                    self.engine.core.step_failures["request"] += 1  # read by the engine thread's stats
+                    self._submit(("abort", [rid]))
+                    self._count_frontend_failure()
                     item = EngineStepError(f"processing this request's output failed: {type(exc).__name__}: {exc}")
                     by_stop_string = False
                 if item is None:
                     continue
                 if by_stop_string:
-                    self._commands.put(("abort", [rid]))  # the core still runs it
+                    self._submit(("abort", [rid]))  # the core still runs it
             stream = self._streams.get(rid)
             if stream is None:
                 continue
@@ -171,6 +212,7 @@ class AsyncEngine:
             from kvmesh.engine.llm_engine import LLMEngine
 
             self.engine = LLMEngine(self.engine_args)
+            self._core_loop = CoreLoop(self.engine.core)
             self.tokenizer = self.engine.tokenizer
             self.max_model_len = self.engine.max_model_len
             self.vocab_size = self.engine.core.model_config.vocab_size
@@ -199,53 +241,36 @@ class AsyncEngine:
             try:
                 items = self._iteration(cmds)
             except Exception as exc:  # noqa: BLE001 - never let the engine thread die silently
-                items = self._fail_all(exc)
+                log.exception("engine iteration failed")
+                items = [(rid, exc) for rid in list(engine.core.scheduler.requests)]
             if items:
                 self._loop.call_soon_threadsafe(self._deliver, items)
 
     def _iteration(self, cmds: list[tuple]) -> list[tuple[str, Any]]:
         """Apply commands, run one step, publish its KV events; returns what to deliver."""
-        engine = self.engine
+        loop = self._core_loop
         items: list[tuple[str, Any]] = []
         for cmd in cmds:
             if cmd[0] == "add":
                 _, rid, prompt, ids, params, salt = cmd
-                try:
-                    engine.core.add_request(rid, ids, params, salt)
-                except Exception as exc:  # noqa: BLE001 - answered to that request only
+                exc = loop.add(rid, ids, params, salt)
+                if exc is not None:
                     items.append((rid, exc))
             elif cmd[0] == "abort":
-                engine.core.abort_requests(cmd[1])
-        if engine.has_unfinished_requests():
-            # Token ids only: detokenisation happens on the event loop (_deliver).
-            items.extend((o.request_id, o) for o in engine.core.step())
+                loop.abort(cmd[1])
+            elif cmd[0] == "utility":
+                _, fut, name, args = cmd
+                try:
+                    result = loop.utility(name, args)
+                    self._loop.call_soon_threadsafe(_resolve, fut, result, None)
+                except Exception as exc:  # noqa: BLE001 - the caller's
+                    self._loop.call_soon_threadsafe(_resolve, fut, None, exc)
+        # Token ids only: detokenisation happens on the event loop (_deliver).
+        items.extend(loop.step())
         self._publish_events()
-        self.stats = engine.core.stats()
+        self.stats = self.engine.core.stats()
+        self.step_timing = loop.timer.snapshot()
         return items
-
-    def _fail_all(self, exc: Exception) -> list[tuple[str, Any]]:
-        """The last resort, when a failure escapes the core's own per-request isolation (a fault
-        outside the model run: scheduling, bookkeeping): every in-flight request is ended, and the
-        prefix cache, which that step may have left inconsistent, is dropped."""
-        self.num_step_errors += 1
-        log.exception("engine step failed outside the model run; aborting all in-flight requests")
-        engine = self.engine
-        rids = list(engine.core.scheduler.requests)
-        engine.core.step_failures["batch"] += 1
-        try:
-            engine.core.abort_requests(rids)
-            engine.core.step()  # flush the abort outputs
-            if not engine.core.reset_prefix_cache():
-                log.warning("the prefix cache could not be reset after a failed step")
-        except Exception:  # noqa: BLE001
-            log.exception("cleanup after a failed step failed too")
-        try:
-            self._publish_events()
-            self.stats = engine.core.stats()
-        except Exception:  # noqa: BLE001
-            log.exception("KV events / stats after a failed step")
-        err = EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
-        return [(rid, err) for rid in rids]
 
     def _publish_events(self) -> None:
         if self.kv_publisher is None:

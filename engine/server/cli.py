@@ -8,6 +8,9 @@ graceful drain: /ready turns 503, new requests get 503, in-flight requests finis
 up to --drain-timeout seconds; those still running then are aborted (each response ends
 with finish_reason "abort" and [DONE], and frees its KV blocks), then the server stops
 and the process exits 0. A second signal stops at once.
+
+The engine core runs in its own process by default (``--engine-mode process``; engine/core_proc.py):
+if it dies, every in-flight stream ends with an error, /health turns 503 and this process exits 3.
 """
 
 from __future__ import annotations
@@ -42,6 +45,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM: how long in-flight requests may finish (seconds)")
     parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", "info"))
+    parser.add_argument("--engine-mode", choices=["process", "thread"],
+                        default=os.environ.get("KVMESH_ENGINE_MODE", "process"),
+                        help="process: the engine core (scheduler + model) runs in its own process, the "
+                             "API process keeps HTTP, tokenisation and streaming (the default); thread: "
+                             "the core runs in a thread of the API process (env KVMESH_ENGINE_MODE)")
+    parser.add_argument("--omp-threads", type=int, default=None,
+                        help="torch/OpenMP threads of the engine core (default: OMP_NUM_THREADS if set, "
+                             "else every CPU not left to the frontend); process mode")
+    parser.add_argument("--frontend-cores", default="auto", metavar="K",
+                        help="CPUs left to the API process; the core is pinned to the others (auto: 1 "
+                             "on 4 or more CPUs, 0 below: shared); process mode")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="also serve /metrics (only) on this port, so a NetworkPolicy can admit "
                              "scrapers there without exposing the API")
@@ -59,7 +73,14 @@ def build_state(args: argparse.Namespace):
 
         publisher = KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint)
         log.info("KV events: PUB %s, replay %s", publisher.endpoint, publisher.replay_endpoint)
-    engine = AsyncEngine(engine_args, publisher)
+    if args.engine_mode == "process":
+        from kvmesh.engine.server.core_client import ProcAsyncEngine
+        from kvmesh.engine.threads import plan_threads
+
+        threads = plan_threads(args.omp_threads, args.frontend_cores)
+        engine = ProcAsyncEngine(engine_args, publisher, threads, args.log_level)
+    else:
+        engine = AsyncEngine(engine_args, publisher)
     config = ServerConfig(served_model_name=args.served_model_name or args.model, api_key=args.api_key or None,
                           max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes)
@@ -138,6 +159,15 @@ async def serve(state, host: str, port: int, drain_timeout: float, log_level: st
             rc = 1
             server.should_exit = True
 
+    def on_engine_dead() -> None:
+        # The core process died: its streams ended with an error already; exit non-zero so the
+        # pod restarts (uvicorn lets those responses finish writing first).
+        nonlocal rc
+        log.error("the engine core died: exiting so that this replica restarts")
+        rc = 3
+        server.should_exit = True
+
+    state.engine.on_dead.append(on_engine_dead)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     watcher = loop.create_task(watch_load())
@@ -158,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("text", args.log_level)
     try:
         state = build_state(args)
-    except (ValueError, FileNotFoundError, OSError) as exc:
+    except (ValueError, FileNotFoundError, OSError) as exc:  # incl. a bad --omp-threads/--frontend-cores
         log.error("cannot start: %s", exc)
         return 2
     if args.metrics_port is not None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvmesh.engine.step_timing import PHASES
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -75,6 +77,23 @@ class _EngineCollector:
         for scope in ("request", "batch"):
             failures.add_metric([self.model_name, scope], (s.step_failures.get(scope, 0) if s else 0))
         yield failures
+        # Debug: where the engine's steps spend their time (engine/step_timing.py).
+        timing = getattr(self.engine, "step_timing", None) or {}
+        for name, prefix, doc in (
+                ("kvmesh:engine_step_phase_seconds", "", "Engine step time by phase (all steps)."),
+                ("kvmesh:engine_decode_step_phase_seconds", "decode_",
+                 "Engine step time by phase, steps in which every request decoded one token.")):
+            fam = CounterMetricFamily(name, doc + " Phases: " + ", ".join(PHASES) + ".",
+                                      labels=["model_name", "phase"])
+            for phase in PHASES:
+                fam.add_metric([self.model_name, phase], timing.get(prefix + phase, 0.0))
+            yield fam
+        yield counter("kvmesh:engine_timed_steps", "Engine steps that ran a batch (the phase counters' steps).",
+                      timing.get("steps", 0.0))
+        yield counter("kvmesh:engine_decode_steps", "Engine steps in which every request decoded one token.",
+                      timing.get("decode_steps", 0.0))
+        yield counter("kvmesh:engine_decode_step_seqs", "Requests in those decode steps (over the steps: the "
+                      "mean decode batch).", timing.get("decode_seqs", 0.0))
         if args.speculative_config is not None:
             yield from self._spec_decode(s.spec_decode if s else None, counter)
 

@@ -296,38 +296,30 @@ def test_queue_full_gets_429(http, server, client):
     assert metrics(http)["kvmesh:requests_rejected_total{reason=queue_full}"] >= 1
 
 
-def test_engine_failure_is_500_and_server_survives(http, server, monkeypatch):
-    engine = server.state.engine.engine.core  # the engine thread steps the core
-    real_step = engine.step
-    calls = {"n": 0}
+HOOKS = "kvmesh.testing.core_hooks"
 
-    def failing_step():
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected engine failure")
-        return real_step()
 
-    monkeypatch.setattr(engine, "step", failing_step)
+@pytest.fixture()
+def core_hook(server):
+    """Run a kvmesh.testing.core_hooks function in the engine core (its process); undone after."""
+    engine = server.state.engine
+    yield lambda fn, *args: engine.call_utility("hook", f"{HOOKS}:{fn}", *args)
+    engine.call_utility("hook", f"{HOOKS}:restore")
+
+
+def test_engine_failure_is_500_and_server_survives(http, server, core_hook):
+    core_hook("fail_step", 2)  # the core's second step from now raises, outside the model run
     r = http.post("/v1/completions", json={"prompt": "boom", "max_tokens": 8})
     assert _err(r, 500)["type"] == "server_error"
+    core_hook("restore")
     r = http.post("/v1/completions", json={"prompt": "still alive", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert httpx.get(f"{server.url}/health").status_code == 200
     wait_for(lambda: metrics(http)["vllm:kv_cache_usage_perc"] == 0.0)
 
 
-def test_engine_failure_mid_stream_reports_in_band(http, server, monkeypatch):
-    engine = server.state.engine.engine.core  # the engine thread steps the core
-    real_step = engine.step
-    calls = {"n": 0}
-
-    def failing_step():
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected engine failure")
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", failing_step)
+def test_engine_failure_mid_stream_reports_in_band(http, server, core_hook):
+    core_hook("fail_step", 3)
     with http.stream("POST", "/v1/completions", json={"prompt": "boom", "max_tokens": 20, "stream": True}) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"

@@ -4,7 +4,8 @@
   seeds, top_k within the vocabulary, no NaN or infinity anywhere): a 400 naming the field,
   never a crash in an engine step.
 - Text that is not valid Unicode (a lone surrogate) is a 400 naming the field, on every route.
-- A fault that still happens inside an engine step fails only the request that causes it.
+- A fault that still happens inside an engine step fails only the request that causes it (the
+  server runs the engine core in its own process: the fault is injected there, through a hook).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tests.engine.server.test_api import metrics
 
 MODEL = "tiny"
 POISON = 7777
+HOOKS = "kvmesh.testing.core_hooks"
 
 
 @pytest.fixture(scope="module")
@@ -132,24 +134,16 @@ def test_lone_surrogates_are_400_naming_the_field_on_every_route(http):
 
 
 # -- a fault inside a step ---------------------------------------------------------------------
-def test_a_fault_one_request_triggers_fails_it_alone(server, http, monkeypatch):
+def test_a_fault_one_request_triggers_fails_it_alone(server, http):
     prompts = [[11 + i, 400 + i, 900 + i, 77, 3000 + i] for i in range(3)]
     body = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
     expected = [http.post("/v1/completions", json={"prompt": p, **body}).json()["choices"][0]["text"]
                 for p in prompts]
     before = metrics(http)
 
-    runner = server.state.engine.engine.core.runner
-    real = runner.execute
-    failed_batches: list[int] = []
-
-    def execute(out, kv):  # the fault: any step that holds the poisoned prompt
-        if any(POISON in r.prompt_token_ids for r in out.requests):
-            failed_batches.append(len(out.requests))
-            raise RuntimeError("injected fault")
-        return real(out, kv)
-
-    monkeypatch.setattr(runner, "execute", execute)
+    # The fault, in the engine core's process: any model run that holds the poisoned prompt raises.
+    engine = server.state.engine
+    engine.call_utility("hook", f"{HOOKS}:poison_prompt_token", POISON)
 
     async def stream(client, prompt, started=None):
         text, error, finish = "", None, None
@@ -179,7 +173,11 @@ def test_a_fault_one_request_triggers_fails_it_alone(server, http, monkeypatch):
                 stream(client, [POISON, 8, 9]))
             return bad, bad_stream, await asyncio.gather(*others)
 
-    bad, bad_stream, results = asyncio.run(main())
+    try:
+        bad, bad_stream, results = asyncio.run(main())
+        failed_batches = engine.call_utility("hook", f"{HOOKS}:hook_log")
+    finally:
+        engine.call_utility("hook", f"{HOOKS}:restore")
     assert bad.status_code == 500, bad.text
     assert bad.json()["error"]["code"] == "engine_error" and "injected fault" in bad.json()["error"]["message"]
     assert bad_stream[2] is not None and "injected fault" in bad_stream[2]["message"]
@@ -191,7 +189,6 @@ def test_a_fault_one_request_triggers_fails_it_alone(server, http, monkeypatch):
         before["kvmesh:engine_step_failures_total{scope=request}"] + 2)
     assert after["kvmesh:engine_step_failures_total{scope=batch}"] == before[
         "kvmesh:engine_step_failures_total{scope=batch}"]
-    monkeypatch.undo()
     wait_for(lambda: server.state.engine.num_in_flight == 0)
     assert http.post("/v1/completions", json={"prompt": prompts[0], **body}).json()["choices"][0]["text"] == (
         expected[0])

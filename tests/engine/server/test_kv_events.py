@@ -146,9 +146,10 @@ def test_events_match_blocks_stored_and_evicted(server):
     assert decoded.block_hashes[0] in live
 
     # What the subscriber derived is exactly what the engine's prefix cache holds now, parents too.
-    cached = server.state.engine.engine.core.kv.pool.cached
+    # (read in the engine core's process)
+    cached = server.state.engine.call_utility("hook", "kvmesh.testing.core_hooks:cached_blocks")
     assert live == set(cached)
-    assert {k: b.parent_key for k, b in cached.items()} == {k: parent_of[k] for k in live}
+    assert cached == {k: parent_of[k] for k in live}
 
 
 def test_missed_sequence_is_recovered_through_replay(server):

@@ -13,25 +13,33 @@ import httpx
 import pytest
 
 from kvmesh.engine import llm_engine
+from kvmesh.engine.server import core_client
 from tests.engine.server.conftest import ThreadServer, wait_for
 
 KEY = "k"
 
 
-@pytest.fixture()
-def held_server(tiny_model, monkeypatch):
-    """A server whose model load waits until the test releases it."""
+@pytest.fixture(params=["process", "thread"])
+def held_server(request, tiny_model, monkeypatch):
+    """A server whose engine load waits until the test releases it: in the process mode, the API
+    process's side of it (the core process is up, the frontend's text side is held); in the
+    thread mode, the engine itself."""
     gate = threading.Event()
-    real = llm_engine.LLMEngine
+    mode = request.param
+    if mode == "process":
+        module, name = core_client, "FrontendEngine"
+    else:
+        module, name = llm_engine, "LLMEngine"
+    real = getattr(module, name)
 
-    class HeldLLMEngine(real):
-        def __init__(self, args):
+    class Held(real):
+        def __init__(self, *args):
             assert gate.wait(120), "the test never released the model load"
-            super().__init__(args)
+            super().__init__(*args)
 
-    monkeypatch.setattr(llm_engine, "LLMEngine", HeldLLMEngine)
+    monkeypatch.setattr(module, name, Held)
     srv = ThreadServer(["--model", tiny_model, "--served-model-name", "tiny", "--num-kv-blocks", "64",
-                        "--api-key", KEY])
+                        "--api-key", KEY, "--engine-mode", mode])
     srv.thread.start()
     srv.gate = gate
     yield srv
@@ -75,6 +83,7 @@ def test_every_v1_route_is_503_until_the_model_is_loaded(held_server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize("held_server", ["process"], indirect=True)
 def test_v1_models_is_503_while_draining(held_server):
     held_server.gate.set()
     url, auth = held_server.url, {"Authorization": f"Bearer {KEY}"}

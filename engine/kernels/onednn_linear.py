@@ -1,10 +1,11 @@
 """Linear layers on prepacked oneDNN weights, for the CPU backend.
 
 torch's fp32 `F.linear` on CPU goes to MKL's sgemm, which repacks the weight on
-every call and, on this machine, stays near 115 GFLOP/s at decode batch sizes.
-oneDNN's matmul on a weight reordered once into its blocked layout reaches about
-190 GFLOP/s at the same shapes (and ~1.2x at prefill sizes), so after the weights
-are loaded every projection and the LM head are swapped for this module.
+every call; oneDNN's matmul on a weight reordered once into its blocked layout
+does not, and is faster at decode and prefill sizes (figures: docs/engine.md,
+"The CPU fast path"). So after the weights are loaded every projection and the
+LM head are swapped for this module.
+
 `KVMESH_ONEDNN=0` keeps plain `F.linear`.
 
 The result equals `F.linear` up to fp32 summation order.

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Python overhead per decode step: where one engine step's time goes at a decode batch of 64.
+
+Runs an EngineCore (the built-in model by default) the way the core process does (CoreLoop, with
+the step timer of engine/step_timing.py, and each step's outputs encoded as the StepOutputs
+message the core process sends), fills a batch of --batch requests, lets their prompts finish,
+then times --steps decode steps in which every request decodes one token. Prints milliseconds per
+step for each phase (schedule / prepare / forward / sample / update / output), and the overhead:
+the step's wall time minus the model's forward, in ms and as a share of the step.
+
+  python bench/step_overhead.py                       # smollm2-135m-instruct, batch 64, 64 steps
+  python bench/step_overhead.py --batch 64 --steps 128 --model /path/to/hf-dir
+
+On a shared machine the forward time is noisy; the overhead (pure Python and small tensor work)
+much less so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--warmup-steps", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    import msgspec
+
+    from kvmesh.engine.config import EngineArgs
+    from kvmesh.engine.core_proc import CoreLoop, StepOutputs
+    from kvmesh.engine.engine_core import EngineCore
+    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.engine.step_timing import PHASES, overhead_per_step
+
+    total_len = args.prompt_len + args.warmup_steps + args.steps + 8
+    blocks_per_seq = -(-total_len // 16)
+    core = EngineCore(EngineArgs(model=args.model, num_kv_blocks=args.batch * blocks_per_seq + 16,
+                                 max_num_seqs=args.batch, max_model_len=max(total_len + 16, 256),
+                                 max_num_batched_tokens=max(2048, args.prompt_len), dtype="float32"))
+    loop = CoreLoop(core)
+    encoder = msgspec.msgpack.Encoder()
+    rng = random.Random(args.seed)
+    vocab = core.model_config.vocab_size
+    params = SamplingParams(max_tokens=args.warmup_steps + args.steps + 4, temperature=0.0, ignore_eos=True)
+    for i in range(args.batch):
+        loop.add(f"r{i}", [rng.randrange(0, vocab) for _ in range(args.prompt_len)], params)
+
+    # prefill every prompt, then a few decode steps to warm up
+    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
+        loop.step()
+    for _ in range(args.warmup_steps):
+        loop.step()
+    timer = loop.timer
+    for key in timer.totals:
+        timer.totals[key] = 0.0
+    timer.steps = timer.decode_steps = timer.decode_seqs = 0
+    encode_s = 0.0
+    wall0 = time.perf_counter()
+    for _ in range(args.steps):
+        items = loop.step()
+        t0 = time.perf_counter()
+        outs = [o for _, o in items if not isinstance(o, BaseException)]
+        encoder.encode(StepOutputs(outs, [], core.stats(), timer.snapshot(), []))
+        dt = time.perf_counter() - t0
+        encode_s += dt
+        timer.totals["output"] += dt
+        timer.totals["decode_output"] += dt
+    wall = time.perf_counter() - wall0
+    snap = timer.snapshot()
+    per = overhead_per_step(snap)
+    if not per or snap["decode_steps"] != args.steps:
+        raise SystemExit(f"expected {args.steps} decode steps, got {snap.get('decode_steps')}")
+    import torch
+
+    print(f"decode steps: {args.steps} at batch {per['batch']:.0f}, model {args.model}, "
+          f"{torch.get_num_threads()} torch threads")
+    print("  per step (ms): " + ", ".join(f"{p} {per[p]:.2f}" for p in PHASES)
+          + f"  (output includes msgspec encoding: {1000 * encode_s / args.steps:.2f})")
+    print(f"  step {per['total']:.2f} ms (wall {1000 * wall / args.steps:.2f}), forward {per['forward']:.2f} ms")
+    print(f"python overhead per decode step at batch {per['batch']:.0f}: {per['overhead']:.2f} ms "
+          f"({100 * per['overhead'] / per['total']:.1f}% of the step; "
+          f"{1000 * per['overhead'] / per['batch']:.1f} us per sequence)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""The one seam between the model and how it attends: an AttentionBackend per kind of device.
+
+- ``torch``: plain torch ops (attention.py's gather/SDPA path); runs anywhere.
+- ``cpu``: the compiled CPU kernels (kernels/cpu.py: decode and prefill attention, fused
+  norms, RoPE and SiLU); the CPU default. If they cannot be built it degrades to ``torch``.
+- ``triton``: the Triton kernels (kernels/triton_attention.py, kernels/triton_ops.py); the
+  GPU default. On the CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``, set
+  here when unset), which is how the tests prove it without a GPU.
+
+``auto`` (the default) picks by device: ``triton`` on CUDA (``torch`` if triton is not
+installed), ``cpu`` on the CPU. Engine argument ``attention_backend`` / CLI
+``--attention-backend`` force one; with ``auto``, the environment variable
+``KVMESH_ATTENTION_BACKEND`` may too (as vLLM's ``VLLM_ATTENTION_BACKEND``).
+
+A backend gives the model its ``forward`` (attention over the paged cache), optionally its
+fused ``ops`` (same signatures as the compiled CPU ops), and, when ``builds_metadata``, the
+step's attention metadata from the runner's per-request rows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvmesh.engine.attention import paged_attention
+from kvmesh.engine.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "cpu", "triton")
+ENV_VAR = "KVMESH_ATTENTION_BACKEND"
+PAD_SLOT = -1  # a slot the KV write skips (CUDA-graph padding rows)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def choose(requested: str, device: torch.device) -> str:
+    """The backend name for this device: `requested`, or with auto the environment's choice or
+    the device's default. Raises ValueError on a backend the device cannot run."""
+    if requested == "auto":
+        requested = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+        if requested not in BACKENDS:
+            raise ValueError(f"{ENV_VAR} must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    if requested == "auto":
+        if device.type == "cuda":
+            if triton_available():
+                return "triton"
+            log.warning("triton is not installed (pip install 'kvmesh[gpu]'): attention runs on plain torch ops")
+            return "torch"
+        return "cpu" if device.type == "cpu" else "torch"
+    if requested == "cpu" and device.type != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on device cpu only, not {device.type}")
+    if requested == "triton":
+        if not triton_available():
+            raise ValueError("attention_backend 'triton' needs the triton package (pip install 'kvmesh[gpu]')")
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"attention_backend 'triton' runs on cuda (or cpu, interpreted), not {device.type}")
+    return requested
+
+
+class AttentionBackend:
+    name = "torch"
+    builds_metadata = False  # True: build_metadata() makes the step's metadata from the runner's rows
+    supports_cuda_graphs = False
+    ops = None  # fused elementwise ops with the CPU ops' signatures, or None for torch ops
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+
+class CpuBackend(AttentionBackend):
+    """The compiled CPU kernels; the runner loads them and builds their metadata (model_runner.py)."""
+    name = "cpu"
+
+
+@dataclass
+class TritonMetadata:
+    """One step's attention inputs for the Triton kernels (all int32 on the device but slots)."""
+    slots: torch.Tensor | None  # [T] int64, cache row of each new token; PAD_SLOT skips
+    query_start_loc: torch.Tensor  # [S + 1] first row of each sequence in the batch
+    seq_lens: torch.Tensor  # [S] context length including this step's tokens
+    block_tables: torch.Tensor  # [S, W]
+    decode_seqs: torch.Tensor | None  # [R] sequences with one query token
+    num_decodes: int
+    num_splits: int  # split-KV ranges per decode row
+    tile_seq: torch.Tensor | None = None  # [P] prefill tiles: their sequence
+    tile_q: torch.Tensor | None = None  # [P] and their first query token within it
+    num_tiles: int = 0
+    # The sampling rows as decodes over their whole context, for the last layer.
+    sample_meta: "TritonMetadata | None" = None
+    # Decode-only with every row sampling once, in order: a CUDA graph can replay the step.
+    decode_only: bool = False
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    builds_metadata = True
+    supports_cuda_graphs = True
+
+    def __init__(self, config: ModelConfig, block_size: int, device: torch.device):
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            if "kvmesh.engine.kernels.triton_attention" in __import__("sys").modules:
+                raise ValueError("attention_backend 'triton' on the CPU needs TRITON_INTERPRET=1 before the "
+                                 "Triton kernels are imported")
+            log.info("attention_backend triton on the CPU: running the kernels under Triton's interpreter")
+            os.environ["TRITON_INTERPRET"] = "1"
+        from kvmesh.engine.kernels import triton_attention, triton_ops
+
+        if device.type == "cpu" and not triton_attention.INTERPRET:
+            raise ValueError("the Triton kernels were imported without TRITON_INTERPRET=1; "
+                             "they cannot run on the CPU in this process")
+        self.kernels = triton_attention
+        self.ops = triton_ops
+        self.device = device
+        self.block_size = block_size
+        self.num_kv_heads = config.num_key_value_heads
+        self.block_q = triton_attention.prefill_block_q(config.num_attention_heads, config.num_key_value_heads)
+        if device.type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            self.target_programs = 2 * sms
+        else:
+            self.target_programs = 8  # the interpreter: keep the split path exercised, cheaply
+        self.max_splits = 16
+
+    def num_splits(self, num_rows: int, max_len: int) -> int:
+        """Split-KV ranges per decode row: enough programs to fill the device, each range at
+        least one key tile long, rounded down to a power of two; one when the batch alone
+        fills the device."""
+        if num_rows == 0:
+            return 1
+        programs = num_rows * self.num_kv_heads
+        by_device = -(-self.target_programs // programs)
+        by_length = max(1, max_len // self.kernels.TILE_N)
+        splits = int(max(1, min(self.max_splits, by_device, by_length)))
+        return 1 << (splits.bit_length() - 1)  # a power of two: few kernel variants to compile
+
+    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Several int32 arrays in one host-to-device copy; views of it, reshaped as given."""
+        flat = np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int32)
+        host = torch.from_numpy(flat)
+        if self.device.type == "cuda":  # pinned: an asynchronous copy
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        out, at = [], 0
+        for a in arrays:
+            out.append(dev[at:at + a.size].view(a.shape))
+            at += a.size
+        return out
+
+    def _tables(self, tables: list[list[int]], seq_lens: np.ndarray) -> np.ndarray:
+        bs = self.block_size
+        width = max(1, int(-(-seq_lens.max() // bs)))
+        out = np.zeros((len(tables), width), dtype=np.int32)
+        for i, (t, n) in enumerate(zip(tables, seq_lens)):
+            used = -(-int(n) // bs)
+            out[i, :used] = t[:used]
+        return out
+
+    def build_metadata(self, rows: list[tuple[int, int, list[int]]], slots: torch.Tensor,
+                       sample_tables: list[list[int]], sample_ctx: list[int]) -> TritonMetadata:
+        """rows: (new tokens, cached tokens, block table) of each sequence, in batch order;
+        sample_tables / sample_ctx: the sampling rows' block tables and context lengths."""
+        q_lens = np.fromiter((n for n, _, _ in rows), dtype=np.int64, count=len(rows))
+        starts = np.fromiter((s for _, s, _ in rows), dtype=np.int64, count=len(rows))
+        seq_lens = starts + q_lens
+        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        decode = np.flatnonzero(q_lens == 1)
+        prefill = np.flatnonzero(q_lens > 1)
+        tiles_per = -(-q_lens[prefill] // self.block_q)
+        tile_seq = np.repeat(prefill, tiles_per)
+        tile_q = (np.arange(tile_seq.size) - np.repeat(np.cumsum(tiles_per) - tiles_per, tiles_per)) * self.block_q
+        tables = self._tables([t for _, _, t in rows], seq_lens)
+        max_decode = int(seq_lens[decode].max()) if decode.size else 0
+        qsl_d, lens_d, tables_d, dec_d, tseq_d, tq_d = self._upload(
+            [qsl, seq_lens, tables, decode, tile_seq, tile_q])
+        meta = TritonMetadata(slots=slots, query_start_loc=qsl_d, seq_lens=lens_d, block_tables=tables_d,
+                              decode_seqs=dec_d, num_decodes=int(decode.size),
+                              num_splits=self.num_splits(int(decode.size), max_decode),
+                              tile_seq=tseq_d, tile_q=tq_d, num_tiles=int(tile_seq.size))
+        meta.decode_only = (not prefill.size and len(sample_ctx) == len(rows)
+                            and np.array_equal(np.asarray(sample_ctx), seq_lens))
+        if meta.decode_only:  # the sampling rows are the batch's rows: the same metadata serves
+            meta.sample_meta = meta
+        elif sample_ctx:
+            meta.sample_meta = self.decode_metadata(sample_tables, sample_ctx)
+        return meta
+
+    def decode_metadata(self, tables: list[list[int]], ctx_lens: list[int]) -> TritonMetadata:
+        """Row i: one query token over ctx_lens[i] cache rows of tables[i]."""
+        n = len(ctx_lens)
+        lens = np.asarray(ctx_lens, dtype=np.int64)
+        seqs = np.arange(n + 1)
+        qsl_d, lens_d, tables_d = self._upload([seqs, lens, self._tables(tables, lens)])
+        return TritonMetadata(slots=None, query_start_loc=qsl_d, seq_lens=lens_d, block_tables=tables_d,
+                              decode_seqs=qsl_d[:n], num_decodes=n,
+                              num_splits=self.num_splits(n, int(lens.max())))
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float) -> torch.Tensor:
+        """q: [T, heads, dim]; the step's k, v are in the cache already (the fused RoPE op)."""
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.kernels.decode_attention(out, q, k_cache, v_cache, meta.decode_seqs, meta.num_decodes,
+                                      meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+                                      meta.num_splits)
+        self.kernels.prefill_attention(out, q, k_cache, v_cache, meta.tile_seq, meta.tile_q, meta.num_tiles,
+                                       meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+                                       self.block_q)
+        return out
+
+
+def create(name: str, config: ModelConfig, block_size: int, device: torch.device) -> AttentionBackend:
+    if name == "triton":
+        return TritonBackend(config, block_size, device)
+    return CpuBackend() if name == "cpu" else TorchBackend()
