@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,9 +21,7 @@ from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampler import TokenLogprobs
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
-
-if TYPE_CHECKING:
-    from kvmesh.engine.spec_decode.controller import SpecDecodeStats
+from kvmesh.engine.spec_decode.controller import SpecDecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +64,7 @@ class EngineStats:
     # Failed steps: "request" counts requests failed alone (the rest of their step went on),
     # "batch" counts steps that lost every request in them.
     step_failures: dict[str, int] = field(default_factory=dict)
-    spec_decode: "SpecDecodeStats | None" = None  # with speculative_config: drafts and acceptance
+    spec_decode: SpecDecodeStats | None = None  # with speculative_config: drafts and acceptance
 
 
 def _subset(sched: SchedulerOutput, requests: list[Request]) -> SchedulerOutput:

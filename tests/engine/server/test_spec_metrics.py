@@ -33,25 +33,28 @@ def test_metrics_have_vllms_spec_decode_counters(server):
             "ignore_eos": True}
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    core = server.state.engine.engine.core
-    truth = core.spec.stats()
-    assert truth.num_drafts > 0 and truth.num_accepted_tokens > 0
     model = (("model_name", "spec"),)
 
-    def scrape():  # the stats snapshot is refreshed by the engine thread after each step
+    def scrape():  # the engine's stats snapshot is refreshed after each step
         text = httpx.get(f"{server.url}/metrics", timeout=10).text
         samples = {(n, tuple(sorted(lab.items()))): v for n, lab, v in parse_prometheus(text)}
-        done = samples.get(("vllm:spec_decode_num_drafts_total", model)) == truth.num_drafts
-        return (text, samples) if done else None
+        return (text, samples) if samples.get(("vllm:spec_decode_num_drafts_total", model)) else None
 
     text, samples = wait_for(scrape)
+    truth = server.state.engine.stats.spec_decode  # the snapshot the collector reads
+    assert truth.num_drafts > 0 and truth.num_accepted_tokens > 0
+    assert samples[("vllm:spec_decode_num_drafts_total", model)] <= truth.num_drafts
+    text, samples = wait_for(lambda: (r := scrape()) and r[1][("vllm:spec_decode_num_drafts_total", model)]
+                             == server.state.engine.stats.spec_decode.num_drafts and r)
+    truth = server.state.engine.stats.spec_decode
     assert samples[("vllm:spec_decode_num_drafts_total", model)] == truth.num_drafts
     assert samples[("vllm:spec_decode_num_draft_tokens_total", model)] == truth.num_draft_tokens
     assert samples[("vllm:spec_decode_num_accepted_tokens_total", model)] == truth.num_accepted_tokens
+    assert truth.num_drafts <= truth.num_draft_tokens <= 3 * truth.num_drafts
     per_pos = {dict(lab)["position"]: v for (n, lab), v in samples.items()
                if n == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
     assert per_pos == {str(i): float(n) for i, n in enumerate(truth.accepted_per_pos)}
-    assert per_pos["0"] >= per_pos["1"] >= per_pos["2"]
+    assert per_pos["0"] >= per_pos["1"] >= per_pos["2"] and sum(per_pos.values()) == truth.num_accepted_tokens
     # The sidecar's reading of the same page, and the heartbeat that carries it to `kvmesh status`.
     load = engine_load(text)
     assert (load.spec_draft_tokens, load.spec_accepted_tokens) == (truth.num_draft_tokens, truth.num_accepted_tokens)
