@@ -39,6 +39,44 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory the engine may use; the KV cache gets what the "
                         "weights and a profiling step leave of it")
+    g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (off by default)')
+    g.add_argument("--speculative-disable-by-batch-size", type=_positive_int, default=None, metavar="N",
+                   help="no drafts in a step with N or more running requests (overrides the config's "
+                        "disable_by_batch_size; default 16)")
+
+
+def _speculative_config(text: str):
+    from kvmesh.engine.spec_decode.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _with_batch_limit(args: argparse.Namespace):
+    spec, limit = getattr(args, "speculative_config", None), getattr(args, "speculative_disable_by_batch_size", None)
+    if limit is None:
+        return spec
+    from dataclasses import replace
+
+    from kvmesh.engine.spec_decode.config import SpeculativeConfigError
+
+    if spec is None:
+        raise SpeculativeConfigError("--speculative-disable-by-batch-size", "needs --speculative-config")
+    return replace(spec, disable_by_batch_size=limit)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def engine_args_from(args: argparse.Namespace, **overrides):
@@ -51,4 +89,5 @@ def engine_args_from(args: argparse.Namespace, **overrides):
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, dtype=args.dtype, device=args.device,
         seed=args.seed, generation_config=args.generation_config, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization, **overrides)
+        enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+        speculative_config=_with_batch_limit(args), **overrides)

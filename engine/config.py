@@ -51,6 +51,9 @@ class EngineArgs:
     seed: int = 0
     enable_kv_events: bool = False
     generation_config: str = "auto"  # sampling defaults: auto (the model's), vllm (OpenAI's) or a folder
+    # Speculative decoding, as vLLM's: {"method": "ngram", "num_speculative_tokens": K,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2, ...} (a dict or its JSON); None: off.
+    speculative_config: Any = None
     attention_backend: str = "auto"  # auto | torch | cpu | triton (attention_backends.py)
     enforce_eager: bool = False  # no CUDA graphs
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use (KV sized from it)
@@ -81,6 +84,10 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.speculative_config is not None:
+            from kvmesh.engine.spec_decode.config import SpeculativeConfig
+
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         from kvmesh.engine.generation_defaults import check_source
 
         check_source(self.generation_config)

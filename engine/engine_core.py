@@ -21,6 +21,7 @@ from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampler import TokenLogprobs
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
+from kvmesh.engine.spec_decode.controller import SpecDecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class EngineStats:
     # Failed steps: "request" counts requests failed alone (the rest of their step went on),
     # "batch" counts steps that lost every request in them.
     step_failures: dict[str, int] = field(default_factory=dict)
+    spec_decode: SpecDecodeStats | None = None  # with speculative_config: drafts and acceptance
 
 
 def _subset(sched: SchedulerOutput, requests: list[Request]) -> SchedulerOutput:
@@ -123,6 +125,12 @@ class EngineCore:
         self.runner = runner
         if self.device.type == "cuda" and not args.enforce_eager:
             self.runner.capture_cuda_graphs(args.max_num_seqs, self.max_model_len)
+        self.spec = None  # speculative decoding (spec_decode/), when speculative_config asks for it
+        if args.speculative_config is not None:
+            from kvmesh.engine.spec_decode.config import SpeculativeConfig
+            from kvmesh.engine.spec_decode.controller import SpecDecoder
+
+            self.spec = SpecDecoder(SpeculativeConfig.parse(args.speculative_config), self.max_model_len)
         self.eos_token_ids: set[int] = set(self.model_config.eos_token_id)
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -194,6 +202,8 @@ class EngineCore:
             req = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             if req is not None:
                 self.runner.sampler.forget(rid)
+                if self.spec is not None:
+                    self.spec.forget(rid)
                 if report:
                     self._pending_aborts.append(EngineCoreOutput(
                         rid, [], finish_reason="abort",
@@ -225,21 +235,37 @@ class EngineCore:
             for rid, entries in prompt_lps.items():
                 for pos, lp in entries:  # a recompute after preemption writes the same values again
                     by_id[rid].prompt_logprobs[pos] = lp
+        if self.spec is not None:
+            self._record_drafts(sched, sampled)
         for req, token in self.scheduler.update_from_output(sched, sampled):
-            self.generation_tokens += 1
+            tokens = token if isinstance(token, list) else [token]  # a list: verified drafts
+            self.generation_tokens += len(tokens)
             finished = req.status.finished
             if finished:
                 self.runner.sampler.forget(req.request_id)
+                if self.spec is not None:
+                    self.spec.forget(req.request_id)
             lp = logprobs.get(req.request_id)
             outputs.append(EngineCoreOutput(
-                req.request_id, [token], [lp] if lp is not None else [],
+                req.request_id, tokens,
+                (lp[:len(tokens)] if isinstance(lp, list) else [lp]) if lp is not None else [],
                 finish_reason=req.status.value if finished else None,
                 stop_reason=req.stop_reason if finished else None,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 num_prompt_tokens=req.num_prompt_tokens,
                 prompt_logprobs=(list(req.prompt_logprobs) if req.prompt_logprobs is not None
-                                 and req.num_output_tokens == 1 else None)))
+                                 and req.num_output_tokens == len(tokens) else None)))
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         return outputs
+
+    def _record_drafts(self, sched: SchedulerOutput, sampled: dict) -> None:
+        """Count each verification (before a stop or max_tokens cuts the accepted run short)."""
+        for req in sched.requests:
+            tokens = sampled.get(req.request_id)
+            if isinstance(tokens, list):
+                num_drafts = req.num_computed_tokens + sched.num_scheduled_tokens[req.request_id] - req.num_tokens
+                self.spec.record(req.request_id, num_drafts, len(tokens) - 1)
 
     # -- failures: one request's fault fails that request only ----------------------------
     def _execute(self, sched: SchedulerOutput, rng: dict):
@@ -320,6 +346,8 @@ class EngineCore:
                 exc = failed[rid]
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
                 self.runner.sampler.forget(rid)
+                if self.spec is not None:
+                    self.spec.forget(rid)
                 outputs.append(EngineCoreOutput(
                     rid, [], finish_reason="error", error=f"{type(exc).__name__}: {exc}",
                     num_cached_tokens=max(req.num_cached_tokens, 0), num_prompt_tokens=req.num_prompt_tokens))
@@ -350,4 +378,5 @@ class EngineCore:
             generation_tokens=self.generation_tokens,
             num_steps=self.num_steps,
             step_failures=dict(self.step_failures),
+            spec_decode=self.spec.stats() if self.spec is not None else None,
         )

@@ -97,6 +97,17 @@ class KVCacheManager:
         blocks = self.req_blocks.get(request.request_id, [])
         return blocks[start // self.block_size:cdiv(start + num_tokens, self.block_size)]
 
+    def release_lookahead(self, request: Request) -> None:
+        """Free the blocks past the request's verified tokens: the lookahead slots of its rejected
+        drafts (speculative decoding). They were never cached: only blocks full of verified
+        tokens are (``_cache_full_blocks`` stops at ``request.num_tokens``)."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = cdiv(request.num_tokens, self.block_size)
+        if blocks is not None and len(blocks) > keep:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(list(reversed(tail)))
+
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)

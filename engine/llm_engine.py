@@ -126,11 +126,22 @@ class LLMEngine:
         if out.prompt_logprobs is not None:
             state.prompt_logprobs = out.prompt_logprobs
         delta_text, stop_str = "", None
-        if out.new_token_ids:
-            comp.token_ids.extend(out.new_token_ids)
+        new_ids, new_lps = out.new_token_ids, out.new_logprobs
+        if len(new_ids) > 1 and state.params.stop:
+            # Several tokens in one step (verified drafts): a stop string ends the output at the
+            # token that completes it, as it would one token per step.
+            for i, token in enumerate(new_ids):
+                delta, stop_str = state.detok.update([token])
+                delta_text += delta
+                if stop_str is not None:
+                    new_ids, new_lps = new_ids[:i + 1], new_lps[:i + 1]
+                    break
+        elif new_ids:
+            delta_text, stop_str = state.detok.update(new_ids)
+        if new_ids:
+            comp.token_ids.extend(new_ids)
             if comp.logprobs is not None:
-                comp.logprobs.extend(out.new_logprobs)
-            delta_text, stop_str = state.detok.update(out.new_token_ids)
+                comp.logprobs.extend(new_lps)
             comp.text = state.detok.text
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if stop_str is not None:
@@ -141,8 +152,8 @@ class LLMEngine:
         return RequestOutput(
             out.request_id, state.prompt, state.prompt_token_ids, [comp],
             finished=finish_reason is not None, num_cached_tokens=out.num_cached_tokens,
-            prompt_logprobs=state.prompt_logprobs, delta_text=delta_text, delta_token_ids=list(out.new_token_ids),
-            delta_logprobs=list(out.new_logprobs), error=out.error)
+            prompt_logprobs=state.prompt_logprobs, delta_text=delta_text, delta_token_ids=list(new_ids),
+            delta_logprobs=list(new_lps), error=out.error)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,

@@ -128,21 +128,36 @@ class ModelRunner:
         prompt_idx: list[int] = []
         prompt_tables: list[list[int]] = []
         rows = [] if self.backend.builds_metadata else None  # (new, cached, table): the backend's input
+        spec_rows: list[tuple[Request, list[int]]] = []  # requests verifying drafts, and the drafts
+        spec_idx: list[int] = []
+        spec_tables: list[list[int]] = []
+        spec_ctx: list[int] = []
         offset = 0
         for req in out.requests:
             n = out.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
             table = kv.block_table(req.request_id)
+            num_drafts = start + n - req.num_tokens  # > 0: speculative, the drafts follow
             if n == 1:  # a decode row: scalars, no per-row numpy work
                 ids_buf[offset] = req.all_token_ids[start]
                 pos_buf[offset] = start
                 slot_buf[offset] = table[start // bs] * bs + start % bs
             else:
-                ids_buf[offset:offset + n] = req.all_token_ids[start:start + n]
+                if num_drafts > 0:
+                    drafts = req.spec_token_ids[:num_drafts]
+                    ids_buf[offset:offset + n] = req.all_token_ids[start:] + drafts
+                else:
+                    ids_buf[offset:offset + n] = req.all_token_ids[start:start + n]
                 pos = np.arange(start, start + n)
                 pos_buf[offset:offset + n] = pos
                 slot_buf[offset:offset + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
-            if start + n == req.num_tokens:
+            if num_drafts > 0:  # every position from the last verified token on gives logits
+                spec_rows.append((req, drafts))
+                for p in range(req.num_tokens - 1, start + n):
+                    spec_idx.append(offset + p - start)
+                    spec_tables.append(table[:cdiv(p + 1, bs)])
+                    spec_ctx.append(p + 1)
+            elif start + n == req.num_tokens:
                 logits_indices.append(offset + n - 1)
                 sampling_requests.append(req)
                 sample_tables.append(table[:cdiv(start + n, bs)])
@@ -168,12 +183,12 @@ class ModelRunner:
         # copies of the buffers' first `offset` entries: a step's tensors never alias the next step's
         ids, pos_all, slots = ids_buf[:offset].copy(), pos_buf[:offset].copy(), slot_buf[:offset].copy()
         if rows is not None:
-            logits_indices += prompt_idx
+            logits_indices += spec_idx + prompt_idx
             meta = self.backend.build_metadata(rows, self._tensor(slots),
-                                               sample_tables + prompt_tables,
-                                               sample_ctx + [p + 1 for _, p in prompt_rows])
+                                               sample_tables + spec_tables + prompt_tables,
+                                               sample_ctx + spec_ctx + [p + 1 for _, p in prompt_rows])
             return (self._tensor(ids), self._tensor(pos_all), meta,
-                    self._tensor(logits_indices), sampling_requests, prompt_rows)
+                    self._tensor(logits_indices), sampling_requests, prompt_rows, spec_rows)
         meta = AttentionMetadata(
             slots=self._tensor(slots),
             decode_indices=None, decode_block_tables=None, decode_mask=None,
@@ -186,6 +201,10 @@ class ModelRunner:
         if decode_idx:
             meta.decode_indices = self._tensor(decode_idx)
             self._set_decodes(meta, decode_tables, decode_ctx)
+        if spec_rows:  # after the plain sampling rows, before the prompt rows
+            logits_indices += spec_idx
+            sample_tables += spec_tables
+            sample_ctx += spec_ctx
         if prompt_rows:  # after the sampling rows, so the sampler's logits come first
             logits_indices += prompt_idx
             sample_tables += prompt_tables
@@ -204,7 +223,7 @@ class ModelRunner:
                 decode_block_tables=None, decode_mask=None, prefills=[])
             self._set_decodes(meta.sample_meta, sample_tables, sample_ctx)
         return (self._tensor(ids), self._tensor(pos_all), meta,
-                self._tensor(logits_indices), sampling_requests, prompt_rows)
+                self._tensor(logits_indices), sampling_requests, prompt_rows, spec_rows)
 
     def _set_decodes(self, meta: AttentionMetadata, tables: list[list[int]], ctx_lens: list[int]) -> None:
         """Block tables and context lengths (kernel) or a length mask (torch path) of decode rows."""
@@ -222,21 +241,38 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager
                 ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[tuple[int, TokenLogprobs]]]]:
-        """Sampled tokens, their logprobs, and prompt logprobs as (position, logprob) per request."""
-        input_ids, positions, meta, logits_indices, sampling_requests, prompt_rows = self.prepare(out, kv)
-        if self.graphs is not None and self.graphs.can_replay(meta, len(sampling_requests)):
+        """Sampled tokens, their logprobs, and prompt logprobs as (position, logprob) per request.
+
+        A request that verified drafts this step gets a list: the accepted drafts, then one sampled
+        token (and a list of logprobs, one per token)."""
+        input_ids, positions, meta, logits_indices, sampling_requests, prompt_rows, spec_rows = \
+            self.prepare(out, kv)
+        if not spec_rows and self.graphs is not None and self.graphs.can_replay(meta, len(sampling_requests)):
             logits = self.graphs.replay(input_ids, positions, meta)
         else:
             logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
         prompt_lps = {}
+        num_plain = len(sampling_requests)
+        num_sampling = num_plain + sum(len(d) + 1 for _, d in spec_rows)
         if prompt_rows:
-            prompt_lps = prompt_logprobs(logits[len(sampling_requests):], prompt_rows)
-            logits = logits[:len(sampling_requests)]
+            prompt_lps = prompt_logprobs(logits[num_sampling:], prompt_rows)
+        sampled: dict = {}
+        lps: dict = {}
+        if spec_rows:
+            from kvmesh.engine.spec_decode.rejection import verify
+
+            for (req, _), v in zip(spec_rows, verify(self.sampler, logits[num_plain:num_sampling],
+                                                     [r for r, _ in spec_rows], [d for _, d in spec_rows])):
+                sampled[req.request_id] = v.tokens
+                if v.logprobs is not None:
+                    lps[req.request_id] = v.logprobs
         if not sampling_requests:
-            return {}, {}, prompt_lps
+            return sampled, lps, prompt_lps
+        if prompt_rows or spec_rows:
+            logits = logits[:num_plain]
         tokens, logprobs = self.sampler(logits, sampling_requests)
-        sampled = {r.request_id: t for r, t in zip(sampling_requests, tokens)}
-        lps = {r.request_id: lp for r, lp in zip(sampling_requests, logprobs) if lp is not None}
+        sampled.update((r.request_id, t) for r, t in zip(sampling_requests, tokens))
+        lps.update((r.request_id, lp) for r, lp in zip(sampling_requests, logprobs) if lp is not None)
         return sampled, lps, prompt_lps
 
 

@@ -50,6 +50,9 @@ class Request:
         self.num_cached_tokens = -1  # set once, on first admission
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # Draft tokens for the next step (speculative decoding): not part of all_token_ids until
+        # verified, so neither block keys nor stop checks ever see them.
+        self.spec_token_ids: list[int] = []
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         # Whole-request token limit: max_tokens, capped by the model length.
         limit = max_model_len - self.num_prompt_tokens

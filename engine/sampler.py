@@ -83,15 +83,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
         raw = logits  # logprobs come from the model's distribution, before penalties and bans
-        logits = apply_penalties(logits, requests)
-        for i, req in enumerate(requests):
-            sp = req.sampling_params
-            if req.num_output_tokens < sp.min_tokens:
-                banned = list(req.eos_token_ids | req.stop_token_ids)
-                if banned:
-                    if logits is raw:
-                        logits = logits.clone()  # only when something is banned: 12 MB at batch 64
-                    logits[i, banned] = float("-inf")
+        logits = self.adjust(logits, requests)
 
         # Decisions from the host-side params, never from device values: no sync but the one
         # copy of the sampled ids below.
@@ -111,7 +103,34 @@ class Sampler:
                 logprobs[i] = lp
         return token_list, logprobs
 
+    @staticmethod
+    def adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Penalties and logit bias, then min_tokens' ban on EOS and stop token ids (``logits``
+        itself when nothing applies)."""
+        raw = logits
+        logits = apply_penalties(logits, requests)
+        for i, req in enumerate(requests):
+            sp = req.sampling_params
+            if req.num_output_tokens < sp.min_tokens:
+                banned = list(req.eos_token_ids | req.stop_token_ids)
+                if banned:
+                    if logits is raw:
+                        logits = logits.clone()  # only when something is banned: 12 MB at batch 64
+                    logits[i, banned] = float("-inf")
+        return logits
+
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+        probs = self.probs(logits, requests)
+        noise = torch.empty_like(probs)
+        for i, req in enumerate(requests):
+            if not greedy[i]:
+                noise[i].exponential_(generator=self._generator_for(req))
+            else:
+                noise[i].fill_(1.0)
+        return (probs / noise).argmax(dim=-1)
+
+    def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, top-k, top-p, min-p applied."""
         params = [r.sampling_params for r in requests]
         dev = logits.device
         temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, dev)
@@ -135,10 +154,4 @@ class Sampler:
             min_p = to_device([p.min_p for p in params], torch.float32, dev)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs)
-        for i, req in enumerate(requests):
-            if not greedy[i]:
-                noise[i].exponential_(generator=self._generator_for(req))
-            else:
-                noise[i].fill_(1.0)
-        return (probs / noise).argmax(dim=-1)
+        return probs

@@ -89,6 +89,7 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -108,8 +109,16 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if request.spec_token_ids:  # drafts ride along with a decode, as far as the budget allows
+                room = min(budget, self.max_model_len - request.num_computed_tokens) - num_new
+                request.spec_token_ids = request.spec_token_ids[:room] if num_new == 1 and room > 0 else []
+                num_new += len(request.spec_token_ids)
             scheduled = True
             while self.kv.allocate_slots(request, num_new) is None:
+                if request.spec_token_ids:  # drafts never cost a preemption: drop them first
+                    num_new -= len(request.spec_token_ids)
+                    request.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -155,8 +164,11 @@ class Scheduler:
         for request in out.requests:
             if request.request_id not in self.requests:
                 continue  # aborted during the step
-            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
             token = sampled.get(request.request_id)
+            if isinstance(token, list):  # verified drafts: the accepted ones, then one more
+                results.append((request, self._update_spec(request, out, token)))
+                continue
+            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request.append_token(token)
@@ -168,3 +180,26 @@ class Scheduler:
                 self.kv.free(request)
             results.append((request, token))
         return results
+
+    def _update_spec(self, request: Request, out: SchedulerOutput, tokens: list[int]) -> list[int]:
+        """A step that verified drafts: keep the KV of the accepted ones, release the rejected tail's
+        slots, append tokens one by one with the usual stop checks (a stop inside the accepted run
+        ends the request there). Returns the tokens kept."""
+        n = out.num_scheduled_tokens[request.request_id]
+        num_drafts = request.num_computed_tokens + n - request.num_tokens
+        num_rejected = num_drafts - (len(tokens) - 1)
+        request.num_computed_tokens += n - num_rejected
+        request.spec_token_ids = []
+        kept: list[int] = []
+        for token in tokens:
+            request.append_token(token)
+            kept.append(token)
+            status = request.check_stop()
+            if status is not None:
+                self.requests.pop(request.request_id)
+                self.running.remove(request)
+                request.status = status
+                self.kv.free(request)
+                return kept
+        self.kv.release_lookahead(request)
+        return kept

@@ -64,7 +64,8 @@ then starting, then fewest cached blocks and requests). With `--min-replicas 0` 
 replica stops after `--scale-to-zero-idle` seconds with nothing running, waiting or held by
 the router; the router then holds new requests and sets the demand key, and `up` starts a
 replica at once (`--replicas 0` starts the mesh at zero).""",
-    "status": "Prints the replicas of a mesh as it sees them in Redis: state, load, prefix-cache hit rate.",
+    "status": ("Prints the replicas of a mesh as it sees them in Redis: state, load, prefix-cache hit rate, "
+               "and the speculative-decoding acceptance rate of engines that speculate."),
     "operator": "The kopf operator for `ModelDeployment` resources (docs/operator.md).",
     "convert": "Builds the built-in model's Hugging Face directory (from its GGUF file) in the cache now.",
     "build-kernels": """\

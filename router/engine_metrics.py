@@ -18,6 +18,8 @@ class EngineLoad:
     total_blocks: int = 0
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
+    spec_draft_tokens: float = 0.0  # speculative decoding: draft tokens verified, and accepted
+    spec_accepted_tokens: float = 0.0
     process_start_time: float | None = None
 
 
@@ -56,6 +58,10 @@ def engine_load(text: str) -> EngineLoad:
             load.prefix_cache_queries += value
         elif name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits_total"):
             load.prefix_cache_hits += value
+        elif name in ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens"):
+            load.spec_draft_tokens += value
+        elif name in ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens"):
+            load.spec_accepted_tokens += value
         elif name == "vllm:cache_config_info" and labels.get("num_gpu_blocks", "").isdigit():
             load.total_blocks += int(labels["num_gpu_blocks"])
         elif name == "process_start_time_seconds":

@@ -508,6 +508,7 @@ class Sidecar:
             hb.kv_usage, hb.running, hb.waiting = load.kv_usage, load.running, load.waiting
             hb.total_blocks = load.total_blocks
             hb.prefix_cache_queries, hb.prefix_cache_hits = load.prefix_cache_queries, load.prefix_cache_hits
+            hb.spec_draft_tokens, hb.spec_accepted_tokens = load.spec_draft_tokens, load.spec_accepted_tokens
         mapping = hb.to_mapping()
         mapping[rl.F_BLOCK_SIZE] = str(self.cfg.block_size)
         mapping[F_INDEX] = "stale" if self.index_withdrawn else "ok"

@@ -25,6 +25,19 @@ VARIANTS = {
                              max_position_embeddings=2048),
     # Qwen2 style: q/k/v bias, tied embeddings.
     "tiny-qwen2": dict(arch="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
+    # Speculative decoding tests, with a 256-token vocabulary (a larger init keeps logits apart).
+    # Llama: attention outputs scaled down (o_proj x 0.02; attention still decides many tokens), so
+    # greedy output often continues its own history and n-gram drafts are accepted as well as
+    # rejected. Qwen2: full-strength attention, where nearly every draft is rejected.
+    "tiny-llama-v256": dict(arch="llama", tie_word_embeddings=False, rope_theta=10000.0, vocab_size=256,
+                            initializer_range=0.5, o_proj_scale=0.02),
+    "tiny-qwen2-v256": dict(arch="qwen2", tie_word_embeddings=True, rope_theta=1000000.0, vocab_size=256,
+                            initializer_range=0.5),
+    # Attention switched off (o_proj zeroed): the next token's distribution depends on the current
+    # token alone, so a draft (what followed that token before) is often accepted under sampling too.
+    # For distribution tests, not for parity (the KV cache cannot matter to it).
+    "tiny-llama-v256-noattn": dict(arch="llama", tie_word_embeddings=False, rope_theta=10000.0, vocab_size=256,
+                                   initializer_range=0.5, o_proj_scale=0.0),
 }
 
 
@@ -39,6 +52,7 @@ def build_tiny_model(path: Path, variant: str = "tiny-llama", seed: int = 0,
         return path  # already built
     spec = dict(VARIANTS[variant])
     arch = spec.pop("arch")
+    o_proj_scale = spec.pop("o_proj_scale", None)
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -55,6 +69,10 @@ def build_tiny_model(path: Path, variant: str = "tiny-llama", seed: int = 0,
     else:
         config = Qwen2Config(**common, **spec)
         model = Qwen2ForCausalLM(config)
+    if o_proj_scale is not None:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(o_proj_scale)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     source = Path(tokenizer_source) if tokenizer_source else resolve_model_dir("smollm2-135m-instruct")

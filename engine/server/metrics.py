@@ -94,6 +94,24 @@ class _EngineCollector:
                       timing.get("decode_steps", 0.0))
         yield counter("kvmesh:engine_decode_step_seqs", "Requests in those decode steps (over the steps: the "
                       "mean decode batch).", timing.get("decode_seqs", 0.0))
+        if args.speculative_config is not None:
+            yield from self._spec_decode(s.spec_decode if s else None, counter)
+
+    def _spec_decode(self, sd, counter):
+        """vLLM's speculative-decoding counters (only on an engine that speculates)."""
+        yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", sd.num_drafts if sd else 0)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                      sd.num_draft_tokens if sd else 0)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                      sd.num_accepted_tokens if sd else 0)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=["model_name", "position"])
+        for pos, n in enumerate(sd.accepted_per_pos if sd else []):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
+        yield counter("kvmesh:spec_decode_steps_disabled_by_batch",
+                      "Steps without drafts because the batch reached disable_by_batch_size.",
+                      sd.num_steps_disabled_by_batch if sd else 0)
 
 
 class ServerMetrics:

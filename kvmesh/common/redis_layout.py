@@ -47,6 +47,8 @@ F_NUM_KEYS = "num_keys"
 F_PREFIX_QUERIES = "prefix_cache_queries"
 F_PREFIX_HITS = "prefix_cache_hits"
 F_BLOCK_SIZE = "block_size"
+F_SPEC_DRAFT = "spec_draft_tokens"  # optional: an engine that speculates (absent: none)
+F_SPEC_ACCEPTED = "spec_accepted_tokens"
 
 
 def pods_key(model: str) -> str:
@@ -89,6 +91,8 @@ class Heartbeat:
     num_keys: int | None = None
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
+    spec_draft_tokens: float = 0.0
+    spec_accepted_tokens: float = 0.0
 
     def to_mapping(self) -> dict[str, str]:
         out = {
@@ -103,6 +107,9 @@ class Heartbeat:
             F_NUM_KEYS: str(int(self.num_keys)) if self.num_keys is not None else None,
             F_PREFIX_QUERIES: f"{self.prefix_cache_queries:g}",
             F_PREFIX_HITS: f"{self.prefix_cache_hits:g}",
+            # Only from an engine that speculates: the others' hashes stay as they were.
+            F_SPEC_DRAFT: f"{self.spec_draft_tokens:g}" if self.spec_draft_tokens else None,
+            F_SPEC_ACCEPTED: f"{self.spec_accepted_tokens:g}" if self.spec_draft_tokens else None,
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -135,6 +142,8 @@ class Heartbeat:
             num_keys=num(F_NUM_KEYS, int) if d.get(F_NUM_KEYS) not in (None, "") else None,
             prefix_cache_queries=num(F_PREFIX_QUERIES),
             prefix_cache_hits=num(F_PREFIX_HITS),
+            spec_draft_tokens=num(F_SPEC_DRAFT),
+            spec_accepted_tokens=num(F_SPEC_ACCEPTED),
         )
 
     @property

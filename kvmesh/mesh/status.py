@@ -35,9 +35,11 @@ def collect(redis_url: str, model: str | None = None) -> list[dict]:
                 rows.append({"model": m, "pod": pod, "state": "gone", "blocks_indexed": keys})
                 continue
             hit = hb.prefix_cache_hits / hb.prefix_cache_queries if hb.prefix_cache_queries else None
+            accept = hb.spec_accepted_tokens / hb.spec_draft_tokens if hb.spec_draft_tokens else None
             rows.append({"model": m, "pod": pod, "state": hb.state, "url": hb.url, "kv_usage": hb.kv_usage,
                          "running": hb.running, "waiting": hb.waiting, "total_blocks": hb.total_blocks,
-                         "blocks_indexed": keys, "prefix_hit_rate": hit, "age_s": round(time.time() - hb.ts, 1)})
+                         "blocks_indexed": keys, "prefix_hit_rate": hit, "spec_acceptance_rate": accept,
+                         "age_s": round(time.time() - hb.ts, 1)})
     return rows
 
 
@@ -69,14 +71,16 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print("no replicas registered")
         return 0
-    header = ("MODEL", "REPLICA", "STATE", "KV USE", "RUNNING", "WAITING", "BLOCKS", "HIT RATE", "URL")
+    header = ("MODEL", "REPLICA", "STATE", "KV USE", "RUNNING", "WAITING", "BLOCKS", "HIT RATE", "SPEC ACCEPT", "URL")
     table = [header]
     for r in rows:
         hit = r.get("prefix_hit_rate")
+        accept = r.get("spec_acceptance_rate")
         table.append((r["model"], r["pod"], r["state"],
                       f"{r['kv_usage']:.0%}" if "kv_usage" in r else "-", str(r.get("running", "-")),
                       str(r.get("waiting", "-")), f"{r['blocks_indexed']}/{r.get('total_blocks', '-')}",
-                      f"{hit:.0%}" if hit is not None else "-", r.get("url", "-")))
+                      f"{hit:.0%}" if hit is not None else "-", f"{accept:.0%}" if accept is not None else "-",
+                      r.get("url", "-")))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
