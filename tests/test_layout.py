@@ -97,3 +97,16 @@ def test_the_torch_blocker_blocks():
     out = subprocess.run([sys.executable, "-c", _NO_TORCH + "import kvmesh.engine.config"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode != 0 and "torch is blocked" in out.stderr
+
+
+def test_a_bare_python_in_the_root_is_safe_only_with_dash_P():
+    # What broke a fresh clone's `make setup`: a venv with no .pth files has not imported the
+    # stdlib's operator at start-up, so `python -m ...` from the root imported ./operator.
+    # The Makefile runs every Python with -P (no working directory on sys.path).
+    bare = [sys.executable, "-S", "-m", "json.tool", "--help"]
+    assert subprocess.run(bare, cwd=ROOT, capture_output=True, timeout=60).returncode != 0
+    safe = [sys.executable, "-S", "-P", "-m", "json.tool", "--help"]
+    out = subprocess.run(safe, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    makefile = (ROOT / "Makefile").read_text()
+    assert "PY := $(VENV)/bin/python -P" in makefile and "$(PYTHON) -P -m venv" in makefile
