@@ -451,8 +451,10 @@ def registered_metric_names():
     """Every sample name the engine server and the router expose on /metrics, as Prometheus
     stores them (prometheus_client adds _total to counters, _bucket/_sum/_count to histograms)."""
     # stats=None: the engine before its first step, when the collector still yields every family.
+    # speculative_config set: the spec-decode families are exported only when it is.
     engine = SimpleNamespace(stats=None, num_in_flight=0, engine_args=SimpleNamespace(
-        block_size=16, enable_prefix_caching=True, dtype="float32"))
+        block_size=16, enable_prefix_caching=True, dtype="float32",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4}))
     registries: list[CollectorRegistry] = [ServerMetrics(engine, "m").registry, RouterMetrics().registry]
     suffixes = {"counter": ["_total", "_created"], "histogram": ["_bucket", "_sum", "_count", "_created"],
                 "summary": ["", "_sum", "_count", "_created"], "gauge": [""], "info": ["_info"],
