@@ -171,15 +171,22 @@ class Scheduler:
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            request.append_token(token)
-            status = request.check_stop()
-            if status is not None:
-                self.requests.pop(request.request_id)
-                self.running.remove(request)
-                request.status = status
-                self.kv.free(request)
+            self._append(request, token)
             results.append((request, token))
         return results
+
+    def _append(self, request: Request, token: int) -> bool:
+        """Append one sampled token; a request that it stops is finished and its KV freed.
+        Returns whether it stopped."""
+        request.append_token(token)
+        status = request.check_stop()
+        if status is None:
+            return False
+        self.requests.pop(request.request_id)
+        self.running.remove(request)
+        request.status = status
+        self.kv.free(request)
+        return True
 
     def _update_spec(self, request: Request, out: SchedulerOutput, tokens: list[int]) -> list[int]:
         """A step that verified drafts: keep the KV of the accepted ones, release the rejected tail's
@@ -192,14 +199,8 @@ class Scheduler:
         request.spec_token_ids = []
         kept: list[int] = []
         for token in tokens:
-            request.append_token(token)
             kept.append(token)
-            status = request.check_stop()
-            if status is not None:
-                self.requests.pop(request.request_id)
-                self.running.remove(request)
-                request.status = status
-                self.kv.free(request)
+            if self._append(request, token):
                 return kept
         self.kv.release_lookahead(request)
         return kept
