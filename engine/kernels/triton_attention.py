@@ -90,6 +90,32 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # ----------------------------------------------------------------------------------------
 # Decode: one query token per sequence, split-KV
 @triton.jit
+def _load_kv_tile(k_cache, v_cache, table, head_base, n, nmask, d, dmask, stride_cb, stride_cs,
+                  BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """K and V rows of context positions ``n`` of one KV head, read in place through the block table."""
+    block = tl.load(table + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+    rows = head_base + block * stride_cb + (n % BLOCK_SIZE) * stride_cs
+    kv_mask = nmask[:, None] & dmask[None, :]
+    k = tl.load(k_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(scores, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """Fold one tile of (masked) scores and its V rows into the running max, sum and output."""
+    m_new = tl.maximum(m_i, tl.reduce(scores, 1, _maximum))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.reduce(p, 1, _add)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse,
                    seqs_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
                    stride_qt, stride_qh, stride_ot, stride_oh,
@@ -129,22 +155,11 @@ def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, part_out, part_lse,
     for s in range(start, end, TILE_N):
         n = s + tl.arange(0, TILE_N)
         nmask = n < end
-        block = tl.load(table + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-        rows = head_base + block * stride_cb + (n % BLOCK_SIZE) * stride_cs
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(k_cache, v_cache, table, head_base, n, nmask, d, dmask, stride_cb, stride_cs,
+                             BLOCK_SIZE, UPCAST)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, TILE_N], fp32
         scores = tl.where(nmask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(scores, 1, _maximum))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _add)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc, PRECISION)
 
     out_mask = gmask[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
@@ -233,24 +248,13 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr,
     for s in range(0, kv_end, TILE_N):
         n = s + tl.arange(0, TILE_N)
         nmask = n < kv_end
-        block = tl.load(table + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-        rows = head_base + block * stride_cb + (n % BLOCK_SIZE) * stride_cs
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(k_cache, v_cache, table, head_base, n, nmask, d, dmask, stride_cb, stride_cs,
+                             BLOCK_SIZE, UPCAST)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE_N]
         # Key 0 is visible to every row, so no row's first tile is fully masked.
         visible = nmask[None, :] & (n[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(scores, 1, _maximum))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _add)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc, PRECISION)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
