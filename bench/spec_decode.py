@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
 """Speculative decoding (n-gram prompt lookup): TPOT with speculation on vs off, same run.
 
-Workloads (issue 15), greedy, 128 output tokens, the built-in model:
-* copy: chat prompts that quote a ~300-token passage and ask for it back with a small edit
-  (replace one word), so the answer repeats the prompt: drafts are mostly accepted;
-* random: prompts of random token ids (no text to copy): drafts rarely exist or pay, and the
-  auto-off rules must keep it from costing anything.
+Workloads (issue 15), 128 output tokens, the built-in model:
+* copy: greedy; chat prompts that quote a ~300-token passage and ask for it back with a small
+  edit (replace one word), so the answer repeats the prompt: drafts are mostly accepted;
+* random: greedy; prompts of random token ids (no text to copy). SmolLM2's greedy output on
+  them falls into loops, which drafts then predict: not a no-repetition case;
+* sampled: the random prompts at temperature 1.0: the output does not repeat, drafts are
+  mostly rejected, and the auto-off rules must keep speculation from costing anything.
 Concurrency 1, 4 and 64 (closed loop: that many requests in flight until the wave is done).
 
 Per configuration: median TPOT over requests ((t_last - t_first) / (tokens - 1)), plain vs
-speculative engine (each its own LLMEngine in this process, loaded once, warmed up), off then
-on, in wall time and in this process's CPU time (all threads: robust to other people's load on
-a shared machine, which stretches wall time; the target verdict uses it), the ratio plain/spec
-(> 1: speculation is faster) against the issue's target, and the acceptance rate (accepted /
-draft tokens) with the number of drafts.
+speculative engine (each wave in a fresh process: its own LLMEngine, loaded and warmed up), in wall
+time and in this process's CPU time (all threads: robust to other people's load on a shared
+machine, which stretches wall time; the target verdict uses it), the ratio plain/spec (> 1:
+speculation is faster) against the issue's target, and the acceptance rate (accepted / draft
+tokens) with the number of drafts. `--repeats R` runs each configuration R times on new prompts,
+the engines' order alternating, and the verdict takes the median of the repetitions' ratios:
+identical runs of one wave differ by several percent here, more than a 0.97x target allows.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ WORDS = ("the a river town keeper light ship harbour evening morning winter summ
          "closed painted mended counted sang called waited found left kept brought over under "
          "across beside through after before while because and but slowly carefully every each").split()
 TARGETS = {("copy", 1): 1.8, ("copy", 4): 1.4, ("copy", 64): 0.97,
-           ("random", 1): 0.97, ("random", 4): 0.97, ("random", 64): 0.97}
+           ("random", 1): 0.97, ("random", 4): 0.97, ("random", 64): 0.97,
+           ("sampled", 1): 0.97, ("sampled", 4): 0.97, ("sampled", 64): 0.97}
+WORKLOAD_TEMPERATURE = {"copy": 0.0, "random": 0.0, "sampled": 1.0}
 
 
 def passage(rng: random.Random, num_words: int) -> str:
@@ -44,7 +50,7 @@ def passage(rng: random.Random, num_words: int) -> str:
     return " ".join(sentences)
 
 
-def copy_prompts(engine, n: int, seed: int) -> list[list[int]]:
+def copy_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -52,7 +58,7 @@ def copy_prompts(engine, n: int, seed: int) -> list[list[int]]:
         old, new = rng.choice(WORDS[:40]), rng.choice(WORDS[40:80])
         msg = (f"Rewrite the passage below, replacing every '{old}' with '{new}'. Change nothing "
                f"else and add no comment.\n\n{text}")
-        out.append(engine.tokenizer.encode_chat([{"role": "user", "content": msg}]))
+        out.append(tokenizer.encode_chat([{"role": "user", "content": msg}]))
     return out
 
 
@@ -61,14 +67,14 @@ def random_prompts(n: int, seed: int, vocab: int, length: int = 300) -> list[lis
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def run_wave(engine, prompts: list[list[int]], concurrency: int, max_tokens: int
+def run_wave(engine, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float = 0.0
              ) -> tuple[list[float], list[float]]:
     """Closed loop at `concurrency`; each request's TPOT (seconds), in wall time and in this
     process's CPU time (all threads). On a shared machine the CPU-time TPOT is the steadier
     measure: other people's processes stretch wall time, not the work this process does."""
     from kvmesh.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     todo = list(prompts)
     first: dict[str, tuple[float, float]] = {}
     wall_tpots: list[float] = []
@@ -97,61 +103,100 @@ def spec_counts(engine) -> tuple[int, int, int]:
     return (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) if s else (0, 0, 0)
 
 
+def wave(engine_kwargs: dict, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float):
+    """One engine, one wave: (wall TPOTs, CPU TPOTs, wall seconds, spec counts). Run in a fresh
+    process each time: two engines in one process measured up to 5% apart on identical work
+    (where each one's weights and cache landed in memory), an order effect larger than the
+    0.97x target can tell from."""
+    from kvmesh.engine import EngineArgs, SamplingParams
+    from kvmesh.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(**engine_kwargs))
+    engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    while engine.has_unfinished_requests():
+        engine.step()
+    t0 = time.perf_counter()
+    wall_tpots, cpu_tpots = run_wave(engine, prompts, concurrency, max_tokens, temperature)
+    return wall_tpots, cpu_tpots, time.perf_counter() - t0, list(spec_counts(engine))
+
+
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new interpreter (spawned, not forked), which exits afterwards."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--concurrency", default="1,4,64")
-    ap.add_argument("--workloads", default="copy,random")
+    ap.add_argument("--workloads", default="copy,random,sampled")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
                                                     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
     ap.add_argument("--kv-cache-memory", default="2GiB")
-    ap.add_argument("--order", default="off,on", help="which engine runs each configuration first")
+    ap.add_argument("--order", default="off,on", help="which engine runs first (alternating with repetitions)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="repetitions of each configuration, new prompts each, the order alternating")
     ap.add_argument("--num-requests", type=int, default=None, help="per configuration (default: max(c, 2))")
     args = ap.parse_args()
 
-    from kvmesh.engine import EngineArgs, SamplingParams
-    from kvmesh.engine.llm_engine import LLMEngine
+    from kvmesh.common.tokenizer import KVMeshTokenizer
+    from kvmesh.engine.builtin import resolve_model_dir
+    from kvmesh.engine.config import ModelConfig
+    from kvmesh.engine.spec_decode.config import SpeculativeConfig
 
     spec_cfg = json.loads(args.speculative_config)
     common = dict(model=args.model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=128)
-    engines = {"off": LLMEngine(EngineArgs(**common)),
-               "on": LLMEngine(EngineArgs(**common, speculative_config=spec_cfg))}
-    vocab = engines["off"].core.model_config.vocab_size
-    for e in engines.values():  # warm-up (kernels, allocator)
-        e.add_request(list(range(100, 164)), SamplingParams(max_tokens=8, temperature=0.0))
-        while e.has_unfinished_requests():
-            e.step()
-    print(f"model {args.model}, {args.max_tokens} output tokens, greedy; speculative_config {spec_cfg} "
-          f"(disable_by_batch_size {engines['on'].core.spec.config.disable_by_batch_size})")
+    engine_kwargs = {"off": common, "on": dict(common, speculative_config=spec_cfg)}
+    model_dir = resolve_model_dir(args.model)
+    tokenizer, vocab = KVMeshTokenizer(model_dir), ModelConfig.from_dir(model_dir).vocab_size
+    print(f"model {args.model}, {args.max_tokens} output tokens; speculative_config {spec_cfg} "
+          f"(disable_by_batch_size {SpeculativeConfig.parse(spec_cfg).disable_by_batch_size}); "
+          f"each wave in a fresh process", flush=True)
     seed = 0
     for workload in args.workloads.split(","):
         for c in [int(x) for x in args.concurrency.split(",")]:
             n = args.num_requests or max(c, 2)
-            seed += 1
-            prompts = (copy_prompts(engines["off"], n, seed) if workload == "copy"
-                       else random_prompts(n, seed, vocab))
-            result = {}
-            for mode in args.order.split(","):
-                before = spec_counts(engines[mode])
-                t0 = time.perf_counter()
-                wall_tpots, cpu_tpots = run_wave(engines[mode], prompts, c, args.max_tokens)
-                wall = time.perf_counter() - t0
-                after = spec_counts(engines[mode])
-                result[mode] = (statistics.median(wall_tpots), statistics.median(cpu_tpots), wall,
-                                [a - b for a, b in zip(after, before)])
-            (off, off_cpu, wall_off, _) = result["off"]
-            (on, on_cpu, wall_on, (drafts, draft_toks, accepted)) = result["on"]
-            ratio, ratio_cpu = off / on, off_cpu / on_cpu
-            target = TARGETS.get((workload, c))
-            verdict = "" if target is None else \
-                f" (target >= {target}x: {'met' if ratio_cpu >= target else 'MISSED'} by CPU time)"
-            acc = f"{accepted / draft_toks:.2f}" if draft_toks else "-"
-            print(f"{workload:6s} c={c:<3d} n={n:<3d} median TPOT wall off {off * 1e3:7.1f} ms on {on * 1e3:7.1f} ms "
-                  f"= {ratio:5.2f}x | CPU-time off {off_cpu * 1e3:7.1f} ms on {on_cpu * 1e3:7.1f} ms = {ratio_cpu:5.2f}x"
-                  f"{verdict} | acceptance {acc} ({accepted}/{draft_toks} tokens, {drafts} drafts) | "
-                  f"wall off {wall_off:.0f}s on {wall_on:.0f}s", flush=True)
+            order = args.order.split(",")
+            reps = []  # per repetition: {mode: (wall TPOTs, CPU TPOTs, wall s, spec counts)}
+            for rep in range(args.repeats):
+                seed += 1  # new prompts each repetition: neither engine has them cached
+                prompts = (copy_prompts(tokenizer, n, seed) if workload == "copy"
+                           else random_prompts(n, seed, vocab))
+                reps.append({mode: in_fresh_process(wave, engine_kwargs[mode], prompts, c, args.max_tokens,
+                                                    WORKLOAD_TEMPERATURE[workload])
+                             for mode in (order if rep % 2 == 0 else order[::-1])})  # alternate who goes first
+            report(workload, c, n, reps)
     return 0
+
+
+def report(workload: str, c: int, n: int, reps: list[dict]) -> None:
+    """One line per configuration: median TPOT of each engine over all repetitions' requests, and
+    the ratio plain/spec. With repetitions, each one's CPU-time ratio too and their median, on
+    which the verdict rests (one wave's TPOT swings by several percent between identical runs
+    on this machine, more than the 0.97x target allows)."""
+    med = statistics.median
+    off = med([t for r in reps for t in r["off"][0]])
+    on = med([t for r in reps for t in r["on"][0]])
+    off_cpu = med([t for r in reps for t in r["off"][1]])
+    on_cpu = med([t for r in reps for t in r["on"][1]])
+    per_rep = [med(r["off"][1]) / med(r["on"][1]) for r in reps]
+    ratio, ratio_cpu = off / on, med(per_rep)
+    drafts, draft_toks, accepted = (sum(r["on"][3][i] for r in reps) for i in range(3))
+    target = TARGETS.get((workload, c))
+    verdict = "" if target is None else \
+        f" (target >= {target}x: {'met' if ratio_cpu >= target else 'MISSED'} by CPU time)"
+    acc = f"{accepted / draft_toks:.2f}" if draft_toks else "-"
+    reps_txt = "" if len(reps) == 1 else \
+        f" | {len(reps)} repetitions, CPU-time ratio each: {' '.join(f'{x:.2f}' for x in per_rep)}"
+    print(f"{workload:6s} c={c:<3d} n={n:<3d} median TPOT wall off {off * 1e3:7.1f} ms on {on * 1e3:7.1f} ms "
+          f"= {ratio:5.2f}x | CPU-time off {off_cpu * 1e3:7.1f} ms on {on_cpu * 1e3:7.1f} ms = {ratio_cpu:5.2f}x"
+          f"{verdict} | acceptance {acc} ({accepted}/{draft_toks} tokens, {drafts} drafts){reps_txt} | "
+          f"wall off {sum(r['off'][2] for r in reps):.0f}s on {sum(r['on'][2] for r in reps):.0f}s", flush=True)
 
 
 if __name__ == "__main__":

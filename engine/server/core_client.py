@@ -40,7 +40,7 @@ from kvmesh.engine.core_proc import (ABORT, ADD, LOAD_FAILED, OUTPUTS, READY, SH
 from kvmesh.engine.engine_core import EngineCore
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.server.async_engine import AsyncEngine, EngineDeadError
-from kvmesh.engine.threads import ThreadPlan
+from kvmesh.engine.threads import ThreadPlan, core_environment
 
 log = logging.getLogger("kvmesh.server.engine")
 
@@ -101,7 +101,7 @@ class CoreProcess:
         try:
             self._popen = subprocess.Popen(
                 [sys.executable, "-P", "-c", "from kvmesh.engine.core_proc import main; main()"],
-                stdin=subprocess.PIPE, pass_fds=(write_fd,), close_fds=True)
+                stdin=subprocess.PIPE, pass_fds=(write_fd,), close_fds=True, env=core_environment(cfg.threads))
         except BaseException:
             os.close(read_fd)
             raise

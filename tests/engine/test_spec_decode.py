@@ -12,17 +12,21 @@ Qwen2 at full strength, where nearly every draft is rejected.
 
 from __future__ import annotations
 
-import math
-import random
-from collections import Counter
+import os
 
-import pytest
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is imported (no GPU here)
 
-from kvmesh.common.block_keys import block_key
-from kvmesh.common.kv_events import BlockRemoved, BlockStored
-from kvmesh.engine import LLM, SamplingParams
-from tests.engine.conftest import hf_greedy
-from tests.tiny_models import build_tiny_model
+import math  # noqa: E402
+import random  # noqa: E402
+from collections import Counter  # noqa: E402
+
+import pytest  # noqa: E402
+
+from kvmesh.common.block_keys import block_key  # noqa: E402
+from kvmesh.common.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from kvmesh.engine import LLM, SamplingParams  # noqa: E402
+from tests.engine.conftest import hf_greedy  # noqa: E402
+from tests.tiny_models import build_tiny_model  # noqa: E402
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
         "acceptance_threshold": 0.0, "disable_by_batch_size": None}  # always draft: the paths get traffic
@@ -110,6 +114,25 @@ def test_tiny_greedy_parity(tiny_v256, variant, mode):
         assert llm.stats().num_preemptions > 0
     if mode == "chunked":
         assert llm.stats().num_steps > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_tiny_greedy_parity_on_every_attention_backend(tiny_v256, backend):
+    """Verification rows (the last verified token and its drafts, each giving logits) through each
+    backend's attention metadata, chunked and after a prefix hit; Triton under the interpreter."""
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
+    model_dir = tiny_v256["tiny-llama-v256"]
+    head = tiny_prompts(1, seed=9, lo=40, hi=40)[0]
+    prompts = [head + p[:20] for p in tiny_prompts(6, seed=3)]
+    llm = LLM(model_dir, speculative_config=SPEC_TINY, attention_backend=backend, num_kv_blocks=256,
+              max_num_batched_tokens=32)
+    assert llm.engine.core.runner.backend.name == backend
+    assert_hf(model_dir, prompts[:1], llm.generate(prompts[:1], greedy(40)), 40)
+    assert_hf(model_dir, prompts[1:], llm.generate(prompts[1:], greedy(40)), 40)
+    s = spec_stats(llm)
+    assert s.num_draft_tokens > s.num_accepted_tokens > 0
+    assert llm.stats().prefix_cache_hits > 0
 
 
 @pytest.mark.parametrize("mode", ["batched", "chunked", "prefix", "preempt"])
