@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compare-async", action="store_true",
-                    help="sync vs async scheduling: two engines, --rounds alternating rounds of --steps "
+                    help="sync vs async scheduling on one engine: --rounds alternating rounds of --steps "
                          "decode steps each; wall and process CPU time per step, and their ratio")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
@@ -126,24 +126,26 @@ def _decode_engine(args, async_scheduling: bool, total_steps: int):
 
 
 def compare_async(args) -> None:
-    """Sync and async scheduling in one process, alternating rounds (the machine's load drifts):
-    per decode step, the wall time, the process's CPU time (all threads), the forward's and the
-    sampler's time (the step thread's work under async scheduling) and the host overhead outside
-    them (wall minus both: for async, the host work that the overlap did not hide)."""
-    import threading
-
+    """Sync and async scheduling on one engine (no difference of memory placement between two
+    engines), switched between alternating rounds (the machine's load drifts; the pipeline is
+    drained at each switch): per decode step, the wall time, the process's CPU time (all threads),
+    the forward's and the sampler's time (the step thread's work under async scheduling) and the
+    host overhead outside them (wall minus both: for async, the host work the overlap did not hide)."""
     import torch
 
-    loops = {mode: _decode_engine(args, mode, args.rounds * args.steps) for mode in (False, True)}
-    totals = {mode: {"wall": 0.0, "cpu": 0.0, "forward": 0.0, "sample": 0.0, "steps": 0, "tokens": 0}
-              for mode in loops}
+    loop = _decode_engine(args, True, 2 * args.rounds * args.steps + 4)
+    core, timer = loop.core, loop.timer
     worker_threads = []
-    loops[True].core._step_thread.submit(lambda: worker_threads.append(torch.get_num_threads())).result()
+    core._step_thread.submit(lambda: worker_threads.append(torch.get_num_threads())).result()
+    totals = {mode: {"wall": 0.0, "cpu": 0.0, "forward": 0.0, "sample": 0.0, "tokens": 0} for mode in (False, True)}
     for r in range(args.rounds):
         for mode in ((False, True) if r % 2 == 0 else (True, False)):
-            loop, t = loops[mode], totals[mode]
-            core, timer = loop.core, loop.timer
-            steps0, tok0 = core.num_steps, core.generation_tokens
+            while core._in_flight:  # drain before a switch: its outputs are not this round's
+                core._apply_oldest()
+            core.async_scheduling = mode
+            loop.step()  # an async round starts by filling the pipeline
+            t = totals[mode]
+            tok0 = core.generation_tokens
             fwd0, smp0 = timer.totals["forward"], timer.totals["sample"]
             c0, w0 = time.process_time(), time.perf_counter()
             for _ in range(args.steps):
@@ -152,11 +154,10 @@ def compare_async(args) -> None:
             t["cpu"] += time.process_time() - c0
             t["forward"] += timer.totals["forward"] - fwd0
             t["sample"] += timer.totals["sample"] - smp0
-            t["steps"] += core.num_steps - steps0
             t["tokens"] += core.generation_tokens - tok0
     print(f"sync vs async scheduling: model {args.model}, decode batch {args.batch}, "
-          f"{torch.get_num_threads()} torch threads (step thread: {worker_threads[0]}), "
-          f"{args.rounds} alternating rounds x {args.steps} steps, {threading.active_count()} threads")
+          f"{torch.get_num_threads()} torch threads (step thread: {worker_threads[0]}), one engine, "
+          f"{args.rounds} alternating rounds x {args.steps} steps per mode")
     per = {}
     for mode, t in totals.items():
         n = t["tokens"] / args.batch  # steps whose tokens were applied
@@ -167,7 +168,6 @@ def compare_async(args) -> None:
               f"{p['wall'] - p['forward'] - p['sample']:.2f} ms, {t['tokens'] / t['wall']:.1f} tok/s")
     print(f"  async / sync: wall {per[True]['wall'] / per[False]['wall']:.3f}, "
           f"cpu {per[True]['cpu'] / per[False]['cpu']:.3f}")
-
 
 if __name__ == "__main__":
     main()
