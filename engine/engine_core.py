@@ -227,6 +227,12 @@ class EngineCore:
                     cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
+        if request_id in self.scheduler.in_flight and request_id not in self.scheduler.requests:
+            # The id of a request that ended while a step holding it is in flight (its blocks,
+            # keyed by the id, are not freed yet): apply those steps first; their outputs go out
+            # with the next step's.
+            while self._in_flight:
+                self._pending_aborts.extend(self._apply_oldest())
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.model_id,
                           self.block_size, self.max_model_len, cache_salt, arrival_time)
         self.scheduler.add_request(request)
@@ -318,7 +324,10 @@ class EngineCore:
             batch.future.set_exception(exc)
         else:
             if self._step_thread is None:
-                self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-step")
+                init = None
+                if self.device.type == "cuda" and self.device.index is not None:
+                    init = lambda: torch.cuda.set_device(self.device)  # noqa: E731 - the thread's current device
+                self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-step", initializer=init)
             batch.future = self._step_thread.submit(self._run_async, batch, prev)
         self._in_flight.append(batch)
 
@@ -360,11 +369,14 @@ class EngineCore:
             outputs.extend(self._drop_failed(sched, failed, batch.rng, sampled, logprobs, prompt_lps))
         outputs.extend(self._outputs(sched, sampled, logprobs, prompt_lps,
                                      self.scheduler.update_from_async_output(sched, sampled)))
-        self.scheduler.release(sched, batch.request_ids)
+        self._release(batch)
+        return outputs
+
+    def _release(self, batch: _InFlight) -> None:
+        self.scheduler.release(batch.sched, batch.request_ids)
         for rid in batch.request_ids:
             if rid not in self.scheduler.requests:
                 self.runner.sampler.forget(rid)  # its step may have drawn from a generator again
-        return outputs
 
     def _revert(self, batch: _InFlight) -> None:
         """Undo a dispatched step that will not be applied: wait until the step thread is done with
@@ -383,7 +395,7 @@ class EngineCore:
             rid = req.request_id
             self.kv.pool.uncache(self.kv.blocks_written(req, sched.num_scheduled_tokens[rid], sched.starts[rid]))
         self.scheduler.unschedule(sched)
-        self.scheduler.release(sched, batch.request_ids)
+        self._release(batch)
         self.num_steps -= 1
         self.num_async_steps -= 1
 
@@ -397,7 +409,7 @@ class EngineCore:
                     batch.future.result()
                 except Exception:  # noqa: BLE001
                     pass
-            self.scheduler.release(batch.sched, batch.request_ids)
+            self._release(batch)
 
     def shutdown(self) -> None:
         if self._step_thread is not None:

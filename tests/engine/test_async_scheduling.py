@@ -189,6 +189,38 @@ def test_abort_while_in_flight(tiny_llama_dir):
     assert core.kv.usage == 0.0 and not core.kv.block_table("r1")
 
 
+def test_an_aborted_id_reused_while_its_step_is_in_flight(tiny_llama_dir):
+    """A new request with the id of one aborted while a step holding it is in flight: that step is
+    applied first (the old request's blocks are keyed by the id), and both run right."""
+    from kvmesh.engine.engine_core import EngineCore
+
+    core = EngineCore(EngineArgs(model=tiny_llama_dir, num_kv_blocks=256, async_scheduling=True))
+    core.add_request("a", PROMPTS[0], greedy())
+    core.add_request("b", PROMPTS[1], greedy())
+    got: dict[str, list] = {"a": [], "b": []}
+    finished = []
+    for _ in range(3):
+        for out in core.step():
+            got[out.request_id] += out.new_token_ids
+    assert "a" in core.scheduler.in_flight and core.kv.block_table("a")
+    core.abort_requests(["a"])
+    core.add_request("a", PROMPTS[2], greedy())
+    assert not core._in_flight  # drained: the old "a" released its blocks before the new one holds any
+    got["a"] = []
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finish_reason == "abort":
+                assert not out.new_token_ids
+            else:
+                got[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished.append((out.request_id, out.finish_reason))
+    assert finished.count(("a", "abort")) == 1 and ("a", "length") in finished
+    assert got["a"] == hf_greedy(tiny_llama_dir, PROMPTS[2], MAX_NEW, True)
+    assert got["b"] == hf_greedy(tiny_llama_dir, PROMPTS[1], MAX_NEW, True)
+    assert core.kv.usage == 0.0
+
+
 def test_stop_strings_through_llm_engine(tiny_llama_dir):
     """A stop string (the frontend's abort) ends a request whose next step is in flight: the same
     text and tokens as without async scheduling."""
