@@ -18,6 +18,7 @@ from kvmesh.common.kv_events import BlockStored
 from kvmesh.engine import LLM, SamplingParams
 from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.config import EngineArgs
+from kvmesh.engine.request import RequestStatus
 from tests.engine.conftest import hf_greedy, random_prompts
 
 MAX_NEW = 16
@@ -368,3 +369,67 @@ def test_triton_backend_with_graphs_fills_placeholders_before_replay(tiny_llama_
     # What the graphs took were the previous steps' tokens (filled on the device), never the 0s.
     for k, ids in enumerate(seen):
         assert ids.tolist() == [o.outputs[0].token_ids[k] for o in outs]
+
+
+# -- the scheduler alone, under random load ------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(6))
+def test_scheduler_pipeline_under_random_load(seed):
+    """The scheduler driven as the engine drives it (schedule N+1, then apply N; a blocked async
+    schedule drains and takes a sync step), with random tokens, stop ids, aborts and a small pool:
+    nothing is scheduled past max_tokens, every request ends with its limit (or earlier at a stop
+    / abort), and every block comes back."""
+    import random
+
+    from kvmesh.engine.kv_cache_manager import KVCacheManager
+    from kvmesh.engine.request import Request
+    from kvmesh.engine.scheduler import Scheduler
+
+    rng = random.Random(seed)
+    bs, num_blocks, max_len = 4, 12, 48
+    kv = KVCacheManager(num_blocks, bs, enable_caching=True)
+    sched = Scheduler(kv, 16, 4, max_len)
+    reqs = {}
+    for i in range(12):
+        sp = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True, stop_token_ids=[0])
+        r = Request(f"r{i}", [rng.randrange(1, 5) for _ in range(rng.randint(1, 20))], sp, set(), "m", bs, max_len)
+        sched.add_request(r)
+        reqs[r.request_id] = r
+    in_flight = []
+    aborted = set()
+
+    def apply(out):
+        sampled = {rid: rng.randrange(0, 9) for rid in out.sampling}
+        sched.update_from_async_output(out, sampled)
+        sched.release(out, list(out.num_scheduled_tokens))
+
+    for _ in range(500):
+        if not sched.has_unfinished() and not in_flight:
+            break
+        out = sched.schedule(async_step=True)
+        for r in out.requests:
+            assert r.num_output_tokens + r.num_output_placeholders <= r.max_output_tokens
+            assert r.num_computed_tokens <= r.num_tokens + r.num_output_placeholders
+        if not out.is_empty:
+            in_flight.append(out)
+        if len(in_flight) > 1 or (in_flight and out.is_empty):
+            apply(in_flight.pop(0))
+        if out.blocked:  # drain, then a synchronous step (which may preempt)
+            while in_flight:
+                apply(in_flight.pop(0))
+            s = sched.schedule()
+            tokens = {r.request_id: rng.randrange(0, 9) for r in s.requests
+                      if r.num_computed_tokens + s.num_scheduled_tokens[r.request_id] == r.num_tokens}
+            sched.update_from_output(s, tokens)
+        if rng.random() < 0.05 and sched.requests:
+            rid = rng.choice(sorted(sched.requests))
+            sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            aborted.add(rid)
+    assert not sched.has_unfinished() and not in_flight
+    for rid, r in reqs.items():
+        out = r.output_token_ids
+        assert len(out) <= r.max_output_tokens
+        if rid not in aborted and 0 not in out:
+            assert len(out) == r.max_output_tokens, rid
+        if 0 in out:
+            assert out.index(0) == len(out) - 1  # nothing after the stop
+    assert kv.pool.num_free_blocks == num_blocks and not sched.in_flight and not sched._deferred_free
