@@ -296,7 +296,7 @@ class EngineCore:
         for rid, req in list(self._sync_candidates.items()):
             if self.scheduler.requests.get(rid) is not req:
                 del self._sync_candidates[rid]  # ended
-            elif needs_sync(req) or req.num_output_placeholders:
+            elif needs_sync(req):
                 return True
             else:
                 del self._sync_candidates[rid]  # min_tokens reached: async from now on
@@ -346,6 +346,12 @@ class EngineCore:
         dispatched after it (which ran on its state) are undone, and it is run again synchronously
         in parts until the failure is pinned to its request(s)."""
         batch = self._in_flight.popleft()
+        try:
+            return self._apply(batch)
+        finally:
+            self._release(batch)  # even when applying raised: its requests' blocks are not held for ever
+
+    def _apply(self, batch: _InFlight) -> list[EngineCoreOutput]:
         sched = batch.sched
         try:
             sampled, logprobs, prompt_lps = self.runner.finish(batch.future.result())
@@ -369,7 +375,6 @@ class EngineCore:
             outputs.extend(self._drop_failed(sched, failed, batch.rng, sampled, logprobs, prompt_lps))
         outputs.extend(self._outputs(sched, sampled, logprobs, prompt_lps,
                                      self.scheduler.update_from_async_output(sched, sampled)))
-        self._release(batch)
         return outputs
 
     def _release(self, batch: _InFlight) -> None:
@@ -410,6 +415,7 @@ class EngineCore:
                 except Exception:  # noqa: BLE001
                     pass
             self._release(batch)
+        self.scheduler.release_all()
 
     def shutdown(self) -> None:
         if self._step_thread is not None:

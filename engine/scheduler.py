@@ -120,6 +120,14 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def release_all(self) -> None:
+        """No step is in flight any more (the engine's last-resort failure path): free every
+        deferred request's blocks."""
+        self.in_flight.clear()
+        for req in self._deferred_free.values():
+            self.kv.free(req)
+        self._deferred_free.clear()
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
