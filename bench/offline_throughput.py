@@ -32,7 +32,11 @@ def run_kvmesh(model: str, prompts, output_len: int, engine_args: dict) -> tuple
 
     llm = LLM(model, **engine_args)
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    llm.generate([prompts[0][:32]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    # Warm-up: a small mixed batch (prefills of several lengths, then decodes), so kernel
+    # compilation (Triton's JIT on a GPU) and first-touch allocation are not timed. Reversed
+    # prompts: no prefix of theirs is a prefix of a timed prompt (no prefix-cache hits bought).
+    llm.generate([p[::-1][:n] for p, n in zip(prompts[:8], (16, 32, 64, 128, 256, 17, 33, 65))],
+                 SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     start = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=True)
     elapsed = time.perf_counter() - start
