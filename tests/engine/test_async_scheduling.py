@@ -333,8 +333,13 @@ def test_a_failing_request_fails_alone_under_async(tiny_llama_dir, monkeypatch):
         return result
 
     monkeypatch.setattr(runner, "run", run)
+    core = llm.engine.core
+    reverted = []
+    real_revert = core._revert
+    monkeypatch.setattr(core, "_revert", lambda batch: (reverted.append(len(batch.request_ids)), real_revert(batch)))
     outs = llm.generate(prompts, params)
     assert max(faults) == 5
+    assert reverted == [5]  # the step dispatched after the failed one was undone
     assert outs[2].outputs[0].finish_reason == "error" and "injected fault" in outs[2].error
     assert len(outs[2].outputs[0].token_ids) == 4
     for i in (0, 1, 3, 4):
@@ -461,3 +466,48 @@ def test_core_loop_last_resort_with_steps_in_flight(tiny_llama_dir, monkeypatch)
     while core.has_unfinished_requests():
         tokens += [t for rid, o in loop.step() if rid == "again" for t in o.new_token_ids]
     assert tokens == hf_greedy(tiny_llama_dir, PROMPTS[3], MAX_NEW, True)
+
+
+def test_a_request_admitted_in_the_undone_step_recomputes(tiny_llama_dir, monkeypatch):
+    """A request admitted in the step dispatched after a failed one: that step is undone, the
+    request goes back to the queue and recomputes from scratch, with transformers' tokens."""
+    from kvmesh.engine.engine_core import EngineCore
+
+    core = EngineCore(EngineArgs(model=tiny_llama_dir, num_kv_blocks=256, async_scheduling=True))
+    prompts = PROMPTS[:3]
+    poisoned = prompts[1][:3] + [POISON] + prompts[1][3:]
+    real_run = core.runner.run
+    runs = [0]
+
+    def run(step, prev=None):
+        result = real_run(step, prev)
+        if any(POISON in r.prompt_token_ids for r in step.requests):
+            runs[0] += 1
+            if runs[0] >= 5:
+                raise RuntimeError("injected fault")
+        return result
+
+    monkeypatch.setattr(core.runner, "run", run)
+    core.add_request("a", prompts[0], greedy())
+    core.add_request("p", poisoned, greedy())
+    got: dict[str, list] = {"a": [], "p": [], "x": []}
+    finish = {}
+
+    def step():
+        for out in core.step():
+            got[out.request_id] += out.new_token_ids
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+
+    for _ in range(5):
+        step()  # the 5th call dispatched p's failing run
+    core.add_request("x", prompts[2], greedy())  # admitted in the next step, which will be undone
+    step()
+    x = core.scheduler.requests["x"]
+    assert finish.get("p") == "error" and x.num_preemptions == 1 and x.num_computed_tokens == 0
+    while core.has_unfinished_requests():
+        step()
+    assert finish == {"a": "length", "p": "error", "x": "length"}
+    assert got["a"] == hf_greedy(tiny_llama_dir, prompts[0], MAX_NEW, True)
+    assert got["x"] == hf_greedy(tiny_llama_dir, prompts[2], MAX_NEW, True)
+    assert len(got["p"]) == 4 and core.kv.usage == 0.0 and core.stats().num_preemptions == 0
