@@ -5,6 +5,7 @@
 #      and eager (bench/gpu_parity.py);
 #   2. decode tok/s at batch 1, 16, 64 with and without CUDA graphs, and the achieved fraction of
 #      HBM bandwidth; the fused Triton ops against torch's (bench/gpu_decode.py);
+#   2b. decode steps at batch 64 with sync vs async scheduling, alternating (bench/step_overhead.py);
 #   3. the W64 offline workload in bf16 against transformers `generate` on the same GPU
 #      (bench/offline_throughput.py). Goals: >= 5x on W64; decode at batch 64 >= 60% of the roofline.
 # Runs offline: it installs nothing from the network. It needs torch with CUDA, triton and
@@ -65,6 +66,7 @@ else
 fi
 step parity "$PYTHON" bench/gpu_parity.py
 step decode "$PYTHON" bench/gpu_decode.py
+step async "$PYTHON" bench/step_overhead.py --compare-async --batch 64 --steps 50 --rounds 4
 step offline "$PYTHON" bench/offline_throughput.py --device cuda --dtype bfloat16 --attention-backend triton
 
 echo "== summary"

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """GPU greedy parity: kvmesh (Triton backend, CUDA graphs and eager) against transformers on the
-same GPU, fp32 and bf16, on the built-in model (part of bench/gpu_check.sh).
+same GPU, fp32 and bf16, on the built-in model (part of bench/gpu_check.sh); async scheduling
+(the CUDA default) with graphs and eager, and synchronous with graphs.
 
 fp32 must match token for token (the kernels multiply in IEEE fp32, not TF32), also with speculative
 decoding (n-gram drafts verified through the Triton backend): exit 1 if not.
@@ -65,17 +66,17 @@ def main(argv=None) -> int:
     failed = False
     for dtype in ("float32", "bfloat16"):
         expected = hf_greedy(model_dir, getattr(torch, dtype), prompts, args.max_tokens)
-        for eager in (False, True):
+        for eager, async_scheduling in ((False, True), (True, True), (False, False)):
             llm = LLM(args.model, dtype=dtype, device="cuda", attention_backend="triton", enforce_eager=eager,
-                      gpu_memory_utilization=0.5, max_num_seqs=16)
+                      gpu_memory_utilization=0.5, max_num_seqs=16, async_scheduling=async_scheduling)
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
             same = sum(g == e for g, e in zip(got, expected))
             prefix = []
             for g, e in zip(got, expected):
                 n = next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), len(e))
                 prefix.append(n)
-            mode = "eager" if eager else "cuda-graphs"
-            print(f"parity {dtype:<9} {mode:<11}: {same}/{len(prompts)} prompts identical to transformers; "
+            mode = ("eager" if eager else "cuda-graphs") + (" async" if async_scheduling else " sync")
+            print(f"parity {dtype:<9} {mode:<17}: {same}/{len(prompts)} prompts identical to transformers; "
                   f"tokens before first divergence: {prefix} (of {args.max_tokens})", flush=True)
             if dtype == "float32" and same != len(prompts):
                 failed = True

@@ -10,6 +10,7 @@ the step's wall time minus the model's forward, in ms and as a share of the step
 
   python bench/step_overhead.py                       # smollm2-135m-instruct, batch 64, 64 steps
   python bench/step_overhead.py --batch 64 --steps 128 --model /path/to/hf-dir
+  python bench/step_overhead.py --compare-async     # sync vs async scheduling, alternating rounds
 
 On a shared machine the forward time is noisy; the overhead (pure Python and small tensor work)
 much less so.
@@ -30,7 +31,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--warmup-steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compare-async", action="store_true",
+                    help="sync vs async scheduling on one engine: --rounds alternating rounds of --steps "
+                         "decode steps each; wall and process CPU time per step, and their ratio")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.compare_async:
+        compare_async(args)
+        return
 
     import msgspec
 
@@ -89,6 +97,77 @@ def main() -> None:
           f"({100 * per['overhead'] / per['total']:.1f}% of the step; "
           f"{1000 * per['overhead'] / per['batch']:.1f} us per sequence)")
 
+
+def _decode_engine(args, async_scheduling: bool, total_steps: int):
+    """A CoreLoop whose --batch requests have finished their prompts and a few warm-up steps."""
+    import random
+
+    from kvmesh.engine.config import EngineArgs
+    from kvmesh.engine.core_proc import CoreLoop
+    from kvmesh.engine.engine_core import EngineCore
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    total_len = args.prompt_len + args.warmup_steps + total_steps + 8
+    core = EngineCore(EngineArgs(model=args.model, num_kv_blocks=args.batch * -(-total_len // 16) + 16,
+                                 max_num_seqs=args.batch, max_model_len=max(total_len + 16, 256),
+                                 max_num_batched_tokens=max(2048, args.prompt_len), dtype="float32",
+                                 async_scheduling=async_scheduling))
+    loop = CoreLoop(core)
+    rng = random.Random(args.seed)
+    vocab = core.model_config.vocab_size
+    params = SamplingParams(max_tokens=args.warmup_steps + total_steps + 4, temperature=0.0, ignore_eos=True)
+    for i in range(args.batch):
+        loop.add(f"r{i}", [rng.randrange(0, vocab) for _ in range(args.prompt_len)], params)
+    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
+        loop.step()
+    for _ in range(args.warmup_steps):
+        loop.step()
+    return loop
+
+
+def compare_async(args) -> None:
+    """Sync and async scheduling on one engine (no difference of memory placement between two
+    engines), switched between alternating rounds (the machine's load drifts; the pipeline is
+    drained at each switch): per decode step, the wall time, the process's CPU time (all threads),
+    the forward's and the sampler's time (the step thread's work under async scheduling) and the
+    host overhead outside them (wall minus both: for async, the host work the overlap did not hide)."""
+    import torch
+
+    loop = _decode_engine(args, True, 2 * args.rounds * args.steps + 4)
+    core, timer = loop.core, loop.timer
+    worker_threads = []
+    core._step_thread.submit(lambda: worker_threads.append(torch.get_num_threads())).result()
+    totals = {mode: {"wall": 0.0, "cpu": 0.0, "forward": 0.0, "sample": 0.0, "tokens": 0} for mode in (False, True)}
+    for r in range(args.rounds):
+        for mode in ((False, True) if r % 2 == 0 else (True, False)):
+            while core._in_flight:  # drain before a switch: its outputs are not this round's
+                core._apply_oldest()
+            core.async_scheduling = mode
+            loop.step()  # an async round starts by filling the pipeline
+            t = totals[mode]
+            tok0 = core.generation_tokens
+            fwd0, smp0 = timer.totals["forward"], timer.totals["sample"]
+            c0, w0 = time.process_time(), time.perf_counter()
+            for _ in range(args.steps):
+                loop.step()
+            t["wall"] += time.perf_counter() - w0
+            t["cpu"] += time.process_time() - c0
+            t["forward"] += timer.totals["forward"] - fwd0
+            t["sample"] += timer.totals["sample"] - smp0
+            t["tokens"] += core.generation_tokens - tok0
+    print(f"sync vs async scheduling: model {args.model}, decode batch {args.batch}, "
+          f"{torch.get_num_threads()} torch threads (step thread: {worker_threads[0]}), one engine, "
+          f"{args.rounds} alternating rounds x {args.steps} steps per mode")
+    per = {}
+    for mode, t in totals.items():
+        n = t["tokens"] / args.batch  # steps whose tokens were applied
+        per[mode] = {k: 1000 * t[k] / n for k in ("wall", "cpu", "forward", "sample")}
+        p = per[mode]
+        print(f"  {'async' if mode else 'sync ':5}: wall {p['wall']:.2f} ms/step, cpu {p['cpu']:.2f} ms/step, "
+              f"forward {p['forward']:.2f} + sample {p['sample']:.2f} ms, host overhead outside them "
+              f"{p['wall'] - p['forward'] - p['sample']:.2f} ms, {t['tokens'] / t['wall']:.1f} tok/s")
+    print(f"  async / sync: wall {per[True]['wall'] / per[False]['wall']:.3f}, "
+          f"cpu {per[True]['cpu'] / per[False]['cpu']:.3f}")
 
 if __name__ == "__main__":
     main()

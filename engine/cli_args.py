@@ -39,6 +39,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory the engine may use; the KV cache gets what the "
                         "weights and a profiling step leave of it")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and prepare the next step while the current one runs (as vLLM's); "
+                        "default: on for CUDA devices, off on the CPU")
     g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (off by default)')
@@ -90,4 +93,5 @@ def engine_args_from(args: argparse.Namespace, **overrides):
         enable_chunked_prefill=args.enable_chunked_prefill, dtype=args.dtype, device=args.device,
         seed=args.seed, generation_config=args.generation_config, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-        speculative_config=_with_batch_limit(args), **overrides)
+        speculative_config=_with_batch_limit(args), async_scheduling=getattr(args, "async_scheduling", None),
+        **overrides)

@@ -57,6 +57,9 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto | torch | cpu | triton (attention_backends.py)
     enforce_eager: bool = False  # no CUDA graphs
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use (KV sized from it)
+    # Schedule and prepare step N+1 while step N runs (vLLM's --async-scheduling). None: on for
+    # CUDA devices, off on the CPU (where it measured no faster: docs/engine.md).
+    async_scheduling: bool | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":

@@ -157,6 +157,7 @@ class CoreLoop:
         rids = list(core.scheduler.requests)
         core.step_failures["batch"] += 1
         try:
+            core.discard_in_flight()  # async scheduling: steps in flight are not applied
             core.abort_requests(rids)
             core.step()  # flush the abort outputs
             if not core.reset_prefix_cache():

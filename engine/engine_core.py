@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -68,8 +70,32 @@ class EngineStats:
 
 
 def _subset(sched: SchedulerOutput, requests: list[Request]) -> SchedulerOutput:
+    ids = {r.request_id for r in requests}
     return SchedulerOutput({r.request_id: sched.num_scheduled_tokens[r.request_id] for r in requests},
-                           list(requests))
+                           list(requests), starts={k: v for k, v in sched.starts.items() if k in ids},
+                           epochs=sched.epochs, is_async=sched.is_async)
+
+
+@dataclass
+class _InFlight:
+    """An async step between its dispatch and the application of its outputs."""
+
+    sched: SchedulerOutput
+    request_ids: list[str]  # every request it holds (sched.requests may shrink on failure)
+    prepared: object = None  # the runner's PreparedStep (None: prepare failed)
+    future: Future | None = None  # the step thread's StepResult
+    rng: dict = field(default_factory=dict)  # seeded requests' generator states before it sampled
+
+
+def needs_sync(request: Request) -> bool:
+    """Whether a request's next step must see its previous token on the host, so that it cannot be
+    scheduled before that token is applied (async scheduling drains the pipeline and takes a
+    synchronous step while any such request is unfinished): penalties count the output tokens,
+    and min_tokens bans EOS / stop ids by the output's length until it is reached. Speculative
+    decoding (drafts proposed from the history) makes every step synchronous (EngineCore)."""
+    sp = request.sampling_params
+    return bool(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0) \
+        or request.num_output_tokens < sp.min_tokens
 
 
 def _pick_device(requested: str) -> torch.device:
@@ -137,8 +163,19 @@ class EngineCore:
         self.num_steps = 0
         self.step_failures = {"request": 0, "batch": 0}
         self._pending_aborts: list[EngineCoreOutput] = []
-        log.info("engine ready: model=%s dtype=%s device=%s blocks=%d (%d tokens) max_model_len=%d",
-                 self.model_id, self.dtype, self.device, num_blocks, capacity, self.max_model_len)
+        # Async scheduling (docs/engine.md): at most 2 steps between dispatch and their outputs'
+        # application; their device work runs on one step thread, in order.
+        self.async_scheduling = (args.async_scheduling if args.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        self._in_flight: deque[_InFlight] = deque()
+        self._sync_next = False  # an async schedule ran out of blocks: the next step drains and may preempt
+        self._sync_candidates: dict[str, Request] = {}  # requests for which needs_sync() may hold
+        self._step_thread: ThreadPoolExecutor | None = None
+        self.num_async_steps = 0
+        self.num_sync_steps = 0
+        log.info("engine ready: model=%s dtype=%s device=%s blocks=%d (%d tokens) max_model_len=%d "
+                 "async_scheduling=%s", self.model_id, self.dtype, self.device, num_blocks, capacity,
+                 self.max_model_len, self.async_scheduling)
 
     def _size_kv_from_gpu_memory(self, args: EngineArgs, per_block: int) -> tuple[ModelRunner, int]:
         """Load the model, profile one step at the largest batch, and fit the KV cache into
@@ -190,9 +227,17 @@ class EngineCore:
                     cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
+        if request_id in self.scheduler.in_flight and request_id not in self.scheduler.requests:
+            # The id of a request that ended while a step holding it is in flight (its blocks,
+            # keyed by the id, are not freed yet): apply those steps first; their outputs go out
+            # with the next step's.
+            while self._in_flight:
+                self._pending_aborts.extend(self._apply_oldest())
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.model_id,
                           self.block_size, self.max_model_len, cache_salt, arrival_time)
         self.scheduler.add_request(request)
+        if needs_sync(request):
+            self._sync_candidates[request_id] = request
         return request
 
     def abort_requests(self, request_ids, report: bool = True) -> None:
@@ -211,33 +256,202 @@ class EngineCore:
                         num_prompt_tokens=req.num_prompt_tokens))
 
     def has_unfinished_requests(self) -> bool:
-        """Requests still running or waiting, or abort outputs the next step will emit."""
-        return self.scheduler.has_unfinished() or bool(self._pending_aborts)
+        """Requests still running or waiting, abort outputs the next step will emit, or async
+        steps whose outputs are still to be applied."""
+        return self.scheduler.has_unfinished() or bool(self._pending_aborts) or bool(self._in_flight)
 
     # -- the step ------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        """One engine step. With async scheduling: schedule and dispatch step N+1, then apply the
+        outputs of step N (which ran meanwhile); a call may return no outputs (the first, which
+        only dispatches), and outputs come in order per request."""
         outputs, self._pending_aborts = self._pending_aborts, []
+        if not self.async_scheduling:
+            outputs.extend(self._sync_step())
+            return outputs
+        if self._must_sync():
+            while self._in_flight:
+                outputs.extend(self._apply_oldest())
+            self._sync_next = False
+            self.num_sync_steps += 1
+            outputs.extend(self._sync_step())
+            return outputs
+        sched = self.scheduler.schedule(async_step=True)
+        if sched.blocked:
+            self._sync_next = True
+        dispatched = not sched.is_empty
+        if dispatched:
+            self._dispatch(sched)
+        # Keep at most one step in flight between calls: N+1 is scheduled only while N runs.
+        while self._in_flight and (len(self._in_flight) > 1 or not dispatched
+                                   or self._in_flight[-1].prepared is None):
+            outputs.extend(self._apply_oldest())
+        return outputs
+
+    def _must_sync(self) -> bool:
+        """The next step is synchronous: speculative decoding, a request that needs_sync(), or an
+        async schedule that ran out of blocks (only a synchronous step preempts)."""
+        if self.spec is not None or self._sync_next:
+            return True
+        for rid, req in list(self._sync_candidates.items()):
+            if self.scheduler.requests.get(rid) is not req:
+                del self._sync_candidates[rid]  # ended
+            elif needs_sync(req):
+                return True
+            else:
+                del self._sync_candidates[rid]  # min_tokens reached: async from now on
+        return False
+
+    def _count_prompt_tokens(self, sched: SchedulerOutput) -> None:
+        for req in sched.requests:
+            # Prompt tokens computed this step (recomputation after preemption counts too).
+            n = sched.num_scheduled_tokens[req.request_id]
+            start = sched.starts[req.request_id] if sched.is_async else req.num_computed_tokens
+            self.prompt_tokens += max(0, min(req.num_prompt_tokens - start, n))
+
+    def _dispatch(self, sched: SchedulerOutput) -> None:
+        """Build the step's inputs here and queue its device work on the step thread, behind the
+        step in flight (whose sampled ids fill this one's placeholders on the device)."""
+        self.num_steps += 1
+        self.num_async_steps += 1
+        self._count_prompt_tokens(sched)
+        batch = _InFlight(sched, [r.request_id for r in sched.requests])
+        prev = self._in_flight[-1] if self._in_flight else None
+        try:
+            batch.prepared = self.runner.prepare(sched, self.kv, prev.prepared.sample_rows if prev else None)
+        except Exception as exc:  # noqa: BLE001 - isolated when the step is applied
+            batch.future = Future()
+            batch.future.set_exception(exc)
+        else:
+            if self._step_thread is None:
+                init = None
+                if self.device.type == "cuda" and self.device.index is not None:
+                    init = lambda: torch.cuda.set_device(self.device)  # noqa: E731 - the thread's current device
+                self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-step", initializer=init)
+            batch.future = self._step_thread.submit(self._run_async, batch, prev)
+        self._in_flight.append(batch)
+
+    def _run_async(self, batch: _InFlight, prev: _InFlight | None):
+        """On the step thread: the seeded requests' generator states (for a rerun), then the step."""
+        seeded = [r for r in batch.sched.requests if r.sampling_params.seed is not None]
+        if seeded:
+            batch.rng = self.runner.sampler.checkpoint(seeded)
+        prev_result = None
+        if prev is not None and prev.future is not None and prev.future.done() and prev.future.exception() is None:
+            prev_result = prev.future.result()
+        return self.runner.run(batch.prepared, prev_result)
+
+    def _apply_oldest(self) -> list[EngineCoreOutput]:
+        """Wait for the oldest step in flight and apply its outputs. When it failed, the steps
+        dispatched after it (which ran on its state) are undone, and it is run again synchronously
+        in parts until the failure is pinned to its request(s)."""
+        batch = self._in_flight.popleft()
+        try:
+            return self._apply(batch)
+        finally:
+            self._release(batch)  # even when applying raised: its requests' blocks are not held for ever
+
+    def _apply(self, batch: _InFlight) -> list[EngineCoreOutput]:
+        sched = batch.sched
+        try:
+            sampled, logprobs, prompt_lps = self.runner.finish(batch.future.result())
+            failed = {}
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            while self._in_flight:
+                self._revert(self._in_flight.pop())
+            # Requests that ended meanwhile are not run again.
+            live = [r for r in sched.requests if self.scheduler.requests.get(r.request_id) is r
+                    and r.num_preemptions == sched.epochs[r.request_id]]
+            for r in sched.requests:
+                if r not in live:
+                    del sched.num_scheduled_tokens[r.request_id]
+            sched.requests = live
+            if live:
+                sampled, logprobs, prompt_lps, failed = self._isolate(sched, batch.rng, exc)
+            else:
+                sampled, logprobs, prompt_lps, failed = {}, {}, {}, {}
+        outputs: list[EngineCoreOutput] = []
+        if failed:
+            outputs.extend(self._drop_failed(sched, failed, batch.rng, sampled, logprobs, prompt_lps))
+        outputs.extend(self._outputs(sched, sampled, logprobs, prompt_lps,
+                                     self.scheduler.update_from_async_output(sched, sampled)))
+        return outputs
+
+    def _release(self, batch: _InFlight) -> None:
+        self.scheduler.release(batch.sched, batch.request_ids)
+        for rid in batch.request_ids:
+            if rid not in self.scheduler.requests:
+                self.runner.sampler.forget(rid)  # its step may have drawn from a generator again
+
+    def _revert(self, batch: _InFlight) -> None:
+        """Undo a dispatched step that will not be applied: wait until the step thread is done with
+        it, take back its seeded draws, drop from the prefix cache the blocks it wrote, and put
+        its requests' progress back (scheduler.unschedule)."""
+        if batch.future is not None:
+            try:
+                batch.future.result()
+            except Exception:  # noqa: BLE001 - discarded anyway
+                pass
+        sched = batch.sched
+        live = [r for r in sched.requests if self.scheduler.requests.get(r.request_id) is r
+                and r.num_preemptions == sched.epochs[r.request_id]]
+        self.runner.sampler.rollback(batch.rng, live)
+        for req in live:
+            rid = req.request_id
+            self.kv.pool.uncache(self.kv.blocks_written(req, sched.num_scheduled_tokens[rid], sched.starts[rid]))
+        self.scheduler.unschedule(sched)
+        self._release(batch)
+        self.num_steps -= 1
+        self.num_async_steps -= 1
+
+    def discard_in_flight(self) -> None:
+        """Drop the async steps in flight without applying them (the last-resort failure path,
+        which then aborts every request)."""
+        while self._in_flight:
+            batch = self._in_flight.pop()
+            if batch.future is not None:
+                try:
+                    batch.future.result()
+                except Exception:  # noqa: BLE001
+                    pass
+            self._release(batch)
+        self.scheduler.release_all()
+
+    def shutdown(self) -> None:
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
+            self._step_thread = None
+
+    def _sync_step(self) -> list[EngineCoreOutput]:
+        """One synchronous step: schedule, run, apply (the only kind without async scheduling)."""
+        outputs: list[EngineCoreOutput] = []
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
         self.num_steps += 1
-        for req in sched.requests:
-            # Prompt tokens computed this step (recomputation after preemption counts too).
-            n = sched.num_scheduled_tokens[req.request_id]
-            self.prompt_tokens += max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
+        self._count_prompt_tokens(sched)
         seeded = [r for r in sched.requests if r.sampling_params.seed is not None]
         rng = self.runner.sampler.checkpoint(seeded) if seeded else {}
         sampled, logprobs, prompt_lps, failed = self._execute(sched, rng)
         if failed:
             outputs.extend(self._drop_failed(sched, failed, rng, sampled, logprobs, prompt_lps))
+        if self.spec is not None:
+            self._record_drafts(sched, sampled)
+        outputs.extend(self._outputs(sched, sampled, logprobs, prompt_lps,
+                                     self.scheduler.update_from_output(sched, sampled)))
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
+        return outputs
+
+    def _outputs(self, sched: SchedulerOutput, sampled: dict, logprobs: dict, prompt_lps: dict,
+                 updates: list) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
         if prompt_lps:
             by_id = {r.request_id: r for r in sched.requests}
             for rid, entries in prompt_lps.items():
                 for pos, lp in entries:  # a recompute after preemption writes the same values again
                     by_id[rid].prompt_logprobs[pos] = lp
-        if self.spec is not None:
-            self._record_drafts(sched, sampled)
-        for req, token in self.scheduler.update_from_output(sched, sampled):
+        for req, token in updates:
             tokens = token if isinstance(token, list) else [token]  # a list: verified drafts
             self.generation_tokens += len(tokens)
             finished = req.status.finished
@@ -255,8 +469,6 @@ class EngineCore:
                 num_prompt_tokens=req.num_prompt_tokens,
                 prompt_logprobs=(list(req.prompt_logprobs) if req.prompt_logprobs is not None
                                  and req.num_output_tokens == len(tokens) else None)))
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
         return outputs
 
     def _record_drafts(self, sched: SchedulerOutput, sampled: dict) -> None:
@@ -276,11 +488,15 @@ class EngineCore:
         try:
             return (*self.runner.execute(sched, self.kv), {})
         except Exception as exc:  # noqa: BLE001 - isolated below
-            if len(sched.requests) == 1:
-                log.exception("engine step failed on request %s", sched.requests[0].request_id)
-                return {}, {}, {}, {sched.requests[0].request_id: exc}
-            log.exception("engine step of %d requests failed; finding the request(s) that cause it",
-                          len(sched.requests))
+            return self._isolate(sched, rng, exc)
+
+    def _isolate(self, sched: SchedulerOutput, rng: dict, exc: Exception):
+        """The step raised ``exc``: run it again in halves (see _execute)."""
+        if len(sched.requests) == 1:
+            log.error("engine step failed on request %s", sched.requests[0].request_id, exc_info=exc)
+            return {}, {}, {}, {sched.requests[0].request_id: exc}
+        log.error("engine step of %d requests failed; finding the request(s) that cause it",
+                  len(sched.requests), exc_info=exc)
         sampled, logprobs, prompt_lps, failed = {}, {}, {}, {}
         # Bisection costs about 2 log2(n) runs per culprit; past this budget, a failure that
         # every subset hits (not a request's fault) fails what remains rather than running on.
@@ -327,7 +543,8 @@ class EngineCore:
         bad_blocks: set[int] = set()
         while todo:
             req = todo.pop()
-            written = self.kv.blocks_written(req, sched.num_scheduled_tokens[req.request_id])
+            written = self.kv.blocks_written(req, sched.num_scheduled_tokens[req.request_id],
+                                             sched.starts.get(req.request_id))
             self.kv.pool.uncache(written)
             bad_blocks.update(b.block_id for b in written)
             for other in sched.requests:

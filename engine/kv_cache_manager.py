@@ -91,9 +91,17 @@ class KVCacheManager:
             request.all_token_ids[start * bs:num_full * bs], bs)
         self.num_cached_blocks[request.request_id] = num_full
 
-    def blocks_written(self, request: Request, num_tokens: int) -> list[KVBlock]:
-        """The blocks that the request's next ``num_tokens`` tokens (from num_computed_tokens) fill."""
-        start = request.num_computed_tokens
+    def cache_computed(self, request: Request) -> None:
+        """Register the full blocks of known tokens whose KV is computed or being computed (async
+        scheduling: a block completed by a token that was a placeholder when it was scheduled)."""
+        if self.enable_caching and request.request_id in self.num_cached_blocks:
+            self._cache_full_blocks(request, request.num_computed_tokens)
+
+    def blocks_written(self, request: Request, num_tokens: int, start: int | None = None) -> list[KVBlock]:
+        """The blocks that the request's next ``num_tokens`` tokens (from ``start``, by default
+        num_computed_tokens) fill."""
+        if start is None:
+            start = request.num_computed_tokens
         blocks = self.req_blocks.get(request.request_id, [])
         return blocks[start // self.block_size:cdiv(start + num_tokens, self.block_size)]
 

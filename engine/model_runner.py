@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -111,8 +112,16 @@ class ModelRunner:
             bufs = self._bufs = tuple(np.empty(size, dtype=np.int64) for _ in range(3))
         return bufs
 
-    def prepare(self, out: SchedulerOutput, kv: KVCacheManager):
+    def prepare(self, out: SchedulerOutput, kv: KVCacheManager, prev_rows: dict[str, int] | None = None
+                ) -> "PreparedStep":
+        """The step's inputs on the device. Async scheduling: a position past the request's known
+        tokens is a placeholder for the token the previous step samples; its input id is left 0
+        here and filled on the device from that step's sampled ids (``fill_dst`` <- row
+        ``fill_src`` of them, ``prev_rows`` giving each request's row there)."""
         bs = self.block_size
+        fill_dst: list[int] = []
+        fill_src: list[int] = []
+        self._current_requests = list(out.requests)
         ids_buf, pos_buf, slot_buf = self._step_buffers(out.total_tokens)
         logits_indices: list[int] = []
         sampling_requests = []
@@ -133,19 +142,30 @@ class ModelRunner:
         spec_tables: list[list[int]] = []
         spec_ctx: list[int] = []
         offset = 0
+        starts = out.starts
         for req in out.requests:
             n = out.num_scheduled_tokens[req.request_id]
-            start = req.num_computed_tokens
+            start = starts[req.request_id] if starts else req.num_computed_tokens
             table = kv.block_table(req.request_id)
-            num_drafts = start + n - req.num_tokens  # > 0: speculative, the drafts follow
+            known = req.num_tokens
+            past = start + n - known  # > 0: drafts follow (speculative), or a placeholder (async)
+            num_drafts = past if past > 0 and req.spec_token_ids else 0
+            if past > 0 and not num_drafts:  # the last position is the previous step's token
+                if past != 1 or prev_rows is None or req.request_id not in prev_rows:
+                    raise RuntimeError(f"request {req.request_id}: {past} unknown input token(s) and no "
+                                       "previous step that samples them")
+                fill_dst.append(offset + n - 1)
+                fill_src.append(prev_rows[req.request_id])
             if n == 1:  # a decode row: scalars, no per-row numpy work
-                ids_buf[offset] = req.all_token_ids[start]
+                ids_buf[offset] = req.all_token_ids[start] if start < known else 0
                 pos_buf[offset] = start
                 slot_buf[offset] = table[start // bs] * bs + start % bs
             else:
                 if num_drafts > 0:
                     drafts = req.spec_token_ids[:num_drafts]
                     ids_buf[offset:offset + n] = req.all_token_ids[start:] + drafts
+                elif past > 0:
+                    ids_buf[offset:offset + n] = req.all_token_ids[start:] + [0] * past
                 else:
                     ids_buf[offset:offset + n] = req.all_token_ids[start:start + n]
                 pos = np.arange(start, start + n)
@@ -157,7 +177,7 @@ class ModelRunner:
                     spec_idx.append(offset + p - start)
                     spec_tables.append(table[:cdiv(p + 1, bs)])
                     spec_ctx.append(p + 1)
-            elif start + n == req.num_tokens:
+            elif start + n >= known:
                 logits_indices.append(offset + n - 1)
                 sampling_requests.append(req)
                 sample_tables.append(table[:cdiv(start + n, bs)])
@@ -187,8 +207,8 @@ class ModelRunner:
             meta = self.backend.build_metadata(rows, self._tensor(slots),
                                                sample_tables + spec_tables + prompt_tables,
                                                sample_ctx + spec_ctx + [p + 1 for _, p in prompt_rows])
-            return (self._tensor(ids), self._tensor(pos_all), meta,
-                    self._tensor(logits_indices), sampling_requests, prompt_rows, spec_rows)
+            return self._prepared(ids, pos_all, meta, logits_indices, sampling_requests, prompt_rows, spec_rows,
+                                  fill_dst, fill_src)
         meta = AttentionMetadata(
             slots=self._tensor(slots),
             decode_indices=None, decode_block_tables=None, decode_mask=None,
@@ -222,8 +242,16 @@ class ModelRunner:
                 slots=None, decode_indices=self._tensor(range(len(sample_ctx))),
                 decode_block_tables=None, decode_mask=None, prefills=[])
             self._set_decodes(meta.sample_meta, sample_tables, sample_ctx)
-        return (self._tensor(ids), self._tensor(pos_all), meta,
-                self._tensor(logits_indices), sampling_requests, prompt_rows, spec_rows)
+        return self._prepared(ids, pos_all, meta, logits_indices, sampling_requests, prompt_rows, spec_rows,
+                              fill_dst, fill_src)
+
+    def _prepared(self, ids, positions, meta, logits_indices, sampling_requests, prompt_rows, spec_rows,
+                  fill_dst, fill_src) -> "PreparedStep":
+        return PreparedStep(
+            self._current_requests, self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), sampling_requests,
+            prompt_rows, spec_rows,
+            self._tensor(fill_dst) if fill_dst else None, self._tensor(fill_src) if fill_src else None,
+            {r.request_id: i for i, r in enumerate(sampling_requests)})
 
     def _set_decodes(self, meta: AttentionMetadata, tables: list[list[int]], ctx_lens: list[int]) -> None:
         """Block tables and context lengths (kernel) or a length mask (torch path) of decode rows."""
@@ -238,42 +266,102 @@ class ModelRunner:
             meta.decode_mask = self._tensor(np.where(np.arange(width)[None, :] < ctx[:, None], 0.0, -np.inf),
                                             torch.float32)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager
                 ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[tuple[int, TokenLogprobs]]]]:
         """Sampled tokens, their logprobs, and prompt logprobs as (position, logprob) per request.
 
         A request that verified drafts this step gets a list: the accepted drafts, then one sampled
         token (and a list of logprobs, one per token)."""
-        input_ids, positions, meta, logits_indices, sampling_requests, prompt_rows, spec_rows = \
-            self.prepare(out, kv)
+        return self.finish(self.run(self.prepare(out, kv)))
+
+    @torch.inference_mode()
+    def run(self, step: "PreparedStep", prev: "StepResult | None" = None) -> "StepResult":
+        """The device part of a step: placeholder fill, forward, sampling. Nothing here waits for
+        the device but what logprobs need; the sampled ids come back through ``finish``. With
+        async scheduling this runs on the engine's step thread, one step after the other."""
+        input_ids = step.input_ids
+        if step.fill_dst is not None:
+            if prev is None or prev.tokens is None:
+                raise RuntimeError("the previous step left no sampled ids to fill this step's inputs")
+            # The previous step's sampled ids into this step's inputs, on the device (before the
+            # forward, and so before a CUDA graph's static buffers take the inputs).
+            input_ids.index_copy_(0, step.fill_dst, prev.tokens.index_select(0, step.fill_src))
+        meta, sampling_requests, prompt_rows, spec_rows = (step.meta, step.sampling_requests, step.prompt_rows,
+                                                           step.spec_rows)
         if not spec_rows and self.graphs is not None and self.graphs.can_replay(meta, len(sampling_requests)):
-            logits = self.graphs.replay(input_ids, positions, meta)
+            logits = self.graphs.replay(input_ids, step.positions, meta)
         else:
-            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
-        prompt_lps = {}
+            logits = self.model(input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
+        result = StepResult()
         num_plain = len(sampling_requests)
         num_sampling = num_plain + sum(len(d) + 1 for _, d in spec_rows)
         if prompt_rows:
-            prompt_lps = prompt_logprobs(logits[num_sampling:], prompt_rows)
-        sampled: dict = {}
-        lps: dict = {}
+            result.prompt_lps = prompt_logprobs(logits[num_sampling:], prompt_rows)
         if spec_rows:
             from kvmesh.engine.spec_decode.rejection import verify
 
             for (req, _), v in zip(spec_rows, verify(self.sampler, logits[num_plain:num_sampling],
                                                      [r for r, _ in spec_rows], [d for _, d in spec_rows])):
-                sampled[req.request_id] = v.tokens
+                result.sampled[req.request_id] = v.tokens
                 if v.logprobs is not None:
-                    lps[req.request_id] = v.logprobs
+                    result.logprobs[req.request_id] = v.logprobs
         if not sampling_requests:
-            return sampled, lps, prompt_lps
+            return result
         if prompt_rows or spec_rows:
             logits = logits[:num_plain]
-        tokens, logprobs = self.sampler(logits, sampling_requests)
-        sampled.update((r.request_id, t) for r, t in zip(sampling_requests, tokens))
-        lps.update((r.request_id, lp) for r, lp in zip(sampling_requests, logprobs) if lp is not None)
-        return sampled, lps, prompt_lps
+        tokens, logprobs = self.sampler(logits, sampling_requests, to_host=False)
+        result.tokens = tokens
+        result.requests = sampling_requests
+        result.logprobs.update((r.request_id, lp) for r, lp in zip(sampling_requests, logprobs) if lp is not None)
+        if tokens.device.type == "cuda":  # the step's one device-to-host copy, without waiting for it
+            result.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            result.host.copy_(tokens, non_blocking=True)
+            result.event = torch.cuda.Event()
+            result.event.record()
+        else:
+            result.host = tokens
+        return result
+
+    @staticmethod
+    def finish(result: "StepResult"
+               ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[tuple[int, TokenLogprobs]]]]:
+        """The host side of a step's result: waits for its sampled ids (the copy ``run`` started)."""
+        sampled = dict(result.sampled)
+        if result.requests:
+            if result.event is not None:
+                result.event.synchronize()
+            sampled.update((r.request_id, t) for r, t in zip(result.requests, result.host.tolist()))
+        return sampled, result.logprobs, result.prompt_lps
+
+
+@dataclass
+class PreparedStep:
+    """A step's inputs, built on the host (``ModelRunner.prepare``)."""
+
+    requests: list[Request]  # in row order
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: object
+    logits_indices: torch.Tensor
+    sampling_requests: list[Request]
+    prompt_rows: list
+    spec_rows: list
+    fill_dst: torch.Tensor | None  # placeholder rows of input_ids (async scheduling)
+    fill_src: torch.Tensor | None  # ... and their rows in the previous step's sampled ids
+    sample_rows: dict[str, int]  # request id -> its row in this step's sampled ids
+
+
+@dataclass
+class StepResult:
+    """What ``ModelRunner.run`` leaves: sampled ids on the device and their host copy under way."""
+
+    tokens: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    event: object = None
+    requests: list[Request] = field(default_factory=list)
+    sampled: dict = field(default_factory=dict)  # verified drafts (lists), already on the host
+    logprobs: dict = field(default_factory=dict)
+    prompt_lps: dict = field(default_factory=dict)
 
 
 def prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Request, int]]

@@ -53,6 +53,8 @@ class Request:
         # Draft tokens for the next step (speculative decoding): not part of all_token_ids until
         # verified, so neither block keys nor stop checks ever see them.
         self.spec_token_ids: list[int] = []
+        # Async scheduling: tokens sampled by a step still in flight (scheduled on, not yet known).
+        self.num_output_placeholders = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         # Whole-request token limit: max_tokens, capped by the model length.
         limit = max_model_len - self.num_prompt_tokens

@@ -80,8 +80,10 @@ class Sampler:
             self._request_generators[request.request_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]
-                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def __call__(self, logits: torch.Tensor, requests: list[Request], to_host: bool = True
+                 ) -> tuple[list[int] | torch.Tensor, list[TokenLogprobs | None]]:
+        """Sampled ids (a list, or with ``to_host=False`` the device tensor: the caller copies it
+        back without waiting) and each row's logprobs when its request asks for them."""
         raw = logits  # logprobs come from the model's distribution, before penalties and bans
         logits = self.adjust(logits, requests)
 
@@ -93,15 +95,18 @@ class Sampler:
             mask = to_device(greedy, torch.bool, logits.device)
             tokens = torch.where(mask, tokens, self._sample(logits, requests, greedy))
 
-        token_list = tokens.tolist()  # the step's one device-to-host copy
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if to_host:
+            token_list = tokens.tolist()  # the step's one device-to-host copy
+        elif wanted:  # logprobs need the chosen ids on the host: these rows' only
+            token_list = dict(zip(wanted, tokens[wanted].tolist()))
         if wanted:
             found = token_logprobs(raw[wanted], [token_list[i] for i in wanted],
                                    [requests[i].sampling_params.logprobs for i in wanted])
             for i, lp in zip(wanted, found):
                 logprobs[i] = lp
-        return token_list, logprobs
+        return (token_list if to_host else tokens), logprobs
 
     @staticmethod
     def adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

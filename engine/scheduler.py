@@ -6,6 +6,15 @@ token, an unfinished prefill takes its next chunk), then waiting requests are
 admitted in FCFS order with their prefix-cache hits applied. When blocks run
 out, the most recently admitted running request is preempted by recompute: its
 blocks are freed and it goes back to the front of the waiting queue.
+
+Async scheduling (``schedule(async_step=True)``, docs/engine.md "Async scheduling"): step N+1 is
+scheduled while step N still runs. Progress then advances at schedule time, and a request that
+samples in a step holds an output placeholder until the step's token is applied
+(``update_from_async_output``): placeholders count against max_tokens and the model length, and
+never reach the prefix cache (only known tokens are hashed). An async schedule never preempts:
+when blocks run out it stops and marks the output ``blocked`` (the engine drains the pipeline
+and takes a synchronous step, which may preempt). A request that ends while a step that holds
+it is in flight keeps its blocks until that step is released.
 """
 
 from __future__ import annotations
@@ -23,6 +32,15 @@ class SchedulerOutput:
     # Requests in the order they run this step (running first, then new).
     requests: list[Request] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # Async steps only: each request's num_computed_tokens when scheduled (its first position this
+    # step), its preemption count then (a request reset since is stale), the requests admitted
+    # from the waiting queue this step, and whether blocks ran out (a sync step must follow).
+    starts: dict[str, int] = field(default_factory=dict)
+    epochs: dict[str, int] = field(default_factory=dict)
+    admitted: list[str] = field(default_factory=list)
+    sampling: set[str] = field(default_factory=set)
+    blocked: bool = False
+    is_async: bool = False
 
     @property
     def total_tokens(self) -> int:
@@ -45,6 +63,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Async scheduling: how many in-flight steps hold each request, and the ended requests
+        # whose blocks wait for those steps to be released.
+        self.in_flight: dict[str, int] = {}
+        self._deferred_free: dict[str, Request] = {}
 
     # -- queue management ------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -66,8 +88,29 @@ class Scheduler:
             except ValueError:
                 pass
         request.status = status
-        self.kv.free(request)
+        self._free(request)
         return request
+
+    def _free(self, request: Request) -> None:
+        """Free a finished request's blocks, or, while a step that holds it is in flight, once
+        that step is released (it still writes the request's slots)."""
+        if self.in_flight.get(request.request_id):
+            self._deferred_free[request.request_id] = request
+        else:
+            self.kv.free(request)
+
+    def release(self, out: SchedulerOutput, request_ids) -> None:
+        """An async step is done with these requests (applied or reverted): free the blocks of
+        those that ended meanwhile and are held by no other in-flight step."""
+        for rid in request_ids:
+            n = self.in_flight.get(rid, 0) - 1
+            if n > 0:
+                self.in_flight[rid] = n
+                continue
+            self.in_flight.pop(rid, None)
+            req = self._deferred_free.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
 
     @property
     def num_running(self) -> int:
@@ -77,8 +120,25 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def release_all(self) -> None:
+        """No step is in flight any more (the engine's last-resort failure path): free every
+        deferred request's blocks."""
+        self.in_flight.clear()
+        for req in self._deferred_free.values():
+            self.kv.free(req)
+        self._deferred_free.clear()
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def _remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
 
     def requeue(self, request: Request) -> None:
         """Send a running request back to the front of the queue to recompute from scratch (its
@@ -92,19 +152,24 @@ class Scheduler:
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self, async_step: bool = False) -> SchedulerOutput:
+        out = SchedulerOutput(is_async=async_step)
         budget = self.max_num_batched_tokens
 
         # 1. Running requests, oldest first; preempt from the back when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+            pending = request.num_output_placeholders
+            if pending and request.num_output_tokens + pending >= request.max_output_tokens:
+                i += 1  # its last token is in flight: nothing past max_tokens / the model length
+                continue
+            num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget,
                           self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
                 i += 1
@@ -119,6 +184,10 @@ class Scheduler:
                     num_new -= len(request.spec_token_ids)
                     request.spec_token_ids = []
                     continue
+                if async_step:  # never preempt while a step is in flight: a sync step will
+                    out.blocked = True
+                    scheduled = False
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -129,11 +198,14 @@ class Scheduler:
                 break
             out.num_scheduled_tokens[request.request_id] = num_new
             out.requests.append(request)
+            if async_step:
+                self._advance(out, request, num_new)
             budget -= num_new
             i += 1
 
         # 2. Waiting requests, FCFS; none are admitted in a step that had to preempt.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0 and not out.preempted and not out.blocked
+               and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             computed_blocks, num_computed = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
@@ -151,8 +223,43 @@ class Scheduler:
             self.running.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
             out.requests.append(request)
+            if async_step:
+                out.admitted.append(request.request_id)
+                self._advance(out, request, num_new)
             budget -= num_new
         return out
+
+    def _advance(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        """Async step: progress moves at schedule time; a request that samples holds a placeholder."""
+        rid = request.request_id
+        out.starts[rid] = start = request.num_computed_tokens
+        out.epochs[rid] = request.num_preemptions
+        if start + num_new >= request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1
+            out.sampling.add(rid)
+        request.num_computed_tokens = start + num_new
+        self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
+
+    def unschedule(self, out: SchedulerOutput) -> list[Request]:
+        """Undo an async step that will not be applied (an earlier step failed): progress and
+        placeholders go back; requests it admitted go back to the queue to recompute from scratch
+        (they may hold prefix hits on KV that the failed step never wrote). Returns those."""
+        readmit = []
+        for request in reversed(out.requests):
+            rid = request.request_id
+            if self.requests.get(rid) is not request or request.num_preemptions != out.epochs[rid]:
+                continue  # ended, or reset since
+            if rid in out.admitted:
+                readmit.append(request)
+                continue
+            if rid in out.sampling:
+                request.num_output_placeholders -= 1
+            request.num_computed_tokens = out.starts[rid]
+        for request in readmit:  # reversed order: the first admitted ends up first in the queue
+            self.running.remove(request)
+            self._preempt(request)
+            self.num_preemptions -= 1  # not a preemption for lack of blocks
+        return readmit
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled: dict[str, int]) -> list[tuple[Request, int | None]]:
@@ -183,10 +290,32 @@ class Scheduler:
         if status is None:
             return False
         self.requests.pop(request.request_id)
-        self.running.remove(request)
+        self._remove(request)
         request.status = status
-        self.kv.free(request)
+        self._free(request)
         return True
+
+    def update_from_async_output(self, out: SchedulerOutput,
+                                 sampled: dict[str, int]) -> list[tuple[Request, int]]:
+        """Apply an async step's sampled tokens (progress moved at schedule time): each fills its
+        request's placeholder, with the usual stop checks. A request that ended meanwhile (abort,
+        stop) gets nothing; one preempted since keeps its token (sampled from its complete KV) and
+        recomputes. Blocks that the token completes enter the prefix cache now that it is known."""
+        results: list[tuple[Request, int]] = []
+        for request in out.requests:
+            rid = request.request_id
+            if self.requests.get(rid) is not request:
+                continue  # ended during the step
+            token = sampled.get(rid)
+            if token is None:
+                continue
+            stale = request.num_preemptions != out.epochs[rid]
+            if not stale:
+                request.num_output_placeholders -= 1
+            if not self._append(request, token) and not stale:
+                self.kv.cache_computed(request)
+            results.append((request, token))
+        return results
 
     def _update_spec(self, request: Request, out: SchedulerOutput, tokens: list[int]) -> list[int]:
         """A step that verified drafts: keep the KV of the accepted ones, release the rejected tail's

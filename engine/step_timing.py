@@ -64,6 +64,7 @@ class StepTimer:
         timer = cls()
         timer._wrap_method(core.scheduler, "schedule", "schedule", watch_batch=True)
         timer._wrap_method(core.scheduler, "update_from_output", "update")
+        timer._wrap_method(core.scheduler, "update_from_async_output", "update")
         timer._wrap_method(core.runner, "prepare", "prepare")
         core.runner.model = _TimedCall(core.runner.model, timer, "forward")
         core.runner.sampler = _TimedCall(core.runner.sampler, timer, "sample")

@@ -76,6 +76,11 @@ def kv_state(core) -> dict:
             "cached": {k: b.parent_key for k, b in core.kv.pool.cached.items()}}
 
 
+def async_state(core) -> dict:
+    return {"async_scheduling": core.async_scheduling, "num_async_steps": core.num_async_steps,
+            "num_sync_steps": core.num_sync_steps, "in_flight": len(core._in_flight)}
+
+
 def exit_now(core, code: int = 1) -> None:
     """The core process dies on the spot (no cleanup): what a segfault or the OOM killer does."""
     import os
