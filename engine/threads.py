@@ -97,21 +97,26 @@ def plan_threads(omp_threads: int | None = None, frontend_cores: int | str | Non
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
-def core_environment(plan: ThreadPlan | None, env: dict | None = None) -> dict[str, str]:
-    """The environment the core process starts with: the caller's, plus its thread count and
-    ``OMP_WAIT_POLICY=PASSIVE`` unless the caller set a wait policy itself.
+# How long an OpenMP thread that reaches a barrier first spins before it sleeps (libgomp's default:
+# 300,000 iterations).
+SPIN_COUNT = 100_000
 
-    Why passive: by default an OpenMP thread that reaches a barrier first spins for a while. On a
-    host where the core's threads are not alone on their CPUs (the API process on the same cores,
-    other pods on the node, a CFS quota), a spinning thread burns the time slice that the thread it
-    waits for needs, and every one of the hundreds of parallel regions in a forward pays for it:
-    measured on the 2-CPU development machine with two other busy processes, a decode step of 16
-    took 2190 ms spinning and 240 ms passive (docs/engine.md has the numbers, alone too)."""
+
+def core_environment(plan: ThreadPlan | None, env: dict | None = None) -> dict[str, str]:
+    """The environment the core process starts with: the caller's, plus its thread count and a
+    shorter OpenMP spin (``GOMP_SPINCOUNT``) unless the caller chose a wait policy itself.
+
+    Why: a thread that reaches a barrier first spins. Where the core's threads are not alone on
+    their CPUs (the API process on the same cores, other pods on the node, a CFS quota), a long
+    spin burns the time slice the awaited thread needs, and each of a forward's hundreds of
+    parallel regions pays for it. Measured on the 2-CPU development machine, decode steps of 16
+    (docs/engine.md): alone, default 78-84 ms, 100k spins 81-88 ms, passive waiting 96-115 ms;
+    beside two busy processes, default 305 ms, 100k spins 178 ms, passive 186 ms."""
     out = dict(os.environ if env is None else env)
     if plan is not None:
         out["OMP_NUM_THREADS"] = str(plan.core_threads)
     if not any(v in out for v in WAIT_POLICY_VARS):
-        out["OMP_WAIT_POLICY"] = "PASSIVE"
+        out["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
     return out
 
 

@@ -108,7 +108,10 @@ def test_mixed_batch_matches_reference(bs, dim, group, dtype):
     backend.target_programs = 64  # as on a small GPU: the few decode rows are split
     rows = [(n, c, t) for (n, c), t in zip(MIXED, tables)]
     meta = backend.build_metadata(rows, None, [], [])
-    assert meta.num_decodes == 4 and meta.num_splits > 1  # the long decode rows take the split path
+    assert meta.num_decodes == 4
+    # The long decode rows take the split path. Whether the heuristic splits these short contexts
+    # depends on the key tile (larger when compiled for a GPU): force two ranges where it does not.
+    meta.num_splits = max(meta.num_splits, 2)
     assert meta.num_tiles == sum(-(-n // backend.block_q) for n, _ in MIXED if n > 1)
     scale = dim ** -0.5
     got = backend.forward(q, None, None, k_cache, v_cache, meta, scale)

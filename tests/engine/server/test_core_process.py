@@ -80,15 +80,15 @@ def test_thread_plan():
     assert plan_threads(None, "auto", list(range(16)), env={}, cpu_limit=None).core_threads == 15
 
 
-def test_core_environment_waits_passively_unless_told_otherwise():
+def test_core_environment_shortens_the_openmp_spin_unless_told_otherwise():
     from kvmesh.engine.threads import core_environment
 
     plan = plan_threads(None, "auto", [0, 1], env={})
     env = core_environment(plan, {"PATH": "/bin"})
-    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "100000"}
     for user_choice in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}, {"KMP_BLOCKTIME": "1"}):
         assert core_environment(plan, user_choice) == {**user_choice, "OMP_NUM_THREADS": "2"}
-    assert core_environment(None, {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert core_environment(None, {}) == {"GOMP_SPINCOUNT": "100000"}
 
 
 def test_cgroup_cpu_limit(tmp_path):
@@ -151,9 +151,9 @@ def _strip(body: dict) -> dict:
 def test_the_thread_mode_serves_and_agrees_with_the_process_mode(thread_server, proc_server):
     assert thread_server.state.engine.mode == "thread" and proc_server.state.engine.mode == "process"
     assert proc_server.state.engine.process.pid != os.getpid()
-    # libgomp reads its wait policy when torch loads: it must be in the core's environment from the start
+    # libgomp reads its spin count when torch loads: it must be in the core's environment from the start
     environ = open(f"/proc/{proc_server.state.engine.process.pid}/environ", "rb").read().split(b"\0")
-    assert b"OMP_WAIT_POLICY=PASSIVE" in environ or "OMP_WAIT_POLICY" in os.environ
+    assert b"GOMP_SPINCOUNT=100000" in environ or "GOMP_SPINCOUNT" in os.environ
     for body in REQUESTS:
         a = httpx.post(thread_server.url + "/v1/completions", json=body, timeout=60)
         b = httpx.post(proc_server.url + "/v1/completions", json=body, timeout=60)
