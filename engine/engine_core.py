@@ -87,6 +87,15 @@ class _InFlight:
     rng: dict = field(default_factory=dict)  # seeded requests' generator states before it sampled
 
 
+def _wait(batch: _InFlight) -> None:
+    """Until the step thread is done with a step whose results are discarded anyway."""
+    if batch.future is not None:
+        try:
+            batch.future.result()
+        except Exception:  # noqa: BLE001 - discarded
+            pass
+
+
 def needs_sync(request: Request) -> bool:
     """Whether a request's next step must see its previous token on the host, so that it cannot be
     scheduled before that token is applied (async scheduling drains the pipeline and takes a
@@ -360,8 +369,7 @@ class EngineCore:
             while self._in_flight:
                 self._revert(self._in_flight.pop())
             # Requests that ended meanwhile are not run again.
-            live = [r for r in sched.requests if self.scheduler.requests.get(r.request_id) is r
-                    and r.num_preemptions == sched.epochs[r.request_id]]
+            live = self._live(sched)
             for r in sched.requests:
                 if r not in live:
                     del sched.num_scheduled_tokens[r.request_id]
@@ -377,6 +385,11 @@ class EngineCore:
                                      self.scheduler.update_from_async_output(sched, sampled)))
         return outputs
 
+    def _live(self, sched: SchedulerOutput) -> list[Request]:
+        """The step's requests that are still the same requests: not ended, not preempted since."""
+        return [r for r in sched.requests if self.scheduler.requests.get(r.request_id) is r
+                and r.num_preemptions == sched.epochs[r.request_id]]
+
     def _release(self, batch: _InFlight) -> None:
         self.scheduler.release(batch.sched, batch.request_ids)
         for rid in batch.request_ids:
@@ -387,14 +400,9 @@ class EngineCore:
         """Undo a dispatched step that will not be applied: wait until the step thread is done with
         it, take back its seeded draws, drop from the prefix cache the blocks it wrote, and put
         its requests' progress back (scheduler.unschedule)."""
-        if batch.future is not None:
-            try:
-                batch.future.result()
-            except Exception:  # noqa: BLE001 - discarded anyway
-                pass
+        _wait(batch)
         sched = batch.sched
-        live = [r for r in sched.requests if self.scheduler.requests.get(r.request_id) is r
-                and r.num_preemptions == sched.epochs[r.request_id]]
+        live = self._live(sched)
         self.runner.sampler.rollback(batch.rng, live)
         for req in live:
             rid = req.request_id
@@ -409,11 +417,7 @@ class EngineCore:
         which then aborts every request)."""
         while self._in_flight:
             batch = self._in_flight.pop()
-            if batch.future is not None:
-                try:
-                    batch.future.result()
-                except Exception:  # noqa: BLE001
-                    pass
+            _wait(batch)
             self._release(batch)
         self.scheduler.release_all()
 

@@ -80,13 +80,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+        self._remove(request)
         request.status = status
         self._free(request)
         return request
@@ -289,10 +283,7 @@ class Scheduler:
         status = request.check_stop()
         if status is None:
             return False
-        self.requests.pop(request.request_id)
-        self._remove(request)
-        request.status = status
-        self._free(request)
+        self.finish_request(request.request_id, status)
         return True
 
     def update_from_async_output(self, out: SchedulerOutput,
