@@ -56,6 +56,11 @@ def hf_greedy(model_dir, dtype, prompts, max_new_tokens, attn_implementation="sd
     return outs, logits
 
 
+def first_divergence(got: list[int], expected: list[int]) -> int:
+    """The number of tokens the two agree on before they first differ (all of them if never)."""
+    return next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), len(expected))
+
+
 def divergence_gaps(got, expected, logits) -> list[tuple[int, int, float]]:
     """(prompt, position, gap) at each prompt's first divergence: how far below transformers' best
     logit the engine's token scored there. Both agree on every token before it, so transformers'
@@ -63,8 +68,8 @@ def divergence_gaps(got, expected, logits) -> list[tuple[int, int, float]]:
     rounding (a near-tie) says the two computed the same thing; a larger one, a real difference."""
     gaps = []
     for i, (g, e) in enumerate(zip(got, expected)):
-        n = next((j for j, (a, b) in enumerate(zip(g, e)) if a != b), None)
-        if n is not None:
+        n = first_divergence(g, e)
+        if n < len(e):
             row = logits[i][n]
             gaps.append((i, n, float(row[e[n]] - row[g[n]])))
     return gaps
@@ -106,10 +111,7 @@ def main(argv=None) -> int:
                       gpu_memory_utilization=0.5, max_num_seqs=16, async_scheduling=async_scheduling)
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
             same = sum(g == e for g, e in zip(got, expected))
-            prefix = []
-            for g, e in zip(got, expected):
-                n = next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), len(e))
-                prefix.append(n)
+            prefix = [first_divergence(g, e) for g, e in zip(got, expected)]
             mode = ("eager" if eager else "cuda-graphs") + (" async" if async_scheduling else " sync")
             gaps = divergence_gaps(got, expected, hf_logits)
             worst = max((gap for _, _, gap in gaps), default=0.0)

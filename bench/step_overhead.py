@@ -42,30 +42,12 @@ def main() -> None:
 
     import msgspec
 
-    from kvmesh.engine.config import EngineArgs
-    from kvmesh.engine.core_proc import CoreLoop, StepOutputs
-    from kvmesh.engine.engine_core import EngineCore
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.engine.core_proc import StepOutputs
     from kvmesh.engine.step_timing import PHASES, overhead_per_step
 
-    total_len = args.prompt_len + args.warmup_steps + args.steps + 8
-    blocks_per_seq = -(-total_len // 16)
-    core = EngineCore(EngineArgs(model=args.model, num_kv_blocks=args.batch * blocks_per_seq + 16,
-                                 max_num_seqs=args.batch, max_model_len=max(total_len + 16, 256),
-                                 max_num_batched_tokens=max(2048, args.prompt_len), dtype="float32"))
-    loop = CoreLoop(core)
+    loop = _decode_engine(args, None, args.steps)  # None: the engine's default for its device
+    core = loop.core
     encoder = msgspec.msgpack.Encoder()
-    rng = random.Random(args.seed)
-    vocab = core.model_config.vocab_size
-    params = SamplingParams(max_tokens=args.warmup_steps + args.steps + 4, temperature=0.0, ignore_eos=True)
-    for i in range(args.batch):
-        loop.add(f"r{i}", [rng.randrange(0, vocab) for _ in range(args.prompt_len)], params)
-
-    # prefill every prompt, then a few decode steps to warm up
-    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
-        loop.step()
-    for _ in range(args.warmup_steps):
-        loop.step()
     timer = loop.timer
     for key in timer.totals:
         timer.totals[key] = 0.0
@@ -98,10 +80,8 @@ def main() -> None:
           f"{1000 * per['overhead'] / per['batch']:.1f} us per sequence)")
 
 
-def _decode_engine(args, async_scheduling: bool, total_steps: int):
+def _decode_engine(args, async_scheduling: bool | None, total_steps: int):
     """A CoreLoop whose --batch requests have finished their prompts and a few warm-up steps."""
-    import random
-
     from kvmesh.engine.config import EngineArgs
     from kvmesh.engine.core_proc import CoreLoop
     from kvmesh.engine.engine_core import EngineCore

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from tests.engine.server.conftest import ThreadServer, wait_for
-from tests.engine.server.test_core_process import HOOKS, MODEL, REQUESTS, _strip
+from tests.engine.server.test_core_process import HOOKS, MODEL, REQUESTS, _strip, assert_same_answers
 
 
 def _server(tiny_model: str, mode: str, flag: str) -> ThreadServer:
@@ -34,12 +34,9 @@ def _kv_state(srv):
 
 
 def test_async_server_answers_as_the_sync_one(async_server, sync_server):
-    for body in REQUESTS + [{"prompt": "Once upon", "max_tokens": 10, "temperature": 0, "min_tokens": 4,
-                             "frequency_penalty": 0.5}]:
-        a = httpx.post(async_server.url + "/v1/completions", json=body, timeout=60)
-        b = httpx.post(sync_server.url + "/v1/completions", json=body, timeout=60)
-        assert a.status_code == b.status_code == 200, (a.text, b.text)
-        assert _strip(a.json()) == _strip(b.json()), body
+    assert_same_answers(async_server.url, sync_server.url,
+                        REQUESTS + [{"prompt": "Once upon", "max_tokens": 10, "temperature": 0, "min_tokens": 4,
+                                     "frequency_penalty": 0.5}])
     text = httpx.post(async_server.url + "/v1/completions", json=REQUESTS[0], timeout=60).json()["choices"][0]["text"]
     stop = text.strip()[:3]
     body = {**REQUESTS[0], "stop": [stop]}

@@ -148,17 +148,22 @@ def _strip(body: dict) -> dict:
     return {"choices": body["choices"], "usage": body["usage"]}
 
 
+def assert_same_answers(url_a: str, url_b: str, bodies: list[dict]) -> None:
+    """Each completion request answered with 200 and the same choices and usage by both servers."""
+    for body in bodies:
+        a = httpx.post(url_a + "/v1/completions", json=body, timeout=60)
+        b = httpx.post(url_b + "/v1/completions", json=body, timeout=60)
+        assert a.status_code == b.status_code == 200, (a.text, b.text)
+        assert _strip(a.json()) == _strip(b.json()), body
+
+
 def test_the_thread_mode_serves_and_agrees_with_the_process_mode(thread_server, proc_server):
     assert thread_server.state.engine.mode == "thread" and proc_server.state.engine.mode == "process"
     assert proc_server.state.engine.process.pid != os.getpid()
     # libgomp reads its spin count when torch loads: it must be in the core's environment from the start
     environ = open(f"/proc/{proc_server.state.engine.process.pid}/environ", "rb").read().split(b"\0")
     assert b"GOMP_SPINCOUNT=100000" in environ or "GOMP_SPINCOUNT" in os.environ
-    for body in REQUESTS:
-        a = httpx.post(thread_server.url + "/v1/completions", json=body, timeout=60)
-        b = httpx.post(proc_server.url + "/v1/completions", json=body, timeout=60)
-        assert a.status_code == b.status_code == 200, (a.text, b.text)
-        assert _strip(a.json()) == _strip(b.json()), body
+    assert_same_answers(thread_server.url, proc_server.url, REQUESTS)
     # a stop string (API side) ends the request in the core too: its blocks are freed
     text = httpx.post(proc_server.url + "/v1/completions", json=REQUESTS[0], timeout=60).json()["choices"][0]["text"]
     stop = text.strip()[:3]
