@@ -1,9 +1,13 @@
 """Turn logits into tokens: penalties, greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
-Filters are applied row-wise in one vectorised pass. Random rows sample by the
-exponential race (argmax of p / E, E ~ Exp(1)), whose noise comes from the
-request's own generator when it has a seed: a seeded request draws the same
-tokens whatever else shares its batch.
+Filters are applied row-wise in one vectorised pass. Random rows sample by
+inversion (one uniform per row against the row's cumulative distribution: the
+first token whose cumulative probability exceeds it), whose uniform comes from
+the request's own generator when it has a seed: a seeded request draws the same
+tokens whatever else shares its batch. Inversion draws one random number per
+row where the exponential race (argmax of p / E) draws one per vocabulary entry:
+on a CPU that race cost 1.5 ms a row at a 49k vocabulary, as much as 7% of a
+small batch's decode step.
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ class TokenLogprobs:
     logprob: float
     rank: int  # 1 = most likely
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+def sample_by_inversion(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first index whose cumulative probability exceeds ``uniform[i]`` (in [0, 1))
+    times the row's total (rows need not be normalised). A zero-probability token is never chosen:
+    the cumulative sum does not rise at it. Summed in float64, so the rounding over a large
+    vocabulary stays far below any probability that matters."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    target = uniform.to(torch.float64)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int], chunk: int = 256
@@ -126,13 +140,22 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
         probs = self.probs(logits, requests)
-        noise = torch.empty_like(probs)
-        for i, req in enumerate(requests):
-            if not greedy[i]:
-                noise[i].exponential_(generator=self._generator_for(req))
-            else:
-                noise[i].fill_(1.0)
-        return (probs / noise).argmax(dim=-1)
+        return sample_by_inversion(probs, self.uniforms([r for r, g in zip(requests, greedy) if not g],
+                                                        [not g for g in greedy], probs.device))
+
+    def uniforms(self, requests: list[Request], rows: list[bool], device) -> torch.Tensor:
+        """One uniform per row (0 where ``rows`` is False); the True rows take ``requests`` in order,
+        each from its request's generator. Unseeded rows share one draw from the engine's."""
+        out = torch.zeros(len(rows), device=device)
+        at = [i for i, want in enumerate(rows) if want]
+        shared = [i for i, r in zip(at, requests) if r.sampling_params.seed is None]
+        if shared:
+            out[to_device(shared, torch.long, device)] = torch.rand(len(shared), generator=self.generator,
+                                                                    device=device)
+        for i, r in zip(at, requests):
+            if r.sampling_params.seed is not None:
+                out[i:i + 1].uniform_(generator=self._generator_for(r))
+        return out
 
     def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The distribution each row samples from: temperature, top-k, top-p, min-p applied."""

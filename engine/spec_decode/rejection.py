@@ -14,7 +14,8 @@ drafts before it as output, min_tokens counts them too (``_RowView``).
   are accepted, emit a sample of ``p_k`` (the bonus). Each emitted token is then distributed
   exactly as ``p_j``: P(d) = p(d), P(x != d) = (1 - p(d)) p(x) / (1 - p(d)).
 
-Noise comes from the request's own generator when it has a seed (as in the sampler).
+Randomness comes from the request's own generator when it has a seed (as in the sampler): k + 1
+uniforms to accept or reject by, then one to sample the emitted row by inversion.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.engine.request import Request
-from kvmesh.engine.sampler import Sampler, TokenLogprobs, token_logprobs
+from kvmesh.engine.penalties import to_device
+from kvmesh.engine.sampler import Sampler, TokenLogprobs, sample_by_inversion, token_logprobs
 
 
 class _RowView:
@@ -74,7 +76,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], draf
     target = logits.argmax(dim=-1).tolist()
 
     random_reqs = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-    sampled: dict[int, tuple[list[bool], list[int]]] = {}
+    sampled: dict[int, tuple[int, int]] = {}  # request index -> (accepted drafts m, the token after them)
     if random_reqs:
         rows = [offsets[i] + j for i in random_reqs for j in range(len(drafts[i]) + 1)]
         probs = sampler.probs(logits[rows], [views[r] for r in rows])  # type: ignore[arg-type]
@@ -84,25 +86,31 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], draf
                                 device=probs.device)
         p_draft = probs.gather(1, draft_tok[:, None])[:, 0]
         uniform = torch.empty(len(rows), device=probs.device)
-        noise = torch.empty_like(probs)
         at = 0
-        for i in random_reqs:  # one generator per request: k + 1 uniforms, then k + 1 noise rows
-            gen = sampler._generator_for(requests[i])
+        for i in random_reqs:  # one generator per request: k + 1 uniforms to accept or reject by
             n = len(drafts[i]) + 1
-            uniform[at:at + n].uniform_(generator=gen)
-            noise[at:at + n].exponential_(generator=gen)
+            uniform[at:at + n].uniform_(generator=sampler._generator_for(requests[i]))
             at += n
-        accept = (uniform < p_draft) & is_draft
-        # The residual: the draft's own probability zeroed (the bonus row keeps its distribution).
-        residual = probs.masked_fill(
-            torch.zeros_like(probs, dtype=torch.bool).scatter_(1, draft_tok[:, None], is_draft[:, None]), 0.0)
-        chosen = (residual / noise).argmax(dim=-1).tolist()
-        accept_list = accept.tolist()
-        at = 0
+        accept_list = ((uniform < p_draft) & is_draft).tolist()
+        # Each request's first rejected row (or its bonus row), and that row's residual: the
+        # draft's own probability zeroed (the bonus row keeps its distribution).
+        at, first_rejected, accepted = 0, [], []
         for i in random_reqs:
             n = len(drafts[i]) + 1
-            sampled[i] = (accept_list[at:at + n], chosen[at:at + n])
+            m = 0
+            while m < n - 1 and accept_list[at + m]:
+                m += 1
+            accepted.append(m)
+            first_rejected.append(at + m)
             at += n
+        picked = to_device(first_rejected, torch.long, probs.device)
+        residual = probs[picked].scatter_(1, draft_tok[picked][:, None],
+                                          torch.where(is_draft[picked], 0.0, p_draft[picked])[:, None])
+        # Then one more uniform per request (from its generator), for the token after the accepted drafts.
+        chosen = sample_by_inversion(residual, sampler.uniforms([requests[i] for i in random_reqs],
+                                                                [True] * len(random_reqs), probs.device)).tolist()
+        for i, m, c in zip(random_reqs, accepted, chosen):
+            sampled[i] = (m, c)
 
     results: list[Verified] = []
     wanted_rows: list[int] = []
@@ -112,11 +120,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], draf
     for i, (req, d) in enumerate(zip(requests, drafts)):
         k, base = len(d), offsets[i]
         if i in sampled:
-            accept, chosen = sampled[i]
-            m = 0
-            while m < k and accept[m]:
-                m += 1
-            tokens = d[:m] + [chosen[m]]
+            m, after = sampled[i]
+            tokens = d[:m] + [after]
         else:
             m = 0
             while m < k and target[base + m] == d[m]:
