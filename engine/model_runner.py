@@ -193,6 +193,13 @@ class ModelRunner:
                 decode_idx.append(offset)
                 decode_tables.append(table[:cdiv(start + 1, bs)])
                 decode_ctx.append(start + 1)
+            elif num_drafts > 0 and start == known - 1:  # one spec row per position, as above
+                # Drafts under verification: each row is a decode over the context up to itself
+                # (the rows' K/V are stored before attention). The decode kernel does a handful
+                # of query rows far cheaper than the prefill kernel, which is made for chunks.
+                decode_idx.extend(range(offset, offset + n))
+                decode_tables.extend(spec_tables[-n:])
+                decode_ctx.extend(spec_ctx[-n:])
             elif self.cpu_prefill_attention:
                 prefill_rows.append((offset, n, start))
                 prefill_tables.append(table[:cdiv(start + n, bs)])
