@@ -11,13 +11,17 @@ Workloads (issue 15), 128 output tokens, the built-in model:
 Concurrency 1, 4 and 64 (closed loop: that many requests in flight until the wave is done).
 
 Per configuration: median TPOT over requests ((t_last - t_first) / (tokens - 1)), plain vs
-speculative engine (each wave in a fresh process: its own LLMEngine, loaded and warmed up), in wall
-time and in this process's CPU time (all threads: robust to other people's load on a shared
-machine, which stretches wall time; the target verdict uses it), the ratio plain/spec (> 1:
-speculation is faster) against the issue's target, and the acceptance rate (accepted / draft
-tokens) with the number of drafts. `--repeats R` runs each configuration R times on new prompts,
-the engines' order alternating, and the verdict takes the median of the repetitions' ratios:
-identical runs of one wave differ by several percent here, more than a 0.97x target allows.
+speculative engine, in wall time and in the engine process's CPU time (all threads: robust to
+other people's load on a shared machine, which stretches wall time; the target verdict uses it),
+the ratio plain/spec (> 1: speculation is faster) against the issue's target, and the acceptance
+rate (accepted / draft tokens) with the number of drafts.
+
+Noise: this machine's speed drifts by several percent over minutes, and one engine process can
+run a few percent faster than another on identical work. So each configuration runs `--repeats`
+wave pairs on new prompts: the plain and the speculative engine each live in a worker process,
+their waves alternate (seconds apart, the order alternating), a pair of workers serves
+`--waves-per-process` pairs before new ones start, and the verdict takes the median of the pairs'
+CPU-time ratios. The line ends with the total wall time of each engine's waves.
 """
 
 from __future__ import annotations
@@ -71,7 +75,14 @@ def run_wave(engine, prompts: list[list[int]], concurrency: int, max_tokens: int
              ) -> tuple[list[float], list[float]]:
     """Closed loop at `concurrency`; each request's TPOT (seconds), in wall time and in this
     process's CPU time (all threads). On a shared machine the CPU-time TPOT is the steadier
-    measure: other people's processes stretch wall time, not the work this process does."""
+    measure: other people's processes stretch wall time, not the work this process does.
+
+    The first `concurrency` requests start staggered, one every max_tokens / concurrency steps,
+    as requests arrive in a served system. Started together, requests of one length finish
+    together and the plain engine prefills their successors together, between decodes, where
+    TPOT never sees it; a speculating engine's requests finish at different steps, so each
+    successor's prefill (1.2 s for 300 tokens here) lands inside the others' decodes. That
+    lockstep alone read as 0.91x at concurrency 4 (sampled), drafts costing ~1% of it."""
     from kvmesh.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
@@ -79,12 +90,15 @@ def run_wave(engine, prompts: list[list[int]], concurrency: int, max_tokens: int
     first: dict[str, tuple[float, float]] = {}
     wall_tpots: list[float] = []
     cpu_tpots: list[float] = []
-    in_flight = 0
+    in_flight = started = steps = 0
+    stagger = max(1, max_tokens // concurrency)
     while todo or in_flight:
-        while todo and in_flight < concurrency:
+        while todo and in_flight < concurrency and (started >= concurrency or steps >= started * stagger):
             engine.add_request(todo.pop(0), params)
             in_flight += 1
+            started += 1
         outs = engine.step()
+        steps += 1
         now, cpu = time.perf_counter(), time.process_time()
         for o in outs:
             if o.delta_token_ids and o.request_id not in first:
@@ -103,30 +117,48 @@ def spec_counts(engine) -> tuple[int, int, int]:
     return (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) if s else (0, 0, 0)
 
 
+_ENGINE = None  # in a wave worker process: its one engine, built by its first wave
+
+
 def wave(engine_kwargs: dict, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float):
-    """One engine, one wave: (wall TPOTs, CPU TPOTs, wall seconds, spec counts). Run in a fresh
-    process each time: two engines in one process measured up to 5% apart on identical work
-    (where each one's weights and cache landed in memory), an order effect larger than the
-    0.97x target can tell from."""
+    """One wave on this worker process's engine: (wall TPOTs, CPU TPOTs, wall seconds, the wave's
+    spec counts). The engine is built (and warmed up) by the worker's first wave."""
+    global _ENGINE
     from kvmesh.engine import EngineArgs, SamplingParams
     from kvmesh.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineArgs(**engine_kwargs))
-    engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
-    while engine.has_unfinished_requests():
-        engine.step()
+    if _ENGINE is None:
+        _ENGINE = LLMEngine(EngineArgs(**engine_kwargs))
+        _ENGINE.add_request(list(range(100, 164)), SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+        while _ENGINE.has_unfinished_requests():
+            _ENGINE.step()
+    before = spec_counts(_ENGINE)
     t0 = time.perf_counter()
-    wall_tpots, cpu_tpots = run_wave(engine, prompts, concurrency, max_tokens, temperature)
-    return wall_tpots, cpu_tpots, time.perf_counter() - t0, list(spec_counts(engine))
+    wall_tpots, cpu_tpots = run_wave(_ENGINE, prompts, concurrency, max_tokens, temperature)
+    return (wall_tpots, cpu_tpots, time.perf_counter() - t0,
+            [a - b for a, b in zip(spec_counts(_ENGINE), before)])
 
 
-def in_fresh_process(fn, *args):
-    """fn(*args) in a new interpreter (spawned, not forked), which exits afterwards."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+class WavePair:
+    """Two fresh worker processes (spawned, not forked), one engine each, plain and speculative.
+    Waves alternate between them, so each pair of waves runs seconds apart: this machine's speed
+    drifts by several percent over minutes, more than the 0.97x target can tell from. Fresh
+    processes per pair, because two engines measured up to 5% apart on identical work depending on
+    where their weights and cache landed in memory: new processes draw that anew."""
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
+    def __init__(self):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("spawn")
+        self.pools = {mode: ProcessPoolExecutor(max_workers=1, mp_context=ctx) for mode in ("off", "on")}
+
+    def run(self, mode: str, *args):
+        return self.pools[mode].submit(wave, *args).result()
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.shutdown()
 
 
 def main() -> int:
@@ -139,8 +171,10 @@ def main() -> int:
                                                     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--order", default="off,on", help="which engine runs first (alternating with repetitions)")
-    ap.add_argument("--repeats", type=int, default=5,
-                    help="repetitions of each configuration, new prompts each, the order alternating")
+    ap.add_argument("--repeats", type=int, default=8,
+                    help="wave pairs per configuration, new prompts each, the order alternating")
+    ap.add_argument("--waves-per-process", type=int, default=4,
+                    help="wave pairs run by one pair of worker processes before new ones start")
     ap.add_argument("--num-requests", type=int, default=None, help="per configuration (default: max(c, 2))")
     args = ap.parse_args()
 
@@ -156,20 +190,27 @@ def main() -> int:
     tokenizer, vocab = KVMeshTokenizer(model_dir), ModelConfig.from_dir(model_dir).vocab_size
     print(f"model {args.model}, {args.max_tokens} output tokens; speculative_config {spec_cfg} "
           f"(disable_by_batch_size {SpeculativeConfig.parse(spec_cfg).disable_by_batch_size}); "
-          f"each wave in a fresh process", flush=True)
+          f"{args.repeats} wave pairs per configuration, {args.waves_per_process} per pair of worker processes",
+          flush=True)
     seed = 0
     for workload in args.workloads.split(","):
         for c in [int(x) for x in args.concurrency.split(",")]:
             n = args.num_requests or max(c, 2)
             order = args.order.split(",")
-            reps = []  # per repetition: {mode: (wall TPOTs, CPU TPOTs, wall s, spec counts)}
+            reps = []  # per wave pair: {mode: (wall TPOTs, CPU TPOTs, wall s, spec counts)}
+            pair = None
             for rep in range(args.repeats):
+                if rep % args.waves_per_process == 0:
+                    if pair is not None:
+                        pair.close()
+                    pair = WavePair()
                 seed += 1  # new prompts each repetition: neither engine has them cached
                 prompts = (copy_prompts(tokenizer, n, seed) if workload == "copy"
                            else random_prompts(n, seed, vocab))
-                reps.append({mode: in_fresh_process(wave, engine_kwargs[mode], prompts, c, args.max_tokens,
-                                                    WORKLOAD_TEMPERATURE[workload])
+                reps.append({mode: pair.run(mode, engine_kwargs[mode], prompts, c, args.max_tokens,
+                                            WORKLOAD_TEMPERATURE[workload])
                              for mode in (order if rep % 2 == 0 else order[::-1])})  # alternate who goes first
+            pair.close()
             report(workload, c, n, reps)
     return 0
 
