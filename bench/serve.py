@@ -25,6 +25,8 @@ Modes:
       /work/shared/bench/vllm_anchor.sh (--vllm-anchor; `vllm_anchor.sh setup` first); a URL uses a
       vLLM server already running there. --kvmesh-url uses a running kvmesh server instead of
       starting one; --kvmesh-flags adds flags to the one started (e.g. "--engine-mode thread").
+      Then the engine alone (LLMEngine in a fresh process, the server's thread settings) on the same
+      requests at the same concurrency: the server's share of it (target >= 95%; --skip-offline).
 """
 
 from __future__ import annotations
@@ -274,6 +276,52 @@ def run_offline_api(model: str, reqs: list[Req], engine_kwargs: dict) -> tuple[f
     return elapsed, sum(len(o.token_ids) for o in outs), sum(len(r.prompt) for r in reqs)
 
 
+def offline_closed_loop(model: str, dtype: str, prompts: list[list[int]], max_tokens: list[int],
+                        concurrency: int) -> tuple[float, int, int]:
+    """The engine alone (LLMEngine, no HTTP, no core process) on the same requests at the same
+    concurrency, closed loop: (seconds, prompt tokens, output tokens). The yardstick for the
+    serving path's own cost (issue 14: the server keeps >= 95% of it)."""
+    from kvmesh.engine import EngineArgs, SamplingParams
+    from kvmesh.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=model, dtype=dtype))
+    engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    while engine.has_unfinished_requests():
+        engine.step()
+    todo = list(zip(prompts, max_tokens))
+    in_flight, out_tokens = 0, 0
+    start = time.perf_counter()
+    while todo or in_flight:
+        while todo and in_flight < concurrency:
+            prompt, n = todo.pop(0)
+            engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            in_flight += 1
+        for o in engine.step():
+            if o.finished:
+                in_flight -= 1
+                out_tokens += len(o.token_ids)
+    return time.perf_counter() - start, sum(len(p) for p in prompts), out_tokens
+
+
+def offline_like_the_server(model: str, dtype: str, reqs: list[Req], concurrency: int) -> tuple[float, int, int]:
+    """offline_closed_loop in a fresh process with the environment `kvmesh serve` gives its engine
+    core (thread count, OpenMP spin: engine/threads.py), so the two differ only by the serving path."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from kvmesh.engine.threads import core_environment, plan_threads
+
+    saved = dict(os.environ)
+    os.environ.update(core_environment(plan_threads()))  # a spawned child takes os.environ as it starts
+    try:
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(offline_closed_loop, model, dtype, [r.prompt for r in reqs],
+                               [r.max_tokens for r in reqs], concurrency).result()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def compare(args) -> int:
     from kvmesh.engine.builtin import resolve_model_dir
     from kvmesh.engine.config import ModelConfig
@@ -429,6 +477,12 @@ def compare_vllm(args) -> int:
         flags = ["--served-model-name", name, "--dtype", args.dtype, *args.kvmesh_flags.split()]
         with LocalServer(args.model, flags, logs / "kvmesh-serve.log") as srv:
             results["kvmesh"] = _bench_server("kvmesh serve", srv.url, name, workloads, vocab)
+    offline = {}
+    if not args.skip_offline:
+        for wname, reqs, conc in workloads:
+            print(f"  [offline engine, same requests and concurrency: {wname[:24]}] running", flush=True)
+            elapsed, in_tok, out_tok = offline_like_the_server(args.model, args.dtype, reqs, conc)
+            offline[wname] = (in_tok + out_tok) / elapsed
     print("\n== kvmesh serve vs vllm serve (same machine, same run, same client; "
           "targets: >= 2.0x total tok/s, <= 0.5x TTFT p50)")
     print(f"   {'workload':<58} {'metric':<14} {'vllm':>10} {'kvmesh':>10} {'ratio':>7}")
@@ -440,6 +494,10 @@ def compare_vllm(args) -> int:
         for metric, a, b, scale in rows:
             ratio = b / a if a else float("nan")
             print(f"   {wname[:58]:<58} {metric:<14} {scale * a:10.1f} {scale * b:10.1f} {ratio:6.2f}x")
+        if wname in offline:
+            share = k["total_tok_s"] / offline[wname]
+            print(f"   {wname[:58]:<58} {'offline tok/s':<14} {'':>10} {offline[wname]:10.1f} "
+                  f"server keeps {100 * share:.1f}% (target >= 95%)")
         if v["failed"] or k["failed"]:
             print(f"   (failed requests: vllm {v['failed']}, kvmesh {k['failed']})")
     return 0
