@@ -49,8 +49,15 @@ class ModelRunner:
         load_weights(model, model_dir, dtype)
         from kvmesh.engine.kernels import onednn_linear
 
+        backend_name = attention_backends.choose(attention_backend, device)
         if onednn_linear.available(device, dtype):
-            log.debug("prepacked %d linear layers for oneDNN", model.use_onednn(batch_hint))
+            panel_ops = None  # decode-size inputs on the compiled panel kernel (fp32, CPU kernels built)
+            if backend_name == "cpu" and onednn_linear.panels_enabled(dtype):
+                from kvmesh.engine.kernels import cpu as cpu_kernels
+
+                panel_ops = cpu_kernels.load()
+            log.debug("prepacked %d linear layers for oneDNN%s", model.use_onednn(batch_hint, panel_ops),
+                      " and panels" if panel_ops is not None else "")
         self.model = model.eval()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.allocate_kv_cache(num_blocks)
@@ -58,8 +65,7 @@ class ModelRunner:
         self.cpu_ops = None  # the compiled CPU kernels (kernels/cpu.py), when they build
         self.cpu_prefill_attention = False  # whether they cover this model's prefill attention
         self.graphs = None  # the CUDA graphs of decode steps (cuda_graphs.py), once captured
-        self.backend = attention_backends.create(attention_backends.choose(attention_backend, device),
-                                                 config, block_size, device)
+        self.backend = attention_backends.create(backend_name, config, block_size, device)
         log.info("attention backend: %s", self.backend.name)
         if device.type == "cpu":
             from kvmesh.engine.kernels.malloc_tuning import tune_malloc

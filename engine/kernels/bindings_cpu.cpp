@@ -1,5 +1,6 @@
 // The CPU extension module: decode attention (paged_attention_cpu.cpp), prefill
-// attention (prefill_attention_cpu.cpp) and the fused elementwise ops (fused_ops_cpu.cpp).
+// attention (prefill_attention_cpu.cpp), the fused elementwise ops (fused_ops_cpu.cpp) and the
+// decode-size linear layers over panel-packed weights (panel_linear_cpu.cpp).
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -14,6 +15,9 @@ bool prefill_attention_supported(c10::ScalarType dtype, int64_t head_dim, int64_
 void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor seqs, torch::Tensor block_tables, double scale);
 
+torch::Tensor pack_panels(torch::Tensor w);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight");
@@ -26,4 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of the step's prefill rows over the paged KV cache (written into out)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("pack_panels", &pack_panels, "an fp32 weight [N, K] as panels of 16 output features [ceil(N/16), K, 16]");
+  m.def("panel_linear", &panel_linear, "x @ w.T (+ bias) over panel-packed weights (decode-size row counts)",
+        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"), pybind11::arg("bias") = pybind11::none());
 }

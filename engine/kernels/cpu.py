@@ -1,6 +1,7 @@
 """The CPU kernels, compiled once on first use (C++, torch extension): decode and
-prefill attention over the paged cache and the fused elementwise ops (RMSNorm with the
-residual add, RoPE on q/k in place, SiLU-and-mul).
+prefill attention over the paged cache, the fused elementwise ops (RMSNorm with the
+residual add, RoPE on q/k in place, SiLU-and-mul), and linear layers over panel-packed
+weights for decode-size batches (onednn_linear.py uses them).
 
 Builds with the system compiler into torch's extension cache: ahead of time with
 ``kvmesh build-kernels`` (``make setup`` runs it), else on the first engine start. One
@@ -18,7 +19,8 @@ import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-_SOURCE_FILES = ("bindings_cpu.cpp", "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "fused_ops_cpu.cpp")
+_SOURCE_FILES = ("bindings_cpu.cpp", "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "fused_ops_cpu.cpp",
+                 "panel_linear_cpu.cpp")
 _HEADERS = ("avx512_math.h", "work_queue.h")
 _SOURCES = [Path(__file__).with_name(n) for n in _SOURCE_FILES]
 _module = None

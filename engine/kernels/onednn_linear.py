@@ -8,6 +8,12 @@ LM head are swapped for this module.
 
 `KVMESH_ONEDNN=0` keeps plain `F.linear`.
 
+Decode-size inputs (up to PANEL_MAX_ROWS rows) go to the compiled panel kernel instead
+(kernels/panel_linear_cpu.cpp) when the CPU kernels are built and the weights are fp32: it
+streams the weights faster than oneDNN there (1.2-1.5x per layer), while oneDNN's blocking
+wins on prefill chunks. The weights are then held twice (oneDNN's blocked copy and the
+panels); `KVMESH_PANEL_LINEAR=0` keeps oneDNN alone.
+
 The result equals `F.linear` up to fp32 summation order.
 """
 
@@ -30,32 +36,48 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+PANEL_MAX_ROWS = 16  # above this, oneDNN is faster (32 rows: break-even; 64: oneDNN 1.7x)
+
+
+def panels_enabled(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and os.environ.get("KVMESH_PANEL_LINEAR", "1") != "0"
+
+
 def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
 
 
 class OneDNNLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int, panel_ops=None):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.packed = pack_weight(weight, batch_hint)
         self.bias = None if bias is None else bias.detach().clone()
+        # The compiled CPU ops' panel kernel and this weight's panels (decode-size inputs).
+        self.panel_ops = panel_ops if panel_ops is not None and panels_enabled(weight.dtype) else None
+        self.panels = self.panel_ops.pack_panels(weight.detach()) if self.panel_ops is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], "")
+        x2 = x.reshape(-1, shape[-1])
+        if self.panels is not None and x2.shape[0] <= PANEL_MAX_ROWS and x2.dtype == torch.float32:
+            out = self.panel_ops.panel_linear(x2 if x2.stride(1) == 1 else x2.contiguous(), self.panels,
+                                              self.out_features, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return out.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_model(model: nn.Module, batch_hint: int) -> int:
-    """Replace every nn.Linear under `model` in place; returns how many were replaced."""
+def pack_model(model: nn.Module, batch_hint: int, panel_ops=None) -> int:
+    """Replace every nn.Linear under `model` in place; returns how many were replaced. With
+    `panel_ops` (the compiled CPU ops), each also keeps panels for decode-size inputs."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, OneDNNLinear(child.weight, child.bias, batch_hint))
+                setattr(parent, name, OneDNNLinear(child.weight, child.bias, batch_hint, panel_ops))
                 replaced += 1
     return replaced

@@ -211,14 +211,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.attend = backend.forward
 
-    def use_onednn(self, batch_hint: int) -> int:
-        """Swap every projection (and the LM head) for prepacked oneDNN linears; see onednn_linear."""
+    def use_onednn(self, batch_hint: int, panel_ops=None) -> int:
+        """Swap every projection (and the LM head) for prepacked oneDNN linears; with `panel_ops`
+        (the compiled CPU ops) they also run decode-size inputs on panels. See onednn_linear."""
         from kvmesh.engine.kernels.onednn_linear import OneDNNLinear, pack_model
 
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_lm_head = OneDNNLinear(head, None, batch_hint)
+        self.packed_lm_head = OneDNNLinear(head, None, batch_hint, panel_ops)
         self.lm_head = None  # the packed copy replaces it (a tied head keeps the embedding)
-        return pack_model(self.layers, batch_hint) + 1
+        return pack_model(self.layers, batch_hint, panel_ops) + 1
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
         x = self.embed_tokens(input_ids)

@@ -153,3 +153,41 @@ def test_fused_rotary_and_silu_match_torch(kernel, dtype, tol):
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, -30.0, 30.0])  # exp over- and underflow
     gate, up = gate_up.split(40, dim=-1)
     assert torch.allclose(kernel.silu_and_mul(gate_up).float(), (F.silu(gate) * up).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("n, k", [(960, 576), (37, 19), (16, 1), (5, 64)])  # panel tails, a 1-wide input
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_matches_f_linear(kernel, n, k, bias):
+    """Every row count the row-block templates cover (1-16, then a second block), on a strided x."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    panels = kernel.pack_panels(w)
+    assert panels.shape == ((n + 15) // 16, k, 16)
+    for m in [*range(1, 18), 33]:
+        x = torch.randn(m, k + 3)[:, :k]  # rows farther apart than k
+        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        got = kernel.panel_linear(x, panels, n, b)
+        assert got.shape == (m, n)
+        assert torch.allclose(got.double(), ref, atol=1e-4 * k ** 0.5, rtol=1e-5), (m, (got.double() - ref).abs().max())
+
+
+def test_onednn_linear_sends_decode_sizes_to_panels_and_prefill_to_onednn(kernel, monkeypatch):
+    """Up to PANEL_MAX_ROWS rows take the panel kernel, more take oneDNN; both equal F.linear."""
+    from kvmesh.engine.kernels import onednn_linear
+
+    if not onednn_linear.available(torch.device("cpu"), torch.float32):
+        pytest.skip("oneDNN is not available in this torch build")
+    torch.manual_seed(1)
+    w, b = torch.randn(200, 64), torch.randn(200)
+    layer = onednn_linear.OneDNNLinear(w, b, 16, kernel)
+    calls = []
+    real = kernel.panel_linear
+    monkeypatch.setattr(layer, "panel_ops", type("Ops", (), {"panel_linear": staticmethod(
+        lambda *a: calls.append(a[0].shape[0]) or real(*a))})())
+    for m in (1, onednn_linear.PANEL_MAX_ROWS, onednn_linear.PANEL_MAX_ROWS + 1, 100):
+        x = torch.randn(2, m, 64)[1]
+        assert torch.allclose(layer(x), torch.nn.functional.linear(x, w, b), atol=1e-4)
+    assert calls == [1, onednn_linear.PANEL_MAX_ROWS]
+    monkeypatch.setenv("KVMESH_PANEL_LINEAR", "0")
+    assert onednn_linear.OneDNNLinear(w, b, 16, kernel).panels is None
