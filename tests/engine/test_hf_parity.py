@@ -80,6 +80,10 @@ def test_single_request(case):
 
 def test_batched_mixed_lengths(case):
     llm = case.llm()
+    # The CPU fast path is what these tests prove: decode-size rows on the panel kernel, prefill
+    # chunks on oneDNN (kernels/onednn_linear.py).
+    assert llm.engine.core.runner.model.packed_lm_head.panels is not None
+    assert llm.engine.core.runner.model.layers[0].mlp.down_proj.panels is not None
     assert len({len(p) for p in case.prompts}) > 8  # really mixed
     outs = llm.generate(case.prompts, case.params)
     _assert_same(case, case.prompts, outs)
