@@ -140,21 +140,20 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
         probs = self.probs(logits, requests)
-        return sample_by_inversion(probs, self.uniforms([r for r, g in zip(requests, greedy) if not g],
-                                                        [not g for g in greedy], probs.device))
+        return sample_by_inversion(probs, self.uniforms(requests, probs.device, wanted=[not g for g in greedy]))
 
-    def uniforms(self, requests: list[Request], rows: list[bool], device) -> torch.Tensor:
-        """One uniform per row (0 where ``rows`` is False); the True rows take ``requests`` in order,
-        each from its request's generator. Unseeded rows share one draw from the engine's."""
-        out = torch.zeros(len(rows), device=device)
-        at = [i for i, want in enumerate(rows) if want]
-        shared = [i for i, r in zip(at, requests) if r.sampling_params.seed is None]
+    def uniforms(self, requests: list[Request], device, wanted: list[bool] | None = None) -> torch.Tensor:
+        """One uniform per request (0 where ``wanted`` is False), each from its request's generator.
+        Unseeded rows share one draw from the engine's."""
+        out = torch.zeros(len(requests), device=device)
+        at = [i for i in range(len(requests)) if wanted is None or wanted[i]]
+        shared = [i for i in at if requests[i].sampling_params.seed is None]
         if shared:
             out[to_device(shared, torch.long, device)] = torch.rand(len(shared), generator=self.generator,
                                                                     device=device)
-        for i, r in zip(at, requests):
-            if r.sampling_params.seed is not None:
-                out[i:i + 1].uniform_(generator=self._generator_for(r))
+        for i in at:
+            if requests[i].sampling_params.seed is not None:
+                out[i:i + 1].uniform_(generator=self._generator_for(requests[i]))
         return out
 
     def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

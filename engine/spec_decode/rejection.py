@@ -108,7 +108,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], draf
                                           torch.where(is_draft[picked], 0.0, p_draft[picked])[:, None])
         # Then one more uniform per request (from its generator), for the token after the accepted drafts.
         chosen = sample_by_inversion(residual, sampler.uniforms([requests[i] for i in random_reqs],
-                                                                [True] * len(random_reqs), probs.device)).tolist()
+                                                                probs.device)).tolist()
         for i, m, c in zip(random_reqs, accepted, chosen):
             sampled[i] = (m, c)
 
