@@ -180,6 +180,8 @@ class Sidecar:
         self.hb_last_iteration: float | None = None
         self.events_error: str | None = None  # the last events-loop failure
         self.index_withdrawn = False  # the block set was removed from Redis because the index is not trusted
+        # The subscriber's next_seq after the last write (see indexed_seq).
+        self._indexed_seq: int | None = None
         self.health_server: ThreadingHTTPServer | None = None
         self.health_port: int | None = None
 
@@ -218,6 +220,12 @@ class Sidecar:
             self.subscriber.close()
         self.redis.close()
         self.hb_redis.close()
+
+    @property
+    def indexed_seq(self) -> int | None:
+        """Every event before this sequence number is in Redis; None while the block set is dirty.
+        The subscriber's own next_seq runs ahead of it by one poll: it moves before the write."""
+        return None if self._redis_dirty else self._indexed_seq
 
     def mark_draining(self) -> None:
         self.state = rl.STATE_DRAINING
@@ -261,7 +269,7 @@ class Sidecar:
             "status": "ok" if problem is None else "unhealthy", "problem": problem, "pod": self.cfg.pod_name,
             "events_loop_age_s": None if last is None else round(time.monotonic() - last, 3),
             "block_keys": len(self.index.refs), "index_withdrawn": self.index_withdrawn,
-            "redis_dirty": self._redis_dirty, "engine_state": self.state,
+            "redis_dirty": self._redis_dirty, "indexed_seq": self.indexed_seq, "engine_state": self.state,
             "last_decode_error": sub.last_decode_error if sub else None, "last_events_error": self.events_error,
             "stats": {**(sub.stats if sub else {}), **self.stats},
         }
@@ -390,6 +398,7 @@ class Sidecar:
                     self._full_rewrite()
             elif added or removed:
                 self._incremental(added, removed)
+            self._indexed_seq = self.subscriber.next_seq
 
     def _redis_failed(self, exc: Exception) -> None:
         self.stats["redis_errors"] += 1

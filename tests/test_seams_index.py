@@ -55,8 +55,7 @@ class Pods:
 
     def caught_up(self, next_seq: int) -> bool:
         """Both sidecars applied every batch published so far and wrote them to Redis."""
-        return all(sc.subscriber is not None and sc.subscriber.next_seq == next_seq and not sc._redis_dirty
-                   for sc in self.sidecars.values())
+        return all(sc.indexed_seq == next_seq for sc in self.sidecars.values())
 
     def block_set(self, pod: str) -> set[str]:
         return self.redis.smembers(rl.blocks_key(MODEL, pod))

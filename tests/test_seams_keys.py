@@ -124,10 +124,8 @@ class Mesh:
     def settled(self) -> None:
         """The engine's events so far are in the log and in Redis."""
         publisher = self.engine.state.engine.kv_publisher
-        sub = self.sidecar.subscriber
-        wait_until(lambda: (self.log.next_seq or 0) == publisher.next_seq and sub is not None
-                   and (sub.next_seq or 0) == publisher.next_seq and not self.sidecar._redis_dirty, 15,
-                   msg="events logged and indexed")
+        wait_until(lambda: (self.log.next_seq or 0) == publisher.next_seq
+                   and (self.sidecar.indexed_seq or 0) == publisher.next_seq, 15, msg="events logged and indexed")
 
     def send(self, path: str, body: dict) -> tuple[dict, dict]:
         """(the response's usage, the router's access-log fields for it)."""

@@ -284,6 +284,42 @@ def test_full_rewrite_replaces_the_set_with_the_index(sidecar, redis_server, cap
     assert sidecar.stats["full_rewrites"] == 2 and r.smembers(sidecar.blocks_key) == {key_hex(1), key_hex(2)}
 
 
+class _Feed:
+    """A subscriber stand-in: hands out queued deliveries, advancing next_seq on poll as the real one does."""
+
+    def __init__(self):
+        self.queue: list[Delivery] = []
+        self.next_seq: int | None = None
+
+    def poll(self, timeout_ms: int) -> list[Delivery]:
+        out, self.queue = self.queue, []
+        for d in out:
+            if d.seq is not None:
+                self.next_seq = d.seq + 1
+        return out
+
+
+def test_indexed_seq_moves_only_once_the_batch_is_in_redis(sidecar, redis_server):
+    """indexed_seq says which events Redis holds (what a reader may wait for); the subscriber's
+    next_seq moves at poll, before the write."""
+    r = redis_server.client()
+    feed = sidecar.subscriber = _Feed()
+    assert sidecar.indexed_seq is None  # dirty until the first rewrite
+    feed.queue = [batch(BlockStored([1, 2], None, [0] * 2 * BS, BS), seq=0)]
+    sidecar._events_iteration()  # the first write is the full rewrite
+    assert sidecar.indexed_seq == 1 and r.smembers(sidecar.blocks_key) == {key_hex(1), key_hex(2)}
+    feed.queue = [batch(BlockStored([3], 2, [0] * BS, BS), seq=1)]
+    sidecar.redis = redis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
+    sidecar._events_iteration()  # the write fails: the batch was polled but is not in Redis
+    assert feed.next_seq == 2 and sidecar.indexed_seq is None
+    sidecar.redis = redis_server.client()
+    sidecar._redis_retry_at = 0.0
+    sidecar._events_iteration()  # nothing new: the rewrite catches up
+    assert sidecar.indexed_seq == 2 and r.smembers(sidecar.blocks_key) == {key_hex(k) for k in (1, 2, 3)}
+    sidecar._redis_dirty = True  # e.g. the heartbeat found the set lost
+    assert sidecar.indexed_seq is None
+
+
 def test_full_rewrite_of_an_empty_index_deletes_the_set(sidecar, redis_server):
     r = redis_server.client()
     r.sadd(sidecar.blocks_key, key_hex(100))
