@@ -104,10 +104,14 @@ class Sampler:
         # Decisions from the host-side params, never from device values: no sync but the one
         # copy of the sampled ids below.
         greedy = [r.sampling_params.greedy for r in requests]
-        tokens = logits.argmax(dim=-1)
-        if not all(greedy):
-            mask = to_device(greedy, torch.bool, logits.device)
-            tokens = torch.where(mask, tokens, self._sample(logits, requests, greedy))
+        if not any(greedy):
+            tokens = self._sample(logits, requests, greedy)
+        else:
+            # max(...).indices: the first maximum, as argmax, at about half argmax's time on the CPU.
+            tokens = logits.max(dim=-1).indices
+            if not all(greedy):
+                mask = to_device(greedy, torch.bool, logits.device)
+                tokens = torch.where(mask, tokens, self._sample(logits, requests, greedy))
 
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
