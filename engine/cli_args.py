@@ -21,7 +21,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size, e.g. 4GiB (default: 4GiB on the CPU; on a GPU, what "
                         "--gpu-memory-utilization leaves after the weights and a profiling step)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per engine step (default: 2048; 512 for `serve` on the CPU, where a "
+                        "step's time grows with its tokens)")
     g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -82,13 +84,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def engine_args_from(args: argparse.Namespace, **overrides):
-    from kvmesh.engine.config import EngineArgs
+def engine_args_from(args: argparse.Namespace, server: bool = False, **overrides):
+    """EngineArgs from the parsed flags; `server`: the defaults of `serve` (the token budget)."""
+    from kvmesh.engine.config import EngineArgs, default_token_budget
 
+    budget = args.max_num_batched_tokens
+    if budget is None:
+        budget = default_token_budget(args.device, server)
     return EngineArgs(
         model=args.model, served_model_name=args.served_model_name, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, dtype=args.dtype, device=args.device,
         seed=args.seed, generation_config=args.generation_config, attention_backend=args.attention_backend,

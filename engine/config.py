@@ -31,6 +31,23 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+# The token budget per step. A server on the CPU gets a smaller one than vLLM's (2048 for its CPU
+# server): there a step's time grows with its tokens (about 1 ms per prefill token for the built-in
+# model on two cores), so a 2048-token step holds every running stream and every waiting first
+# token for two seconds. Measured on issue 14's workloads (docs/engine.md): 512 cut TTFT p50 to
+# half or less at the same throughput, within the run-to-run noise. GPUs, and `generate` / LLM
+# (offline, where only throughput counts), keep 2048.
+DEFAULT_TOKEN_BUDGET = 2048
+CPU_SERVER_TOKEN_BUDGET = 512
+
+
+def default_token_budget(device: str, server: bool) -> int:
+    """--max-num-batched-tokens when the flag is not given: see CPU_SERVER_TOKEN_BUDGET."""
+    if server and device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return CPU_SERVER_TOKEN_BUDGET if server and torch.device(device).type == "cpu" else DEFAULT_TOKEN_BUDGET
+
+
 @dataclass
 class EngineArgs:
     """Knobs of one engine, named as vLLM names them."""
@@ -41,7 +58,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     # None: 4GiB on the CPU; on a GPU, sized from free memory (gpu_memory_utilization)
     kv_cache_memory: int | str | None = None
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET
     max_num_seqs: int = 128
     max_model_len: int | None = None
     enable_prefix_caching: bool = True

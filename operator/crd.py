@@ -33,7 +33,6 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # shared contracts' (kvmesh/common), the routing policies the router's registry.
 DEFAULT_MODEL = _models.DEFAULT_MODEL
 DEFAULT_BLOCK_SIZE = _block_keys.DEFAULT_BLOCK_SIZE
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_DRAIN_TIMEOUT = 30
 DEFAULT_GRACE_PERIOD = 60
@@ -173,8 +172,8 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
                       "description": "Extra `kvmesh serve` arguments, appended last."},
         "blockSize": _int("Tokens per KV block (--block-size).", default=DEFAULT_BLOCK_SIZE,
                           minimum=1, maximum=1024),
-        "maxNumBatchedTokens": _int("Token budget per engine step (--max-num-batched-tokens).",
-                                    default=DEFAULT_MAX_NUM_BATCHED_TOKENS, minimum=1),
+        "maxNumBatchedTokens": _int("Token budget per engine step (--max-num-batched-tokens); default: "
+                                    "the engine's (2048 on a GPU, 512 on the CPU).", minimum=1),
         "maxNumSeqs": _int("Most requests running at once (--max-num-seqs).",
                            default=DEFAULT_MAX_NUM_SEQS, minimum=1),
         "maxModelLen": _int("Longest prompt + output (--max-model-len); default: the model's.", minimum=1),

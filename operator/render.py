@@ -192,7 +192,7 @@ def engine_args(spec: dict[str, Any]) -> list[str]:
     args = ["kvmesh", "serve", "--model", _model_arg(spec), "--served-model-name", served_model_name(spec),
             "--host", "0.0.0.0", "--port", str(crd.ENGINE_PORT),
             "--block-size", str(eng["blockSize"]),
-            "--max-num-batched-tokens", str(eng["maxNumBatchedTokens"]),
+            *(["--max-num-batched-tokens", str(eng["maxNumBatchedTokens"])] if "maxNumBatchedTokens" in eng else []),
             "--max-num-seqs", str(eng["maxNumSeqs"]),
             "--enable-prefix-caching" if eng["enablePrefixCaching"] else "--no-enable-prefix-caching",
             "--enable-chunked-prefill" if eng["enableChunkedPrefill"] else "--no-enable-chunked-prefill",

@@ -65,7 +65,7 @@ def build_state(args: argparse.Namespace):
     from kvmesh.engine.server.api import ServerConfig, ServerState
     from kvmesh.engine.server.async_engine import AsyncEngine
 
-    engine_args = engine_args_from(args, enable_kv_events=bool(args.kv_events_endpoint))
+    engine_args = engine_args_from(args, server=True, enable_kv_events=bool(args.kv_events_endpoint))
     engine_args.validate()
     publisher = None
     if args.kv_events_endpoint:

@@ -78,7 +78,7 @@ def test_generated_files_are_up_to_date():
 def test_engine_defaults_match_kvmesh_serve():
     d = specs.apply_defaults({"model": {"builtin": "x"}})
     assert d["engine"]["blockSize"] == 16
-    assert d["engine"]["maxNumBatchedTokens"] == 2048 and d["engine"]["maxNumSeqs"] == 128
+    assert "maxNumBatchedTokens" not in d["engine"] and d["engine"]["maxNumSeqs"] == 128  # the engine's, per device
     assert d["engine"]["enablePrefixCaching"] is True and d["engine"]["enableChunkedPrefill"] is True
     assert d["engine"]["dtype"] == "auto" and d["engine"]["drainTimeoutSeconds"] == 30
     assert d["router"] == {"replicas": 1, "policy": "prefix", "weights": {"prefix": 1.0, "kv": 0.5, "queue": 0.5},
@@ -88,7 +88,8 @@ def test_engine_defaults_match_kvmesh_serve():
     assert a["minReplicas"] == 1 and a["targetKVUtilization"] == 0.7 and a["maxScaleDownStep"] == 1
     # The docs table says the same.
     cli = (ROOT / "docs/cli.md").read_text()
-    assert "| `--block-size N` | 16 |" in cli and "| `--max-num-batched-tokens N` | 2048 |" in cli
+    assert "| `--block-size N` | 16 |" in cli
+    assert "| `--max-num-batched-tokens N` | none | token budget per engine step (default: 2048; 512 for `serve` on the CPU" in cli
     assert "| `--max-num-seqs N` | 128 |" in cli and "| `--drain-timeout SECONDS` | 30 |" in cli
 
 

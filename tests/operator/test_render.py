@@ -364,3 +364,12 @@ def test_engine_replicas_follow_spec_replicas_within_bounds():
     zero = {"model": {"builtin": "m"}, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}, "replicas": 0}
     assert render.engine_replicas(specs.apply_defaults(zero)) == 0
     assert render.engine_replicas(specs.apply_defaults({"model": {"builtin": "m"}, "replicas": 7})) == 7
+
+
+def test_token_budget_is_rendered_only_when_set():
+    """Unset, the engine picks its own per device (2048 on a GPU, 512 on the CPU: engine/config.py)."""
+    args = render.engine_args(specs.apply_defaults({"model": {"builtin": "x"}}))
+    assert "--max-num-batched-tokens" not in args
+    args = render.engine_args(specs.apply_defaults({"model": {"builtin": "x"}, "engine": {"maxNumBatchedTokens": 4096}}))
+    i = args.index("--max-num-batched-tokens")
+    assert args[i + 1] == "4096"
