@@ -41,11 +41,18 @@ DEFAULT_TOKEN_BUDGET = 2048
 CPU_SERVER_TOKEN_BUDGET = 512
 
 
+def pick_device(requested: str) -> torch.device:
+    """The device an engine runs on: `auto` is CUDA when there is one, else the CPU."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
 def default_token_budget(device: str, server: bool) -> int:
     """--max-num-batched-tokens when the flag is not given: see CPU_SERVER_TOKEN_BUDGET."""
-    if server and device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return CPU_SERVER_TOKEN_BUDGET if server and torch.device(device).type == "cpu" else DEFAULT_TOKEN_BUDGET
+    if server and pick_device(device).type == "cpu":
+        return CPU_SERVER_TOKEN_BUDGET
+    return DEFAULT_TOKEN_BUDGET
 
 
 @dataclass

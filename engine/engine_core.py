@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.engine.builtin import resolve_model_dir
-from kvmesh.engine.config import EngineArgs, ModelConfig, parse_size
+from kvmesh.engine.config import EngineArgs, ModelConfig, parse_size, pick_device
 from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.request import Request, RequestStatus
@@ -107,12 +107,6 @@ def needs_sync(request: Request) -> bool:
         or request.num_output_tokens < sp.min_tokens
 
 
-def _pick_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
-
-
 class EngineCore:
     def __init__(self, args: EngineArgs):
         args.validate()
@@ -120,7 +114,7 @@ class EngineCore:
         self.model_dir = resolve_model_dir(args.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.model_id = args.served_model_name or args.model
-        self.device = _pick_device(args.device)
+        self.device = pick_device(args.device)
         self.dtype = self.model_config.resolve_dtype(args.dtype, self.device)
         self.block_size = args.block_size
 
