@@ -277,16 +277,15 @@ def run_offline_api(model: str, reqs: list[Req], engine_kwargs: dict) -> tuple[f
 
 
 def offline_closed_loop(model: str, dtype: str, prompts: list[list[int]], max_tokens: list[int],
-                        concurrency: int, budget: int | None = None) -> tuple[float, int, int]:
+                        concurrency: int, budget: int) -> tuple[float, int, int]:
     """The engine alone (LLMEngine, no HTTP, no core process) on the same requests at the same
     concurrency, closed loop: (seconds, prompt tokens, output tokens). The yardstick for the
     serving path's own cost (issue 14: the server keeps >= 95% of it). `budget`: the token budget
-    per step (default: the engine's)."""
+    per step."""
     from kvmesh.engine import EngineArgs, SamplingParams
     from kvmesh.engine.llm_engine import LLMEngine
 
-    extra = {} if budget is None else {"max_num_batched_tokens": budget}
-    engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **extra))
+    engine = LLMEngine(EngineArgs(model=model, dtype=dtype, max_num_batched_tokens=budget))
     engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     while engine.has_unfinished_requests():
         engine.step()
@@ -306,18 +305,14 @@ def offline_closed_loop(model: str, dtype: str, prompts: list[list[int]], max_to
 
 
 def offline_like_the_server(model: str, dtype: str, reqs: list[Req], concurrency: int,
-                            budget: int | None = None) -> tuple[float, int, int]:
+                            budget: int) -> tuple[float, int, int]:
     """offline_closed_loop in a fresh process with the environment `kvmesh serve` gives its engine
-    core (thread count, OpenMP spin: engine/threads.py) and the server's token budget (`budget`, or
-    serve's default), so the two differ only by the serving path."""
+    core (thread count, OpenMP spin: engine/threads.py) and the server's token budget
+    (serve_budget), so the two differ only by the serving path."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from kvmesh.engine.config import default_token_budget
     from kvmesh.engine.threads import core_environment, plan_threads
-
-    if budget is None:
-        budget = default_token_budget("auto", server=True)
 
     saved = dict(os.environ)
     os.environ.update(core_environment(plan_threads()))  # a spawned child takes os.environ as it starts
@@ -330,15 +325,17 @@ def offline_like_the_server(model: str, dtype: str, reqs: list[Req], concurrency
         os.environ.update(saved)
 
 
-def _flag_value(flags: str, name: str) -> int | None:
-    """The integer value of `name` in a flags string (`--name N` or `--name=N`), or None."""
-    words = flags.split()
-    for i, w in enumerate(words):
-        if w == name and i + 1 < len(words):
-            return int(words[i + 1])
-        if w.startswith(name + "="):
-            return int(w.split("=", 1)[1])
-    return None
+def serve_budget(flags: list[str]) -> int:
+    """The token budget `kvmesh serve` runs with under these flags, as serve's own parser and
+    defaults resolve it."""
+    import argparse
+
+    from kvmesh.engine.cli_args import engine_args_from
+    from kvmesh.engine.server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return engine_args_from(parser.parse_known_args(flags)[0], server=True).max_num_batched_tokens
 
 
 def compare(args) -> int:
@@ -501,7 +498,7 @@ def compare_vllm(args) -> int:
         for wname, reqs, conc in workloads:
             print(f"  [offline engine, same requests and concurrency: {wname[:24]}] running", flush=True)
             elapsed, in_tok, out_tok = offline_like_the_server(args.model, args.dtype, reqs, conc,
-                                                               _flag_value(args.kvmesh_flags, "--max-num-batched-tokens"))
+                                                               serve_budget(args.kvmesh_flags.split()))
             offline[wname] = (in_tok + out_tok) / elapsed
     print("\n== kvmesh serve vs vllm serve (same machine, same run, same client; "
           "targets: >= 2.0x total tok/s, <= 0.5x TTFT p50)")
