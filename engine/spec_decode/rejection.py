@@ -26,7 +26,7 @@ import torch
 
 from kvmesh.engine.request import Request
 from kvmesh.engine.penalties import to_device
-from kvmesh.engine.sampler import Sampler, TokenLogprobs, sample_by_inversion, token_logprobs
+from kvmesh.engine.sampler import Sampler, TokenLogprobs, greedy_tokens, sample_by_inversion, token_logprobs
 
 
 class _RowView:
@@ -73,7 +73,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], draf
         views.extend(_RowView(req, d[:j]) for j in range(len(d) + 1))
     raw = logits
     logits = Sampler.adjust(logits, views)  # type: ignore[arg-type]
-    target = logits.argmax(dim=-1).tolist()
+    target = greedy_tokens(logits).tolist()
 
     random_reqs = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
     sampled: dict[int, tuple[int, int]] = {}  # request index -> (accepted drafts m, the token after them)
