@@ -89,11 +89,12 @@ static void decode_task(const T* q, const T* k_head, const T* v_head, const int6
 #if defined(__AVX512F__)
 // fp32, head size 64, blocks of a multiple of 16 rows: one pass over the context, 16 keys at
 // a time, with an online softmax. The next tile is prefetched while a tile is summed: 1.2-1.3x
-// here (ctx 320-2048, batch 16; blocks in order or shuffled) on an Intel Xeon with AVX-512. Each 16-row K/V tile is fetched once and serves every query
-// head of the group from L1. The 16 dot products of a tile are reduced together (hsum16) into
-// one vector of scores, so the softmax is vectorised. With the group size known at compile
-// time (GROUP > 0) the heads' accumulators stay in registers and each V row is loaded once
-// for all heads; GROUP == 0 handles any group size through memory.
+// (ctx 320-2048, batch 16; blocks in order or shuffled) on an Intel Xeon with AVX-512. Each
+// 16-row K/V tile is fetched once and serves every query head of the group from L1. The 16
+// dot products of a tile are reduced together (hsum16) into one vector of scores, so the
+// softmax is vectorised. With the group size known at compile time (GROUP > 0) the heads'
+// accumulators stay in registers and each V row is loaded once for all heads; GROUP == 0
+// handles any group size through memory.
 template <int GROUP>
 static void decode_task_f32_d64(const float* __restrict__ q, const float* __restrict__ k_head,
                                 const float* __restrict__ v_head, const int64_t* table, int64_t ctx,
