@@ -19,14 +19,16 @@ Modes:
   Scale it down for a small machine with --num-requests / --output-len / --prefix-num-requests.
   bench/serve.py --compare-vllm auto                               # issue 14: kvmesh serve vs vLLM serve
       the two workloads of issue 14 (random 256 in / 128 out, 64 prompts, concurrency 16; prefix
-      repetition: 4 prefixes of 384 + 128 random tokens, 32 out, 48 prompts, concurrency 8) against
-      vLLM's server, then against `kvmesh serve` (one server at a time), and the ratios: total tok/s,
-      TTFT p50, TPOT p50. `auto` starts vLLM's CPU build itself through
+      repetition: 4 prefixes of 384 + 128 random tokens, 32 out, 48 prompts, concurrency 8) on vLLM's
+      server, on `kvmesh serve` and on the engine alone (LLMEngine in a fresh process with the
+      server's thread settings and token budget, same requests, same concurrency), in --rounds
+      interleaved rounds (order alternating, fresh prompts each round; both servers stay up, idle
+      while the other runs). Reported: medians of the ratios paired within a round: total tok/s,
+      TTFT p50, TPOT p50 (targets >= 2.0x, <= 0.5x), and the server's share of the engine alone
+      (target >= 95%; --skip-offline). `auto` starts vLLM's CPU build itself through
       /work/shared/bench/vllm_anchor.sh (--vllm-anchor; `vllm_anchor.sh setup` first); a URL uses a
       vLLM server already running there. --kvmesh-url uses a running kvmesh server instead of
       starting one; --kvmesh-flags adds flags to the one started (e.g. "--engine-mode thread").
-      Then the engine alone (LLMEngine in a fresh process, the server's thread settings) on the same
-      requests at the same concurrency: the server's share of it (target >= 95%; --skip-offline).
 """
 
 from __future__ import annotations
@@ -443,81 +445,137 @@ def _tpot(results: list[Result]) -> list[float]:
     return [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in results if r.ok and r.output_tokens > 1]
 
 
-def _issue14_workloads(vocab: int, args) -> list[tuple[str, list[Req], int]]:
+def _issue14_workloads(vocab: int, args, seed: int = 0) -> list[tuple[str, list[Req], int]]:
     return [
         (f"random {args.random_input_len} in / {args.random_output_len} out, {args.random_num_prompts} prompts, "
          f"concurrency {args.random_concurrency}",
-         random_workload(args.random_num_prompts, args.random_input_len, args.random_output_len, vocab),
+         random_workload(args.random_num_prompts, args.random_input_len, args.random_output_len, vocab, seed),
          args.random_concurrency),
         (f"prefix_repetition {args.prefix_rep_prefix_len}+{args.prefix_rep_suffix_len}, "
          f"{args.prefix_rep_num_prefixes} prefixes, {args.prefix_rep_output_len} out, {args.prefix_rep_num_prompts} "
          f"prompts, concurrency {args.prefix_rep_concurrency}",
          prefix_repetition_workload(args.prefix_rep_num_prompts, args.prefix_rep_prefix_len, args.prefix_rep_suffix_len,
-                                    args.prefix_rep_num_prefixes, args.prefix_rep_output_len, vocab),
+                                    args.prefix_rep_num_prefixes, args.prefix_rep_output_len, vocab, seed),
          args.prefix_rep_concurrency),
     ]
 
 
-def _bench_server(label: str, url: str, model: str, workloads, vocab: int) -> list[dict]:
-    out = []
-    warm = random_workload(2, 64, 4, vocab, seed=99)
-    asyncio.run(run_load(url, warm, 2, None, model=model, label=f"{label} warm-up"))
-    for name, reqs, conc in workloads:
-        res, el = asyncio.run(run_load(url, reqs, conc, None, model=model, label=f"{label}: {name[:24]}"))
-        s = summarize(f"{label}: {name}", res, el)
-        s["tpot"] = _tpot(res)
-        out.append(s)
-    return out
+def _bench_server(label: str, url: str, model: str, name: str, reqs: list[Req], conc: int) -> dict:
+    res, el = asyncio.run(run_load(url, reqs, conc, None, model=model, label=f"{label}: {name[:24]}"))
+    s = summarize(f"{label}: {name}", res, el)
+    s["tpot"] = _tpot(res)
+    return s
+
+
+def _machine_busy(seconds: float = 2.0) -> float:
+    """The fraction of all CPUs busy over `seconds` (/proc/stat): what the idle servers cost the
+    one being measured."""
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+    t0, i0 = sample()
+    time.sleep(seconds)
+    t1, i1 = sample()
+    return 1 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def _median(values: list[float]) -> float:
+    return _pct(values, 50)
 
 
 def compare_vllm(args) -> int:
+    """Issue 14's comparison in interleaved rounds. This machine's speed drifts by 10-30% within a
+    run, so measuring each side once, one after the other, lets the drift pick the winner. Both
+    servers stay up (an idle one costs nothing: checked and printed), and every round runs each
+    workload on vLLM, kvmesh and the engine alone back to back, in alternating order, with fresh
+    prompts (a new seed: no round hits the prefix cache an earlier one filled). The ratios are
+    taken within a round and the report gives their median."""
+    import contextlib
+
     from kvmesh.engine.builtin import resolve_model_dir
     from kvmesh.engine.config import ModelConfig
 
     model_dir = str(resolve_model_dir(args.model))
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     name = args.model
-    workloads = _issue14_workloads(vocab, args)
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict]] = {}
-    # One server at a time: on a small machine two would share its cores.
-    if args.compare_vllm == "auto":
-        with VLLMServer(args.vllm_anchor, model_dir, name, logs / "vllm-serve.log") as srv:
-            results["vllm"] = _bench_server("vllm serve", srv.url, name, workloads, vocab)
-    else:
-        results["vllm"] = _bench_server("vllm serve", args.compare_vllm.rstrip("/"), name, workloads, vocab)
-    if args.kvmesh_url:
-        results["kvmesh"] = _bench_server("kvmesh serve", args.kvmesh_url.rstrip("/"), name, workloads, vocab)
-    else:
-        flags = ["--served-model-name", name, "--dtype", args.dtype, *args.kvmesh_flags.split()]
-        with LocalServer(args.model, flags, logs / "kvmesh-serve.log") as srv:
-            results["kvmesh"] = _bench_server("kvmesh serve", srv.url, name, workloads, vocab)
-    offline = {}
-    if not args.skip_offline:
-        for wname, reqs, conc in workloads:
-            print(f"  [offline engine, same requests and concurrency: {wname[:24]}] running", flush=True)
-            elapsed, in_tok, out_tok = offline_like_the_server(args.model, args.dtype, reqs, conc,
-                                                               serve_budget(args.kvmesh_flags.split()))
-            offline[wname] = (in_tok + out_tok) / elapsed
-    print("\n== kvmesh serve vs vllm serve (same machine, same run, same client; "
-          "targets: >= 2.0x total tok/s, <= 0.5x TTFT p50)")
-    print(f"   {'workload':<58} {'metric':<14} {'vllm':>10} {'kvmesh':>10} {'ratio':>7}")
-    for i, (wname, _, _) in enumerate(workloads):
-        v, k = results["vllm"][i], results["kvmesh"][i]
-        rows = [("total tok/s", v["total_tok_s"], k["total_tok_s"], 1.0),
-                ("TTFT p50 ms", _pct(v["ttft"], 50), _pct(k["ttft"], 50), 1000.0),
-                ("TPOT p50 ms", _pct(v["tpot"], 50), _pct(k["tpot"], 50), 1000.0)]
-        for metric, a, b, scale in rows:
-            ratio = b / a if a else float("nan")
-            print(f"   {wname[:58]:<58} {metric:<14} {scale * a:10.1f} {scale * b:10.1f} {ratio:6.2f}x")
-        if wname in offline:
-            share = k["total_tok_s"] / offline[wname]
-            print(f"   {wname[:58]:<58} {'offline tok/s':<14} {'':>10} {offline[wname]:10.1f} "
-                  f"server keeps {100 * share:.1f}% (target >= 95%)")
-        if v["failed"] or k["failed"]:
-            print(f"   (failed requests: vllm {v['failed']}, kvmesh {k['failed']})")
+    kvmesh_flags = args.kvmesh_flags.split()
+    budget = serve_budget(kvmesh_flags)
+    with contextlib.ExitStack() as stack:
+        if args.compare_vllm == "auto":
+            print("starting vllm serve (its first start compiles: minutes)", flush=True)
+            vllm_url = stack.enter_context(VLLMServer(args.vllm_anchor, model_dir, name, logs / "vllm-serve.log")).url
+        else:
+            vllm_url = args.compare_vllm.rstrip("/")
+        if args.kvmesh_url:
+            kvmesh_url = args.kvmesh_url.rstrip("/")
+        else:
+            print("starting kvmesh serve", flush=True)
+            flags = ["--served-model-name", name, "--dtype", args.dtype, *kvmesh_flags]
+            kvmesh_url = stack.enter_context(LocalServer(args.model, flags, logs / "kvmesh-serve.log")).url
+        warm = random_workload(2, 64, 4, vocab, seed=99)
+        for label, url in (("vllm serve", vllm_url), ("kvmesh serve", kvmesh_url)):
+            asyncio.run(run_load(url, warm, 2, None, model=name, label=f"{label} warm-up"))
+        busy = _machine_busy()
+        print(f"both servers up and idle: the machine is {100 * busy:.1f}% busy", flush=True)
+
+        def offline(wname: str, reqs: list[Req], conc: int) -> dict:
+            print(f"  [offline engine: {wname[:24]}] running", flush=True)
+            elapsed, in_tok, out_tok = offline_like_the_server(args.model, args.dtype, reqs, conc, budget)
+            return {"total_tok_s": (in_tok + out_tok) / elapsed}
+
+        parts = {"vllm": lambda w, r, c: _bench_server("vllm serve", vllm_url, name, w, r, c),
+                 "kvmesh": lambda w, r, c: _bench_server("kvmesh serve", kvmesh_url, name, w, r, c)}
+        if not args.skip_offline:
+            parts["offline"] = offline
+        # results[workload index][part]: one summary per round
+        results: list[dict[str, list[dict]]] = [{p: [] for p in parts} for _ in range(2)]
+        names = [w[0] for w in _issue14_workloads(vocab, args)]
+        for rnd in range(args.rounds):
+            order = list(parts) if rnd % 2 == 0 else list(parts)[::-1]
+            for wi, (wname, reqs, conc) in enumerate(_issue14_workloads(vocab, args, seed=1000 * rnd)):
+                print(f"\n-- round {rnd + 1}/{args.rounds}, {wname[:40]}: {' -> '.join(order)}", flush=True)
+                for part in order:
+                    results[wi][part].append(parts[part](wname, reqs, conc))
+                _print_round(results[wi], rnd)
+    _print_report(names, results, args.rounds)
     return 0
+
+
+def _print_round(res: dict[str, list[dict]], rnd: int) -> None:
+    v, k = res["vllm"][rnd], res["kvmesh"][rnd]
+    line = (f"   round {rnd + 1}: total tok/s vllm {v['total_tok_s']:.1f} kvmesh {k['total_tok_s']:.1f} "
+            f"= {k['total_tok_s'] / v['total_tok_s']:.2f}x; TTFT p50 {1000 * _pct(v['ttft'], 50):.0f} / "
+            f"{1000 * _pct(k['ttft'], 50):.0f} ms = {_pct(k['ttft'], 50) / _pct(v['ttft'], 50):.2f}x")
+    if "offline" in res:
+        o = res["offline"][rnd]
+        line += f"; offline {o['total_tok_s']:.1f} tok/s, server keeps {100 * k['total_tok_s'] / o['total_tok_s']:.1f}%"
+    print(line, flush=True)
+
+
+def _print_report(names: list[str], results: list[dict[str, list[dict]]], rounds: int) -> None:
+    print(f"\n== kvmesh serve vs vllm serve (same machine, same client, {rounds} interleaved rounds; medians; "
+          "ratios paired within a round; targets: >= 2.0x total tok/s, <= 0.5x TTFT p50, server >= 95% of offline)")
+    print(f"   {'workload':<58} {'metric':<14} {'vllm':>10} {'kvmesh':>10} {'ratio':>7}  per round")
+    for wname, res in zip(names, results):
+        metrics = [("total tok/s", lambda s: s["total_tok_s"], 1.0),
+                   ("TTFT p50 ms", lambda s: _pct(s["ttft"], 50), 1000.0),
+                   ("TPOT p50 ms", lambda s: _pct(s["tpot"], 50), 1000.0)]
+        for metric, get, scale in metrics:
+            v = [get(s) for s in res["vllm"]]
+            k = [get(s) for s in res["kvmesh"]]
+            ratios = [b / a if a else float("nan") for a, b in zip(v, k)]
+            print(f"   {wname[:58]:<58} {metric:<14} {scale * _median(v):10.1f} {scale * _median(k):10.1f} "
+                  f"{_median(ratios):6.2f}x  {' '.join(f'{x:.2f}' for x in ratios)}")
+        if "offline" in res:
+            o = [s["total_tok_s"] for s in res["offline"]]
+            shares = [s["total_tok_s"] / b for s, b in zip(res["kvmesh"], o)]
+            print(f"   {wname[:58]:<58} {'offline tok/s':<14} {'':>10} {_median(o):10.1f} "
+                  f"server keeps {100 * _median(shares):.1f}%  {' '.join(f'{100 * x:.0f}%' for x in shares)}")
+        failed = [(p, sum(s["failed"] for s in res[p])) for p in ("vllm", "kvmesh")]
+        if any(n for _, n in failed):
+            print(f"   (failed requests: {', '.join(f'{p} {n}' for p, n in failed)})")
 
 
 def main(argv=None) -> int:
@@ -530,6 +588,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-anchor", default=VLLM_ANCHOR, help="vllm_anchor.sh (serves vLLM's CPU build)")
     ap.add_argument("--kvmesh-url", default=None, help="--compare-vllm: a running kvmesh server (else one is started)")
     ap.add_argument("--kvmesh-flags", default="", help="--compare-vllm: extra `kvmesh serve` flags, one string")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="--compare-vllm: interleaved rounds (each: every workload on vllm, kvmesh, offline)")
     ap.add_argument("--random-num-prompts", type=int, default=64)
     ap.add_argument("--random-input-len", type=int, default=256)
     ap.add_argument("--random-output-len", type=int, default=128)
