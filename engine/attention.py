@@ -48,6 +48,9 @@ class AttentionMetadata:
     # The sampling rows as decodes over their whole context, for the last layer (which carries
     # on only for them); None when no row samples this step.
     sample_meta: "AttentionMetadata | None" = None
+    # Every row is a decode that samples, in order (logits rows 0..R-1): the steps the compiled
+    # decode stack runs (models/llama.py).
+    all_decode: bool = False
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -82,6 +82,8 @@ class ModelRunner:
                 self.model.use_fused_ops(self.cpu_ops)
                 self.cpu_prefill_attention = self.cpu_ops.prefill_attention_supported(
                     dtype, config.head_dim, block_size)
+                if self.model.use_decode_stack(self.cpu_ops):
+                    log.debug("decode steps run on the compiled decode stack")
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One K and one V tensor per layer, [kv_heads, num_blocks, block_size, head_dim]."""
@@ -248,6 +250,7 @@ class ModelRunner:
                 slots=None, decode_indices=meta.decode_indices, decode_block_tables=meta.decode_block_tables,
                 decode_mask=meta.decode_mask, prefills=[], decode_ctx_lens=meta.decode_ctx_lens,
                 cpu_ops=meta.cpu_ops)
+            meta.all_decode = True
         elif sample_ctx:
             # The last layer only carries on for the rows that sample: to them it is a decode
             # step over their whole context (this step's K/V are stored by then).

@@ -1,6 +1,7 @@
 // The CPU extension module: decode attention (paged_attention_cpu.cpp), prefill
-// attention (prefill_attention_cpu.cpp), the fused elementwise ops (fused_ops_cpu.cpp) and the
-// decode-size linear layers over panel-packed weights (panel_linear_cpu.cpp).
+// attention (prefill_attention_cpu.cpp), the fused elementwise ops (fused_ops_cpu.cpp), the
+// decode-size linear layers over panel-packed weights (panel_linear_cpu.cpp) and a decoder
+// stack for decode steps built from them (decode_stack_cpu.cpp).
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -17,6 +18,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
 
 torch::Tensor pack_panels(torch::Tensor w);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias);
+void bind_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
@@ -33,4 +35,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "an fp32 weight [N, K] as panels of 16 output features [ceil(N/16), K, 16]");
   m.def("panel_linear", &panel_linear, "x @ w.T (+ bias) over panel-packed weights (decode-size row counts)",
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"), pybind11::arg("bias") = pybind11::none());
+  bind_decode_stack(m);
 }

@@ -9,6 +9,7 @@ last layer carries on past its K/V only for those rows.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -185,6 +186,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def _panel_args(linear) -> tuple:
+    return linear.panels, linear.out_features, linear.bias
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
@@ -197,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
             config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head: nn.Module | None = None  # set by use_onednn()
         self.fused_ops = None  # set by use_fused_ops()
+        self.decode_stack = None  # set by use_decode_stack()
+        self._stack_caches = None  # the KV cache list the decode stack was given
 
     def use_fused_ops(self, ops) -> None:
         """Run norms, RoPE (+ the KV store) and SiLU-and-mul through fused ops: the compiled CPU
@@ -221,8 +228,45 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None  # the packed copy replaces it (a tied head keeps the embedding)
         return pack_model(self.layers, batch_hint, panel_ops) + 1
 
+    def use_decode_stack(self, ops) -> bool:
+        """Run decode steps' layers in one call of the compiled CPU ops' DecodeStack
+        (kernels/decode_stack_cpu.cpp): the same kernels in the same order, without Python
+        between them. Only where it computes exactly what the layers do: fp32, every projection
+        on panels (use_onednn with panel_ops), fused ops and attention from these ops.
+        ``KVMESH_DECODE_STACK=0`` keeps the Python layers."""
+        linears = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if (os.environ.get("KVMESH_DECODE_STACK", "1") == "0" or ops is None or not hasattr(ops, "DecodeStack") or self.fused_ops is not ops
+                or any(getattr(m, "panels", None) is None for m in linears)
+                or any(layer.self_attn.attend is not paged_attention for layer in self.layers)):
+            self.decode_stack = None
+            return False
+        c = self.config
+        stack = ops.DecodeStack(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                self.layers[0].self_attn.scale, self.norm.eps, self.norm.weight,
+                                self.rope.cos, self.rope.sin)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            stack.add_layer(layer.input_layernorm.weight, *_panel_args(attn.qkv_proj), *_panel_args(attn.o_proj),
+                            layer.post_attention_layernorm.weight, *_panel_args(mlp.gate_up_proj),
+                            *_panel_args(mlp.down_proj))
+        self.decode_stack, self._stack_caches = stack, None
+        return True
+
+    def _decode_stack_covers(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        from kvmesh.engine.kernels.onednn_linear import PANEL_MAX_ROWS
+
+        return (self.decode_stack is not None and meta.all_decode and meta.cpu_ops is not None
+                and x.dtype == torch.float32 and 0 < x.shape[0] <= PANEL_MAX_ROWS)
+
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
         x = self.embed_tokens(input_ids)
+        if self._decode_stack_covers(x, meta):
+            if self._stack_caches is not kv_caches:
+                self.decode_stack.set_kv_caches([k for k, _ in kv_caches], [v for _, v in kv_caches])
+                self._stack_caches = kv_caches
+            x = self.decode_stack.forward(x, positions, meta.slots, meta.decode_block_tables, meta.decode_ctx_lens)
+            return self.packed_lm_head(x).float()
         step_rope = StepRope(self.rope, positions, x.dtype, fused=self.fused_ops is not None)
         residual = None
         last = len(self.layers) - 1
