@@ -2,23 +2,7 @@
 // attention (prefill_attention_cpu.cpp), the fused elementwise ops (fused_ops_cpu.cpp), the
 // decode-size linear layers over panel-packed weights (panel_linear_cpu.cpp) and a decoder
 // stack for decode steps built from them (decode_stack_cpu.cpp).
-#include <torch/extension.h>
-
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor ctx_lens, double scale);
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-void rotary_qk_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache,
-                         torch::Tensor v_cache, torch::Tensor slots);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-bool prefill_attention_supported(c10::ScalarType dtype, int64_t head_dim, int64_t block_size);
-void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                             torch::Tensor seqs, torch::Tensor block_tables, double scale);
-
-torch::Tensor pack_panels(torch::Tensor w);
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias);
-void bind_decode_stack(pybind11::module& m);
+#include "cpu_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");

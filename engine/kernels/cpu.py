@@ -21,7 +21,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 _SOURCE_FILES = ("bindings_cpu.cpp", "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "fused_ops_cpu.cpp",
                  "panel_linear_cpu.cpp", "decode_stack_cpu.cpp")
-_HEADERS = ("avx512_math.h", "work_queue.h")
+_HEADERS = ("avx512_math.h", "work_queue.h", "cpu_ops.h")
 _SOURCES = [Path(__file__).with_name(n) for n in _SOURCE_FILES]
 _module = None
 _failed = False

@@ -12,19 +12,9 @@
 // (fused_ops_cpu, panel_linear_cpu, paged_attention_cpu) in the same order on the same
 // tensors, so its results are the Python path's, bit for bit (tests/engine/test_decode_stack.py);
 // llama.py uses it only for steps it covers: fp32, every linear on panels, every row a decode.
-#include <torch/extension.h>
-
 #include <vector>
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor ctx_lens, double scale);
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-void rotary_qk_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache,
-                         torch::Tensor v_cache, torch::Tensor slots);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias);
+#include "cpu_ops.h"
 
 namespace {
 
