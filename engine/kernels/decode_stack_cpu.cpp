@@ -61,15 +61,14 @@ class DecodeStack {
     v_caches_ = std::move(v_caches);
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   // x: the rows' embeddings [R, hidden], contiguous fp32; it becomes the residual stream and is
   // overwritten, as in the Python path. Mirrors LlamaForCausalLM.forward with every row sampling
   // (DecoderLayer.forward: vLLM's residual convention).
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
                         torch::Tensor ctx_lens) {
     TORCH_CHECK(k_caches_.size() == layers_.size(), "DecodeStack: set_kv_caches first");
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "DecodeStack: x is [R, hidden] fp32");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+                "DecodeStack: x is [R, hidden] fp32");
     const int64_t rows = x.size(0), q_size = num_heads_ * head_dim_;
     torch::Tensor residual = x;
     torch::Tensor h = torch::empty_like(x);
@@ -106,6 +105,5 @@ void bind_decode_stack(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_kv_caches", &DecodeStack::set_kv_caches)
-      .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward);
 }

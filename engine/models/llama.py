@@ -17,6 +17,7 @@ from torch import nn
 
 from kvmesh.engine.attention import AttentionMetadata, paged_attention, write_kv
 from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.kernels.onednn_linear import PANEL_MAX_ROWS
 
 
 class RMSNorm(nn.Module):
@@ -236,8 +237,8 @@ class LlamaForCausalLM(nn.Module):
         ``KVMESH_DECODE_STACK=0`` keeps the Python layers."""
         linears = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if (os.environ.get("KVMESH_DECODE_STACK", "1") == "0" or ops is None or not hasattr(ops, "DecodeStack") or self.fused_ops is not ops
-                or any(getattr(m, "panels", None) is None for m in linears)
+        if (os.environ.get("KVMESH_DECODE_STACK", "1") == "0" or ops is None or not hasattr(ops, "DecodeStack")
+                or self.fused_ops is not ops or any(getattr(m, "panels", None) is None for m in linears)
                 or any(layer.self_attn.attend is not paged_attention for layer in self.layers)):
             self.decode_stack = None
             return False
@@ -254,8 +255,6 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def _decode_stack_covers(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        from kvmesh.engine.kernels.onednn_linear import PANEL_MAX_ROWS
-
         return (self.decode_stack is not None and meta.all_decode and meta.cpu_ops is not None
                 and x.dtype == torch.float32 and 0 < x.shape[0] <= PANEL_MAX_ROWS)
 
