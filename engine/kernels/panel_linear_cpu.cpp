@@ -11,12 +11,14 @@
 // on SmolLM2-135M's 30 layers, one thread, panel vs oneDNN: 1.22x at 1 row, 1.34x at 8, 1.47x at
 // 16, 1.06x at 32, and 0.58x at 64 and beyond (oneDNN's blocking wins there): onednn_linear.py
 // uses this for up to PANEL_MAX_ROWS rows only. Sums run over k in order per output.
+// Builds without AVX-512 get an AVX2 version (below; measured on a Zen 3, 30 layers, one thread,
+// vs oneDNN: 2.0x at 1 row, 1.4x at 4, 0.87x at 8 and 16) and, without AVX2, a portable loop.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -75,8 +77,73 @@ constexpr BlockFn kBlocks[kRowBlock + 1] = {
 };
 #endif
 
-// The same computation without AVX-512 (a portable build): a fixed-width accumulator the
-// compiler vectorises.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 (e.g. AMD Zen 3): a panel row is two 8-float vectors, and the 16 ymm registers hold the
+// accumulators of at most 6 rows, so x goes in blocks of up to 6 rows; each block after the
+// first reads the panel from cache. Without this the portable loop below ran 3.5x slower than
+// oneDNN at 16 rows on a Zen 3 (it re-reads the panel for every row). Splitting k into chunks
+// that stay in L1 across the row blocks measured no faster (0.68x -> 0.51-0.68x at 16 rows).
+constexpr int64_t kRowBlockAvx2 = 6;
+
+template <int MB, int KS>
+inline void panel_block_avx2(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
+                             int64_t width, const float* bias) {
+  __m256 acc[KS][MB][2];
+  for (int s = 0; s < KS; ++s)
+    for (int m = 0; m < MB; ++m) acc[s][m][0] = acc[s][m][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + KS <= K; k += KS) {
+    for (int s = 0; s < KS; ++s) {
+      const float* row = panel + (k + s) * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchL2Rows * kPanel), _MM_HINT_T1);
+      const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k + s);
+        acc[s][m][0] = _mm256_fmadd_ps(xv, w0, acc[s][m][0]);
+        acc[s][m][1] = _mm256_fmadd_ps(xv, w1, acc[s][m][1]);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
+      acc[0][m][0] = _mm256_fmadd_ps(xv, w0, acc[0][m][0]);
+      acc[0][m][1] = _mm256_fmadd_ps(xv, w1, acc[0][m][1]);
+    }
+  }
+  alignas(32) float b[kPanel] = {0.f};
+  if (bias) std::memcpy(b, bias, width * sizeof(float));
+  for (int m = 0; m < MB; ++m) {
+    __m256 lo = acc[0][m][0], hi = acc[0][m][1];
+    for (int s = 1; s < KS; ++s) lo = _mm256_add_ps(lo, acc[s][m][0]), hi = _mm256_add_ps(hi, acc[s][m][1]);
+    lo = _mm256_add_ps(lo, _mm256_load_ps(b));
+    hi = _mm256_add_ps(hi, _mm256_load_ps(b + 8));
+    if (width == kPanel) {
+      _mm256_storeu_ps(out + m * ldo, lo);
+      _mm256_storeu_ps(out + m * ldo + 8, hi);
+    } else {  // the last panel of a layer whose width is not a multiple of 16
+      alignas(32) float tmp[kPanel];
+      _mm256_store_ps(tmp, lo);
+      _mm256_store_ps(tmp + 8, hi);
+      std::memcpy(out + m * ldo, tmp, width * sizeof(float));
+    }
+  }
+}
+
+using BlockFnAvx2 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*);
+
+// With fewer than 3 rows the k loop is split, so 4+ independent FMA chains hide the FMA latency.
+constexpr BlockFnAvx2 kBlocksAvx2[kRowBlockAvx2 + 1] = {
+    nullptr, panel_block_avx2<1, 4>, panel_block_avx2<2, 2>, panel_block_avx2<3, 2>,
+    panel_block_avx2<4, 1>, panel_block_avx2<5, 1>, panel_block_avx2<6, 1>,
+};
+#endif
+
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+// The same computation without AVX-512 or AVX2 (a portable build): a fixed-width accumulator
+// the compiler vectorises.
 void panel_block_portable(const float* x, int64_t ldx, int64_t rows, const float* panel, int64_t K, float* out,
                           int64_t ldo, int64_t width, const float* bias) {
   for (int64_t m = 0; m < rows; ++m) {
@@ -90,6 +157,7 @@ void panel_block_portable(const float* x, int64_t ldx, int64_t rows, const float
     for (int64_t j = 0; j < width; ++j) out[m * ldo + j] = acc[j] + (bias ? bias[j] : 0.f);
   }
 }
+#endif
 
 }  // namespace
 
@@ -136,6 +204,11 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
 #if defined(__AVX512F__)
         const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1u);
         kBlocks[rows](xp + m0 * ldx, ldx, panel, K, op + m0 * N + p * kPanel, N, mask, bias_p);
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (int64_t r0 = 0; r0 < rows; r0 += kRowBlockAvx2) {
+          const int64_t n = std::min(kRowBlockAvx2, rows - r0);
+          kBlocksAvx2[n](xp + (m0 + r0) * ldx, ldx, panel, K, op + (m0 + r0) * N + p * kPanel, N, width, bias_p);
+        }
 #else
         panel_block_portable(xp + m0 * ldx, ldx, rows, panel, K, op + m0 * N + p * kPanel, N, width, bias_p);
 #endif

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -155,21 +157,54 @@ def test_fused_rotary_and_silu_match_torch(kernel, dtype, tol):
     assert torch.allclose(kernel.silu_and_mul(gate_up).float(), (F.silu(gate) * up).float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("n, k", [(960, 576), (37, 19), (16, 1), (5, 64)])  # panel tails, a 1-wide input
-@pytest.mark.parametrize("bias", [False, True])
-def test_panel_linear_matches_f_linear(kernel, n, k, bias):
-    """Every row count the row-block templates cover (1-16, then a second block), on a strided x."""
+PANEL_SHAPES = [(960, 576), (37, 19), (16, 1), (5, 64)]  # panel tails, a 1-wide input
+
+
+def _check_panel_linear(ops, n, k, bias):
     torch.manual_seed(0)
     w = torch.randn(n, k)
     b = torch.randn(n) if bias else None
-    panels = kernel.pack_panels(w)
+    panels = ops.pack_panels(w)
     assert panels.shape == ((n + 15) // 16, k, 16)
     for m in [*range(1, 18), 33]:
         x = torch.randn(m, k + 3)[:, :k]  # rows farther apart than k
         ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-        got = kernel.panel_linear(x, panels, n, b)
+        got = ops.panel_linear(x, panels, n, b)
         assert got.shape == (m, n)
         assert torch.allclose(got.double(), ref, atol=1e-4 * k ** 0.5, rtol=1e-5), (m, (got.double() - ref).abs().max())
+
+
+@pytest.mark.parametrize("n, k", PANEL_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_matches_f_linear(kernel, n, k, bias):
+    """Every row count the row-block templates cover (1-16, then a second block), on a strided x."""
+    _check_panel_linear(kernel, n, k, bias)
+
+
+@pytest.fixture(scope="module")
+def panel_ops_avx2(tmp_path_factory):
+    """The panel kernel alone, built for AVX2 without AVX-512 (x86-64-v3: Zen 3, Haswell to Ice
+    Lake clients), so its AVX2 path is checked on an AVX-512 machine too."""
+    import platform
+
+    from torch.utils.cpp_extension import load
+
+    flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+    if platform.machine() != "x86_64" or " avx2 " not in flags or " fma " not in flags:
+        pytest.skip("needs an x86-64 CPU with AVX2 and FMA")
+    d = tmp_path_factory.mktemp("panel_avx2")
+    (d / "bind.cpp").write_text('#include "cpu_ops.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
+                                '  m.def("pack_panels", &pack_panels);\n  m.def("panel_linear", &panel_linear);\n}\n')
+    src = Path(cpu.__file__).parent
+    return load(name="kvmesh_panel_avx2_test", sources=[str(src / "panel_linear_cpu.cpp"), str(d / "bind.cpp")],
+                extra_cflags=["-O3", "-fopenmp", "-ffast-math", "-march=x86-64-v3", f"-I{src}"],
+                extra_ldflags=["-fopenmp"], build_directory=str(d), verbose=False)
+
+
+@pytest.mark.parametrize("n, k", PANEL_SHAPES)
+def test_panel_linear_avx2_build_matches_f_linear(panel_ops_avx2, n, k):
+    _check_panel_linear(panel_ops_avx2, n, k, bias=True)
+    _check_panel_linear(panel_ops_avx2, n, k, bias=False)
 
 
 def test_onednn_linear_sends_decode_sizes_to_panels_and_prefill_to_onednn(kernel, monkeypatch):
