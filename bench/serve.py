@@ -22,8 +22,8 @@ Modes:
       repetition: 4 prefixes of 384 + 128 random tokens, 32 out, 48 prompts, concurrency 8) on vLLM's
       server, on `kvmesh serve` and on the engine alone (LLMEngine in a fresh process with the
       server's thread settings and token budget, same requests, same concurrency), in --rounds
-      interleaved rounds (order alternating, fresh prompts each round; both servers stay up, idle
-      while the other runs). Reported: medians of the ratios paired within a round: total tok/s,
+      interleaved rounds (order alternating, fresh prompts each round; both servers stay up, the one
+      not measured paused by SIGSTOP, and both while the engine alone runs). Reported: medians of the ratios paired within a round: total tok/s,
       TTFT p50, TPOT p50 (targets >= 2.0x, <= 0.5x), and the server's share of the engine alone
       (target >= 95%; --skip-offline). `auto` starts vLLM's CPU build itself through
       /work/shared/bench/vllm_anchor.sh (--vllm-anchor; `vllm_anchor.sh setup` first); a URL uses a
@@ -230,10 +230,11 @@ class LocalServer:
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ)
         self.log = open(log_path, "w")
+        # Its own session (process group): pause() stops the server and its engine core together.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.cli", "serve", "--model", model, "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "warning", *engine_flags],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -248,7 +249,19 @@ class LocalServer:
             time.sleep(0.2)
         raise TimeoutError("server did not become ready")
 
+    def pause(self) -> None:
+        """SIGSTOP the server's process group: a paused server takes no CPU at all. An idle one
+        still does: vLLM's CPU worker polls (1-2% of a CPU), and on 2 CPUs each of its wake-ups
+        stalls the measured engine's OpenMP team at a barrier (it cost kvmesh ~9% throughput)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
+        self.resume()  # a stopped process would hold the SIGTERM until continued
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -436,6 +449,7 @@ class VLLMServer(LocalServer):
         raise TimeoutError("vllm serve did not become ready")
 
     def stop(self) -> None:
+        self.resume()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: vllm's engine process too
             try:
@@ -491,7 +505,7 @@ def _median(values: list[float]) -> float:
 def compare_vllm(args) -> int:
     """Issue 14's comparison in interleaved rounds. This machine's speed drifts by 10-30% within a
     run, so measuring each side once, one after the other, lets the drift pick the winner. Both
-    servers stay up (an idle one costs nothing: checked and printed), and every round runs each
+    servers stay up, the ones not being measured paused (LocalServer.pause), and every round runs each
     workload on vLLM, kvmesh and the engine alone back to back, in alternating order, with fresh
     prompts (a new seed: no round hits the prefix cache an earlier one filled). The ratios are
     taken within a round and the report gives their median."""
@@ -507,10 +521,13 @@ def compare_vllm(args) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     kvmesh_flags = args.kvmesh_flags.split()
     budget = serve_budget(kvmesh_flags)
+    started: dict[str, LocalServer] = {}  # the servers this run started, which it can pause
     with contextlib.ExitStack() as stack:
         if args.compare_vllm == "auto":
             print("starting vllm serve (its first start compiles: minutes)", flush=True)
-            vllm_url = stack.enter_context(VLLMServer(args.vllm_anchor, model_dir, name, logs / "vllm-serve.log")).url
+            started["vllm"] = stack.enter_context(VLLMServer(args.vllm_anchor, model_dir, name,
+                                                             logs / "vllm-serve.log"))
+            vllm_url = started["vllm"].url
         else:
             vllm_url = args.compare_vllm.rstrip("/")
         if args.kvmesh_url:
@@ -518,22 +535,38 @@ def compare_vllm(args) -> int:
         else:
             print("starting kvmesh serve", flush=True)
             flags = ["--served-model-name", name, "--dtype", args.dtype, *kvmesh_flags]
-            kvmesh_url = stack.enter_context(LocalServer(args.model, flags, logs / "kvmesh-serve.log")).url
+            started["kvmesh"] = stack.enter_context(LocalServer(args.model, flags, logs / "kvmesh-serve.log"))
+            kvmesh_url = started["kvmesh"].url
         warm = random_workload(2, 64, 4, vocab, seed=99)
         for label, url in (("vllm serve", vllm_url), ("kvmesh serve", kvmesh_url)):
             asyncio.run(run_load(url, warm, 2, None, model=name, label=f"{label} warm-up"))
         busy = _machine_busy()
-        print(f"both servers up and idle: the machine is {100 * busy:.1f}% busy", flush=True)
+        print(f"both servers up and idle: the machine is {100 * busy:.1f}% busy; each part runs with the "
+              f"servers it does not measure paused (SIGSTOP: {', '.join(started) or 'none started here'})",
+              flush=True)
 
         def offline(wname: str, reqs: list[Req], conc: int) -> dict:
             print(f"  [offline engine: {wname[:24]}] running", flush=True)
             elapsed, in_tok, out_tok = offline_like_the_server(args.model, args.dtype, reqs, conc, budget)
             return {"total_tok_s": (in_tok + out_tok) / elapsed}
 
-        parts = {"vllm": lambda w, r, c: _bench_server("vllm serve", vllm_url, name, w, r, c),
-                 "kvmesh": lambda w, r, c: _bench_server("kvmesh serve", kvmesh_url, name, w, r, c)}
+        def alone(part: str, fn):
+            """fn with every server this run started, except the one it measures, paused."""
+            def run(*a):
+                others = [srv for p, srv in started.items() if p != part]
+                for srv in others:
+                    srv.pause()
+                try:
+                    return fn(*a)
+                finally:
+                    for srv in others:
+                        srv.resume()
+            return run
+
+        parts = {"vllm": alone("vllm", lambda w, r, c: _bench_server("vllm serve", vllm_url, name, w, r, c)),
+                 "kvmesh": alone("kvmesh", lambda w, r, c: _bench_server("kvmesh serve", kvmesh_url, name, w, r, c))}
         if not args.skip_offline:
-            parts["offline"] = offline
+            parts["offline"] = alone("offline", offline)
         # results[workload index][part]: one summary per round
         results: list[dict[str, list[dict]]] = [{p: [] for p in parts} for _ in range(2)]
         names = [w[0] for w in _issue14_workloads(vocab, args)]

@@ -56,3 +56,45 @@ def test_every_file_a_shell_driver_runs_exists(driver):
     referenced = set(re.findall(r"\b((?:bench|tests)/[\w/]+\.py)\b", driver.read_text()))
     assert all((root / r).is_file() for r in referenced), \
         f"{driver.name} runs files that are not there: {[r for r in referenced if not (root / r).is_file()]}"
+
+
+def test_a_paused_server_and_its_children_take_no_cpu_until_resumed(tmp_path):
+    """bench/serve.py's comparison pauses the server it does not measure (an idle vLLM polls and
+    stalls the measured engine's OpenMP threads): the whole process group stops, the engine core
+    child too, and runs on when resumed; stop() works on a paused server."""
+    import subprocess
+    import sys
+    import time
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import serve
+    finally:
+        sys.path.remove(str(BENCH))
+    counter = tmp_path / "ticks"
+    child = f"import time\nwhile True:\n    open({str(counter)!r}, 'a').write('.')\n    time.sleep(0.01)\n"
+    parent = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(3600)\n"
+    srv = object.__new__(serve.LocalServer)  # the process handling only, not a kvmesh server
+    srv.proc = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
+    srv.log = open(tmp_path / "log", "w")
+    try:
+        deadline = time.monotonic() + 30
+        while not counter.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        srv.pause()
+        time.sleep(0.2)  # a tick already under way lands
+        paused_at = counter.stat().st_size
+        time.sleep(0.5)
+        assert counter.stat().st_size == paused_at, "the grandchild ran on while paused"
+        srv.resume()
+        time.sleep(0.5)
+        assert counter.stat().st_size > paused_at + 5, "the grandchild did not run on when resumed"
+        srv.pause()
+    finally:
+        srv.stop()  # resumes first: a stopped process would hold the SIGTERM
+        import contextlib
+        import os
+        import signal
+        with contextlib.suppress(ProcessLookupError):  # the grandchild, which SIGTERM to the parent leaves
+            os.killpg(srv.proc.pid, signal.SIGKILL)
+    assert srv.proc.returncode is not None
