@@ -23,9 +23,9 @@ Modes:
       server, on `kvmesh serve` and on the engine alone (LLMEngine in a fresh process with the
       server's thread settings and token budget, same requests, same concurrency), in --rounds
       interleaved rounds (order alternating, fresh prompts each round; both servers stay up, the one
-      not measured paused by SIGSTOP, and both while the engine alone runs). Reported: medians of the ratios paired within a round: total tok/s,
-      TTFT p50, TPOT p50 (targets >= 2.0x, <= 0.5x), and the server's share of the engine alone
-      (target >= 95%; --skip-offline). `auto` starts vLLM's CPU build itself through
+      not measured paused by SIGSTOP, and both while the engine alone runs). Reported: medians of
+      the ratios paired within a round: total tok/s, TTFT p50, TPOT p50 (targets >= 2.0x, <= 0.5x),
+      and the server's share of the engine alone (target >= 95%; --skip-offline). `auto` starts vLLM's CPU build itself through
       /work/shared/bench/vllm_anchor.sh (--vllm-anchor; `vllm_anchor.sh setup` first); a URL uses a
       vLLM server already running there. --kvmesh-url uses a running kvmesh server instead of
       starting one; --kvmesh-flags adds flags to the one started (e.g. "--engine-mode thread").
@@ -505,9 +505,9 @@ def _median(values: list[float]) -> float:
 def compare_vllm(args) -> int:
     """Issue 14's comparison in interleaved rounds. This machine's speed drifts by 10-30% within a
     run, so measuring each side once, one after the other, lets the drift pick the winner. Both
-    servers stay up, the ones not being measured paused (LocalServer.pause), and every round runs each
-    workload on vLLM, kvmesh and the engine alone back to back, in alternating order, with fresh
-    prompts (a new seed: no round hits the prefix cache an earlier one filled). The ratios are
+    servers stay up, the ones not being measured paused (LocalServer.pause), and every round runs
+    each workload on vLLM, kvmesh and the engine alone back to back, in alternating order, with
+    fresh prompts (a new seed: no round hits the prefix cache an earlier one filled). The ratios are
     taken within a round and the report gives their median."""
     import contextlib
 

@@ -6,8 +6,15 @@ a shell driver calls is there."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
+import importlib.util
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,15 +69,13 @@ def test_a_paused_server_and_its_children_take_no_cpu_until_resumed(tmp_path):
     """bench/serve.py's comparison pauses the server it does not measure (an idle vLLM polls and
     stalls the measured engine's OpenMP threads): the whole process group stops, the engine core
     child too, and runs on when resumed; stop() works on a paused server."""
-    import subprocess
-    import sys
-    import time
-
-    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_serve", BENCH / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = serve  # its dataclasses look their module up while it loads
     try:
-        import serve
+        spec.loader.exec_module(serve)
     finally:
-        sys.path.remove(str(BENCH))
+        del sys.modules[spec.name]
     counter = tmp_path / "ticks"
     child = f"import time\nwhile True:\n    open({str(counter)!r}, 'a').write('.')\n    time.sleep(0.01)\n"
     parent = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(3600)\n"
@@ -92,9 +97,6 @@ def test_a_paused_server_and_its_children_take_no_cpu_until_resumed(tmp_path):
         srv.pause()
     finally:
         srv.stop()  # resumes first: a stopped process would hold the SIGTERM
-        import contextlib
-        import os
-        import signal
         with contextlib.suppress(ProcessLookupError):  # the grandchild, which SIGTERM to the parent leaves
             os.killpg(srv.proc.pid, signal.SIGKILL)
     assert srv.proc.returncode is not None
