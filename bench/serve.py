@@ -20,10 +20,10 @@ Modes:
   bench/serve.py --compare-vllm auto                               # issue 14: kvmesh serve vs vLLM serve
       the two workloads of issue 14 (random 256 in / 128 out, 64 prompts, concurrency 16; prefix
       repetition: 4 prefixes of 384 + 128 random tokens, 32 out, 48 prompts, concurrency 8) on vLLM's
-      server, on `kvmesh serve` and on the engine alone (LLMEngine in a fresh process with the
-      server's thread settings and token budget, same requests, same concurrency), in --rounds
-      interleaved rounds (order alternating, fresh prompts each round; both servers stay up, the one
-      not measured paused by SIGSTOP, and both while the engine alone runs). Reported: medians of
+      server, on `kvmesh serve` and on the engine alone (LLMEngine in its own long-lived process with
+      the server's thread settings and token budget, same requests, same concurrency), in --rounds
+      interleaved rounds (order alternating, fresh prompts each round; all three stay up, the ones
+      not measured paused by SIGSTOP; the host's steal time is noted where it shows). Reported: medians of
       the ratios paired within a round: total tok/s, TTFT p50, TPOT p50 (targets >= 2.0x, <= 0.5x),
       and the server's share of the engine alone (target >= 95%; --skip-offline). `auto` starts vLLM's CPU build itself through
       /work/shared/bench/vllm_anchor.sh (--vllm-anchor; `vllm_anchor.sh setup` first); a URL uses a
@@ -296,12 +296,9 @@ def run_offline_api(model: str, reqs: list[Req], engine_kwargs: dict) -> tuple[f
     return elapsed, sum(len(o.token_ids) for o in outs), sum(len(r.prompt) for r in reqs)
 
 
-def offline_closed_loop(model: str, dtype: str, prompts: list[list[int]], max_tokens: list[int],
-                        concurrency: int, budget: int) -> tuple[float, int, int]:
-    """The engine alone (LLMEngine, no HTTP, no core process) on the same requests at the same
-    concurrency, closed loop: (seconds, prompt tokens, output tokens). The yardstick for the
-    serving path's own cost (issue 14: the server keeps >= 95% of it). `budget`: the token budget
-    per step."""
+def offline_engine(model: str, dtype: str, budget: int):
+    """The engine alone (LLMEngine: no HTTP, no core process), warmed up. `budget`: the token budget
+    per step (serve_budget: the server's)."""
     from kvmesh.engine import EngineArgs, SamplingParams
     from kvmesh.engine.llm_engine import LLMEngine
 
@@ -309,6 +306,16 @@ def offline_closed_loop(model: str, dtype: str, prompts: list[list[int]], max_to
     engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     while engine.has_unfinished_requests():
         engine.step()
+    return engine
+
+
+def offline_closed_loop(engine, prompts: list[list[int]], max_tokens: list[int],
+                        concurrency: int) -> tuple[float, int, int]:
+    """The requests on the engine alone at the server's concurrency, closed loop: (seconds, prompt
+    tokens, output tokens). The yardstick for the serving path's own cost (issue 14: the server
+    keeps >= 95% of it)."""
+    from kvmesh.engine import SamplingParams
+
     todo = list(zip(prompts, max_tokens))
     in_flight, out_tokens = 0, 0
     start = time.perf_counter()
@@ -324,25 +331,89 @@ def offline_closed_loop(model: str, dtype: str, prompts: list[list[int]], max_to
     return time.perf_counter() - start, sum(len(p) for p in prompts), out_tokens
 
 
-def offline_like_the_server(model: str, dtype: str, reqs: list[Req], concurrency: int,
-                            budget: int) -> tuple[float, int, int]:
-    """offline_closed_loop in a fresh process with the environment `kvmesh serve` gives its engine
-    core (thread count, OpenMP spin: engine/threads.py) and the server's token budget
-    (serve_budget), so the two differ only by the serving path."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from kvmesh.engine.threads import core_environment, plan_threads
-
-    saved = dict(os.environ)
-    os.environ.update(core_environment(plan_threads()))  # a spawned child takes os.environ as it starts
+def _offline_worker(conn, model: str, dtype: str, budget: int) -> None:
+    """OfflineEngine's process: one engine, built once, runs each workload it is sent."""
     try:
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(offline_closed_loop, model, dtype, [r.prompt for r in reqs],
-                               [r.max_tokens for r in reqs], concurrency, budget).result()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        engine = offline_engine(model, dtype, budget)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    while (job := conn.recv()) is not None:
+        try:
+            conn.send(("ok", offline_closed_loop(engine, *job)))
+        except Exception as exc:  # noqa: BLE001 - reported; the next run starts clean
+            engine.abort_request(list(engine.states))
+            while engine.has_unfinished_requests():
+                engine.step()
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class OfflineEngine:
+    """The engine alone in one long-lived process, started with the environment `kvmesh serve`
+    gives its engine core (thread count, OpenMP spin: engine/threads.py) and the server's token
+    budget, so it differs from the server only by the serving path; paused (SIGSTOP) like the
+    servers while another part runs.
+
+    Long-lived like the servers, not a fresh process per run: on this machine (a VM) gigabytes
+    freed by an exiting process are reclaimed by the host over the next ~20 s, and while the
+    guest's CPUs are busy that shows as steal time: 8% of both CPUs, 12% of the next server run's
+    throughput (docs/engine-server.md)."""
+
+    def __init__(self, model: str, dtype: str, budget: int):
+        import multiprocessing
+
+        from kvmesh.engine.threads import core_environment, plan_threads
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        saved = dict(os.environ)
+        os.environ.update(core_environment(plan_threads()))  # a spawned child takes os.environ as it starts
+        try:
+            self.proc = ctx.Process(target=_offline_worker, args=(child, model, dtype, budget), daemon=True)
+            self.proc.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        child.close()
+        self._answer()  # ready
+
+    def _answer(self):
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the offline engine's process exited ({self.proc.exitcode})") from None
+        if kind == "error":
+            raise RuntimeError(f"offline engine: {value}")
+        return value
+
+    def run(self, reqs: list[Req], concurrency: int) -> tuple[float, int, int]:
+        self.conn.send(([r.prompt for r in reqs], [r.max_tokens for r in reqs], concurrency))
+        return self._answer()
+
+    def pause(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        self.resume()
+        if self.proc.is_alive():
+            self.conn.send(None)
+            self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
 
 
 def serve_budget(flags: list[str]) -> int:
@@ -486,16 +557,23 @@ def _bench_server(label: str, url: str, model: str, name: str, reqs: list[Req], 
     return s
 
 
+def _cpu_times() -> list[int]:
+    """/proc/stat's all-CPU line: user nice system idle iowait irq softirq steal ..."""
+    return [int(x) for x in open("/proc/stat").readline().split()[1:]]
+
+
 def _machine_busy(seconds: float = 2.0) -> float:
-    """The fraction of all CPUs busy over `seconds` (/proc/stat): what the idle servers cost the
-    one being measured."""
-    def sample() -> tuple[int, int]:
-        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
-    t0, i0 = sample()
+    """The fraction of all CPUs busy over `seconds`: what the idle parts cost the one measured."""
+    t0 = _cpu_times()
     time.sleep(seconds)
-    t1, i1 = sample()
-    return 1 - (i1 - i0) / max(t1 - t0, 1)
+    d = [b - a for a, b in zip(t0, _cpu_times())]
+    return 1 - (d[3] + d[4]) / max(sum(d), 1)
+
+
+def _steal(t0: list[int], t1: list[int]) -> float:
+    """The fraction of CPU time the hypervisor took between two _cpu_times() (0 on bare metal)."""
+    d = [b - a for a, b in zip(t0, t1)]
+    return d[7] / max(sum(d[:8]), 1) if len(d) > 7 else 0.0
 
 
 def _median(values: list[float]) -> float:
@@ -521,7 +599,7 @@ def compare_vllm(args) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     kvmesh_flags = args.kvmesh_flags.split()
     budget = serve_budget(kvmesh_flags)
-    started: dict[str, LocalServer] = {}  # the servers this run started, which it can pause
+    started: dict = {}  # the servers (and the offline engine) this run started, which it can pause
     with contextlib.ExitStack() as stack:
         if args.compare_vllm == "auto":
             print("starting vllm serve (its first start compiles: minutes)", flush=True)
@@ -537,27 +615,36 @@ def compare_vllm(args) -> int:
             flags = ["--served-model-name", name, "--dtype", args.dtype, *kvmesh_flags]
             started["kvmesh"] = stack.enter_context(LocalServer(args.model, flags, logs / "kvmesh-serve.log"))
             kvmesh_url = started["kvmesh"].url
+        if not args.skip_offline:
+            print("starting the offline engine (the engine alone, in its own long-lived process)", flush=True)
+            started["offline"] = stack.enter_context(OfflineEngine(args.model, args.dtype, budget))
         warm = random_workload(2, 64, 4, vocab, seed=99)
         for label, url in (("vllm serve", vllm_url), ("kvmesh serve", kvmesh_url)):
             asyncio.run(run_load(url, warm, 2, None, model=name, label=f"{label} warm-up"))
+        print(f"waiting {args.settle:.0f} s for the host to reclaim the memory the start-ups freed "
+              "(while it does, it takes CPU time from this machine: steal)", flush=True)
+        time.sleep(args.settle)
         busy = _machine_busy()
-        print(f"both servers up and idle: the machine is {100 * busy:.1f}% busy; each part runs with the "
-              f"servers it does not measure paused (SIGSTOP: {', '.join(started) or 'none started here'})",
-              flush=True)
+        print(f"all up and idle: the machine is {100 * busy:.1f}% busy; each part runs with the "
+              f"others paused (SIGSTOP: {', '.join(started) or 'none started here'})", flush=True)
 
         def offline(wname: str, reqs: list[Req], conc: int) -> dict:
             print(f"  [offline engine: {wname[:24]}] running", flush=True)
-            elapsed, in_tok, out_tok = offline_like_the_server(args.model, args.dtype, reqs, conc, budget)
+            elapsed, in_tok, out_tok = started["offline"].run(reqs, conc)
             return {"total_tok_s": (in_tok + out_tok) / elapsed}
 
         def alone(part: str, fn):
-            """fn with every server this run started, except the one it measures, paused."""
+            """fn with everything this run started, except the part it measures, paused; the
+            result notes the CPU time the host took meanwhile (steal)."""
             def run(*a):
                 others = [srv for p, srv in started.items() if p != part]
                 for srv in others:
                     srv.pause()
                 try:
-                    return fn(*a)
+                    t0 = _cpu_times()
+                    out = fn(*a)
+                    out["steal"] = _steal(t0, _cpu_times())
+                    return out
                 finally:
                     for srv in others:
                         srv.resume()
@@ -589,6 +676,9 @@ def _print_round(res: dict[str, list[dict]], rnd: int) -> None:
     if "offline" in res:
         o = res["offline"][rnd]
         line += f"; offline {o['total_tok_s']:.1f} tok/s, server keeps {100 * k['total_tok_s'] / o['total_tok_s']:.1f}%"
+    steal = {p: runs[rnd]["steal"] for p, runs in res.items() if "steal" in runs[rnd]}
+    if any(x >= 0.01 for x in steal.values()):
+        line += "\n   (host steal: " + ", ".join(f"{p} {100 * x:.1f}%" for p, x in steal.items()) + " of CPU time)"
     print(line, flush=True)
 
 
@@ -626,6 +716,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-anchor", default=VLLM_ANCHOR, help="vllm_anchor.sh (serves vLLM's CPU build)")
     ap.add_argument("--kvmesh-url", default=None, help="--compare-vllm: a running kvmesh server (else one is started)")
     ap.add_argument("--kvmesh-flags", default="", help="--compare-vllm: extra `kvmesh serve` flags, one string")
+    ap.add_argument("--settle", type=float, default=30.0,
+                    help="--compare-vllm: seconds to wait after the start-ups before measuring")
     ap.add_argument("--rounds", type=int, default=3,
                     help="--compare-vllm: interleaved rounds (each: every workload on vllm, kvmesh, offline)")
     ap.add_argument("--random-num-prompts", type=int, default=64)

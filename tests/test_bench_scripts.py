@@ -65,17 +65,23 @@ def test_every_file_a_shell_driver_runs_exists(driver):
         f"{driver.name} runs files that are not there: {[r for r in referenced if not (root / r).is_file()]}"
 
 
-def test_a_paused_server_and_its_children_take_no_cpu_until_resumed(tmp_path):
+@pytest.fixture
+def serve():
+    """bench/serve.py as a module, loaded by path (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_serve", BENCH / "serve.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module
+
+
+def test_a_paused_server_and_its_children_take_no_cpu_until_resumed(tmp_path, serve):
     """bench/serve.py's comparison pauses the server it does not measure (an idle vLLM polls and
     stalls the measured engine's OpenMP threads): the whole process group stops, the engine core
     child too, and runs on when resumed; stop() works on a paused server."""
-    spec = importlib.util.spec_from_file_location("bench_serve", BENCH / "serve.py")
-    serve = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = serve  # its dataclasses look their module up while it loads
-    try:
-        spec.loader.exec_module(serve)
-    finally:
-        del sys.modules[spec.name]
     counter = tmp_path / "ticks"
     child = f"import time\nwhile True:\n    open({str(counter)!r}, 'a').write('.')\n    time.sleep(0.01)\n"
     parent = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(3600)\n"
@@ -100,3 +106,55 @@ def test_a_paused_server_and_its_children_take_no_cpu_until_resumed(tmp_path):
         with contextlib.suppress(ProcessLookupError):  # the grandchild, which SIGTERM to the parent leaves
             os.killpg(srv.proc.pid, signal.SIGKILL)
     assert srv.proc.returncode is not None
+
+
+def test_the_offline_engine_is_one_process_for_every_run_and_survives_a_failed_one(tmp_path, monkeypatch):
+    """The comparison's engine alone lives as long as the servers (a fresh process per run frees
+    gigabytes at each exit, which this VM's host reclaims by stealing CPU from the next run): one
+    process runs every workload, reports each run's tokens, answers a failed run with its error
+    and runs on; paused, it takes no CPU; stop() works on a paused engine."""
+    import psutil
+
+    from tests.tiny_models import build_tiny_model
+
+    # The engine's process is spawned: it imports the worker's module by name, as `serve` from
+    # bench/ (the spawned child takes this sys.path), or as the main script when serve.py runs.
+    monkeypatch.syspath_prepend(str(BENCH))
+    try:
+        serve = importlib.import_module("serve")
+        _offline_engine_checks(serve, tmp_path)
+    finally:
+        sys.modules.pop("serve", None)
+
+
+def _offline_engine_checks(serve, tmp_path):
+    import psutil
+
+    from tests.tiny_models import build_tiny_model
+
+    model = str(build_tiny_model(tmp_path / "tiny", "tiny-llama"))
+    reqs = [serve.Req(list(range(10, 10 + n)), m) for n, m in ((5, 3), (17, 4), (9, 2))]
+    with serve.OfflineEngine(model, "float32", 64) as engine:
+        pid = engine.proc.pid
+        seconds, prompt_tokens, output_tokens = engine.run(reqs, 2)
+        assert (prompt_tokens, output_tokens) == (31, 9) and seconds > 0
+        with pytest.raises(RuntimeError, match="offline engine: .*"):
+            engine.run([serve.Req([10**9], 2)], 1)  # a token id outside the vocabulary
+        assert engine.run(reqs[:1], 1)[1:] == (5, 3) and engine.proc.pid == pid
+        proc = psutil.Process(pid)
+        engine.pause()
+        assert _status_becomes(proc, psutil.STATUS_STOPPED)
+        engine.resume()
+        assert _status_becomes(proc, psutil.STATUS_SLEEPING)  # waiting for the next run
+        engine.pause()
+    assert not engine.proc.is_alive()
+
+
+def _status_becomes(proc, status: str, timeout: float = 5.0) -> bool:
+    """Signals land asynchronously: poll the process's state for a while."""
+    deadline = time.monotonic() + timeout
+    while proc.status() != status:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
