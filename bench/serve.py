@@ -583,10 +583,10 @@ def _median(values: list[float]) -> float:
 def compare_vllm(args) -> int:
     """Issue 14's comparison in interleaved rounds. This machine's speed drifts by 10-30% within a
     run, so measuring each side once, one after the other, lets the drift pick the winner. Both
-    servers stay up, the ones not being measured paused (LocalServer.pause), and every round runs
-    each workload on vLLM, kvmesh and the engine alone back to back, in alternating order, with
-    fresh prompts (a new seed: no round hits the prefix cache an earlier one filled). The ratios are
-    taken within a round and the report gives their median."""
+    servers and the engine alone stay up, the ones not being measured paused (their pause()), and
+    every round runs each workload on vLLM, kvmesh and the engine alone back to back, in
+    alternating order, with fresh prompts (a new seed: no round hits the prefix cache an earlier
+    one filled). The ratios are taken within a round and the report gives their median."""
     import contextlib
 
     from kvmesh.engine.builtin import resolve_model_dir

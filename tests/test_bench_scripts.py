@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
-import importlib.util
 import os
 import re
 import signal
@@ -66,16 +65,15 @@ def test_every_file_a_shell_driver_runs_exists(driver):
 
 
 @pytest.fixture
-def serve():
-    """bench/serve.py as a module, loaded by path (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_serve", BENCH / "serve.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
+def serve(monkeypatch):
+    """bench/serve.py as the module `serve` (bench/ is not a package), imported by name from a
+    sys.path entry undone after the test: the offline engine's spawned process imports its
+    worker the same way (the child takes this sys.path), as the main script when serve.py runs."""
+    monkeypatch.syspath_prepend(str(BENCH))
     try:
-        spec.loader.exec_module(module)
+        yield importlib.import_module("serve")
     finally:
-        del sys.modules[spec.name]
-    return module
+        sys.modules.pop("serve", None)
 
 
 def test_a_paused_server_and_its_children_take_no_cpu_until_resumed(tmp_path, serve):
@@ -108,26 +106,11 @@ def test_a_paused_server_and_its_children_take_no_cpu_until_resumed(tmp_path, se
     assert srv.proc.returncode is not None
 
 
-def test_the_offline_engine_is_one_process_for_every_run_and_survives_a_failed_one(tmp_path, monkeypatch):
+def test_the_offline_engine_is_one_process_for_every_run_and_survives_a_failed_one(tmp_path, serve):
     """The comparison's engine alone lives as long as the servers (a fresh process per run frees
     gigabytes at each exit, which this VM's host reclaims by stealing CPU from the next run): one
     process runs every workload, reports each run's tokens, answers a failed run with its error
     and runs on; paused, it takes no CPU; stop() works on a paused engine."""
-    import psutil
-
-    from tests.tiny_models import build_tiny_model
-
-    # The engine's process is spawned: it imports the worker's module by name, as `serve` from
-    # bench/ (the spawned child takes this sys.path), or as the main script when serve.py runs.
-    monkeypatch.syspath_prepend(str(BENCH))
-    try:
-        serve = importlib.import_module("serve")
-        _offline_engine_checks(serve, tmp_path)
-    finally:
-        sys.modules.pop("serve", None)
-
-
-def _offline_engine_checks(serve, tmp_path):
     import psutil
 
     from tests.tiny_models import build_tiny_model
