@@ -27,7 +27,7 @@ from kvmesh.engine.sampler import TokenLogprobs
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.server.async_engine import EngineStepError
 from kvmesh.engine.step_timing import PHASES, overhead_per_step
-from kvmesh.engine.threads import plan_threads
+from kvmesh.engine.threads import core_environment, plan_threads
 from tests.engine.server.conftest import ThreadServer, free_port, wait_for
 from tests.engine.server.test_api import metrics
 
@@ -80,14 +80,18 @@ def test_thread_plan():
     assert plan_threads(None, "auto", list(range(16)), env={}, cpu_limit=None).core_threads == 15
 
 
-def test_core_environment_shortens_the_openmp_spin_unless_told_otherwise():
-    from kvmesh.engine.threads import core_environment
-
+def test_core_environment_sets_the_openmp_spin_unless_told_otherwise():
+    # sharing its CPUs with the frontend alone: the worker stays awake between steps
     plan = plan_threads(None, "auto", [0, 1], env={})
     env = core_environment(plan, {"PATH": "/bin"})
-    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "100000"}
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "1000000"}
     for user_choice in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}, {"KMP_BLOCKTIME": "1"}):
         assert core_environment(plan, user_choice) == {**user_choice, "OMP_NUM_THREADS": "2"}
+    # where its CPUs may be contended: a CPU quota, the core pinned apart (the rest of the node), no plan
+    quota = plan_threads(None, "auto", [0, 1, 2, 3], env={}, cpu_limit=2.0)
+    assert core_environment(quota, {})["GOMP_SPINCOUNT"] == "100000"
+    pinned = plan_threads(None, "auto", list(range(8)), env={})
+    assert core_environment(pinned, {})["GOMP_SPINCOUNT"] == "100000"
     assert core_environment(None, {}) == {"GOMP_SPINCOUNT": "100000"}
 
 
@@ -162,7 +166,8 @@ def test_the_thread_mode_serves_and_agrees_with_the_process_mode(thread_server, 
     assert proc_server.state.engine.process.pid != os.getpid()
     # libgomp reads its spin count when torch loads: it must be in the core's environment from the start
     environ = open(f"/proc/{proc_server.state.engine.process.pid}/environ", "rb").read().split(b"\0")
-    assert b"GOMP_SPINCOUNT=100000" in environ or "GOMP_SPINCOUNT" in os.environ
+    spin = core_environment(proc_server.state.engine.threads).get("GOMP_SPINCOUNT")  # None: the caller chose a policy
+    assert spin is None or f"GOMP_SPINCOUNT={spin}".encode() in environ
     assert_same_answers(thread_server.url, proc_server.url, REQUESTS)
     # a stop string (API side) ends the request in the core too: its blocks are freed
     text = httpx.post(proc_server.url + "/v1/completions", json=REQUESTS[0], timeout=60).json()["choices"][0]["text"]
