@@ -189,13 +189,29 @@ class _Call:
 
 class _Held:
     """A request held for lack of a routable pod; `go` resolves when it may be routed, `sent` is
-    set once it has been sent (or has given up), so the next one is released in arrival order."""
+    set once its body is on the engine's socket (or it has given up), so the next one is released
+    after it and the engine sees them in arrival order."""
 
     __slots__ = ("go", "sent")
 
     def __init__(self):
         self.go: asyncio.Future = asyncio.get_running_loop().create_future()
         self.sent = asyncio.Event()
+
+
+def _body_sent_trace() -> aiohttp.TraceConfig:
+    """Calls a request's `trace_request_ctx["on_sent"]` as its body goes to the socket. aiohttp
+    signals the chunk just before its synchronous write, and the callback only sets an event, so
+    whoever waits on it runs after the bytes are on their way: a held request is released once
+    the one before it has reached the engine's socket, and the engine sees them in arrival order."""
+    async def chunk_sent(_session, ctx, _params) -> None:
+        on_sent = (ctx.trace_request_ctx or {}).get("on_sent")
+        if on_sent is not None:
+            on_sent()
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_chunk_sent.append(chunk_sent)
+    return trace
 
 
 class Router:
@@ -267,7 +283,8 @@ class Router:
         self.discovery.start()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                             skip_auto_headers=("User-Agent",))
+                                             skip_auto_headers=("User-Agent",),
+                                             trace_configs=[_body_sent_trace()] if self.holds else None)
 
     async def shutdown(self) -> None:
         if self._hold_task is not None:
@@ -795,11 +812,10 @@ class Router:
             try:
                 if tried == 1:
                     m.overhead.observe(time.perf_counter() - t0)
-                    if on_sent is not None:
-                        on_sent()
                 t_send = time.perf_counter()
                 try:
-                    resp = await self.session.post(cand.url + target, data=body, headers=fwd, timeout=timeout)
+                    resp = await self.session.post(cand.url + target, data=body, headers=fwd, timeout=timeout,
+                                                   trace_request_ctx={"on_sent": on_sent} if on_sent else None)
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                     # The connection was never made: the engine never saw the request.
                     self.breaker.failure(cand.name)
