@@ -266,7 +266,7 @@ def test_a_4mb_prompt_does_not_stall_health_and_a_limited_client_costs_no_tokeni
     # it took a while, and /health was asked throughout (how many times depends on the machine's
     # speed); had the tokenizer run on the event loop, the probe in flight would have waited for it
     assert tokenizing > 0.3 and len(latencies) >= 2
-    assert max(latencies) < max(0.25, tokenizing / 3), (max(latencies), tokenizing)
+    assert max(latencies) < max(0.25, tokenizing / 2), (max(latencies), tokenizing)
     # over its limit (1 request a minute): refused before the tokenizer runs
     limited = complete(router.url, prompt)
     assert limited.status_code == 429
