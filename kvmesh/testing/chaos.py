@@ -582,7 +582,8 @@ class ChaosReport:
     router_in_flight_ok: int = 0
     router_refused: int = 0  # no router listening (connection refused or reset before any answer)
     router_failed: list[Result] = field(default_factory=list)
-    router_exit_code: int | None = None
+    router_exit_code: int | None = None  # None: still running when the harness gave up on it
+    router_log_tail: str = ""  # the old router's last log lines, when it did not exit in time
     router_drain_s: float = 0.0
     router_back_s: float = 0.0
     # prefix routing before the faults, after Redis came back, after the router restarted
@@ -840,6 +841,8 @@ async def _chaos(mesh: Mesh, cfg: ChaosConfig, rep: ChaosReport) -> None:
         t_term = time.monotonic()
         rep.router_exit_code = await mesh.router.terminate(timeout=cfg.deadline + 10)
         rep.router_drain_s = time.monotonic() - t_term
+        if rep.router_exit_code is None:  # what held the drain: the requests it logged last
+            rep.router_log_tail = mesh.router.tail(60)
         mark("(c) router drained and exited")
         mesh.router.start()
         await wait_for(lambda: mesh.routable(n), 60, "the new router routing to every engine")
