@@ -249,6 +249,44 @@ class Router:
         self._demand_at = -1e9
         self._demand_warned = -1e9
         self._openapi: bytes | None = None
+        self.draining = False  # SIGTERM: every response from now on closes its connection
+        self.cutting = False  # the drain timed out: the engines' responses still open are being cut
+        self._upstream: set[aiohttp.ClientResponse] = set()  # engines' responses being passed through
+        self._active: dict[object, tuple[str, float]] = {}  # requests inside the app: (route, start)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    async def wait_drained(self, timeout: float, stop=lambda: False) -> bool:
+        """Wait up to `timeout` until no request is inside the router; `stop()` true ends the
+        wait early (a second signal). Returns whether it drained."""
+        deadline = time.monotonic() + timeout
+        while self._active and not stop():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return not self._active
+
+    def cut(self) -> int:
+        """The drain timed out: close every engine response still being passed through (which
+        cancels its work in the engine); each client gets an error event and [DONE], or a 503.
+        Held requests get a 503. Returns how many responses were cut."""
+        self.cutting = True
+        cut = list(self._upstream)
+        for resp in cut:
+            resp.close()
+        for h in list(self._held):  # still waiting for an engine (scale from zero): a 503 now
+            h.go.cancel()
+        return len(cut)
+
+    def describe_active(self, limit: int = 10) -> str:
+        now = time.monotonic()
+        oldest = sorted(self._active.values(), key=lambda a: a[1])[:limit]
+        return ", ".join(f"{path} for {now - t0:.1f}s" for path, t0 in oldest) or "none"
 
     def openapi(self) -> bytes:
         """The OpenAPI document of the router's surface (kvmesh.common.openapi): the engines'
@@ -287,14 +325,23 @@ class Router:
                                              trace_configs=[_body_sent_trace()] if self.holds else None)
 
     async def shutdown(self) -> None:
+        """Each step gets at most SHUTDOWN_STEP_S: a clean-up that hangs (a Redis or engine
+        connection in a bad state) is logged by name and left behind, never holding the exit."""
         if self._hold_task is not None:
             self._hold_task.cancel()
-        if self.discovery is not None:
-            await self.discovery.stop()
-        if self.session is not None:
-            await self.session.close()
-        if self.redis is not None:
-            await self.redis.aclose()
+        steps = [("discovery", self.discovery.stop() if self.discovery is not None else None),
+                 ("engine connections", self.session.close() if self.session is not None else None),
+                 ("redis", self.redis.aclose() if self.redis is not None else None)]
+        for name, coro in steps:
+            if coro is None:
+                continue
+            task = asyncio.ensure_future(coro)
+            done, _ = await asyncio.wait({task}, timeout=SHUTDOWN_STEP_S)
+            if not done:
+                task.cancel()
+                log.warning("shutdown: closing the %s took over %.0fs; left behind", name, SHUTDOWN_STEP_S)
+            elif not task.cancelled() and task.exception() is not None:
+                log.warning("shutdown: closing the %s failed: %s", name, task.exception())
 
     # -- ASGI ---------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send):
@@ -321,8 +368,12 @@ class Router:
             nonlocal started
             if msg["type"] == "http.response.start":
                 started = True
+                if self.draining:  # the server honours it: this connection ends with this response
+                    msg = {**msg, "headers": [*msg.get("headers", ()), (b"connection", b"close")]}
             await send(msg)
 
+        me = object()
+        self._active[me] = (route_label(scope.get("path", "")), time.monotonic())
         # Nothing raises out of the app: an unexpected error is logged, counted, and answered
         # with a 500 if the status line is not out yet.
         try:
@@ -336,9 +387,11 @@ class Router:
             log.exception("unexpected error on %s %s", scope.get("method"), route_label(scope.get("path", "")))
             if not started:
                 try:
-                    await _error(send, 500, "internal router error", "server_error")
+                    await _error(tracked, 500, "internal router error", "server_error")
                 except Exception:  # noqa: BLE001
                     pass
+        finally:
+            del self._active[me]
 
     async def _http(self, scope, receive, send):
         path, method = scope["path"], scope["method"]
@@ -371,10 +424,12 @@ class Router:
 
     async def ready(self, send):
         """200 while the router can accept requests: a routable pod, or none but requests are held
-        until one is (scale from zero); the detail says how many are held."""
+        until one is (scale from zero); the detail says how many are held. 503 once draining."""
         n = len(self.discovery.routable()) if self.discovery else 0
-        ok = bool(n) or self.holds
-        if n:
+        ok = (bool(n) or self.holds) and not self.draining
+        if self.draining:
+            status = "draining: shutting down"
+        elif n:
             status = "ready"
         elif self.holds:
             status = "ready: no routable engine, requests are held until one is (scale from zero)"
@@ -547,6 +602,9 @@ class Router:
                 raise Refused(503, f"no engine is ready and {self.cfg.max_pending_requests} requests already wait "
                               "for one (scale from zero); retry later", "service_unavailable",
                               code="no_ready_engine", headers=[(b"retry-after", b"5")])
+            if outcome == "shutdown":
+                raise Refused(503, "the router is shutting down; retry", "service_unavailable",
+                              code="router_shutdown", headers=[(b"retry-after", b"1")])
             if outcome != "dispatched":
                 raise Refused(503, f"no engine became ready within {self.cfg.scale_from_zero_timeout:g} s "
                               "(scale from zero); retry later", "service_unavailable", code="no_ready_engine",
@@ -664,7 +722,7 @@ class Router:
     # -- scale from zero ---------------------------------------------------------------------------
     async def _hold(self, watcher: asyncio.Future) -> tuple[str, float, _Held | None]:
         """Wait, in arrival order, for a routable pod. Returns (outcome, seconds held, the hold):
-        outcome is dispatched, timeout, queue_full or disconnect."""
+        outcome is dispatched, timeout, queue_full, disconnect or shutdown (the drain timed out)."""
         m = self.metrics
         if len(self._held) >= self.cfg.max_pending_requests:
             m.held_outcomes.labels("queue_full").inc()
@@ -691,6 +749,8 @@ class Router:
             outcome = "dispatched"
         elif watcher.done():
             outcome = "disconnect"
+        elif self.cutting:
+            outcome = "shutdown"
         else:
             outcome = "timeout"
         m.held_outcomes.labels(outcome).inc()
@@ -839,6 +899,7 @@ class Router:
                                  extra + pod_hdr, code="upstream_disconnected")
                     return Outcome(502, cand.name, None, tried, "disconnected")
                 m.ttfb.observe(time.perf_counter() - t_send)
+                self._upstream.add(resp)
                 st = resp.status
                 if st == 429:  # the engine's queue is full: another pod with room may take it
                     self.full_until[cand.name] = time.monotonic() + _retry_after(resp, 1.0, 10.0)
@@ -865,6 +926,10 @@ class Router:
                     try:
                         data = await resp.read()
                     except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                        if self.cutting:
+                            await _error(send, 503, "the router is shutting down; retry", "service_unavailable",
+                                         extra + pod_hdr + [(b"retry-after", b"1")], code="router_shutdown")
+                            return Outcome(503, cand.name, None, tried, "router_shutdown")
                         m.upstream_failures.labels("body").inc()
                         log.warning("%s failed while sending its answer: %s", redact_url(cand.name), exc,
                                     extra={"fields": {"request_id": rid}})
@@ -878,6 +943,7 @@ class Router:
             finally:
                 self.inflight[cand.name] -= 1
                 if resp is not None:
+                    self._upstream.discard(resp)
                     resp.close()  # a half-read response closes its connection (cancels the engine's work)
         await _error(send, 502, f"no engine could take the request ({last_err})", "upstream_error", extra,
                      code="no_engine_reachable")
@@ -912,19 +978,28 @@ class Router:
             except StopAsyncIteration:
                 break
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-                error = "mid_stream"
-                m.upstream_failures.labels("mid_stream").inc()
-                log.warning("%s failed mid-stream: %s", redact_url(pod), exc or type(exc).__name__,
-                            extra={"fields": {"request_id": rid}})
                 lead = b"" if not keep or keep.endswith(b"\n\n") else b"\n\n"
-                event = {"error": {"message": "the engine failed mid-stream; the response is incomplete",
-                                   "type": "upstream_error", "param": None, "code": "upstream_failed"}}
+                if self.cutting:  # our own drain timed out, not the engine
+                    error = "router_shutdown"
+                    event = {"error": {"message": SHUTDOWN_MSG, "type": "service_unavailable", "param": None,
+                                       "code": "router_shutdown"}}
+                else:
+                    error = "mid_stream"
+                    m.upstream_failures.labels("mid_stream").inc()
+                    log.warning("%s failed mid-stream: %s", redact_url(pod), exc or type(exc).__name__,
+                                extra={"fields": {"request_id": rid}})
+                    event = {"error": {"message": "the engine failed mid-stream; the response is incomplete",
+                                       "type": "upstream_error", "param": None, "code": "upstream_failed"}}
                 await send({"type": "http.response.body", "more_body": True,
                             "body": lead + b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"})
                 break
         await send({"type": "http.response.body", "body": b""})
         usage = _usage(keep, True) if start["status"] == 200 and error is None else None
         return Outcome(start["status"], pod, usage, tried, error)
+
+
+SHUTDOWN_STEP_S = 2.0
+SHUTDOWN_MSG = "the router is shutting down (its drain timed out); the response is incomplete: retry"
 
 
 def estimate_tokens(req: dict[str, Any], prompt_tokens: int) -> int:
@@ -1090,7 +1165,7 @@ async def _wait_disconnect(receive):
 
 async def _send(send, status: int, body: bytes, ctype: bytes = b"application/json", extra=()):
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", ctype), *extra]})
+                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-stale-after", type=float, default=10.0,
                    help="seconds without reading Redis before its heartbeats expire and known pods are routed "
                         "to by load only")
+    p.add_argument("--drain-timeout", type=float, default=20.0,
+                   help="after SIGTERM: seconds the requests in flight get to finish before the router exits "
+                        "(keep it + preStop sleep under the pod's grace period)")
     p.add_argument("--max-pending-requests", type=int, default=256,
                    help="scale from zero: requests held while no engine is routable; more get 503 "
                         "(0: none are held, 503 at once)")
@@ -112,9 +115,8 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
     from kvmesh.router.app import Router
+    from kvmesh.router.server import make_server
 
     setup_logging(args.log_format, args.log_level)
     if args.no_access_log:
@@ -134,6 +136,6 @@ def run(args: argparse.Namespace) -> int:
         "router for %s on %s:%d, policy %s, %s, auth %s", cfg.model, args.host, args.port, cfg.policy,
         f"static backends {[redact_url(u) for u in cfg.static_backends]}" if cfg.static_backends else f"redis {redact_url(cfg.redis_url or '')}",
         "on" if cfg.api_keys is not None else "off")
-    uvicorn.run(router, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="on",
-                timeout_graceful_shutdown=30, loop="auto", http="auto")
-    return 0
+    server = make_server(router, args.host, args.port, args.drain_timeout, watchdog=True)
+    server.run()
+    return 0 if server.started else 1

@@ -79,7 +79,7 @@ class RouterMetrics:
                                    "How long held requests waited, by outcome", ["outcome"],
                                    buckets=WAIT_BUCKETS, registry=r)
         self.held_outcomes = Counter("kvmesh_router_scale_from_zero",
-                                     "Held requests by outcome: served, timeout, queue_full, disconnect",
+                                     "Held requests by outcome: dispatched, timeout, queue_full, disconnect, shutdown",
                                      ["outcome"], registry=r)
         self.demand_signals = Counter("kvmesh_router_demand_signals",
                                       "Writes of the scale-from-zero demand key to Redis", registry=r)

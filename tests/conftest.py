@@ -180,18 +180,15 @@ class RouterThread:
     `encoder`: the router's tokenizer; by default the session's shared smollm2 encoder
     (loaded once), None: the router loads the one `cfg.tokenizer` (or `cfg.model`) names."""
 
-    def __init__(self, cfg, encoder=_SHARED):
+    def __init__(self, cfg, encoder=_SHARED, drain_timeout: float = 5.0):
         import threading
 
-        import uvicorn
-
         from kvmesh.router.app import Router
+        from kvmesh.router.server import make_server
 
         self.port = free_port()
         self.router = Router(cfg, encoder=shared_encoder() if encoder is _SHARED else encoder)
-        config = uvicorn.Config(self.router, host="127.0.0.1", port=self.port, log_level="warning",
-                                access_log=False, lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = make_server(self.router, "127.0.0.1", self.port, drain_timeout=drain_timeout)
         self.server.install_signal_handlers = lambda: None
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -202,8 +199,9 @@ class RouterThread:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
+        """As SIGTERM: the router drains (up to its drain timeout), then the thread ends."""
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=self.server.drain_timeout + 10)
 
 
 _ENCODER = None

@@ -209,7 +209,7 @@ class Mesh:
     def start_router(self) -> None:
         argv = [self.python, "-m", "kvmesh.cli", "router", "--model", self.served, "--tokenizer", self.args.model,
                 "--host", self.args.host, "--port", str(self.args.port), "--redis-url", self.redis_url,
-                "--backends-file", str(self.backends_file),
+                "--backends-file", str(self.backends_file), "--drain-timeout", str(self.args.drain_timeout),
                 "--policy", self.args.policy, "--block-size", str(self.args.block_size), "--log-format", "text"]
         if self.args.api_keys_file:
             argv += ["--api-keys-file", self.args.api_keys_file]
@@ -366,7 +366,7 @@ class Mesh:
         say("up", "shutting down: router, sidecars, engines, redis")
         if self.router:
             self.router.terminate()
-            self.router.wait(15)
+            self.router.wait(self.args.drain_timeout + 5)  # its drain, then the cut's few seconds
         for rep in self.replicas:
             rep.sidecar.terminate()
         for rep in self.replicas:
@@ -397,7 +397,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'stub' for the built-in stub engine")
     p.add_argument("--engine-args", default=None, help="extra arguments for every engine")
     p.add_argument("--router-args", default=None, help="extra arguments for the router")
-    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on shutdown: how long the router, then each engine, lets requests in flight finish")
     p.add_argument("--max-restarts", type=int, default=5)
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--state-file", default=None, help="where `kvmesh status` finds this mesh")

@@ -199,7 +199,10 @@ class Mesh:
         self.backends_file = self.dir / "backends"
         router = [*py, "router", "--host", "127.0.0.1", "--port", str(self.router_port), "--model", cfg.model,
                   "--tokenizer", cfg.tokenizer, "--redis-url", self.redis_url,
-                  "--refresh-interval", str(cfg.refresh_interval), "--log-format", "text", "--no-access-log"]
+                  "--refresh-interval", str(cfg.refresh_interval), "--log-format", "text", "--no-access-log",
+                  # its streams last ~1 s; 10 s + the router's watchdog (15 s) end within the
+                  # harness's wait for a SIGTERMed router (30 s)
+                  "--drain-timeout", "10"]
         if cfg.backends == "file":
             router += ["--backends-file", str(self.backends_file)]
         else:
