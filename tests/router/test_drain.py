@@ -5,6 +5,7 @@ timeout even when a stream outlives it."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -214,3 +215,75 @@ def test_a_request_held_for_an_engine_gets_503_when_the_drain_times_out(tmp_path
         assert rt.router.metrics.held_outcomes.labels("shutdown")._value.get() == 1
     finally:
         rt.stop()
+
+
+def _router_with_patch(tmp_path, stub, patch: str) -> tuple[subprocess.Popen, int, object]:
+    """A router process whose Router gets `patch` (Python run at start-up, via sitecustomize)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(patch)
+    port = free_port()
+    log = tmp_path / "router.log"
+    env = child_env()
+    # (never an empty entry: that would put the working directory, this repository, on the path)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+           "--model", "smollm2-135m-instruct", "--redis-url", "none", "--static-backends", f"e0={stub.url}",
+           "--drain-timeout", "1", "--log-format", "text", "--log-level", "INFO"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/ready", timeout=0.5).status_code == 200, 30,
+               msg="router ready")
+    return proc, port, log
+
+
+HANG_DISCOVERY_STOP = """
+import asyncio
+import kvmesh.router.discovery as d
+async def _never(self):
+    await asyncio.sleep(3600)
+d.Discovery.stop = _never
+"""
+
+HANG_SHUTDOWN = """
+import time
+import kvmesh.router.app as a
+async def _stuck(self):
+    time.sleep(3600)  # blocks the event loop itself: only the watchdog can end this
+a.Router.shutdown = _stuck
+"""
+
+
+def test_a_clean_up_step_that_hangs_is_left_behind(stub_factory, model_name, tmp_path):
+    (stub,) = stub_factory(model_name, 1, events=False)
+    proc, _, log = _router_with_patch(tmp_path, stub, HANG_DISCOVERY_STOP)
+    try:
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=15)
+        text = log.read_text()
+        assert rc in (0, -signal.SIGTERM), text
+        assert time.monotonic() - t0 < 6, text  # the 2 s bound, not the hour
+        assert "closing the discovery took over 2s; left behind" in text, text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_router_stuck_in_its_shutdown_dumps_its_stacks_and_exits(stub_factory, model_name, tmp_path):
+    from kvmesh.router.server import WATCHDOG_AFTER_S
+
+    (stub,) = stub_factory(model_name, 1, events=False)
+    proc, _, log = _router_with_patch(tmp_path, stub, HANG_SHUTDOWN)
+    try:
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=1 + WATCHDOG_AFTER_S + 15)
+        text = log.read_text()
+        assert rc == 1, (rc, text[-3000:])
+        assert time.monotonic() - t0 >= 1 + WATCHDOG_AFTER_S - 1
+        assert "Timeout (0:00:" in text and "in _stuck" in text, text[-3000:]  # faulthandler's dump
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
