@@ -7,10 +7,11 @@ still arriving on an open connection with ``Connection: close``, and waits up to
 is cut: its engine response is closed (the engine stops the work) and the client gets an
 error event and [DONE], never a silently truncated stream. Then it exits.
 
-Plain uvicorn waits instead for every *connection* to close, up to its graceful timeout:
-one connection that never closes (a client that stopped reading, a socket accepted just
-as the listener closed) held a router with nothing in flight for the full 30 s. Here the
-exit is decided by requests in flight, which is what a restart must not lose.
+Plain uvicorn waits instead for every *connection* to close, up to its graceful timeout (a
+client that stopped reading holds it all that time), and then for the app's clean-up with no
+bound at all: the chaos test once saw a router that had drained everything still alive 20 s
+later. Here the exit is decided by the requests in flight, which is what a restart must not
+lose, and every step after them is bounded (the clean-up in Router.shutdown, the watchdog).
 """
 
 from __future__ import annotations
