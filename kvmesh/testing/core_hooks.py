@@ -45,6 +45,20 @@ def poison_prompt_token(core, token: int) -> None:
     _wrap(core.runner, "execute", make)
 
 
+def slow_steps(core, seconds: float) -> None:
+    """Every model run takes at least ``seconds`` longer: requests stay in flight for as long as a
+    test needs them there, however slowly its own client is scheduled."""
+    import time
+
+    def make(real):
+        def execute(out, kv):
+            time.sleep(seconds)
+            return real(out, kv)
+        return execute
+
+    _wrap(core.runner, "execute", make)
+
+
 def fail_step(core, nth: int) -> None:
     """The ``nth`` call of ``core.step`` from now raises (outside the model run: the last resort)."""
     calls = {"n": 0}

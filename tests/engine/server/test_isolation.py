@@ -142,7 +142,10 @@ def test_a_fault_one_request_triggers_fails_it_alone(server, http):
     before = metrics(http)
 
     # The fault, in the engine core's process: any model run that holds the poisoned prompt raises.
+    # Steps slowed to 10 ms: the others' 200 tokens last 2 s, so they are still generating when
+    # the poisoned requests arrive, however late a loaded machine runs this test's client.
     engine = server.state.engine
+    engine.call_utility("hook", f"{HOOKS}:slow_steps", 0.01)
     engine.call_utility("hook", f"{HOOKS}:poison_prompt_token", POISON)
 
     async def stream(client, prompt, started=None):
