@@ -24,11 +24,49 @@ pytestmark = pytest.mark.timeout(120)
 DRAIN_S = 3.0
 
 
-def _router_proc(backend: str, port: int, log_path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-           "--model", "smollm2-135m-instruct", "--redis-url", "none", "--static-backends", f"e0={backend}",
-           "--drain-timeout", str(DRAIN_S), "--log-format", "text", "--log-level", "INFO"]
-    return subprocess.Popen(cmd, env=child_env(), cwd=ROOT, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+class RouterProc:
+    """`kvmesh router` in its own process, ready; killed on exit if still alive. `patch`: Python
+    run at its start-up (a sitecustomize), to make a part of it hang."""
+
+    def __init__(self, backend: str, tmp_path, drain_timeout: float = DRAIN_S, patch: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp_path / "router.log"
+        env = child_env()
+        if patch is not None:
+            site = tmp_path / "site"
+            site.mkdir()
+            (site / "sitecustomize.py").write_text(patch)
+            # (never an empty entry: that would put the working directory, this repository, on the path)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
+        cmd = [sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(self.port),
+               "--model", "smollm2-135m-instruct", "--redis-url", "none", "--static-backends", f"e0={backend}",
+               "--drain-timeout", str(drain_timeout), "--log-format", "text", "--log-level", "INFO"]
+        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        self.t_term: float | None = None
+
+    def __enter__(self) -> "RouterProc":
+        try:
+            wait_until(lambda: httpx.get(self.url + "/ready", timeout=0.5).status_code == 200, 30,
+                       msg=f"router ready (log: {self.log})")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def sigterm(self) -> None:
+        self.t_term = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> tuple[int, float, str]:
+        """(exit code, seconds from SIGTERM to the exit, the log)."""
+        rc = self.proc.wait(timeout=timeout)
+        return rc, time.monotonic() - self.t_term, self.log.read_text()
 
 
 class Stream(threading.Thread):
@@ -91,12 +129,8 @@ def test_sigterm_drains_requests_in_flight_and_exits_within_the_drain_timeout(st
     # The stub streams up to 400 tokens, 20 ms apart: a 50-token stream ends well inside the
     # drain; a 400-token one (8 s) outlives it and is cut.
     (stub,) = stub_factory(model_name, 1, "--response-tokens", "400", "--token-delay", "0.02", events=False)
-    port = free_port()
-    log = tmp_path / "router.log"
-    proc = _router_proc(stub.url, port, log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: httpx.get(url + "/ready", timeout=0.5).status_code == 200, 30, msg="router ready")
+    with RouterProc(stub.url, tmp_path) as router:
+        url, port = router.url, router.port
         idle = _idle_keepalive(port)
         silent = socket.create_connection(("127.0.0.1", port), timeout=5)  # connected, never sends
         short, long_ = Stream(url, 50), Stream(url, 400)
@@ -104,8 +138,7 @@ def test_sigterm_drains_requests_in_flight_and_exits_within_the_drain_timeout(st
             s.start()
             assert s.first.wait(10) and s.status == 200, (s.status, s.error)
 
-        t_term = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        router.sigterm()
         # Idle connections are closed at once; the listener too: new connections are refused.
         assert _closed_within(idle, 2.0), "an idle keep-alive connection stayed open after SIGTERM"
         assert _closed_within(silent, 2.0), "a connection that never sent a request stayed open after SIGTERM"
@@ -115,9 +148,7 @@ def test_sigterm_drains_requests_in_flight_and_exits_within_the_drain_timeout(st
         assert short.done and short.error is None, (short.events[-3:], short.error)
         assert len(short.events) == 50 + 2  # 50 tokens, the final chunk, [DONE]
 
-        rc = proc.wait(timeout=DRAIN_S + 10)
-        exited_after = time.monotonic() - t_term
-        text = log.read_text()
+        rc, exited_after, text = router.wait(DRAIN_S + 10)
         assert rc in (0, -signal.SIGTERM), text[-2000:]  # uvicorn re-raises the signal it handled
         # Plain uvicorn waited up to 30 s for the stream; the drain ends it after DRAIN_S.
         assert DRAIN_S - 0.5 < exited_after < DRAIN_S + 4, (exited_after, text[-2000:])
@@ -129,10 +160,6 @@ def test_sigterm_drains_requests_in_flight_and_exits_within_the_drain_timeout(st
         assert err["code"] == "router_shutdown" and "shutting down" in err["message"], err
         assert "drain timeout" in text and "1 requests still in flight are cut: /v1/completions for" in text, text
         assert "Traceback" not in text, text
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _refused(port: int) -> bool:
@@ -145,24 +172,15 @@ def _refused(port: int) -> bool:
 
 def test_an_idle_router_exits_at_once_on_sigterm(stub_factory, model_name, tmp_path):
     (stub,) = stub_factory(model_name, 1, events=False)
-    port = free_port()
-    log = tmp_path / "router.log"
-    proc = _router_proc(stub.url, port, log)
-    try:
-        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/ready", timeout=0.5).status_code == 200, 30,
-                   msg="router ready")
-        conns = [_idle_keepalive(port), socket.create_connection(("127.0.0.1", port), timeout=5)]
-        t_term = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=DRAIN_S + 10) in (0, -signal.SIGTERM)
-        assert time.monotonic() - t_term < 1.5, "open connections without a request held the exit"
-        assert "drained: every request finished" in log.read_text()
+    with RouterProc(stub.url, tmp_path) as router:
+        conns = [_idle_keepalive(router.port), socket.create_connection(("127.0.0.1", router.port), timeout=5)]
+        router.sigterm()
+        rc, exited_after, text = router.wait(DRAIN_S + 10)
+        assert rc in (0, -signal.SIGTERM)
+        assert exited_after < 1.5, "open connections without a request held the exit"
+        assert "drained: every request finished" in text
         for c in conns:
             c.close()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_while_draining_responses_close_their_connection_and_ready_fails(stub_factory, model_name):
@@ -217,25 +235,6 @@ def test_a_request_held_for_an_engine_gets_503_when_the_drain_times_out(tmp_path
         rt.stop()
 
 
-def _router_with_patch(tmp_path, stub, patch: str) -> tuple[subprocess.Popen, int, object]:
-    """A router process whose Router gets `patch` (Python run at start-up, via sitecustomize)."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(patch)
-    port = free_port()
-    log = tmp_path / "router.log"
-    env = child_env()
-    # (never an empty entry: that would put the working directory, this repository, on the path)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "kvmesh.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-           "--model", "smollm2-135m-instruct", "--redis-url", "none", "--static-backends", f"e0={stub.url}",
-           "--drain-timeout", "1", "--log-format", "text", "--log-level", "INFO"]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/ready", timeout=0.5).status_code == 200, 30,
-               msg="router ready")
-    return proc, port, log
-
-
 HANG_DISCOVERY_STOP = """
 import asyncio
 import kvmesh.router.discovery as d
@@ -255,35 +254,21 @@ a.Router.shutdown = _stuck
 
 def test_a_clean_up_step_that_hangs_is_left_behind(stub_factory, model_name, tmp_path):
     (stub,) = stub_factory(model_name, 1, events=False)
-    proc, _, log = _router_with_patch(tmp_path, stub, HANG_DISCOVERY_STOP)
-    try:
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=15)
-        text = log.read_text()
+    with RouterProc(stub.url, tmp_path, drain_timeout=1, patch=HANG_DISCOVERY_STOP) as router:
+        router.sigterm()
+        rc, exited_after, text = router.wait(15)
         assert rc in (0, -signal.SIGTERM), text
-        assert time.monotonic() - t0 < 6, text  # the 2 s bound, not the hour
+        assert exited_after < 6, text  # the 2 s bound, not the hour
         assert "closing the discovery took over 2s; left behind" in text, text
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_router_stuck_in_its_shutdown_dumps_its_stacks_and_exits(stub_factory, model_name, tmp_path):
     from kvmesh.router.server import WATCHDOG_AFTER_S
 
     (stub,) = stub_factory(model_name, 1, events=False)
-    proc, _, log = _router_with_patch(tmp_path, stub, HANG_SHUTDOWN)
-    try:
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=1 + WATCHDOG_AFTER_S + 15)
-        text = log.read_text()
+    with RouterProc(stub.url, tmp_path, drain_timeout=1, patch=HANG_SHUTDOWN) as router:
+        router.sigterm()
+        rc, exited_after, text = router.wait(1 + WATCHDOG_AFTER_S + 15)
         assert rc == 1, (rc, text[-3000:])
-        assert time.monotonic() - t0 >= 1 + WATCHDOG_AFTER_S - 1
+        assert exited_after >= 1 + WATCHDOG_AFTER_S - 1
         assert "Timeout (0:00:" in text and "in _stuck" in text, text[-3000:]  # faulthandler's dump
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
