@@ -271,17 +271,15 @@ class Router:
             await asyncio.sleep(0.05)
         return not self._active
 
-    def cut(self) -> int:
+    def cut(self) -> None:
         """The drain timed out: close every engine response still being passed through (which
         cancels its work in the engine); each client gets an error event and [DONE], or a 503.
-        Held requests get a 503. Returns how many responses were cut."""
+        Held requests get a 503."""
         self.cutting = True
-        cut = list(self._upstream)
-        for resp in cut:
+        for resp in list(self._upstream):
             resp.close()
         for h in list(self._held):  # still waiting for an engine (scale from zero): a 503 now
             h.go.cancel()
-        return len(cut)
 
     def describe_active(self, limit: int = 10) -> str:
         now = time.monotonic()
@@ -603,8 +601,8 @@ class Router:
                               "for one (scale from zero); retry later", "service_unavailable",
                               code="no_ready_engine", headers=[(b"retry-after", b"5")])
             if outcome == "shutdown":
-                raise Refused(503, "the router is shutting down; retry", "service_unavailable",
-                              code="router_shutdown", headers=[(b"retry-after", b"1")])
+                raise Refused(503, SHUTDOWN_REFUSED_MSG, "service_unavailable", code="router_shutdown",
+                              headers=[SHUTDOWN_RETRY_AFTER])
             if outcome != "dispatched":
                 raise Refused(503, f"no engine became ready within {self.cfg.scale_from_zero_timeout:g} s "
                               "(scale from zero); retry later", "service_unavailable", code="no_ready_engine",
@@ -927,8 +925,8 @@ class Router:
                         data = await resp.read()
                     except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
                         if self.cutting:
-                            await _error(send, 503, "the router is shutting down; retry", "service_unavailable",
-                                         extra + pod_hdr + [(b"retry-after", b"1")], code="router_shutdown")
+                            await _error(send, 503, SHUTDOWN_REFUSED_MSG, "service_unavailable",
+                                         extra + pod_hdr + [SHUTDOWN_RETRY_AFTER], code="router_shutdown")
                             return Outcome(503, cand.name, None, tried, "router_shutdown")
                         m.upstream_failures.labels("body").inc()
                         log.warning("%s failed while sending its answer: %s", redact_url(cand.name), exc,
@@ -999,7 +997,10 @@ class Router:
 
 
 SHUTDOWN_STEP_S = 2.0
+# What a request the drain's timeout cuts gets: a stream, an error event; anything else, a 503.
 SHUTDOWN_MSG = "the router is shutting down (its drain timed out); the response is incomplete: retry"
+SHUTDOWN_REFUSED_MSG = "the router is shutting down; retry"
+SHUTDOWN_RETRY_AFTER = (b"retry-after", b"1")
 
 
 def estimate_tokens(req: dict[str, Any], prompt_tokens: int) -> int:
