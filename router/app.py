@@ -252,6 +252,10 @@ class Router:
         self.draining = False  # SIGTERM: every response from now on closes its connection
         self.cutting = False  # the drain timed out: the engines' responses still open are being cut
         self._upstream: set[aiohttp.ClientResponse] = set()  # engines' responses being passed through
+        # proxy() tasks waiting for an engine's status line (a non-streamed answer being generated),
+        # and those of them that cut() cancelled: they answer a 503, not the client's disconnect.
+        self._awaiting: set[asyncio.Task] = set()
+        self._cut: set[asyncio.Task] = set()
         self._active: dict[object, tuple[str, float]] = {}  # requests inside the app: (route, start)
 
     @property
@@ -272,12 +276,16 @@ class Router:
         return not self._active
 
     def cut(self) -> None:
-        """The drain timed out: close every engine response still being passed through (which
-        cancels its work in the engine); each client gets an error event and [DONE], or a 503.
+        """The drain timed out: close every engine response still being passed through, and
+        cancel every request still waiting for its engine's status line (either cancels its work in
+        the engine: the connection closes); each client gets an error event and [DONE], or a 503.
         Held requests get a 503."""
         self.cutting = True
         for resp in list(self._upstream):
             resp.close()
+        for task in list(self._awaiting):
+            self._cut.add(task)
+            task.cancel()
         for h in list(self._held):  # still waiting for an engine (scale from zero): a 503 now
             h.go.cancel()
 
@@ -859,21 +867,32 @@ class Router:
         queue = list(ordered)
         tried = 0
         last_err = "no attempt"
+        me = asyncio.current_task()
         while queue and tried < budget:
             cand = queue.pop(0)
             tried += 1
+            pod_hdr = [(b"x-kvmesh-pod", cand.name.encode())]
+            if self.cutting:  # the drain timed out between two tries: no next one
+                await _refuse_shutdown(send, extra)
+                return Outcome(503, cand.name, None, tried - 1, "router_shutdown")
             if tried > 1:
                 m.retries.labels(last_err).inc()
-            pod_hdr = [(b"x-kvmesh-pod", cand.name.encode())]
             self.inflight[cand.name] = self.inflight.get(cand.name, 0) + 1
             resp = None
             try:
                 if tried == 1:
                     m.overhead.observe(time.perf_counter() - t0)
                 t_send = time.perf_counter()
+                self._awaiting.add(me)
                 try:
                     resp = await self.session.post(cand.url + target, data=body, headers=fwd, timeout=timeout,
                                                    trace_request_ctx={"on_sent": on_sent} if on_sent else None)
+                except asyncio.CancelledError:
+                    if me not in self._cut:  # the client went away, or the server is cancelling us
+                        raise
+                    me.uncancel()  # our drain's cut: answered here, the task goes on to its end
+                    await _refuse_shutdown(send, extra + pod_hdr)
+                    return Outcome(503, cand.name, None, tried, "router_shutdown")
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                     # The connection was never made: the engine never saw the request.
                     self.breaker.failure(cand.name)
@@ -896,6 +915,7 @@ class Router:
                     await _error(send, 502, "the engine closed the connection before answering", "upstream_error",
                                  extra + pod_hdr, code="upstream_disconnected")
                     return Outcome(502, cand.name, None, tried, "disconnected")
+                self._awaiting.discard(me)
                 m.ttfb.observe(time.perf_counter() - t_send)
                 self._upstream.add(resp)
                 st = resp.status
@@ -905,13 +925,13 @@ class Router:
                     queue = [c for c in queue if self.full_until.get(c.name, 0.0) <= now]
                     if queue and tried < budget:
                         last_err = "status_429"
-                        await resp.read()
+                        await _drain_body(resp)
                         continue
                 elif st in (502, 503):  # "not me": draining, loading, or a proxy in front of a dead engine
                     self.breaker.failure(cand.name)
                     if queue and tried < budget:
                         last_err = f"status_{st}"
-                        await resp.read()
+                        await _drain_body(resp)
                         continue
                 elif st < 500:
                     self.breaker.success(cand.name)
@@ -925,8 +945,7 @@ class Router:
                         data = await resp.read()
                     except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
                         if self.cutting:
-                            await _error(send, 503, SHUTDOWN_REFUSED_MSG, "service_unavailable",
-                                         extra + pod_hdr + [SHUTDOWN_RETRY_AFTER], code="router_shutdown")
+                            await _refuse_shutdown(send, extra + pod_hdr)
                             return Outcome(503, cand.name, None, tried, "router_shutdown")
                         m.upstream_failures.labels("body").inc()
                         log.warning("%s failed while sending its answer: %s", redact_url(cand.name), exc,
@@ -939,6 +958,8 @@ class Router:
                     return Outcome(st, cand.name, _usage(data, False) if st == 200 else None, tried)
                 return await self._stream(send, resp, start, cand.name, rid, tried, extra + pod_hdr)
             finally:
+                self._awaiting.discard(me)
+                self._cut.discard(me)
                 self.inflight[cand.name] -= 1
                 if resp is not None:
                     self._upstream.discard(resp)
@@ -960,6 +981,9 @@ class Router:
         except StopAsyncIteration:
             first = b""
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            if self.cutting:  # our own drain timed out, not the engine
+                await _refuse_shutdown(send, err_headers)
+                return Outcome(503, pod, None, tried, "router_shutdown")
             m.upstream_failures.labels("before_response").inc()
             log.warning("%s failed before its first event: %s", redact_url(pod), exc,
                         extra={"fields": {"request_id": rid}})
@@ -994,6 +1018,21 @@ class Router:
         await send({"type": "http.response.body", "body": b""})
         usage = _usage(keep, True) if start["status"] == 200 and error is None else None
         return Outcome(start["status"], pod, usage, tried, error)
+
+
+async def _refuse_shutdown(send, headers: list) -> None:
+    """The drain's cut, before anything went back to the client: a 503 it may retry."""
+    await _error(send, 503, SHUTDOWN_REFUSED_MSG, "service_unavailable", headers + [SHUTDOWN_RETRY_AFTER],
+                 code="router_shutdown")
+
+
+async def _drain_body(resp: aiohttp.ClientResponse) -> None:
+    """Read a refusal's body before the next try (so its connection can be reused); a body that
+    fails to arrive does not matter: the next pod is tried all the same."""
+    try:
+        await resp.read()
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        pass
 
 
 SHUTDOWN_STEP_S = 2.0

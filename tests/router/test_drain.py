@@ -162,6 +162,41 @@ def test_sigterm_drains_requests_in_flight_and_exits_within_the_drain_timeout(st
         assert "Traceback" not in text, text
 
 
+def test_requests_cut_before_their_engine_answered_get_a_503(stub_factory, model_name, tmp_path):
+    # The stub waits 5 s before each token: at the 3 s drain timeout a non-streamed request has no
+    # status line from its engine yet, and a stream has its status line but no first event. Both
+    # are answered, not dropped: a 503 the client may retry, and the engine's work is cancelled.
+    (stub,) = stub_factory(model_name, 1, "--token-delay", "5", events=False)
+    with RouterProc(stub.url, tmp_path) as router:
+        got: dict = {}
+
+        def call(kind: str) -> None:
+            body = {"model": "m", "prompt": "slow", "max_tokens": 2, "stream": kind == "stream"}
+            try:
+                got[kind] = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+            except httpx.HTTPError as exc:
+                got[kind] = exc
+
+        threads = [threading.Thread(target=call, args=(k,), daemon=True) for k in ("plain", "stream")]
+        for t in threads:
+            t.start()
+        wait_until(lambda: stub.stats()["running"] == 2, 10, msg="both requests at the engine")
+        router.sigterm()
+        rc, exited_after, text = router.wait(DRAIN_S + 10)
+        for t in threads:
+            t.join(10)
+        assert rc in (0, -signal.SIGTERM), text[-2000:]
+        assert DRAIN_S - 0.5 < exited_after < DRAIN_S + 4, (exited_after, text[-2000:])
+        for kind in ("plain", "stream"):
+            r = got[kind]
+            assert isinstance(r, httpx.Response), f"{kind}: no answer: {r!r}"
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", (kind, r.status_code, r.text)
+            assert r.json()["error"]["code"] == "router_shutdown", (kind, r.text)
+            assert r.headers.get("connection") == "close", kind
+        wait_until(lambda: stub.stats()["cancelled"] == 2, 5, msg="the engine's work cancelled")
+        assert "Traceback" not in text, text
+
+
 def _refused(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
