@@ -44,7 +44,8 @@ def test_kernel_matches_torch_gather_path(kernel, dtype, tol, heads, kv_heads, d
     assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 1)])
+# Groups of 1, 3 and 8 query heads per KV head, and 12: more than a work item takes (split in 8 + 4).
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 1), (24, 2)])
 @pytest.mark.parametrize("dim, bs", [(64, 16), (128, 32)])
 def test_prefill_kernel_matches_torch_path(kernel, heads, kv_heads, dim, bs):
     """One kernel call for a mix of fresh prefills, chunks after cached context and one-row tails;
