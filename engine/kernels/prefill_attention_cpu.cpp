@@ -52,9 +52,15 @@ struct WorkItem {
 template <int D>
 void attend_tile_group(const float* q, int64_t q_stride, int64_t heads, int64_t nq, int64_t pos0,
                        const float* k_head, const float* v_head, const int64_t* table, int64_t block_size,
-                       float scale_log2e, float* out, int64_t out_stride) {
-  alignas(64) float qt[kMaxGroup][D * kTile];  // per head: Q^T, pre-scaled so scores come out in log2 units
-  alignas(64) float ot[kMaxGroup][D * kTile];  // per head: O^T, unnormalised
+                       float scale_log2e, float* out, int64_t out_stride, float* scratch) {
+  // scratch (64-byte aligned, 2 * kMaxGroup * D * kTile floats; the thread's own, on the heap: up
+  // to 128 KiB, more than a small worker stack should hold), per head:
+  float* qt[kMaxGroup];  // Q^T, pre-scaled so scores come out in log2 units
+  float* ot[kMaxGroup];  // O^T, unnormalised
+  for (int g = 0; g < kMaxGroup; ++g) {
+    qt[g] = scratch + g * D * kTile;
+    ot[g] = scratch + (kMaxGroup + g) * D * kTile;
+  }
   alignas(64) float pt[kTile * kTile];         // P^T of the current key tile (the head at hand)
   __m512 m[kMaxGroup], l[kMaxGroup];
   const __m512 qscale = _mm512_set1_ps(scale_log2e);
@@ -182,7 +188,9 @@ void prefill_attention_f32(float* out, const float* q, int64_t q_row_stride, con
   // Longest first (work_queue.h): balances the causal triangle's uneven rows.
   kvmesh_cpu::parallel_longest_first(
       static_cast<int64_t>(items.size()), [&](int64_t i) { return items[i].cost; }, [&] {
-        return [&](int64_t i) {
+        // Each thread's scratch for attend_tile_group, 64-byte aligned.
+        return [&, buf = std::vector<float>(2 * kMaxGroup * D * kTile + 16)](int64_t i) mutable {
+          float* scratch = buf.data() + (16 - reinterpret_cast<uintptr_t>(buf.data()) / sizeof(float) % 16) % 16;
           const WorkItem& w = items[i];
           const int64_t start = seqs[w.seq * 3], num_new = seqs[w.seq * 3 + 1], num_ctx = seqs[w.seq * 3 + 2];
           const int64_t kvh = w.head0 / group;
@@ -190,7 +198,7 @@ void prefill_attention_f32(float* out, const float* q, int64_t q_row_stride, con
           attend_tile_group<D>(q + row * q_row_stride + w.head0 * D, q_row_stride, w.heads,
                                std::min<int64_t>(kTile, num_new - w.row0), num_ctx + w.row0,
                                k_cache + kvh * head_elems, v_cache + kvh * head_elems, tables + w.seq * max_blocks,
-                               block_size, scale_log2e, out + (row * num_heads + w.head0) * D, num_heads * D);
+                               block_size, scale_log2e, out + (row * num_heads + w.head0) * D, num_heads * D, scratch);
         };
       });
 }
