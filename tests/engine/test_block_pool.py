@@ -51,6 +51,23 @@ def test_lru_evicts_least_recent_first_and_tail_blocks_first():
     assert hit_tokens == 8 and [blk.key for blk in hit_blocks] == b_keys
 
 
+def test_a_request_gets_its_blocks_in_ascending_order_after_the_pool_wrapped():
+    # A finished request's blocks are freed tail first (eviction order); the next request takes
+    # the same blocks, and gets them back in ascending order, so the attention kernels read
+    # each head's context forwards (what the hardware prefetchers follow best).
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    a = make_request("a", list(range(100, 124)))  # 6 full blocks: the whole pool, ids 0..5
+    assert kv.allocate_slots(a, a.num_tokens) is not None
+    assert kv.block_table("a") == [0, 1, 2, 3, 4, 5]
+    kv.free(a)  # the free list is now 5, 4, 3, 2, 1, 0 (a's tail evicted first)
+    b = make_request("b", list(range(200, 212)))  # 3 blocks: evicts a's tail
+    assert kv.allocate_slots(b, b.num_tokens) is not None
+    assert kv.block_table("b") == [3, 4, 5]
+    c = make_request("c", list(range(300, 312)))
+    assert kv.allocate_slots(c, c.num_tokens) is not None
+    assert kv.block_table("c") == [0, 1, 2]
+
+
 def test_cache_hit_caps_at_last_token_and_counts():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     a = make_request("a", list(range(8)))
