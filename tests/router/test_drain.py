@@ -241,6 +241,25 @@ def test_while_draining_responses_close_their_connection_and_ready_fails(stub_fa
         rt.stop()
 
 
+def test_after_the_cut_no_engine_is_tried(stub_factory, model_name):
+    # A request that reaches the proxy once the drain has timed out (between two tries, or
+    # routed just then) is refused with the cut's 503; no engine receives it.
+    from kvmesh.router.app import RouterConfig
+
+    (stub,) = stub_factory(model_name, 1, events=False)
+    rt = RouterThread(RouterConfig(model=model_name, tokenizer="smollm2-135m-instruct", redis_url=None,
+                                   static_backends=[f"e0={stub.url}"]))
+    try:
+        rt.router.cutting = True
+        r = httpx.post(rt.url + "/v1/completions", json={"model": model_name, "prompt": "hi", "max_tokens": 2},
+                       timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "router_shutdown", r.text
+        assert stub.stats()["completed"] == 0 and stub.stats()["running"] == 0
+    finally:
+        rt.stop()
+
+
 def test_a_request_held_for_an_engine_gets_503_when_the_drain_times_out(tmp_path, model_name):
     from kvmesh.router.app import RouterConfig
 

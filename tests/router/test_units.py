@@ -309,3 +309,39 @@ def test_metric_labels_come_from_fixed_sets():
     assert route_label("/v1/completions/../../etc") == "other" and route_label("/x" * 100) == "other"
     assert status_label(200) == "200" and status_label(429) == "429"
     assert status_label(418) == "4xx" and status_label(299) == "2xx" and status_label(999) == "other"
+
+
+def test_a_refusal_whose_body_breaks_off_does_not_stop_the_next_try():
+    """Before retrying a 429/502/503 on the next pod, the router reads the refusal's body; a
+    body cut short (the engine died while answering) must not raise out of the request."""
+    import socket
+
+    import aiohttp
+
+    from kvmesh.router.app import _drain_body
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def broken_engine():
+        for _ in range(2):
+            conn, _ = srv.accept()
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 100\r\n\r\nnot me")
+            conn.close()  # 94 bytes short
+
+    threading.Thread(target=broken_engine, daemon=True).start()
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(f"http://127.0.0.1:{port}/v1/completions", data=b"{}")
+            assert resp.status == 503
+            with pytest.raises(aiohttp.ClientPayloadError):  # what the router read before
+                await resp.read()
+            resp = await session.post(f"http://127.0.0.1:{port}/v1/completions", data=b"{}")
+            await _drain_body(resp)  # returns: the next pod is tried
+
+    try:
+        asyncio.run(main())
+    finally:
+        srv.close()
