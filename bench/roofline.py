@@ -62,6 +62,7 @@ class Bench:
         import torch
 
         from kvmesh.engine.kernels import cpu
+        from kvmesh.engine.kernels.onednn_linear import OneDNNLinear
 
         self.torch, self.args = torch, args
         self.ops = cpu.load()
@@ -73,10 +74,10 @@ class Bench:
         self.panels = {n: [self.ops.pack_panels(torch.randn(N, K)) for _ in range(L)]
                        for n, (N, K) in s["linears"].items()}
         self.head = self.ops.pack_panels(torch.randn(s["vocab"], s["hidden"]))
-        pack = torch.ops.mkldnn._reorder_linear_weight
-        self.packed = {n: [pack(torch.randn(N, K), args.prefill_rows) for _ in range(L)]
-                       for n, (N, K) in s["linears"].items()}
-        self.hot = pack(torch.randn(576, 576), 512)
+        # The prefill linears as the model runs them (oneDNN on prepacked weights; no panels).
+        self.linears = {n: [OneDNNLinear(torch.randn(N, K), None, args.prefill_rows) for _ in range(L)]
+                        for n, (N, K) in s["linears"].items()}
+        self.hot = OneDNNLinear(torch.randn(576, 576), None, 512)
         self.hot_x = torch.randn(512, 576)
         self.stream_buf = torch.randn(args.stream_mib << 18)  # MiB of fp32
         # The K/V cache: every layer its own, [kv_heads, blocks, block, head_dim] as the engine lays it out.
@@ -108,9 +109,8 @@ class Bench:
         return buf.numel() * 4 / best_of(buf.sum, 5)
 
     def peak(self) -> float:
-        mk = self.torch.ops.mkldnn._linear_pointwise
-        x, w = self.hot_x, self.hot
-        return 2 * 512 * 576 * 576 * 20 / best_of(lambda: [mk(x, w, None, "none", [], "") for _ in range(20)], 5)
+        x, hot = self.hot_x, self.hot
+        return 2 * 512 * 576 * 576 * 20 / best_of(lambda: [hot(x) for _ in range(20)], 5)
 
     # -- kernels: (work, seconds); work in bytes (decode) or FLOPs (prefill)
     def decode_linears(self) -> tuple[float, float]:
@@ -136,9 +136,8 @@ class Bench:
 
     def prefill_linears(self) -> tuple[float, float]:
         s, a = self.shapes, self.args
-        mk = self.torch.ops.mkldnn._linear_pointwise
-        calls = [(self.xp[n], w) for n in s["linears"] for w in self.packed[n]]
-        t = best_of(lambda: [mk(x, w, None, "none", [], "") for x, w in calls], 2)
+        calls = [(self.xp[n], lin) for n in s["linears"] for lin in self.linears[n]]
+        t = best_of(lambda: [lin(x) for x, lin in calls], 2)
         return 2 * a.prefill_rows * sum(N * K for (N, K) in s["linears"].values()) * s["layers"], t
 
     def prefill_attention(self) -> tuple[float, float]:
