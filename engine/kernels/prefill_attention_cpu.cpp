@@ -48,7 +48,6 @@ struct WorkItem {
 //   q: the tile's first row, first head; q_stride: elements between rows (heads D apart)
 //   pos0: absolute position of the tile's first row; nq: rows in the tile (<= 16)
 //   k_head, v_head: this KV head's blocks in the cache; table: the sequence's block table
-
 template <int D>
 void attend_tile_group(const float* q, int64_t q_stride, int64_t heads, int64_t nq, int64_t pos0,
                        const float* k_head, const float* v_head, const int64_t* table, int64_t block_size,
@@ -101,7 +100,7 @@ void attend_tile_group(const float* q, int64_t q_stride, int64_t heads, int64_t 
       if (j >= nk) {
         v = 0;
       } else if (diagonal) {
-        const int64_t first = k0 + j - pos0;
+        const int64_t first = k0 + j - pos0;  // first lane that sees this key
         v = first <= 0 ? 0xFFFF : first >= kTile ? 0 : static_cast<__mmask16>(0xFFFFu << first);
       }
       valid[j] = v;
