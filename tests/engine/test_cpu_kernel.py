@@ -88,6 +88,28 @@ def test_prefill_kernel_matches_torch_path(kernel, heads, kv_heads, dim, bs):
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (24, 2)])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_prefill_kernel_row_does_not_depend_on_its_tile(kernel, heads, kv_heads, dim):
+    """The kernel takes up to 32 query rows a tile; a row's output must be bit for bit what it is
+    in a 16-row tile (the same sequence fed as 16-row chunks after their cached context), so a
+    request's numbers do not depend on how a step's budget cut its prompt."""
+    if not kernel.prefill_attention_supported(torch.float32, dim, 16):
+        pytest.skip("the kernels were built without AVX-512 (KVMESH_CPU_KERNELS_PORTABLE=1 or an older CPU)")
+    torch.manual_seed(1)
+    bs, blocks, cached, new = 16, 16, 9, 75  # 75 rows: tiles of 32, 32 and 11; the chunks: 16 x 4 + 11
+    k_cache = torch.randn(kv_heads, blocks, bs, dim)
+    v_cache = torch.randn(kv_heads, blocks, bs, dim)
+    table = torch.randperm(blocks)[:(cached + new + bs - 1) // bs][None, :]
+    q = torch.randn(new, heads, dim)
+    whole, chunked = torch.empty_like(q), torch.empty_like(q)
+    kernel.paged_prefill_attention(whole, q, k_cache, v_cache, torch.tensor([[0, new, cached]]), table, dim ** -0.5)
+    chunks = torch.tensor([[r, min(16, new - r), cached + r] for r in range(0, new, 16)])
+    kernel.paged_prefill_attention(chunked, q, k_cache, v_cache, chunks, table.expand(len(chunks), -1).contiguous(),
+                                   dim ** -0.5)
+    assert torch.equal(whole, chunked)
+
+
 def test_prefill_kernel_declines_what_it_does_not_cover(kernel):
     assert not kernel.prefill_attention_supported(torch.bfloat16, 64, 16)  # the torch path serves it
     assert not kernel.prefill_attention_supported(torch.float32, 80, 16)
