@@ -13,7 +13,7 @@ from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "key", "parent_key", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "key", "parent_key", "prev_free", "next_free", "freed_at")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -22,6 +22,7 @@ class KVBlock:
         self.parent_key: int | None = None
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
+        self.freed_at = -1  # BlockPool's free clock when it last went to the back of the free list
 
     def __repr__(self) -> str:
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, key={self.key})"
@@ -77,8 +78,8 @@ class FreeBlockQueue:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def _block_id(block: KVBlock) -> int:
-    return block.block_id
+def _freed_at(block: KVBlock) -> int:
+    return block.freed_at
 
 
 class BlockPool:
@@ -92,6 +93,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}
         self.events: list[KVEvent] = []
+        self.free_clock = 0  # counts blocks put at the back of the free list
+        self._protect_from = 0  # allocate's bound for _cheap_to_take
 
     # -- prefix cache -------------------------------------------------------
     def lookup(self, key: int) -> KVBlock | None:
@@ -154,26 +157,52 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free
 
-    def allocate(self, n: int) -> list[KVBlock]:
-        """The n blocks first in eviction order, in ascending id order.
+    def allocate(self, n: int, after: int | None = None) -> list[KVBlock]:
+        """n blocks, taken in runs of consecutive ids: the first run goes on from block `after`
+        (the request's last block), each later one starts at the first block in eviction order.
+        A run goes on while the next block is free and cheap to take (_cheap_to_take).
 
-        Why sorted: a request's blocks are freed tail first (eviction order), so once the pool has
-        wrapped, the next request would get them back in descending order, and the attention
-        kernels would read each head's context backwards, one 4 KiB block at a time, which the
-        hardware prefetchers follow worse (decode attention, SmolLM2's blocks on Zen 5: in
-        order 31-35 GB/s, descending 24-28, scattered 19-21). Which blocks are taken does not
-        change; only the order in which this request uses them."""
+        Why: the CPU attention kernels read each head's context block by block, one 4 KiB page
+        per block, and the hardware prefetchers follow pages in ascending order far better than
+        scattered or descending ones (decode attention, SmolLM2's blocks on Zen 5: in order
+        31-35 GB/s, descending 24-28, scattered 19-21). Once the pool has wrapped, the first
+        blocks in eviction order are whatever earlier requests freed, tail first, and a decoding
+        request's next block would land anywhere. Taking a block before its turn costs the prefix
+        cache little when the block holds nothing cached or was freed long enough ago: cached
+        blocks go to the back of the free list, so the most recently freed are the last to go,
+        and a cached block that is among the last k freed, k half the blocks this call leaves
+        free, is never taken before its turn."""
         if n > self.free_queue.num_free:
             raise RuntimeError(f"asked for {n} blocks, {self.free_queue.num_free} free")
-        out = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
-            self._evict(block)
+        out: list[KVBlock] = []
+        # Of the blocks this call leaves free, the more recently freed half keeps its turn.
+        self._protect_from = self.free_clock - (self.free_queue.num_free - n) // 2
+        nxt = -1 if after is None else after + 1
+        while len(out) < n:
+            if 0 <= nxt < self.num_blocks and self._cheap_to_take(self.blocks[nxt]):
+                block = self.blocks[nxt]  # the run goes on
+            else:
+                # A new run, from the first block in eviction order, or from a block before it:
+                # a request's blocks are freed tail first, so the first in eviction order is
+                # often the last of a run that is free before it.
+                block = self.free_queue.head.next_free
+                start, want = block.block_id, n - len(out)
+                while (start > 0 and block.block_id - start + 1 < want
+                       and self._cheap_to_take(self.blocks[start - 1])):
+                    start -= 1
+                block = self.blocks[start]
+            self.free_queue.remove(block)
             block.ref_cnt = 1
             out.append(block)
-        if n > 1:
-            out.sort(key=_block_id)
+            nxt = block.block_id + 1
+        for block in sorted(out, key=_freed_at):  # evicted (and reported) in eviction order
+            self._evict(block)
         return out
+
+    def _cheap_to_take(self, block: KVBlock) -> bool:
+        """Free, and holding no cached content or not among the most recently freed blocks: half
+        as many as the allocation leaves free (allocate sets the bound)."""
+        return block.ref_cnt == 0 and (block.key is None or block.freed_at < self._protect_from)
 
     def touch(self, blocks: list[KVBlock]) -> None:
         """Take a reference on cache hits; a hit on a free block takes it off the free list."""
@@ -196,6 +225,8 @@ class BlockPool:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
+                    block.freed_at = self.free_clock
+                    self.free_clock += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content; only possible when no block is in use."""

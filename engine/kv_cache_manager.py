@@ -64,8 +64,9 @@ class KVCacheManager:
         if needed + hits_on_free > self.pool.num_free_blocks:
             return None
         self.pool.touch(computed_blocks)
-        new_blocks = self.pool.allocate(max(needed, 0))
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        last = computed_blocks[-1] if computed_blocks else blocks[-1] if blocks else None
+        new_blocks = self.pool.allocate(max(needed, 0), after=None if last is None else last.block_id)
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
         if request.request_id not in self.num_cached_blocks:

@@ -68,6 +68,46 @@ def test_a_request_gets_its_blocks_in_ascending_order_after_the_pool_wrapped():
     assert kv.block_table("c") == [0, 1, 2]
 
 
+def test_a_decoding_request_grows_into_the_block_after_its_last_once_the_pool_has_wrapped():
+    # After the wrap, the first block in eviction order is wherever an earlier request's blocks
+    # were; a request that grows a block at a time takes the one after its last instead, while
+    # that one was freed long enough ago, so its table stays one run of consecutive blocks.
+    kv = KVCacheManager(num_blocks=12, block_size=BS, enable_events=True)
+    done = [make_request(n, list(range(100 * i, 100 * i + 16))) for i, n in enumerate("abc", 1)]
+    for r in done:  # 4 full blocks each: a 0-3, b 4-7, c 8-11
+        assert kv.allocate_slots(r, r.num_tokens) is not None
+    b_keys = done[1].block_keys(4)
+    for r in done:  # free list: 3 2 1 0 7 6 5 4 11 10 9 8
+        kv.free(r)
+    kv.pool.take_events()
+    r = make_request("r", list(range(900, 908)))  # 2 blocks: a's 2 and 3, in ascending order
+    assert kv.allocate_slots(r, 8) is not None and kv.block_table("r") == [2, 3]
+    for token in (1, 2):  # decoding into a new block, twice: b's first two blocks, not a's 1 and 0
+        r.num_computed_tokens = r.num_tokens
+        r.append_token(token)
+        for _ in range(BS - 1):
+            r.append_token(token)
+        assert kv.allocate_slots(r, BS) is not None
+    assert kv.block_table("r") == [2, 3, 4, 5]
+    removed = [key for e in kv.pool.take_events() if isinstance(e, BlockRemoved) for key in e.block_hashes]
+    assert b_keys[0] in removed and b_keys[1] in removed
+
+
+def test_a_recently_freed_block_keeps_its_turn_even_next_to_a_growing_request():
+    def pool_with_block_3_freed(early: bool) -> BlockPool:
+        pool = BlockPool(6)
+        blocks = pool.allocate(6)
+        pool.cache_blocks(blocks, list(range(1, 7)), None, list(range(6 * BS)), BS)
+        order = [0, 3, 1, 4, 5] if early else [0, 1, 4, 5, 3]  # block 2 stays with its request
+        pool.free([blocks[i] for i in order])
+        return pool
+
+    # Block 3 freed second: taken before its turn, after block 2. Freed last: among the half of
+    # the blocks the allocation leaves free that was freed most recently, so the head (0) goes.
+    assert [b.block_id for b in pool_with_block_3_freed(early=True).allocate(1, after=2)] == [3]
+    assert [b.block_id for b in pool_with_block_3_freed(early=False).allocate(1, after=2)] == [0]
+
+
 def test_cache_hit_caps_at_last_token_and_counts():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     a = make_request("a", list(range(8)))
