@@ -77,7 +77,7 @@ inline __m512 softmax_tile(__m512* s, const __mmask16* valid, int valid_stride, 
 
 struct WorkItem {
   int64_t seq, head0, heads, row0, rows;  // query heads head0 .. head0+heads-1; rows row0 .. row0+rows-1 (16 or 32) of the new tokens
-  int64_t cost;                     // key tiles to visit, times the heads
+  int64_t cost;  // key tiles to visit, times the heads and the query vectors (1 or 2)
 };
 
 // One query tile of the heads of one KV head against its whole causal context.
