@@ -82,6 +82,12 @@ def _freed_at(block: KVBlock) -> int:
     return block.freed_at
 
 
+def _cheap_to_take(block: KVBlock, protect_from: int) -> bool:
+    """Free, and holding no cached content or freed before `protect_from` on the pool's free clock
+    (allocate keeps the most recently freed blocks from being taken before their turn)."""
+    return block.ref_cnt == 0 and (block.key is None or block.freed_at < protect_from)
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True, enable_events: bool = False):
         if num_blocks <= 0:
@@ -94,7 +100,6 @@ class BlockPool:
         self.cached: dict[int, KVBlock] = {}
         self.events: list[KVEvent] = []
         self.free_clock = 0  # counts blocks put at the back of the free list
-        self._protect_from = 0  # allocate's bound for _cheap_to_take
 
     # -- prefix cache -------------------------------------------------------
     def lookup(self, key: int) -> KVBlock | None:
@@ -160,7 +165,7 @@ class BlockPool:
     def allocate(self, n: int, after: int | None = None) -> list[KVBlock]:
         """n blocks, taken in runs of consecutive ids: the first run goes on from block `after`
         (the request's last block), each later one starts at the first block in eviction order.
-        A run goes on while the next block is free and cheap to take (_cheap_to_take).
+        A run goes on while the next block is free and cheap to take (`_cheap_to_take`).
 
         Why: the CPU attention kernels read each head's context block by block, one 4 KiB page
         per block, and the hardware prefetchers follow pages in ascending order far better than
@@ -176,10 +181,10 @@ class BlockPool:
             raise RuntimeError(f"asked for {n} blocks, {self.free_queue.num_free} free")
         out: list[KVBlock] = []
         # Of the blocks this call leaves free, the more recently freed half keeps its turn.
-        self._protect_from = self.free_clock - (self.free_queue.num_free - n) // 2
+        protect_from = self.free_clock - (self.free_queue.num_free - n) // 2
         nxt = -1 if after is None else after + 1
         while len(out) < n:
-            if 0 <= nxt < self.num_blocks and self._cheap_to_take(self.blocks[nxt]):
+            if 0 <= nxt < self.num_blocks and _cheap_to_take(self.blocks[nxt], protect_from):
                 block = self.blocks[nxt]  # the run goes on
             else:
                 # A new run, from the first block in eviction order, or from a block before it:
@@ -188,7 +193,7 @@ class BlockPool:
                 block = self.free_queue.head.next_free
                 start, want = block.block_id, n - len(out)
                 while (start > 0 and block.block_id - start + 1 < want
-                       and self._cheap_to_take(self.blocks[start - 1])):
+                       and _cheap_to_take(self.blocks[start - 1], protect_from)):
                     start -= 1
                 block = self.blocks[start]
             self.free_queue.remove(block)
@@ -198,11 +203,6 @@ class BlockPool:
         for block in sorted(out, key=_freed_at):  # evicted (and reported) in eviction order
             self._evict(block)
         return out
-
-    def _cheap_to_take(self, block: KVBlock) -> bool:
-        """Free, and holding no cached content or not among the most recently freed blocks: half
-        as many as the allocation leaves free (allocate sets the bound)."""
-        return block.ref_cnt == 0 and (block.key is None or block.freed_at < self._protect_from)
 
     def touch(self, blocks: list[KVBlock]) -> None:
         """Take a reference on cache hits; a hit on a free block takes it off the free list."""
