@@ -444,6 +444,7 @@ class Router:
         return await _json(send, 200 if ok else 503, {
             "status": status, "pods": n, "redis": bool(self.discovery and self.discovery.redis_ok),
             "discovery": self.discovery.detail() if self.discovery else None,
+            "block_sets": self.block_sets_state() if self.discovery else "off",
             "held_requests": len(self._held), "max_pending_requests": self.cfg.max_pending_requests if self.holds else 0})
 
     # -- the request path: a pipeline of short stages -----------------------------------------------
@@ -805,9 +806,21 @@ class Router:
                 self._demand_warned = now
                 log.warning("could not signal demand in Redis (requests are held for lack of an engine): %s", exc)
 
+    def block_sets_state(self) -> str:
+        """Whether routing may read the pods' block sets now: "usable"; "off" (no Redis);
+        "no current Redis view" (discovery's view expired); "paused after a Redis error" (for
+        redis_retry_after, so that a Redis that is down costs each request one failed call at most)."""
+        if self.redis is None:
+            return "off"
+        if not self.discovery.redis_fresh:
+            return "no current Redis view"
+        if time.monotonic() < self._redis_down_until:
+            return "paused after a Redis error"
+        return "usable"
+
     async def match(self, pods: list[Pod], keys: list[int]) -> dict[str, int] | None:
         """Matched leading blocks per pod, in one Redis round trip; None if Redis is unavailable."""
-        if self.redis is None or time.monotonic() < self._redis_down_until or not self.discovery.redis_fresh:
+        if self.block_sets_state() != "usable":
             return None
         named = [p.name for p in pods if p.has_blocks]
         if not named:

@@ -534,6 +534,7 @@ class RoutingCheck:
     ok: int = 0
     same_pod: int = 0
     reasons: dict[str, int] = field(default_factory=dict)  # the router's routing decisions for the probes
+    redis_errors: dict[str, int] = field(default_factory=dict)  # the router's failed Redis calls meanwhile, by op
 
     @property
     def prefix_match(self) -> int:
@@ -682,8 +683,9 @@ async def _families(mesh: Mesh, cfg: ChaosConfig, client: httpx.AsyncClient) -> 
 
 
 async def _quiet(mesh: Mesh) -> None:
-    """Wait until no engine runs anything and the router has read heartbeats that say so (a
-    heartbeat's load is up to one interval old; the router's view up to one refresh)."""
+    """Wait until no engine runs anything, the router has read heartbeats that say so (a
+    heartbeat's load is up to one interval old; the router's view up to one refresh), and it
+    uses the block sets (a Redis call that failed pauses them for a second)."""
     await wait_for(lambda: _idle(mesh), 20, "the engines idle")
 
     async def zero_load_in_redis():
@@ -703,6 +705,11 @@ async def _quiet(mesh: Mesh) -> None:
 
     await wait_for(router_read_since, 20, "the router reading those heartbeats")
 
+    async def block_sets_usable():  # not paused by a failed Redis call the load made (router: redis_retry_after)
+        return ((await mesh.ready()) or {}).get("block_sets") == "usable"
+
+    await wait_for(block_sets_usable, 20, "the router using the block sets in Redis")
+
 
 async def _idle(mesh: Mesh) -> bool:
     for e in mesh.engines:
@@ -719,6 +726,8 @@ async def _decisions(mesh: Mesh) -> Counter:
     for name, labels, v in parse_prometheus(text):
         if name == "kvmesh_router_decisions_total":
             out[labels.get("reason", "")] += int(v)
+        elif name == "kvmesh_router_redis_errors_total":
+            out["redis_error:" + labels.get("op", "")] += int(v)
     return out
 
 
@@ -735,7 +744,9 @@ async def _check_routing(mesh: Mesh, cfg: ChaosConfig, client: httpx.AsyncClient
         check.ok += r.ok
         check.same_pod += r.ok and r.pod == pod
     after = await _decisions(mesh)
-    check.reasons = {k: after[k] - before[k] for k in after if after[k] - before[k]}
+    delta = {k: after[k] - before[k] for k in after if after[k] - before[k]}
+    check.reasons = {k: n for k, n in delta.items() if not k.startswith("redis_error:")}
+    check.redis_errors = {k.split(":", 1)[1]: n for k, n in delta.items() if k.startswith("redis_error:")}
     return check
 
 

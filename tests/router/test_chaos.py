@@ -75,7 +75,7 @@ def test_chaos_loses_only_the_killed_engines_requests_and_recovers_keys_and_rout
     for c in rep.routing:
         assert c.ok == c.probes == cfg.families, c.line()
         assert c.same_pod == c.probes, c.line()
-        assert c.prefix_match == c.probes, (c.line(), c.reasons)
+        assert c.prefix_match == c.probes, (c.line(), c.reasons, c.redis_errors)
 
     # Nothing raised out of the ASGI app, in either router process.
     assert rep.internal_errors == 0

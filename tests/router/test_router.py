@@ -165,6 +165,7 @@ def test_redis_killed_mid_run_every_request_succeeds(own_redis, mesh, router_fac
     wait_until(lambda: httpx.get(router.url + "/ready").json()["discovery"]["fallback"] == "redis_unavailable",
                10, msg="router falls back to load-only routing")
     assert metric(router.url, "kvmesh_router_discovery_fallback") == 1
+    assert httpx.get(router.url + "/ready").json()["block_sets"] == "no current Redis view"
     after = [complete(router.url, p) for p in prompts + [text(200 + i, 60) for i in range(10)]]
     assert all(r.status_code == 200 for r in after), [r.text for r in after if r.status_code != 200]
     # Both pods still used: with the stale load figures dropped, equal scores are broken by the prompt.
@@ -173,6 +174,11 @@ def test_redis_killed_mid_run_every_request_succeeds(own_redis, mesh, router_fac
     wait_until(lambda: (lambda d: d["redis"] and d["discovery"]["fallback"] is None)(
         httpx.get(router.url + "/ready").json()), 10, msg="router sees redis again")
     assert metric(router.url, "kvmesh_router_discovery_fallback") == 0
+    wait_until(lambda: httpx.get(router.url + "/ready").json()["block_sets"] == "usable", 5,
+               msg="block sets usable again")
+    before = metric(router.url, "kvmesh_router_decisions_total", reason="redis_unavailable")
+    assert all(complete(router.url, p).status_code == 200 for p in prompts)
+    assert metric(router.url, "kvmesh_router_decisions_total", reason="redis_unavailable") == before
 
 
 def test_two_routers_on_one_redis_pick_the_same_pod(mesh, router_factory, redis_server, model_name):
