@@ -181,6 +181,35 @@ def test_redis_killed_mid_run_every_request_succeeds(own_redis, mesh, router_fac
     assert metric(router.url, "kvmesh_router_decisions_total", reason="redis_unavailable") == before
 
 
+def test_redis_restart_fails_no_call_on_the_pooled_connections(own_redis, mesh, router_factory, model_name):
+    """After Redis restarts, every connection in the router's pool is dead. Each is reconnected on
+    its first use (a connection error is retried once): no call fails, so the block sets are never
+    paused (without the retry each dead connection failed one call and paused them for 1 s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mesh(2, redis=own_redis)
+    # Discovery reads Redis every 2 s here, so that it rarely calls while Redis is down.
+    router = router_factory(model=model_name, redis_url=own_redis.url, refresh_interval=2.0)
+    prompts = [text(300 + i, 150) for i in range(8)]
+
+    def burst():  # concurrent requests: concurrent prefix lookups, several pooled connections
+        with ThreadPoolExecutor(8) as ex:
+            return [r.status_code for r in ex.map(lambda p: complete(router.url, p), prompts)]
+
+    assert burst() == [200] * 8
+    own_redis.kill()
+    own_redis.start()
+    r = own_redis.client()
+    wait_until(lambda: all(r.exists(rl.heartbeat_key(model_name, f"pod-{i}")) for i in range(2)), 10,
+               msg="the sidecars' heartbeats back in Redis")
+    errors = metric(router.url, "kvmesh_router_redis_errors_total")
+    assert burst() == [200] * 8
+    wait_until(lambda: httpx.get(router.url + "/ready").json()["discovery"]["redis_view_age_s"] < 1.0, 10,
+               msg="a discovery read after the restart")
+    assert metric(router.url, "kvmesh_router_redis_errors_total") == errors
+    assert metric(router.url, "kvmesh_router_decisions_total", reason="redis_unavailable") == 0
+
+
 def test_two_routers_on_one_redis_pick_the_same_pod(mesh, router_factory, redis_server, model_name):
     """Two routers agree because the tie-break is deterministic, not because the first request
     left blocks behind: the engines publish no KV events (--no-tokenize), so no block set ever
