@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.common.redis_layout import (HEARTBEAT_TTL_S, STATE_READY, Heartbeat, blocks_key,  # noqa: F401
-                                       demand_key, heartbeat_key, pods_key, read_heartbeats)
+                                       demand_key, heartbeat_key, pods_key, read_heartbeats, reconnecting_retry)
 
 HEARTBEAT_STALE_SECONDS = float(HEARTBEAT_TTL_S)
 
@@ -51,7 +51,8 @@ class RedisHeartbeats:
         self.url = url
         self.stale_after = stale_after
         self.clock = clock
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5,
+                                              retry=reconnecting_retry())
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -314,17 +314,12 @@ class Router:
         self._started = True
         if self.cfg.redis_url:
             import redis.asyncio as aioredis
-            from redis.asyncio.retry import Retry
-            from redis.backoff import NoBackoff
-            from redis.exceptions import ConnectionError as RedisConnectionError
 
-            # After Redis restarts (or fails over) every pooled connection is dead, and the first
-            # call on each would fail and pause the block sets (redis_retry_after): a connection
-            # error is retried once, at once, on a new connection. A timeout is not retried (a
-            # Redis that does not answer must cost a request --redis-timeout once, not twice).
+            # A connection error is retried once (a restarted Redis leaves the pool's connections
+            # dead; each would otherwise fail one lookup and pause the block sets for a second).
             self.redis = aioredis.Redis.from_url(self.cfg.redis_url, socket_timeout=self.cfg.redis_timeout,
                                                  socket_connect_timeout=self.cfg.redis_timeout,
-                                                 retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+                                                 retry=rl.reconnecting_retry())
             self._match = self.redis.register_script(rl.PREFIX_MATCH_LUA)
         slices = (EndpointSlices(self.cfg.k8s_service, self.cfg.k8s_namespace, self.cfg.k8s_api_url)
                   if self.cfg.k8s_service else None)

@@ -243,3 +243,16 @@ def leading_run(flags: list[Any]) -> int:
             break
         n += 1
     return n
+
+
+def reconnecting_retry():
+    """redis-py's retry policy for the long-lived async clients (router, operator). After Redis
+    restarts or fails over, every pooled connection is dead and the first call on each would
+    fail (the router would pause its block sets, the operator skip a scaling tick): a connection
+    error is retried once, at once, on a new connection. A timeout is not retried: a Redis that
+    does not answer costs a caller one timeout, not two."""
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))

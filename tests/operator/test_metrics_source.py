@@ -83,3 +83,21 @@ async def test_cached_blocks_and_demand(r, redis_url):
         assert await source.demand("other-model") is None
     finally:
         await source.close()
+
+
+async def test_a_restarted_redis_costs_no_failed_read(own_redis):
+    """Redis restarted (or failed over) between two scaling ticks: the pooled connections are
+    dead, and each is reconnected on first use, so the next tick reads (it would hold, logging a
+    failure, without the retry)."""
+    import asyncio
+
+    source = RedisHeartbeats(own_redis.url)
+    try:
+        await asyncio.gather(*[source.snapshot(MODEL) for _ in range(4)])  # several pooled connections
+        own_redis.kill()
+        own_redis.start()
+        snaps = await asyncio.gather(*[source.snapshot(MODEL) for _ in range(4)])
+        assert [s.kv_utilization for s in snaps] == [None] * 4  # read, and empty: a fresh Redis
+        assert await source.demand(MODEL) is None
+    finally:
+        await source.close()
