@@ -20,14 +20,15 @@ def kernel():
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 2), (8, 1)])
 @pytest.mark.parametrize("dim, bs", [(32, 4), (64, 16), (64, 32), (128, 8)])  # 64: the AVX-512 path; 128: templated
 def test_kernel_matches_torch_gather_path(kernel, dtype, tol, heads, kv_heads, dim, bs):
     torch.manual_seed(0)
-    blocks = 40
+    blocks = 64
     k_cache = torch.randn(kv_heads, blocks, bs, dim).to(dtype)
     v_cache = torch.randn(kv_heads, blocks, bs, dim).to(dtype)
-    lens = torch.tensor([1, 3, 4, 5, 17, 33])
+    # Up to 3 of the AVX-512 path's 64-key chunks: whole, partial, and a partial last tile.
+    lens = torch.tensor([1, 3, 4, 5, 17, 33, 64, 65, 128, 150])
     width = int((lens.max() + bs - 1) // bs)
     tables = torch.stack([torch.randperm(blocks)[:width] for _ in lens])
     # q as a view into a fused qkv row, as the model passes it (rows farther apart than H * D).
