@@ -69,12 +69,5 @@ inline void transpose16(__m512* r) {
   }
 }
 
-// Asks for a 4 KiB K/V block (16 rows of 64 fp32) into L2. Blocks are scattered pages,
-// which the hardware prefetcher does not follow across.
-inline void prefetch_block_l2(const float* p, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
-}
-
 }  // namespace kvmesh_avx512
 #endif
