@@ -14,6 +14,7 @@
 //   silu_and_mul(gate_up) -> out            silu(gate) * up for [T, 2I] -> [T, I]
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -126,8 +127,11 @@ static void silu_and_mul_row(T* o, const T* g, const T* u, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float gv = static_cast<float>(g[i]);
-    // silu rounds to the storage type before the product, as torch's two ops do.
-    o[i] = static_cast<T>(static_cast<float>(static_cast<T>(gv / (1.f + std::exp(-gv)))) * static_cast<float>(u[i]));
+    // silu rounds to the storage type before the product, as torch's two ops do. exp's argument
+    // is capped below fp32's overflow: under -ffast-math the vectorised expf (libmvec) returns
+    // infinity past ~88, and the division by it gave NaN (silu(-100) must be -0).
+    const float e = std::exp(std::min(-gv, 88.f));
+    o[i] = static_cast<T>(static_cast<float>(static_cast<T>(gv / (1.f + e))) * static_cast<float>(u[i]));
   }
 }
 

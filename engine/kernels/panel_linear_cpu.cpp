@@ -89,15 +89,19 @@ template <int MB, int KS>
 inline void panel_block_avx2(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
                              int64_t width, const float* bias) {
   __m256 acc[KS][MB][2];
+#pragma GCC unroll 8
   for (int s = 0; s < KS; ++s)
+#pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) acc[s][m][0] = acc[s][m][1] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + KS <= K; k += KS) {
+#pragma GCC unroll 8
     for (int s = 0; s < KS; ++s) {
       const float* row = panel + (k + s) * kPanel;
       _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * kPanel), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchL2Rows * kPanel), _MM_HINT_T1);
       const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
+#pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) {
         const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k + s);
         acc[s][m][0] = _mm256_fmadd_ps(xv, w0, acc[s][m][0]);
@@ -107,6 +111,7 @@ inline void panel_block_avx2(const float* x, int64_t ldx, const float* panel, in
   }
   for (; k < K; ++k) {
     const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+#pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
       const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
       acc[0][m][0] = _mm256_fmadd_ps(xv, w0, acc[0][m][0]);
@@ -115,8 +120,10 @@ inline void panel_block_avx2(const float* x, int64_t ldx, const float* panel, in
   }
   alignas(32) float b[kPanel] = {0.f};
   if (bias) std::memcpy(b, bias, width * sizeof(float));
+#pragma GCC unroll 8
   for (int m = 0; m < MB; ++m) {
     __m256 lo = acc[0][m][0], hi = acc[0][m][1];
+#pragma GCC unroll 8
     for (int s = 1; s < KS; ++s) lo = _mm256_add_ps(lo, acc[s][m][0]), hi = _mm256_add_ps(hi, acc[s][m][1]);
     lo = _mm256_add_ps(lo, _mm256_load_ps(b));
     hi = _mm256_add_ps(hi, _mm256_load_ps(b + 8));
