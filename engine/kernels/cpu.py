@@ -21,20 +21,25 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 _SOURCE_FILES = ("bindings_cpu.cpp", "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "fused_ops_cpu.cpp",
                  "panel_linear_cpu.cpp", "decode_stack_cpu.cpp")
-_HEADERS = ("avx512_math.h", "work_queue.h", "cpu_ops.h")
+_HEADERS = ("avx512_math.h", "avx2_math.h", "decode_attention_avx2.h", "prefill_attention_avx2.h", "work_queue.h",
+            "cpu_ops.h")
 _SOURCES = [Path(__file__).with_name(n) for n in _SOURCE_FILES]
 _module = None
 _failed = False
 
 
+def portable() -> bool:
+    """Whether the kernels are built without -march=native (KVMESH_CPU_KERNELS_PORTABLE=1)."""
+    return os.environ.get("KVMESH_CPU_KERNELS_PORTABLE") == "1"
+
+
 def _cpu_flags() -> list[str]:
     # Built on the machine that runs it (torch's extension cache is per machine), so
-    # -march=native is safe and turns on the AVX-512 path. -ffast-math lets the softmax's
-    # exp vectorise (glibc's libmvec); the tests check the result against the torch path.
+    # -march=native is safe and turns on the AVX-512 paths (or the AVX2 ones on a CPU without
+    # AVX-512). -ffast-math lets the softmax's exp vectorise (glibc's libmvec); the tests check
+    # the result against the torch path.
     flags = ["-O3", "-fopenmp", "-ffast-math"]
-    if os.environ.get("KVMESH_CPU_KERNELS_PORTABLE") == "1":
-        return flags
-    return flags + ["-march=native"]
+    return flags if portable() else flags + ["-march=native"]
 
 
 def _build_name(flags: list[str]) -> str:

@@ -101,7 +101,10 @@ class DecodeStack {
 };
 
 void bind_decode_stack(pybind11::module& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack", "a Llama decoder stack for decode steps (decode_stack_cpu.cpp)")
+  // module_local: two builds of the kernels can live in one process (the tests load the AVX2 one
+  // beside the machine's own), each with its own DecodeStack type.
+  pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local(),
+                                "a Llama decoder stack for decode steps (decode_stack_cpu.cpp)")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_kv_caches", &DecodeStack::set_kv_caches)

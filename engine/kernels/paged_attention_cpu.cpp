@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "avx512_math.h"
+#include "decode_attention_avx2.h"
 #include "work_queue.h"
 
 // Calls f(row, t) for the context's rows t = 0..ctx-1 of one head, block by block
@@ -282,6 +283,15 @@ static void decode_kernel(const T* q, int64_t q_stride, const T* k_cache, const 
             if (block_size % 16 == 0 && group <= 16) {
               decode_task_f32_d64_any(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,
                                       ctx_lens[r], block_size, group, scale, out + ooff);
+              return;
+            }
+          }
+#elif defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same_v<T, float> && D == 64) {
+            if (block_size % 8 == 0 && group <= 16) {
+              kvmesh_avx2::decode_task_f32_d64_any(q + qoff, k_cache + head_base, v_cache + head_base,
+                                                   tables + r * max_blocks, ctx_lens[r], block_size, group, scale,
+                                                   out + ooff);
               return;
             }
           }

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "avx512_math.h"
+#include "prefill_attention_avx2.h"
 #include "work_queue.h"
 
 #if defined(__AVX512F__)
@@ -103,11 +104,6 @@ inline NextTile<D> next_tile(const float* k_head, const float* v_head, const int
   const int64_t row = table[(k0 + kTile) / block_size] * block_size + (k0 + kTile) % block_size;
   return {reinterpret_cast<const char*>(k_head + row * D), reinterpret_cast<const char*>(v_head + row * D)};
 }
-
-struct WorkItem {
-  int64_t seq, head0, heads, row0, rows;  // query heads head0 .. head0+heads-1; rows row0 .. row0+rows-1 (16 or 32) of the new tokens
-  int64_t cost;  // key tiles to visit, times the heads and the query vectors (1 or 2)
-};
 
 // One query tile of the heads of one KV head against its whole causal context.
 //   q: the tile's first row, first head; q_stride: elements between rows (heads D apart)
@@ -349,6 +345,25 @@ void attend_tile32_group(const float* q, int64_t q_stride, int64_t heads, int64_
   }
 }
 
+}  // namespace
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+namespace {
+#if !defined(__AVX512F__)
+// AVX2: tiles of 16 query rows (two 8-lane vectors), prefill_attention_avx2.h.
+constexpr int kTile = kvmesh_avx2::kPrefillRows;
+constexpr int kMaxGroup = kvmesh_avx2::kPrefillMaxGroup;
+constexpr int kMaxTileRows = kTile;
+#else
+constexpr int kMaxTileRows = 2 * kTile;
+#endif
+
+struct WorkItem {
+  int64_t seq, head0, heads, row0, rows;  // query heads head0 .. head0+heads-1; rows row0 .. row0+rows-1 (16 or 32) of the new tokens
+  int64_t cost;  // key tiles to visit, times the heads and the query vectors (1 or 2)
+};
+
 template <int D>
 void prefill_attention_f32(float* out, const float* q, int64_t q_row_stride, const float* k_cache,
                            const float* v_cache, const int64_t* seqs, int64_t num_seqs, const int64_t* tables,
@@ -359,7 +374,7 @@ void prefill_attention_f32(float* out, const float* q, int64_t q_row_stride, con
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t num_new = seqs[s * 3 + 1], num_ctx = seqs[s * 3 + 2];
     for (int64_t r = 0; r < num_new;) {
-      const int64_t rows = num_new - r > kTile ? 2 * kTile : kTile;  // 32-row tiles while > 16 remain
+      const int64_t rows = num_new - r > kTile ? kMaxTileRows : kTile;  // the largest tile while > 16 remain
       const int64_t tiles = (num_ctx + std::min(num_new, r + rows) + kTile - 1) / kTile;
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
         for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
@@ -375,13 +390,17 @@ void prefill_attention_f32(float* out, const float* q, int64_t q_row_stride, con
   kvmesh_cpu::parallel_longest_first(
       static_cast<int64_t>(items.size()), [&](int64_t i) { return items[i].cost; }, [&] {
         // Each thread's scratch for attend_tile_group / attend_tile32_group, 64-byte aligned.
-        return [&, buf = std::vector<float>(2 * kMaxGroup * D * 2 * kTile + 16)](int64_t i) mutable {
+        return [&, buf = std::vector<float>(2 * kMaxGroup * D * kMaxTileRows + 16)](int64_t i) mutable {
           float* scratch = buf.data() + (16 - reinterpret_cast<uintptr_t>(buf.data()) / sizeof(float) % 16) % 16;
           const WorkItem& w = items[i];
           const int64_t start = seqs[w.seq * 3], num_new = seqs[w.seq * 3 + 1], num_ctx = seqs[w.seq * 3 + 2];
           const int64_t kvh = w.head0 / group;
           const int64_t row = start + w.row0;
+#if defined(__AVX512F__)
           auto attend = w.rows > kTile ? attend_tile32_group<D> : attend_tile_group<D>;
+#else
+          auto attend = kvmesh_avx2::attend_tile_group<D>;
+#endif
           attend(q + row * q_row_stride + w.head0 * D, q_row_stride, w.heads, std::min(w.rows, num_new - w.row0),
                  num_ctx + w.row0, k_cache + kvh * head_elems, v_cache + kvh * head_elems, tables + w.seq * max_blocks,
                  block_size, scale_log2e, out + (row * num_heads + w.head0) * D, num_heads * D, scratch);
@@ -394,6 +413,8 @@ void prefill_attention_f32(float* out, const float* q, int64_t q_row_stride, con
 bool prefill_attention_supported(c10::ScalarType dtype, int64_t head_dim, int64_t block_size) {
 #if defined(__AVX512F__)
   return dtype == torch::kFloat && (head_dim == 64 || head_dim == 128) && block_size % 16 == 0;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return dtype == torch::kFloat && (head_dim == 64 || head_dim == 128) && block_size % kvmesh_avx2::kKeyTile == 0;
 #else
   (void)dtype; (void)head_dim; (void)block_size;
   return false;
@@ -416,7 +437,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   TORCH_CHECK(seqs.scalar_type() == torch::kLong && seqs.dim() == 2 && seqs.size(1) == 3, "seqs: [S, 3] int64");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && block_tables.size(0) == seqs.size(0), "block_tables");
   TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   auto s = seqs.contiguous();
   auto t = block_tables.contiguous();
   auto run = [&](auto d_const) {

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -12,11 +10,42 @@ from kvmesh.engine.kernels import cpu
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def native_kernel():
     module = cpu.load()
     if module is None:
         pytest.fail("the CPU kernel failed to build (a C++ compiler and ninja are part of the engine extra)")
     return module
+
+
+def _cpuinfo_flags() -> str:
+    import platform
+
+    return open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+
+
+@pytest.fixture(scope="module")
+def avx2_kernel(tmp_path_factory):
+    """The kernels built for AVX2 without AVX-512 (x86-64-v3: AMD Zen 2/3, Intel Haswell to the
+    client parts), so their 8-lane paths are checked on an AVX-512 machine too."""
+    import platform
+
+    from torch.utils.cpp_extension import load
+
+    flags = _cpuinfo_flags()
+    if platform.machine() != "x86_64" or " avx2 " not in flags or " fma " not in flags:
+        pytest.skip("needs an x86-64 CPU with AVX2 and FMA")
+    if " avx512f " not in flags and not cpu.portable():
+        pytest.skip("this CPU has no AVX-512: the native build is the AVX2 build")
+    d = tmp_path_factory.mktemp("kernels_avx2")
+    return load(name="kvmesh_cpu_ops_avx2_test", sources=[str(s) for s in cpu._SOURCES],
+                extra_cflags=["-O3", "-fopenmp", "-ffast-math", "-march=x86-64-v3"],
+                extra_ldflags=["-fopenmp"], build_directory=str(d), verbose=False)
+
+
+@pytest.fixture(params=["native", "avx2"])
+def kernel(request):
+    """Every kernel test runs on the machine's own build and on the AVX2 build."""
+    return request.getfixturevalue(f"{request.param}_kernel")
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -52,7 +81,7 @@ def test_prefill_kernel_matches_torch_path(kernel, heads, kv_heads, dim, bs):
     """One kernel call for a mix of fresh prefills, chunks after cached context and one-row tails;
     every key is read from the paged cache (unwritten slots hold NaN: they must never be read)."""
     if not kernel.prefill_attention_supported(torch.float32, dim, bs):
-        pytest.skip("the kernels were built without AVX-512 (KVMESH_CPU_KERNELS_PORTABLE=1 or an older CPU)")
+        pytest.skip("the kernels were built without AVX2 (KVMESH_CPU_KERNELS_PORTABLE=1 or an older CPU)")
     torch.manual_seed(0)
     blocks = 64
     k_cache = torch.full((kv_heads, blocks, bs, dim), float("nan"))
@@ -96,7 +125,7 @@ def test_prefill_kernel_row_does_not_depend_on_its_tile(kernel, heads, kv_heads,
     in a 16-row tile (the same sequence fed as 16-row chunks after their cached context), so a
     request's numbers do not depend on how a step's budget cut its prompt."""
     if not kernel.prefill_attention_supported(torch.float32, dim, 16):
-        pytest.skip("the kernels were built without AVX-512 (KVMESH_CPU_KERNELS_PORTABLE=1 or an older CPU)")
+        pytest.skip("the kernels were built without AVX2 (KVMESH_CPU_KERNELS_PORTABLE=1 or an older CPU)")
     torch.manual_seed(1)
     bs, blocks, cached, new = 16, 16, 9, 75  # 75 rows: tiles of 32, 32 and 11; the chunks: 16 x 4 + 11
     k_cache = torch.randn(kv_heads, blocks, bs, dim)
@@ -114,7 +143,7 @@ def test_prefill_kernel_row_does_not_depend_on_its_tile(kernel, heads, kv_heads,
 def test_prefill_kernel_declines_what_it_does_not_cover(kernel):
     assert not kernel.prefill_attention_supported(torch.bfloat16, 64, 16)  # the torch path serves it
     assert not kernel.prefill_attention_supported(torch.float32, 80, 16)
-    assert not kernel.prefill_attention_supported(torch.float32, 64, 8)
+    assert not kernel.prefill_attention_supported(torch.float32, 64, 4)  # AVX-512 takes 16k, AVX2 8k
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -203,32 +232,6 @@ def _check_panel_linear(ops, n, k, bias):
 def test_panel_linear_matches_f_linear(kernel, n, k, bias):
     """Every row count the row-block templates cover (1-16, then a second block), on a strided x."""
     _check_panel_linear(kernel, n, k, bias)
-
-
-@pytest.fixture(scope="module")
-def panel_ops_avx2(tmp_path_factory):
-    """The panel kernel alone, built for AVX2 without AVX-512 (x86-64-v3: Zen 3, Haswell to Ice
-    Lake clients), so its AVX2 path is checked on an AVX-512 machine too."""
-    import platform
-
-    from torch.utils.cpp_extension import load
-
-    flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
-    if platform.machine() != "x86_64" or " avx2 " not in flags or " fma " not in flags:
-        pytest.skip("needs an x86-64 CPU with AVX2 and FMA")
-    d = tmp_path_factory.mktemp("panel_avx2")
-    (d / "bind.cpp").write_text('#include "cpu_ops.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
-                                '  m.def("pack_panels", &pack_panels);\n  m.def("panel_linear", &panel_linear);\n}\n')
-    src = Path(cpu.__file__).parent
-    return load(name="kvmesh_panel_avx2_test", sources=[str(src / "panel_linear_cpu.cpp"), str(d / "bind.cpp")],
-                extra_cflags=["-O3", "-fopenmp", "-ffast-math", "-march=x86-64-v3", f"-I{src}"],
-                extra_ldflags=["-fopenmp"], build_directory=str(d), verbose=False)
-
-
-@pytest.mark.parametrize("n, k", PANEL_SHAPES)
-def test_panel_linear_avx2_build_matches_f_linear(panel_ops_avx2, n, k):
-    _check_panel_linear(panel_ops_avx2, n, k, bias=True)
-    _check_panel_linear(panel_ops_avx2, n, k, bias=False)
 
 
 def test_onednn_linear_sends_decode_sizes_to_panels_and_prefill_to_onednn(kernel, monkeypatch):
