@@ -6,7 +6,8 @@
 // parallel over (request, KV head), longest contexts first. The generic path
 // makes two passes (scores + softmax, then the weighted sum of V) with the head
 // size a compile-time constant for the common sizes; fp32 head size 64 has an
-// AVX-512 path that makes one pass with an online softmax.
+// AVX-512 path that makes one pass with an online softmax, and an AVX2 version of
+// it for CPUs without AVX-512 (decode_attention_avx2.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>

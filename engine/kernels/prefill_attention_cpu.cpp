@@ -26,7 +26,8 @@
 // 30 layers: 4 x 128 new tokens after 384 cached, 512 fresh, 2 x 256 after 1,024), with
 // bit-identical results (the same operations, in the same order, per head).
 // fp32 with head size 64 or 128 and blocks of a multiple of 16 tokens; anything
-// else uses the torch path (prefill_attention_supported says which).
+// else uses the torch path (prefill_attention_supported says which). CPUs without
+// AVX-512 take the 8-lane version in prefill_attention_avx2.h (blocks of a multiple of 8).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
