@@ -33,7 +33,16 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return False
+    # oneDNN's bf16 weights need AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: on an AVX2-only CPU its
+    # reorder raises, and bf16 stays on F.linear.
+    if dtype == torch.bfloat16 and not _bf16_supported():
+        return False
     return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _bf16_supported() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 PANEL_MAX_ROWS = 16  # above this, oneDNN is faster (32 rows: break-even; 64: oneDNN 1.7x)

@@ -253,3 +253,18 @@ def test_onednn_linear_sends_decode_sizes_to_panels_and_prefill_to_onednn(kernel
     assert calls == [1, onednn_linear.PANEL_MAX_ROWS]
     monkeypatch.setenv("KVMESH_PANEL_LINEAR", "0")
     assert onednn_linear.OneDNNLinear(w, b, 16, kernel).panels is None
+
+
+def test_onednn_keeps_bf16_off_cpus_it_cannot_pack_for(monkeypatch):
+    """oneDNN's bf16 weight reorder raises on a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+    (an AVX2 machine): bf16 then stays on F.linear rather than failing the engine's start."""
+    from kvmesh.engine.kernels import onednn_linear
+
+    cpu_device = torch.device("cpu")
+    if not onednn_linear.available(cpu_device, torch.float32):
+        pytest.skip("oneDNN is not available in this torch build")
+    monkeypatch.setattr(onednn_linear, "_bf16_supported", lambda: False)
+    assert not onednn_linear.available(cpu_device, torch.bfloat16)
+    assert onednn_linear.available(cpu_device, torch.float32)
+    monkeypatch.setattr(onednn_linear, "_bf16_supported", lambda: True)
+    assert onednn_linear.available(cpu_device, torch.bfloat16)
