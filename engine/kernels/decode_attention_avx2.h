@@ -49,8 +49,8 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
     // The next chunk's tiles, asked for row by row while this chunk's V rows are summed: a block
     // is a 4 KiB page, and the hardware prefetcher stops at a page. Scattered blocks (a pool that
     // has served a while) read 1.1-1.25x with it; blocks in order 0.9-0.95x (asking only for
-    // blocks that do not follow on from the one before gave up most of the first and little of the
-    // second).
+    // blocks that do not follow on from the one before gave up about half of the first gain and
+    // won back little of the second loss).
     const int nt_next = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kChunk, ntiles - c0 - kChunk)));
     const float* kn[kChunk];
     const float* vn[kChunk];
