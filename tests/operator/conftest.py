@@ -1,9 +1,11 @@
 """Fixtures: a Kubernetes API emulator (kmock, extended), a real Redis, and the real
-kopf operator running in the test's event loop against both."""
+kopf operator running in the test's event loop against both; and the rule that under CI a
+test needing the real control plane fails, rather than skips, when its binaries are missing."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import threading
@@ -33,6 +35,34 @@ ROLEBINDINGS = "rbac.authorization.k8s.io/v1/rolebindings"
 EVENTS = "v1/events"
 PODS = "v1/pods"
 
+# What the tests needing the real control plane (tests/operator/apiserver_env.py) say when they
+# skip for want of it; `make setup` installs it.
+CONTROL_PLANE_SKIPS = ("no real control plane", "no kube-controller-manager", "no apiserver_env")
+
+
+def control_plane_required() -> bool:
+    """Under CI (CI=true, as CI services set it and .ci/run does) the control plane is part of
+    the test environment: a test that would skip without it fails instead."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and control_plane_required()) or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    if any(marker in reason for marker in CONTROL_PLANE_SKIPS):
+        report.outcome = "failed"
+        report.longrepr = (f"CI=true and the real control plane is missing ({reason}); `make setup` installs it "
+                           f"from shared/k8s/install.sh (K8S_INSTALL=... if it is elsewhere)")
 
 
 @pytest.fixture(scope="session")
