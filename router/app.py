@@ -29,6 +29,7 @@ import aiohttp
 from kvmesh.common import openapi as oa
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE, block_keys, key_hex
+from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.logging_setup import redact_url
 from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.common.prompts import chat_template_messages, prompt_batch
@@ -1136,13 +1137,14 @@ def check_request(path: str, req: dict[str, Any], vocab: int) -> None:
     """The fields the router itself reads, checked as the engine checks them (so the router never
     fails on them and refuses exactly what an engine would): a 400 naming the field. The rest of
     the request is the engine's to validate."""
+    try:  # first, as the engine checks it: the block keys' root is made from it
+        check_cache_salt(req.get("cache_salt"))
+    except InvalidCacheSalt as exc:
+        raise BadRequest(str(exc), exc.param, code=exc.code) from None
     _int_param(req, "n", 1, MAX_N)
     _int_param(req, "max_tokens", 0)
     if path == "/v1/chat/completions":
         _int_param(req, "max_completion_tokens", 0)
-    salt = req.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise BadRequest("cache_salt must be a non-empty string", "cache_salt")
     if path == "/v1/chat/completions":
         msgs = req.get("messages")
         if not isinstance(msgs, list) or not msgs:

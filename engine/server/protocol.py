@@ -11,6 +11,7 @@ from typing import Any, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.prompts import prompt_batch
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 
@@ -87,8 +88,10 @@ class _Common(BaseModel):
                          defaults: Mapping[str, Any], prompt_logprobs: int | None = None) -> SamplingParams:
         """``defaults``: the model's generation-config values for what the request leaves out."""
         self.check_supported()
-        if self.cache_salt is not None and not self.cache_salt:
-            raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string")
+        try:
+            check_cache_salt(self.cache_salt)
+        except InvalidCacheSalt as exc:
+            raise InvalidParameter(exc.param, str(exc)) from None
 
         logit_bias = None
         if self.logit_bias:

@@ -23,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -180,6 +181,11 @@ class RequestHandler:
             raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json")
         if not isinstance(data, dict):
             raise bad_request("request body must be a JSON object")
+        if "cache_salt" in model_cls.model_fields:  # the router's check too: the same 400
+            try:
+                check_cache_salt(data.get("cache_salt"))
+            except InvalidCacheSalt as exc:
+                raise bad_request(str(exc), param=exc.param, code=exc.code) from None
         bad_text = invalid_text_field(raw, data)
         if bad_text is not None:  # every string field: prompt, messages, stop, model, ...
             raise bad_request(f"{bad_text} is not valid Unicode text (a lone surrogate such as \\ud800)",

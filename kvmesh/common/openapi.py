@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from kvmesh.common.cache_salt import MAX_CACHE_SALT_CHARS
+
 INT64_MAX = 2**63 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_LOGPROBS = 20
@@ -106,7 +108,7 @@ def request_schemas(model: str | None = None, vocab_size: int | None = None) -> 
         "stop_token_ids": _nullable(ids),
         "include_stop_str_in_output": _BOOL,
         "skip_special_tokens": _BOOL,
-        "cache_salt": _nullable({"type": "string", "minLength": 1}),
+        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS}),
         "prompt_logprobs": _int(0, MAX_LOGPROBS, description="top-N logprobs of every prompt token"),
         # Not supported, and refused (400 naming the field) when they ask for something: the
         # schema allows only their "off" values.

@@ -3,7 +3,8 @@ front of a real engine: for every row of the generate routes the router's answer
 the engine's — the same status, and the same error ``type``, ``param`` and ``code`` —
 whether the router refuses the request itself (the fields it reads: n, max_tokens,
 cache_salt, messages, prompt, the body) or passes the engine's answer on. The 200 rows
-are answered 200 through the router too."""
+are answered 200 through the router too. A bad cache_salt gets the very same message:
+both call kvmesh.common.cache_salt."""
 
 from __future__ import annotations
 
@@ -56,3 +57,5 @@ def test_router_answers_as_the_engine(engine, router, http, row):
         return
     a, b = error_of(direct), error_of(routed)
     assert (b["type"], b["param"], b["code"]) == (a["type"], a["param"], a["code"]), (row.id, a, b)
+    if a["param"] == "cache_salt":  # one shared check (kvmesh.common.cache_salt): the same words too
+        assert b["message"] == a["message"], (row.id, a, b)

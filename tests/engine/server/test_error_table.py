@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvmesh.common.cache_salt import MAX_CACHE_SALT_CHARS
 from tests.engine.server.conftest import ThreadServer
 
 MODEL = "tiny"
@@ -133,6 +134,23 @@ ROWS: list[Row] = [
     Row("cache_salt-empty", C, {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
     Row("cache_salt-number", C, {"prompt": "x", "cache_salt": 5}, 400, "cache_salt"),
     Row("cache_salt-chat-empty", CHAT, {"messages": HI, "cache_salt": ""}, 400, "cache_salt"),
+    Row("cache_salt-list", C, {"prompt": "x", "cache_salt": ["a"]}, 400, "cache_salt", says="must be a string"),
+    Row("cache_salt-bool", CHAT, {"messages": HI, "cache_salt": True}, 400, "cache_salt", says="must be a string"),
+    Row("cache_salt-too-long", C, {"prompt": "x", "cache_salt": "s" * (MAX_CACHE_SALT_CHARS + 1)}, 400,
+        "cache_salt", says=f"at most {MAX_CACHE_SALT_CHARS}"),
+    Row("cache_salt-chat-too-long", CHAT, {"messages": HI, "cache_salt": "s" * (MAX_CACHE_SALT_CHARS + 1)}, 400,
+        "cache_salt", says=f"at most {MAX_CACHE_SALT_CHARS}"),
+    Row("cache_salt-longest", C, {"prompt": "x", "cache_salt": "s" * MAX_CACHE_SALT_CHARS, "max_tokens": 1}, 200),
+    Row("cache_salt-non-ascii", CHAT, {"messages": HI, "cache_salt": "t\u00e9nant-\U0001f600", "max_tokens": 1},
+        200),
+    # a lone surrogate cannot be encoded into the block-key root: escaped, or as UTF-8 bytes
+    Row("cache_salt-surrogate", C, b'{"prompt": "x", "cache_salt": "a\\ud800"}', 400, "cache_salt",
+        "invalid_text"),
+    Row("cache_salt-chat-surrogate", CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "cache_salt": "\\udfff"}', 400, "cache_salt",
+        "invalid_text"),
+    Row("cache_salt-surrogate-bytes", C, b'{"prompt": "x", "cache_salt": "\xed\xa0\x80"}', 400, "cache_salt",
+        "invalid_text"),
     # -- chat messages and content parts
     Row("messages-missing", CHAT, {}, 400, "messages"),
     Row("messages-empty", CHAT, {"messages": []}, 400, "messages"),
