@@ -179,13 +179,20 @@ class Sampler:
         if any(p.top_p < 1.0 for p in params):
             top_p = to_device([p.top_p for p in params], torch.float32, dev)
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-            # Drop tokens once the mass before them already reaches top_p (keep at least one).
-            drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p[:, None]
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Drop tokens once the mass before them already reaches top_p ...
+            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+            # ... but never the top token (nor one tied with it): a top_p below float32's smallest
+            # subnormal (1e-46, 1e-300) is 0 here, which would drop every token of the row.
+            drop_sorted &= sorted_logits < sorted_logits[:, :1]
+            # A row with top_p=1 in a batch that truncates keeps everything: its cumulative sum can
+            # round up to 1 before the tail, which would cut its least likely tokens.
+            drop_sorted &= (top_p < 1.0)[:, None]
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         probs = logits.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
+            # min_p <= 1, so the top token (and any tied with it) is never below the threshold
             min_p = to_device([p.min_p for p in params], torch.float32, dev)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
