@@ -172,6 +172,8 @@ class Sidecar:
         self._hb_thread: threading.Thread | None = None
         self.subscriber: KVEventSubscriber | None = None
         self.state: str | None = None  # None until the engine is first ready
+        self._engine_was_ready = False
+        self._shutting_down = False
         self.engine_start: float | None = None
         self.engine_failures = 0
         self.stats = Counter()
@@ -228,6 +230,8 @@ class Sidecar:
         return None if self._redis_dirty else self._indexed_seq
 
     def mark_draining(self) -> None:
+        """This sidecar is shutting down: every heartbeat from now on says `draining`."""
+        self._shutting_down = True
         self.state = rl.STATE_DRAINING
         try:
             self.hb_redis.hset(self.hb_key, rl.F_STATE, rl.STATE_DRAINING)
@@ -284,12 +288,20 @@ class Sidecar:
 
         for key, help_ in (("batches", "KV-event batches applied"), ("decode_errors", "undecodable KV-event "
                            "batches or malformed messages"), ("lost_batches", "batches undecodable in the "
-                           "replay buffer too (the index was reset)"), ("gaps", "sequence gaps seen"),
+                           "replay buffer too (the index was reset)"),
+                           ("gaps", "sequence gaps detected (live or in a replay answer), each healed by a replay "
+                            "unless counted as a snapshot or a gap reset"),
+                           ("gap_batches", "batches found missing in sequence gaps"),
+                           ("snapshots", "gaps healed from the engine's block-set snapshot"),
+                           ("gap_resets", "gaps nothing could fill: the index was reset (a subset until the "
+                            "next full resync)"),
+                           ("replay_failures", "full resyncs that failed because the replay socket did not answer"),
                            ("replays", "replay requests sent"), ("resets", "index resets by the subscriber")):
             metric(f"kvmesh_sidecar_kv_event_{key}_total", "counter", help_, sub.get(key, 0))
         for key, help_ in (("events_loop_errors", "events-loop iterations that failed (each followed by a resync)"),
                            ("redis_errors", "Redis operations that failed"), ("full_rewrites", "block set rewrites"),
-                           ("heartbeats", "heartbeats written"), ("index_withdrawals", "block set withdrawn because "
+                           ("heartbeats", "heartbeats written"), ("engine_restarts", "engine restarts "
+                           "detected (each followed by a full resync)"), ("index_withdrawals", "block set withdrawn because "
                            "the events loop was dead or stale"), ("block_set_repairs", "block set found different "
                            "from the index in Redis (lost by Redis) and rewritten")):
             metric(f"kvmesh_sidecar_{key}_total", "counter", help_, self.stats.get(key, 0))
@@ -494,20 +506,11 @@ class Sidecar:
                 self.hb_redis.delete(self.hb_key)
             return
         load = engine_load(metrics.text) if metrics.status_code == 200 else None
-        if self.engine_failures >= self.cfg.engine_down_after:
-            self._engine_restarted("engine came back after being unreachable")
-        elif load and load.process_start_time and self.engine_start and load.process_start_time != self.engine_start:
-            self._engine_restarted("engine process start time changed")
+        self._check_incarnation(load)
         self.engine_failures = 0
-        if load and load.process_start_time:
-            self.engine_start = load.process_start_time
-        if ready.status_code == 200:
-            if self.state != rl.STATE_DRAINING:
-                self.state = rl.STATE_READY
-        elif self.state is not None:
-            self.state = rl.STATE_DRAINING
+        self.state = self._state_now(ready.status_code == 200)
         if self.state is None:
-            return  # not ready yet: not routable
+            return  # never ready yet: no heartbeat, not routable
         problem = self.events_problem()
         if problem is not None:
             self._withdraw_index(problem)
@@ -553,12 +556,38 @@ class Sidecar:
         finally:
             self._lock.release()
 
+    def _state_now(self, engine_ready: bool) -> str | None:
+        """The state this heartbeat publishes: the engine's readiness now, never an earlier one
+        (a restarted engine is `draining` while it loads, `ready` again as soon as it is).
+        None (no heartbeat) until the engine is first ready; `draining` for good once this
+        sidecar is shutting down."""
+        if self._shutting_down:
+            return rl.STATE_DRAINING
+        if engine_ready:
+            self._engine_was_ready = True
+            return rl.STATE_READY
+        return rl.STATE_DRAINING if self._engine_was_ready else None
+
+    def _check_incarnation(self, load) -> None:
+        """A restarted engine is a new incarnation: its cache is empty and its KV-event stream
+        starts again at seq 0. Seen here as a changed `process_start_time_seconds`, or as an
+        engine that answers again after being unreachable (the subscriber also sees the live
+        seq going backwards and the socket reconnecting)."""
+        start = load.process_start_time if load else None
+        if self.engine_failures >= self.cfg.engine_down_after:
+            self._engine_restarted("engine came back after being unreachable")
+        elif start and self.engine_start and start != self.engine_start:
+            self._engine_restarted(f"engine process start time changed ({self.engine_start} -> {start})")
+        if start:
+            self.engine_start = start
+
     def _engine_restarted(self, reason: str) -> None:
+        """Drop the old incarnation's blocks and rebuild from the new one's stream: a reset (the
+        events loop rewrites the pod's block set, empty) then a replay from 0 (or a snapshot)."""
         log.info("%s: resyncing the block index", reason)
+        self.stats["engine_restarts"] += 1
         if self.subscriber is not None:
             self.subscriber.request_resync(reason)
-        if self.state == rl.STATE_DRAINING:
-            self.state = None  # a restarted engine must become ready again
 
 
 def default_pod_url() -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
@@ -42,6 +43,9 @@ log = logging.getLogger("kvmesh.kv_events")
 
 BlockHash = Union[int, bytes]
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# Asked for as the start seq: a snapshot of the block set instead of the buffered batches (a kvmesh
+# extension; vLLM's publisher answers it with the end marker alone, as for any seq it does not hold).
+SNAPSHOT_REQ = (-2).to_bytes(8, "big", signed=True)
 
 
 @dataclass
@@ -207,15 +211,76 @@ def decode_batch(payload: bytes) -> EventBatch:
     return EventBatch(ts=ts, events=events, data_parallel_rank=_opt_int(_opt(raw, 2), "EventBatch.data_parallel_rank"))
 
 
+class PublishedBlockSet:
+    """The block set that the published events describe: what a subscriber that missed nothing
+    holds. Kept by the publisher so that a subscriber that fell further behind than the replay
+    buffer reaches can start over from a snapshot instead of living with a partial index.
+
+    Keyed by (block hash, medium); insertion order is store order. A block's token ids are kept
+    as a uint32 array (4 bytes a token), so a large cache costs little."""
+
+    def __init__(self):
+        self.blocks: dict[tuple[BlockHash, str | None], tuple[BlockHash | None, array, int, int | None]] = {}
+
+    def apply(self, events: Iterable[KVEvent]) -> None:
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                bs = ev.block_size
+                parent = ev.parent_block_hash
+                for i, h in enumerate(ev.block_hashes):
+                    self.blocks[(h, ev.medium)] = (parent, array("I", ev.token_ids[i * bs:(i + 1) * bs]), bs,
+                                                   ev.lora_id)
+                    parent = h
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    self.blocks.pop((h, ev.medium), None)
+            elif isinstance(ev, AllBlocksCleared):
+                self.blocks.clear()
+
+    def copy(self) -> dict:
+        return dict(self.blocks)
+
+    @staticmethod
+    def snapshot_events(blocks: dict) -> list[KVEvent]:
+        """AllBlocksCleared, then one BlockStored per block, every parent before its children
+        (a subscriber that derives keys from parents, like the sidecar with vLLM's hashes, needs
+        that order; store order almost always is, a parent stored again after its child is not)."""
+        events: list[KVEvent] = [AllBlocksCleared()]
+        emitted: set = set()
+        for key in blocks:
+            chain = []
+            k = key
+            while k is not None and k in blocks and k not in emitted:
+                emitted.add(k)
+                chain.append(k)
+                parent = blocks[k][0]
+                k = None if parent is None else (parent, k[1])
+            for h, medium in reversed(chain):
+                parent, tokens, bs, lora_id = blocks[(h, medium)]
+                events.append(BlockStored([h], parent, tokens.tolist(), bs, lora_id, medium))
+        return events
+
+
 class KVEventPublisher:
     """vLLM-compatible ZMQ publisher: PUB for live events plus a ROUTER replay socket.
 
-    ``publish(events)`` is thread-safe. The replay buffer keeps the last
-    ``buffer_steps`` batches; a background thread answers replay requests.
+    ``publish(events)`` is thread-safe. The replay buffer keeps the last ``buffer_steps``
+    batches; a background thread answers replay requests. The replay socket never drops a
+    batch of an answer: its send high-water mark holds a whole answer, and a client that
+    reads slower than that is waited for (``ROUTER_MANDATORY``: ZMQ's ROUTER would otherwise
+    drop what is over the mark in silence), up to ``replay_send_timeout_s``, after which
+    that answer is abandoned (the client sees no end marker and asks again).
+
+    With ``snapshots`` (the default) the publisher also keeps the block set its events
+    describe (:class:`PublishedBlockSet`) and answers a snapshot request (``SNAPSHOT_REQ``
+    as the start sequence number) with one message ``[N, EventBatch]``: AllBlocksCleared,
+    then every block, equal to having applied every batch before seq ``N``; then the end
+    marker. A vLLM publisher answers that request with the end marker alone.
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 buffer_steps: int = 10_000, hwm: int = 100_000):
+                 buffer_steps: int = 10_000, hwm: int = 100_000, snapshots: bool = True,
+                 replay_send_timeout_s: float = 10.0):
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
@@ -230,13 +295,20 @@ class KVEventPublisher:
         self._seq = 0
         self._lock = threading.Lock()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._block_set = PublishedBlockSet() if snapshots else None
         self._closed = threading.Event()
         self._replay = None
         self.replay_endpoint: str | None = None
         self._thread: threading.Thread | None = None
+        self.stats = {"replay_requests": 0, "snapshots_sent": 0, "replays_abandoned": 0}
         if replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            # A whole answer (every buffered batch + the end marker) fits under the mark, and a
+            # full pipe blocks the send (up to the timeout) instead of dropping in silence.
+            self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 2)
+            self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._replay.setsockopt(zmq.SNDTIMEO, int(replay_send_timeout_s * 1000))
             try:
                 self._replay.bind(replay_endpoint)
             except zmq.ZMQError:
@@ -261,8 +333,23 @@ class KVEventPublisher:
             seq = self._seq
             self._seq += 1
             self._buffer.append((seq, payload))
+            if self._block_set is not None:
+                self._block_set.apply(events)
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         return seq
+
+    def _answer(self, start: bytes) -> list[tuple[int, bytes]]:
+        """The messages answering one request: buffered batches from a start seq, or a snapshot."""
+        if start == SNAPSHOT_REQ:
+            if self._block_set is None:
+                return []
+            with self._lock:  # a copy under the lock (fast); the encoding outside it
+                next_seq, blocks = self._seq, self._block_set.copy()
+            self.stats["snapshots_sent"] += 1
+            return [(next_seq, encode_batch(PublishedBlockSet.snapshot_events(blocks)))]
+        start_seq = int.from_bytes(start, "big")
+        with self._lock:
+            return [(s, p) for s, p in self._buffer if s >= start_seq]
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -277,19 +364,19 @@ class KVEventPublisher:
                 if self._closed.is_set():
                     return
                 continue
-            if len(frames) != 3:
+            if len(frames) != 3 or len(frames[2]) != 8:
                 log.warning("invalid replay request with %d frames", len(frames))
                 continue
             client_id, _, start = frames
-            start_seq = int.from_bytes(start, "big")
-            with self._lock:
-                items = [(s, p) for s, p in self._buffer if s >= start_seq]
+            self.stats["replay_requests"] += 1
+            items = self._answer(start)
             try:
                 for seq, payload in items:
                     self._replay.send_multipart((client_id, b"", seq.to_bytes(8, "big"), payload))
                 self._replay.send_multipart((client_id, b"", END_SEQ, b""))
-            except zmq.ZMQError as exc:
-                log.warning("replay send failed: %s", exc)
+            except zmq.ZMQError as exc:  # the client is gone (EHOSTUNREACH) or stopped reading (EAGAIN)
+                self.stats["replays_abandoned"] += 1
+                log.warning("replay answer abandoned after %d messages: %s", len(items), exc)
 
     def close(self) -> None:
         self._closed.set()
@@ -311,11 +398,19 @@ class Delivery:
 
 
 class KVEventSubscriber:
-    """SUB (+ DEALER replay) client with gap detection.
+    """SUB (+ DEALER replay) client with gap detection and healing.
 
-    ``poll()`` returns deliveries in sequence order. It handles:
-      * a gap (seq jumps ahead): replay the missing range; if the publisher no longer
-        buffers it, deliver a reset (the index would be wrong otherwise), then what is left;
+    ``poll()`` returns deliveries in sequence order, with no batch missing in silence:
+      * a gap (the live seq jumps ahead, or a replay answer skips a seq) is counted
+        (``stats["gaps"]``, and the missing batches in ``stats["gap_batches"]``) and healed:
+        the missing range is replayed (asked for again from the first hole, up to
+        ``max_replay_attempts`` answers); a range the publisher no longer buffers is healed
+        from its snapshot (``stats["snapshots"]``: a reset, then the publisher's whole block
+        set). A publisher without snapshots (vLLM) cannot heal that: a reset, then what it
+        still buffers; counted in ``stats["gap_resets"]`` and logged;
+      * a replay socket that does not answer: the gap is a reset too (``gap_resets``), and a
+        full resync (reset, replay from 0 or snapshot) is retried with a backoff until the
+        socket answers (``stats["replay_failures"]`` counts the failed tries);
       * a publisher restart (the live seq goes backwards): a reset, then a replay from 0;
       * ``request_resync()`` (e.g. the engine's process start time changed): same as restart;
       * a batch that does not decode (:class:`DecodeError`: not msgpack, a field of the
@@ -332,11 +427,14 @@ class KVEventSubscriber:
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 replay_timeout_s: float = 1.0, validate=None):
+                 replay_timeout_s: float = 1.0, validate=None, max_replay_attempts: int = 3,
+                 resync_backoff_max_s: float = 30.0):
         self._ctx = zmq.Context.instance()
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
-        self.replay_timeout_s = replay_timeout_s
+        self.replay_timeout_s = replay_timeout_s  # silence that ends a replay answer
+        self.max_replay_attempts = max_replay_attempts
+        self.resync_backoff_max_s = resync_backoff_max_s
         # Optional consumer check of a decoded batch (raises DecodeError), e.g. the sidecar's
         # "hashes are uint64 contract keys": a failing batch is handled like an undecodable one.
         self.validate = validate
@@ -352,32 +450,35 @@ class KVEventSubscriber:
         self._dealer = None
         self.next_seq: int | None = None
         self._last_live_seq: int | None = None
-        self._needs_catch_up = True
+        self._needs_catch_up = True  # a full catch-up (replay from 0) is due
+        self._catch_up_at = 0.0  # not before this (monotonic): the backoff after a failed one
+        self._catch_up_backoff = 1.0
         self._resync_reason: str | None = None
         self.caught_up = False  # the first catch-up (replay from 0) has run
         self.last_decode_error: str | None = None
-        self.stats = {"batches": 0, "gaps": 0, "replays": 0, "resets": 0, "decode_errors": 0, "lost_batches": 0}
+        self.stats = {"batches": 0, "gaps": 0, "gap_batches": 0, "replays": 0, "snapshots": 0, "gap_resets": 0,
+                      "replay_failures": 0, "resets": 0, "decode_errors": 0, "lost_batches": 0}
 
     # -- replay ---------------------------------------------------------------------------
-    def _replay_from(self, start: int) -> list[tuple[int, bytes]] | None:
-        """Buffered messages with seq >= start, or None if the replay socket did not answer."""
+    def _ask(self, request: bytes) -> tuple[list[tuple[int, bytes]], bool] | None:
+        """One request to the replay socket: (messages, ended), where `ended` says the end marker
+        arrived; an answer that stops (``replay_timeout_s`` of silence) is (what came, False).
+        None: no answer at all (or no replay socket)."""
         if not self.replay_endpoint:
             return None
-        self.stats["replays"] += 1
         if self._dealer is None:
             self._dealer = self._ctx.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.setsockopt(zmq.RCVHWM, 0)  # a whole answer: nothing dropped on this side
             self._dealer.connect(self.replay_endpoint)
-        self._dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        self._dealer.send_multipart((b"", request))
         out: list[tuple[int, bytes]] = []
-        deadline = time.monotonic() + self.replay_timeout_s
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._dealer.poll(int(remaining * 1000) + 1):
-                # No (complete) answer: drop the socket so a late answer cannot confuse the next one.
+            if not self._dealer.poll(int(self.replay_timeout_s * 1000) + 1):
+                # Drop the socket so that a late answer cannot be taken for the next one's.
                 self._dealer.close(0)
                 self._dealer = None
-                return None
+                return (out, False) if out else None
             frames = self._dealer.recv_multipart()
             if len(frames) == 3:
                 frames = frames[1:]
@@ -386,8 +487,25 @@ class KVEventSubscriber:
                 continue
             seq_b, payload = frames
             if seq_b == END_SEQ:
-                return out
+                return out, True
             out.append((int.from_bytes(seq_b, "big"), payload))
+
+    def _replay_from(self, start: int) -> tuple[list[tuple[int, bytes]], bool] | None:
+        """The buffered batches with seq >= start (see `_ask`)."""
+        if not self.replay_endpoint:
+            return None
+        self.stats["replays"] += 1
+        return self._ask(start.to_bytes(8, "big"))
+
+    def _snapshot(self) -> tuple[int, EventBatch] | None:
+        """The publisher's block set as one batch, and the first seq it does not cover; None
+        from a publisher without snapshots (vLLM's answers the request with the end marker)."""
+        answer = self._ask(SNAPSHOT_REQ)
+        if answer is None or not answer[1] or len(answer[0]) != 1:
+            return None
+        next_seq, payload = answer[0][0]
+        got = self._decode(next_seq, payload)
+        return None if isinstance(got, DecodeError) else (next_seq, got)
 
     def request_resync(self, reason: str) -> None:
         self._resync_reason = reason
@@ -414,6 +532,36 @@ class KVEventSubscriber:
         log.info("KV-event state reset: %s", reason)
         return Delivery(seq=None, reset=reason)
 
+    def _gap(self, missing_from: int, got: int, where: str) -> None:
+        self.stats["gaps"] += 1
+        self.stats["gap_batches"] += got - missing_from
+        log.warning("KV-event gap in the %s: seq %d..%d missing; healing", where, missing_from, got - 1)
+
+    def _heal_from_snapshot(self, missing_from: int, out: list[Delivery]) -> bool:
+        snap = self._snapshot()
+        if snap is None:
+            return False
+        next_seq, batch = snap
+        self.stats["snapshots"] += 1
+        out.append(self._reset(f"seq {missing_from} is no longer buffered: rebuilding from the publisher's "
+                               f"block-set snapshot (every batch before seq {next_seq})"))
+        out.append(Delivery(seq=next_seq - 1, batch=batch))
+        self.next_seq = next_seq
+        return True
+
+    def _lose(self, missing_from: int, got: int | None, out: list[Delivery]) -> None:
+        """A gap nothing can fill: reset (the index then holds a subset of the engine's cache)."""
+        self.stats["gap_resets"] += 1
+        what = f"seq {missing_from}..{got - 1}" if got is not None else f"seq {missing_from} on"
+        out.append(self._reset(f"{what} lost: neither replayed nor in a snapshot"))
+        self.next_seq = None
+
+    def _schedule_full_resync(self) -> None:
+        if self.replay_endpoint:
+            self._needs_catch_up = True
+            self._catch_up_at = time.monotonic() + self._catch_up_backoff
+            self._catch_up_backoff = min(self._catch_up_backoff * 2, self.resync_backoff_max_s)
+
     def _accept(self, seq: int, payload: bytes, out: list[Delivery], live: bool) -> None:
         """Deliver batch `seq` (the next in order) into `out`; on a decode error, recover."""
         got = self._decode(seq, payload)
@@ -437,18 +585,58 @@ class KVEventSubscriber:
         self.next_seq = seq + 1
 
     def _catch_up(self, start: int, out: list[Delivery]) -> bool:
-        """Replay from `start` into `out`; True if the range from `start` was complete."""
-        items = self._replay_from(start)
-        if items is None:
-            return False
-        complete = not items or items[0][0] == start
-        if items and not complete and start > 0:
-            out.append(self._reset(f"replay buffer no longer holds seq {start} (oldest {items[0][0]})"))
-        for seq, payload in items:
-            if self.next_seq is not None and seq < self.next_seq:
-                continue
-            self._accept(seq, payload, out, live=False)
-        return complete
+        """Deliver into `out`, in order and without a hole, every batch from `start` that the
+        publisher has sent. True when done; False when the replay socket did not answer or
+        kept answering with holes and nothing filled them (a full resync is then due)."""
+        want = start
+        for _ in range(self.max_replay_attempts):
+            answer = self._replay_from(want)
+            if answer is None:
+                return False
+            items, ended = answer
+            i, first = 0, True
+            hole = False
+            while i < len(items):
+                seq, payload = items[i]
+                if seq < want:  # delivered already (an earlier answer, the live stream, a snapshot)
+                    i += 1
+                    continue
+                if seq == want:
+                    self._accept(seq, payload, out, live=False)
+                    want, i, first = seq + 1, i + 1, False
+                    continue
+                self._gap(want, seq, "replay answer")
+                if not first:
+                    hole = True  # dropped on the way (the publisher had sent what follows): ask again
+                    break
+                first = False
+                # The answer starts after `want`: the publisher no longer buffers it.
+                if self._heal_from_snapshot(want, out):
+                    want = self.next_seq
+                else:
+                    self._lose(want, seq, out)
+                    want = seq
+            if ended and not hole:
+                return True
+        if self._heal_from_snapshot(want, out):
+            return True
+        return False
+
+    def _full_catch_up(self, out: list[Delivery]) -> None:
+        """Rebuild from scratch: a reset if anything was delivered since, then replay from 0."""
+        if self.next_seq is not None:
+            out.append(self._reset("full resync after a failed replay"))
+            self.next_seq = None
+        self._needs_catch_up = False
+        if self._catch_up(0, out) or not self.replay_endpoint:
+            self._catch_up_backoff = 1.0
+        else:
+            self.stats["replay_failures"] += 1
+            if self.stats["replay_failures"] == 1 or self._catch_up_backoff >= self.resync_backoff_max_s:
+                log.warning("the KV-event replay socket %s did not answer; retrying in %.0fs",
+                            self.replay_endpoint, self._catch_up_backoff)
+            self._schedule_full_resync()
+        self.caught_up = True
 
     # -- main loop ------------------------------------------------------------------------
     def _check_connection(self) -> None:
@@ -471,10 +659,9 @@ class KVEventSubscriber:
             self.next_seq = None
             self._last_live_seq = None
             self._needs_catch_up = True
-        if self._needs_catch_up:
-            self._needs_catch_up = False
-            self._catch_up(0, out)
-            self.caught_up = True
+            self._catch_up_at = 0.0
+        if self._needs_catch_up and time.monotonic() >= self._catch_up_at:
+            self._full_catch_up(out)
         if not self._sub.poll(timeout_ms):
             self._check_connection()
             return out
@@ -491,7 +678,8 @@ class KVEventSubscriber:
                                                            if len(frames) == 3 else ""))
                 if not replayed_for_bad_frame and self.next_seq is not None:
                     replayed_for_bad_frame = True
-                    self._catch_up(self.next_seq, out)
+                    if not self._catch_up(self.next_seq, out):
+                        self._schedule_full_resync()
                 continue
             _, seq_b, payload = frames
             seq = int.from_bytes(seq_b, "big")
@@ -501,7 +689,8 @@ class KVEventSubscriber:
                 # The live stream went backwards: the engine (publisher) restarted.
                 out.append(self._reset(f"engine restarted (seq {seq} after {last_live})"))
                 self.next_seq = None
-                self._catch_up(0, out)
+                if not self._catch_up(0, out):
+                    self._schedule_full_resync()
                 if self.next_seq is None or self.next_seq <= seq:
                     self._accept(seq, payload, out, live=True)
                 continue
@@ -510,11 +699,13 @@ class KVEventSubscriber:
             elif seq < self.next_seq:
                 continue  # already delivered by a replay
             else:
-                self.stats["gaps"] += 1
                 missing_from = self.next_seq
-                log.info("KV-event gap: expected seq %d, got %d; replaying", missing_from, seq)
-                if not self._catch_up(missing_from, out) and (self.next_seq or 0) == missing_from:
-                    out.append(self._reset(f"seq {missing_from}..{seq - 1} lost and replay unavailable"))
+                self._gap(missing_from, seq, "live stream")
+                if not self._catch_up(missing_from, out) and self.next_seq is not None and self.next_seq < seq:
+                    # Nothing filled it now: what follows goes onto a reset index, and a full
+                    # resync is retried until the replay socket answers.
+                    self._lose(self.next_seq, seq, out)
+                    self._schedule_full_resync()
                 if self.next_seq is None or self.next_seq <= seq:
                     self._accept(seq, payload, out, live=True)
         return out
