@@ -1,0 +1,318 @@
+"""A local Kubernetes cluster for tests (docs/local-cluster.md): the real control plane
+(etcd, kube-apiserver, kube-controller-manager, kube-scheduler; kvmesh.testing.controlplane),
+one node agent that runs pods as local processes in network namespaces of their own
+(kvmesh.testing.node), and a Service forwarder (kvmesh.testing.node.services).
+
+    with LocalCluster(tmp_path) as cluster:
+        cluster.kubectl("apply", "-f", "manifests/")
+        url = cluster.service_url("ns", "svc", 8000)
+
+``python -m kvmesh.testing.cluster up --workdir DIR`` runs one by hand until Ctrl-C.
+
+Needs root (network namespaces, a bridge, bind mounts), the ``ip``, ``nsenter`` and
+``openssl`` commands, and the control-plane binaries (``/work/shared/k8s/install.sh`` or
+``make setup``). ``unavailable()`` says why a cluster cannot run here (tests skip on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvmesh.testing import controlplane
+from kvmesh.testing.controlplane import ControlPlane, find_environment, wait_for
+from kvmesh.testing.node import network
+from kvmesh.testing.node.pods import pod_dir
+
+LOCK_DIR = Path("/run/kvmesh-local-cluster")
+SLOTS = range(0, 64)
+NODE_NAME = "kvmesh-node"
+
+# The controllers a cluster with nodes needs: workloads, Services' EndpointSlices, garbage
+# collection, ServiceAccounts and the kube-root-ca.crt ConfigMap, namespaces, Jobs, volumes, PDBs.
+CONTROLLERS = ("deployment-controller", "replicaset-controller", "garbage-collector-controller",
+               "endpointslice-controller", "endpoints-controller", "serviceaccount-controller",
+               "root-ca-certificate-publisher-controller", "service-ca-certificate-publisher-controller",
+               "namespace-controller", "job-controller",
+               "persistentvolume-binder-controller", "disruption-controller", "pod-garbage-collector-controller",
+               "statefulset-controller", "ttl-after-finished-controller", "node-lifecycle-controller")
+
+
+def unavailable() -> str | None:
+    """Why a local cluster cannot run on this machine (None: it can)."""
+    assets, why = find_environment()
+    if assets is None:
+        return why
+    if assets.controller_manager is None or assets.scheduler is None:
+        return f"{assets.directory} lacks kube-controller-manager or kube-scheduler (run /work/shared/k8s/install.sh)"
+    if os.geteuid() != 0:
+        return "the local cluster needs root (network namespaces, a bridge, bind mounts)"
+    for tool in ("ip", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"the {tool!r} command is missing"
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"network namespaces are not available: {probe.stderr.strip()}"
+    return None
+
+
+class _Slot:
+    """A cluster-wide exclusive number for this cluster's network names and ranges: a lock
+    file held while the cluster runs (released by the kernel if the process dies)."""
+
+    def __init__(self) -> None:
+        LOCK_DIR.mkdir(parents=True, exist_ok=True)
+        for n in SLOTS:
+            f = open(LOCK_DIR / f"slot-{n}.lock", "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue
+            self.number, self.file = n, f
+            return
+        raise RuntimeError(f"all {len(SLOTS)} local-cluster slots are in use")
+
+    def release(self) -> None:
+        self.file.close()
+
+
+class LocalCluster:
+    def __init__(self, workdir: Path, *, node_cpu: str = "16", node_memory: str = "64Gi", gpus: int = 4,
+                 images: dict[str, Any] | None = None, backoff_initial: float = 10.0, backoff_cap: float = 300.0,
+                 log_level: str = "INFO") -> None:
+        self.workdir = Path(workdir).resolve()
+        self.node_cpu, self.node_memory, self.gpus = node_cpu, node_memory, gpus
+        self.images = images or {}
+        self.backoff_initial, self.backoff_cap = backoff_initial, backoff_cap
+        self.log_level = log_level
+        self.control_plane: ControlPlane | None = None
+        self.net: network.NetworkConfig | None = None
+        self.procs: list[controlplane.Proc] = []
+        self._slot: _Slot | None = None
+        self.api: Any = None
+        self._kubeconfig: Path | None = None
+
+    # --- start / stop --------------------------------------------------------------------------
+
+    def __enter__(self) -> "LocalCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 120.0) -> None:
+        why = unavailable()
+        if why:
+            raise RuntimeError(f"cannot start a local cluster: {why}")
+        assets, _ = find_environment()
+        assert assets is not None
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for stale in (self.workdir / "control-plane", self.node_dir):   # every start is a fresh cluster
+            shutil.rmtree(stale, ignore_errors=True)
+        self._slot = _Slot()
+        self.net = net = network.NetworkConfig(self._slot.number)
+        network.create_bridge(net)
+        sans = (f"IP:{net.apiserver_service_ip}", f"IP:{net.gateway}", "DNS:kubernetes", "DNS:kubernetes.default",
+                "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local")
+        cp = self.control_plane = ControlPlane(assets, self.workdir / "control-plane", service_cidr=net.service_cidr,
+                                               extra_sans=sans, service_account_admission=True)
+        cp.start()
+        self.api = _AdminApi(cp)
+        cp.start_controller_manager(CONTROLLERS, extra_args=(f"--root-ca-file={cp.ca_path}",
+                                                             f"--service-account-private-key-file={cp.workdir / 'sa.key'}"))
+        cp.start_scheduler()
+        kubeconfig = self.kubeconfig
+        images_file = self.workdir / "images.json"
+        images_file.write_text(json.dumps(self.images))
+        python = [sys.executable, "-P", "-m"]
+        self.procs.append(cp._spawn("service-forwarder", [
+            *python, "kvmesh.testing.node.services", "--kubeconfig", str(kubeconfig), "--slot", str(net.slot),
+            "--apiserver-port", str(cp.port), "--log-level", self.log_level]))
+        self.procs.append(cp._spawn("node-agent", [
+            *python, "kvmesh.testing.node", "--kubeconfig", str(kubeconfig), "--state-dir", str(self.node_dir),
+            "--slot", str(net.slot), "--node-name", NODE_NAME, "--cpu", self.node_cpu, "--memory", self.node_memory,
+            "--gpus", str(self.gpus), "--images", str(images_file), "--backoff-initial", str(self.backoff_initial),
+            "--backoff-cap", str(self.backoff_cap), "--log-level", self.log_level]))
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        def ready() -> bool:
+            for proc in self.procs + (self.control_plane.procs if self.control_plane else []):
+                if not proc.alive():
+                    raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+            node = self.api.get("Node", None, NODE_NAME)
+            conds = {c["type"]: c["status"] for c in ((node or {}).get("status") or {}).get("conditions") or []}
+            schedulable = not ((node or {}).get("spec") or {}).get("taints")   # the not-ready taint is gone
+            return (conds.get("Ready") == "True" and schedulable and self.api.get("ServiceAccount", "default", "default") is not None
+                    and self.api.get("ConfigMap", "default", "kube-root-ca.crt") is not None)
+        wait_for(ready, timeout=timeout, interval=0.2, message="the local cluster's node, ServiceAccount and CA")
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):   # the agent first: it stops every pod
+            proc.stop(timeout=30)
+        self.procs.clear()
+        if self.control_plane is not None:
+            self.control_plane.stop()
+        if self.net is not None:
+            network.delete_bridge(self.net)
+        if self._slot is not None:
+            self._slot.release()
+            self._slot = None
+
+    # --- the interface tests use ---------------------------------------------------------------
+
+    @property
+    def node_dir(self) -> Path:
+        return self.workdir / "node"
+
+    @property
+    def kubeconfig(self) -> Path:
+        assert self.control_plane is not None
+        if self._kubeconfig is None:
+            self._kubeconfig = self.control_plane.kubeconfig("admin", self.control_plane.admin_token)
+        return self._kubeconfig
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
+                timeout: float = 120.0) -> subprocess.CompletedProcess:
+        """kubectl with the admin kubeconfig; raises CalledProcessError (with its output) on failure."""
+        proc = subprocess.run(["kubectl", f"--kubeconfig={self.kubeconfig}", *args], capture_output=True, text=True,
+                              input=input, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args, proc.stdout, proc.stderr)
+        return proc
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any]:
+        pod = self.api.get("Pod", namespace, name)
+        if pod is None:
+            raise LookupError(f"no pod {namespace}/{name}")
+        return pod
+
+    def pod_ip(self, namespace: str, name: str) -> str:
+        ip = (self.pod(namespace, name).get("status") or {}).get("podIP")
+        if not ip:
+            raise LookupError(f"pod {namespace}/{name} has no IP yet")
+        return ip
+
+    def service_url(self, namespace: str, name: str, port: int, scheme: str = "http") -> str:
+        svc = self.api.get("Service", namespace, name)
+        if svc is None:
+            raise LookupError(f"no service {namespace}/{name}")
+        return f"{scheme}://{svc['spec']['clusterIP']}:{port}"
+
+    def _pod_state_dir(self, namespace: str, name: str) -> Path:
+        pod = self.api.get("Pod", namespace, name)
+        if pod is not None:
+            return pod_dir(self.node_dir, namespace, name, pod["metadata"]["uid"])
+        runs = sorted((self.node_dir / "pods" / namespace / name).glob("*"), key=lambda p: p.stat().st_mtime)
+        if not runs:
+            raise LookupError(f"pod {namespace}/{name} never ran on this node")
+        return runs[-1]
+
+    def processes(self, namespace: str, pod: str) -> dict[str, int]:
+        """{container: pid} of the pod's running containers."""
+        try:
+            return json.loads((self._pod_state_dir(namespace, pod) / "pids.json").read_text())
+        except FileNotFoundError:
+            return {}
+
+    def pod_log(self, namespace: str, pod: str, container: str, previous: bool = False) -> str:
+        name = f"{container}.previous.log" if previous else f"{container}.log"
+        path = self._pod_state_dir(namespace, pod) / "logs" / name
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def component_log(self, name: str) -> str:
+        """The log of a cluster process: etcd, kube-apiserver, kube-controller-manager,
+        kube-scheduler, node-agent, service-forwarder."""
+        assert self.control_plane is not None
+        path = self.control_plane.workdir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+class _AdminApi:
+    """get/list/apply/delete of dicts as a cluster admin (the control plane's client)."""
+
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+
+    def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        return self.cp.get(kind, namespace, name)
+
+    def list(self, kind: str, namespace: str | None = None, selector: str | None = None) -> list[dict[str, Any]]:
+        return self.cp.list(kind, namespace, selector)
+
+    def apply(self, obj: dict[str, Any], manager: str = "kvmesh-test") -> dict[str, Any]:
+        resp = self.cp.apply(obj, manager=manager)
+        if resp.status_code >= 400:
+            raise RuntimeError(f"{obj['kind']}/{obj['metadata']['name']}: {resp.status_code} {resp.text}")
+        return resp.json()
+
+    def delete(self, kind: str, namespace: str | None, name: str, grace_seconds: int | None = None) -> bool:
+        assert self.cp.client is not None
+        body = {"gracePeriodSeconds": grace_seconds} if grace_seconds is not None else None
+        resp = self.cp.client.request("DELETE", controlplane.path(kind, namespace, name), json=body)
+        if resp.status_code == 404:
+            return False
+        resp.raise_for_status()
+        return True
+
+    @property
+    def client(self) -> httpx.Client:
+        assert self.cp.client is not None
+        return self.cp.client
+
+
+for _kind, _api, _plural, _namespaced in (("ConfigMap", "v1", "configmaps", True), ("Node", "v1", "nodes", False),
+                                          ("PersistentVolume", "v1", "persistentvolumes", False),
+                                          ("Lease", "coordination.k8s.io/v1", "leases", True),
+                                          ("StatefulSet", "apps/v1", "statefulsets", True)):
+    controlplane.register_kind(_kind, _api, _plural, _namespaced)
+
+
+def _up(args: argparse.Namespace) -> None:
+    import signal as _signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (_signal.SIGINT, _signal.SIGTERM):
+        _signal.signal(sig, lambda *_: stop.set())
+    cluster = LocalCluster(Path(args.workdir), gpus=args.gpus)
+    with cluster:
+        print(f"kubeconfig: {cluster.kubeconfig}\n"
+              f"  kubectl --kubeconfig {cluster.kubeconfig} get nodes\n"
+              f"  export KUBECONFIG={cluster.kubeconfig}\n"
+              f"pods get IPs in {cluster.net.pod_cidr}, Services in {cluster.net.service_cidr} (reachable from here);\n"
+              f"logs: {cluster.workdir}/control-plane/*.log, container logs under {cluster.node_dir}/pods/.\n"
+              f"Ctrl-C stops every process and removes the network namespaces and the bridge.", flush=True)
+        while not stop.wait(1):
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m kvmesh.testing.cluster", description="a local Kubernetes cluster")
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start a cluster and run it until Ctrl-C")
+    up.add_argument("--workdir", required=True)
+    up.add_argument("--gpus", type=int, default=4)
+    args = p.parse_args(argv)
+    if args.command == "up":
+        _up(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from kvmesh.testing.node.agent import main
+
+main()

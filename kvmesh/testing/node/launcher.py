@@ -1,0 +1,82 @@
+"""Start one container process: join the pod's network namespace, enter a mount and UTS
+namespace of its own, bind-mount the container's volumes at their mount paths, set the
+hostname to the pod's name, then exec the container's command with its environment.
+
+Run by the agent as ``python -S -P launcher.py SPEC.json`` (standard library only, so it
+starts fast); the exec keeps the process id, which is the container's pid. A failure before
+the exec prints why and exits 128, as a runtime's start error does.
+
+SPEC: {"netns": path, "hostname": str, "mounts": [{"source", "target", "readOnly"}],
+       "argv": [...], "env": {...}, "cwd": str, "deathSignal": int}
+"""
+
+import ctypes
+import json
+import os
+import sys
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG = 1
+O_PATH = 0o10000000
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def make_mount_point(target: str, directory: bool) -> None:
+    if os.path.lexists(target):
+        return
+    if directory:
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "a").close()
+
+
+def bind(source_fd: int, target: str, read_only: bool) -> None:
+    src = f"/proc/self/fd/{source_fd}".encode()
+    check(libc.mount(src, target.encode(), None, MS_BIND | MS_REC, None), f"bind-mount onto {target}")
+    if read_only:
+        check(libc.mount(b"none", target.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None),
+              f"read-only remount of {target}")
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    if spec.get("deathSignal"):
+        libc.prctl(PR_SET_PDEATHSIG, int(spec["deathSignal"]), 0, 0, 0)
+    fd = os.open(spec["netns"], os.O_RDONLY)
+    check(libc.setns(fd, CLONE_NEWNET), "join the pod's network namespace")
+    os.close(fd)
+    check(libc.unshare(CLONE_NEWNS | CLONE_NEWUTS), "unshare mount+UTS namespaces")
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+    hostname = spec["hostname"].encode()[:63]
+    check(libc.sethostname(hostname, len(hostname)), "sethostname")
+    # Open every source before mounting anything: a mount (say an emptyDir on /tmp) may cover
+    # where a later source lives.
+    mounts = sorted(spec["mounts"], key=lambda m: m["target"].rstrip("/").count("/"))
+    fds = [os.open(m["source"], O_PATH) for m in mounts]
+    is_dir = [os.path.isdir(m["source"]) for m in mounts]
+    for m, source_fd, directory in zip(mounts, fds, is_dir):
+        make_mount_point(m["target"], directory)
+        bind(source_fd, m["target"], bool(m.get("readOnly")))
+    for source_fd in fds:
+        os.close(source_fd)
+    os.chdir(spec.get("cwd") or "/")
+    argv = spec["argv"]
+    os.execvpe(argv[0], argv, spec["env"])
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1])
+    except Exception as exc:   # the container's log says why it did not start
+        print(f"container start failed: {exc}", file=sys.stderr, flush=True)
+        sys.exit(128)

@@ -1,0 +1,396 @@
+"""One pod's life on the node, as the kubelet runs it: a network namespace and IP, volumes,
+init containers in order, the containers with their probes and restarts, status reports,
+and on delete: preStop hooks, SIGTERM, SIGKILL after the grace period, then the final delete."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvmesh.testing.node import network
+from kvmesh.testing.node.api import ApiError
+from kvmesh.testing.node.containers import Container, Launch
+from kvmesh.testing.node.envvars import ConfigError, container_env, expand, service_variables
+from kvmesh.testing.node.images import ImageNotMapped, base_path
+from kvmesh.testing.node.probes import Target, run_handler
+from kvmesh.testing.node.status import Conditions, now, phase
+from kvmesh.testing.node.volumes import PodVolumes
+
+if TYPE_CHECKING:
+    from kvmesh.testing.node.agent import Agent
+
+log = logging.getLogger(__name__)
+TICK = 0.1
+
+
+def pod_dir(root: Path, namespace: str, name: str, uid: str) -> Path:
+    return root / "pods" / namespace / name / uid
+
+
+class PodWorker(threading.Thread):
+    def __init__(self, agent: "Agent", pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
+        self.agent, self.pod = agent, pod
+        self.namespace, self.pod_name, self.uid = meta["namespace"], meta["name"], meta["uid"]
+        self.dir = pod_dir(agent.state_dir, self.namespace, self.pod_name, self.uid)
+        self.gone = threading.Event()     # the pod left the API (deleted with grace 0 by someone)
+        self.shutdown = threading.Event()  # the agent stops: kill everything quickly
+        self.ip_index: int | None = None
+        self.pod_ip = ""
+        self.netns = ""
+        self.start_time = ""
+        self.conditions = Conditions()
+        self.init_containers = [Container(c, self.dir / "logs", init=True) for c in pod["spec"].get("initContainers") or []]
+        self.containers = [Container(c, self.dir / "logs") for c in pod["spec"]["containers"]]
+        self.init_index = 0
+        self.init_failed = False
+        self.volumes: PodVolumes | None = None
+        self.volumes_ready = False
+        self.last_report: dict[str, Any] | None = None
+        self.last_pids: dict[str, int] = {}
+        self.config_retry_at = 0.0
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return self.pod["spec"]
+
+    @property
+    def restart_policy(self) -> str:
+        return self.spec.get("restartPolicy", "Always")
+
+    def update(self, pod: dict[str, Any]) -> None:
+        self.pod = pod
+
+    def _lookup(self, kind: str, name: str) -> dict[str, Any] | None:
+        plural = {"Secret": "secrets", "ConfigMap": "configmaps"}[kind]
+        return self.agent.api.get(f"/api/v1/namespaces/{self.namespace}/{plural}/{name}")
+
+    def _request_token(self, service_account: str, spec: dict[str, Any]) -> str:
+        resp = self.agent.api.create(f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{service_account}/token",
+                                     {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec})
+        return resp["status"]["token"]
+
+    # --- setup --------------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.start_time = now()
+        self.conditions.set("PodReadyToStartContainers", False)
+        self.conditions.set("Initialized", not self.init_containers, "ContainersNotInitialized")
+        self.conditions.set("ContainersReady", False, "ContainersNotReady")
+        self.conditions.set("Ready", False, "ContainersNotReady")
+        self.ip_index = self.agent.ips.allocate()
+        self.pod_ip = network.pod_ip(self.agent.net, self.ip_index)
+        self.netns = network.setup_pod_network(self.agent.net, self.ip_index)
+        etc = self.dir / "etc"
+        etc.mkdir(exist_ok=True)
+        (etc / "hostname").write_text(self.pod_name[:63] + "\n")
+        (etc / "resolv.conf").write_text(
+            f"search {self.namespace}.svc.cluster.local svc.cluster.local cluster.local\noptions ndots:5\n")
+        self.refresh_hosts()
+        self.conditions.set("PodReadyToStartContainers", True)
+        self.volumes = PodVolumes(self.pod, self.dir / "volumes", lookup=self._lookup,
+                                  request_token=self._request_token, claim_path=lambda claim: self.agent.claim_path(self.namespace, claim),
+                                  allocatable=self.agent.allocatable)
+
+    def refresh_hosts(self) -> None:
+        """/etc/hosts of the pod: itself and the cluster's Services (rewritten in place: the
+        containers bind-mount this file)."""
+        if not self.pod_ip:
+            return
+        text = self.agent.hosts_for(self.namespace, self.pod_ip, self.pod_name)
+        path = self.dir / "etc" / "hosts"
+        try:
+            if path.exists() and path.read_text() == text:
+                return
+            with path.open("r+" if path.exists() else "w") as f:
+                f.write(text)
+                f.truncate()
+        except OSError:
+            pass
+
+    def _implicit_mounts(self) -> list[dict[str, Any]]:
+        etc = self.dir / "etc"
+        return [{"source": str(etc / n), "target": f"/etc/{n}", "readOnly": False}
+                for n in ("hosts", "resolv.conf", "hostname")]
+
+    def _launch(self, container: Container) -> Launch | None:
+        """Resolve a container's image, env and mounts; on failure set its waiting reason."""
+        spec = container.spec
+        try:
+            image = self.agent.images.lookup(spec["image"])
+        except ImageNotMapped as exc:
+            container.wait("ErrImagePull", str(exc))
+            return None
+        base = dict(image.env)
+        base["PATH"] = base_path(image)
+        base["HOSTNAME"] = self.pod_name[:63]
+        if self.spec.get("enableServiceLinks", True):
+            base.update(service_variables(self.agent.service_links(self.namespace)))
+        base["KUBERNETES_SERVICE_HOST"] = self.agent.net.apiserver_service_ip
+        base["KUBERNETES_SERVICE_PORT"] = "443"
+        base["KUBERNETES_SERVICE_PORT_HTTPS"] = "443"
+        pod = dict(self.pod)
+        pod["status"] = {**(self.pod.get("status") or {}), "podIP": self.pod_ip, "podIPs": [{"ip": self.pod_ip}],
+                         "hostIP": self.agent.net.gateway, "hostIPs": [{"ip": self.agent.net.gateway}]}
+        try:
+            env = container_env(pod, spec, base=base, lookup=self._lookup, node_allocatable=self.agent.allocatable)
+            assert self.volumes is not None
+            mounts = self._implicit_mounts() + self.volumes.mounts(spec, env)
+        except (ConfigError, ApiError) as exc:
+            container.wait("CreateContainerConfigError", str(exc))
+            return None
+        argv = image.argv([expand(a, env) for a in spec.get("command") or []],
+                          [expand(a, env) for a in spec.get("args") or []])
+        if not argv:
+            container.wait("CreateContainerError", "no command specified")
+            return None
+        return Launch(argv, env, mounts, spec.get("workingDir") or image.working_dir)
+
+    def _start(self, container: Container) -> bool:
+        launch = self._launch(container)
+        if launch is None:
+            return False
+        container.start(launch, netns=self.netns, hostname=self.pod_name, pod_ip=self.pod_ip, state_dir=self.dir)
+        log.info("%s/%s: started %s (pid %s)", self.namespace, self.pod_name, container.name, container.popen.pid)
+        return True
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception:
+            log.exception("%s/%s: pod worker failed", self.namespace, self.pod_name)
+            self._kill_all()
+        finally:
+            self._teardown_network()
+            self.agent.worker_done(self)
+
+    def _deleting(self) -> bool:
+        return bool(self.pod["metadata"].get("deletionTimestamp"))
+
+    def _run(self) -> None:
+        self._setup()
+        while not self.gone.is_set() and not self.shutdown.is_set():
+            if self._deleting():
+                self._terminate_pod()
+                return
+            if self.config_retry_at <= time.monotonic():
+                try:
+                    assert self.volumes is not None
+                    if not self.volumes_ready:
+                        self.volumes.prepare()
+                        self.volumes_ready = True
+                except (ConfigError, ApiError) as exc:
+                    for c in self.init_containers + self.containers:
+                        c.wait("ContainerCreating", f"MountVolume.SetUp failed: {exc}")
+                    self.config_retry_at = time.monotonic() + 2
+                else:
+                    self._step()
+            self._report()
+            if self._terminal():
+                self._teardown_network()
+            self.gone.wait(TICK)
+        self._kill_all()
+
+    def _terminal(self) -> bool:
+        return (self.last_report or {}).get("phase") in ("Succeeded", "Failed")
+
+    def _step(self) -> None:
+        if self.init_index < len(self.init_containers):
+            self._step_init()
+            return
+        for c in self.containers:
+            self._step_container(c)
+
+    def _step_init(self) -> None:
+        c = self.init_containers[self.init_index]
+        if self.init_failed:
+            return
+        if "running" in c.state:
+            code = c.reap()
+            if code is None:
+                return
+            if code == 0:
+                self.init_index += 1
+                if self.init_index == len(self.init_containers):
+                    self.conditions.set("Initialized", True)
+                return
+            if self.restart_policy == "Never":
+                self.init_failed = True
+                return
+            c.schedule_restart(self.agent.backoff_initial, self.agent.backoff_cap)
+            c.restart_count += 1
+            c.wait("CrashLoopBackOff", self._backoff_message(c))
+            return
+        if c.next_start <= time.monotonic() and self.config_retry_at <= time.monotonic():
+            if not self._start(c):
+                self.config_retry_at = time.monotonic() + 1
+
+    def _backoff_message(self, c: Container) -> str:
+        delay = max(0, round(c.next_start - time.monotonic()))
+        return f"back-off {delay}s restarting failed container={c.name} pod={self.pod_name}_{self.namespace}({self.uid})"
+
+    def _step_container(self, c: Container) -> None:
+        if "running" in c.state:
+            failure = c.probe_failure()
+            if failure and c.kill_deadline is None:
+                log.info("%s/%s: %s; restarting", self.namespace, self.pod_name, failure)
+                c.terminate(self._grace(), failure)
+            code = c.reap()
+            if code is None:
+                return
+            restart = self.restart_policy == "Always" or (self.restart_policy == "OnFailure" and code != 0)
+            if not restart:
+                return
+            c.schedule_restart(self.agent.backoff_initial, self.agent.backoff_cap)
+            c.restart_count += 1
+            c.wait("CrashLoopBackOff", self._backoff_message(c))
+            return
+        if "terminated" in c.state:
+            return
+        if c.next_start <= time.monotonic() and self.config_retry_at <= time.monotonic():
+            if not self._start(c):
+                self.config_retry_at = time.monotonic() + 1
+        elif c.state.get("waiting", {}).get("reason") == "CrashLoopBackOff":
+            c.wait("CrashLoopBackOff", self._backoff_message(c))
+
+    def _grace(self) -> float:
+        return float(self.spec.get("terminationGracePeriodSeconds", 30))
+
+    # --- deletion ------------------------------------------------------------------------------
+
+    def _terminate_pod(self) -> None:
+        meta = self.pod["metadata"]
+        grace = float(meta.get("deletionGracePeriodSeconds", self._grace()))
+        deadline = time.monotonic() + grace
+        running = [c for c in self.init_containers + self.containers if "running" in c.state]
+        hooks = [threading.Thread(target=self._pre_stop, args=(c, grace), daemon=True)
+                 for c in running if (c.spec.get("lifecycle") or {}).get("preStop")]
+        for t in hooks:
+            t.start()
+        while any(t.is_alive() for t in hooks) and time.monotonic() < deadline and not self.gone.is_set():
+            self._tick_reap(running)
+            self._report()
+            time.sleep(TICK)
+        remaining = max(deadline - time.monotonic(), 2.0 if hooks else 0.0)   # kubelet: 2 s after a long preStop
+        for c in running:
+            c.terminate(0 if self.gone.is_set() else remaining, "")
+        while any("running" in c.state for c in running):
+            self._tick_reap(running)
+            self._report()
+            time.sleep(TICK)
+        for c in self.init_containers + self.containers:
+            if "waiting" in c.state:   # never ran: the kubelet reports it terminated
+                c.state = {"terminated": {"exitCode": 137 if c.last_state else 0, "reason": "ContainerStatusUnknown"
+                                          if c.last_state else "Completed", "finishedAt": now()}}
+        self.conditions.set("ContainersReady", False, "ContainersNotReady")
+        self.conditions.set("Ready", False, "ContainersNotReady")
+        self._report()
+        self._teardown_network()
+        try:
+            self.agent.api.delete(f"/api/v1/namespaces/{self.namespace}/pods/{self.pod_name}",
+                                  {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0,
+                                   "preconditions": {"uid": self.uid}})
+        except ApiError as exc:
+            if exc.status != 409:   # 409: already replaced by a pod of the same name
+                raise
+
+    def _tick_reap(self, containers: list[Container]) -> None:
+        for c in containers:
+            c.reap()
+
+    def _pre_stop(self, c: Container, grace: float) -> None:
+        handler = c.spec["lifecycle"]["preStop"]
+        target = Target(self.pod_ip, {p["name"]: int(p["containerPort"]) for p in c.spec.get("ports") or []
+                                      if p.get("name")}, c.popen.pid if c.popen else 0, c.env)
+        ok, why = run_handler(handler, target, timeout=grace)
+        if not ok:
+            log.info("%s/%s: preStop of %s failed: %s", self.namespace, self.pod_name, c.name, why)
+
+    def _kill_all(self) -> None:
+        for c in self.init_containers + self.containers:
+            c.stop_probes()
+            c.force_kill()
+            if "running" in c.state:
+                c.reap()
+
+    def _teardown_network(self) -> None:
+        if self.ip_index is not None:
+            network.teardown_pod_network(self.agent.net, self.ip_index)
+            self.agent.ips.release(self.ip_index)
+            self.ip_index = None
+            self.netns = ""
+
+    # --- status --------------------------------------------------------------------------------
+
+    def _status(self) -> dict[str, Any]:
+        statuses = [c.status(c.spec["image"]) for c in self.containers]
+        init_statuses = [c.status(c.spec["image"]) for c in self.init_containers]
+        initialized = self.init_index >= len(self.init_containers)
+        ready = initialized and all(c.ready for c in self.containers)
+        self.conditions.set("ContainersReady", ready, "ContainersNotReady")
+        self.conditions.set("Ready", ready, "ContainersNotReady")
+        pod_phase = phase(self.restart_policy, self.init_failed, initialized, statuses)
+        existing = (self.pod.get("status") or {}).get("conditions") or []
+        status: dict[str, Any] = {
+            "phase": pod_phase, "conditions": self.conditions.merged(existing),
+            "hostIP": self.agent.net.gateway, "hostIPs": [{"ip": self.agent.net.gateway}],
+            "startTime": self.start_time, "containerStatuses": statuses,
+        }
+        if self.pod_ip:
+            status.update(podIP=self.pod_ip, podIPs=[{"ip": self.pod_ip}])
+        elif self.last_report and self.last_report.get("podIP"):
+            status.update(podIP=self.last_report["podIP"], podIPs=self.last_report["podIPs"])
+        if init_statuses:
+            status["initContainerStatuses"] = init_statuses
+        return status
+
+    def _comparable(self, status: dict[str, Any]) -> str:
+        return json.dumps(status, sort_keys=True)
+
+    def _report(self) -> None:
+        self._write_pids()
+        status = self._status()
+        if self.last_report is not None and self._comparable(status) == self._comparable(self.last_report):
+            return
+        path = f"/api/v1/namespaces/{self.namespace}/pods/{self.pod_name}/status"
+        for _ in range(5):
+            pod = dict(self.pod)
+            pod["status"] = {**(pod.get("status") or {}), **status}
+            try:
+                self.pod = self.agent.api.put(path, pod)
+                self.last_report = status
+                return
+            except ApiError as exc:
+                if exc.status == 404:
+                    self.gone.set()
+                    return
+                if exc.status != 409:
+                    log.warning("%s/%s: status update failed: %s", self.namespace, self.pod_name, exc)
+                    return
+                fresh = self.agent.api.get(f"/api/v1/namespaces/{self.namespace}/pods/{self.pod_name}")
+                if fresh is None or fresh["metadata"]["uid"] != self.uid:
+                    self.gone.set()
+                    return
+                self.pod = fresh
+
+    def _write_pids(self) -> None:
+        pids = {c.name: c.pid for c in self.init_containers + self.containers if c.pid is not None}
+        if pids != self.last_pids:
+            tmp = self.dir / ".pids.json.tmp"
+            tmp.write_text(json.dumps(pids))
+            tmp.replace(self.dir / "pids.json")
+            self.last_pids = pids
+
+    def remove_state(self) -> None:
+        shutil.rmtree(self.dir / "volumes", ignore_errors=True)
