@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     _die_with_parent()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -130,7 +130,7 @@ class PodWorker(threading.Thread):
         except ImageNotMapped as exc:
             container.wait("ErrImagePull", str(exc))
             return None
-        base = dict(image.env)
+        base = {"HOME": "/root", **image.env}   # a runtime's default for a root user
         base["PATH"] = base_path(image)
         base["HOSTNAME"] = self.pod_name[:63]
         if self.spec.get("enableServiceLinks", True):

@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)   # PR_SET_PDEATHSIG: go when the cluster goes
 
     async def run() -> None:
