@@ -1072,3 +1072,422 @@ async def _n_done(tasks: list[asyncio.Task], n: int) -> bool:
 
 def run(coro) -> Any:
     return asyncio.run(coro)
+
+
+# -- restarts under `kvmesh up` ------------------------------------------------------------------
+# The same faults, but the mesh is `kvmesh up` and its supervisor does the restarting: each part
+# (an engine, a sidecar, the router, Redis) is killed under a client load, and the scenario
+# measures how long until every replica is routable again and which requests failed.
+STUB_ENGINE_ARGS = ["--response-tokens", "16", "--token-delay", "0.03",
+                    "--num-blocks", "8192"]  # large: no evictions, so a block set only grows under load
+
+
+@dataclass
+class UpConfig:
+    replicas: int = 2
+    # The engines: "stub" (kvmesh.testing.stub_engine, no model) or a model for `kvmesh serve`
+    # (a checkpoint directory or the built-in model's name).
+    engine_model: str = "stub"
+    model: str = "chaos-up"  # the served model name
+    engine_args: list[str] | None = None  # e.g. a small KV cache (default for stubs: STUB_ENGINE_ARGS)
+    response_tokens: int = 16  # max_tokens of the load's requests is drawn from [half, this]
+    up_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # for `kvmesh up` and so every child
+    start_timeout: float = 180.0
+
+
+@dataclass
+class UpRestartConfig:
+    mesh: UpConfig = field(default_factory=UpConfig)
+    workers: int = 4  # concurrent clients during each fault
+    requests_after: int = 8  # requests that must complete once the killed part is routable again
+    back_timeout: float = 60.0  # the most seconds until routable again before the scenario fails
+    deadline: float = 20.0  # per request: longer is a hang
+
+
+def _cmdline(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+
+
+class UpMesh:
+    """`kvmesh up` in a process of its own, on free loopback ports, its output in a log file.
+    Its state file names each child's process id (`processes`), which is how a scenario finds
+    the one it kills."""
+
+    def __init__(self, cfg: UpConfig):
+        self.cfg = cfg
+        self.dir = Path(tempfile.mkdtemp(prefix="kvmesh-up-chaos-"))
+        self.port = free_port()
+        self.state_file = self.dir / "up.json"
+        self.log_path = self.dir / "up.log"
+        self.proc: subprocess.Popen | None = None
+        self.seen: dict[int, str] = {}  # every child pid seen in the state file -> its command line
+        self.http = httpx.AsyncClient(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0))
+        self._redis_client = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pods(self) -> list[str]:
+        return [f"replica-{i}" for i in range(self.cfg.replicas)]
+
+    async def __aenter__(self) -> "UpMesh":
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        c = self.cfg
+        argv = [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(self.port), "--replicas", str(c.replicas),
+                "--served-model-name", c.model, "--state-file", str(self.state_file)]
+        if c.engine_model == "stub":
+            argv += ["--engine-command", "stub"]
+        else:
+            argv += ["--model", c.engine_model]
+        engine_args = STUB_ENGINE_ARGS if c.engine_args is None and c.engine_model == "stub" else c.engine_args
+        if engine_args:
+            argv += ["--engine-args", " ".join(engine_args)]
+        argv += list(c.up_args)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**_child_env(), **c.env}, cwd=self.dir)
+        try:
+            await wait_for(self._up, c.start_timeout, "kvmesh up to say it is up", interval=0.2)
+        except ChaosError as exc:
+            raise ChaosError(f"{exc}\n--- kvmesh up's log:\n{self.tail(60)}") from None
+        await wait_for(lambda: self.routable(c.replicas), 60, f"the router routing to {c.replicas} replicas")
+
+    async def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise ChaosError(f"kvmesh up exited ({self.proc.returncode}):\n{self.tail(60)}")
+        self.processes()
+        return "kvmesh is up" in self.log_text()
+
+    async def stop(self, timeout: float = 90.0) -> int | None:
+        """SIGTERM, as Ctrl-C would; its exit status (None: it had to be killed)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+            return None
+        return self.proc.returncode
+
+    async def close(self) -> None:
+        await self.stop()
+        for pid, cmd in self.seen.items():  # a child `up` could not stop (it was killed itself)
+            if _cmdline(pid) == cmd:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        await self.http.aclose()
+        if self._redis_client is not None:
+            try:
+                await self._redis_client.aclose()
+            except Exception:  # noqa: BLE001
+                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def state(self) -> dict:
+        try:
+            return json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def processes(self) -> dict[str, int]:
+        """The state file's child name -> pid (alive children only), remembered for clean-up."""
+        procs = self.state().get("processes") or {}
+        for pid in procs.values():
+            if pid not in self.seen and (cmd := _cmdline(pid)) is not None:
+                self.seen[pid] = cmd
+        return procs
+
+    # -- probes --------------------------------------------------------------------------------
+    def _redis(self):
+        if self._redis_client is None:
+            import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry
+            from redis.backoff import NoBackoff
+
+            url = self.state().get("redis_url")
+            if not url:
+                raise ChaosError("no Redis URL in the state file")
+            self._redis_client = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0,
+                                                         retry=Retry(NoBackoff(), 0))
+        return self._redis_client
+
+    async def heartbeats(self) -> dict[str, rl.Heartbeat | None]:
+        return await rl.read_heartbeats(self._redis(), self.cfg.model, self.pods)
+
+    async def block_keys(self, pod: str) -> int:
+        return int(await self._redis().scard(rl.blocks_key(self.cfg.model, pod)))
+
+    async def ready(self) -> dict | None:
+        try:
+            return (await self.http.get(self.url + "/ready")).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def routable(self, n: int) -> bool:
+        r = await self.ready()
+        return r is not None and (r.get("discovery") or {}).get("routable_pods") == n
+
+    async def all_routable_since(self, wall: float) -> bool:
+        """Every replica routable: the router routes to all of them, and each one's heartbeat in
+        Redis is `ready` and was written at or after `wall` (unix time)."""
+        beats = await self.heartbeats()
+        if not all(hb is not None and hb.state == rl.STATE_READY and hb.ts >= wall for hb in beats.values()):
+            return False
+        return len(beats) == self.cfg.replicas and await self.routable(self.cfg.replicas)
+
+    async def key_sets(self) -> dict[str, set[bytes]]:
+        return {pod: set(await self._redis().smembers(rl.blocks_key(self.cfg.model, pod))) for pod in self.pods}
+
+    async def keys_back(self, before: dict[str, set[bytes]]) -> bool:
+        """Whether every key of `before` is in its pod's block set again."""
+        for pod, keys in before.items():
+            if keys and not all(await self._redis().smismember(rl.blocks_key(self.cfg.model, pod), list(keys))):
+                return False
+        return True
+
+    async def whole(self, timeout: float) -> bool:
+        """Whether `kvmesh up` still runs and every replica is routable (waiting up to `timeout`)."""
+        async def up_and_routable() -> bool:
+            return self.proc is not None and self.proc.poll() is None and await self.all_routable_since(0)
+
+        try:
+            await wait_for(up_and_routable, timeout, "every replica routable")
+        except ChaosError:
+            return False
+        return True
+
+    async def index_synced(self) -> int | None:
+        """Block keys in Redis, once every replica's set is as large as its sidecar's index (its
+        heartbeat's num_keys); else None. For a mesh without load: under load the heartbeat's
+        count is up to an interval old."""
+        total = 0
+        for pod, hb in (await self.heartbeats()).items():
+            if hb is None or hb.num_keys is None or await self.block_keys(pod) != hb.num_keys:
+                return None
+            total += hb.num_keys
+        return total
+
+
+@dataclass
+class UpRestart:
+    """One part killed under load; what the clients saw and how long until it was routable."""
+
+    name: str  # e.g. "engine SIGKILL"
+    child: str  # the name `kvmesh up` gives it, e.g. "engine-0"
+    pod: str | None  # the replica whose requests die with it (an engine), else None
+    signal_name: str
+    old_pid: int | None = None  # the killed process
+    back_after_s: float | None = None  # from the kill until every replica is routable again
+    results: list[Result] = field(default_factory=list)
+    in_flight_at_kill: list[Result] = field(default_factory=list)  # on the killed process when it died
+    own: list[Result] = field(default_factory=list)  # failed, and the killed process's own
+    refused_while_down: int = 0  # router: requests that found nothing listening
+    keys_before: int = 0  # Redis: block keys when it was killed
+    keys_restored: int = 0  # Redis: block keys written again by the sidecars
+    restored_after_s: float | None = None
+    exit_logged: str = ""  # the supervisor's line about the exit
+    error: str = ""  # the scenario could not finish (ChaosError)
+
+    @property
+    def failed(self) -> list[Result]:
+        return [r for r in self.results if not r.ok]
+
+    @property
+    def ok(self) -> int:
+        return sum(r.ok for r in self.results)
+
+    @property
+    def failed_beyond(self) -> list[Result]:
+        own = set(map(id, self.own))
+        return [r for r in self.failed if id(r) not in own]
+
+    def line(self) -> str:
+        back = "never routable again" if self.back_after_s is None else \
+            f"routable again {self.back_after_s:.1f} s after the kill"
+        extra = ""
+        if self.pod:
+            mid = sum(r.tokens >= 1 for r in self.in_flight_at_kill)
+            extra = f", {len(self.in_flight_at_kill)} requests on it ({mid} mid-stream)"
+        elif self.child == "router":
+            extra = f", {len(self.in_flight_at_kill)} requests in flight on it, {self.refused_while_down} refused " \
+                    "while it was down"
+        elif self.child == "redis":
+            restored = "-" if self.restored_after_s is None else f"{self.restored_after_s:.1f} s"
+            extra = f", {self.keys_restored}/{self.keys_before} block keys restored by the sidecars ({restored})"
+        return (f"(up) {self.name}: {self.child} killed{extra}; {back}; {len(self.results)} requests sent, "
+                f"{self.ok} ok, {len(self.failed)} failed, {len(self.failed_beyond)} failed beyond the killed "
+                f"process's own" + (f"; ERROR {self.error.splitlines()[0]}" if self.error else ""))
+
+    def problems(self) -> list[str]:
+        out = [f"{self.name}: {self.error}"] if self.error else []
+        if self.back_after_s is None and not self.error:
+            out.append(f"{self.name}: never routable again")
+        out += [f"{self.name}: failed beyond the killed process's own: {r.short()}" for r in self.failed_beyond]
+        out += [f"{self.name}: hung: {r.short()}" for r in self.results if r.kind == "hang"]
+        if self.child == "redis" and self.keys_restored < self.keys_before:
+            out.append(f"{self.name}: {self.keys_restored} block keys restored, {self.keys_before} before the kill")
+        return out
+
+
+# (scenario name, the child `kvmesh up` calls it, the signal)
+UP_SCENARIOS = (
+    ("engine SIGKILL", "engine-0", signal.SIGKILL),
+    ("engine SIGTERM", "engine-0", signal.SIGTERM),
+    ("sidecar SIGKILL", "sidecar-0", signal.SIGKILL),
+    ("router SIGKILL", "router", signal.SIGKILL),
+    ("Redis SIGKILL", "redis", signal.SIGKILL),
+)
+
+
+async def up_restart(mesh: UpMesh, cfg: UpRestartConfig, name: str, child: str, sig: int,
+                     seed: int = 0) -> UpRestart:
+    """Kill `child` with `sig` under a client load through the router; wait until `kvmesh up`
+    has replaced it and every replica is routable again, then for `cfg.requests_after` more
+    requests. A failed request is the killed process's own when it was in flight on it: on the
+    killed engine (its answer names the pod), on the killed router (in flight at the kill, or
+    refused while no router listened). Killing a sidecar or Redis may fail no request."""
+    pod = f"replica-{child.split('-')[1]}" if child.startswith("engine-") else None
+    rep = UpRestart(name, child, pod, signal.Signals(sig).name)
+    await wait_for(lambda: mesh.all_routable_since(0), 60, "every replica routable before the fault")
+    old_pid = rep.old_pid = mesh.processes().get(child)
+    if old_pid is None:
+        raise ChaosError(f"no {child} in kvmesh up's state file: {mesh.state()}")
+    log_at = len(mesh.log_text())
+    t_kill = t_back = None
+    load = Load(mesh, cfg.workers, deadline=cfg.deadline, seed=seed).start()  # type: ignore[arg-type]
+    try:
+        if pod:
+            await wait_for(lambda: _streaming_on(load, pod), 30, f"a stream mid-way on {pod}")
+        else:
+            await wait_for(load.mid_stream, 30, "streams mid-way")
+        before = await mesh.key_sets() if child == "redis" else {}
+        rep.keys_before = sum(map(len, before.values()))
+        os.kill(old_pid, sig)
+        t_kill = time.monotonic()
+
+        async def replaced():
+            pid = mesh.processes().get(child)
+            return pid is not None and pid != old_pid
+
+        await wait_for(replaced, cfg.back_timeout, f"kvmesh up restarting {child}")
+        wall_replaced = time.time()
+        await wait_for(lambda: mesh.all_routable_since(wall_replaced), cfg.back_timeout,
+                       f"every replica routable again after {child} was restarted", interval=0.1)
+        t_back = time.monotonic()
+        rep.back_after_s = t_back - t_kill
+        if child == "redis":
+            await wait_for(lambda: mesh.keys_back(before), 30, "the block keys of before the kill back in Redis")
+            rep.restored_after_s = time.monotonic() - t_kill
+        await wait_for(lambda: _done_since(load, t_back, cfg.requests_after), 60,
+                       f"{cfg.requests_after} requests after {child} came back")
+    except ChaosError as exc:
+        # what the supervisor and the killed replica's (or part's) processes said since the fault
+        who = ("[up]", f"[{child}]", *((f"[engine-{child.split('-')[1]}]", f"[sidecar-{child.split('-')[1]}]")
+                                       if "-" in child else ()))
+        said = [line for line in mesh.log_text()[log_at:].splitlines() if line.startswith(who)
+                and " admitted: " not in line and " finished: " not in line]
+        rep.error = f"{exc}\n--- kvmesh up's log since the fault ({', '.join(who)}):\n" + "\n".join(said[-80:])
+    rep.results = await load.stop()
+    if child == "redis" and not rep.error:
+        try:  # without load: every set exactly its sidecar's index
+            rep.keys_restored = await wait_for(mesh.index_synced, 20, "block sets equal to the sidecars' indexes")
+        except ChaosError as exc:
+            rep.error = str(exc)
+    rep.exit_logged = next((line for line in mesh.log_text()[log_at:].splitlines()
+                            if line.startswith(f"[up] {child} exited")), "")
+    if t_kill is not None:
+        end = t_back if t_back is not None else time.monotonic()
+        if pod:
+            rep.in_flight_at_kill = [r for r in rep.results if r.pod == pod and r.in_flight_at(t_kill)]
+        elif child == "router":
+            rep.in_flight_at_kill = [r for r in rep.results if r.in_flight_at(t_kill)]
+        own = set(map(id, rep.in_flight_at_kill))
+        if child == "router":
+            down = [r for r in rep.results if r.kind in ("refused", "reset") and t_kill <= r.t_start < end]
+            rep.refused_while_down = len(down)
+            own |= set(map(id, down))
+        rep.own = [r for r in rep.failed if id(r) in own]
+    return rep
+
+
+async def _streaming_on(load: Load, pod: str) -> bool:
+    return bool(load.streaming(pod))
+
+
+async def _done_since(load: Load, t: float, n: int) -> bool:
+    return sum(1 for r in load.results if r.t_start >= t) >= n
+
+
+@dataclass
+class UpRestartReport:
+    scenarios: list[UpRestart] = field(default_factory=list)
+    fresh_meshes: int = 0  # meshes started over because a scenario left the last one broken
+    stop_exit: int | None = None  # `kvmesh up`'s exit status on SIGTERM at the end
+    duration_s: float = 0.0
+
+    def problems(self) -> list[str]:
+        out = [p for s in self.scenarios for p in s.problems()]
+        if self.stop_exit != 0:
+            out.append(f"kvmesh up exited {self.stop_exit} on SIGTERM")
+        return out
+
+    def lines(self) -> list[str]:
+        again = f", {self.fresh_meshes} fresh meshes after a broken one" if self.fresh_meshes else ""
+        return [f"restarts under kvmesh up ({self.duration_s:.1f} s{again}; exit status on SIGTERM "
+                f"{self.stop_exit}):", *(f"  {s.line()}" for s in self.scenarios)]
+
+
+async def run_up_restarts(cfg: UpRestartConfig, scenarios=UP_SCENARIOS) -> UpRestartReport:
+    """Every scenario in turn on one `kvmesh up` mesh; a scenario that leaves it broken (not
+    every replica routable within `back_timeout`) is reported, and the next one gets a fresh mesh."""
+    rep = UpRestartReport()
+    t0 = time.monotonic()
+    mesh: UpMesh | None = None
+    try:
+        for i, (name, child, sig) in enumerate(scenarios):
+            if mesh is not None and not await mesh.whole(cfg.back_timeout):
+                await mesh.close()
+                mesh = None
+                rep.fresh_meshes += 1
+            if mesh is None:
+                mesh = UpMesh(cfg.mesh)
+                await mesh.__aenter__()
+            rep.scenarios.append(await up_restart(mesh, cfg, name, child, sig, seed=i))
+        if mesh is not None:
+            rep.stop_exit = await mesh.stop()
+    finally:
+        if mesh is not None:
+            await mesh.close()
+    rep.duration_s = time.monotonic() - t0
+    return rep

@@ -21,6 +21,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -80,10 +81,37 @@ class _Slot:
                 f.close()
                 continue
             self.number, self.file = n, f
+            self.pids_file = LOCK_DIR / f"slot-{n}.pids"
+            self._kill_leftovers()
             return
         raise RuntimeError(f"all {len(SLOTS)} local-cluster slots are in use")
 
+    def _kill_leftovers(self) -> None:
+        """The processes a crashed earlier cluster in this slot left running (the pids it
+        recorded, where the command line still matches)."""
+        try:
+            recorded = json.loads(self.pids_file.read_text())
+        except (OSError, ValueError):
+            return
+        for pid, cmdline in recorded:
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") == cmdline:
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+        self.pids_file.unlink(missing_ok=True)
+
+    def record(self, pids: list[int]) -> None:
+        entries = []
+        for pid in pids:
+            try:
+                entries.append([pid, Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")])
+            except OSError:
+                pass
+        self.pids_file.write_text(json.dumps(entries))
+
     def release(self) -> None:
+        self.pids_file.unlink(missing_ok=True)
         self.file.close()
 
 
@@ -149,6 +177,7 @@ class LocalCluster:
             "--slot", str(net.slot), "--node-name", NODE_NAME, "--cpu", self.node_cpu, "--memory", self.node_memory,
             "--gpus", str(self.gpus), "--images", str(images_file), "--backoff-initial", str(self.backoff_initial),
             "--backoff-cap", str(self.backoff_cap), "--log-level", self.log_level]))
+        self._slot.record([p.popen.pid for p in cp.procs])
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:
@@ -190,8 +219,16 @@ class LocalCluster:
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None,
                 timeout: float = 120.0) -> subprocess.CompletedProcess:
-        """kubectl with the admin kubeconfig; raises CalledProcessError (with its output) on failure."""
-        proc = subprocess.run(["kubectl", f"--kubeconfig={self.kubeconfig}", *args], capture_output=True, text=True,
+        """kubectl with the admin kubeconfig; raises CalledProcessError (with its output) on failure.
+
+        apply/create/replace get ``--validate=false`` unless ``--validate`` is given: the
+        control-plane binaries serve OpenAPI documents that kubectl cannot parse (their
+        JSON carries Go field names such as "Extensions"; /openapi/v2 answers 503), and
+        kubectl's validation reads them first (docs/local-cluster.md, "Limits")."""
+        argv = list(args)
+        if argv and argv[0] in ("apply", "create", "replace") and not any(a.startswith("--validate") for a in argv):
+            argv.insert(1, "--validate=false")
+        proc = subprocess.run(["kubectl", f"--kubeconfig={self.kubeconfig}", *argv], capture_output=True, text=True,
                               input=input, timeout=timeout)
         if check and proc.returncode != 0:
             raise subprocess.CalledProcessError(proc.returncode, proc.args, proc.stdout, proc.stderr)

@@ -3,13 +3,12 @@ to it as local processes (one PodWorker thread each). Also the pods' view of Ser
 /etc/hosts entries and the Service environment variables.
 
 ``python -m kvmesh.testing.node --kubeconfig K --state-dir D --slot N`` (kvmesh.testing.cluster
-starts it); it stops every pod on SIGTERM, or when the process that started it dies.
+starts it); it stops every pod on SIGTERM, or when the process that started it is gone.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import signal
@@ -21,6 +20,7 @@ from kvmesh.testing.node import network
 from kvmesh.testing.node.api import Api, Informer
 from kvmesh.testing.node.envvars import ConfigError
 from kvmesh.testing.node.images import ImageTable
+from kvmesh.testing.node.lifeline import watch_parent
 from kvmesh.testing.node.pods import PodWorker
 from kvmesh.testing.node.registration import Registration
 
@@ -134,11 +134,6 @@ class Agent:
         return "\n".join(lines) + "\n"
 
 
-def _die_with_parent() -> None:
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kvmesh.testing.node", description=__doc__.split("\n\n")[0])
     p.add_argument("--kubeconfig", type=Path, required=True)
@@ -155,10 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    _die_with_parent()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    watch_parent(stop.set)
     agent = Agent(kubeconfig=args.kubeconfig, state_dir=args.state_dir, slot=args.slot, node_name=args.node_name,
                   cpu=args.cpu, memory=args.memory, gpus=args.gpus,
                   images=json.loads(args.images.read_text()) if args.images else None,

@@ -60,14 +60,20 @@ class Image:
 
 
 def _project_image(cmd: tuple[str, ...]) -> Image:
-    # docker/*.Dockerfile: ENTRYPOINT ["kvmesh"], ENV HOME=/tmp HF_HOME=/tmp/hf PYTHONUNBUFFERED=1. The
-    # model cache an image would carry is this machine's (KVMESH_CACHE_DIR), so a built-in model
-    # converted here is found in the pods too.
+    # docker/*.Dockerfile: ENTRYPOINT ["kvmesh"], ENV HOME=/tmp HF_HOME=/tmp/hf PYTHONUNBUFFERED=1.
+    # What an image carries built in is this machine's: the model cache (KVMESH_CACHE_DIR), so a
+    # built-in model converted here is found in the pods, and the CPU kernels torch built here
+    # (TORCH_EXTENSIONS_DIR; HOME=/tmp is each pod's emptyDir, so every engine pod would compile
+    # them again otherwise).
     from kvmesh.common.models import cache_root
 
+    torch_extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+        / f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
     return Image(entrypoint=("kvmesh",), cmd=cmd, path=(VENV_BIN,),
                  env={"HOME": "/tmp", "HF_HOME": "/tmp/hf", "PYTHONUNBUFFERED": "1",
-                      "VIRTUAL_ENV": str(Path(VENV_BIN).parent), "KVMESH_CACHE_DIR": str(cache_root())})
+                      "VIRTUAL_ENV": str(Path(VENV_BIN).parent), "KVMESH_CACHE_DIR": str(cache_root()),
+                      "TORCH_EXTENSIONS_DIR": torch_extensions})
 
 
 def default_table() -> dict[str, Image]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import itertools
 import logging
 import signal
@@ -22,6 +21,7 @@ from typing import Any
 
 from kvmesh.testing.node import network
 from kvmesh.testing.node.api import Api, Informer
+from kvmesh.testing.node.lifeline import watch_parent
 
 log = logging.getLogger("kvmesh.testing.services")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -173,13 +173,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)   # PR_SET_PDEATHSIG: go when the cluster goes
 
     async def run() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        watch_parent(lambda: loop.call_soon_threadsafe(stop.set))   # go when the cluster's process is gone
         forwarder = Forwarder(Api(args.kubeconfig), network.NetworkConfig(args.slot), args.apiserver_port)
         await forwarder.run(stop)
 
