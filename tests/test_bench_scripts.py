@@ -141,3 +141,85 @@ def _status_becomes(proc, status: str, timeout: float = 5.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+@pytest.fixture
+def bench_module(monkeypatch):
+    """A bench/ script as a module, imported by name (bench/ is not a package)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    loaded = []
+
+    def load(name: str):
+        loaded.append(name)
+        return importlib.import_module(name)
+
+    yield load
+    for name in loaded + ["serve"]:
+        sys.modules.pop(name, None)
+
+
+def test_gpu_serve_pairs_each_concurrency_with_its_request_count(bench_module):
+    gpu_serve = bench_module("gpu_serve")
+    assert gpu_serve.parse_levels("1, 16,256", "8,64,512") == [(1, 8), (16, 64), (256, 512)]
+    with pytest.raises(ValueError, match="3 levels but --requests 2"):
+        gpu_serve.parse_levels("1,16,64", "8,64")
+    with pytest.raises(ValueError, match="concurrency 64 with 32 requests"):
+        gpu_serve.parse_levels("64", "32")
+
+
+def test_gpu_figures_reads_the_logs_of_the_steps_that_print_their_figures(bench_module, tmp_path):
+    figures = bench_module("gpu_figures")
+    assert figures.kernel_counts("....\n15 passed, 2 skipped, 1 warning in 31.2s\n") == {"passed": 15, "skipped": 2}
+    assert figures.kernel_counts("E   ImportError\n1 error in 0.5s") == {"error": 1}
+    offline = ("system         time s  output tok/s  total tok/s\n"
+               "kvmesh          2.1        3901.2      21000.5\n"
+               "hf-static      10.4         790.0       4250.0\n"
+               "ratio kvmesh / hf-static: output 4.94x, total 4.94x (target >= 3.0x total)\n")
+    assert figures.offline_rates(offline) == {
+        "kvmesh": {"seconds": 2.1, "output_tok_s": 3901.2, "total_tok_s": 21000.5},
+        "hf-static": {"seconds": 10.4, "output_tok_s": 790.0, "total_tok_s": 4250.0}, "ratio_total": 4.94}
+    (tmp_path / "serve.json").write_text('{"levels": {"256": {"total_tok_s": 9.5}}}')
+    (tmp_path / "kernels.log").write_text("15 passed in 3s")
+    (tmp_path / "profile.json").write_text("{not json")
+    out = figures.collect(tmp_path, ["kernels PASS 30", "serve PASS 120", "profile FAIL(timeout) 80", "offline SKIP 0"])
+    steps = out["steps"]
+    assert steps["kernels"] == {"result": "PASS", "seconds": 30, "figures": {"passed": 15}}
+    assert steps["serve"]["figures"]["levels"]["256"]["total_tok_s"] == 9.5
+    assert steps["profile"]["result"] == "FAIL(timeout)" and "figures_error" in steps["profile"]
+    assert steps["offline"] == {"result": "SKIP", "seconds": 0, "figures": {}}
+
+
+def test_gpu_profile_counts_overlapping_device_intervals_once(bench_module):
+    from types import SimpleNamespace
+
+    gpu_profile = bench_module("gpu_profile")
+    cuda, cpu = "cuda", "cpu"
+    DeviceType = SimpleNamespace(CUDA=cuda)
+
+    def ev(name, device, start, end):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    prof = SimpleNamespace(events=lambda: [
+        ev("gemm", cuda, 0, 1000), ev("copy", cuda, 500, 1500),  # overlapping: 1.5 ms together
+        ev("norm", cuda, 3000, 3500), ev("empty", cuda, 4000, 4000),  # apart: 0.5 ms; empty: nothing
+        ev("cudaLaunchKernel", cpu, 0, 10), ev("cudaGraphLaunch", cpu, 20, 30), ev("aten::mm", cpu, 0, 50)])
+    assert gpu_profile.busy_ms(prof, DeviceType) == (2.0, 2)
+
+
+def test_gpu_check_pins_one_wheel_per_package_and_the_random_1b_shape_is_1_07b():
+    text = (BENCH / "gpu_check.sh").read_text()
+    pins = re.search(r"WHEELS=\(([^)]*)\)", text).group(1).split()
+    names = [p.split("==")[0] for p in pins]
+    assert all("==" in p for p in pins) and len(set(names)) == len(names)
+    # the engine core's messages and the server's framework: what a bare GPU image lacks
+    assert {"pyzmq", "msgspec", "fastapi", "uvicorn", "pydantic", "starlette", "opentelemetry_api"} <= set(names)
+    sys.path.insert(0, str(BENCH))
+    try:
+        preset = importlib.import_module("random_checkpoint").PRESETS["llama-1.07b"]
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("random_checkpoint", None)
+    h, i, layers, vocab = preset["hidden_size"], preset["intermediate_size"], preset["num_hidden_layers"], 49152
+    kv = preset["num_key_value_heads"] * preset["head_dim"]
+    params = vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h  # tied embeddings
+    assert 1.06e9 < params < 1.08e9
