@@ -54,6 +54,16 @@ new pods or URLs (see [router.md](router.md#discovery-which-pods-and-who-says-so
 Runs the whole mesh locally: embedded Redis, `--replicas` engines with sidecars, the router on
 `--port`.
 
+Every child (Redis, the router, each engine and sidecar) is supervised alike: when one exits,
+whatever its status, it is started again with the same command line and ports after
+`--restart-backoff` seconds, doubling with each restart in a row up to `--restart-backoff-max`,
+and starting over once it has run `--restart-stable-after` seconds. Each exit is logged with the
+child, its exit status and the back-off. The embedded Redis comes back empty on the same port:
+the sidecars write their heartbeats and block sets again, and the router routes by load alone
+meanwhile. After `--max-restarts` restarts in a row `up` gives up on a child: the mesh carries
+on without that replica's engine or sidecar, and stops without Redis or the router. Ctrl-C or
+SIGTERM stops everything, also while a child waits out its back-off.
+
 `up --autoscale` scales the engine processes with the operator's policy — the same
 `kvmesh.operator.autoscaler.decide()` (docs/operator.md, "Autoscaling policy"), fed from
 the heartbeats in the embedded Redis: a replica is ready when its sidecar heart-beats

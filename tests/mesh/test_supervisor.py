@@ -1,0 +1,97 @@
+"""The supervisor of `kvmesh up` (kvmesh/mesh/supervisor.py): restart with a capped exponential
+back-off, reset after a stable run, give up after too many restarts in a row, never restart a
+child that was stopped on purpose. Real (short) processes; the clock is passed in."""
+
+from __future__ import annotations
+
+import sys
+
+from kvmesh.mesh.supervisor import GAVE_UP, RESTARTED, Child, RestartPolicy, exit_status
+
+
+def _exits(code: int, after: float = 0.0) -> list[str]:
+    return [sys.executable, "-c", f"import sys, time; time.sleep({after}); sys.exit({code})"]
+
+
+def _exited(child: Child) -> None:
+    child.proc.wait(30)
+
+
+def test_backoff_doubles_up_to_its_cap():
+    policy = RestartPolicy(backoff=0.5, backoff_max=4.0)
+    assert [policy.delay(n) for n in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+
+
+def test_exit_status_names_the_signal():
+    assert exit_status(0) == "exit code 0"
+    assert exit_status(3) == "exit code 3"
+    assert exit_status(-9) == "killed by SIGKILL"
+    assert exit_status(-15) == "killed by SIGTERM"
+
+
+def test_a_crashing_child_is_restarted_after_a_growing_backoff_then_given_up(capsys):
+    child = Child("worker", _exits(3), policy=RestartPolicy(backoff=1.0, backoff_max=2.0, stable_after=60,
+                                                            max_restarts=3)).start()
+    try:
+        delays = []
+        for _ in range(3):
+            _exited(child)
+            t = child.started_at + 0.1  # it ran 0.1 s: not a stable run
+            assert child.check(t) is None  # the exit is noticed, the restart scheduled
+            delay = child.restart_at - t
+            delays.append(round(delay, 3))
+            assert child.check(t + delay - 0.01) is None  # still in its back-off
+            first_pid = child.pid
+            assert child.check(t + delay) == RESTARTED
+            assert child.pid != first_pid
+        assert delays == [1.0, 2.0, 2.0]
+        assert child.restarts == 3
+        _exited(child)
+        assert child.check(child.started_at + 0.1) == GAVE_UP
+        assert child.check(child.started_at + 100) is None  # and stays given up
+    finally:
+        child.terminate()
+        child.wait(5)
+    out = capsys.readouterr().out
+    assert "[up] worker exited (exit code 3) after 0.1s; restarting it in 1s (restart 1 in a row)" in out
+    assert "restarting it in 2s (restart 2 in a row)" in out
+    assert "restarting it in 2s (restart 3 in a row)" in out
+    assert "restarted 3 times in a row: giving up on it" in out
+
+
+def test_a_stable_run_starts_the_backoff_over(capsys):
+    child = Child("worker", _exits(1), policy=RestartPolicy(backoff=1.0, backoff_max=30, stable_after=5,
+                                                            max_restarts=2)).start()
+    try:
+        for _ in range(4):  # more exits than max_restarts, each after a stable run: never given up
+            _exited(child)
+            t = child.started_at + 6
+            assert child.check(t) is None
+            assert child.restart_at - t == 1.0  # the first delay every time
+            assert child.check(t + 1.0) == RESTARTED
+        assert child.in_a_row == 1 and child.restarts == 4 and not child.gave_up
+    finally:
+        child.terminate()
+        child.wait(5)
+
+
+def test_a_child_stopped_during_its_backoff_is_not_restarted():
+    child = Child("worker", _exits(0), policy=RestartPolicy(backoff=30)).start()
+    _exited(child)
+    t = child.started_at + 0.1
+    assert child.check(t) is None and child.restart_at is not None
+    child.terminate()  # e.g. Ctrl-C while it waits
+    assert child.check(t + 31) is None
+    assert child.restarts == 0 and child.restart_at is None
+    child.wait(1)  # returns at once: nothing runs
+
+
+def test_a_live_child_is_left_alone():
+    child = Child("worker", _exits(0, after=30)).start()
+    try:
+        assert child.check() is None
+        assert child.alive() and child.restart_at is None
+    finally:
+        child.terminate()
+        child.wait(10)
+    assert not child.alive()
