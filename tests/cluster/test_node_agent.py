@@ -285,3 +285,21 @@ def test_kubectl_works_against_the_cluster(cluster: LocalCluster) -> None:
     assert allocatable["nvidia.com/gpu"] == "4" and allocatable["cpu"] == "16"
     with pytest.raises(subprocess.CalledProcessError):
         cluster.kubectl("get", "nosuchkind")
+
+
+def test_a_claim_is_provisioned_and_shared_by_pods(cluster: LocalCluster, ns: str) -> None:
+    cluster.api.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data", "namespace": ns},
+                       "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
+    mount = [{"name": "d", "mountPath": "/data"}]
+    volumes = [{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}]
+    cluster.api.apply(pod("writer", ns, [{"name": "w", "image": "example.com/python:1", "volumeMounts": mount,
+                                          "args": ["-c", "open('/data/note', 'w').write('kept')"]}],
+                          restartPolicy="Never", volumes=volumes))
+    wait_pod(cluster, ns, "writer", lambda p: p["status"].get("phase") == "Succeeded", timeout=60,
+             message="writer done (its claim bound first)")
+    cluster.api.apply(pod("reader", ns, [{"name": "r", "image": "example.com/python:1", "volumeMounts": mount,
+                                          "args": ["-c", "print(open('/data/note').read())"]}],
+                          restartPolicy="Never", volumes=volumes))
+    wait_pod(cluster, ns, "reader", lambda p: p["status"].get("phase") == "Succeeded", message="reader done")
+    assert cluster.pod_log(ns, "reader", "r").strip() == "kept"
+    assert cluster.api.get("PersistentVolumeClaim", ns, "data")["status"]["phase"] == "Bound"

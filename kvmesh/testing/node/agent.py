@@ -22,6 +22,7 @@ from kvmesh.testing.node.envvars import ConfigError
 from kvmesh.testing.node.images import ImageTable
 from kvmesh.testing.node.lifeline import watch_parent
 from kvmesh.testing.node.pods import PodWorker
+from kvmesh.testing.node.provisioner import Provisioner
 from kvmesh.testing.node.registration import Registration
 
 log = logging.getLogger("kvmesh.testing.node")
@@ -46,6 +47,7 @@ class Agent:
         self.services = Informer(self.api, "/api/v1/services", on_event=self._service_event)
         self.pods = Informer(self.api, "/api/v1/pods", on_event=self._pod_event,
                              fieldSelector=f"spec.nodeName={node_name}")
+        self.provisioner = Provisioner(self.api, state_dir / "volumes")
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -54,11 +56,13 @@ class Agent:
         self.registration.register()
         self.services.start()
         self.services.synced.wait(30)
+        self.provisioner.start()
         self.pods.start()
 
     def stop(self, timeout: float = 20.0) -> None:
         self.pods.stop()
         self.services.stop()
+        self.provisioner.stop()
         self.registration.stopping.set()
         with self.lock:
             workers = list(self.workers.values())

@@ -19,6 +19,23 @@ from kvmesh.testing.node.status import now
 LAUNCHER = str(Path(__file__).with_name("launcher.py"))
 
 
+def session_members(sid: int) -> list[int]:
+    """The processes of session ``sid`` (from /proc/<pid>/stat: the field after the parent,
+    process group)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":   # state, ppid, pgrp, session
+            members.append(int(entry))
+    return members
+
+
 @dataclass
 class Launch:
     """Everything a start needs, resolved by the pod (image, env, mounts)."""
@@ -158,11 +175,14 @@ class Container:
         return exit_code
 
     def _kill_group(self) -> None:
+        """SIGKILL everything the container started: its session (the process began one),
+        which also holds the process groups a build tool or shell makes for its jobs."""
         assert self.popen is not None
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        for pid in session_members(self.popen.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def force_kill(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
