@@ -198,10 +198,16 @@ def test_two_pods_on_port_8000_behind_a_service(cluster: LocalCluster, ns: str) 
     url = cluster.service_url(ns, "pair", 8080)
     seen = {http(url + "/whoami").json()["pod_ip"] for _ in range(8)}
     assert seen == ips
-    # from inside a pod, by the Service's DNS names
-    probe = ("import urllib.request, json, sys\n"
+    cluster.api.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "pair-direct", "namespace": ns},
+                       "spec": {"clusterIP": "None", "selector": {"app": "pair"}, "ports": [{"port": 8000}]}})
+    wait_for(lambda: len(cluster.api.list("EndpointSlice", ns, "kubernetes.io/service-name=pair-direct")
+                         [0].get("endpoints") or []) == 2, message="the headless Service's endpoints")
+    # from inside a pod, by the Service's DNS names; the headless one's name gives the pods' IPs
+    probe = ("import urllib.request, json, socket, sys\n"
              "for host in sys.argv[1:]:\n"
-             "    print(host, json.load(urllib.request.urlopen(f'http://{host}:8080/whoami', timeout=5))['pod_ip'])\n")
+             "    print(host, json.load(urllib.request.urlopen(f'http://{host}:8080/whoami', timeout=5))['pod_ip'])\n"
+             "print('direct', ','.join(sorted({a[4][0] for a in socket.getaddrinfo('pair-direct', 8000,"
+             " type=socket.SOCK_STREAM)})))\n")
     names = ["pair", f"pair.{ns}", f"pair.{ns}.svc", f"pair.{ns}.svc.cluster.local"]
     cluster.api.apply(pod("client", ns, [{"name": "c", "image": "example.com/python:1",
                                           "args": ["-c", probe, *names]}], restartPolicy="Never"))
@@ -209,6 +215,7 @@ def test_two_pods_on_port_8000_behind_a_service(cluster: LocalCluster, ns: str) 
     log = cluster.pod_log(ns, "client", "c")
     assert done["status"]["phase"] == "Succeeded", log
     answered = dict(line.split() for line in log.strip().splitlines())
+    assert set(answered.pop("direct").split(",")) == ips
     assert set(answered) == set(names) and set(answered.values()) <= ips
 
 

@@ -45,6 +45,7 @@ class Agent:
         self.lock = threading.Lock()
         self.registration = Registration(self.api, node_name, self.allocatable, self.net.gateway)
         self.services = Informer(self.api, "/api/v1/services", on_event=self._service_event)
+        self.slices = Informer(self.api, "/apis/discovery.k8s.io/v1/endpointslices", on_event=self._service_event)
         self.pods = Informer(self.api, "/api/v1/pods", on_event=self._pod_event,
                              fieldSelector=f"spec.nodeName={node_name}")
         self.provisioner = Provisioner(self.api, state_dir / "volumes")
@@ -55,6 +56,7 @@ class Agent:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.registration.register()
         self.services.start()
+        self.slices.start()
         self.services.synced.wait(30)
         self.provisioner.start()
         self.pods.start()
@@ -62,6 +64,7 @@ class Agent:
     def stop(self, timeout: float = 20.0) -> None:
         self.pods.stop()
         self.services.stop()
+        self.slices.stop()
         self.provisioner.stop()
         self.registration.stopping.set()
         with self.lock:
@@ -128,14 +131,26 @@ class Agent:
                  "# Services (kvmesh local cluster)"]
         for svc in sorted(self.services.items(), key=Informer.key):
             ip = svc["spec"].get("clusterIP")
-            if not ip or ip == "None":
+            if not ip:
                 continue
             name, ns = svc["metadata"]["name"], svc["metadata"]["namespace"]
             names = [f"{name}.{ns}.svc.cluster.local", f"{name}.{ns}.svc", f"{name}.{ns}"]
             if ns == namespace:
                 names.append(name)
-            lines.append(f"{ip}\t{' '.join(names)}")
+            # a headless Service's names resolve to its ready endpoints, as cluster DNS answers
+            for address in (self._ready_addresses(ns, name) if ip == "None" else [ip]):
+                lines.append(f"{address}\t{' '.join(names)}")
         return "\n".join(lines) + "\n"
+
+    def _ready_addresses(self, namespace: str, service: str) -> list[str]:
+        out = []
+        for s in self.slices.items():
+            meta = s["metadata"]
+            if meta.get("namespace") == namespace and (meta.get("labels") or {}).get(
+                    "kubernetes.io/service-name") == service:
+                out += [a for e in s.get("endpoints") or [] if (e.get("conditions") or {}).get("ready", True)
+                        for a in e.get("addresses") or []]
+        return sorted(set(out))
 
 
 def main(argv: list[str] | None = None) -> None:
