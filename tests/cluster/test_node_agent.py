@@ -310,3 +310,13 @@ def test_a_claim_is_provisioned_and_shared_by_pods(cluster: LocalCluster, ns: st
     wait_pod(cluster, ns, "reader", lambda p: p["status"].get("phase") == "Succeeded", message="reader done")
     assert cluster.pod_log(ns, "reader", "r").strip() == "kept"
     assert cluster.api.get("PersistentVolumeClaim", ns, "data")["status"]["phase"] == "Bound"
+
+
+def test_deleting_a_namespace_stops_its_pods(cluster: LocalCluster) -> None:
+    ns = namespace(cluster, "doomed")
+    cluster.api.apply(pod("web", ns, [standin()]))
+    running(cluster, "web", ns)
+    pid = cluster.processes(ns, "web")["web"]
+    cluster.api.delete("Namespace", None, ns)
+    wait_for(lambda: cluster.api.get("Namespace", None, ns) is None, timeout=60, message="the namespace gone")
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
