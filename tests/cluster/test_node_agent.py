@@ -320,3 +320,19 @@ def test_deleting_a_namespace_stops_its_pods(cluster: LocalCluster) -> None:
     cluster.api.delete("Namespace", None, ns)
     wait_for(lambda: cluster.api.get("Namespace", None, ns) is None, timeout=60, message="the namespace gone")
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_gpu_requests_schedule_within_the_node_count(cluster: LocalCluster, ns: str) -> None:
+    def gpu_pod(name: str, gpus: int) -> dict:
+        c = {"name": "g", "image": "example.com/python:1", "args": ["-c", "import time; time.sleep(300)"],
+             "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}
+        return pod(name, ns, [c], terminationGracePeriodSeconds=0)
+    cluster.api.apply(gpu_pod("gpu-fits", 4))
+    cluster.api.apply(gpu_pod("gpu-too-many", 5))
+    wait_pod(cluster, ns, "gpu-fits", lambda p: p["status"].get("phase") == "Running", message="the 4-GPU pod runs")
+    p = wait_pod(cluster, ns, "gpu-too-many", lambda p: condition(p, "PodScheduled") == "False",
+                 message="the 5-GPU pod unschedulable")
+    message = next(c["message"] for c in p["status"]["conditions"] if c["type"] == "PodScheduled")
+    assert "Insufficient nvidia.com/gpu" in message
+    for name in ("gpu-fits", "gpu-too-many"):
+        cluster.api.delete("Pod", ns, name)

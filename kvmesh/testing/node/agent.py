@@ -42,6 +42,7 @@ class Agent:
         self.images = ImageTable(images)
         self.backoff_initial, self.backoff_cap = backoff_initial, backoff_cap
         self.workers: dict[str, PodWorker] = {}
+        self.finished: set[str] = set()   # uids whose pods this agent has finalised
         self.lock = threading.Lock()
         self.registration = Registration(self.api, node_name, self.allocatable, self.net.gateway)
         self.services = Informer(self.api, "/api/v1/services", on_event=self._service_event)
@@ -88,7 +89,7 @@ class Agent:
             if worker is not None:
                 worker.update(pod)
                 return
-            if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            if uid in self.finished or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 return
             worker = self.workers[uid] = PodWorker(self, pod)
         worker.start()
@@ -98,6 +99,7 @@ class Agent:
             if self.workers.get(worker.uid) is worker and (worker.gone.is_set() or worker.shutdown.is_set()
                                                             or worker.pod["metadata"].get("deletionTimestamp")):
                 del self.workers[worker.uid]
+                self.finished.add(worker.uid)
 
     def claim_path(self, namespace: str, claim: str) -> str:
         pvc = self.api.get(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")

@@ -101,6 +101,20 @@ class PodWorker(threading.Thread):
                                   request_token=self._request_token, claim_path=lambda claim: self.agent.claim_path(self.namespace, claim),
                                   allocatable=self.agent.allocatable)
 
+    def _try_setup(self) -> bool:
+        """The pod's sandbox (network namespace, files); on failure the containers wait with
+        the reason, and the kubelet's way is to try again."""
+        try:
+            self._setup()
+            return True
+        except (OSError, RuntimeError) as exc:
+            log.warning("%s/%s: pod sandbox setup failed: %s", self.namespace, self.pod_name, exc)
+            self._teardown_network()
+            for c in self.init_containers + self.containers:
+                c.wait("ContainerCreating", f"FailedCreatePodSandBox: {exc}")
+            self._report()
+            return False
+
     def refresh_hosts(self) -> None:
         """/etc/hosts of the pod: itself and the cluster's Services (rewritten in place: the
         containers bind-mount this file)."""
@@ -179,7 +193,11 @@ class PodWorker(threading.Thread):
         return bool(self.pod["metadata"].get("deletionTimestamp"))
 
     def _run(self) -> None:
-        self._setup()
+        while not self._try_setup():
+            if self.gone.wait(2) or self.shutdown.is_set():
+                return
+            if self._deleting():
+                break
         while not self.gone.is_set() and not self.shutdown.is_set():
             if self._deleting():
                 self._terminate_pod()
