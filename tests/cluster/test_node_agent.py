@@ -336,3 +336,19 @@ def test_gpu_requests_schedule_within_the_node_count(cluster: LocalCluster, ns: 
     assert "Insufficient nvidia.com/gpu" in message
     for name in ("gpu-fits", "gpu-too-many"):
         cluster.api.delete("Pod", ns, name)
+
+
+def test_exec_probe_and_pre_stop_hook_run_inside_the_container(cluster: LocalCluster, ns: str, tmp_path) -> None:
+    out = tmp_path / "hook"
+    out.mkdir()
+    c = standin(readinessProbe={"exec": {"command": ["sh", "-c", "test \"$(hostname)\" = hooked"]},
+                                "periodSeconds": 1},
+                lifecycle={"preStop": {"exec": {"command": ["sh", "-c", "echo \"bye from $(hostname)\" > /out/said"]}}},
+                volumeMounts=[{"name": "out", "mountPath": "/out"}])
+    cluster.api.apply(pod("hooked", ns, [c], volumes=[{"name": "out", "hostPath": {"path": str(out)}}]))
+    running(cluster, "hooked", ns)   # the exec readiness probe saw the pod's hostname
+    cluster.api.delete("Pod", ns, "hooked")
+    wait_for(lambda: cluster.api.get("Pod", ns, "hooked") is None, message="hooked pod gone")
+    assert (out / "said").read_text().strip() == "bye from hooked"
+    log = cluster.pod_log(ns, "hooked", "web")
+    assert "got SIGTERM" in log
