@@ -249,7 +249,10 @@ class LocalCluster:
         svc = self.api.get("Service", namespace, name)
         if svc is None:
             raise LookupError(f"no service {namespace}/{name}")
-        return f"{scheme}://{svc['spec']['clusterIP']}:{port}"
+        ip = svc["spec"].get("clusterIP")
+        if not ip or ip == "None":
+            raise LookupError(f"service {namespace}/{name} is headless: it has no address (use its pods' IPs)")
+        return f"{scheme}://{ip}:{port}"
 
     def _pod_state_dir(self, namespace: str, name: str) -> Path:
         pod = self.api.get("Pod", namespace, name)
