@@ -52,10 +52,8 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return reason.removeprefix("Skipped: ")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()
+def fail_missing_control_plane_under_ci(report: pytest.TestReport) -> None:
+    """Turn a skip for want of the control plane into a failure when CI requires it."""
     if not (report.skipped and control_plane_required()) or hasattr(report, "wasxfail"):
         return
     reason = _skip_reason(report)
@@ -63,6 +61,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         report.outcome = "failed"
         report.longrepr = (f"CI=true and the real control plane is missing ({reason}); `make setup` installs it "
                            f"from shared/k8s/install.sh (K8S_INSTALL=... if it is elsewhere)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    fail_missing_control_plane_under_ci(outcome.get_result())
 
 
 @pytest.fixture(scope="session")
