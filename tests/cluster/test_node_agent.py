@@ -41,6 +41,10 @@ def running(cluster: LocalCluster, name: str, ns: str = NS, timeout: float = 30.
     return wait_pod(cluster, ns, name, lambda p: condition(p, "Ready") == "True", timeout, f"pod {name} Ready")
 
 
+def events(cluster: LocalCluster, ns: str, pod_name: str) -> list[dict]:
+    return [e for e in cluster.api.list("Event", ns) if e["involvedObject"]["name"] == pod_name]
+
+
 def test_env_and_volumes_reach_the_container(cluster: LocalCluster, ns: str) -> None:
     cluster.api.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "creds", "namespace": ns},
                        "data": {"password": base64.b64encode(b"s3cret").decode()}})
@@ -135,6 +139,10 @@ def test_liveness_failure_restarts_the_container(cluster: LocalCluster, ns: str)
     assert "running" in status["state"]
     assert cluster.processes(ns, "live")["web"] != first_pid
     assert "got SIGTERM" in cluster.pod_log(ns, "live", "web", previous=True)
+    # kubectl describe tells the story: the probe failures and the kill
+    reasons = wait_for(lambda: {e["reason"] for e in events(cluster, ns, "live")} >= {"Unhealthy", "Killing", "Started"}
+                       and {e["reason"]: e["message"] for e in events(cluster, ns, "live")}, message="the events")
+    assert reasons["Unhealthy"].startswith("Liveness probe failed: HTTP probe failed with statuscode: 500")
 
 
 def test_a_crashing_container_backs_off(cluster: LocalCluster, ns: str) -> None:
@@ -155,6 +163,7 @@ def test_a_crashing_container_backs_off(cluster: LocalCluster, ns: str) -> None:
     p = cluster.pod(ns, "crash")
     assert p["status"]["phase"] == "Running" and condition(p, "Ready") == "False"
     assert "boom" in cluster.pod_log(ns, "crash", "crash")
+    assert any(e["reason"] == "BackOff" and e["type"] == "Warning" for e in events(cluster, ns, "crash"))
 
 
 def test_delete_sends_sigterm_then_sigkill_after_the_grace_period(cluster: LocalCluster, ns: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from kvmesh.testing.node import network
 from kvmesh.testing.node.api import Api, Informer
 from kvmesh.testing.node.envvars import ConfigError
+from kvmesh.testing.node.events import EventRecorder
 from kvmesh.testing.node.images import ImageTable
 from kvmesh.testing.node.lifeline import watch_parent
 from kvmesh.testing.node.pods import PodWorker
@@ -50,12 +51,14 @@ class Agent:
         self.pods = Informer(self.api, "/api/v1/pods", on_event=self._pod_event,
                              fieldSelector=f"spec.nodeName={node_name}")
         self.provisioner = Provisioner(self.api, state_dir / "volumes")
+        self.events = EventRecorder(self.api, node_name)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.registration.register()
+        self.events.start()
         self.services.start()
         self.slices.start()
         self.services.synced.wait(30)
@@ -74,6 +77,7 @@ class Agent:
             w.shutdown.set()
         for w in workers:
             w.join(timeout)
+        self.events.stop()
         self.api.close()
 
     # --- pods --------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from kvmesh.testing.node.probes import Prober, Target
 from kvmesh.testing.node.status import now
@@ -62,6 +62,7 @@ class Container:
     kill_deadline: float | None = None
     kill_reason: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    on_probe_failure: Callable[[str, str], None] | None = None   # (probe kind, why): the pod's events
 
     @property
     def name(self) -> str:
@@ -120,11 +121,13 @@ class Container:
         self.probers = {}
         startup = None
         if self.spec.get("startupProbe") and not self.init:
-            startup = self.probers["startup"] = Prober("startup", self.spec["startupProbe"], target, self.started_mono)
+            startup = self.probers["startup"] = Prober("startup", self.spec["startupProbe"], target, self.started_mono,
+                                                       on_failure=self.on_probe_failure)
         for kind in ("liveness", "readiness"):
             probe = self.spec.get(f"{kind}Probe")
             if probe and not self.init:
-                self.probers[kind] = Prober(kind, probe, target, self.started_mono, after=startup)
+                self.probers[kind] = Prober(kind, probe, target, self.started_mono, after=startup,
+                                            on_failure=self.on_probe_failure)
         for prober in self.probers.values():
             prober.start()
 

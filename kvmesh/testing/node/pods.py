@@ -48,6 +48,8 @@ class PodWorker(threading.Thread):
         self.conditions = Conditions()
         self.init_containers = [Container(c, self.dir / "logs", init=True) for c in pod["spec"].get("initContainers") or []]
         self.containers = [Container(c, self.dir / "logs") for c in pod["spec"]["containers"]]
+        for c in self.init_containers + self.containers:
+            c.on_probe_failure = self._probe_failed(c.name)
         self.init_index = 0
         self.init_failed = False
         self.volumes: PodVolumes | None = None
@@ -57,6 +59,14 @@ class PodWorker(threading.Thread):
         self.config_retry_at = 0.0
 
     # --- helpers ------------------------------------------------------------------------------
+
+    def _event(self, reason: str, message: str, warning: bool = False, container: str | None = None) -> None:
+        self.agent.events.record(self.pod, reason, message, warning=warning, container=container)
+
+    def _probe_failed(self, container: str):
+        def report(kind: str, why: str) -> None:
+            self._event("Unhealthy", f"{kind.capitalize()} probe failed: {why}", warning=True, container=container)
+        return report
 
     @property
     def spec(self) -> dict[str, Any]:
@@ -109,6 +119,7 @@ class PodWorker(threading.Thread):
             return True
         except (OSError, RuntimeError) as exc:
             log.warning("%s/%s: pod sandbox setup failed: %s", self.namespace, self.pod_name, exc)
+            self._event("FailedCreatePodSandBox", f"Failed to create pod sandbox: {exc}", warning=True)
             self._teardown_network()
             for c in self.init_containers + self.containers:
                 c.wait("ContainerCreating", f"FailedCreatePodSandBox: {exc}")
@@ -143,6 +154,8 @@ class PodWorker(threading.Thread):
             image = self.agent.images.lookup(spec["image"])
         except ImageNotMapped as exc:
             container.wait("ErrImagePull", str(exc))
+            self._event("Failed", f'Failed to pull image "{spec["image"]}": {exc}', warning=True,
+                        container=container.name)
             return None
         base = {"HOME": "/root", **image.env}   # a runtime's default for a root user
         base["PATH"] = base_path(image)
@@ -161,6 +174,7 @@ class PodWorker(threading.Thread):
             mounts = self._implicit_mounts() + self.volumes.mounts(spec, env)
         except (ConfigError, ApiError) as exc:
             container.wait("CreateContainerConfigError", str(exc))
+            self._event("Failed", f"Error: {exc}", warning=True, container=container.name)
             return None
         argv = image.argv([expand(a, env) for a in spec.get("command") or []],
                           [expand(a, env) for a in spec.get("args") or []])
@@ -174,6 +188,10 @@ class PodWorker(threading.Thread):
         if launch is None:
             return False
         container.start(launch, netns=self.netns, hostname=self.pod_name, pod_ip=self.pod_ip, state_dir=self.dir)
+        self._event("Pulled", f'Container image "{container.spec["image"]}" already present on machine',
+                    container=container.name)
+        self._event("Created", f"Created container: {container.name}", container=container.name)
+        self._event("Started", f"Started container {container.name}", container=container.name)
         log.info("%s/%s: started %s (pid %s)", self.namespace, self.pod_name, container.name, container.popen.pid)
         return True
 
@@ -211,6 +229,7 @@ class PodWorker(threading.Thread):
                 except (ConfigError, ApiError) as exc:
                     for c in self.init_containers + self.containers:
                         c.wait("ContainerCreating", f"MountVolume.SetUp failed: {exc}")
+                    self._event("FailedMount", f"MountVolume.SetUp failed: {exc}", warning=True)
                     self.config_retry_at = time.monotonic() + 2
                 else:
                     self._step()
@@ -246,13 +265,19 @@ class PodWorker(threading.Thread):
             if self.restart_policy == "Never":
                 self.init_failed = True
                 return
-            c.schedule_restart(self.agent.backoff_initial, self.agent.backoff_cap)
-            c.restart_count += 1
-            c.wait("CrashLoopBackOff", self._backoff_message(c))
+            self._restart_later(c)
             return
         if c.next_start <= time.monotonic() and self.config_retry_at <= time.monotonic():
             if not self._start(c):
                 self.config_retry_at = time.monotonic() + 1
+
+    def _restart_later(self, c: Container) -> None:
+        delay = c.schedule_restart(self.agent.backoff_initial, self.agent.backoff_cap)
+        c.restart_count += 1
+        c.wait("CrashLoopBackOff", self._backoff_message(c))
+        if delay > 0:
+            self._event("BackOff", f"Back-off restarting failed container {c.name} in pod "
+                        f"{self.pod_name}_{self.namespace}({self.uid})", warning=True, container=c.name)
 
     def _backoff_message(self, c: Container) -> str:
         delay = max(0, round(c.next_start - time.monotonic()))
@@ -263,6 +288,7 @@ class PodWorker(threading.Thread):
             failure = c.probe_failure()
             if failure and c.kill_deadline is None:
                 log.info("%s/%s: %s; restarting", self.namespace, self.pod_name, failure)
+                self._event("Killing", f"{failure}, will be restarted", container=c.name)
                 c.terminate(self._grace(), failure)
             code = c.reap()
             if code is None:
@@ -270,9 +296,7 @@ class PodWorker(threading.Thread):
             restart = self.restart_policy == "Always" or (self.restart_policy == "OnFailure" and code != 0)
             if not restart:
                 return
-            c.schedule_restart(self.agent.backoff_initial, self.agent.backoff_cap)
-            c.restart_count += 1
-            c.wait("CrashLoopBackOff", self._backoff_message(c))
+            self._restart_later(c)
             return
         if "terminated" in c.state:
             return
@@ -302,6 +326,7 @@ class PodWorker(threading.Thread):
             time.sleep(TICK)
         remaining = max(deadline - time.monotonic(), 2.0 if hooks else 0.0)   # kubelet: 2 s after a long preStop
         for c in running:
+            self._event("Killing", f"Stopping container {c.name}", container=c.name)
             c.terminate(0 if self.gone.is_set() else remaining, "")
         while any("running" in c.state for c in running):
             self._tick_reap(running)

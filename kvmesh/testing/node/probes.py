@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass
@@ -74,9 +74,10 @@ class Prober(threading.Thread):
     ``gave_up`` is set when a startup/liveness probe reaches its failureThreshold."""
 
     def __init__(self, kind: str, probe: dict[str, Any], target: Target, started_at: float,
-                 after: "Prober | None" = None) -> None:
+                 after: "Prober | None" = None, on_failure: Callable[[str, str], None] | None = None) -> None:
         super().__init__(name=f"probe-{kind}", daemon=True)
         self.kind, self.probe, self.target, self.started_at, self.after = kind, probe, target, started_at, after
+        self.on_failure = on_failure
         self.healthy: bool | None = False if kind == "readiness" else None
         self.gave_up = threading.Event()
         self.message = ""
@@ -109,6 +110,8 @@ class Prober(threading.Thread):
             else:
                 self.successes, self.failures = 0, self.failures + 1
                 self.message = message
+                if self.on_failure is not None:
+                    self.on_failure(self.kind, message)
                 if self.failures >= failure_threshold:
                     self.healthy = False
                     if self.kind in ("startup", "liveness"):
