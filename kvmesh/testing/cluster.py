@@ -133,20 +133,24 @@ class LocalCluster:
     # --- start / stop --------------------------------------------------------------------------
 
     def __enter__(self) -> "LocalCluster":
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
+        self.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
     def start(self, timeout: float = 120.0) -> None:
+        """Start every part; on failure, stop what started and raise."""
         why = unavailable()
         if why:
             raise RuntimeError(f"cannot start a local cluster: {why}")
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> None:
         assets, _ = find_environment()
         assert assets is not None
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -197,9 +201,9 @@ class LocalCluster:
         self.procs.clear()
         if self.control_plane is not None:
             self.control_plane.stop()
-        if self.net is not None:
-            network.delete_bridge(self.net)
-        if self._slot is not None:
+        if self._slot is not None:   # only while the slot is ours: another cluster may take it next
+            if self.net is not None:
+                network.delete_bridge(self.net)
             self._slot.release()
             self._slot = None
 
@@ -330,7 +334,8 @@ def _up(args: argparse.Namespace) -> None:
     stop = threading.Event()
     for sig in (_signal.SIGINT, _signal.SIGTERM):
         _signal.signal(sig, lambda *_: stop.set())
-    cluster = LocalCluster(Path(args.workdir), gpus=args.gpus)
+    images = json.loads(Path(args.images).read_text()) if args.images else None
+    cluster = LocalCluster(Path(args.workdir), gpus=args.gpus, images=images)
     with cluster:
         print(f"kubeconfig: {cluster.kubeconfig}\n"
               f"  kubectl --kubeconfig {cluster.kubeconfig} get nodes\n"
@@ -347,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start a cluster and run it until Ctrl-C")
     up.add_argument("--workdir", required=True)
-    up.add_argument("--gpus", type=int, default=4)
+    up.add_argument("--gpus", type=int, default=4, help="the node's nvidia.com/gpu count")
+    up.add_argument("--images", help="a JSON file of extra image table entries (docs/local-cluster.md)")
     args = p.parse_args(argv)
     if args.command == "up":
         _up(args)
