@@ -2,16 +2,19 @@
 
 Two threads:
 
-* events: subscribes to the engine's KV events (`KVEventSubscriber`: replay on a
-  sequence gap, reset + replay from 0 when the engine restarts), keeps the pod's block
+* events: subscribes to the engine's KV events (`KVEventSubscriber`: every sequence gap
+  counted and healed by a replay, or from the engine's block-set snapshot when the replay
+  buffer no longer has it; reset + replay from 0 when the engine restarts), keeps the pod's block
   keys in memory and mirrors every change to the Redis set ``blocks:{pod}``. With
   ``engine_format="vllm"`` the engine's block hashes are not contract keys: keys are
   recomputed from the token ids in BlockStored (chained from the parent's key) and the
   engine-hash -> key map is kept for removals.
 * heartbeat: every ``heartbeat_interval`` reads the engine's ``/ready`` and ``/metrics``
-  and writes the heartbeat hash (TTL 10 s). ``/ready`` 503 after being ready -> state
-  ``draining``. An unreachable engine -> the heartbeat is deleted (not routable); a
-  changed ``process_start_time_seconds`` or a comeback -> full resync.
+  and writes the heartbeat hash (TTL 10 s). Its state is the engine's readiness at that
+  poll: ``ready`` on 200, ``draining`` on 503 (no heartbeat before the engine is first
+  ready). An unreachable engine -> the heartbeat is deleted (not routable); a new engine
+  incarnation (a changed ``process_start_time_seconds``, or a comeback after being
+  unreachable) -> full resync of the block set.
 
 Redis failures never lose the engine's state: the in-memory index keeps being updated,
 and after Redis comes back (retried with exponential backoff, ended early by the first

@@ -20,10 +20,15 @@ Transport (vLLM's ``ZmqEventPublisher``): a PUB socket sends multipart
 ``[topic, seq (8 bytes big-endian), payload]``; a ROUTER replay socket receives
 ``[client_id, b"", start_seq]`` from a DEALER and answers every buffered message with
 ``seq >= start_seq`` as ``[client_id, b"", seq, payload]``, then the end marker
-``[client_id, b"", (-1 as 8 signed bytes), b""]``.
+``[client_id, b"", (-1 as 8 signed bytes), b""]``. Our replay socket never drops a
+message of an answer (its send high-water mark holds a whole buffer, and a full pipe waits
+instead of dropping). One extension: ``SNAPSHOT_REQ`` (-2 as 8 signed bytes) as the start
+asks for the publisher's whole block set instead, answered as ``[N, EventBatch]`` (the state
+after every batch before seq ``N``) and the end marker; vLLM's publisher answers it with the
+end marker alone.
 
 This module has the encoder and decoder, ``KVEventPublisher`` (used by the engine
-server) and ``KVEventSubscriber`` (used by the sidecar: gap detection and replay).
+server) and ``KVEventSubscriber`` (used by the sidecar: gap detection, replay, snapshots).
 """
 
 from __future__ import annotations
@@ -268,8 +273,8 @@ class KVEventPublisher:
     batches; a background thread answers replay requests. The replay socket never drops a
     batch of an answer: its send high-water mark holds a whole answer, and a client that
     reads slower than that is waited for (``ROUTER_MANDATORY``: ZMQ's ROUTER would otherwise
-    drop what is over the mark in silence), up to ``replay_send_timeout_s``, after which
-    that answer is abandoned (the client sees no end marker and asks again).
+    drop what is over the mark in silence), up to ``replay_send_timeout_s`` without progress,
+    after which that answer is abandoned (the client sees no end marker and asks again).
 
     With ``snapshots`` (the default) the publisher also keeps the block set its events
     describe (:class:`PublishedBlockSet`) and answers a snapshot request (``SNAPSHOT_REQ``
@@ -300,6 +305,7 @@ class KVEventPublisher:
         self._replay = None
         self.replay_endpoint: str | None = None
         self._thread: threading.Thread | None = None
+        self.replay_send_timeout_s = replay_send_timeout_s
         self.stats = {"replay_requests": 0, "snapshots_sent": 0, "replays_abandoned": 0}
         if replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
@@ -308,7 +314,6 @@ class KVEventPublisher:
             # full pipe blocks the send (up to the timeout) instead of dropping in silence.
             self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 2)
             self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self._replay.setsockopt(zmq.SNDTIMEO, int(replay_send_timeout_s * 1000))
             try:
                 self._replay.bind(replay_endpoint)
             except zmq.ZMQError:
@@ -372,11 +377,25 @@ class KVEventPublisher:
             items = self._answer(start)
             try:
                 for seq, payload in items:
-                    self._replay.send_multipart((client_id, b"", seq.to_bytes(8, "big"), payload))
-                self._replay.send_multipart((client_id, b"", END_SEQ, b""))
+                    self._send_to(client_id, seq.to_bytes(8, "big"), payload)
+                self._send_to(client_id, END_SEQ, b"")
             except zmq.ZMQError as exc:  # the client is gone (EHOSTUNREACH) or stopped reading (EAGAIN)
                 self.stats["replays_abandoned"] += 1
-                log.warning("replay answer abandoned after %d messages: %s", len(items), exc)
+                if not self._closed.is_set():
+                    log.warning("replay answer of %d messages abandoned: %s", len(items), exc)
+
+    def _send_to(self, client_id: bytes, seq: bytes, payload: bytes) -> None:
+        """Send one answer message, waiting while the client's pipe is full (a slow reader), up to
+        ``replay_send_timeout_s`` without progress; never blocking a close() for long."""
+        deadline = time.monotonic() + self.replay_send_timeout_s
+        while True:
+            try:
+                self._replay.send_multipart((client_id, b"", seq, payload), zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if self._closed.is_set() or time.monotonic() > deadline:
+                    raise
+                self._closed.wait(0.002)
 
     def close(self) -> None:
         self._closed.set()
