@@ -361,3 +361,21 @@ def test_exec_probe_and_pre_stop_hook_run_inside_the_container(cluster: LocalClu
     assert (out / "said").read_text().strip() == "bye from hooked"
     log = cluster.pod_log(ns, "hooked", "web")
     assert "got SIGTERM" in log
+
+
+def test_configmap_volume_follows_updates_but_subpath_files_do_not(cluster: LocalCluster, ns: str) -> None:
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "live-cfg", "namespace": ns},
+          "data": {"greeting": "hello", "old": "x"}}
+    cluster.api.apply(cm)
+    c = standin(volumeMounts=[{"name": "cfg", "mountPath": "/cfg"},
+                              {"name": "cfg", "mountPath": "/pinned/greeting", "subPath": "greeting"}])
+    cluster.api.apply(pod("cfgwatch", ns, [c], volumes=[{"name": "cfg", "configMap": {"name": "live-cfg"}}]))
+    ip = running(cluster, "cfgwatch", ns)["status"]["podIP"]
+
+    def read(path: str) -> httpx.Response:
+        return http(f"http://{ip}:8000/file?path={path}")
+    assert read("/cfg/greeting").text == "hello" and read("/cfg/old").status_code == 200
+    cluster.api.apply({**cm, "data": {"greeting": "bonjour"}})
+    wait_for(lambda: read("/cfg/greeting").text == "bonjour", timeout=30, message="the volume follows the ConfigMap")
+    wait_for(lambda: read("/cfg/old").status_code == 404, message="a removed key's file goes")
+    assert read("/pinned/greeting").text == "hello"

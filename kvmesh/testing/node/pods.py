@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 TICK = 0.1
+VOLUME_SYNC_SECONDS = 5.0   # the kubelet syncs API-backed volumes about every minute; tests want it sooner
 
 
 def pod_dir(root: Path, namespace: str, name: str, uid: str) -> Path:
@@ -57,6 +58,7 @@ class PodWorker(threading.Thread):
         self.last_report: dict[str, Any] | None = None
         self.last_pids: dict[str, int] = {}
         self.config_retry_at = 0.0
+        self.volumes_synced_at = 0.0
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -226,6 +228,11 @@ class PodWorker(threading.Thread):
                     if not self.volumes_ready:
                         self.volumes.prepare()
                         self.volumes_ready = True
+                        self.volumes_synced_at = time.monotonic()
+                    elif time.monotonic() - self.volumes_synced_at >= VOLUME_SYNC_SECONDS:
+                        self.volumes.pod = self.pod
+                        self.volumes.refresh()
+                        self.volumes_synced_at = time.monotonic()
                 except (ConfigError, ApiError) as exc:
                     for c in self.init_containers + self.containers:
                         c.wait("ContainerCreating", f"MountVolume.SetUp failed: {exc}")

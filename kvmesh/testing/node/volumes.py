@@ -1,12 +1,18 @@
 """A pod's volumes as directories under the pod's state directory (emptyDir, secret,
 configMap, downwardAPI, projected with ServiceAccount tokens from the TokenRequest API),
 or directories of the host (hostPath; a PersistentVolumeClaim's bound PV's hostPath), and
-the bind mounts (source -> mountPath, subPath, readOnly) of each container."""
+the bind mounts (source -> mountPath, subPath, readOnly) of each container.
+
+``refresh()`` brings the secret, configMap, downwardAPI and projected volumes up to date, as
+the kubelet's periodic sync does: changed keys are rewritten, removed ones deleted, and a
+ServiceAccount token is requested anew once 80% of its lifetime has passed. Files mounted by
+subPath keep their content (the kubelet does not update them either)."""
 
 from __future__ import annotations
 
 import base64
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -76,16 +82,36 @@ class PodVolumes:
         self.lookup, self.request_token, self.claim_path = lookup, request_token, claim_path
         self.allocatable = allocatable
         self.paths: dict[str, Path] = {}
+        self.written: dict[str, set[str]] = {}   # volume -> the files this node wrote into it
+        self.tokens: dict[tuple[str, str, str], tuple[str, float]] = {}   # -> (token, renew at)
 
     def prepare(self) -> None:
         """Make every volume of the pod; raise ConfigError naming the first that cannot be made."""
         for volume in self.pod["spec"].get("volumes") or []:
             self.paths[volume["name"]] = self._prepare(volume)
 
+    REFRESHED = ("secret", "configMap", "downwardAPI", "projected")
+
+    def refresh(self) -> None:
+        """Rewrite what changed in the pod's API-backed volumes; keep the old content of one
+        whose source cannot be read now."""
+        for volume in self.pod["spec"].get("volumes") or []:
+            if any(kind in volume for kind in self.REFRESHED) and volume["name"] in self.paths:
+                try:
+                    self._prepare(volume)
+                except Exception:   # the API server unreachable, a Secret deleted: try again next sync
+                    pass
+
     def _fill(self, directory: Path, files: dict[str, bytes], mode: int | None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         for rel, content in files.items():
-            _write(directory / rel, content, mode)
+            path = directory / rel
+            if not path.exists() or path.read_bytes() != content:
+                _write(path, content, mode)
+        previous = self.written.get(directory.name, set())
+        for rel in previous - set(files):
+            (directory / rel).unlink(missing_ok=True)
+        self.written[directory.name] = set(files)
 
     def _prepare(self, volume: dict[str, Any]) -> Path:
         name = volume["name"]
@@ -139,7 +165,12 @@ class PodVolumes:
                 if sat.get("audience"):
                     spec["audiences"] = [sat["audience"]]
                 sa = self.pod["spec"].get("serviceAccountName") or "default"
-                files[sat["path"]] = self.request_token(sa, spec).encode()
+                key = (sa, sat["path"], sat.get("audience") or "")
+                token, renew_at = self.tokens.get(key, ("", 0.0))
+                if time.monotonic() >= renew_at:
+                    token = self.request_token(sa, spec)
+                    self.tokens[key] = (token, time.monotonic() + 0.8 * spec["expirationSeconds"])
+                files[sat["path"]] = token.encode()
             elif "configMap" in source:
                 ref = source["configMap"]
                 files.update(_key_files(self.lookup("ConfigMap", ref["name"]), "ConfigMap", ref, ref["name"]))
