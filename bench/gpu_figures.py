@@ -45,7 +45,7 @@ def collect(work: Path, results: list[str]) -> dict:
                 step["figures_error"] = str(exc)
         elif name == "kernels":
             step["figures"] = kernel_counts(log)
-        elif name == "offline":
+        elif name.startswith("offline"):
             step["figures"] = offline_rates(log)
         fig["steps"][name] = step
     try:

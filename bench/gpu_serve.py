@@ -59,9 +59,10 @@ def figures(s: dict) -> dict:
 
 
 def engine_alone(model: str, dtype: str, max_num_seqs: int, kv_cache_memory: str, budget: int,
-                 reqs: list[Req], concurrency: int) -> dict:
+                 reqs: list[Req], concurrency: int, warm_reqs: list[Req] | None = None) -> dict:
     """The same requests on LLMEngine in this process (the server stopped: the GPU is free),
-    closed loop at the same concurrency, warmed up the same way as the server."""
+    closed loop at the same concurrency, warmed up the same way as the server (and, with
+    warm_reqs, after the same warm pass)."""
     import torch
 
     from kvmesh.engine import EngineArgs, SamplingParams
@@ -74,19 +75,28 @@ def engine_alone(model: str, dtype: str, max_num_seqs: int, kv_cache_memory: str
             engine.add_request(w.prompt, SamplingParams(max_tokens=w.max_tokens, temperature=0.0, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-        todo = list(reqs)
-        in_flight = out_tokens = 0
-        start = time.perf_counter()
-        while todo or in_flight:
-            while todo and in_flight < concurrency:
-                r = todo.pop(0)
-                engine.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
-                in_flight += 1
-            for o in engine.step():
-                if o.finished:
-                    in_flight -= 1
-                    out_tokens += len(o.outputs[0].token_ids)
-        elapsed = time.perf_counter() - start
+
+        def closed_loop(batch: list[Req]) -> tuple[float, int]:
+            todo = list(batch)
+            in_flight = out_tokens = 0
+            start = time.perf_counter()
+            while todo or in_flight:
+                while todo and in_flight < concurrency:
+                    r = todo.pop(0)
+                    engine.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
+                                                                ignore_eos=True))
+                    in_flight += 1
+                for o in engine.step():
+                    if o.finished:
+                        in_flight -= 1
+                        out_tokens += len(o.outputs[0].token_ids)
+            return time.perf_counter() - start, out_tokens
+
+        cold = None
+        if warm_reqs:
+            el, toks = closed_loop(warm_reqs)
+            cold = round((sum(len(r.prompt) for r in warm_reqs) + toks) / el, 1)
+        elapsed, out_tokens = closed_loop(reqs)
     finally:
         engine.core.shutdown()
         del engine
@@ -95,7 +105,7 @@ def engine_alone(model: str, dtype: str, max_num_seqs: int, kv_cache_memory: str
     in_tokens = sum(len(r.prompt) for r in reqs)
     return {"elapsed_s": round(elapsed, 2), "out_tok_s": round(out_tokens / elapsed, 1),
             "total_tok_s": round((in_tokens + out_tokens) / elapsed, 1), "requests": len(reqs),
-            "concurrency": concurrency}
+            "concurrency": concurrency, "warm_pass_total_tok_s": cold}
 
 
 def warmup_requests(input_len: int, vocab: int) -> list[Req]:
@@ -124,6 +134,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix-requests", type=int, default=128)
     ap.add_argument("--prefix-concurrency", type=int, default=64)
     ap.add_argument("--skip-prefix", action="store_true")
+    ap.add_argument("--warm-pass", action=argparse.BooleanOptionalAction, default=True,
+                    help="before each level, the same level on other prompts, reported apart: Triton compiles a "
+                         "kernel variant the first time a step's shape needs one (split-KV counts, tile "
+                         "sizes), and a measured level should not pay for that")
     ap.add_argument("--offline-at", default="256",
                     help="concurrencies at which the engine alone runs too (comma list; empty: none)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -153,6 +167,16 @@ def main(argv=None) -> int:
     out: dict = {"model": args.model, "dtype": args.dtype, "input_len": args.input_len,
                  "output_len": args.output_len, "server_flags": flags, "levels": {}, "errors": []}
     workloads = {c: random_workload(n, args.input_len, args.output_len, vocab, seed=100 + c) for c, n in levels}
+    warm_workloads = {c: random_workload(n, args.input_len, args.output_len, vocab, seed=1000 + c) if args.warm_pass
+                      else None for c, n in levels}
+
+    def warm_pass(url: str, reqs: list[Req] | None, conc: int, key: str) -> None:
+        if not reqs:
+            return
+        res, el = asyncio.run(run_load(url, reqs, conc, None, model=name, label=f"warm pass {key}"))
+        s = summarize(f"warm pass (not the measurement), {key}", res, el)
+        s["tpot"] = _tpot(res)
+        out.setdefault("warm_pass", {})[key] = figures(s)
 
     def save() -> None:
         if args.json:
@@ -187,6 +211,7 @@ def main(argv=None) -> int:
             return 1
         print(f"warm-up: {len(res)} requests ok in {el:.1f} s", flush=True)
         for conc, n in levels:
+            warm_pass(srv.url, warm_workloads[conc], conc, f"c={conc}")
             res, el = asyncio.run(run_load(srv.url, workloads[conc], conc, None, model=name, label=f"c={conc}"))
             s = summarize(f"random {args.input_len}/{args.output_len}, concurrency {conc}, {n} requests", res, el)
             s["tpot"] = _tpot(res)
@@ -200,6 +225,9 @@ def main(argv=None) -> int:
                 out["errors"].append(f"server exited with {srv.proc.returncode}")
                 return 1
         if not args.skip_prefix:
+            if args.warm_pass:
+                warm_pass(srv.url, shared_prefix_workload(args.prefix_requests, args.input_len, 0.75, args.output_len,
+                                                          vocab, seed=6), args.prefix_concurrency, "prefix")
             reqs = shared_prefix_workload(args.prefix_requests, args.input_len, 0.75, args.output_len, vocab, seed=5)
             res, el = asyncio.run(run_load(srv.url, reqs, args.prefix_concurrency, None, model=name, label="prefix"))
             s = summarize(f"shared prefix (75% of {args.input_len}), concurrency {args.prefix_concurrency}, "
@@ -218,7 +246,7 @@ def main(argv=None) -> int:
         print(f"\nengine alone (LLMEngine, same requests, closed loop at {conc})", flush=True)
         try:
             o = engine_alone(args.model, args.dtype, args.max_num_seqs, args.kv_cache_memory, budget,
-                             workloads[conc], conc)
+                             workloads[conc], conc, warm_workloads[conc])
         except Exception as exc:  # noqa: BLE001 - reported; the server's figures stand
             print(f"!! engine alone failed: {type(exc).__name__}: {exc}", flush=True)
             out["errors"].append(f"engine alone at {conc}: {type(exc).__name__}: {exc}")
@@ -238,9 +266,12 @@ def main(argv=None) -> int:
     for label, f in rows:
         print(f"   {label:<22} {f['ok']:>5} {f['req_s']:7.2f} {f['out_tok_s']:10.1f} {f['total_tok_s']:12.1f} "
               f"{f['ttft_p50_ms']:9.1f} {f['ttft_p99_ms']:8.1f} {f['tpot_p50_ms']:9.2f} {f['tpot_p99_ms']:7.2f}")
+    for key, f in out.get("warm_pass", {}).items():
+        print(f"   warm pass {key:<12} {f['ok']:>5} {f['req_s']:7.2f} {f['out_tok_s']:10.1f} {f['total_tok_s']:12.1f} "
+              f"{f['ttft_p50_ms']:9.1f} {f['ttft_p99_ms']:8.1f} {f['tpot_p50_ms']:9.2f} {f['tpot_p99_ms']:7.2f}")
     for conc, o in out.get("engine_alone", {}).items():
-        print(f"   engine alone c={conc}: {o['total_tok_s']:.1f} total tok/s; server keeps "
-              f"{100 * o['server_share']:.1f}% (target >= 90%)")
+        print(f"   engine alone c={conc}: {o['total_tok_s']:.1f} total tok/s (its warm pass {o['warm_pass_total_tok_s']}); "
+              f"server keeps {100 * o['server_share']:.1f}% (target >= 90%)")
     save()
     return 1 if out["errors"] else 0
 
