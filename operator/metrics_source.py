@@ -1,7 +1,7 @@
 """KV utilisation of ready replicas, from the sidecars' Redis heartbeats.
 
 Key layout (contract 3, owned by kvmesh/common/redis_layout.py, which also holds the one
-``Heartbeat`` type and ``read_heartbeats()`` used here):
+``Heartbeat`` type, ``read_heartbeats()`` and ``PodsSetCursor`` used here):
 
 * ``kvmesh:v1:{model}:pods``             set of pod names
 * ``kvmesh:v1:{model}:pod:{pod_name}``   heartbeat hash (TTL ~10 s): url, model, kv_usage,
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
-from kvmesh.common.redis_layout import (HEARTBEAT_TTL_S, STATE_READY, Heartbeat, blocks_key,  # noqa: F401
-                                       demand_key, heartbeat_key, pods_key, read_heartbeats, reconnecting_retry)
+from kvmesh.common.redis_layout import (HEARTBEAT_TTL_S, STATE_READY, Heartbeat, PodsSetCursor,  # noqa: F401
+                                       blocks_key, demand_key, heartbeat_key, pods_key, read_heartbeats,
+                                       reconnecting_retry)
 
 HEARTBEAT_STALE_SECONDS = float(HEARTBEAT_TTL_S)
 
@@ -41,24 +42,59 @@ def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
+# Per snapshot, at most SWEEP_PAGES pages of SWEEP_PAGE names of the pods set are examined (Redis
+# filters them by the deployment's prefix: only its names come back), and the heartbeats of at
+# most TRACKED_PODS names found so (beyond the listed pods) are read.
+SWEEP_PAGE = 1024
+SWEEP_PAGES = 16
+TRACKED_PODS = 2048
+
+
 class RedisHeartbeats:
     """Reads the live heartbeats of one model's pods (optionally only pods whose
-    names start with ``pod_prefix``, e.g. ``<md>-engine-``, when a Redis is shared)."""
+    names start with ``pod_prefix``, e.g. ``<md>-engine-``, when a Redis is shared).
 
-    def __init__(self, url: str, *, stale_after: float = HEARTBEAT_STALE_SECONDS, clock=time.time) -> None:
+    Bounded work per snapshot, whatever a Redis writer adds: the pods the caller lists (from
+    the API) are read by name, and the pods set is walked ``SWEEP_PAGES`` pages at a time
+    (Redis filters by prefix), resuming at the next snapshot; the names it finds are read by
+    name too (the ``TRACKED_PODS`` most recently found; a name is dropped once its heartbeat is
+    gone), so a replica the API does not list (yet) still counts as busy. With no junk, a
+    snapshot is a whole pass; with more live names under the prefix than ``TRACKED_PODS``, an
+    unlisted replica counts in the snapshots after the sweep found it."""
+
+    def __init__(self, url: str, *, stale_after: float = HEARTBEAT_STALE_SECONDS, clock=time.time,
+                 sweep_pages: int = SWEEP_PAGES, tracked_pods: int = TRACKED_PODS) -> None:
         import redis.asyncio as aioredis  # the operator imports without Redis until it needs it
 
         self.url = url
         self.stale_after = stale_after
         self.clock = clock
+        self.sweep_pages = sweep_pages
+        self.tracked_pods = tracked_pods
         self._redis = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5,
                                               retry=reconnecting_retry())
+        self._sweeps: dict[tuple[str, str], tuple[PodsSetCursor, dict[str, None]]] = {}
 
     async def close(self) -> None:
         await self._redis.aclose()
 
-    async def snapshot(self, model: str, pod_prefix: str = "") -> Snapshot:
-        beats = await read_heartbeats(self._redis, model, prefix=pod_prefix)
+    async def snapshot(self, model: str, pod_prefix: str = "", pods: Iterable[str] = ()) -> Snapshot:
+        """`pods`: names to read whatever the pods set holds (the engine pods the API lists)."""
+        cursor, tracked = self._sweeps.setdefault((model, pod_prefix),
+                                                  (PodsSetCursor(model, pod_prefix, SWEEP_PAGE), {}))
+        for _ in range(self.sweep_pages):
+            for name in await cursor.next_page(self._redis):
+                tracked.pop(name, None)
+                tracked[name] = None  # the most recently found last: the oldest go first when full
+            while len(tracked) > self.tracked_pods:
+                del tracked[next(iter(tracked))]
+            if cursor.pass_done:
+                break
+        listed = [p for p in pods if p.startswith(pod_prefix)]
+        beats = await read_heartbeats(self._redis, model, sorted(set(tracked).union(listed)))
+        for name, hb in beats.items():
+            if hb is None:
+                tracked.pop(name, None)
         now = self.clock()
         ready, draining = [], []
         for hb in beats.values():

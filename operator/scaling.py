@@ -131,14 +131,16 @@ async def _redis_source(memo: Memo, md: dict[str, Any], spec: dict[str, Any]) ->
     return memo.redis[url]
 
 
-async def read_load(memo: Memo, md: dict[str, Any], spec: dict[str, Any], logger: Any) -> Load:
+async def read_load(memo: Memo, md: dict[str, Any], spec: dict[str, Any], logger: Any,
+                    pods: list[EnginePod] | None = None) -> Load:
     name = md["metadata"]["name"]
     model = specs.served_model_name(spec)
     try:
         source = await _redis_source(memo, md, spec)
         if source is None:
             return Load()
-        snap = await source.snapshot(model, f"{render.names(name)[render.ENGINE]}-")
+        # The listed pods are read by name, whatever else the pods set holds.
+        snap = await source.snapshot(model, f"{render.names(name)[render.ENGINE]}-", [p.name for p in pods or ()])
         demand = await source.demand(model)
     except Exception as exc:  # Redis down: missing metrics -> hold
         logger.warning(f"reading heartbeats failed: {exc!r}")
@@ -247,7 +249,7 @@ async def tick(memo: Memo, namespace: str, name: str, logger: Any) -> float:
         await refresh_status(memo, md, spec)
         return interval
     pods = await engine_pods(memo, namespace, name, loop, logger)
-    load = await read_load(memo, md, spec, logger)
+    load = await read_load(memo, md, spec, logger, pods)
     now = memo.config.clock()
     external = auto.get("mode") == "external"
     # builtin: spec.replicas is ours (the /scale target); external: what the HPA/KEDA asked for.

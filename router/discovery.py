@@ -18,6 +18,14 @@ traffic to the URL from the platform. Any other heartbeat (an unknown pod, a URL
 not match) is ignored and counted (``kvmesh_router_ignored_heartbeats_total{reason}``), so
 whoever can write Redis can at worst skew the scores of known pods, never redirect a request.
 
+Bounded work: whatever a Redis writer adds, a refresh reads the heartbeats of the known pods
+by name (one pipelined round trip) and one page of the pods set (``SWEEP_PAGE`` names, SSCAN,
+resuming where the last refresh stopped). Names on that page are classified by their
+heartbeat's URL alone: a ghost (no heartbeat) has its block set and membership deleted, a URL of
+an unnamed static backend makes the name that backend's heartbeat (read by name from then on),
+anything else is ignored and counted. A pile of junk names is worked down a page per refresh,
+and never delays the heartbeats of the known pods.
+
 Routability:
 * Redis answering: a *named* pod (Kubernetes, ``NAME=URL``) needs a live heartbeat in state
   ``ready`` (it has a sidecar, which only heart-beats once its engine is ready); an unnamed
@@ -55,6 +63,9 @@ STATE_UNKNOWN = "unknown"  # a heartbeat state this router does not know (never 
 STATE_NOT_READY = "not_ready"  # the platform lists the pod as not ready
 IGNORE_REASONS = ("unknown_pod", "url_mismatch", "duplicate_url")
 FALLBACK_REDIS = "redis_unavailable"
+SWEEP_PAGE = rl.SCAN_PAGE  # names of the pods set examined per refresh
+IGNORED_TRACKED = 10_000  # ignored heartbeats remembered (for the counter and /ready); more are only counted
+IGNORED_LOGGED = 20  # new ignored heartbeats logged one by one per pass over the pods set
 
 
 @dataclass
@@ -162,7 +173,7 @@ class _DiscoveryMetrics:
                                "Heartbeats ignored because they name a pod or URL the platform does not know "
                                "(counted once each time one appears)", ["reason"], registry=r)
         self.ignored_now = Gauge("kvmesh_router_ignored_heartbeats_current",
-                                 "Heartbeats ignored in the last refresh", ["reason"], registry=r)
+                                 "Heartbeats ignored now (the last pass over the pods set)", ["reason"], registry=r)
         self.known = Gauge("kvmesh_router_known_pods", "Pods known from the endpoint sources (platform)",
                            registry=r)
         self.fallback = Gauge("kvmesh_router_discovery_fallback",
@@ -170,6 +181,11 @@ class _DiscoveryMetrics:
                               "expired", registry=r)
         self.view_age = Gauge("kvmesh_router_redis_view_age_seconds",
                               "Seconds since heartbeats were last read from Redis (-1: never)", registry=r)
+        self.orphans = Counter("kvmesh_router_orphans_removed",
+                               "Pod names without a heartbeat removed from the pods set (with their block sets)",
+                               registry=r)
+        self.sweep_passes = Counter("kvmesh_router_pods_set_passes",
+                                    "Full passes over the pods set (one page per refresh)", registry=r)
         for reason in IGNORE_REASONS:
             self.ignored.labels(reason)
             self.ignored_now.labels(reason).set(0)
@@ -183,11 +199,59 @@ def _discovery_metrics(metrics: RouterMetrics) -> _DiscoveryMetrics:
     return dm
 
 
+class _SweptIgnored:
+    """Heartbeats the pods-set sweep ignored: those of the current pass and the last complete
+    one, at most IGNORED_TRACKED remembered (and counted once each); how many the last complete
+    pass saw, all of them; and a log line for at most IGNORED_LOGGED new ones per pass."""
+
+    def __init__(self, dm: _DiscoveryMetrics):
+        self.dm = dm
+        self.items: dict[tuple[str, str], str] = {}  # (pod, reason) -> the URL its heartbeat named
+        self.by_reason = {reason: 0 for reason in IGNORE_REASONS}
+        self.last_pass: dict[str, int] | None = None  # reason -> heartbeats ignored in the last full pass
+        self._this_pass: set[tuple[str, str]] = set()
+        self._counts = {reason: 0 for reason in IGNORE_REASONS}
+        self._logged = 0
+        self._not_logged = 0
+
+    def current(self) -> dict[str, int]:
+        """reason -> heartbeats ignored now: the last full pass, or what this first one has seen."""
+        return self.last_pass if self.last_pass is not None else self.by_reason
+
+    def add(self, key: tuple[str, str], url: str, where: str) -> None:
+        self._counts[key[1]] += 1
+        if len(self._this_pass) < IGNORED_TRACKED:
+            self._this_pass.add(key)
+        if key in self.items or len(self.items) >= IGNORED_TRACKED:
+            return
+        self.items[key] = url
+        self.by_reason[key[1]] += 1
+        self.dm.ignored.labels(key[1]).inc()
+        if self._logged >= IGNORED_LOGGED:
+            self._not_logged += 1
+            return
+        self._logged += 1
+        log.warning("ignoring the heartbeat of pod %r (%s): it names %r, which is not a pod this router "
+                    "knows from %s", key[0][:100], key[1], url[:200], where)
+
+    def end_pass(self) -> None:
+        """Forget what this pass did not see again (the heartbeat is gone, or the pod is known now)."""
+        for key in [k for k in self.items if k not in self._this_pass]:
+            del self.items[key]
+            self.by_reason[key[1]] -= 1
+        if self._not_logged:
+            log.warning("ignoring %d more heartbeats of pods this router does not know (not logged one by one)",
+                        self._not_logged)
+        self.last_pass = self._counts
+        self._this_pass, self._logged, self._not_logged = set(), 0, 0
+        self._counts = {reason: 0 for reason in IGNORE_REASONS}
+
+
 class Discovery:
     def __init__(self, model: str, redis_client: aioredis.Redis | None, metrics: RouterMetrics,
                  static_backends: list[str] | None = None, refresh_interval: float = 0.5,
                  endpoint_slices: "EndpointSlices | None" = None, backends_file: str | None = None,
-                 redis_stale_after: float = float(rl.HEARTBEAT_TTL_S)):
+                 redis_stale_after: float = float(rl.HEARTBEAT_TTL_S), sweep_page: int = SWEEP_PAGE):
         self.model = model
         self.redis = redis_client
         self.metrics = metrics
@@ -208,13 +272,16 @@ class Discovery:
         self.last_refresh = 0.0
         self.fallback: str | None = None
         self.known: list[Endpoint] = []
-        self.ignored: dict[tuple[str, str], str] = {}  # (pod, reason) -> the URL its heartbeat named
-        self._heartbeats: dict[str, rl.Heartbeat] | None = None  # the last good Redis view
+        self.sweep = rl.PodsSetCursor(model, page=sweep_page)
+        self._claims: dict[Endpoint, str] = {}  # unnamed static backend -> the pod whose heartbeat names its URL
+        self._swept = _SweptIgnored(self.dm)
+        self._ignored_by_name: dict[tuple[str, str], str] = {}  # known pods whose heartbeat names another URL
+        self._heartbeats: dict[str, rl.Heartbeat] | None = None  # the last good Redis view (known pods only)
         self._redis_read_at: float | None = None
         self._pods_key = rl.pods_key(model)
-        self._cleanup = redis_client.register_script(rl.ORPHAN_CLEANUP_LUA) if redis_client is not None else None
+        self._page_script = redis_client.register_script(rl.POD_PAGE_LUA) if redis_client is not None else None
         self._task: asyncio.Task | None = None
-        self._compose()
+        self._compose(*self._known_endpoints())
 
     # -- the view the router routes on ------------------------------------------------------------
     def routable(self) -> list[Pod]:
@@ -229,6 +296,13 @@ class Discovery:
         """True while the heartbeats held are a current Redis view (block sets may be used)."""
         return self.redis is not None and self.fallback is None and self._heartbeats is not None
 
+    @property
+    def ignored(self) -> dict[tuple[str, str], str]:
+        """(pod, reason) -> the URL its heartbeat named, for the heartbeats ignored now."""
+        known = {e.name for e in self.known if e.name} | set(self._claims.values())
+        swept = {k: v for k, v in self._swept.items.items() if k[0] not in known}
+        return {**swept, **self._ignored_by_name}
+
     def detail(self) -> dict[str, Any]:
         """For the router's /ready: where pods come from and how fresh the Redis view is."""
         age = None if self._redis_read_at is None else round(time.monotonic() - self._redis_read_at, 3)
@@ -240,7 +314,7 @@ class Discovery:
             "redis_view_age_s": age,
             "redis_stale_after_s": self.redis_stale_after,
             "fallback": self.fallback,
-            "ignored_heartbeats": len(self.ignored),
+            "ignored_heartbeats": sum(self._swept.current().values()) + len(self._ignored_by_name),
         }
 
     def _known_endpoints(self) -> tuple[list[Endpoint], bool]:
@@ -255,8 +329,10 @@ class Discovery:
                 seen.setdefault((e.name, e.url), e)
         return list(seen.values()), synced
 
-    def _compose(self) -> None:
-        known, synced = self._known_endpoints()
+    def _sources_kind(self) -> str:
+        return "/".join(s.describe()["kind"] for s in self.sources) or "any endpoint source"
+
+    def _compose(self, known: list[Endpoint], synced: bool) -> None:
         now = time.monotonic()
         if self.redis is not None and self._redis_read_at is not None:
             self.dm.view_age.set(round(now - self._redis_read_at, 3))
@@ -277,57 +353,50 @@ class Discovery:
         self.dm.fallback.set(1 if fallback else 0)
 
         named = {e.name: e for e in known if e.name}
-        unnamed = {normalize_url(e.url): e for e in known if not e.name}
         pods: dict[str, Pod] = {}
-        claimed: set[Endpoint] = set()
         ignored: dict[tuple[str, str], str] = {}
-        for name, hb in sorted((hbs or {}).items()):
-            hb_url = normalize_url(hb.url)
-            ep = named.get(name)
-            reason = None
-            if ep is not None:
-                if hb_url is None or hb_url != normalize_url(ep.url):
-                    reason = "url_mismatch"
-            else:
-                ep = unnamed.get(hb_url) if hb_url is not None else None
-                if ep is None:
-                    reason = "unknown_pod"
-                elif ep in claimed:
-                    reason = "duplicate_url"
-            if reason is not None:
-                if synced:  # before every source has answered, an unmatched heartbeat proves nothing
-                    ignored[(name, reason)] = hb.url
-                continue
-            claimed.add(ep)
-            state = hb.state if hb.state in (rl.STATE_READY, rl.STATE_DRAINING) else STATE_UNKNOWN
-            if not ep.ready:
-                state = STATE_NOT_READY
-            # The URL is always the platform's; the heartbeat adds load, state and its block set.
-            # Numbers from Redis are clamped: a NaN or a negative load must not upset the ranking.
-            kv = hb.kv_usage if math.isfinite(hb.kv_usage) else 1.0
-            pods[name] = Pod(name=name, url=ep.url, kv_usage=min(max(kv, 0.0), 1.0), running=max(0, hb.running),
-                             waiting=max(0, hb.waiting), state=state, has_blocks=True, ts=hb.ts)
         for ep in known:
-            if ep in claimed:
-                continue
-            name = ep.name or ep.url
+            if ep.name and ep is not named[ep.name]:
+                continue  # a name listed twice (two sources): the last one's URL
+            if ep.name:
+                name, hb = ep.name, (hbs or {}).get(ep.name)
+                if hb is not None and normalize_url(hb.url) != normalize_url(ep.url):
+                    if synced:  # before every source has answered, an unmatched heartbeat proves nothing
+                        ignored[(name, "url_mismatch")] = hb.url
+                    hb = None
+            else:
+                claim = self._claims.get(ep)
+                hb = (hbs or {}).get(claim) if claim and claim not in named else None
+                if hb is not None and normalize_url(hb.url) != normalize_url(ep.url):
+                    hb = None
+                name = claim if hb is not None else ep.url
             if name in pods:
                 continue
-            if not ep.ready:
+            if hb is not None:
+                state = hb.state if hb.state in (rl.STATE_READY, rl.STATE_DRAINING) else STATE_UNKNOWN
+                if not ep.ready:
+                    state = STATE_NOT_READY
+                # The URL is always the platform's; the heartbeat adds load, state and its block set.
+                # Numbers from Redis are clamped: a NaN or a negative load must not upset the ranking.
+                kv = hb.kv_usage if math.isfinite(hb.kv_usage) else 1.0
+                pods[name] = Pod(name=name, url=ep.url, kv_usage=min(max(kv, 0.0), 1.0),
+                                 running=max(0, hb.running), waiting=max(0, hb.waiting), state=state,
+                                 has_blocks=True, ts=hb.ts)
+            elif not ep.ready:
                 pods[name] = Pod(name=name, url=ep.url, state=STATE_NOT_READY, has_blocks=False)
             elif hbs is None or not ep.name:
                 # No Redis (or an expired view), or an unnamed static backend: by load only.
                 pods[name] = Pod(name=name, url=ep.url, has_blocks=False)
             else:
                 pods[name] = Pod(name=name, url=ep.url, state=STATE_NO_HEARTBEAT, has_blocks=False)
-        for key in ignored.keys() - self.ignored.keys():
+        for key in ignored.keys() - self._ignored_by_name.keys():
             self.dm.ignored.labels(key[1]).inc()
             log.warning("ignoring the heartbeat of pod %r (%s): it names %r, which is not a pod this router "
-                        "knows from %s", key[0][:100], key[1], ignored[key][:200],
-                        "/".join(s.describe()["kind"] for s in self.sources) or "any endpoint source")
+                        "knows from %s", key[0][:100], key[1], ignored[key][:200], self._sources_kind())
+        self._ignored_by_name = ignored
         for reason in IGNORE_REASONS:
-            self.dm.ignored_now.labels(reason).set(sum(1 for k in ignored if k[1] == reason))
-        self.ignored = ignored
+            n = self._swept.current()[reason] + sum(1 for k in ignored if k[1] == reason)
+            self.dm.ignored_now.labels(reason).set(n)
         self.known = known
         self.pods = pods
         self.dm.known.set(len(known))
@@ -339,14 +408,24 @@ class Discovery:
             self.metrics.pods.labels(s).set(n)
 
     async def refresh(self) -> None:
+        known, synced = self._known_endpoints()
         if self.redis is not None:
-            await self._read_redis()
-        self._compose()
+            await self._read_redis(known, synced)
+        self._compose(known, synced)
         self.last_refresh = time.monotonic()
 
-    async def _read_redis(self) -> None:
+    async def _read_redis(self, known: list[Endpoint], synced: bool) -> None:
+        """One page of the pods set, then the known pods' heartbeats by name: a bounded number of
+        commands, whatever the set holds. Only these say whether Redis answers."""
+        named = {e.name for e in known if e.name}
+        unnamed = {normalize_url(e.url): e for e in known if not e.name}
+        still_known = set(unnamed.values())
+        self._claims = {ep: n for ep, n in self._claims.items() if ep in still_known}
         try:
-            beats = await rl.read_heartbeats(self.redis, self.model)
+            page = await self.sweep.next_page(self.redis)
+            self._classify(page, await self._page_urls(page), named, unnamed, synced)
+            names = sorted(named | set(self._claims.values()))
+            beats = await rl.read_heartbeats(self.redis, self.model, names) if names else {}
         except Exception as exc:  # noqa: BLE001 - any Redis/network error: keep the last view until it expires
             self.redis_ok = False
             self.metrics.redis_errors.labels("discovery").inc()
@@ -356,15 +435,64 @@ class Discovery:
         self.redis_ok = True
         self.metrics.redis_up.set(1)
         found = {name: hb for name, hb in beats.items() if hb is not None}
-        dead = [name for name, hb in beats.items() if hb is None]
-        for name in dead:  # orphaned: heartbeat expired; delete its block set unless it just came back
-            try:
-                await self._cleanup(keys=[rl.heartbeat_key(self.model, name), rl.blocks_key(self.model, name),
-                                          self._pods_key], args=[name])
-            except Exception:  # noqa: BLE001
-                self.metrics.redis_errors.labels("cleanup").inc()
+        for ep, name in list(self._claims.items()):
+            hb = found.get(name)
+            if hb is None or normalize_url(hb.url) != normalize_url(ep.url):
+                del self._claims[ep]  # gone, or it names another URL now: the sweep finds the next claim
+        if self.sweep.pass_done:
+            self._swept.end_pass()
+            self.dm.sweep_passes.inc()
         self._heartbeats = found
         self._redis_read_at = time.monotonic()
+
+    async def _page_urls(self, names: list[str]) -> list[Any]:
+        """Per name, the URL its heartbeat names, or 0 when the heartbeat is gone (and the name is
+        then removed as an orphan): one command for the page (POD_PAGE_LUA). Where scripts are
+        disabled, one pipelined HGET per name, and orphans stay (None)."""
+        if not names:
+            return []
+        if self._page_script is not None:
+            keys = [self._pods_key]
+            for name in names:
+                keys += (rl.heartbeat_key(self.model, name), rl.blocks_key(self.model, name))
+            try:
+                urls = await self._page_script(keys=keys, args=names)
+            except Exception as exc:  # noqa: BLE001
+                if "unknown command" not in str(exc).lower() and "noscript" not in str(exc).lower():
+                    raise
+                log.warning("scripts are disabled on this Redis (%s): pod names without a heartbeat are no "
+                            "longer removed from the pods set", exc)
+                self._page_script = None
+            else:
+                self.dm.orphans.inc(sum(1 for u in urls if u == 0))
+                return urls
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hget(rl.heartbeat_key(self.model, name), rl.F_URL)
+        return await pipe.execute()
+
+    def _classify(self, names: list[str], urls: list[Any], named: set[str], unnamed: dict[Any, Endpoint],
+                  synced: bool) -> None:
+        """Sort one page's names by their heartbeat's URL: known pods (read by name anyway),
+        orphans (gone), claims on unnamed static backends, and the ignored rest."""
+        where = self._sources_kind()
+        for name, raw in zip(names, urls):
+            if name in named or raw is None or raw == 0:
+                continue
+            url = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+            ep = unnamed.get(normalize_url(url))
+            if ep is not None:
+                holder = self._claims.get(ep)
+                if holder is None or name <= holder:  # the smallest name wins, whatever the page order
+                    if holder is not None and holder != name and synced:
+                        self._swept.add((holder, "duplicate_url"), url, where)
+                    self._claims[ep] = name
+                    continue
+                reason = "duplicate_url"
+            else:
+                reason = "unknown_pod"
+            if synced:  # before every source has answered, an unmatched heartbeat proves nothing
+                self._swept.add((name, reason), url, where)
 
     async def run(self) -> None:
         while True:

@@ -2,7 +2,12 @@
 
 The one heartbeat type (:class:`Heartbeat`, written by the sidecar) and the one reader
 (:func:`read_heartbeats`, used by the router's discovery, the operator's autoscaler, `kvmesh
-status` and `kvmesh up --autoscale`) live here too.
+status` and `kvmesh up --autoscale`, with :class:`PodsSetCursor` for the pods set) live here too.
+
+Anyone who can write Redis can add names to the pods set and hashes under the prefix, so no
+reader's work per call may follow what is there: heartbeats are read by name (the pods the
+platform lists), and the pods set is walked in bounded pages (SSCAN), never read whole in one
+reply, and never with one round trip per name.
 
 Everything lives under a versioned prefix, namespaced by the served model name:
 
@@ -160,35 +165,114 @@ class Heartbeat:
         return now - self.ts <= max_age
 
 
-def read_heartbeats(client: Any, model: str, pods: Iterable[str] | None = None, *, prefix: str = ""):
-    """The heartbeats of `model`'s pods in one pipelined round trip: pod name -> :class:`Heartbeat`,
-    or None for a pod whose hash is gone (expired: the pod is dead or hung) or has no URL.
-
-    `pods`: these names, in this order (default: the model's pods set, sorted); `prefix`: only
-    names that start with it (e.g. one ModelDeployment's engine pods on a shared Redis). With a
-    ``redis.Redis`` the answer is the dict; with a ``redis.asyncio.Redis``, an awaitable of it.
-    Redis errors are the caller's to handle. The caller decides what a live heartbeat is (the
-    hash's TTL, :meth:`Heartbeat.fresh`, its state)."""
-    if inspect.iscoroutinefunction(getattr(client, "execute_command", None)):
-        return _read_heartbeats_async(client, model, pods, prefix)
-    names = _pod_names(client.smembers(pods_key(model)) if pods is None else pods, prefix, pods is None)
-    if not names:
-        return {}
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.hgetall(heartbeat_key(model, name))
-    return _parse_heartbeats(names, pipe.execute())
+# Names of the pods set examined per SSCAN page (COUNT: Redis returns about this many), and
+# heartbeats read per pipelined round trip: no single reply grows with what a writer adds.
+SCAN_PAGE = 256
+READ_BATCH = 512
 
 
-async def _read_heartbeats_async(client: Any, model: str, pods: Iterable[str] | None,
-                                 prefix: str) -> dict[str, Heartbeat | None]:
-    names = _pod_names(await client.smembers(pods_key(model)) if pods is None else pods, prefix, pods is None)
-    if not names:
-        return {}
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.hgetall(heartbeat_key(model, name))
-    return _parse_heartbeats(names, await pipe.execute())
+class PodsSetCursor:
+    """Walks one model's pods set in bounded pages (SSCAN), each call resuming where the last
+    stopped: a caller that takes one page per cycle does bounded work per cycle however many
+    names the set holds, and still visits every name that stays in the set for a whole pass.
+
+    `prefix`: only names that start with it (filtered by Redis, ``MATCH``). With a
+    ``redis.Redis``, :meth:`next_page` answers the names; with a ``redis.asyncio.Redis``, an
+    awaitable of them. Redis errors are the caller's."""
+
+    def __init__(self, model: str, prefix: str = "", page: int = SCAN_PAGE):
+        self.key = pods_key(model)
+        self.prefix = prefix
+        self.match = _glob_escape(prefix) + "*" if prefix else None
+        self.page = max(1, int(page))
+        self.cursor = 0
+        self.passes = 0  # full passes completed
+
+    @property
+    def pass_done(self) -> bool:
+        """The last page ended a pass (the next one starts a new pass)."""
+        return self.cursor == 0
+
+    def next_page(self, client: Any):
+        if _is_async(client):
+            return self._next_page_async(client)
+        return self._take(client.sscan(self.key, self.cursor, match=self.match, count=self.page))
+
+    async def _next_page_async(self, client: Any) -> list[str]:
+        return self._take(await client.sscan(self.key, self.cursor, match=self.match, count=self.page))
+
+    def _take(self, reply: Any) -> list[str]:
+        cursor, names = reply
+        self.cursor = int(cursor)
+        if self.cursor == 0:
+            self.passes += 1
+        return _pod_names(names, self.prefix, False)
+
+
+def read_heartbeats(client: Any, model: str, pods: Iterable[str] | None = None, *, prefix: str = "",
+                    limit: int | None = None):
+    """The heartbeats of `model`'s pods: pod name -> :class:`Heartbeat`, or None for a pod whose
+    hash is gone (expired: the pod is dead or hung) or has no URL.
+
+    `pods`: these names, in this order, in pipelined round trips of ``READ_BATCH`` (what a loop
+    should use: the pods the platform lists). Default: one whole pass over the model's pods set
+    in ``SCAN_PAGE`` pages (only names starting with `prefix`), sorted; with `limit`, the pass
+    stops at the page that reaches it and the first `limit` names of those read are kept. For
+    one-off readers: its work follows the set's size. With a ``redis.Redis`` the answer is
+    the dict; with a ``redis.asyncio.Redis``, an awaitable of it. Redis errors are the caller's
+    to handle. The caller decides what a live heartbeat is (the hash's TTL,
+    :meth:`Heartbeat.fresh`, its state)."""
+    if _is_async(client):
+        return _read_heartbeats_async(client, model, pods, prefix, limit)
+    if pods is None:
+        cursor, found = PodsSetCursor(model, prefix), set()
+        while True:
+            found.update(cursor.next_page(client))
+            if cursor.pass_done or (limit is not None and len(found) >= limit):
+                break
+        names = _limited(found, limit)
+    else:
+        names = _pod_names(pods, "", False)
+    out: dict[str, Heartbeat | None] = {}
+    for i in range(0, len(names), READ_BATCH):
+        pipe = client.pipeline(transaction=False)
+        for name in names[i:i + READ_BATCH]:
+            pipe.hgetall(heartbeat_key(model, name))
+        out.update(_parse_heartbeats(names[i:i + READ_BATCH], pipe.execute()))
+    return out
+
+
+async def _read_heartbeats_async(client: Any, model: str, pods: Iterable[str] | None, prefix: str,
+                                 limit: int | None) -> dict[str, Heartbeat | None]:
+    if pods is None:
+        cursor, found = PodsSetCursor(model, prefix), set()
+        while True:
+            found.update(await cursor.next_page(client))
+            if cursor.pass_done or (limit is not None and len(found) >= limit):
+                break
+        names = _limited(found, limit)
+    else:
+        names = _pod_names(pods, "", False)
+    out: dict[str, Heartbeat | None] = {}
+    for i in range(0, len(names), READ_BATCH):
+        pipe = client.pipeline(transaction=False)
+        for name in names[i:i + READ_BATCH]:
+            pipe.hgetall(heartbeat_key(model, name))
+        out.update(_parse_heartbeats(names[i:i + READ_BATCH], await pipe.execute()))
+    return out
+
+
+def _is_async(client: Any) -> bool:
+    return inspect.iscoroutinefunction(getattr(client, "execute_command", None))
+
+
+def _limited(names: Iterable[str], limit: int | None) -> list[str]:
+    return sorted(names)[:limit] if limit is not None else sorted(names)
+
+
+def _glob_escape(text: str) -> str:
+    """`text` as a literal in a Redis glob pattern (MATCH)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 def _pod_names(raw: Iterable[Any], prefix: str, sort: bool) -> list[str]:
@@ -211,6 +295,26 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   return 1
 end
 return 0
+"""
+
+# KEYS[1]: the pods set, then per name in ARGV its heartbeat key and its block-set key.
+# One page of the pods set in one command: per name, the URL its heartbeat names ("" if none),
+# or 0 if its heartbeat is gone, in which case its block set and membership are deleted (an
+# orphan, as in ORPHAN_CLEANUP_LUA; atomic, so a sidecar that just came back is never touched).
+# Nothing else of a pod is read: a reader ignores names it does not know before reading more.
+POD_PAGE_LUA = """
+local out = {}
+for i, name in ipairs(ARGV) do
+  local hb = KEYS[2 * i]
+  if redis.call('EXISTS', hb) == 1 then
+    out[i] = redis.call('HGET', hb, 'url') or ''
+  else
+    redis.call('DEL', KEYS[2 * i + 1])
+    redis.call('SREM', KEYS[1], name)
+    out[i] = 0
+  end
+end
+return out
 """
 
 # KEYS: one block-set key per pod; ARGV[1]: the request's block keys (key_hex, 16 chars

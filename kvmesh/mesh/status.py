@@ -17,20 +17,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def collect(redis_url: str, model: str | None = None) -> list[dict]:
+MAX_PODS = 10_000  # pods shown per model: a set stuffed with junk names cannot make this run forever
+
+
+def collect(redis_url: str, model: str | None = None, max_pods: int = MAX_PODS) -> list[dict]:
+    """One row per pod name in each model's pods set (read in pages, heartbeats and block-set
+    sizes in pipelined batches: no round trip per pod), at most `max_pods` per model."""
     import redis
 
     from kvmesh.common import redis_layout as rl
 
-    r = redis.Redis.from_url(redis_url, socket_timeout=2, decode_responses=True)
+    r = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2, decode_responses=True)
     if model:
         models = [model]
     else:
-        models = sorted(k[len(rl.PREFIX):-len(":pods")] for k in r.scan_iter(match=f"{rl.PREFIX}*:pods"))
+        models = sorted(k[len(rl.PREFIX):-len(":pods")]
+                        for k in r.scan_iter(match=f"{rl.PREFIX}*:pods", count=1000, _type="set"))
     rows = []
     for m in models:
-        for pod, hb in rl.read_heartbeats(r, m).items():
-            keys = r.scard(rl.blocks_key(m, pod))
+        beats = rl.read_heartbeats(r, m, limit=max_pods)
+        total = r.scard(rl.pods_key(m))
+        if total > len(beats):
+            print(f"kvmesh status: {m}: showing {len(beats)} of the {total} pod names in Redis", file=sys.stderr)
+        names = list(beats)
+        sizes: list[int] = []
+        for i in range(0, len(names), rl.READ_BATCH):
+            pipe = r.pipeline(transaction=False)
+            for pod in names[i:i + rl.READ_BATCH]:
+                pipe.scard(rl.blocks_key(m, pod))
+            sizes += pipe.execute()
+        for (pod, hb), keys in zip(beats.items(), sizes):
             if hb is None:
                 rows.append({"model": m, "pod": pod, "state": "gone", "blocks_indexed": keys})
                 continue

@@ -101,3 +101,47 @@ async def test_a_restarted_redis_costs_no_failed_read(own_redis):
         assert await source.demand(MODEL) is None
     finally:
         await source.close()
+
+
+def commands_served(r) -> int:
+    """Commands Redis has run (INFO commandstats), the INFO calls themselves left out."""
+    return sum(v["calls"] for k, v in r.info("commandstats").items() if k != "cmdstat_info")
+
+
+async def test_junk_in_redis_costs_a_snapshot_bounded_work(own_redis):
+    """100k ghost names and 20k fake heartbeats (some under the deployment's prefix): a snapshot
+    runs a bounded number of commands, the listed pods are read by name whatever the set holds,
+    and an unlisted replica's heartbeat (busy, not yet listed) is found within a few snapshots."""
+    from kvmesh.operator import metrics_source as ms
+
+    r = own_redis.client()
+    pipe = r.pipeline(transaction=False)
+    for i in range(0, 100_000, 5000):
+        prefix = "md-engine-ghost-" if i < 10_000 else "ghost-"
+        pipe.sadd(pods_key(MODEL), *[f"{prefix}{j}" for j in range(i, i + 5000)])
+    for i in range(20_000):
+        name = f"md-engine-fake-{i}" if i < 5000 else f"fake-{i}"
+        pipe.sadd(pods_key(MODEL), name)
+        pipe.hset(heartbeat_key(MODEL, name), mapping={"url": f"http://{name}:8000", "state": "ready",
+                                                      "kv_usage": 1.0, "ts": time.time() + 3600})
+    pipe.execute()
+    client = aioredis.Redis.from_url(own_redis.url)
+    for pod in ("md-engine-a", "md-engine-b", "md-engine-unlisted"):
+        await beat(client, pod, 0.5)
+    await client.aclose()
+    source = RedisHeartbeats(own_redis.url)
+    try:
+        found_unlisted = None
+        for n in range(1, 12):
+            before = commands_served(r)
+            snap = await source.snapshot(MODEL, "md-engine-", ["md-engine-a", "md-engine-b"])
+            used = commands_served(r) - before
+            # the sweep's pages and a bounded set of heartbeats (in READ_BATCH round trips), not 15k
+            assert used <= ms.SWEEP_PAGES + ms.TRACKED_PODS + 2 + 5, used  # (+ a new connection's setup)
+            assert {"md-engine-a", "md-engine-b"} <= {h.pod for h in snap.ready}
+            assert not any(h.pod.startswith(("fake-", "ghost-")) for h in snap.ready)  # filtered by Redis
+            if found_unlisted is None and "md-engine-unlisted" in {h.pod for h in snap.ready}:
+                found_unlisted = n
+        assert found_unlisted is not None and found_unlisted <= 10
+    finally:
+        await source.close()

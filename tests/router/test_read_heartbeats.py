@@ -61,3 +61,44 @@ def test_optional_num_keys_and_freshness():
     assert hb.fresh(100 + rl.HEARTBEAT_TTL_S) and not hb.fresh(100.001 + rl.HEARTBEAT_TTL_S)
     assert hb.fresh(104, max_age=4) and not hb.fresh(104.5, max_age=4)
     assert rl.Heartbeat(pod="p", url="u").fresh(time.time())  # written now
+
+
+def test_the_pods_set_is_walked_in_bounded_pages(redis_server, model_name):
+    """PodsSetCursor: one SSCAN page per call, resuming where the last stopped; a whole pass
+    visits every name once; a prefix is a literal (glob characters in it match only themselves)."""
+    r = redis_server.client()
+    names = [f"md-engine-{i:04d}" for i in range(1000)] + ["md*engine-x", "other-1"]
+    r.sadd(rl.pods_key(model_name), *names)
+    cursor, seen, sizes = rl.PodsSetCursor(model_name, page=100), [], []
+    while True:
+        page = cursor.next_page(r)
+        seen += page
+        sizes.append(len(page))
+        if cursor.pass_done:
+            break
+    assert sorted(seen) == sorted(names) and cursor.passes == 1
+    assert len(sizes) >= 8 and max(sizes) <= 200  # about `page` names per round trip, never the whole set
+    stars = rl.PodsSetCursor(model_name, prefix="md*", page=5000)
+    assert stars.next_page(r) == ["md*engine-x"] and stars.pass_done
+    with_prefix = read_async(redis_server.url, model_name, prefix="md-engine-00")
+    assert list(with_prefix) == [f"md-engine-{i:04d}" for i in range(100)]
+    some = list(rl.read_heartbeats(r, model_name, limit=10))  # stops after the page that reached 10
+    assert len(some) == 10 and some == sorted(some) and set(some) <= set(names)
+
+
+def test_many_names_are_read_in_batches_not_one_reply(redis_server, model_name):
+    r = redis_server.client()
+    for i in range(3):
+        beat(r, model_name, f"p-{i}", ts=1000.0)
+    names = [f"p-{i}" for i in range(rl.READ_BATCH * 2 + 7)]
+    calls = []
+    real = r.pipeline
+
+    def counting_pipeline(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    r.pipeline = counting_pipeline
+    got = rl.read_heartbeats(r, model_name, names)
+    assert list(got) == names and sum(hb is not None for hb in got.values()) == 3
+    assert len(calls) == 3  # READ_BATCH names per pipelined round trip
