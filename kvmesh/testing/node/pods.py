@@ -274,9 +274,8 @@ class PodWorker(threading.Thread):
                 return
             self._restart_later(c)
             return
-        if c.next_start <= time.monotonic() and self.config_retry_at <= time.monotonic():
-            if not self._start(c):
-                self.config_retry_at = time.monotonic() + 1
+        if c.next_start <= time.monotonic() and not self._start(c):
+            c.next_start = time.monotonic() + 1   # try the image/config again in a second
 
     def _restart_later(self, c: Container) -> None:
         delay = c.schedule_restart(self.agent.backoff_initial, self.agent.backoff_cap)
@@ -307,9 +306,9 @@ class PodWorker(threading.Thread):
             return
         if "terminated" in c.state:
             return
-        if c.next_start <= time.monotonic() and self.config_retry_at <= time.monotonic():
+        if c.next_start <= time.monotonic():
             if not self._start(c):
-                self.config_retry_at = time.monotonic() + 1
+                c.next_start = time.monotonic() + 1   # try the image/config again in a second
         elif c.state.get("waiting", {}).get("reason") == "CrashLoopBackOff":
             c.wait("CrashLoopBackOff", self._backoff_message(c))
 

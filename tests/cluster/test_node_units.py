@@ -1,0 +1,88 @@
+"""The node agent's rules that need no cluster: the image table and Docker's command-line
+rules, $(VAR) expansion, Service variables, quantities, the pod phase."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.testing.node.envvars import ConfigError, expand, quantity, resource_field, service_variables
+from kvmesh.testing.node.images import VENV_BIN, Image, ImageNotMapped, ImageTable
+from kvmesh.testing.node.status import phase
+
+
+def test_the_project_images_run_the_kvmesh_cli_from_the_venv() -> None:
+    table = ImageTable()
+    engine = table.lookup("ghcr.io/kvmesh/engine:0.1.0")
+    assert engine.argv(None, None) == ["kvmesh", "serve"]
+    assert engine.argv(None, ["serve", "--port", "9"]) == ["kvmesh", "serve", "--port", "9"]   # args replace CMD
+    assert engine.argv(["kvmesh", "serve"], ["--x"]) == ["kvmesh", "serve", "--x"]            # command replaces ENTRYPOINT
+    assert engine.path[0] == VENV_BIN and engine.env["HOME"] == "/tmp"
+    assert table.lookup("ghcr.io/kvmesh/operator:dev").argv(None, None) == ["kvmesh", "operator", "--liveness-port",
+                                                                             "8080"]
+    assert table.lookup("ghcr.io/kvmesh/router:1").argv(None, None) == ["kvmesh", "router"]
+
+
+def test_redis_gets_the_official_images_entrypoint_rule() -> None:
+    redis = ImageTable().lookup("redis:7.4-alpine")
+    assert redis.argv(None, ["--port", "6379"]) == ["redis-server", "--protected-mode", "no", "--port", "6379"]
+    assert redis.argv(None, None) == ["redis-server", "--protected-mode", "no"]
+    assert redis.argv(None, ["redis-server", "/etc/redis.conf", "--save", ""]) == [
+        "redis-server", "/etc/redis.conf", "--protected-mode", "no", "--save", ""]
+    assert redis.argv(["sh", "-c", "true"], None) == ["sh", "-c", "true"]
+    assert ImageTable().lookup("redis") == redis   # no tag: latest
+
+
+def test_unknown_images_are_refused_and_test_entries_come_first() -> None:
+    with pytest.raises(ImageNotMapped, match="quay.io/x/y:1"):
+        ImageTable().lookup("quay.io/x/y:1")
+    table = ImageTable({"ghcr.io/kvmesh/engine:*": ["python", "-m", "stub"]})
+    assert table.lookup("ghcr.io/kvmesh/engine:1").argv(None, ["--port", "1"]) == ["python", "-m", "stub", "--port", "1"]
+    assert Image(entrypoint=("a",), cmd=("b",)).argv(None, []) == ["a", "b"]
+
+
+def test_dollar_paren_expansion() -> None:
+    env = {"A": "1", "POD_IP": "10.0.0.2"}
+    assert expand("http://$(POD_IP):8000", env) == "http://10.0.0.2:8000"
+    assert expand("$(MISSING) stays", env) == "$(MISSING) stays"
+    assert expand("$$(A) is escaped, $(A) is not", env) == "$(A) is escaped, 1 is not"
+    assert expand("$A and $ alone", env) == "$A and $ alone"
+
+
+def test_service_variables_as_the_kubelet_sets_them() -> None:
+    env = service_variables([("chat-redis", "10.96.0.9", [{"name": "redis", "port": 6379, "protocol": "TCP"}]),
+                             ("headless", "None", [{"port": 1}])])
+    assert env["CHAT_REDIS_SERVICE_HOST"] == "10.96.0.9" and env["CHAT_REDIS_SERVICE_PORT"] == "6379"
+    assert env["CHAT_REDIS_SERVICE_PORT_REDIS"] == "6379"
+    assert env["CHAT_REDIS_PORT"] == "tcp://10.96.0.9:6379"
+    assert env["CHAT_REDIS_PORT_6379_TCP_ADDR"] == "10.96.0.9"
+    assert not any(k.startswith("HEADLESS") for k in env)
+
+
+def test_quantities_and_resource_fields() -> None:
+    assert quantity("64Mi") == 64 * 2**20 and quantity("500m") * 1000 == 500 and quantity("1e3") == 1000
+    with pytest.raises(ConfigError):
+        quantity("ten")
+    container = {"resources": {"requests": {"cpu": "250m"}, "limits": {"memory": "1Gi"}}}
+    assert resource_field(container, {"resource": "requests.cpu"}, {}) == "1"          # rounded up
+    assert resource_field(container, {"resource": "requests.cpu", "divisor": "1m"}, {}) == "250"
+    assert resource_field(container, {"resource": "limits.memory", "divisor": "1Mi"}, {}) == "1024"
+    assert resource_field(container, {"resource": "limits.cpu"}, {"cpu": "16"}) == "16"   # unset: the node's
+
+
+def _status(state: dict, last: dict | None = None) -> dict:
+    return {"state": state, "lastState": last or {}}
+
+
+def test_pod_phase() -> None:
+    running, waiting = _status({"running": {}}), _status({"waiting": {"reason": "ContainerCreating"}})
+    ok, bad = _status({"terminated": {"exitCode": 0}}), _status({"terminated": {"exitCode": 2}})
+    backing_off = _status({"waiting": {"reason": "CrashLoopBackOff"}}, {"terminated": {"exitCode": 1}})
+    assert phase("Always", False, False, [running]) == "Pending"   # init containers not done
+    assert phase("Always", True, False, [waiting]) == "Failed"
+    assert phase("Always", False, True, [running, waiting]) == "Pending"
+    assert phase("Always", False, True, [running, backing_off]) == "Running"
+    assert phase("Always", False, True, [ok, bad]) == "Running"
+    assert phase("OnFailure", False, True, [ok, bad]) == "Running"
+    assert phase("OnFailure", False, True, [ok, ok]) == "Succeeded"
+    assert phase("Never", False, True, [ok, bad]) == "Failed"
+    assert phase("Never", False, True, [ok]) == "Succeeded"
