@@ -1267,6 +1267,11 @@ class UpMesh:
         r = await self.ready()
         return r is not None and (r.get("discovery") or {}).get("routable_pods") == n
 
+    async def block_sets_usable(self) -> bool:
+        """The router reads Redis and routes on the pods' block sets (not paused by an error)."""
+        r = await self.ready()
+        return r is not None and r.get("block_sets") == "usable" and (r.get("discovery") or {}).get("redis") == "ok"
+
     async def all_routable_since(self, wall: float) -> bool:
         """Every replica routable: the router routes to all of them, and each one's heartbeat in
         Redis is `ready` and was written at or after `wall` (unix time)."""
@@ -1419,6 +1424,7 @@ async def up_restart(mesh: UpMesh, cfg: UpRestartConfig, name: str, child: str, 
         if child == "redis":
             await wait_for(lambda: mesh.keys_back(before), 30, "the block keys of before the kill back in Redis")
             rep.restored_after_s = time.monotonic() - t_kill
+            await wait_for(mesh.block_sets_usable, 30, "the router routing on the block sets again")
         await wait_for(lambda: _done_since(load, t_back, cfg.requests_after), 60,
                        f"{cfg.requests_after} requests after {child} came back")
     except ChaosError as exc:

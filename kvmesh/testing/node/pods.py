@@ -164,9 +164,9 @@ class PodWorker(threading.Thread):
         base["HOSTNAME"] = self.pod_name[:63]
         if self.spec.get("enableServiceLinks", True):
             base.update(service_variables(self.agent.service_links(self.namespace)))
-        base["KUBERNETES_SERVICE_HOST"] = self.agent.net.apiserver_service_ip
-        base["KUBERNETES_SERVICE_PORT"] = "443"
-        base["KUBERNETES_SERVICE_PORT_HTTPS"] = "443"
+        # the API server's variables (KUBERNETES_SERVICE_HOST/PORT, KUBERNETES_PORT_443_TCP...) go to every pod
+        base.update(service_variables([("kubernetes", self.agent.net.apiserver_service_ip,
+                                        [{"name": "https", "port": 443, "protocol": "TCP"}])]))
         pod = dict(self.pod)
         pod["status"] = {**(self.pod.get("status") or {}), "podIP": self.pod_ip, "podIPs": [{"ip": self.pod_ip}],
                          "hostIP": self.agent.net.gateway, "hostIPs": [{"ip": self.agent.net.gateway}]}
