@@ -57,7 +57,7 @@ def unavailable() -> str | None:
         return f"{assets.directory} lacks kube-controller-manager or kube-scheduler (run /work/shared/k8s/install.sh)"
     if os.geteuid() != 0:
         return "the local cluster needs root (network namespaces, a bridge, bind mounts)"
-    for tool in ("ip", "nsenter"):
+    for tool in ("ip", "nsenter", "kubectl"):
         if shutil.which(tool) is None:
             return f"the {tool!r} command is missing"
     probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
