@@ -9,10 +9,16 @@ chaos     two engines (separate processes, each with its sidecar process) behind
 overload  each admission limit driven at --factor x its capacity: the engines' queues
           (--max-num-seqs + --max-waiting), the router's per-key --rate-limit-rpm, and its
           hold queue (--max-pending-requests while no engine is routable).
+restarts  `kvmesh up` (--up-engine: the built-in model by default, `stub`, or a checkpoint
+          directory) under a client load while each part in turn is killed and its
+          supervisor restarts it: an engine (SIGKILL, then SIGTERM), a sidecar, the router,
+          Redis. One line each: seconds until routable again, requests sent / ok / failed,
+          and failed beyond the killed process's own (must be 0).
 
-    python bench/chaos.py                 # both
+    python bench/chaos.py                 # all three
     python bench/chaos.py chaos --workers 24
     python bench/chaos.py overload --seconds 30
+    python bench/chaos.py restarts --up-engine stub
 
 Exit status 1 if an invariant was broken (listed under "problems").
 """
@@ -27,8 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvmesh.testing.chaos import (ChaosConfig, MeshConfig, OverloadConfig, percentile, run_chaos,  # noqa: E402
-                                  run_overload)
+from kvmesh.testing.chaos import (ChaosConfig, MeshConfig, OverloadConfig, UpConfig, UpRestartConfig,  # noqa: E402
+                                  percentile, run_chaos, run_overload, run_up_restarts)
 
 
 def chaos(args: argparse.Namespace) -> list[str]:
@@ -67,9 +73,20 @@ def overload(args: argparse.Namespace) -> list[str]:
     return rep.problems()
 
 
+def restarts(args: argparse.Namespace) -> list[str]:
+    engine_args = None if args.up_engine == "stub" else ["--kv-cache-memory", args.up_kv_cache_memory]
+    cfg = UpRestartConfig(workers=args.up_workers, requests_after=args.requests_after_fault, deadline=args.deadline,
+                          back_timeout=args.up_back_timeout,
+                          mesh=UpConfig(replicas=args.engines, engine_model=args.up_engine, engine_args=engine_args))
+    rep = asyncio.run(run_up_restarts(cfg))
+    print(f"restarts: kvmesh up, {args.engines} replicas of {args.up_engine}, {args.up_workers} clients")
+    print("\n".join(rep.lines()))
+    return rep.problems()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", nargs="?", choices=["chaos", "overload", "all"], default="all")
+    p.add_argument("what", nargs="?", choices=["chaos", "overload", "restarts", "all"], default="all")
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--deadline", type=float, default=30.0, help="per request: longer counts as a hang")
     c = p.add_argument_group("chaos")
@@ -89,12 +106,21 @@ def main() -> int:
     o.add_argument("--overload-token-delay", type=float, default=0.02)
     o.add_argument("--rate-limit-rpm", type=int, default=60)
     o.add_argument("--max-pending", type=int, default=16)
+    u = p.add_argument_group("restarts")
+    u.add_argument("--up-engine", default="smollm2-135m-instruct",
+                   help="the engines of `kvmesh up`: a model (built-in name or checkpoint directory) or `stub`")
+    u.add_argument("--up-workers", type=int, default=8, help="concurrent clients during each fault")
+    u.add_argument("--up-kv-cache-memory", default="256MiB", help="each engine's KV cache")
+    u.add_argument("--up-back-timeout", type=float, default=120.0,
+                   help="the most seconds until routable again before a scenario fails")
     args = p.parse_args()
     problems = []
     if args.what in ("chaos", "all"):
         problems += chaos(args)
     if args.what in ("overload", "all"):
         problems += overload(args)
+    if args.what in ("restarts", "all"):
+        problems += restarts(args)
     print("problems: " + ("none" if not problems else "\n  " + "\n  ".join(problems)))
     return 1 if problems else 0
 
