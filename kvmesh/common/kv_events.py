@@ -221,20 +221,23 @@ class PublishedBlockSet:
     holds. Kept by the publisher so that a subscriber that fell further behind than the replay
     buffer reaches can start over from a snapshot instead of living with a partial index.
 
-    Keyed by (block hash, medium); insertion order is store order. A block's token ids are kept
-    as a uint32 array (4 bytes a token), so a large cache costs little."""
+    Keyed by (block hash, medium); insertion order is store order. The token ids of one
+    BlockStored are kept once, as a uint32 array (4 bytes a token) its blocks point into: the
+    publisher's cost per event is one array and a dict entry per block."""
 
     def __init__(self):
-        self.blocks: dict[tuple[BlockHash, str | None], tuple[BlockHash | None, array, int, int | None]] = {}
+        # (hash, medium) -> (parent hash, the event's tokens, this block's offset in them, block size, lora id)
+        self.blocks: dict[tuple[BlockHash, str | None],
+                          tuple[BlockHash | None, array, int, int, int | None]] = {}
 
     def apply(self, events: Iterable[KVEvent]) -> None:
         for ev in events:
             if isinstance(ev, BlockStored):
                 bs = ev.block_size
                 parent = ev.parent_block_hash
+                tokens = array("I", ev.token_ids)
                 for i, h in enumerate(ev.block_hashes):
-                    self.blocks[(h, ev.medium)] = (parent, array("I", ev.token_ids[i * bs:(i + 1) * bs]), bs,
-                                                   ev.lora_id)
+                    self.blocks[(h, ev.medium)] = (parent, tokens, i * bs, bs, ev.lora_id)
                     parent = h
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
@@ -261,8 +264,8 @@ class PublishedBlockSet:
                 parent = blocks[k][0]
                 k = None if parent is None else (parent, k[1])
             for h, medium in reversed(chain):
-                parent, tokens, bs, lora_id = blocks[(h, medium)]
-                events.append(BlockStored([h], parent, tokens.tolist(), bs, lora_id, medium))
+                parent, tokens, offset, bs, lora_id = blocks[(h, medium)]
+                events.append(BlockStored([h], parent, tokens[offset:offset + bs].tolist(), bs, lora_id, medium))
         return events
 
 

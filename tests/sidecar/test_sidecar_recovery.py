@@ -383,3 +383,23 @@ def test_a_hole_in_a_replay_answer_is_a_gap_asked_for_again():
         sub.close()
         pub.close()
         router.close(0)
+
+
+def test_the_snapshot_is_the_published_block_set_parents_first():
+    """What the publisher keeps for snapshots follows stores, removals and clears; a parent stored
+    again after its child still comes first (a subscriber deriving keys from parents needs it)."""
+    s = kv.PublishedBlockSet()
+    tok = list(range(100, 100 + 3 * BS))
+    s.apply([kv.BlockStored([1, 2], None, tok[:2 * BS], BS), kv.BlockStored([3], 2, tok[2 * BS:], BS)])
+    s.apply([kv.BlockStored([9], None, tok[:BS], BS, None, "CPU"), kv.BlockRemoved([1])])
+    s.apply([kv.BlockStored([1], None, tok[:BS], BS)])
+    events = kv.PublishedBlockSet.snapshot_events(s.copy())
+    assert isinstance(events[0], kv.AllBlocksCleared)
+    got = {(e.block_hashes[0], e.medium): e for e in events[1:]}
+    assert set(got) == {(1, None), (2, None), (3, None), (9, "CPU")}
+    order = [e.block_hashes[0] for e in events[1:] if e.medium is None]
+    assert order == [1, 2, 3]
+    assert got[(2, None)].parent_block_hash == 1 and got[(2, None)].token_ids == tok[BS:2 * BS]
+    assert got[(3, None)].parent_block_hash == 2 and got[(3, None)].token_ids == tok[2 * BS:]
+    s.apply([kv.AllBlocksCleared()])
+    assert kv.PublishedBlockSet.snapshot_events(s.copy()) == [kv.AllBlocksCleared()]
