@@ -77,7 +77,8 @@ def restarts(args: argparse.Namespace) -> list[str]:
     engine_args = None if args.up_engine == "stub" else ["--kv-cache-memory", args.up_kv_cache_memory]
     cfg = UpRestartConfig(workers=args.up_workers, requests_after=args.requests_after_fault, deadline=args.deadline,
                           back_timeout=args.up_back_timeout,
-                          mesh=UpConfig(replicas=args.engines, engine_model=args.up_engine, engine_args=engine_args))
+                          mesh=UpConfig(replicas=args.engines, engine_model=args.up_engine, engine_args=engine_args,
+                                        start_timeout=args.up_start_timeout))
     rep = asyncio.run(run_up_restarts(cfg))
     print(f"restarts: kvmesh up, {args.engines} replicas of {args.up_engine}, {args.up_workers} clients")
     print("\n".join(rep.lines()))
@@ -113,6 +114,8 @@ def main() -> int:
     u.add_argument("--up-kv-cache-memory", default="256MiB", help="each engine's KV cache")
     u.add_argument("--up-back-timeout", type=float, default=120.0,
                    help="the most seconds until routable again before a scenario fails")
+    u.add_argument("--up-start-timeout", type=float, default=900.0,
+                   help="the most seconds for the mesh to come up (a first start may build the CPU kernels)")
     args = p.parse_args()
     problems = []
     if args.what in ("chaos", "all"):

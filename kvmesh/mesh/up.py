@@ -184,6 +184,7 @@ class Mesh:
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {"redis_url": self.redis_url, "model": self.served, "router_url": f"http://{self._host()}:{self.args.port}",
                  "pid": os.getpid(), "replicas": [f"replica-{r.index}" for r in self.replicas],
+                 # each running child's process id, rewritten whenever one is restarted
                  "processes": {c.name: c.pid for c in self.children() if c.alive()}}
         path.write_text(json.dumps(state, indent=2))
 

@@ -18,9 +18,10 @@ import redis
 from kvmesh.testing.chaos import UpConfig, UpMesh, UpRestart, UpRestartConfig, up_restart
 from tests.tiny_models import build_tiny_model
 
-# Seconds from the kill until every replica is routable again. An engine's restart is its model
-# load (about 6 s alone here, 15-20 s beside a loaded replica on two busy cores); the other parts
-# come back in 1-3 s. A part that is never restarted, or a replica left unroutable, fails.
+# Seconds from the kill until every replica is routable again. An engine's restart is its process
+# start and model load (about 6 s on an idle 2-core machine, 20-45 s when other test processes
+# share the cores); the other parts come back in 2-5 s. A part that is never restarted, or a
+# replica left unroutable (a sidecar that keeps a restarted engine `draining`), fails.
 ENGINE_BACK_S = 90.0
 PART_BACK_S = 30.0
 
