@@ -1114,11 +1114,12 @@ class UpRestartConfig:
     deadline: float = 20.0  # per request: longer is a hang
 
 
-def _cmdline(pid: int) -> str | None:
+def _started(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot, /proc/PID/stat): with the pid, who it is."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
         return None
 
 
@@ -1134,7 +1135,7 @@ class UpMesh:
         self.state_file = self.dir / "up.json"
         self.log_path = self.dir / "up.log"
         self.proc: subprocess.Popen | None = None
-        self.seen: dict[int, str] = {}  # every child pid seen in the state file -> its command line
+        self.seen: dict[int, str] = {}  # every child pid seen in the state file -> its start time
         self.http = httpx.AsyncClient(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0))
         self._redis_client = None
 
@@ -1200,8 +1201,8 @@ class UpMesh:
 
     async def close(self) -> None:
         await self.stop()
-        for pid, cmd in self.seen.items():  # a child `up` could not stop (it was killed itself)
-            if _cmdline(pid) == cmd:
+        for pid, started in self.seen.items():  # a child `up` could not stop (it was killed itself)
+            if _started(pid) == started:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
@@ -1233,8 +1234,8 @@ class UpMesh:
         """The state file's child name -> pid (alive children only), remembered for clean-up."""
         procs = self.state().get("processes") or {}
         for pid in procs.values():
-            if pid not in self.seen and (cmd := _cmdline(pid)) is not None:
-                self.seen[pid] = cmd
+            if pid not in self.seen and (started := _started(pid)) is not None:
+                self.seen[pid] = started
         return procs
 
     # -- probes --------------------------------------------------------------------------------

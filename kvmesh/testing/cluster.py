@@ -21,7 +21,6 @@ import fcntl
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ import httpx
 
 from kvmesh.testing import controlplane
 from kvmesh.testing.controlplane import ControlPlane, find_environment, wait_for
-from kvmesh.testing.node import network
+from kvmesh.testing.node import lifeline, network
 from kvmesh.testing.node.pods import pod_dir
 
 LOCK_DIR = Path("/run/kvmesh-local-cluster")
@@ -70,9 +69,9 @@ class _Slot:
     """A cluster-wide exclusive number for this cluster's network names and ranges: a lock
     file held while the cluster runs (released by the kernel if the process dies)."""
 
-    def __init__(self) -> None:
+    def __init__(self, only: int | None = None) -> None:
         LOCK_DIR.mkdir(parents=True, exist_ok=True)
-        for n in SLOTS:
+        for n in SLOTS if only is None else [only]:
             f = open(LOCK_DIR / f"slot-{n}.lock", "w")
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -83,22 +82,21 @@ class _Slot:
             self.pids_file = LOCK_DIR / f"slot-{n}.pids"
             self._kill_leftovers()
             return
-        raise RuntimeError(f"all {len(SLOTS)} local-cluster slots are in use")
+        raise RuntimeError(f"local-cluster slot {only} is in use" if only is not None
+                           else f"all {len(SLOTS)} local-cluster slots are in use")
 
     def _kill_leftovers(self) -> None:
         """The processes a crashed earlier cluster in this slot left running (the pids it
         recorded, where the command line still matches)."""
-        try:
-            recorded = json.loads(self.pids_file.read_text())
-        except (OSError, ValueError):
-            return
-        for pid, cmdline in recorded:
-            try:
-                if Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") == cmdline:
-                    os.kill(pid, signal.SIGKILL)
-            except (OSError, ProcessLookupError):
-                pass
+        lifeline.stop_recorded(self.pids_file, grace=0)
         self.pids_file.unlink(missing_ok=True)
+
+    def watchdog(self) -> subprocess.Popen:
+        """A process that holds this slot's lock too and cleans the slot up if this process
+        dies without stopping the cluster (kvmesh.testing.node.lifeline)."""
+        return subprocess.Popen([sys.executable, "-P", "-m", "kvmesh.testing.node.lifeline", "--slot",
+                                 str(self.number), "--pids-file", str(self.pids_file)],
+                                pass_fds=(self.file.fileno(),), stdin=subprocess.DEVNULL)
 
     def record(self, pids: list[int]) -> None:
         entries = []
@@ -117,18 +115,21 @@ class _Slot:
 class LocalCluster:
     def __init__(self, workdir: Path, *, node_cpu: str = "16", node_memory: str = "64Gi", gpus: int = 4,
                  images: dict[str, Any] | None = None, backoff_initial: float = 10.0, backoff_cap: float = 300.0,
-                 log_level: str = "INFO") -> None:
+                 log_level: str = "INFO", slot: int | None = None) -> None:
+        """``slot``: this network slot or none (tests of the cleanup); by default the first free one."""
         self.workdir = Path(workdir).resolve()
         self.node_cpu, self.node_memory, self.gpus = node_cpu, node_memory, gpus
         self.images = images or {}
         self.backoff_initial, self.backoff_cap = backoff_initial, backoff_cap
         self.log_level = log_level
+        self.slot = slot
         self.control_plane: ControlPlane | None = None
         self.net: network.NetworkConfig | None = None
         self.procs: list[controlplane.Proc] = []
         self._slot: _Slot | None = None
         self.api: Any = None
         self._kubeconfig: Path | None = None
+        self._watchdog: subprocess.Popen | None = None
 
     # --- start / stop --------------------------------------------------------------------------
 
@@ -156,7 +157,8 @@ class LocalCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         for stale in (self.workdir / "control-plane", self.node_dir):   # every start is a fresh cluster
             shutil.rmtree(stale, ignore_errors=True)
-        self._slot = _Slot()
+        self._slot = _Slot(self.slot)
+        self._watchdog = self._slot.watchdog()
         self.net = net = network.NetworkConfig(self._slot.number)
         network.create_bridge(net)
         sans = (f"IP:{net.apiserver_service_ip}", f"IP:{net.gateway}", "DNS:kubernetes", "DNS:kubernetes.default",
@@ -204,6 +206,10 @@ class LocalCluster:
         if self._slot is not None:   # only while the slot is ours: another cluster may take it next
             if self.net is not None:
                 network.delete_bridge(self.net)
+            if self._watchdog is not None:
+                self._watchdog.terminate()
+                self._watchdog.wait(timeout=10)
+                self._watchdog = None
             self._slot.release()
             self._slot = None
 

@@ -45,35 +45,57 @@ def test_two_clusters_side_by_side_and_nothing_left_after_stop(tmp_path: Path) -
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
-def test_a_crashed_cluster_is_cleaned_up_by_the_next_in_its_slot(tmp_path: Path) -> None:
-    require_cluster()
-    script = ("import sys, time\nfrom pathlib import Path\nfrom kvmesh.testing.cluster import LocalCluster\n"
-              "c = LocalCluster(Path(sys.argv[1]))\nc.start()\nprint(c.net.slot, flush=True)\ntime.sleep(600)\n")
-    crashed = subprocess.Popen([sys.executable, "-P", "-c", script, str(tmp_path / "crashed")], stdout=subprocess.PIPE,
-                               text=True)
+CRASHING = ("import sys, time\nfrom pathlib import Path\nfrom kvmesh.testing.cluster import LocalCluster\n"
+            "c = LocalCluster(Path(sys.argv[1]), images={'example.com/python:*': [sys.executable]})\nc.start()\n"
+            "c.api.apply({'apiVersion': 'v1', 'kind': 'Pod', 'metadata': {'name': 'p', 'namespace': 'default'},"
+            " 'spec': {'containers': [{'name': 'c', 'image': 'example.com/python:1',"
+            " 'args': ['-c', 'import time; time.sleep(600)']}]}})\n"
+            "print(c.net.slot, flush=True)\ntime.sleep(600)\n")
+
+
+def _start_and_crash(workdir: Path, *, with_watchdog: bool) -> tuple[int, list[int]]:
+    """A cluster (with one pod running) in another process, killed without a chance to stop it:
+    (its slot, the pids it recorded)."""
+    crashed = subprocess.Popen([sys.executable, "-P", "-c", CRASHING, str(workdir)], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
     try:
         slot = int(crashed.stdout.readline())
-        bridge = network.NetworkConfig(slot).bridge
-        assert bridge in _links()
-        agent_log = tmp_path / "crashed" / "control-plane" / "node-agent.log"
-        wait_for(lambda: "ready" in agent_log.read_text(), message="the crashed cluster's node")
+        wait_for(lambda: any(network.NetworkConfig(slot).owns_netns(n) for n in _netns()), message="its pod's netns")
+        recorded = [pid for pid, _ in json.loads((LOCK_DIR / f"slot-{slot}.pids").read_text())]
     finally:
-        crashed.send_signal(signal.SIGKILL)   # no chance to clean up
+        if with_watchdog:
+            crashed.send_signal(signal.SIGKILL)
+        else:   # the watchdog too (it is in the cluster process's group; the cluster's parts are not)
+            os.killpg(crashed.pid, signal.SIGKILL)
         crashed.wait()
-    recorded = (LOCK_DIR / f"slot-{slot}.pids").read_text()
-    assert bridge in _links(), "the crashed cluster's bridge outlives it"
-    # its agent notices that its parent is gone and stops
-    wait_for(lambda: "stopping" in agent_log.read_text(), timeout=15, message="the orphaned agent stops")
-    with LocalCluster(tmp_path / "next") as nxt:
-        if nxt.net.slot == slot:   # another session may have taken the slot meanwhile
-            assert bridge in _links()   # its own, made fresh
-    for pid, cmdline in json.loads(recorded):
-        try:
-            alive = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") == cmdline
-        except OSError:
-            alive = False
-        if nxt.net.slot == slot:
-            assert not alive, f"leftover process {pid} of the crashed cluster still runs"
+    return slot, recorded
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_watchdog_cleans_up_after_a_crashed_cluster(tmp_path: Path) -> None:
+    require_cluster()
+    slot, recorded = _start_and_crash(tmp_path, with_watchdog=True)
+    net = network.NetworkConfig(slot)
+    wait_for(lambda: not any(_alive(pid) for pid in recorded), timeout=40, message="its processes stopped")
+    wait_for(lambda: net.bridge not in _links() and not any(net.owns_netns(n) for n in _netns()), timeout=20,
+             message="its network removed")
+
+
+def test_the_next_cluster_in_a_slot_cleans_up_what_a_crash_left(tmp_path: Path) -> None:
+    require_cluster()
+    slot, recorded = _start_and_crash(tmp_path / "crashed", with_watchdog=False)
+    net = network.NetworkConfig(slot)
+    assert net.bridge in _links() and any(_alive(pid) for pid in recorded), "the crash left its parts behind"
+    with LocalCluster(tmp_path / "next", slot=slot):
+        assert not any(_alive(pid) for pid in recorded)
+        assert not any(net.owns_netns(n) for n in _netns()), "the crashed cluster's pod namespace is gone"
+    assert net.bridge not in _links()
 
 
 def test_the_cli_brings_a_cluster_up_and_down(tmp_path: Path) -> None:

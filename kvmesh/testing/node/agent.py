@@ -13,6 +13,7 @@ import json
 import logging
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ class Agent:
         self.provisioner.start()
         self.pods.start()
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         self.pods.stop()
         self.services.stop()
         self.slices.stop()
@@ -75,8 +76,13 @@ class Agent:
             workers = list(self.workers.values())
         for w in workers:
             w.shutdown.set()
+        for w in workers:   # now, from here: a worker may be blocked on an API server that is going away
+            w.kill_containers()
+        deadline = time.monotonic() + timeout
         for w in workers:
-            w.join(timeout)
+            w.join(max(0.0, deadline - time.monotonic()))
+            if w.is_alive():
+                w.teardown_network()
         self.events.stop()
         self.api.close()
 

@@ -366,6 +366,15 @@ class PodWorker(threading.Thread):
         if not ok:
             log.info("%s/%s: preStop of %s failed: %s", self.namespace, self.pod_name, c.name, why)
 
+    def kill_containers(self) -> None:
+        """SIGKILL every container's processes (the agent stopping)."""
+        for c in self.init_containers + self.containers:
+            c.stop_probes()
+            c.force_kill()
+
+    def teardown_network(self) -> None:
+        self._teardown_network()
+
     def _kill_all(self) -> None:
         for c in self.init_containers + self.containers:
             c.stop_probes()
