@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared run on a bare machine with one NVIDIA GPU (about 6 minutes).
+# The GPU check: one prepared run on a bare machine with one NVIDIA GPU (about 4 minutes).
 #
 #   bench/gpu_check.sh prepare   # here, with pip and a network: fills .whl/ (the wheels below,
 #                                # cp312 manylinux) and .gpu-skeleton/ (the built-in model's config
