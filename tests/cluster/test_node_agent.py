@@ -379,3 +379,16 @@ def test_configmap_volume_follows_updates_but_subpath_files_do_not(cluster: Loca
     wait_for(lambda: read("/cfg/greeting").text == "bonjour", timeout=30, message="the volume follows the ConfigMap")
     wait_for(lambda: read("/cfg/old").status_code == 404, message="a removed key's file goes")
     assert read("/pinned/greeting").text == "hello"
+
+
+def test_kubectl_logs_reads_the_containers_log(cluster: LocalCluster, ns: str) -> None:
+    c = {"name": "talk", "image": "example.com/python:1",
+         "args": ["-c", "import time\nfor i in range(3): print('line', i, flush=True)\ntime.sleep(300)"]}
+    cluster.api.apply(pod("talker", ns, [c], terminationGracePeriodSeconds=0))
+    wait_for(lambda: "line 2" in cluster.pod_log(ns, "talker", "talk"), message="the pod printed")
+    out = cluster.kubectl("logs", "-n", ns, "talker", "-c", "talk").stdout
+    assert out.splitlines() == ["line 0", "line 1", "line 2"]
+    assert cluster.kubectl("logs", "-n", ns, "talker", "--tail=1").stdout.strip() == "line 2"
+    missing = cluster.kubectl("logs", "-n", ns, "talker", "--previous", check=False)
+    assert missing.returncode != 0
+    cluster.api.delete("Pod", ns, "talker")

@@ -22,6 +22,7 @@ from kvmesh.testing.node.api import Api, Informer
 from kvmesh.testing.node.envvars import ConfigError
 from kvmesh.testing.node.events import EventRecorder
 from kvmesh.testing.node.images import ImageTable
+from kvmesh.testing.node.kubelet_api import KubeletApi
 from kvmesh.testing.node.lifeline import watch_parent
 from kvmesh.testing.node.pods import PodWorker
 from kvmesh.testing.node.provisioner import Provisioner
@@ -58,6 +59,9 @@ class Agent:
 
     def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.kubelet_api = KubeletApi(self.net.gateway, self.state_dir, self.log_dir)
+        self.kubelet_api.start()
+        self.registration.kubelet_port = self.kubelet_api.port
         self.registration.register()
         self.events.start()
         self.services.start()
@@ -84,6 +88,7 @@ class Agent:
             if w.is_alive():
                 w.teardown_network()
         self.events.stop()
+        self.kubelet_api.stop()
         self.api.close()
 
     # --- pods --------------------------------------------------------------------------------
@@ -110,6 +115,15 @@ class Agent:
                                                             or worker.pod["metadata"].get("deletionTimestamp")):
                 del self.workers[worker.uid]
                 self.finished.add(worker.uid)
+
+    def log_dir(self, namespace: str, pod: str) -> Path | None:
+        """The log directory of the pod's current (else latest) run on this node."""
+        with self.lock:
+            for w in self.workers.values():
+                if (w.namespace, w.pod_name) == (namespace, pod):
+                    return w.dir / "logs"
+        runs = sorted((self.state_dir / "pods" / namespace / pod).glob("*/logs"), key=lambda p: p.stat().st_mtime)
+        return runs[-1] if runs else None
 
     def claim_path(self, namespace: str, claim: str) -> str:
         pvc = self.api.get(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")

@@ -21,7 +21,7 @@ def _micro_now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def node_status(capacity: dict[str, str], address: str, hostname: str) -> dict[str, Any]:
+def node_status(capacity: dict[str, str], address: str, kubelet_port: int) -> dict[str, Any]:
     t = now()
     return {
         "capacity": capacity, "allocatable": capacity,
@@ -33,7 +33,10 @@ def node_status(capacity: dict[str, str], address: str, hostname: str) -> dict[s
               for kind, reason in (("MemoryPressure", "SufficientMemory"), ("DiskPressure", "NoDiskPressure"),
                                    ("PIDPressure", "SufficientPID"))),
         ],
-        "addresses": [{"type": "InternalIP", "address": address}, {"type": "Hostname", "address": hostname}],
+        # InternalIP only: the API server reaches a node by the first of its preferred address
+        # types it finds (Hostname first), and this node's name resolves nowhere.
+        "addresses": [{"type": "InternalIP", "address": address}],
+        "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
         "nodeInfo": {"machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": platform.release(),
                      "osImage": "kvmesh local node", "containerRuntimeVersion": "kvmesh-local://0",
                      "kubeletVersion": "v1.36.2", "kubeProxyVersion": "", "operatingSystem": "linux",
@@ -42,8 +45,9 @@ def node_status(capacity: dict[str, str], address: str, hostname: str) -> dict[s
 
 
 class Registration:
-    def __init__(self, api: Api, name: str, capacity: dict[str, str], address: str) -> None:
+    def __init__(self, api: Api, name: str, capacity: dict[str, str], address: str, kubelet_port: int = 0) -> None:
         self.api, self.name, self.capacity, self.address = api, name, capacity, address
+        self.kubelet_port = kubelet_port
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._renew_loop, name="node-lease", daemon=True)
 
@@ -64,7 +68,7 @@ class Registration:
 
     def update_status(self) -> None:
         self.api.patch(f"/api/v1/nodes/{self.name}/status",
-                       {"status": node_status(self.capacity, self.address, self.name)}, kind="merge-patch")
+                       {"status": node_status(self.capacity, self.address, self.kubelet_port)}, kind="merge-patch")
 
     def renew_lease(self) -> None:
         path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.name}"
