@@ -18,13 +18,16 @@ traffic to the URL from the platform. Any other heartbeat (an unknown pod, a URL
 not match) is ignored and counted (``kvmesh_router_ignored_heartbeats_total{reason}``), so
 whoever can write Redis can at worst skew the scores of known pods, never redirect a request.
 
-Bounded work: whatever a Redis writer adds, a refresh reads the heartbeats of the known pods
-by name (one pipelined round trip) and one page of the pods set (``SWEEP_PAGE`` names, SSCAN,
-resuming where the last refresh stopped). Names on that page are classified by their
-heartbeat's URL alone: a ghost (no heartbeat) has its block set and membership deleted, a URL of
-an unnamed static backend makes the name that backend's heartbeat (read by name from then on),
-anything else is ignored and counted. A pile of junk names is worked down a page per refresh,
-and never delays the heartbeats of the known pods.
+Bounded work: whatever a Redis writer adds, a refresh runs one page of the pods set
+(``SWEEP_PAGE`` names, SSCAN, resuming where the last refresh stopped), one command for that
+page's heartbeat URLs (``POD_PAGE_LUA``) and one pipelined read of the known pods' heartbeats by
+name. A name on the page is judged by its heartbeat's URL alone, before anything else of it is
+read: an orphan (no heartbeat) has its block set and membership deleted by that same command;
+the URL of an unnamed static backend makes the name that backend's heartbeat (read by name
+from then on; the smallest such name wins); anything else is ignored and counted. A pile of
+junk names is worked down a page per refresh and never delays the known pods' heartbeats, so
+Redis is called unreachable only when these few commands fail. An unnamed static backend
+may wait up to a pass over the set for its heartbeat to be found (routed by load meanwhile).
 
 Routability:
 * Redis answering: a *named* pod (Kubernetes, ``NAME=URL``) needs a live heartbeat in state
@@ -220,10 +223,12 @@ class _SweptIgnored:
 
     def add(self, key: tuple[str, str], url: str, where: str) -> None:
         self._counts[key[1]] += 1
-        if len(self._this_pass) < IGNORED_TRACKED:
+        if key in self.items:
             self._this_pass.add(key)
-        if key in self.items or len(self.items) >= IGNORED_TRACKED:
             return
+        if len(self.items) >= IGNORED_TRACKED:
+            return
+        self._this_pass.add(key)
         self.items[key] = url
         self.by_reason[key[1]] += 1
         self.dm.ignored.labels(key[1]).inc()

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.router.discovery import SWEEP_PAGE, Discovery
+from kvmesh.router.engine_metrics import parse_prometheus
 from kvmesh.router.metrics import RouterMetrics
 from tests.conftest import wait_until
 from tests.router.test_discovery import complete, metric, text
@@ -111,11 +112,12 @@ def test_ghosts_are_removed_a_bounded_batch_per_refresh_without_losing_the_known
         client = aioredis.Redis.from_url(own_redis.url, socket_timeout=ROUTER_REDIS_TIMEOUT,
                                          socket_connect_timeout=ROUTER_REDIS_TIMEOUT)
         d = Discovery(model_name, client, RouterMetrics(), ["a=http://10.0.0.1:8000"])
-        sizes, removed, refreshes, failed = [r.scard(rl.pods_key(model_name))], [], 0, 0
+        sizes, removed, refreshes, failed, cpu = [r.scard(rl.pods_key(model_name))], [], 0, 0, 0.0
         bound = 2 * (120_000 // SWEEP_PAGE) + 10
         while d.sweep.passes == 0 and refreshes < bound:
-            before = commands_served(r)
+            before, cpu0 = commands_served(r), time.process_time()
             await d.refresh()
+            cpu += time.process_time() - cpu0
             refreshes += 1
             sizes.append(r.scard(rl.pods_key(model_name)))
             removed.append(sizes[-2] - sizes[-1])
@@ -126,6 +128,8 @@ def test_ghosts_are_removed_a_bounded_batch_per_refresh_without_losing_the_known
             # pod, and the script's load once
             assert commands_served(r) - before <= 2 * SWEEP_PAGE * 3 + 10, refreshes
         await client.aclose()
+        print(f"100k orphans + 20k fake heartbeats: one pass in {refreshes} refreshes, "
+              f"{cpu / refreshes * 1000:.1f} ms CPU per refresh, {failed} failed")
         return d, refreshes, removed, failed
 
     d, refreshes, removed, failed = asyncio.run(scenario())
@@ -174,3 +178,71 @@ def test_prefix_routing_keeps_working_under_a_pile_of_junk(mesh, router_factory,
     # A refresh may still time out now and then on a busy machine.
     assert seen.count("ok") >= len(seen) - 1, seen
     assert metric(router.url, "kvmesh_router_redis_errors_total", op="discovery") <= 3
+
+
+def test_unnamed_backends_orphans_and_ignored_heartbeats_across_pages(redis_server, model_name):
+    """With pages of 3 names: an unnamed static backend's heartbeat is found wherever it sits in
+    the set (the smallest name claiming its URL wins, the other is a duplicate), orphans are
+    removed by the page's one command, and the ignored ones are counted once each."""
+    r = redis_server.client()
+    known_pod(r, model_name, "a", "http://10.0.0.1:8000")
+    for name in ("z-claim", "b-claim"):
+        known_pod(r, model_name, name, "http://10.0.0.2:8000")  # the unnamed backend's URL
+    for i in range(6):
+        known_pod(r, model_name, f"junk-{i}", f"http://10.7.0.{i}:8000")
+    r.sadd(rl.pods_key(model_name), *[f"ghost-{i}" for i in range(5)])
+    r.sadd(rl.blocks_key(model_name, "ghost-1"), "00000000000000aa")
+
+    async def scenario():
+        client = aioredis.Redis.from_url(redis_server.url)
+        metrics = RouterMetrics()
+        d = Discovery(model_name, client, metrics, ["a=http://10.0.0.1:8000", "http://10.0.0.2:8000"], sweep_page=3)
+        n = 0
+        while d.sweep.passes < 2:
+            await d.refresh()
+            n += 1
+        await client.aclose()
+        return d, metrics, n
+
+    d, metrics, n = asyncio.run(scenario())
+    assert n >= 4  # 14 names, about 3 a page
+    assert {name: (p.url, p.has_blocks) for name, p in d.pods.items()} == {
+        "a": ("http://10.0.0.1:8000", True), "b-claim": ("http://10.0.0.2:8000", True)}
+    assert sorted(d.ignored) == [("junk-0", "unknown_pod"), ("junk-1", "unknown_pod"), ("junk-2", "unknown_pod"),
+                                 ("junk-3", "unknown_pod"), ("junk-4", "unknown_pod"), ("junk-5", "unknown_pod"),
+                                 ("z-claim", "duplicate_url")]
+    assert not any(r.sismember(rl.pods_key(model_name), f"ghost-{i}") for i in range(5))
+    assert not r.exists(rl.blocks_key(model_name, "ghost-1"))
+    samples = {(name, tuple(sorted(lab.items()))): v for name, lab, v in parse_prometheus(metrics.render().decode())}
+    assert samples[("kvmesh_router_ignored_heartbeats_total", (("reason", "unknown_pod"),))] == 6  # once each
+    assert samples[("kvmesh_router_ignored_heartbeats_current", (("reason", "unknown_pod"),))] == 6
+    assert samples[("kvmesh_router_orphans_removed_total", ())] == 5
+    assert d.detail()["ignored_heartbeats"] == 7
+
+
+def test_without_scripts_heartbeats_are_still_read_and_orphans_stay(redis_server, model_name):
+    """A Redis where EVAL is disabled: the page's URLs come from one pipelined HGET per name;
+    Redis still answers, so it is not called unreachable; orphans can no longer be removed."""
+    from redis.exceptions import ResponseError
+
+    r = redis_server.client()
+    known_pod(r, model_name, "a", "http://10.0.0.1:8000")
+    known_pod(r, model_name, "junk", "http://10.7.0.1:8000")
+    r.sadd(rl.pods_key(model_name), "ghost")
+
+    async def disabled(**kw):
+        raise ResponseError("unknown command 'evalsha', with args beginning with: ")
+
+    async def scenario():
+        client = aioredis.Redis.from_url(redis_server.url)
+        d = Discovery(model_name, client, RouterMetrics(), ["a=http://10.0.0.1:8000"])
+        d._page_script = disabled
+        await d.refresh()
+        await d.refresh()
+        await client.aclose()
+        return d
+
+    d = asyncio.run(scenario())
+    assert d.detail()["redis"] == "ok" and [p.name for p in d.routable()] == ["a"]
+    assert sorted(d.ignored) == [("junk", "unknown_pod")]
+    assert r.sismember(rl.pods_key(model_name), "ghost")
