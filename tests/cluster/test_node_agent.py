@@ -392,3 +392,36 @@ def test_kubectl_logs_reads_the_containers_log(cluster: LocalCluster, ns: str) -
     missing = cluster.kubectl("logs", "-n", ns, "talker", "--previous", check=False)
     assert missing.returncode != 0
     cluster.api.delete("Pod", ns, "talker")
+
+
+def test_the_operators_redis_pod_runs_unmodified(cluster: LocalCluster, ns: str) -> None:
+    """The managed Redis as operator/render.py renders it (restricted securityContext, the
+    password from a Secret expanded into args as $(REDIS_PASSWORD), tcpSocket probes), reached
+    through its Service by the address the operator hands the pods."""
+    import redis
+
+    from kvmesh.operator import render, spec as specs
+
+    spec = specs.apply_defaults({"model": {"builtin": "smollm2-135m-instruct"}, "redis": {"mode": "managed"}})
+    md = {"metadata": {"name": "cache", "namespace": ns, "uid": "not-a-real-owner"}}
+    password = "pw-" + base64.b32encode(os.urandom(10)).decode().lower()
+    cluster.api.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": render.names("cache")["redis-auth"],
+                                                                           "namespace": ns},
+                       "stringData": {"password": password}})
+    for obj in render.render_redis(md, spec, render.Images()):
+        if obj["kind"] in ("Deployment", "Service"):
+            obj["metadata"].pop("ownerReferences")   # no ModelDeployment owns them here (the garbage collector would)
+            cluster.api.apply(obj)
+    name = render.names("cache")[render.REDIS]
+    wait_for(lambda: (cluster.api.get("Deployment", ns, name).get("status") or {}).get("availableReplicas") == 1,
+             timeout=60, message="the Redis Deployment available")
+    host = cluster.service_url(ns, name, 6379).split("//")[1].split(":")[0]
+    assert redis.Redis(host=host, port=6379, password=password, socket_timeout=5).ping()
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis(host=host, port=6379, socket_timeout=5).get("x")
+    url = render.managed_redis_url("cache", ns)   # redis://cache-redis.<ns>.svc:6379/0, as the pods get it
+    probe = f"import redis; print(redis.Redis.from_url({url!r}, password={password!r}, socket_timeout=5).ping())"
+    cluster.api.apply(pod("redis-client", ns, [{"name": "c", "image": "example.com/python:1", "args": ["-c", probe]}],
+                          restartPolicy="Never"))
+    wait_pod(cluster, ns, "redis-client", lambda p: p["status"].get("phase") in ("Succeeded", "Failed"))
+    assert cluster.pod_log(ns, "redis-client", "c").strip() == "True"

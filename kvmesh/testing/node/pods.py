@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -449,6 +448,3 @@ class PodWorker(threading.Thread):
             tmp.write_text(json.dumps(pids))
             tmp.replace(self.dir / "pids.json")
             self.last_pids = pids
-
-    def remove_state(self) -> None:
-        shutil.rmtree(self.dir / "volumes", ignore_errors=True)
