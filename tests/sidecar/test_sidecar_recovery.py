@@ -62,7 +62,8 @@ class EngineProc:
     replay_endpoint = property(lambda self: f"tcp://127.0.0.1:{self.replay_port}")
 
     def start(self) -> "EngineProc":
-        self.proc = subprocess.Popen(self.argv, env=child_env(), cwd=ROOT)
+        # The model's speed is not under test: plain torch ops, no wait for a CPU-kernel build.
+        self.proc = subprocess.Popen(self.argv, env={**child_env(), "KVMESH_CPU_KERNELS": "0"}, cwd=ROOT)
         return self
 
     def ready(self) -> bool:
