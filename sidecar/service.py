@@ -303,10 +303,11 @@ class Sidecar:
             metric(f"kvmesh_sidecar_kv_event_{key}_total", "counter", help_, sub.get(key, 0))
         for key, help_ in (("events_loop_errors", "events-loop iterations that failed (each followed by a resync)"),
                            ("redis_errors", "Redis operations that failed"), ("full_rewrites", "block set rewrites"),
-                           ("heartbeats", "heartbeats written"), ("engine_restarts", "engine restarts "
-                           "detected (each followed by a full resync)"), ("index_withdrawals", "block set withdrawn because "
-                           "the events loop was dead or stale"), ("block_set_repairs", "block set found different "
-                           "from the index in Redis (lost by Redis) and rewritten")):
+                           ("heartbeats", "heartbeats written"),
+                           ("engine_restarts", "engine restarts detected (each followed by a full resync)"),
+                           ("index_withdrawals", "block set withdrawn because the events loop was dead or stale"),
+                           ("block_set_repairs", "block set found different from the index in Redis (lost by "
+                            "Redis) and rewritten")):
             metric(f"kvmesh_sidecar_{key}_total", "counter", help_, self.stats.get(key, 0))
         metric("kvmesh_sidecar_block_keys", "gauge", "block keys in the index", len(self.index.refs))
         metric("kvmesh_sidecar_events_ok", "gauge", "1 if the events loop is alive and current",
