@@ -72,6 +72,11 @@ class _Slot:
     def __init__(self, only: int | None = None) -> None:
         LOCK_DIR.mkdir(parents=True, exist_ok=True)
         for n in SLOTS if only is None else [only]:
+            clash = network.conflicts(network.NetworkConfig(n))
+            if clash:
+                if only is not None:
+                    raise RuntimeError(f"local-cluster slot {n}'s ranges overlap the host's routes {clash}")
+                continue
             f = open(LOCK_DIR / f"slot-{n}.lock", "w")
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

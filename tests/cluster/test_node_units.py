@@ -86,3 +86,17 @@ def test_pod_phase() -> None:
     assert phase("OnFailure", False, True, [ok, ok]) == "Succeeded"
     assert phase("Never", False, True, [ok, bad]) == "Failed"
     assert phase("Never", False, True, [ok]) == "Succeeded"
+
+
+def test_slots_whose_ranges_the_host_routes_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    from kvmesh.testing.node import network
+
+    routes = ("default via 192.0.2.1 dev eth0\n10.244.0.0/16 dev cni0 proto kernel scope link\n"
+              "10.96.3.0/24 dev kvmbr3 proto kernel scope link\nlocal 10.96.5.1 dev lo table local\n")
+    monkeypatch.setattr(network, "ip", lambda *a, check=True: subprocess.CompletedProcess(a, 0, routes, ""))
+    assert network.conflicts(network.NetworkConfig(7)) == ["10.244.0.0/16"]   # a CI runner's pod network
+    monkeypatch.setattr(network, "ip", lambda *a, check=True: subprocess.CompletedProcess(
+        a, 0, routes.replace("10.244.0.0/16 dev cni0", "172.16.0.0/12 dev cni0"), ""))
+    assert network.conflicts(network.NetworkConfig(3)) == []   # a cluster bridge's own route is the lock's business

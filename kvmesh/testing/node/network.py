@@ -87,6 +87,31 @@ def remove_leftovers(cfg: NetworkConfig) -> list[str]:
     return removed
 
 
+def ranges_in_use() -> list[ipaddress.IPv4Network]:
+    """The IPv4 networks the host's routes cover, except the local clusters' own bridges'
+    (a slot's lock says whether those are in use)."""
+    nets = []
+    for line in ip("-4", "route", "show", "table", "all", check=False).stdout.splitlines():
+        fields = line.split()
+        if not fields or " dev kvmbr" in line or fields[0] in ("broadcast", "local", "unreachable"):
+            continue
+        dest = fields[0]
+        if dest == "default":
+            continue
+        try:
+            nets.append(ipaddress.ip_network(dest, strict=False))
+        except ValueError:
+            pass
+    return nets
+
+
+def conflicts(cfg: NetworkConfig) -> list[str]:
+    """The host routes that overlap this slot's pod or Service range (such a slot is skipped:
+    the cluster would shadow real networks, e.g. on a CI runner that is itself a pod)."""
+    ours = [ipaddress.ip_network(cfg.pod_cidr), ipaddress.ip_network(cfg.service_cidr)]
+    return [str(net) for net in ranges_in_use() if any(net.overlaps(o) for o in ours)]
+
+
 def create_bridge(cfg: NetworkConfig) -> None:
     remove_leftovers(cfg)
     ip("link", "add", cfg.bridge, "type", "bridge")
