@@ -485,7 +485,7 @@ class Discovery:
             if name in named or raw is None or raw == 0:
                 continue
             url = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
-            ep = unnamed.get(normalize_url(url))
+            ep = unnamed.get(normalize_url(url)) if unnamed else None
             if ep is not None:
                 holder = self._claims.get(ep)
                 if holder is None or name <= holder:  # the smallest name wins, whatever the page order
