@@ -404,3 +404,56 @@ def test_the_snapshot_is_the_published_block_set_parents_first():
     assert got[(3, None)].parent_block_hash == 2 and got[(3, None)].token_ids == tok[2 * BS:]
     s.apply([kv.AllBlocksCleared()])
     assert kv.PublishedBlockSet.snapshot_events(s.copy()) == [kv.AllBlocksCleared()]
+
+
+def test_a_replay_socket_that_did_not_answer_is_asked_again_for_a_full_resync():
+    """The first catch-up finds no replay socket (the engine binds it late, or it restarts): the
+    batches published before the SUB connected are missing. The subscriber asks again, with a
+    backoff, and once the socket answers it rebuilds from seq 0: nothing stays missing."""
+    import threading
+
+    import zmq
+
+    pub = kv.KVEventPublisher("tcp://127.0.0.1:*", None)
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    sub = kv.KVEventSubscriber(pub.endpoint, replay_endpoint, replay_timeout_s=0.2)
+    router = None
+    try:
+        pub.publish([kv.BlockRemoved([0])])  # before the subscriber's SUB is connected: not seen live
+        got = sub.poll(50)  # the first catch-up: nobody answers
+        assert sub.stats["replay_failures"] == 1 and sub.caught_up
+        live_seen = []
+        for i in range(100):  # the SUB connects; batches from then on arrive live
+            pub.publish([kv.BlockRemoved([i + 1])])
+            live_seen = [d.seq for d in sub.poll(50) if d.batch is not None]
+            if live_seen:
+                break
+        assert live_seen and 0 not in live_seen
+        # The replay socket comes up and answers from the publisher's buffer.
+        router = zmq.Context.instance().socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(replay_endpoint)
+
+        def serve():
+            assert router.poll(10_000)
+            client, _, start = router.recv_multipart()
+            for seq, payload in list(pub._buffer):
+                if seq >= int.from_bytes(start, "big"):
+                    router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
+            router.send_multipart([client, b"", kv.END_SEQ, b""])
+
+        server = threading.Thread(target=serve)
+        server.start()
+        got = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(d.seq == 0 for d in got):
+            got.extend(sub.poll(50))
+        server.join(5)
+        assert any(d.reset for d in got), "the full resync starts with a reset"
+        after_reset = [d.seq for d in got[max(i for i, d in enumerate(got) if d.reset) + 1:]]
+        assert after_reset[:pub.next_seq] == list(range(pub.next_seq))
+    finally:
+        sub.close()
+        pub.close()
+        if router is not None:
+            router.close(0)
