@@ -54,6 +54,7 @@ from urllib.parse import quote, urlsplit
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge
+from redis.exceptions import ResponseError
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.router.metrics import RouterMetrics
@@ -453,7 +454,8 @@ class Discovery:
     async def _page_urls(self, names: list[str]) -> list[Any]:
         """Per name, the URL its heartbeat names, or 0 when the heartbeat is gone (and the name is
         then removed as an orphan): one command for the page (POD_PAGE_LUA). Where scripts are
-        disabled, one pipelined HGET per name, and orphans stay (None)."""
+        refused (for good once Redis says they are disabled), one pipelined HGET per name, and
+        orphans stay (None)."""
         if not names:
             return []
         if self._page_script is not None:
@@ -462,12 +464,11 @@ class Discovery:
                 keys += (rl.heartbeat_key(self.model, name), rl.blocks_key(self.model, name))
             try:
                 urls = await self._page_script(keys=keys, args=names)
-            except Exception as exc:  # noqa: BLE001
-                if "unknown command" not in str(exc).lower() and "noscript" not in str(exc).lower():
-                    raise
-                log.warning("scripts are disabled on this Redis (%s): pod names without a heartbeat are no "
-                            "longer removed from the pods set", exc)
-                self._page_script = None
+            except ResponseError as exc:  # Redis answered: scripts are refused (or failed) here
+                if any(w in str(exc).lower() for w in ("unknown command", "noscript", "noperm")):
+                    log.warning("scripts are disabled on this Redis (%s): pod names without a heartbeat are "
+                                "no longer removed from the pods set", exc)
+                    self._page_script = None
             else:
                 self.dm.orphans.inc(sum(1 for u in urls if u == 0))
                 return urls

@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 
 from kvmesh.common import redis_layout as rl
@@ -220,9 +221,14 @@ def test_unnamed_backends_orphans_and_ignored_heartbeats_across_pages(redis_serv
     assert d.detail()["ignored_heartbeats"] == 7
 
 
-def test_without_scripts_heartbeats_are_still_read_and_orphans_stay(redis_server, model_name):
-    """A Redis where EVAL is disabled: the page's URLs come from one pipelined HGET per name;
-    Redis still answers, so it is not called unreachable; orphans can no longer be removed."""
+@pytest.mark.parametrize("error, for_good", [
+    ("unknown command 'evalsha', with args beginning with: ", True),  # EVAL renamed away
+    ("NOPERM User kvmesh has no permissions to run the 'evalsha' command", True),  # an ACL
+    ("BUSY Redis is busy running a script.", False),  # a passing refusal: the script is kept
+])
+def test_without_scripts_heartbeats_are_still_read_and_orphans_stay(redis_server, model_name, error, for_good):
+    """A Redis that refuses the page script: the page's URLs come from one pipelined HGET per
+    name; Redis still answers, so it is not called unreachable; orphans are not removed."""
     from redis.exceptions import ResponseError
 
     r = redis_server.client()
@@ -231,7 +237,7 @@ def test_without_scripts_heartbeats_are_still_read_and_orphans_stay(redis_server
     r.sadd(rl.pods_key(model_name), "ghost")
 
     async def disabled(**kw):
-        raise ResponseError("unknown command 'evalsha', with args beginning with: ")
+        raise ResponseError(error)
 
     async def scenario():
         client = aioredis.Redis.from_url(redis_server.url)
@@ -246,3 +252,4 @@ def test_without_scripts_heartbeats_are_still_read_and_orphans_stay(redis_server
     assert d.detail()["redis"] == "ok" and [p.name for p in d.routable()] == ["a"]
     assert sorted(d.ignored) == [("junk", "unknown_pod")]
     assert r.sismember(rl.pods_key(model_name), "ghost")
+    assert (d._page_script is None) == for_good
