@@ -1329,8 +1329,9 @@ class UpRestart:
     own: list[Result] = field(default_factory=list)  # failed, and the killed process's own
     refused_while_down: int = 0  # router: requests that found nothing listening
     keys_before: int = 0  # Redis: block keys when it was killed
-    keys_restored: int = 0  # Redis: block keys written again by the sidecars
-    restored_after_s: float | None = None
+    keys_restored: int = 0  # Redis: block keys once the load stopped (each set equal to its sidecar's index)
+    keys_back: bool | None = None  # Redis: every key of before the kill in the sets then (unless evicted since)
+    restored_after_s: float | None = None  # Redis: until every sidecar rewrote its set
     exit_logged: str = ""  # the supervisor's line about the exit
     error: str = ""  # the scenario could not finish (ChaosError)
 
@@ -1359,8 +1360,9 @@ class UpRestart:
                     "while it was down"
         elif self.child == "redis":
             keys_at = "never" if self.restored_after_s is None else f"{self.restored_after_s:.1f} s after the kill"
-            extra = (f", its {self.keys_before} block keys written again by the sidecars {keys_at} ({self.keys_restored} "
-                     "once the load stopped, each set equal to its sidecar's index)")
+            kept = {True: "all back", False: "not all back (evicted since?)", None: "-"}[self.keys_back]
+            extra = (f" with {self.keys_before} block keys, the sidecars' sets rewritten {keys_at} ({kept}; "
+                     f"{self.keys_restored} once the load stopped, each set equal to its sidecar's index)")
         return (f"(up) {self.name}: {self.child} killed{extra}; {back}; {len(self.results)} requests sent, "
                 f"{self.ok} ok, {len(self.failed)} failed, {len(self.failed_beyond)} failed beyond the killed "
                 f"process's own" + (f"; ERROR {self.error.splitlines()[0]}" if self.error else ""))
@@ -1371,8 +1373,6 @@ class UpRestart:
             out.append(f"{self.name}: never routable again")
         out += [f"{self.name}: failed beyond the killed process's own: {r.short()}" for r in self.failed_beyond]
         out += [f"{self.name}: hung: {r.short()}" for r in self.results if r.kind == "hang"]
-        if self.child == "redis" and self.keys_restored < self.keys_before:
-            out.append(f"{self.name}: {self.keys_restored} block keys restored, {self.keys_before} before the kill")
         return out
 
 
@@ -1409,6 +1409,7 @@ async def up_restart(mesh: UpMesh, cfg: UpRestartConfig, name: str, child: str, 
             await wait_for(load.mid_stream, 30, "streams mid-way")
         before = await mesh.key_sets() if child == "redis" else {}
         rep.keys_before = sum(map(len, before.values()))
+        log_kill = len(mesh.log_text())
         os.kill(old_pid, sig)
         t_kill = time.monotonic()
 
@@ -1423,7 +1424,7 @@ async def up_restart(mesh: UpMesh, cfg: UpRestartConfig, name: str, child: str, 
         t_back = time.monotonic()
         rep.back_after_s = t_back - t_kill
         if child == "redis":
-            await wait_for(lambda: mesh.keys_back(before), 30, "the block keys of before the kill back in Redis")
+            await wait_for(lambda: _rewritten(mesh, log_kill), 30, "every sidecar rewriting its block set")
             rep.restored_after_s = time.monotonic() - t_kill
             await wait_for(mesh.block_sets_usable, 30, "the router routing on the block sets again")
         await wait_for(lambda: _done_since(load, t_back, cfg.requests_after), 60,
@@ -1439,6 +1440,7 @@ async def up_restart(mesh: UpMesh, cfg: UpRestartConfig, name: str, child: str, 
     if child == "redis" and not rep.error:
         try:  # without load: every set exactly its sidecar's index
             rep.keys_restored = await wait_for(mesh.index_synced, 20, "block sets equal to the sidecars' indexes")
+            rep.keys_back = await mesh.keys_back(before)
         except ChaosError as exc:
             rep.error = str(exc)
     rep.exit_logged = next((line for line in mesh.log_text()[log_at:].splitlines()
@@ -1456,6 +1458,14 @@ async def up_restart(mesh: UpMesh, cfg: UpRestartConfig, name: str, child: str, 
             own |= set(map(id, down))
         rep.own = [r for r in rep.failed if id(r) in own]
     return rep
+
+
+async def _rewritten(mesh: UpMesh, since: int) -> bool:
+    """Every sidecar has logged a full rewrite of its block set since offset `since` of the log
+    (a Redis restarted empty gets its sets back only that way: the rest are increments)."""
+    said = mesh.log_text()[since:].splitlines()
+    return all(any(line.startswith(f"[sidecar-{i}]") and "block keys to Redis" in line and " rewrote " in line
+                   for line in said) for i in range(mesh.cfg.replicas))
 
 
 async def _streaming_on(load: Load, pod: str) -> bool:

@@ -30,10 +30,10 @@ import httpx
 
 from kvmesh.testing import controlplane
 from kvmesh.testing.controlplane import ControlPlane, find_environment, wait_for
-from kvmesh.testing.node import lifeline, network
+from kvmesh.testing.node import hostpaths, lifeline, network
 from kvmesh.testing.node.pods import pod_dir
 
-LOCK_DIR = Path("/run/kvmesh-local-cluster")
+LOCK_DIR = hostpaths.STATE_DIR
 SLOTS = range(0, 64)
 NODE_NAME = "kvmesh-node"
 
@@ -209,6 +209,7 @@ class LocalCluster:
         if self.control_plane is not None:
             self.control_plane.stop()
         if self._slot is not None:   # only while the slot is ours: another cluster may take it next
+            hostpaths.remove_created_mount_points(self._slot.number)
             if self.net is not None:
                 network.delete_bridge(self.net)
             if self._watchdog is not None:

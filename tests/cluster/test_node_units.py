@@ -100,3 +100,29 @@ def test_slots_whose_ranges_the_host_routes_are_skipped(monkeypatch: pytest.Monk
     monkeypatch.setattr(network, "ip", lambda *a, check=True: subprocess.CompletedProcess(
         a, 0, routes.replace("10.244.0.0/16 dev cni0", "172.16.0.0/12 dev cni0"), ""))
     assert network.conflicts(network.NetworkConfig(3)) == []   # a cluster bridge's own route is the lock's business
+
+
+def test_created_mount_points_go_once_no_other_cluster_runs(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fcntl
+
+    from kvmesh.testing.node import hostpaths
+
+    monkeypatch.setattr(hostpaths, "STATE_DIR", tmp_path / "state")
+    monkeypatch.setattr(hostpaths, "LOCK", tmp_path / "state" / "mount-points.lock")
+    monkeypatch.setattr(hostpaths, "LOG", tmp_path / "state" / "mount-points.created")
+    (tmp_path / "state").mkdir()
+    empty, used, empty_file = tmp_path / "models", tmp_path / "data", tmp_path / "etc-hosts-like"
+    empty.mkdir()
+    used.mkdir()
+    (used / "kept").write_text("x")
+    empty_file.touch()
+    hostpaths.LOG.write_text("".join(f"{p}\n" for p in (empty, used, empty_file)))
+    other = open(tmp_path / "state" / "slot-5.lock", "w")
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)   # another cluster runs: its pods may have them mounted
+    (tmp_path / "state" / "slot-2.lock").touch()         # ours (held by us, so not looked at)
+    assert hostpaths.remove_created_mount_points(own_slot=2) == []
+    assert empty.exists()
+    other.close()
+    assert sorted(hostpaths.remove_created_mount_points(own_slot=2)) == sorted([str(empty), str(empty_file)])
+    assert not empty.exists() and not empty_file.exists() and (used / "kept").exists()
+    assert hostpaths.LOG.read_text() == ""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from kvmesh.testing.node import hostpaths
 from kvmesh.testing.node.probes import Prober, Target
 from kvmesh.testing.node.status import now
 
@@ -104,7 +105,8 @@ class Container:
         spec_file = state_dir / f"{self.name}.launch.json"
         spec_file.write_text(json.dumps({"netns": netns, "hostname": hostname, "mounts": launch.mounts,
                                          "argv": launch.argv, "env": launch.env, "cwd": launch.cwd,
-                                         "deathSignal": int(signal.SIGKILL)}))
+                                         "deathSignal": int(signal.SIGKILL),
+                                         "mountPointLock": str(hostpaths.LOCK), "mountPointLog": str(hostpaths.LOG)}))
         with self.log_path.open("ab") as log:
             self.popen = subprocess.Popen([sys.executable, "-S", "-P", LAUNCHER, str(spec_file)], stdout=log,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

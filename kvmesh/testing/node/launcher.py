@@ -7,10 +7,12 @@ starts fast); the exec keeps the process id, which is the container's pid. A fai
 the exec prints why and exits 128, as a runtime's start error does.
 
 SPEC: {"netns": path, "hostname": str, "mounts": [{"source", "target", "readOnly"}],
-       "argv": [...], "env": {...}, "cwd": str, "deathSignal": int}
+       "argv": [...], "env": {...}, "cwd": str, "deathSignal": int,
+       "mountPointLock": path, "mountPointLog": path}
 """
 
 import ctypes
+import fcntl
 import json
 import os
 import sys
@@ -29,14 +31,23 @@ def check(result: int, what: str) -> None:
         raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
 
-def make_mount_point(target: str, directory: bool) -> None:
-    if os.path.lexists(target):
-        return
-    if directory:
-        os.makedirs(target, exist_ok=True)
-    else:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        open(target, "a").close()
+def make_mount_point(target: str, directory: bool) -> list[str]:
+    """Create a missing mount point (and missing parents); the paths created, outermost first."""
+    missing = []
+    path = target
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for i, path in enumerate(reversed(missing)):
+        if directory or i < len(missing) - 1:
+            os.mkdir(path)
+        else:
+            open(path, "a").close()
+    return list(reversed(missing))
+
+
+def covered(path: str, mounted: list[str]) -> bool:
+    return any(path == t or path.startswith(t.rstrip("/") + "/") for t in mounted)
 
 
 def bind(source_fd: int, target: str, read_only: bool) -> None:
@@ -64,9 +75,21 @@ def main(spec_path: str) -> None:
     mounts = sorted(spec["mounts"], key=lambda m: m["target"].rstrip("/").count("/"))
     fds = [os.open(m["source"], O_PATH) for m in mounts]
     is_dir = [os.path.isdir(m["source"]) for m in mounts]
+    # Mount points the host lacks are made on the host's file system (recorded, so the cluster
+    # removes them when no cluster runs); the shared lock keeps that removal from racing us.
+    lock = open(spec["mountPointLock"], "a") if spec.get("mountPointLock") else None
+    if lock is not None:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+    mounted: list[str] = []
     for m, source_fd, directory in zip(mounts, fds, is_dir):
-        make_mount_point(m["target"], directory)
+        created = make_mount_point(m["target"], directory)
+        if created and not covered(m["target"], mounted) and spec.get("mountPointLog"):
+            with open(spec["mountPointLog"], "a") as log:
+                log.write("".join(f"{path}\n" for path in created))
         bind(source_fd, m["target"], bool(m.get("readOnly")))
+        mounted.append(m["target"])
+    if lock is not None:
+        lock.close()
     for source_fd in fds:
         os.close(source_fd)
     os.chdir(spec.get("cwd") or "/")

@@ -79,7 +79,7 @@ def stop_recorded(pids_file: Path, grace: float = 15.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from kvmesh.testing.node import network
+    from kvmesh.testing.node import hostpaths, network
 
     p = argparse.ArgumentParser(prog="python -m kvmesh.testing.node.lifeline")
     p.add_argument("--slot", type=int, required=True)
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     orphaned.wait()
     stop_recorded(args.pids_file)
     network.remove_leftovers(network.NetworkConfig(args.slot))
+    hostpaths.remove_created_mount_points(args.slot)
     args.pids_file.unlink(missing_ok=True)
 
 
