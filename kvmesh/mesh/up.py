@@ -186,7 +186,9 @@ class Mesh:
                  "pid": os.getpid(), "replicas": [f"replica-{r.index}" for r in self.replicas],
                  # each running child's process id, rewritten whenever one is restarted
                  "processes": {c.name: c.pid for c in self.children() if c.alive()}}
-        path.write_text(json.dumps(state, indent=2))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        os.replace(tmp, path)  # atomic: `kvmesh status` never reads half a file
 
     def _host(self) -> str:
         return "127.0.0.1" if self.args.host in ("0.0.0.0", "") else self.args.host
