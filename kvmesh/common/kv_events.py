@@ -654,9 +654,10 @@ class KVEventSubscriber:
             self._catch_up_backoff = 1.0
         else:
             self.stats["replay_failures"] += 1
-            if self.stats["replay_failures"] == 1 or self._catch_up_backoff >= self.resync_backoff_max_s:
-                log.warning("the KV-event replay socket %s did not answer; retrying in %.0fs",
-                            self.replay_endpoint, self._catch_up_backoff)
+            # A sidecar that starts before its engine sees this once or twice: not worth a warning.
+            level = logging.WARNING if self._catch_up_backoff >= 4 else logging.INFO
+            log.log(level, "the KV-event replay socket %s did not answer; a full resync again in %.0fs",
+                    self.replay_endpoint, self._catch_up_backoff)
             self._schedule_full_resync()
         self.caught_up = True
 
