@@ -27,7 +27,8 @@ Each part in turn (an engine by SIGKILL and by SIGTERM, a sidecar, the router, R
 under a client load through the router; a scenario measures the seconds until every replica is
 routable again (the router's /ready, and a `ready` heartbeat written after the replacement
 started) and sorts the failed requests into the killed process's own (in flight on the killed
-engine or router, or refused while no router listened) and the rest, which must be none.
+engine or router, sent to the killed engine as it died, or refused while no router listened)
+and the rest, which must be none.
 """
 
 from __future__ import annotations
@@ -1089,6 +1090,12 @@ def run(coro) -> Any:
 # measures how long until every replica is routable again and which requests failed.
 STUB_ENGINE_ARGS = ["--response-tokens", "16", "--token-delay", "0.03",
                     "--num-blocks", "8192"]  # large: no evictions, so a block set only grows under load
+# A request the router sends to an engine as it dies can go out on a pooled connection whose
+# close the router has not yet seen: sent, then disconnected, a 502 the router may not retry (the
+# engine could have been running it). Such a request, routed to the killed engine within this
+# many seconds of the kill, is the killed engine's own; later ones must find it closed and be
+# retried elsewhere.
+KILL_RACE_S = 1.0
 
 
 @dataclass
@@ -1326,6 +1333,7 @@ class UpRestart:
     back_after_s: float | None = None  # from the kill until every replica is routable again
     results: list[Result] = field(default_factory=list)
     in_flight_at_kill: list[Result] = field(default_factory=list)  # on the killed process when it died
+    sent_as_it_died: list[Result] = field(default_factory=list)  # engine: routed to it within KILL_RACE_S
     own: list[Result] = field(default_factory=list)  # failed, and the killed process's own
     refused_while_down: int = 0  # router: requests that found nothing listening
     keys_before: int = 0  # Redis: block keys when it was killed
@@ -1355,6 +1363,8 @@ class UpRestart:
         if self.pod:
             mid = sum(r.tokens >= 1 for r in self.in_flight_at_kill)
             extra = f", {len(self.in_flight_at_kill)} requests on it ({mid} mid-stream)"
+            if self.sent_as_it_died:
+                extra += f" and {len(self.sent_as_it_died)} sent to it as it died"
         elif self.child == "router":
             extra = f", {len(self.in_flight_at_kill)} requests in flight on it, {self.refused_while_down} refused " \
                     "while it was down"
@@ -1449,9 +1459,11 @@ async def up_restart(mesh: UpMesh, cfg: UpRestartConfig, name: str, child: str, 
         end = t_back if t_back is not None else time.monotonic()
         if pod:
             rep.in_flight_at_kill = [r for r in rep.results if r.pod == pod and r.in_flight_at(t_kill)]
+            rep.sent_as_it_died = [r for r in rep.results if r.pod == pod and t_kill <= r.t_start < t_kill + KILL_RACE_S
+                                   and r.kind == "http" and r.status == 502]
         elif child == "router":
             rep.in_flight_at_kill = [r for r in rep.results if r.in_flight_at(t_kill)]
-        own = set(map(id, rep.in_flight_at_kill))
+        own = set(map(id, rep.in_flight_at_kill + rep.sent_as_it_died))
         if child == "router":
             down = [r for r in rep.results if r.kind in ("refused", "reset") and t_kill <= r.t_start < end]
             rep.refused_while_down = len(down)
