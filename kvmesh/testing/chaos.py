@@ -278,8 +278,8 @@ class Mesh:
     def _redis(self):
         if self._redis_client is None:
             import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry
             from redis.backoff import NoBackoff
-            from redis.retry import Retry
 
             self._redis_client = aioredis.Redis(host="127.0.0.1", port=self.redis_port, socket_timeout=1.0,
                                                 socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0))
