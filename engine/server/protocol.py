@@ -165,10 +165,11 @@ class CompletionRequest(_Common):
     @classmethod
     def _token_ids_not_booleans(cls, value: Any) -> Any:
         """``true`` is not token id 1 (pydantic's lax mode would take it; the router refuses it too)."""
-        if isinstance(value, list):
-            for item in value:
-                if any(isinstance(t, bool) for t in (item if isinstance(item, list) else [item])):
-                    raise ValueError("token ids must be integers, not booleans")
+        if isinstance(value, list):  # set(map(type, ...)): C speed over a million ids
+            kinds = set(map(type, value))
+            if bool in kinds or (list in kinds and any(bool in set(map(type, item)) for item in value
+                                                       if type(item) is list)):
+                raise ValueError("token ids must be integers, not booleans")
         return value
 
     def prompt_inputs(self) -> list[str | list[int]]:
@@ -264,14 +265,16 @@ class ChatCompletionRequest(_Common):
 
 
 # A lone surrogate can only come from a \\uD800-\\uDFFF escape or from UTF-8-encoded surrogate bytes
-# (json.loads decodes bytes with surrogatepass): a body with neither is not walked.
-_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# (json.loads decodes bytes with surrogatepass): a body with neither is not walked. Two searches,
+# each led by a literal byte that re skips to quickly: one alternation scans a 4 MB body 30x slower.
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_UTF8_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 def invalid_text_field(body: bytes, data: Any) -> str | None:
     """The dotted path (``messages.0.content``) of the first string of ``data`` that is not valid
     Unicode (a lone surrogate, which cannot be encoded, tokenised or sent back), or None."""
-    if not _MAYBE_SURROGATE.search(body):
+    if not (_ESCAPED_SURROGATE.search(body) or _UTF8_SURROGATE.search(body)):
         return None
 
     def bad(text: str) -> bool:

@@ -24,11 +24,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
+from kvmesh.common.json_body import load_json
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvmesh.engine.server.errors import APIError, bad_request, error_body
 from kvmesh.engine.server.metrics import ServerMetrics
+from kvmesh.engine.server.offload import LARGE_BODY_BYTES, off_loop
 from kvmesh.engine.server.protocol import first_error_param, invalid_text_field
 
 log = logging.getLogger("kvmesh.server")
@@ -128,12 +130,28 @@ def sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-async def off_loop(size: int, fn, *args):
-    """``fn(*args)``; in a worker thread when ``size`` (characters) is large, so the event loop
-    keeps serving other streams meanwhile."""
-    if size < 8192:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
+def decode_body(raw: bytes, model_cls: type[BaseModel]):
+    """The request model of a JSON body, or the 400 (APIError) that names what is wrong."""
+    try:
+        data = load_json(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json")
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    if "cache_salt" in model_cls.model_fields:  # the router's check too: the same 400
+        try:
+            check_cache_salt(data.get("cache_salt"))
+        except InvalidCacheSalt as exc:
+            raise bad_request(str(exc), param=exc.param, code=exc.code) from None
+    bad_text = invalid_text_field(raw, data)
+    if bad_text is not None:  # every string field: prompt, messages, stop, model, ...
+        raise bad_request(f"{bad_text} is not valid Unicode text (a lone surrogate such as \\ud800)",
+                          param=bad_text, code="invalid_text")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        param, message = first_error_param(exc)
+        raise bad_request(message, param=param)
 
 
 @dataclass
@@ -175,26 +193,8 @@ class RequestHandler:
                                code="body_too_large")
             chunks.append(chunk)
         raw = b"".join(chunks)
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json")
-        if not isinstance(data, dict):
-            raise bad_request("request body must be a JSON object")
-        if "cache_salt" in model_cls.model_fields:  # the router's check too: the same 400
-            try:
-                check_cache_salt(data.get("cache_salt"))
-            except InvalidCacheSalt as exc:
-                raise bad_request(str(exc), param=exc.param, code=exc.code) from None
-        bad_text = invalid_text_field(raw, data)
-        if bad_text is not None:  # every string field: prompt, messages, stop, model, ...
-            raise bad_request(f"{bad_text} is not valid Unicode text (a lone surrogate such as \\ud800)",
-                              param=bad_text, code="invalid_text")
-        try:
-            return model_cls.model_validate(data)
-        except ValidationError as exc:
-            param, message = first_error_param(exc)
-            raise bad_request(message, param=param)
+        # a large body is decoded and validated in the request pool: the loop keeps answering
+        return await off_loop(len(raw), decode_body, raw, model_cls, threshold=LARGE_BODY_BYTES)
 
     def check_model(self, model: str | None) -> None:
         name = self.state.config.served_model_name
@@ -268,7 +268,7 @@ class GenerationHandler(RequestHandler):
             choices: list[Choice] = []
             for p_index, prompt in enumerate(self.prompts(body)):
                 prompt, ids = await self.tokenize_prompt(body, prompt)
-                engine.validate(ids, params)
+                await off_loop(len(ids), engine.validate, ids, params)  # every id against the vocabulary
                 fitted = self._fit_max_tokens(body, ids, params)
                 for j in range(n):
                     # Seeded samples of one prompt differ by seed + j (as vLLM's parallel sampling).
@@ -535,6 +535,18 @@ class GenerationHandler(RequestHandler):
             raise APIError(500, f"{exc}", code="engine_error")
         finally:
             self.state.active -= 1
+        # a long answer (echo, logprobs of every token) is built and rendered in the request pool
+        return await off_loop(self.response_size(choices, outs), self.json_response, choices, outs)
+
+    def response_size(self, choices: list[Choice], outs: list[RequestOutput]) -> int:
+        """About how many token entries full_response builds: tokens times their top-N logprobs."""
+        size = 0
+        for c, out in zip(choices, outs):
+            tokens = len(out.outputs[0].token_ids) + (len(c.ids) if self.echo or self.with_prompt_logprobs else 0)
+            size += tokens * (1 + (c.params.logprobs or 0) + (c.params.prompt_logprobs or 0))
+        return size
+
+    def json_response(self, choices: list[Choice], outs: list[RequestOutput]) -> JSONResponse:
         return JSONResponse(self.full_response(choices, outs), headers=self.headers)
 
     async def _counted(self, gen: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -21,6 +21,11 @@ class TemplateError(ValueError):
     pass
 
 
+# From this length on, encode() and decode() go through the tokenizers batch API, which releases
+# the GIL: a 4 MB prompt (seconds of Rust) then leaves an asyncio loop in another thread free to
+# answer. Shorter texts skip the batch API's thread-pool hand-off (about 0.25 ms).
+LONG_TEXT_CHARS = 4096
+
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 
@@ -82,9 +87,13 @@ class KVMeshTokenizer:
         return min(self.eos_token_ids) if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) >= LONG_TEXT_CHARS:  # the batch API runs without the GIL: other threads keep running
+            return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) >= LONG_TEXT_CHARS // 4:
+            return self.tokenizer.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
