@@ -16,9 +16,10 @@ from kvmesh.engine.request import Request
 from kvmesh.engine.sampler import Sampler
 from kvmesh.engine.sampling_params import SamplingParams
 
+# The model's logits reach the sampler in float32 (engine/models: lm_head(...).float()).
 F32_TINY = float(np.finfo(np.float32).smallest_subnormal)  # 1.4e-45
 F32_NORMAL = float(np.finfo(np.float32).tiny)  # 1.2e-38
-EXTREMES = [5e-324, 1e-323, 2.2250738585072014e-308, 1e-300, 1e-100, 1e-46, F32_TINY / 2, F32_TINY, 2 * F32_TINY,
+EXTREMES = [5e-324, 1e-323, 1e-310, 2.2250738585072014e-308, 1e-300, 1e-100, 1e-46, F32_TINY / 2, F32_TINY, 2 * F32_TINY,
             1e-44, F32_NORMAL / 3, F32_NORMAL, 1e-30, 1e-12, 1e-6, 0.5, float(np.nextafter(1.0, 0.0)), 1.0]
 
 TOP_P = st.one_of(st.sampled_from(EXTREMES), st.floats(min_value=5e-324, max_value=1.0, exclude_min=False))
