@@ -7,6 +7,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python -P
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# The virtual environment's programs first, as if it were activated: torch builds the engine's CPU
+# kernels with the first `ninja` on PATH, and one built with another ninja (the system's) has a
+# build log the venv's does not read, so the next build would compile everything again.
+IN_VENV := PATH="$(abspath $(VENV))/bin:$$PATH"
 
 # The real Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler)
 # that the real-API-server tests and the end-to-end scenario run: unpacked by the installer in the
@@ -40,25 +44,25 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 # Compile the engine's CPU kernels now (minutes, once) rather than on the first engine start.
 # Without a compiler the engine still runs, on plain torch ops.
 build-kernels:
-	$(VENV)/bin/kvmesh build-kernels || echo "warning: no CPU kernels; the engine will use plain torch ops (slower)"
+	$(IN_VENV) $(VENV)/bin/kvmesh build-kernels || echo "warning: no CPU kernels; the engine will use plain torch ops (slower)"
 
 # The main job: serve the built-in model.
 up: setup build-kernels
-	$(VENV)/bin/kvmesh up
+	$(IN_VENV) $(VENV)/bin/kvmesh up
 
 demo: setup
 	$(VENV)/bin/kvmesh generate --model smollm2-135m-instruct "What is a KV cache?"
 
 test: setup
-	$(PY) -m pytest -q -ra tests
+	$(IN_VENV) $(PY) -m pytest -q -ra tests
 
 test-fast: setup
-	$(PY) -m pytest -q -ra -m "not slow" tests
+	$(IN_VENV) $(PY) -m pytest -q -ra -m "not slow" tests
 
 # The end-to-end scenario alone (tests/e2e/: a local cluster, the operator as a pod, engines,
 # router, autoscaling, faults); it prints its report at the end.
 e2e: setup
-	$(PY) -m pytest -q -ra tests/e2e
+	$(IN_VENV) $(PY) -m pytest -q -ra tests/e2e
 
 # Rewrite the generated files from their sources (tests fail while one is stale): the CRD,
 # manifests and chart files and docs/operator-crd.md from operator/; docs/cli.md from the
