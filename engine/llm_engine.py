@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.tokenizer import KVMeshTokenizer, TemplateError
 from kvmesh.engine.config import EngineArgs
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
@@ -57,6 +58,10 @@ class LLMEngine:
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
                     prompt_token_ids: list[int] | None = None) -> str:
+        try:  # the server checked it already; LLM.generate callers reach here directly
+            check_cache_salt(cache_salt)
+        except InvalidCacheSalt as exc:
+            raise InvalidParameter("cache_salt", str(exc)) from None
         request_id, ids, params = self.create_state(prompt, params, request_id, prompt_token_ids)
         try:
             self.core.add_request(request_id, ids, params, cache_salt)

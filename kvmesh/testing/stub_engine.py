@@ -31,6 +31,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE, block_keys
+from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
 from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.common.prompts import chat_template_messages, prompt_batch
@@ -244,10 +245,11 @@ class StubEngine:
                 else:  # a batch: its first prompt (the one the router routes on)
                     prompt = prompt_batch(req.get("prompt") or "")[0]
                     tokens = [int(t) for t in prompt] if isinstance(prompt, list) else self.encoder.encode(prompt)
-            salt = req.get("cache_salt")
             n_out = int(req.get("max_tokens") or self.cfg["response_tokens"])
-            if salt is not None and not isinstance(salt, str):
-                raise ValueError("cache_salt must be a string")
+            try:
+                salt = check_cache_salt(req.get("cache_salt"))
+            except InvalidCacheSalt as exc:
+                return await _json(send, 400, _error(str(exc), "cache_salt"))
         except Exception as exc:  # noqa: BLE001
             return await _json(send, 400, _error(f"invalid request: {exc}", "messages" if chat else "prompt"))
         cached = self.admit(tokens, salt) if tokens else 0

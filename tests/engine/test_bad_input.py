@@ -127,3 +127,13 @@ def test_generation_stops_at_max_model_len(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, num_kv_blocks=8, max_model_len=40)
     out = llm.generate([[7] * 30], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("salt", ["\ud800", 7, ""])
+def test_bad_cache_salt_is_refused_offline(llm, salt):
+    # The server's shared check, also for LLM.generate callers: a lone surrogate would
+    # otherwise surface as a UnicodeEncodeError from the block-key root.
+    with pytest.raises(InvalidParameter) as err:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), cache_salt=salt)
+    assert err.value.param == "cache_salt"
+    assert not llm.engine.has_unfinished_requests()
