@@ -10,8 +10,7 @@ one node agent that runs pods as local processes in network namespaces of their 
 ``python -m kvmesh.testing.cluster up --workdir DIR`` runs one by hand until Ctrl-C.
 
 Needs root (network namespaces, a bridge, bind mounts), the ``ip``, ``nsenter`` and
-``openssl`` commands, and the control-plane binaries (``/work/shared/k8s/install.sh`` or
-``make setup``). ``unavailable()`` says why a cluster cannot run here (tests skip on it).
+``openssl`` commands, and the control-plane binaries (``make setup`` installs them). ``unavailable()`` says why a cluster cannot run here (tests skip on it).
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ def unavailable() -> str | None:
     if assets is None:
         return why
     if assets.controller_manager is None or assets.scheduler is None:
-        return f"{assets.directory} lacks kube-controller-manager or kube-scheduler (run /work/shared/k8s/install.sh)"
+        return f"{assets.directory} lacks kube-controller-manager or kube-scheduler (`make setup` installs them)"
     if os.geteuid() != 0:
         return "the local cluster needs root (network namespaces, a bridge, bind mounts)"
     for tool in ("ip", "nsenter", "kubectl"):
