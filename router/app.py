@@ -175,6 +175,9 @@ class Outcome:
     error: str | None = None  # what went wrong upstream (logged)
 
 
+UNREACHED = "unreached"  # Outcome.error: no engine accepted the connection; nothing was sent
+
+
 @dataclass
 class _Call:
     """One request on its way through Router.handle's stages (each fills in its part)."""
@@ -497,12 +500,13 @@ class Router:
             except Refused as r:
                 self.limiter.adjust(call.client_id, -call.charged, call.tpm)  # never reached an engine
                 return await self._refuse(send, call, r)
-            out = await self._proxy(call, scope, send, watcher)
+            out = await self._proxy_rerouting(call, scope, send, watcher)
         finally:
             watcher.cancel()
             if call.held is not None:
                 call.held.sent.set()
-        self._record(call, out)
+        if out is not None:  # None: settled where the client went away
+            self._record(call, out)
 
     def _begin(self, scope) -> _Call:
         t0 = time.perf_counter()
@@ -664,11 +668,41 @@ class Router:
         call.predicted = min(ordered[0].matched_blocks, max(len(call.tokens) - 1, 0) // bs) * bs
         call.ordered, call.reason = ordered, reason
 
-    async def _proxy(self, call: _Call, scope, send, watcher: asyncio.Future) -> Outcome:
+    async def _proxy_rerouting(self, call: _Call, scope, send, watcher: asyncio.Future) -> Outcome | None:
+        """_proxy(); when no candidate even accepted the connection (the request reached no engine:
+        the pods believed ready died an instant ago), route it again, with back-off, until a pod
+        takes it or the scale-from-zero bound passes: a request no engine saw is not lost to a
+        fault. Without holding (scale from zero off) the first such failure is answered (502).
+        None when the client left while held (already counted)."""
+        deadline = time.monotonic() + self.cfg.scale_from_zero_timeout
+        pause = 0.1
+        while True:
+            last_chance = not self.holds or time.monotonic() + pause >= deadline or self.cutting
+            out = await self._proxy(call, scope, send, watcher, answer_unreached=last_chance)
+            if out.error != UNREACHED or last_chance:
+                return out
+            self.metrics.retries.labels("unreached").inc()
+            await asyncio.wait({watcher}, timeout=pause)
+            if watcher.done():
+                self.metrics.client_disconnects.inc()
+                return Outcome(499, out.pod)   # _record counts it
+            pause = min(pause * 2, 2.0)
+            try:
+                pods = await self._routable_pods(call, watcher)
+            except Refused as r:  # held, and no pod came back in time
+                await _error(send, r.status, r.message, r.etype, call.extra + list(r.headers), param=r.param,
+                             code=r.code)
+                return Outcome(r.status, out.pod, attempts=out.attempts, error=r.code)
+            if pods is None:  # the client left while held: _routable_pods settled it
+                return None
+            await self._order(call, pods)
+
+    async def _proxy(self, call: _Call, scope, send, watcher: asyncio.Future, answer_unreached: bool = True) -> Outcome:
         """proxy() to the ordered pods; a client that goes away cancels the upstream request."""
         on_sent = call.held.sent.set if call.held is not None else None
         task = asyncio.ensure_future(self.proxy(scope, send, call.path, call.body, call.headers, call.rid,
-                                                call.ordered, call.t0, call.extra, on_sent))
+                                                call.ordered, call.t0, call.extra, on_sent,
+                                                answer_unreached=answer_unreached))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -882,11 +916,14 @@ class Router:
         tie = keys[-1].to_bytes(8, "little") if keys else body[:512]
         return await self.policy.order(RouteRequest(cands, keys, headers, tie, lambda: self.match(pods, keys)))
 
-    async def proxy(self, scope, send, path, body, headers, rid, ordered, t0, extra, on_sent=None) -> Outcome:
+    async def proxy(self, scope, send, path, body, headers, rid, ordered, t0, extra, on_sent=None,
+                    answer_unreached: bool = True) -> Outcome:
         """Send to the candidates in order. Retried on the next pod: a connect error (the request
         never left), a 502/503 (the engine says "not me"), a 429 while another pod has room. Not
         retried, and not counted against the pod's breaker: a disconnect after the request was
-        sent, a timeout, any other 5xx (caused by the request), a failure mid-stream."""
+        sent, a timeout, any other 5xx (caused by the request), a failure mid-stream. When every
+        try was a connect error and not ``answer_unreached``, nothing is sent to the client: the
+        Outcome's error is UNREACHED and the caller may route the request again."""
         m = self.metrics
         cfg = self.cfg
         fwd = {"Content-Type": headers.get("content-type", "application/json"), "X-Request-Id": rid,
@@ -905,6 +942,7 @@ class Router:
         queue = list(ordered)
         tried = 0
         last_err = "no attempt"
+        all_unreached = True  # every try so far failed to connect: no engine has seen the request
         me = asyncio.current_task()
         while queue and tried < budget:
             cand = queue.pop(0)
@@ -954,6 +992,7 @@ class Router:
                                  extra + pod_hdr, code="upstream_disconnected")
                     return Outcome(502, cand.name, None, tried, "disconnected")
                 self._awaiting.discard(me)
+                all_unreached = False
                 m.ttfb.observe(time.perf_counter() - t_send)
                 self._upstream.add(resp)
                 st = resp.status
@@ -1002,6 +1041,8 @@ class Router:
                 if resp is not None:
                     self._upstream.discard(resp)
                     resp.close()  # a half-read response closes its connection (cancels the engine's work)
+        if last_err == "connect" and all_unreached and not answer_unreached:
+            return Outcome(502, ordered[-1].name if ordered else "", None, tried, UNREACHED)
         await _error(send, 502, f"no engine could take the request ({last_err})", "upstream_error", extra,
                      code="no_engine_reachable")
         return Outcome(502, ordered[-1].name if ordered else "", None, tried, last_err)

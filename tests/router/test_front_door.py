@@ -247,8 +247,9 @@ def test_junk_paths_do_not_grow_metrics(mesh, router_factory, redis_server, mode
 # -- tokenisation off the loop, after the cheap checks -------------------------------------------------
 def test_a_4mb_prompt_does_not_stall_health_and_a_limited_client_costs_no_tokenizing(router_factory):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: the request ends in a 502 after tokenizing
+    # (no holding: with it, a request no engine accepted waits for one to come back)
     router = router_factory(model="m", redis_url=None, static_backends=[dead], rate_limit_rpm=1,
-                            max_retries=0)
+                            max_retries=0, scale_from_zero_timeout=0)
     words = text(7, 60).split()
     prompt = " ".join(words[i % len(words)] + str(i % 1000) for i in range(450_000))[:3_900_000]
     out = {}
