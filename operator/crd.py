@@ -18,7 +18,7 @@ import copy
 from typing import Any
 
 from kvmesh.common import block_keys as _block_keys, models as _models
-from kvmesh.router import policies as _policies
+from kvmesh.common import policy_names as _policies
 
 GROUP = "kvmesh.io"
 VERSION = "v1alpha1"
@@ -30,7 +30,7 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 # Engine defaults: the same as `kvmesh serve` (docs/cli.md); the model and block size are the
-# shared contracts' (kvmesh/common), the routing policies the router's registry.
+# shared contracts' (kvmesh/common), the routing policies' names kvmesh/common/policy_names.py.
 DEFAULT_MODEL = _models.DEFAULT_MODEL
 DEFAULT_BLOCK_SIZE = _block_keys.DEFAULT_BLOCK_SIZE
 DEFAULT_MAX_NUM_SEQS = 128

@@ -36,6 +36,7 @@ from kvmesh.common.json_body import load_json
 from kvmesh.common.logging_setup import redact_url
 from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.common.prompts import chat_template_messages, prompt_batch
+from kvmesh.common.request_limits import MAX_N, MAX_PROMPTS, MAX_TOKENS_ESTIMATE, lax_int
 from kvmesh.router.auth import ApiKeys, KeyInfo, RateLimiter
 from kvmesh.router import policies
 from kvmesh.router.discovery import Discovery, EndpointSlices, Pod
@@ -55,11 +56,6 @@ _METHODS = {"/v1/completions": ("POST",), "/v1/chat/completions": ("POST",), "/t
             "/detokenize": ("POST",), "/v1/models": _GET, "/health": _GET, "/ready": _GET, "/metrics": _GET,
             "/openapi.json": _GET}  # the routes the router documents, and their methods
 
-# The engine's own limits (kvmesh.engine.server.protocol; tests/router/test_front_door.py keeps
-# them equal), so the router refuses exactly what an engine would and never charges more.
-MAX_N = 128  # choices per prompt
-MAX_PROMPTS = 256  # prompts in one completion request
-MAX_TOKENS_ESTIMATE = 1 << 31  # a max_tokens above this is charged as this
 OFF_LOOP_CHARS = 16384  # prompts this long are tokenised in a worker thread
 OFF_LOOP_BODY_BYTES = 64 * 1024  # bodies this large are parsed and checked in one
 
@@ -1125,11 +1121,11 @@ def estimate_tokens(req: dict[str, Any], prompt_tokens: int) -> int:
     """Tokens a request will use, charged to the rate limit up front (settled with its usage):
     every prompt of a batch (sized like the first) and n completions of each. Malformed or
     absurd values are bounded (the limiter charges at most a minute's budget anyway)."""
-    n = min(max(1, _lax_int(req.get("n"), 1)), MAX_N)
+    n = min(max(1, lax_int(req.get("n"), 1)), MAX_N)
     mt = req.get("max_completion_tokens")
     if mt is None:
         mt = req.get("max_tokens")
-    max_tokens = min(max(0, _lax_int(mt, 0)), MAX_TOKENS_ESTIMATE)
+    max_tokens = min(max(0, lax_int(mt, 0)), MAX_TOKENS_ESTIMATE)
     prompts = min(len(prompt_batch(req.get("prompt"))), MAX_PROMPTS)
     return prompts * (max(0, prompt_tokens) + n * max_tokens)
 
@@ -1152,13 +1148,6 @@ def prompt_chars(path: str, req: dict[str, Any]) -> int:
     if isinstance(first, list):
         return 4 * len(first)  # token ids: exact after the division by 4
     return len(first) if isinstance(first, str) else 0
-
-
-def _lax_int(value: Any, default: int) -> int:
-    try:
-        return int(value) if value is not None else default
-    except (TypeError, ValueError, OverflowError):
-        return default
 
 
 def _int_param(req: dict[str, Any], name: str, lo: int, hi: int | None = None) -> None:

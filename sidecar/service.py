@@ -51,7 +51,7 @@ from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE, block_keys, key_hex, ro
 from kvmesh.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Delivery, EventBatch,
                                      KVEventSubscriber)
 from kvmesh.common.models import DEFAULT_MODEL
-from kvmesh.router.engine_metrics import engine_load
+from kvmesh.common.engine_load import engine_load
 
 log = logging.getLogger("kvmesh.sidecar")
 

@@ -13,11 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.prompts import prompt_batch
+from kvmesh.common.request_limits import MAX_N, MAX_PROMPTS
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
-
-
-MAX_N = 128  # choices per prompt
-MAX_PROMPTS = 256  # prompts in one completion request
 
 
 class StreamOptions(BaseModel):

@@ -33,7 +33,7 @@ from kvmesh.common.logging_setup import setup_logging
 from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.common.ports import free_port
 from kvmesh.mesh.supervisor import GAVE_UP, RESTARTED, Child, RestartPolicy, say
-from kvmesh.router import policies
+from kvmesh.common import policy_names as policies
 
 DEFAULT_ENGINE_COMMAND = (
     "{python} -m kvmesh.cli serve --model {model} --served-model-name {served_model_name} --host 127.0.0.1 "

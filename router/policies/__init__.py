@@ -1,17 +1,18 @@
 """Routing policies as plug-ins: one module per policy, and this registry (name -> class).
 
-The registry is the one list of policy names: the router (``--policy``), ``kvmesh up
---policy``, and the ModelDeployment CRD's ``spec.router.policy`` enum
-(kvmesh/operator/crd.py) all read :data:`NAMES`. Importing it is cheap (no aiohttp, Redis,
-Prometheus or torch), so the operator and the CLIs read the names without the router's runtime.
+The names live in kvmesh/common/policy_names.py, which the router (``--policy``), ``kvmesh up
+--policy`` and the ModelDeployment CRD's ``spec.router.policy`` enum read without importing the
+router; this registry maps each of those names to its class (tests/router/test_policies.py
+checks that the two agree).
 
 To add a policy: a module here with a :class:`RoutingPolicy` subclass (its ``name``, an
-``order`` coroutine), one line below, then regenerate the CRD (``python -m
-kvmesh.operator.generate``); docs/router.md lists the policies.
+``order`` coroutine), one line below, its name in kvmesh/common/policy_names.py, then regenerate
+the CRD (``make generate``); docs/router.md lists the policies.
 """
 
 from __future__ import annotations
 
+from kvmesh.common import policy_names
 from kvmesh.router.policies.base import PolicySettings, RouteRequest, RoutingPolicy
 from kvmesh.router.policies.least_load import LeastLoadPolicy
 from kvmesh.router.policies.prefix import PrefixPolicy
@@ -20,8 +21,8 @@ from kvmesh.router.policies.session import SessionPolicy
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
     cls.name: cls for cls in (PrefixPolicy, LeastLoadPolicy, RoundRobinPolicy, SessionPolicy)}
-NAMES: tuple[str, ...] = tuple(POLICIES)
-DEFAULT = PrefixPolicy.name
+NAMES: tuple[str, ...] = policy_names.NAMES
+DEFAULT = policy_names.DEFAULT
 
 
 def create(name: str, settings: PolicySettings | None = None) -> RoutingPolicy:

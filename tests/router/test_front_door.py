@@ -90,7 +90,10 @@ def test_router_limits_match_the_engines():
     from kvmesh.router import app
     from kvmesh.router.cli import add_arguments as router_args
 
+    from kvmesh.common import request_limits
+
     assert (app.MAX_N, app.MAX_PROMPTS) == (protocol.MAX_N, protocol.MAX_PROMPTS)
+    assert (protocol.MAX_N, protocol.MAX_PROMPTS) == (request_limits.MAX_N, request_limits.MAX_PROMPTS)
     assert app.RouterConfig().max_body_bytes == ServerConfig("m").max_body_bytes
     pe, pr = argparse.ArgumentParser(), argparse.ArgumentParser()
     engine_args(pe)

@@ -41,6 +41,21 @@ def test_registry_names_and_classes():
         policies.create("fastest")
 
 
+def test_every_shared_name_has_exactly_one_registered_policy():
+    """The names the operator and `kvmesh up` read (kvmesh.common, no router import) are the registry's."""
+    from kvmesh.common import policy_names
+
+    assert tuple(policies.POLICIES) == policy_names.NAMES
+    assert policy_names.DEFAULT in policies.POLICIES
+
+
+def test_the_operator_and_the_mesh_cli_do_not_import_the_router():
+    code = ("import sys, kvmesh.operator.crd, kvmesh.mesh.up, kvmesh.sidecar.service; "
+            "routers = sorted(m for m in sys.modules if m.startswith('kvmesh.router')); "
+            "assert not routers, routers")
+    subprocess.run([sys.executable, "-P", "-c", code], check=True)
+
+
 def test_every_reader_of_policy_names_reads_the_registry():
     from kvmesh.mesh import up
     from kvmesh.operator import crd

@@ -1,0 +1,71 @@
+"""Reading an engine's Prometheus `/metrics` (vLLM names) into one load figure, for the sidecar, router and operator."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass
+class EngineLoad:
+    kv_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    total_blocks: int = 0
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+    spec_draft_tokens: float = 0.0  # speculative decoding: draft tokens verified, and accepted
+    spec_accepted_tokens: float = 0.0
+    process_start_time: float | None = None
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        if not math.isfinite(value):
+            continue  # NaN/Inf: no usable figure (and int() of it would raise)
+        labels = dict(_LABEL.findall(m.group(3) or ""))
+        samples.append((m.group(1), labels, value))
+    return samples
+
+
+def engine_load(text: str) -> EngineLoad:
+    """Sum each metric over its label sets (several engines/DP ranks may share one endpoint)."""
+    load = EngineLoad()
+    usage: list[float] = []
+    for name, labels, value in parse_prometheus(text):
+        if name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            usage.append(value)
+        elif name == "vllm:num_requests_running":
+            load.running += int(value)
+        elif name == "vllm:num_requests_waiting":
+            load.waiting += int(value)
+        elif name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries",
+                      "vllm:gpu_prefix_cache_queries_total"):
+            load.prefix_cache_queries += value
+        elif name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits_total"):
+            load.prefix_cache_hits += value
+        elif name in ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens"):
+            load.spec_draft_tokens += value
+        elif name in ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens"):
+            load.spec_accepted_tokens += value
+        elif name == "vllm:cache_config_info" and labels.get("num_gpu_blocks", "").isdigit():
+            load.total_blocks += int(labels["num_gpu_blocks"])
+        elif name == "process_start_time_seconds":
+            load.process_start_time = value
+    if usage:
+        load.kv_usage = min(max(sum(usage) / len(usage), 0.0), 1.0)
+    return load

@@ -1,0 +1,22 @@
+"""The request limits the engine enforces and the router checks before forwarding, kept in one place.
+
+The engine's request models (kvmesh/engine/server/protocol.py) refuse past these; the router
+refuses exactly the same requests and never charges a rate limit for more than an engine would run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_N = 128  # choices per prompt
+MAX_PROMPTS = 256  # prompts in one completion request
+MAX_TOKENS_ESTIMATE = 1 << 31  # a max_tokens above this is charged as this
+
+
+def lax_int(value: Any, default: int) -> int:
+    """`value` as an int where it reads as one, else `default`: for estimates made before (or
+    without) validation, where a malformed field must not raise."""
+    try:
+        return int(value) if value is not None else default
+    except (TypeError, ValueError, OverflowError):
+        return default
