@@ -1,0 +1,49 @@
+"""Structured-output and tool-calling fields pass through the router untouched, and do not change
+the prompt's block keys (the router routes on the prompt alone; the engine reads these fields)."""
+
+import httpx
+import pytest
+
+STRUCTURED = {
+    "response_format": {"type": "json_schema", "json_schema": {"name": "point", "schema": {
+        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+        "required": ["x", "y"]}}},
+    "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+    "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    "parallel_tool_calls": False,
+    "structured_outputs": {"choice": ["yes", "no"]},
+    "guided_json": {"type": "object", "properties": {"ok": {"type": "boolean"}}},
+    "guided_regex": r"\d{3}-[a-z]+",
+    "guided_choice": ["red", "green", "blü"],
+    "guided_grammar": 'root ::= "a" | "b"',
+    "guided_decoding_backend": "xgrammar",
+}
+MESSAGES = [{"role": "system", "content": "You answer in JSON. " * 10}, {"role": "user", "content": "A point?"}]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4}),
+    ("/v1/completions", {"prompt": "Name a colour. " * 10, "max_tokens": 4}),
+])
+def test_the_engine_receives_every_structured_field_unchanged(stub_factory, router_factory, model_name, path, body):
+    stub = stub_factory(model_name, 1)[0]
+    router = router_factory(model=model_name, static_backends=[f"pod-0={stub.url}"])
+    sent = {"model": model_name, **body, **STRUCTURED}
+    resp = httpx.post(router.url + path, json=sent, timeout=20)
+    assert resp.status_code == 200, resp.text
+    received = stub.stats()["last_body"]
+    assert {k: received.get(k) for k in STRUCTURED} == STRUCTURED
+    assert received == sent
+
+
+def test_block_keys_ignore_the_structured_fields():
+    from kvmesh.router import app
+
+    router = app.Router(app.RouterConfig(model="smollm2-135m-instruct", redis_url=None))  # its real tokenizer
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}),
+                       ("/v1/completions", {"prompt": "Name a colour. " * 40})):
+        plain = router._tokens_and_keys(path, body, False, False)
+        with_fields = router._tokens_and_keys(path, {**body, **STRUCTURED}, False, False)
+        assert plain[1], "the prompt is long enough for at least one full block"
+        assert with_fields == plain
