@@ -34,17 +34,16 @@ server's ``/health`` and ``/ready`` answer 503.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Hashable
 
 import httpx
 import redis
+from prometheus_client import generate_latest
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE, block_keys, key_hex, root_key
@@ -52,6 +51,7 @@ from kvmesh.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored
                                      KVEventSubscriber)
 from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.common.engine_load import engine_load
+from kvmesh.sidecar.health import HealthServer, metrics_registry
 
 log = logging.getLogger("kvmesh.sidecar")
 
@@ -187,7 +187,7 @@ class Sidecar:
         self.index_withdrawn = False  # the block set was removed from Redis because the index is not trusted
         # The subscriber's next_seq after the last write (see indexed_seq).
         self._indexed_seq: int | None = None
-        self.health_server: ThreadingHTTPServer | None = None
+        self.health_server: HealthServer | None = None
         self.health_port: int | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -210,8 +210,7 @@ class Sidecar:
         for t in self._threads:
             t.join(timeout=5)
         if self.health_server is not None:
-            self.health_server.shutdown()
-            self.health_server.server_close()
+            self.health_server.stop()
         if clean:
             try:
                 pipe = self.redis.pipeline(transaction=True)
@@ -282,71 +281,12 @@ class Sidecar:
         }
 
     def metrics_text(self) -> str:
-        sub = self.subscriber.stats if self.subscriber else {}
-        last = self.events_last_ok
-        lines = []
-
-        def metric(name: str, kind: str, help_: str, value: float) -> None:
-            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"])
-
-        for key, help_ in (("batches", "KV-event batches applied"), ("decode_errors", "undecodable KV-event "
-                           "batches or malformed messages"), ("lost_batches", "batches undecodable in the "
-                           "replay buffer too (the index was reset)"),
-                           ("gaps", "sequence gaps detected (live or in a replay answer), each healed by a replay "
-                            "unless counted as a snapshot or a gap reset"),
-                           ("gap_batches", "batches found missing in sequence gaps"),
-                           ("snapshots", "gaps healed from the engine's block-set snapshot"),
-                           ("gap_resets", "gaps nothing could fill: the index was reset (a subset until the "
-                            "next full resync)"),
-                           ("replay_failures", "full resyncs that failed because the replay socket did not answer"),
-                           ("replays", "replay requests sent"), ("resets", "index resets by the subscriber")):
-            metric(f"kvmesh_sidecar_kv_event_{key}_total", "counter", help_, sub.get(key, 0))
-        for key, help_ in (("events_loop_errors", "events-loop iterations that failed (each followed by a resync)"),
-                           ("redis_errors", "Redis operations that failed"), ("full_rewrites", "block set rewrites"),
-                           ("heartbeats", "heartbeats written"),
-                           ("engine_restarts", "engine restarts detected (each followed by a full resync)"),
-                           ("index_withdrawals", "block set withdrawn because the events loop was dead or stale"),
-                           ("block_set_repairs", "block set found different from the index in Redis (lost by "
-                            "Redis) and rewritten")):
-            metric(f"kvmesh_sidecar_{key}_total", "counter", help_, self.stats.get(key, 0))
-        metric("kvmesh_sidecar_block_keys", "gauge", "block keys in the index", len(self.index.refs))
-        metric("kvmesh_sidecar_events_ok", "gauge", "1 if the events loop is alive and current",
-               int(self.events_problem() is None))
-        metric("kvmesh_sidecar_events_loop_age_seconds", "gauge", "seconds since the last completed events iteration",
-               -1 if last is None else round(time.monotonic() - last, 3))
-        return "\n".join(lines) + "\n"
+        """The /metrics exposition (Prometheus text), also without a health server."""
+        return generate_latest(metrics_registry(self)).decode()
 
     def _start_health_server(self) -> None:
-        sidecar = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's API
-                path = self.path.split("?", 1)[0]
-                if path in ("/health", "/healthz", "/livez"):
-                    ok, detail = sidecar.liveness()
-                    return self._send(200 if ok else 503, json.dumps(detail).encode(), "application/json")
-                if path in ("/ready", "/readyz"):
-                    ok, detail = sidecar.readiness()
-                    return self._send(200 if ok else 503, json.dumps(detail).encode(), "application/json")
-                if path == "/metrics":
-                    return self._send(200, sidecar.metrics_text().encode(), "text/plain; version=0.0.4")
-                self._send(404, b'{"error": "not found"}', "application/json")
-
-            def _send(self, status: int, body: bytes, ctype: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):  # probes every few seconds: no access log
-                pass
-
-        self.health_server = ThreadingHTTPServer((self.cfg.health_host, self.cfg.health_port), Handler)
-        self.health_server.daemon_threads = True
-        self.health_port = self.health_server.server_address[1]
-        t = threading.Thread(target=self.health_server.serve_forever, name="sidecar-health", daemon=True)
-        t.start()
+        self.health_server = HealthServer(self, self.cfg.health_host, self.cfg.health_port).start()
+        self.health_port = self.health_server.port
         log.info("health on %s:%d (/health, /ready, /metrics)", self.cfg.health_host, self.health_port)
 
     # -- events -> Redis ------------------------------------------------------------------
