@@ -43,6 +43,7 @@ from kvmesh.router.discovery import Discovery, EndpointSlices, Pod
 from kvmesh.router.metrics import RouterMetrics, route_label, status_label
 from kvmesh.router.policies import PolicySettings, RouteRequest
 from kvmesh.router.scoring import Candidate, Weights
+from kvmesh.router import upstream_failure as uf
 
 log = logging.getLogger("kvmesh.router")
 access_log = logging.getLogger("kvmesh.router.access")
@@ -973,20 +974,12 @@ class Router:
                     log.info("could not connect to %s: %s", redact_url(cand.name), exc,
                              extra={"fields": {"request_id": rid}})
                     continue
-                except asyncio.TimeoutError:  # sent, no answer in time: the engine may still run it
-                    m.upstream_failures.labels("before_response").inc()
-                    log.warning("%s did not answer in time", redact_url(cand.name),
-                                extra={"fields": {"request_id": rid}})
-                    await _error(send, 504, "upstream engine timed out", "timeout_error", extra + pod_hdr)
-                    return Outcome(504, cand.name, None, tried, "timeout")
+                except asyncio.TimeoutError as exc:  # sent, no answer in time: the engine may still run it
+                    return await self._upstream_failed(send, uf.TIMEOUT, exc, cand.name, rid, tried, extra + pod_hdr)
                 except (aiohttp.ClientError, OSError) as exc:
                     # Sent, then the connection failed: the engine may be running it. Never twice.
-                    m.upstream_failures.labels("before_response").inc()
-                    log.warning("%s closed the connection before answering: %s", redact_url(cand.name), exc,
-                                extra={"fields": {"request_id": rid}})
-                    await _error(send, 502, "the engine closed the connection before answering", "upstream_error",
-                                 extra + pod_hdr, code="upstream_disconnected")
-                    return Outcome(502, cand.name, None, tried, "disconnected")
+                    return await self._upstream_failed(send, uf.DISCONNECTED, exc, cand.name, rid, tried,
+                                                       extra + pod_hdr)
                 self._awaiting.discard(me)
                 all_unreached = False
                 m.ttfb.observe(time.perf_counter() - t_send)
@@ -1017,15 +1010,7 @@ class Router:
                     try:
                         data = await resp.read()
                     except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-                        if self.cutting:
-                            await _refuse_shutdown(send, extra + pod_hdr)
-                            return Outcome(503, cand.name, None, tried, "router_shutdown")
-                        m.upstream_failures.labels("body").inc()
-                        log.warning("%s failed while sending its answer: %s", redact_url(cand.name), exc,
-                                    extra={"fields": {"request_id": rid}})
-                        await _error(send, 502, "the engine failed while sending its answer", "upstream_error",
-                                     extra + pod_hdr, code="upstream_failed")
-                        return Outcome(502, cand.name, None, tried, "body")
+                        return await self._upstream_failed(send, uf.BODY, exc, cand.name, rid, tried, extra + pod_hdr)
                     await send(start)
                     await send({"type": "http.response.body", "body": data})
                     return Outcome(st, cand.name, _usage(data, False) if st == 200 else None, tried)
@@ -1043,6 +1028,17 @@ class Router:
                      code="no_engine_reachable")
         return Outcome(502, ordered[-1].name if ordered else "", None, tried, last_err)
 
+    async def _upstream_failed(self, send, failure: uf.UpstreamFailure, exc: BaseException, pod: str, rid: str,
+                               tried: int, headers: list) -> Outcome:
+        """Answer an engine's failure before anything reached the client (see router/upstream_failure.py)."""
+        if failure.shutdown_first and self.cutting:  # our own drain timed out, not the engine
+            await _refuse_shutdown(send, headers)
+            return Outcome(503, pod, None, tried, "router_shutdown")
+        self.metrics.upstream_failures.labels(failure.stage).inc()
+        uf.log_failure(failure, pod, exc, rid)
+        await _error(send, failure.status, failure.message, failure.etype, headers, code=failure.code)
+        return Outcome(failure.status, pod, None, tried, failure.error)
+
     async def _stream(self, send, resp, start, pod, rid, tried, err_headers) -> Outcome:
         """Pass an SSE stream through. The status line waits for the first event, so an engine
         that dies before it gives a clean 502; one that dies later ends the stream with an error
@@ -1056,15 +1052,7 @@ class Router:
         except StopAsyncIteration:
             first = b""
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            if self.cutting:  # our own drain timed out, not the engine
-                await _refuse_shutdown(send, err_headers)
-                return Outcome(503, pod, None, tried, "router_shutdown")
-            m.upstream_failures.labels("before_response").inc()
-            log.warning("%s failed before its first event: %s", redact_url(pod), exc,
-                        extra={"fields": {"request_id": rid}})
-            await _error(send, 502, "the engine failed before its first event", "upstream_error", err_headers,
-                         code="upstream_failed")
-            return Outcome(502, pod, None, tried, "before_first_event")
+            return await self._upstream_failed(send, uf.FIRST_EVENT, exc, pod, rid, tried, err_headers)
         await send(start)
         chunk = first
         while chunk:
