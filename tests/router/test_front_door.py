@@ -91,8 +91,9 @@ def test_router_limits_match_the_engines():
     from kvmesh.router.cli import add_arguments as router_args
 
     from kvmesh.common import request_limits
+    from kvmesh.router import request_checks
 
-    assert (app.MAX_N, app.MAX_PROMPTS) == (protocol.MAX_N, protocol.MAX_PROMPTS)
+    assert (request_checks.MAX_N, request_checks.MAX_PROMPTS) == (protocol.MAX_N, protocol.MAX_PROMPTS)
     assert (protocol.MAX_N, protocol.MAX_PROMPTS) == (request_limits.MAX_N, request_limits.MAX_PROMPTS)
     assert app.RouterConfig().max_body_bytes == ServerConfig("m").max_body_bytes
     pe, pr = argparse.ArgumentParser(), argparse.ArgumentParser()

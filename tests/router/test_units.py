@@ -219,7 +219,7 @@ def test_router_tokenizes_every_prompt_shape():
 
 
 def test_rate_limit_estimate_counts_batches_and_choices():
-    from kvmesh.router.app import estimate_tokens
+    from kvmesh.router.request_checks import estimate_tokens
 
     assert estimate_tokens({"prompt": "x", "max_tokens": 10}, 5) == 15
     assert estimate_tokens({"prompt": "x", "max_tokens": 10, "n": 3}, 5) == 35
@@ -295,7 +295,7 @@ def test_rate_limit_charges_are_bounded_so_no_key_is_locked_out_past_its_window(
     assert lim.adjust("a", -(10**12)) <= 1000  # a refund never grants more than the bucket holds
     now[0] += 60
     assert lim.admit("a", 1000)[0]  # a window later the key is whole again
-    from kvmesh.router.app import estimate_tokens
+    from kvmesh.router.request_checks import estimate_tokens
 
     assert estimate_tokens({"prompt": "x", "max_tokens": float("inf")}, 5) == 5
     assert estimate_tokens({"prompt": "x", "max_tokens": -7, "n": 10**9}, 5) == 5
