@@ -13,8 +13,8 @@ installed), ``cpu`` on the CPU. Engine argument ``attention_backend`` / CLI
 ``KVMESH_ATTENTION_BACKEND`` may too (as vLLM's ``VLLM_ATTENTION_BACKEND``).
 
 A backend gives the model its ``forward`` (attention over the paged cache), optionally its
-fused ``ops`` (same signatures as the compiled CPU ops), and, when ``builds_metadata``, the
-step's attention metadata from the runner's per-request rows.
+fused ``ops`` (same signatures as the compiled CPU ops), and ``step_metadata``: the step's
+attention metadata from the backend-neutral rows (step_rows.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvmesh.engine.attention import paged_attention
+from kvmesh.engine.attention import AttentionMetadata, PrefillSeq, paged_attention
 from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.kv_cache_manager import cdiv
+from kvmesh.engine.step_rows import StepRows
 
 log = logging.getLogger(__name__)
 
@@ -65,23 +67,107 @@ def choose(requested: str, device: torch.device) -> str:
     return requested
 
 
+def _pad(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one [n, longest] int64 array, zero-padded."""
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
+
+
 class AttentionBackend:
     name = "torch"
-    builds_metadata = False  # True: build_metadata() makes the step's metadata from the runner's rows
     supports_cuda_graphs = False
     ops = None  # fused elementwise ops with the CPU ops' signatures, or None for torch ops
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
 
+    def step_metadata(self, rows: StepRows, upload, block_size: int):
+        """The step's attention metadata; ``upload(values, dtype=torch.long)`` makes a device tensor."""
+        raise NotImplementedError
+
 
 class TorchBackend(AttentionBackend):
+    """attention.py's torch path; the compiled CPU kernels' metadata when ``cpu_ops`` is set."""
     name = "torch"
+    cpu_ops = None  # the compiled CPU kernels module (kernels/cpu.py), when loaded
+    cpu_prefill_attention = False  # whether they cover this model's prefill attention
+
+    def step_metadata(self, rows: StepRows, upload, block_size: int) -> AttentionMetadata:
+        """Decode rows batched (kernel or masked gather), prefills by the compiled kernel or one
+        PrefillSeq each, and the last layer's view of the rows that give logits."""
+        bs = block_size
+        decode_idx: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_ctx: list[int] = []
+        prefills: list[PrefillSeq] = []
+        prefill_rows: list[tuple[int, int, int]] = []  # for the compiled kernel
+        prefill_tables: list[list[int]] = []
+        for offset, n, start, table, verifies_drafts in rows.seqs:
+            if n == 1:
+                decode_idx.append(offset)
+                decode_tables.append(table[:cdiv(start + 1, bs)])
+                decode_ctx.append(start + 1)
+            elif verifies_drafts:
+                # Each row a decode over the context up to itself: the decode kernel does a
+                # handful of query rows far cheaper than the prefill kernel, made for chunks.
+                decode_idx.extend(range(offset, offset + n))
+                decode_tables.extend(table[:cdiv(p + 1, bs)] for p in range(start, start + n))
+                decode_ctx.extend(range(start + 1, start + n + 1))
+            elif self.cpu_prefill_attention:
+                prefill_rows.append((offset, n, start))
+                prefill_tables.append(table[:cdiv(start + n, bs)])
+            else:
+                prefills.append(PrefillSeq(offset, n, start, upload(table) if start else None))
+        meta = AttentionMetadata(slots=upload(rows.slots), decode_indices=None, decode_block_tables=None,
+                                 decode_mask=None, prefills=prefills)
+        if prefill_rows:
+            meta.cpu_ops = self.cpu_ops
+            meta.prefill_seqs = upload(prefill_rows)
+            meta.prefill_block_tables = upload(_pad(prefill_tables))
+        if decode_idx:
+            meta.decode_indices = upload(decode_idx)
+            self._set_decodes(meta, decode_tables, decode_ctx, upload, bs)
+        logits = rows.logits()
+        if logits.ctx and len(decode_idx) == len(rows.seqs) == len(logits.ctx):
+            # Every row decodes and samples: the last layer's view is the decode rows' own.
+            meta.sample_meta = AttentionMetadata(
+                slots=None, decode_indices=meta.decode_indices, decode_block_tables=meta.decode_block_tables,
+                decode_mask=meta.decode_mask, prefills=[], decode_ctx_lens=meta.decode_ctx_lens,
+                cpu_ops=meta.cpu_ops)
+            meta.all_decode = True
+        elif logits.ctx:
+            # The last layer only carries on for the rows that give logits: to them it is a
+            # decode step over their whole context (this step's K/V are stored by then).
+            meta.sample_meta = AttentionMetadata(
+                slots=None, decode_indices=upload(range(len(logits.ctx))),
+                decode_block_tables=None, decode_mask=None, prefills=[])
+            self._set_decodes(meta.sample_meta, logits.tables, logits.ctx, upload, bs)
+        return meta
+
+    def _set_decodes(self, meta: AttentionMetadata, tables: list[list[int]], ctx_lens: list[int], upload,
+                     block_size: int) -> None:
+        """Block tables and context lengths (kernel) or a length mask (torch path) of decode rows."""
+        padded = _pad(tables)
+        meta.decode_block_tables = upload(padded)
+        ctx = np.asarray(ctx_lens)
+        if self.cpu_ops is not None:
+            meta.cpu_ops = self.cpu_ops
+            meta.decode_ctx_lens = upload(ctx)
+        else:
+            width = padded.shape[1] * block_size
+            meta.decode_mask = upload(np.where(np.arange(width)[None, :] < ctx[:, None], 0.0, -np.inf),
+                                      torch.float32)
 
 
-class CpuBackend(AttentionBackend):
-    """The compiled CPU kernels; the runner loads them and builds their metadata (model_runner.py)."""
+class CpuBackend(TorchBackend):
+    """The compiled CPU kernels (the runner loads them, ``use_cpu_ops``); torch ops until then."""
     name = "cpu"
+
+    def use_cpu_ops(self, cpu_ops, prefill_attention: bool) -> None:
+        self.cpu_ops = cpu_ops
+        self.cpu_prefill_attention = prefill_attention
 
 
 @dataclass
@@ -105,7 +191,6 @@ class TritonMetadata:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
-    builds_metadata = True
     supports_cuda_graphs = True
 
     def __init__(self, config: ModelConfig, block_size: int, device: torch.device):
@@ -166,6 +251,11 @@ class TritonBackend(AttentionBackend):
             used = -(-int(n) // bs)
             out[i, :used] = t[:used]
         return out
+
+    def step_metadata(self, rows: StepRows, upload, block_size: int) -> TritonMetadata:
+        logits = rows.logits()
+        return self.build_metadata([(s.num_new, s.start, s.table) for s in rows.seqs], upload(rows.slots),
+                                   logits.tables, logits.ctx)
 
     def build_metadata(self, rows: list[tuple[int, int, list[int]]], slots: torch.Tensor,
                        sample_tables: list[list[int]], sample_ctx: list[int]) -> TritonMetadata:

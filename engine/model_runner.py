@@ -6,27 +6,18 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from kvmesh.engine.attention import AttentionMetadata, PrefillSeq
 from kvmesh.engine.config import ModelConfig
-from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
+from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from kvmesh.engine.scheduler import SchedulerOutput
+from kvmesh.engine.step_rows import StepBuffers, build_step_rows
 from kvmesh.engine.weights import load_weights
 
 log = logging.getLogger(__name__)
-
-
-def _pad(tables: list[list[int]]) -> np.ndarray:
-    """Block tables as one [n, longest] int64 array, zero-padded."""
-    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
-    for i, t in enumerate(tables):
-        out[i, :len(t)] = t
-    return out
 
 
 class ModelRunner:
@@ -62,8 +53,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(seed, device)
+        self._buffers = StepBuffers()
         self.cpu_ops = None  # the compiled CPU kernels (kernels/cpu.py), when they build
-        self.cpu_prefill_attention = False  # whether they cover this model's prefill attention
         self.graphs = None  # the CUDA graphs of decode steps (cuda_graphs.py), once captured
         self.backend = attention_backends.create(backend_name, config, block_size, device)
         log.info("attention backend: %s", self.backend.name)
@@ -80,8 +71,8 @@ class ModelRunner:
             self.cpu_ops = cpu_kernels.load()
             if self.cpu_ops is not None:
                 self.model.use_fused_ops(self.cpu_ops)
-                self.cpu_prefill_attention = self.cpu_ops.prefill_attention_supported(
-                    dtype, config.head_dim, block_size)
+                self.backend.use_cpu_ops(self.cpu_ops, self.cpu_ops.prefill_attention_supported(
+                    dtype, config.head_dim, block_size))
                 if self.model.use_decode_stack(self.cpu_ops):
                     log.debug("decode steps run on the compiled decode stack")
 
@@ -112,175 +103,19 @@ class ModelRunner:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def _step_buffers(self, num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The per-step input buffers (token ids, positions, slots), reused from step to step."""
-        bufs = getattr(self, "_bufs", None)
-        if bufs is None or len(bufs[0]) < num_tokens:
-            size = max(num_tokens, 2048)
-            bufs = self._bufs = tuple(np.empty(size, dtype=np.int64) for _ in range(3))
-        return bufs
-
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager, prev_rows: dict[str, int] | None = None
                 ) -> "PreparedStep":
-        """The step's inputs on the device. Async scheduling: a position past the request's known
-        tokens is a placeholder for the token the previous step samples; its input id is left 0
-        here and filled on the device from that step's sampled ids (``fill_dst`` <- row
-        ``fill_src`` of them, ``prev_rows`` giving each request's row there)."""
-        bs = self.block_size
-        fill_dst: list[int] = []
-        fill_src: list[int] = []
-        self._current_requests = list(out.requests)
-        ids_buf, pos_buf, slot_buf = self._step_buffers(out.total_tokens)
-        logits_indices: list[int] = []
-        sampling_requests = []
-        decode_idx: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_ctx: list[int] = []
-        sample_tables: list[list[int]] = []  # the sampling rows' contexts, for the last layer
-        sample_ctx: list[int] = []
-        prefills: list[PrefillSeq] = []
-        prefill_rows: list[tuple[int, int, int]] = []  # for the compiled kernel
-        prefill_tables: list[list[int]] = []
-        prompt_rows: list[tuple[Request, int]] = []  # (request, position) rows that give prompt logprobs
-        prompt_idx: list[int] = []
-        prompt_tables: list[list[int]] = []
-        rows = [] if self.backend.builds_metadata else None  # (new, cached, table): the backend's input
-        spec_rows: list[tuple[Request, list[int]]] = []  # requests verifying drafts, and the drafts
-        spec_idx: list[int] = []
-        spec_tables: list[list[int]] = []
-        spec_ctx: list[int] = []
-        offset = 0
-        starts = out.starts
-        for req in out.requests:
-            n = out.num_scheduled_tokens[req.request_id]
-            start = starts[req.request_id] if starts else req.num_computed_tokens
-            table = kv.block_table(req.request_id)
-            known = req.num_tokens
-            past = start + n - known  # > 0: drafts follow (speculative), or a placeholder (async)
-            num_drafts = past if past > 0 and req.spec_token_ids else 0
-            if past > 0 and not num_drafts:  # the last position is the previous step's token
-                if past != 1 or prev_rows is None or req.request_id not in prev_rows:
-                    raise RuntimeError(f"request {req.request_id}: {past} unknown input token(s) and no "
-                                       "previous step that samples them")
-                fill_dst.append(offset + n - 1)
-                fill_src.append(prev_rows[req.request_id])
-            if n == 1:  # a decode row: scalars, no per-row numpy work
-                ids_buf[offset] = req.all_token_ids[start] if start < known else 0
-                pos_buf[offset] = start
-                slot_buf[offset] = table[start // bs] * bs + start % bs
-            else:
-                if num_drafts > 0:
-                    drafts = req.spec_token_ids[:num_drafts]
-                    ids_buf[offset:offset + n] = req.all_token_ids[start:] + drafts
-                elif past > 0:
-                    ids_buf[offset:offset + n] = req.all_token_ids[start:] + [0] * past
-                else:
-                    ids_buf[offset:offset + n] = req.all_token_ids[start:start + n]
-                pos = np.arange(start, start + n)
-                pos_buf[offset:offset + n] = pos
-                slot_buf[offset:offset + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
-            if num_drafts > 0:  # every position from the last verified token on gives logits
-                spec_rows.append((req, drafts))
-                for p in range(req.num_tokens - 1, start + n):
-                    spec_idx.append(offset + p - start)
-                    spec_tables.append(table[:cdiv(p + 1, bs)])
-                    spec_ctx.append(p + 1)
-            elif start + n >= known:
-                logits_indices.append(offset + n - 1)
-                sampling_requests.append(req)
-                sample_tables.append(table[:cdiv(start + n, bs)])
-                sample_ctx.append(start + n)
-            if req.prompt_logprobs is not None:  # position p's logits score prompt token p + 1
-                for p in range(start, min(start + n, req.num_prompt_tokens - 1)):
-                    prompt_rows.append((req, p))
-                    prompt_idx.append(offset + p - start)
-                    prompt_tables.append(table[:cdiv(p + 1, bs)])
-            if rows is not None:
-                rows.append((n, start, table))
-            elif n == 1:
-                decode_idx.append(offset)
-                decode_tables.append(table[:cdiv(start + 1, bs)])
-                decode_ctx.append(start + 1)
-            elif num_drafts > 0 and start == known - 1:  # one spec row per position, as above
-                # Drafts under verification: each row is a decode over the context up to itself
-                # (the rows' K/V are stored before attention). The decode kernel does a handful
-                # of query rows far cheaper than the prefill kernel, which is made for chunks.
-                decode_idx.extend(range(offset, offset + n))
-                decode_tables.extend(spec_tables[-n:])
-                decode_ctx.extend(spec_ctx[-n:])
-            elif self.cpu_prefill_attention:
-                prefill_rows.append((offset, n, start))
-                prefill_tables.append(table[:cdiv(start + n, bs)])
-            else:
-                prefills.append(PrefillSeq(offset, n, start, self._tensor(table) if start else None))
-            offset += n
-
-        # copies of the buffers' first `offset` entries: a step's tensors never alias the next step's
-        ids, pos_all, slots = ids_buf[:offset].copy(), pos_buf[:offset].copy(), slot_buf[:offset].copy()
-        if rows is not None:
-            logits_indices += spec_idx + prompt_idx
-            meta = self.backend.build_metadata(rows, self._tensor(slots),
-                                               sample_tables + spec_tables + prompt_tables,
-                                               sample_ctx + spec_ctx + [p + 1 for _, p in prompt_rows])
-            return self._prepared(ids, pos_all, meta, logits_indices, sampling_requests, prompt_rows, spec_rows,
-                                  fill_dst, fill_src)
-        meta = AttentionMetadata(
-            slots=self._tensor(slots),
-            decode_indices=None, decode_block_tables=None, decode_mask=None,
-            prefills=prefills,
-        )
-        if prefill_rows:
-            meta.cpu_ops = self.cpu_ops
-            meta.prefill_seqs = self._tensor(prefill_rows)
-            meta.prefill_block_tables = self._tensor(_pad(prefill_tables))
-        if decode_idx:
-            meta.decode_indices = self._tensor(decode_idx)
-            self._set_decodes(meta, decode_tables, decode_ctx)
-        if spec_rows:  # after the plain sampling rows, before the prompt rows
-            logits_indices += spec_idx
-            sample_tables += spec_tables
-            sample_ctx += spec_ctx
-        if prompt_rows:  # after the sampling rows, so the sampler's logits come first
-            logits_indices += prompt_idx
-            sample_tables += prompt_tables
-            sample_ctx += [p + 1 for _, p in prompt_rows]
-        if sample_ctx and len(decode_idx) == len(out.requests) == len(sample_ctx):
-            # Every row decodes and samples: the last layer's view is the decode rows' own.
-            meta.sample_meta = AttentionMetadata(
-                slots=None, decode_indices=meta.decode_indices, decode_block_tables=meta.decode_block_tables,
-                decode_mask=meta.decode_mask, prefills=[], decode_ctx_lens=meta.decode_ctx_lens,
-                cpu_ops=meta.cpu_ops)
-            meta.all_decode = True
-        elif sample_ctx:
-            # The last layer only carries on for the rows that sample: to them it is a decode
-            # step over their whole context (this step's K/V are stored by then).
-            meta.sample_meta = AttentionMetadata(
-                slots=None, decode_indices=self._tensor(range(len(sample_ctx))),
-                decode_block_tables=None, decode_mask=None, prefills=[])
-            self._set_decodes(meta.sample_meta, sample_tables, sample_ctx)
-        return self._prepared(ids, pos_all, meta, logits_indices, sampling_requests, prompt_rows, spec_rows,
-                              fill_dst, fill_src)
-
-    def _prepared(self, ids, positions, meta, logits_indices, sampling_requests, prompt_rows, spec_rows,
-                  fill_dst, fill_src) -> "PreparedStep":
+        """The step's inputs on the device: its rows (step_rows.py), then the attention backend's
+        metadata for them. ``prev_rows``: each request's row in the previous step's sampled ids
+        (async scheduling fills placeholder inputs from them on the device)."""
+        rows = build_step_rows(out, kv, self.block_size, self._buffers, prev_rows)
+        meta = self.backend.step_metadata(rows, self._tensor, self.block_size)
         return PreparedStep(
-            self._current_requests, self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), sampling_requests,
-            prompt_rows, spec_rows,
-            self._tensor(fill_dst) if fill_dst else None, self._tensor(fill_src) if fill_src else None,
-            {r.request_id: i for i, r in enumerate(sampling_requests)})
-
-    def _set_decodes(self, meta: AttentionMetadata, tables: list[list[int]], ctx_lens: list[int]) -> None:
-        """Block tables and context lengths (kernel) or a length mask (torch path) of decode rows."""
-        padded = _pad(tables)
-        meta.decode_block_tables = self._tensor(padded)
-        ctx = np.asarray(ctx_lens)
-        if self.cpu_ops is not None:
-            meta.cpu_ops = self.cpu_ops
-            meta.decode_ctx_lens = self._tensor(ctx)
-        else:
-            width = padded.shape[1] * self.block_size
-            meta.decode_mask = self._tensor(np.where(np.arange(width)[None, :] < ctx[:, None], 0.0, -np.inf),
-                                            torch.float32)
+            rows.requests, self._tensor(rows.ids), self._tensor(rows.positions), meta,
+            self._tensor(rows.logits().indices), rows.sampling_requests, rows.prompt_rows, rows.spec_rows,
+            self._tensor(rows.fill_dst) if rows.fill_dst else None,
+            self._tensor(rows.fill_src) if rows.fill_src else None,
+            {r.request_id: i for i, r in enumerate(rows.sampling_requests)})
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager
                 ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[tuple[int, TokenLogprobs]]]]:
