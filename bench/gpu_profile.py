@@ -121,6 +121,7 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from kvmesh.engine.config import EngineArgs
+    from kvmesh.engine.core_messages import AddRequest
     from kvmesh.engine.core_proc import CoreLoop
     from kvmesh.engine.engine_core import EngineCore
     from kvmesh.engine.sampling_params import SamplingParams
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     vocab = core.model_config.vocab_size
     params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):
-        loop.add(f"d{i}", [rng.randrange(100, vocab) for _ in range(args.prompt_len)], params)
+        loop.add(AddRequest(f"d{i}", [rng.randrange(100, vocab) for _ in range(args.prompt_len)], params))
     while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
         loop.step()
     for _ in range(4):
@@ -151,8 +152,8 @@ def main(argv=None) -> int:
 
     def add_chunk() -> None:  # one fresh prompt that finishes after its first token: the next step is mixed
         n_chunks[0] += 1
-        loop.add(f"c{n_chunks[0]}", [rng.randrange(100, vocab) for _ in range(args.chunk)],
-                 SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        loop.add(AddRequest(f"c{n_chunks[0]}", [rng.randrange(100, vocab) for _ in range(args.chunk)],
+                            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
 
     def one_step(name: str) -> None:
         if name == "mixed":

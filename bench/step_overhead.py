@@ -83,6 +83,7 @@ def main() -> None:
 def _decode_engine(args, async_scheduling: bool | None, total_steps: int):
     """A CoreLoop whose --batch requests have finished their prompts and a few warm-up steps."""
     from kvmesh.engine.config import EngineArgs
+    from kvmesh.engine.core_messages import AddRequest
     from kvmesh.engine.core_proc import CoreLoop
     from kvmesh.engine.engine_core import EngineCore
     from kvmesh.engine.sampling_params import SamplingParams
@@ -97,7 +98,7 @@ def _decode_engine(args, async_scheduling: bool | None, total_steps: int):
     vocab = core.model_config.vocab_size
     params = SamplingParams(max_tokens=args.warmup_steps + total_steps + 4, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):
-        loop.add(f"r{i}", [rng.randrange(0, vocab) for _ in range(args.prompt_len)], params)
+        loop.add(AddRequest(f"r{i}", [rng.randrange(0, vocab) for _ in range(args.prompt_len)], params))
     while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
         loop.step()
     for _ in range(args.warmup_steps):

@@ -36,8 +36,9 @@ from typing import Any
 import msgspec
 
 from kvmesh.engine.config import EngineArgs
+from kvmesh.engine.core_messages import AbortRequests, AddRequest
 from kvmesh.engine.engine_core import EngineCoreOutput, EngineStats
-from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
+from kvmesh.engine.sampling_params import InvalidParameter
 from kvmesh.engine.step_timing import StepTimer
 from kvmesh.engine.threads import ThreadPlan
 
@@ -51,14 +52,6 @@ HOOK_PREFIX = "kvmesh.testing."  # the only modules a "hook" utility call may ru
 
 
 # -- messages ------------------------------------------------------------------------------------
-class AddRequest(msgspec.Struct, array_like=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None = None
-    arrival_time: float | None = None
-
-
 class UtilityCall(msgspec.Struct, array_like=True):
     call_id: int
     name: str
@@ -125,16 +118,16 @@ class CoreLoop:
         self.timer = StepTimer.install(core)
         self.num_step_errors = 0
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            cache_salt: str | None = None, arrival_time: float | None = None) -> Exception | None:
+    def add(self, msg: AddRequest) -> Exception | None:
         try:
-            self.core.add_request(request_id, prompt_token_ids, params, cache_salt, arrival_time)
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.cache_salt,
+                                  msg.arrival_time)
         except Exception as exc:  # noqa: BLE001 - answered to that request only
             return exc
         return None
 
-    def abort(self, request_ids: list[str]) -> None:
-        self.core.abort_requests(request_ids)
+    def abort(self, msg: AbortRequests) -> None:
+        self.core.abort_requests(msg.request_ids)
 
     def step(self) -> list[tuple[str, Any]]:
         if not self.core.has_unfinished_requests():
@@ -218,7 +211,7 @@ class EngineCoreProc:
         self.output.connect(cfg.output_address)
         self.loop: CoreLoop | None = None
         self._add_decoder = msgspec.msgpack.Decoder(AddRequest)
-        self._abort_decoder = msgspec.msgpack.Decoder(list[str])
+        self._abort_decoder = msgspec.msgpack.Decoder(AbortRequests)
         self._utility_decoder = msgspec.msgpack.Decoder(UtilityCall)
         self._failures: list[Failure] = []
         self._shutdown = False
@@ -305,7 +298,7 @@ class EngineCoreProc:
         kind, payload = frames[0].bytes, frames[1].buffer if len(frames) > 1 else b""
         if kind == ADD:
             msg = self._add_decoder.decode(payload)
-            exc = self.loop.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.cache_salt, msg.arrival_time)
+            exc = self.loop.add(msg)
             if exc is not None:
                 self._failures.append(Failure(msg.request_id, str(exc), getattr(exc, "param", None)))
         elif kind == ABORT:

@@ -18,19 +18,15 @@ import torch
 from kvmesh.engine.builtin import resolve_model_dir
 from kvmesh.engine.config import EngineArgs, ModelConfig, parse_size, pick_device
 from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
+from kvmesh.engine.limits import EngineLimits
 from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampler import TokenLogprobs
-from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerOutput
 from kvmesh.engine.spec_decode.controller import SpecDecodeStats
 
 log = logging.getLogger(__name__)
-
-
-class PromptTooLong(InvalidParameter):
-    def __init__(self, message: str):
-        super().__init__("prompt", message)
 
 
 @dataclass
@@ -140,6 +136,7 @@ class EngineCore:
         if not args.enable_chunked_prefill:
             max_batched = max(max_batched, self.max_model_len)  # a whole prompt must fit one step
         self.max_num_batched_tokens = max_batched
+        self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size)
         self.num_blocks = num_blocks
 
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, args.enable_kv_events)
@@ -198,33 +195,13 @@ class EngineCore:
 
     # -- requests ----------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidParameter("prompt", "prompt is empty: it must contain at least one token")
-        if n >= self.max_model_len:
-            raise PromptTooLong(
-                f"prompt has {n} tokens, but the model's maximum context length is {self.max_model_len} "
-                f"tokens and at least one must be left for the output")
-        self.check_token_ids("prompt", prompt_token_ids)
+        self.limits.validate_prompt(prompt_token_ids)
 
     def validate_params(self, params: SamplingParams) -> None:
-        """Checks of sampling params that need the model (SamplingParams checked the rest on
-        construction): every count within the vocabulary, every token id in it."""
-        vocab = self.model_config.vocab_size
-        if params.top_k > vocab:
-            raise InvalidParameter("top_k", f"top_k must be -1 (off) or at most the vocabulary size {vocab}, "
-                                            f"got {params.top_k}")
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > vocab:
-                raise InvalidParameter(name, f"{name} must be at most the vocabulary size {vocab}")
-        self.check_token_ids("stop_token_ids", params.stop_token_ids)
-        self.check_token_ids("logit_bias", params.logit_bias or ())
+        self.limits.validate_params(params)
 
     def check_token_ids(self, param: str, token_ids) -> None:
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidParameter(param, f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self.limits.check_token_ids(param, token_ids)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> Request:

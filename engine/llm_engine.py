@@ -1,4 +1,9 @@
-"""Text in, text out: tokenizer + engine core + per-request output state."""
+"""Text in, text out: tokenizer + engine core + per-request output state.
+
+``TextEngine`` is the text side alone (tokenizer, per-request detokenizer and stop strings);
+``LLMEngine`` adds the engine core in this process. The API process of a server whose core runs
+in its own process uses a ``TextEngine`` (engine/server/core_client.py ``FrontendEngine``).
+"""
 
 from __future__ import annotations
 
@@ -28,22 +33,18 @@ class _RequestState:
     prompt_logprobs: list | None = None
 
 
-class LLMEngine:
-    def __init__(self, args: EngineArgs):
-        self.core = EngineCore(args)
-        self.tokenizer = KVMeshTokenizer(self.core.model_dir)
-        self.core.eos_token_ids |= self.tokenizer.eos_token_ids
-        self.sampling_defaults = load_sampling_defaults(args.generation_config, self.core.model_dir)
+class TextEngine:
+    """The text side of an engine: tokenizer, generation-config defaults, per-request state."""
+
+    def __init__(self, model_dir, generation_config: str | None):
+        self.tokenizer = KVMeshTokenizer(model_dir)
+        self.sampling_defaults = load_sampling_defaults(generation_config, model_dir)
         self.states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation-config defaults applied."""
         return SamplingParams(**self.sampling_defaults)
-
-    @property
-    def max_model_len(self) -> int:
-        return self.core.max_model_len
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -54,21 +55,6 @@ class LLMEngine:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         raise InvalidParameter("prompt", "prompt must be a string or a list of token ids")
-
-    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None,
-                    prompt_token_ids: list[int] | None = None) -> str:
-        try:  # the server checked it already; LLM.generate callers reach here directly
-            check_cache_salt(cache_salt)
-        except InvalidCacheSalt as exc:
-            raise InvalidParameter("cache_salt", str(exc)) from None
-        request_id, ids, params = self.create_state(prompt, params, request_id, prompt_token_ids)
-        try:
-            self.core.add_request(request_id, ids, params, cache_salt)
-        except Exception:
-            self.states.pop(request_id, None)
-            raise
-        return request_id
 
     def create_state(self, prompt: PromptType, params: SamplingParams | None = None,
                      request_id: str | None = None, prompt_token_ids: list[int] | None = None
@@ -93,26 +79,6 @@ class LLMEngine:
             text, prompt_token_ids, params, detok,
             CompletionOutput(0, "", [], logprobs=[] if params.logprobs is not None else None))
         return request_id, prompt_token_ids, params
-
-    def abort_request(self, request_ids) -> None:
-        self.core.abort_requests(list(request_ids))
-
-    def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
-
-    def step(self) -> list[RequestOutput]:
-        results: list[RequestOutput] = []
-        stopped_by_string: list[str] = []
-        for out in self.core.step():
-            ro, by_stop_string = self.process_output(out)
-            if ro is None:
-                continue
-            if by_stop_string:
-                stopped_by_string.append(out.request_id)
-            results.append(ro)
-        if stopped_by_string:
-            self.core.abort_requests(stopped_by_string, report=False)  # already finished above
-        return results
 
     def process_output(self, out: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:
         """Detokenise one core output; (None, False) for a request no longer tracked.
@@ -172,3 +138,51 @@ class LLMEngine:
                                               chat_template_kwargs)
         except TemplateError as exc:
             raise InvalidParameter("messages", str(exc)) from None
+
+
+class LLMEngine(TextEngine):
+    """The text side and the engine core, in this process."""
+
+    def __init__(self, args: EngineArgs):
+        self.core = EngineCore(args)
+        super().__init__(self.core.model_dir, args.generation_config)
+        self.core.eos_token_ids |= self.tokenizer.eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> str:
+        try:  # the server checked it already; LLM.generate callers reach here directly
+            check_cache_salt(cache_salt)
+        except InvalidCacheSalt as exc:
+            raise InvalidParameter("cache_salt", str(exc)) from None
+        request_id, ids, params = self.create_state(prompt, params, request_id, prompt_token_ids)
+        try:
+            self.core.add_request(request_id, ids, params, cache_salt)
+        except Exception:
+            self.states.pop(request_id, None)
+            raise
+        return request_id
+
+    def abort_request(self, request_ids) -> None:
+        self.core.abort_requests(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        results: list[RequestOutput] = []
+        stopped_by_string: list[str] = []
+        for out in self.core.step():
+            ro, by_stop_string = self.process_output(out)
+            if ro is None:
+                continue
+            if by_stop_string:
+                stopped_by_string.append(out.request_id)
+            results.append(ro)
+        if stopped_by_string:
+            self.core.abort_requests(stopped_by_string, report=False)  # already finished above
+        return results

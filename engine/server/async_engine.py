@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.engine.config import EngineArgs
+from kvmesh.engine.core_messages import AbortRequests, AddRequest
 from kvmesh.engine.core_proc import CoreLoop, EngineStepError  # noqa: F401 - EngineStepError: api's import
 from kvmesh.engine.sampling_params import SamplingParams
 
@@ -44,6 +45,18 @@ class RequestStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
     arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Utility:
+    """A utility call queued for the engine thread; its answer resolves ``future`` on the event loop."""
+
+    future: asyncio.Future
+    name: str
+    args: list
+
+
+_STOP = object()  # the engine thread's last command
 
 
 def _resolve(fut: asyncio.Future, result, exc) -> None:
@@ -65,6 +78,7 @@ class AsyncEngine:
         self.tokenizer = None
         self.max_model_len = 0
         self.vocab_size = 0
+        self.limits = None  # EngineLimits, once loaded: the checks that need the model
         self.sampling_defaults: dict[str, Any] = {}  # the model's generation-config defaults
         self.stats = None  # EngineStats snapshot, refreshed by the engine thread after each step
         self.loaded = threading.Event()
@@ -90,7 +104,7 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._commands.put(("stop",))
+        self._commands.put(_STOP)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -118,8 +132,8 @@ class AsyncEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Checks that need the model (thread-safe: reads immutable config only)."""
-        self.engine.core.validate_prompt(prompt_token_ids)
-        self.engine.core.validate_params(params)
+        self.limits.validate_prompt(prompt_token_ids)
+        self.limits.validate_params(params)
 
     def add(self, request_id: str, prompt: str | list[int], prompt_token_ids: list[int],
             params: SamplingParams, cache_salt: str | None = None) -> RequestStream:
@@ -129,13 +143,13 @@ class AsyncEngine:
         self._streams[request_id] = stream
         # The text side (detokenizer, stop strings) lives on this thread, not the engine's.
         self.engine.create_state(prompt, params, request_id, prompt_token_ids)
-        self._submit(("add", request_id, prompt, prompt_token_ids, params, cache_salt))
+        self._submit(AddRequest(request_id, prompt_token_ids, params, cache_salt))
         return stream
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
-            self._submit(("abort", [request_id]))
+            self._submit(AbortRequests([request_id]))
 
     def abort_all(self) -> list[str]:
         """End every in-flight request (the drain timeout), keeping their streams: each gets the
@@ -143,16 +157,16 @@ class AsyncEngine:
         [DONE]) instead of being cut, and its KV blocks are freed. Returns the request ids."""
         rids = [rid for rid, stream in self._streams.items() if not stream.finished]
         if rids:
-            self._submit(("abort", rids))
+            self._submit(AbortRequests(rids))
         return rids
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's stream."""
         self._streams.pop(request_id, None)
 
-    def _submit(self, cmd: tuple) -> None:
-        """A command for the core: ("add", rid, prompt, ids, params, salt) or ("abort", [rid, ...])."""
-        self._commands.put(cmd)
+    def _submit(self, msg: AddRequest | AbortRequests) -> None:
+        """A message for the core (core_messages.py), applied by the engine thread between steps."""
+        self._commands.put(msg)
 
     def _count_frontend_failure(self) -> None:
         self.engine.core.step_failures["request"] += 1  # read by the engine thread's stats
@@ -161,7 +175,7 @@ class AsyncEngine:
         """Run a utility call on the core between steps (CoreLoop.utility): "reset_prefix_cache",
         or "hook" with a kvmesh.testing function (tests: fault injection, core state)."""
         fut = asyncio.get_running_loop().create_future()
-        self._commands.put(("utility", fut, name, list(args)))
+        self._commands.put(_Utility(fut, name, list(args)))
         return await fut
 
     def call_utility(self, name: str, *args, timeout: float = 60.0):
@@ -191,14 +205,14 @@ class AsyncEngine:
                 except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer: this request only
                     log.exception("request %s: processing its output failed", rid)
                     self.engine.states.pop(rid, None)
-                    self._submit(("abort", [rid]))
+                    self._submit(AbortRequests([rid]))
                     self._count_frontend_failure()
                     item = EngineStepError(f"processing this request's output failed: {type(exc).__name__}: {exc}")
                     by_stop_string = False
                 if item is None:
                     continue
                 if by_stop_string:
-                    self._submit(("abort", [rid]))  # the core still runs it
+                    self._submit(AbortRequests([rid]))  # the core still runs it
             stream = self._streams.get(rid)
             if stream is None:
                 continue
@@ -214,6 +228,7 @@ class AsyncEngine:
             self.engine = LLMEngine(self.engine_args)
             self._core_loop = CoreLoop(self.engine.core)
             self.tokenizer = self.engine.tokenizer
+            self.limits = self.engine.core.limits
             self.max_model_len = self.engine.max_model_len
             self.vocab_size = self.engine.core.model_config.vocab_size
             self.sampling_defaults = dict(self.engine.sampling_defaults)
@@ -235,7 +250,7 @@ class AsyncEngine:
                     cmds.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            if any(cmd[0] == "stop" for cmd in cmds):
+            if any(cmd is _STOP for cmd in cmds):
                 self._stopped.set()
                 return
             try:
@@ -246,25 +261,23 @@ class AsyncEngine:
             if items:
                 self._loop.call_soon_threadsafe(self._deliver, items)
 
-    def _iteration(self, cmds: list[tuple]) -> list[tuple[str, Any]]:
+    def _iteration(self, cmds: list) -> list[tuple[str, Any]]:
         """Apply commands, run one step, publish its KV events; returns what to deliver."""
         loop = self._core_loop
         items: list[tuple[str, Any]] = []
         for cmd in cmds:
-            if cmd[0] == "add":
-                _, rid, prompt, ids, params, salt = cmd
-                exc = loop.add(rid, ids, params, salt)
+            if isinstance(cmd, AddRequest):
+                exc = loop.add(cmd)
                 if exc is not None:
-                    items.append((rid, exc))
-            elif cmd[0] == "abort":
-                loop.abort(cmd[1])
-            elif cmd[0] == "utility":
-                _, fut, name, args = cmd
+                    items.append((cmd.request_id, exc))
+            elif isinstance(cmd, AbortRequests):
+                loop.abort(cmd)
+            elif isinstance(cmd, _Utility):
                 try:
-                    result = loop.utility(name, args)
-                    self._loop.call_soon_threadsafe(_resolve, fut, result, None)
+                    result = loop.utility(cmd.name, cmd.args)
+                    self._loop.call_soon_threadsafe(_resolve, cmd.future, result, None)
                 except Exception as exc:  # noqa: BLE001 - the caller's
-                    self._loop.call_soon_threadsafe(_resolve, fut, None, exc)
+                    self._loop.call_soon_threadsafe(_resolve, cmd.future, None, exc)
         # Token ids only: detokenisation happens on the event loop (_deliver).
         items.extend(loop.step())
         self._publish_events()

@@ -25,7 +25,6 @@ import sys
 import shutil
 import tempfile
 import threading
-from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -35,50 +34,28 @@ import zmq.asyncio
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.engine.config import EngineArgs
 from kvmesh.engine.core_proc import (ABORT, ADD, LOAD_FAILED, OUTPUTS, READY, SHUTDOWN, UTILITY,
-                                     UTILITY_RESULT, AddRequest, CoreProcConfig, CoreReady, StepOutputs,
+                                     UTILITY_RESULT, CoreProcConfig, CoreReady, StepOutputs,
                                      UtilityCall, UtilityResult, failure_exception)
-from kvmesh.engine.engine_core import EngineCore
-from kvmesh.engine.llm_engine import LLMEngine
+from kvmesh.engine.core_messages import AbortRequests, AddRequest
+from kvmesh.engine.limits import EngineLimits
+from kvmesh.engine.llm_engine import TextEngine
 from kvmesh.engine.server.async_engine import AsyncEngine, EngineDeadError
 from kvmesh.engine.threads import ThreadPlan, core_environment
 
 log = logging.getLogger("kvmesh.server.engine")
 
 
-class CoreView:
-    """The remote core's limits, for validation in the API process (EngineCore's own checks, run on
-    the figures the core sent when it was ready)."""
+class FrontendEngine(TextEngine):
+    """The text side (tokenizer, per-request detokenizer and stop strings) of a core that runs in
+    another process; ``limits`` are the figures it sent when it was ready."""
 
-    validate_prompt = EngineCore.validate_prompt
-    validate_params = EngineCore.validate_params
-    check_token_ids = EngineCore.check_token_ids
-
-    def __init__(self, ready: CoreReady):
-        self.max_model_len = ready.max_model_len
-        self.model_config = SimpleNamespace(vocab_size=ready.vocab_size)
-        self.num_blocks = ready.num_blocks
-        self.pid = ready.pid
-        # failures on this side (detokenisation), added to the core's counts in the stats
-        self.step_failures = {"request": 0, "batch": 0}
-
-
-class FrontendEngine(LLMEngine):
-    """LLMEngine's text side (tokenizer, per-request detokenizer and stop strings) without a core:
-    the core runs in another process; ``core`` is its CoreView."""
-
-    def __init__(self, args: EngineArgs, model_dir: str, ready: CoreReady):  # noqa: super() not called on purpose
-        from kvmesh.common.tokenizer import KVMeshTokenizer
-        from kvmesh.engine.generation_defaults import load_sampling_defaults
-
-        self.core = CoreView(ready)
-        self.tokenizer = KVMeshTokenizer(model_dir)
-        self.sampling_defaults = load_sampling_defaults(args.generation_config, model_dir)
-        self.states = {}
-        self._ids = itertools.count()
+    def __init__(self, args: EngineArgs, model_dir: str, ready: CoreReady):
+        super().__init__(model_dir, args.generation_config)
+        self.limits = EngineLimits(ready.max_model_len, ready.vocab_size)
 
     @property
     def max_model_len(self) -> int:
-        return self.core.max_model_len
+        return self.limits.max_model_len
 
 
 _EVENT_KINDS = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
@@ -199,6 +176,7 @@ class ProcAsyncEngine(AsyncEngine):
             # The text side: the tokenizer loads off the loop (other routes keep answering).
             self.engine = await asyncio.to_thread(FrontendEngine, self.engine_args, ready.model_dir, ready)
             self.tokenizer = self.engine.tokenizer
+            self.limits = self.engine.limits
             self.max_model_len = ready.max_model_len
             self.vocab_size = ready.vocab_size
             self.sampling_defaults = dict(self.engine.sampling_defaults)
@@ -287,16 +265,10 @@ class ProcAsyncEngine(AsyncEngine):
                 log.exception("on_dead callback failed")
 
     # -- to the core --------------------------------------------------------------------------------
-    def _submit(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
-            _, rid, _prompt, ids, params, salt = cmd
-            frames = [ADD, self._encoder.encode(AddRequest(rid, ids, params, salt))]
-        elif cmd[0] == "abort":
-            frames = [ABORT, self._encoder.encode(list(cmd[1]))]
-        else:
-            raise ValueError(f"unknown command {cmd[0]!r}")
+    def _submit(self, msg: AddRequest | AbortRequests) -> None:
+        frames = [ADD if isinstance(msg, AddRequest) else ABORT, self._encoder.encode(msg)]
         if self._in is None or self.dead.is_set():
-            if cmd[0] == "add":
+            if isinstance(msg, AddRequest):
                 raise EngineDeadError("the engine core is not running")
             return
         self._in.send_multipart(frames, copy=False)

@@ -54,7 +54,7 @@ class TokenizationHandler(RequestHandler):
 
     def _detokenize(self, tokens: list[int]) -> str:
         try:
-            self.engine.engine.core.check_token_ids("tokens", tokens)
+            self.engine.limits.check_token_ids("tokens", tokens)
         except InvalidParameter as exc:
             raise bad_request(str(exc), param=exc.param)
         return self.engine.tokenizer.decode(tokens, skip_special_tokens=False)

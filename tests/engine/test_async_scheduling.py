@@ -444,13 +444,14 @@ def test_core_loop_last_resort_with_steps_in_flight(tiny_llama_dir, monkeypatch)
     """A fault outside the model run (here applying a step's outputs) reaches the core loop's last
     resort with a step in flight: every request ends with an error, the step in flight is
     dropped, all blocks come back, and the engine serves the next requests right."""
+    from kvmesh.engine.core_messages import AddRequest
     from kvmesh.engine.core_proc import CoreLoop, EngineStepError
     from kvmesh.engine.engine_core import EngineCore
 
     core = EngineCore(EngineArgs(model=tiny_llama_dir, num_kv_blocks=256, async_scheduling=True))
     loop = CoreLoop(core)
     for i in range(3):
-        assert loop.add(f"r{i}", PROMPTS[i], greedy()) is None
+        assert loop.add(AddRequest(f"r{i}", PROMPTS[i], greedy())) is None
     loop.step()
     loop.step()
     assert core._in_flight
@@ -461,7 +462,7 @@ def test_core_loop_last_resort_with_steps_in_flight(tiny_llama_dir, monkeypatch)
     assert sorted(rid for rid, item in items if isinstance(item, EngineStepError)) == ["r0", "r1", "r2"]
     assert not core._in_flight and not core.scheduler.in_flight and core.kv.usage == 0.0
     monkeypatch.setattr(core.scheduler, "update_from_async_output", real)
-    assert loop.add("again", PROMPTS[3], greedy()) is None
+    assert loop.add(AddRequest("again", PROMPTS[3], greedy())) is None
     tokens = []
     while core.has_unfinished_requests():
         tokens += [t for rid, o in loop.step() if rid == "again" for t in o.new_token_ids]
