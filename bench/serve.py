@@ -26,7 +26,7 @@ Modes:
       not measured paused by SIGSTOP; the host's steal time is noted where it shows). Reported: medians of
       the ratios paired within a round: total tok/s, TTFT p50, TPOT p50 (targets >= 2.0x, <= 0.5x),
       and the server's share of the engine alone (target >= 95%; --skip-offline). `auto` starts vLLM's CPU build itself through
-      /work/shared/bench/vllm_anchor.sh (--vllm-anchor; `vllm_anchor.sh setup` first); a URL uses a
+      ../shared/bench/vllm_anchor.sh relative to the checkout (--vllm-anchor; `vllm_anchor.sh setup` first); a URL uses a
       vLLM server already running there. --kvmesh-url uses a running kvmesh server instead of
       starting one; --kvmesh-flags adds flags to the one started (e.g. "--engine-mode thread").
 """
@@ -490,7 +490,8 @@ def compare(args) -> int:
 
 
 # -- issue 14: kvmesh serve vs vLLM serve ----------------------------------------------------------------
-VLLM_ANCHOR = "/work/shared/bench/vllm_anchor.sh"
+# The vLLM anchor script, beside the checkout (relative to the repository root).
+VLLM_ANCHOR = str(Path(__file__).resolve().parents[1] / ".." / "shared" / "bench" / "vllm_anchor.sh")
 
 
 class VLLMServer(LocalServer):
@@ -712,8 +713,8 @@ def main(argv=None) -> int:
     ap.add_argument("--url", help="base URL of a running OpenAI-compatible server")
     ap.add_argument("--compare", action="store_true", help="run the issue's comparison (starts its own servers)")
     ap.add_argument("--compare-vllm", metavar="URL|auto", default=None,
-                    help="issue 14's comparison against vLLM's server at URL (auto: start it with --vllm-anchor)")
-    ap.add_argument("--vllm-anchor", default=VLLM_ANCHOR, help="vllm_anchor.sh (serves vLLM's CPU build)")
+                    help="the comparison against vLLM's server at URL (auto: start it with --vllm-anchor)")
+    ap.add_argument("--vllm-anchor", default=VLLM_ANCHOR, help="vllm_anchor.sh, which serves vLLM's CPU build (default: ../shared/bench/vllm_anchor.sh from the repository root)")
     ap.add_argument("--kvmesh-url", default=None, help="--compare-vllm: a running kvmesh server (else one is started)")
     ap.add_argument("--kvmesh-flags", default="", help="--compare-vllm: extra `kvmesh serve` flags, one string")
     ap.add_argument("--settle", type=float, default=30.0,
