@@ -342,7 +342,7 @@ def engine_counters(redis_url: str, model: str) -> dict[str, dict[str, float]]:
     import redis
 
     from kvmesh.common import redis_layout as rl
-    from kvmesh.router.engine_metrics import engine_load, parse_prometheus
+    from kvmesh.common.engine_load import engine_load, parse_prometheus
 
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     out = {}

@@ -17,12 +17,11 @@ import copy
 from typing import Any
 
 from kvmesh.common.cache_salt import MAX_CACHE_SALT_CHARS
+from kvmesh.common.request_limits import MAX_N, MAX_PROMPTS
 
 INT64_MAX = 2**63 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_LOGPROBS = 20
-MAX_N = 128  # choices per prompt (the engine's protocol.MAX_N)
-MAX_PROMPTS = 256  # prompts in one completion request (protocol.MAX_PROMPTS)
 
 REF = "#/components/schemas/"
 

@@ -305,7 +305,7 @@ class Mesh:
         return (await self.http.get(engine.url + "/stub/stats")).json()
 
     async def metric(self, name: str, **labels: str) -> float:
-        from kvmesh.router.engine_metrics import parse_prometheus
+        from kvmesh.common.engine_load import parse_prometheus
 
         text = (await self.http.get(self.url + "/metrics")).text
         return sum(v for n, lab, v in parse_prometheus(text) if n == name and all(lab.get(k) == x
@@ -729,7 +729,7 @@ async def _idle(mesh: Mesh) -> bool:
 
 
 async def _decisions(mesh: Mesh) -> Counter:
-    from kvmesh.router.engine_metrics import parse_prometheus
+    from kvmesh.common.engine_load import parse_prometheus
 
     text = (await mesh.http.get(mesh.url + "/metrics")).text
     out: Counter = Counter()

@@ -128,7 +128,7 @@ def test_up_with_the_real_engine(tmp_path):
         # registered at start-up): the engine's reported cached tokens, summed, and the router's
         # prediction of them from the sidecars' block sets (a router that landed on the pod by its
         # tie-break alone, with nothing indexed, would predict 0).
-        from kvmesh.router.engine_metrics import parse_prometheus
+        from kvmesh.common.engine_load import parse_prometheus
 
         totals: dict[str, float] = {}
         for name, labels, value in parse_prometheus(httpx.get(up.url + "/metrics", timeout=5).text):

@@ -18,7 +18,7 @@ from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import block_keys, key_hex
 from kvmesh.router.discovery import (Discovery, EndpointSlices, Endpoint, FileEndpoints, StaticEndpoints,
                                      normalize_url, parse_backend)
-from kvmesh.router.engine_metrics import parse_prometheus
+from kvmesh.common.engine_load import parse_prometheus
 from kvmesh.router.metrics import RouterMetrics
 from tests.conftest import free_port, shared_encoder, wait_until
 
@@ -380,7 +380,7 @@ def test_router_on_endpoint_slices_follows_pod_readiness(kube, mesh, router_fact
 
 
 def test_numbers_from_redis_and_engine_metrics_are_clamped(redis_server, model_name):
-    from kvmesh.router.engine_metrics import engine_load
+    from kvmesh.common.engine_load import engine_load
 
     load = engine_load('vllm:kv_cache_usage_perc NaN\nvllm:num_requests_running +Inf\n'
                        'vllm:num_requests_waiting 2\nvllm:kv_cache_usage_perc 0.25\n')

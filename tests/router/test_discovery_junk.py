@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.router.discovery import SWEEP_PAGE, Discovery
-from kvmesh.router.engine_metrics import parse_prometheus
+from kvmesh.common.engine_load import parse_prometheus
 from kvmesh.router.metrics import RouterMetrics
 from tests.conftest import wait_until
 from tests.router.test_discovery import complete, metric, text

@@ -236,7 +236,7 @@ def test_junk_paths_do_not_grow_metrics(mesh, router_factory, redis_server, mode
         assert httpx.post(locked.url + f"/v1/junk-{i}", json={}).status_code == 401
         assert httpx.get(locked.url + f"/junk-{i}").status_code == 404
         assert httpx.post(locked.url + f"/v1/completions?x={i}", json={}).status_code == 401
-    from kvmesh.router.engine_metrics import parse_prometheus
+    from kvmesh.common.engine_load import parse_prometheus
 
     for router in (open_router, locked):
         page = httpx.get(router.url + "/metrics").text

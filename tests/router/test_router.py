@@ -25,7 +25,7 @@ def complete(base: str, prompt: str, **kw) -> httpx.Response:
 
 
 def metric(base: str, name: str, **labels) -> float:
-    from kvmesh.router.engine_metrics import parse_prometheus
+    from kvmesh.common.engine_load import parse_prometheus
 
     total = 0.0
     for n, lab, v in parse_prometheus(httpx.get(base + "/metrics", timeout=5).text):

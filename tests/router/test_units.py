@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.router.auth import ApiKeys, RateLimiter, hash_key, load_keys, parse_keys
-from kvmesh.router.engine_metrics import engine_load
+from kvmesh.common.engine_load import engine_load
 from kvmesh.router.scoring import Candidate, Weights, check_hotspot_params, rank
 
 

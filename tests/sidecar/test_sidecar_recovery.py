@@ -27,7 +27,7 @@ from kvmesh.common import kv_events as kv
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import block_keys, key_hex
 from kvmesh.common.ports import free_port
-from kvmesh.router.engine_metrics import parse_prometheus
+from kvmesh.common.engine_load import parse_prometheus
 from kvmesh.sidecar.service import Sidecar, SidecarConfig
 from tests.conftest import ROOT, child_env, wait_until
 

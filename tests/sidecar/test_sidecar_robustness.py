@@ -12,7 +12,7 @@ import pytest
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import block_keys, key_hex
 from kvmesh.common import kv_events as kv
-from kvmesh.router.engine_metrics import parse_prometheus
+from kvmesh.common.engine_load import parse_prometheus
 from kvmesh.sidecar.service import F_INDEX, Sidecar, SidecarConfig
 from tests.conftest import wait_until
 

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from kvmesh.common import redis_layout as rl
-from kvmesh.router.engine_metrics import engine_load, parse_prometheus
+from kvmesh.common.engine_load import engine_load, parse_prometheus
 from tests.engine.server.conftest import ThreadServer, wait_for
 from tests.tiny_models import build_tiny_model
 
