@@ -34,9 +34,9 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 # The token budget per step. A server on the CPU gets a smaller one than vLLM's (2048 for its CPU
 # server): there a step's time grows with its tokens (about 1 ms per prefill token for the built-in
 # model on two cores), so a 2048-token step holds every running stream and every waiting first
-# token for two seconds. Measured on issue 14's workloads (docs/engine.md): 512 cut TTFT p50 to
-# half or less at the same throughput, within the run-to-run noise. GPUs, and `generate` / LLM
-# (offline, where only throughput counts), keep 2048.
+# token for two seconds. Measured on the serving benchmark's workloads (docs/performance.md): 512
+# cut TTFT p50 to half or less at the same throughput, within the run-to-run noise. GPUs, and
+# `generate` / LLM (offline, where only throughput counts), keep 2048.
 DEFAULT_TOKEN_BUDGET = 2048
 CPU_SERVER_TOKEN_BUDGET = 512
 
@@ -82,7 +82,7 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use (KV sized from it)
     # Schedule and prepare step N+1 while step N runs (vLLM's --async-scheduling). None: on for
-    # CUDA devices, off on the CPU (where it measured no faster: docs/engine.md).
+    # CUDA devices, off on the CPU (where it measured no faster: docs/performance.md).
     async_scheduling: bool | None = None
 
     @classmethod

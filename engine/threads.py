@@ -12,7 +12,7 @@ cgroup's CPU quota: a container's CPU limit):
   CPUs (its OpenMP threads never land on the frontend's), and its thread count defaults to them.
   ``auto`` reserves one CPU when there are at least 4 (as vLLM's CPU backend leaves one to its API
   server), none on smaller machines: on 2 CPUs, reserving one halves the model's compute while the
-  frontend needs a fraction of a core (docs/engine.md has the measurement).
+  frontend needs a fraction of a core (docs/performance.md has the measurement).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def spin_count(plan: ThreadPlan | None) -> int:
     """The core's OpenMP spin. Beside its own API process (the frontend sharing the core's CPUs,
     no CPU quota) a worker that stays awake between steps wins: with 100k spins it sleeps through
     the serial part of a server's step and the next forward's first barrier waits for its wake-up,
-    behind the API process's turn on that CPU. Measured interleaved (docs/engine.md): the server on
+    behind the API process's turn on that CPU. Measured interleaved (docs/performance.md): the server on
     the prefix workload +5.1% at 1M spins (6 of 6 rounds), random and the engine alone unchanged.
     Under a CPU quota, spinning spends the quota the API process draws on too, and beside other busy
     processes a long spin takes the CPU the awaited thread needs (1M: 223 ms a step, 100k: 124 ms):
@@ -126,7 +126,7 @@ def core_environment(plan: ThreadPlan | None, env: dict | None = None) -> dict[s
     Why: a thread that reaches a barrier first spins. Where the core's threads are not alone on
     their CPUs (other pods on the node, a CFS quota), a long spin burns the time slice the awaited
     thread needs, and each of a forward's hundreds of parallel regions pays for it. Measured on
-    the 2-CPU development machine, decode steps of 16 (docs/engine.md): alone, default 78-84 ms,
+    the 2-CPU development machine, decode steps of 16 (docs/performance.md): alone, default 78-84 ms,
     100k spins 81-88 ms, passive waiting 96-115 ms; beside two busy processes, default 305 ms, 100k
     spins 178 ms, passive 186 ms."""
     out = dict(os.environ if env is None else env)
