@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Offline throughput: kvmesh's continuous batching vs Hugging Face static batching.
 
-Workload (issue 2): 64 requests, prompts of random token ids with lengths uniform in
+Workload: 64 requests, prompts of random token ids with lengths uniform in
 [64, 512] (seed 0), 128 output tokens each, ignore_eos, greedy, the built-in model; fp32 on
 the CPU by default, ``--device cuda --dtype bfloat16`` on a GPU (bench/gpu_check.sh). The
 baseline runs the same requests through transformers' `generate` in static, left-padded

@@ -13,12 +13,12 @@ percentiles, plus request and token throughput.
 
 Modes:
   bench/serve.py --url http://host:8000 --workload shared-prefix   # against a running server
-  bench/serve.py --compare                                         # the issue's report, one run:
+  bench/serve.py --compare                                         # one run of both comparisons:
       (1) shared-prefix workload on `kvmesh serve` with prefix caching on vs off (median TTFT)
       (2) offline workload through `kvmesh serve` vs the offline API (LLM.generate) throughput
   Scale it down for a small machine with --num-requests / --output-len / --prefix-num-requests.
-  bench/serve.py --compare-vllm auto                               # issue 14: kvmesh serve vs vLLM serve
-      the two workloads of issue 14 (random 256 in / 128 out, 64 prompts, concurrency 16; prefix
+  bench/serve.py --compare-vllm auto                               # kvmesh serve vs vLLM serve
+      two workloads (random 256 in / 128 out, 64 prompts, concurrency 16; prefix
       repetition: 4 prefixes of 384 + 128 random tokens, 32 out, 48 prompts, concurrency 8) on vLLM's
       server, on `kvmesh serve` and on the engine alone (LLMEngine in its own long-lived process with
       the server's thread settings and token budget, same requests, same concurrency), in --rounds
@@ -312,8 +312,8 @@ def offline_engine(model: str, dtype: str, budget: int):
 def offline_closed_loop(engine, prompts: list[list[int]], max_tokens: list[int],
                         concurrency: int) -> tuple[float, int, int]:
     """The requests on the engine alone at the server's concurrency, closed loop: (seconds, prompt
-    tokens, output tokens). The yardstick for the serving path's own cost (issue 14: the server
-    keeps >= 95% of it)."""
+    tokens, output tokens). The yardstick for the serving path's own cost (the target: the
+    server keeps >= 95% of it)."""
     from kvmesh.engine import SamplingParams
 
     todo = list(zip(prompts, max_tokens))
@@ -489,7 +489,7 @@ def compare(args) -> int:
     return 0
 
 
-# -- issue 14: kvmesh serve vs vLLM serve ----------------------------------------------------------------
+# -- kvmesh serve vs vLLM serve ------------------------------------------------------------------------
 # The vLLM anchor script, beside the checkout (relative to the repository root).
 VLLM_ANCHOR = str(Path(__file__).resolve().parents[1] / ".." / "shared" / "bench" / "vllm_anchor.sh")
 
@@ -536,7 +536,7 @@ def _tpot(results: list[Result]) -> list[float]:
     return [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in results if r.ok and r.output_tokens > 1]
 
 
-def _issue14_workloads(vocab: int, args, seed: int = 0) -> list[tuple[str, list[Req], int]]:
+def _anchor_workloads(vocab: int, args, seed: int = 0) -> list[tuple[str, list[Req], int]]:
     return [
         (f"random {args.random_input_len} in / {args.random_output_len} out, {args.random_num_prompts} prompts, "
          f"concurrency {args.random_concurrency}",
@@ -582,7 +582,7 @@ def _median(values: list[float]) -> float:
 
 
 def compare_vllm(args) -> int:
-    """Issue 14's comparison in interleaved rounds. This machine's speed drifts by 10-30% within a
+    """kvmesh serve against vLLM's CPU server, in interleaved rounds. This machine's speed drifts by 10-30% within a
     run, so measuring each side once, one after the other, lets the drift pick the winner. Both
     servers and the engine alone stay up, the ones not being measured paused (their pause()), and
     every round runs each workload on vLLM, kvmesh and the engine alone back to back, in
@@ -657,10 +657,10 @@ def compare_vllm(args) -> int:
             parts["offline"] = alone("offline", offline)
         # results[workload index][part]: one summary per round
         results: list[dict[str, list[dict]]] = [{p: [] for p in parts} for _ in range(2)]
-        names = [w[0] for w in _issue14_workloads(vocab, args)]
+        names = [w[0] for w in _anchor_workloads(vocab, args)]
         for rnd in range(args.rounds):
             order = list(parts) if rnd % 2 == 0 else list(parts)[::-1]
-            for wi, (wname, reqs, conc) in enumerate(_issue14_workloads(vocab, args, seed=1000 * rnd)):
+            for wi, (wname, reqs, conc) in enumerate(_anchor_workloads(vocab, args, seed=1000 * rnd)):
                 print(f"\n-- round {rnd + 1}/{args.rounds}, {wname[:40]}: {' -> '.join(order)}", flush=True)
                 for part in order:
                     results[wi][part].append(parts[part](wname, reqs, conc))
@@ -711,7 +711,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--url", help="base URL of a running OpenAI-compatible server")
-    ap.add_argument("--compare", action="store_true", help="run the issue's comparison (starts its own servers)")
+    ap.add_argument("--compare", action="store_true", help="prefix caching on vs off, and the server vs the offline API (starts its own servers)")
     ap.add_argument("--compare-vllm", metavar="URL|auto", default=None,
                     help="the comparison against vLLM's server at URL (auto: start it with --vllm-anchor)")
     ap.add_argument("--vllm-anchor", default=VLLM_ANCHOR, help="vllm_anchor.sh, which serves vLLM's CPU build (default: ../shared/bench/vllm_anchor.sh from the repository root)")

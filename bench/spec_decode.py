@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Speculative decoding (n-gram prompt lookup): TPOT with speculation on vs off, same run.
 
-Workloads (issue 15), 128 output tokens, the built-in model:
+Workloads, 128 output tokens, the built-in model:
 * copy: greedy; chat prompts that quote a ~300-token passage and ask for it back with a small
   edit (replace one word), so the answer repeats the prompt: drafts are mostly accepted;
 * random: greedy; prompts of random token ids (no text to copy). SmolLM2's greedy output on
@@ -13,7 +13,7 @@ Concurrency 1, 4 and 64 (closed loop: that many requests in flight until the wav
 Per configuration: median TPOT over requests ((t_last - t_first) / (tokens - 1)), plain vs
 speculative engine, in wall time and in the engine process's CPU time (all threads: robust to
 other people's load on a shared machine, which stretches wall time; the target verdict uses it),
-the ratio plain/spec (> 1: speculation is faster) against the issue's target, and the acceptance
+the ratio plain/spec (> 1: speculation is faster) against its target (TARGETS), and the acceptance
 rate (accepted / draft tokens) with the number of drafts.
 
 Noise: this machine's speed drifts by several percent over minutes, and one engine process can
