@@ -131,10 +131,10 @@ MODULES = [
                     "test_weights_parse"),
             "tests/router/test_scoring_mutants.py"],
            doc="contract 4: routing score, hotspot guard, tie-breaking"),
-    Module("sidecar_index", "sidecar/service.py",
+    Module("sidecar_index", "sidecar/index_writer.py",
            ["tests/sidecar/test_sidecar_index.py"],
            functions=[*_m("BlockIndex", "clear", "keys", "stored", "removed"), "_hashable",
-                      "validate_kvmesh_batch", *_m("Sidecar", "apply", "_incremental", "_full_rewrite")],
+                      "validate_kvmesh_batch", *_m("IndexWriter", "apply", "incremental", "full_rewrite")],
            doc="the sidecar's index writer: events -> in-memory index -> the Redis block set"),
 ]
 BY_NAME = {m.name: m for m in MODULES}
@@ -152,9 +152,9 @@ EQUIVALENT: dict[str, set[str]] = {
                    "xǁFreeBlockQueueǁremove__mutmut_1", "xǁKVBlockǁ__init____mutmut_6", "xǁKVBlockǁ__init____mutmut_7"},
     "kv_cache_manager": {"xǁKVCacheManagerǁ__init____mutmut_7", "xǁKVCacheManagerǁ_cache_full_blocks__mutmut_9"},
     "sidecar_index": {"xǁBlockIndexǁstored__mutmut_21", "xǁBlockIndexǁstored__mutmut_35",
-                      "xǁSidecarǁ_full_rewrite__mutmut_8", "xǁSidecarǁ_full_rewrite__mutmut_9",
-                      "xǁSidecarǁ_full_rewrite__mutmut_23", "xǁSidecarǁ_incremental__mutmut_2",
-                      "xǁSidecarǁ_incremental__mutmut_3"},
+                      "xǁIndexWriterǁfull_rewrite__mutmut_8", "xǁIndexWriterǁfull_rewrite__mutmut_9",
+                      "xǁIndexWriterǁfull_rewrite__mutmut_23", "xǁIndexWriterǁincremental__mutmut_2",
+                      "xǁIndexWriterǁincremental__mutmut_3"},
     "scheduler": {"xǁSchedulerǁschedule__mutmut_7", "xǁSchedulerǁschedule__mutmut_36"},
 }
 

@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.sidecar.service import Sidecar, SidecarConfig, default_pod_url
+    from kvmesh.sidecar.config import SidecarConfig, default_pod_url
+    from kvmesh.sidecar.service import Sidecar
 
     setup_logging(args.log_format, args.log_level)
     replay = None if (args.kv_events_replay_endpoint or "").lower() in ("", "none") else args.kv_events_replay_endpoint
@@ -68,10 +69,10 @@ def run(args: argparse.Namespace) -> int:
     while not done.wait(1.0):
         # The events thread never ends on its own; if it did, the index is frozen: exit so the
         # supervisor (Kubernetes, `kvmesh up`) restarts the sidecar, which rebuilds it by replay.
-        events = sidecar._events_thread
+        events = sidecar.events.thread
         if events is not None and not events.is_alive():
             logging.getLogger("kvmesh.sidecar").critical("the KV-event loop is dead (%s); exiting",
-                                                         sidecar.events_error)
+                                                         sidecar.events.error)
             rc = 1
             break
     sidecar.stop(clean=True)

@@ -1,7 +1,9 @@
-"""The sidecar's probe and metrics server: /health, /ready and /metrics (Prometheus text) from one small HTTP thread.
+"""The sidecar's probes and metrics: /health, /ready and /metrics (Prometheus text) from one small HTTP thread.
 
-The metrics are read from the sidecar at scrape time by a `prometheus_client` collector (the
-figures live in the subscriber's and the service's counters; nothing is copied between scrapes).
+Liveness fails while the events loop is dead or stale (or the heartbeat loop is dead);
+readiness also waits for the first catch-up. Neither depends on Redis or on the engine. The
+metrics are read from the sidecar at scrape time by a `prometheus_client` collector (the
+figures live in the subscriber's and the sidecar's counters; nothing is copied between scrapes).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -56,18 +58,47 @@ class SidecarCollector:
 
     def collect(self) -> Iterator[Metric]:
         sc = self.sidecar
-        sub = sc.subscriber.stats if sc.subscriber else {}
+        sub = sc.events.subscriber.stats if sc.events.subscriber else {}
         for key, help_ in SUBSCRIBER_COUNTERS:
             yield CounterMetricFamily(f"kvmesh_sidecar_kv_event_{key}_total", help_, value=sub.get(key, 0))
         for key, help_ in SERVICE_COUNTERS:
             yield CounterMetricFamily(f"kvmesh_sidecar_{key}_total", help_, value=sc.stats.get(key, 0))
-        last = sc.events_last_ok
-        yield GaugeMetricFamily("kvmesh_sidecar_block_keys", "block keys in the index", value=len(sc.index.refs))
+        last = sc.events.last_ok
+        yield GaugeMetricFamily("kvmesh_sidecar_block_keys", "block keys in the index",
+                                value=len(sc.writer.index.refs))
         yield GaugeMetricFamily("kvmesh_sidecar_events_ok", "1 if the events loop is alive and current",
-                                value=int(sc.events_problem() is None))
+                                value=int(sc.events.problem() is None))
         yield GaugeMetricFamily("kvmesh_sidecar_events_loop_age_seconds",
                                 "seconds since the last completed events iteration",
                                 value=-1 if last is None else round(time.monotonic() - last, 3))
+
+
+def liveness(sidecar: "Sidecar") -> tuple[bool, dict[str, Any]]:
+    """/health: the events loop is alive and current, and the heartbeat loop alive."""
+    problem = sidecar.events.problem() or sidecar.heartbeat.problem()
+    return problem is None, detail(sidecar, problem)
+
+
+def readiness(sidecar: "Sidecar") -> tuple[bool, dict[str, Any]]:
+    """/ready: as /health, and the first catch-up (a replay from 0) has run."""
+    ok, body = liveness(sidecar)
+    if ok and not sidecar.events.caught_up:
+        ok, body["problem"] = False, "catching up with the engine's KV events"
+    return ok, body
+
+
+def detail(sidecar: "Sidecar", problem: str | None) -> dict[str, Any]:
+    """The probes' JSON body: why (``problem``), and the figures that explain it."""
+    sub, writer = sidecar.events.subscriber, sidecar.writer
+    last = sidecar.events.last_ok
+    return {
+        "status": "ok" if problem is None else "unhealthy", "problem": problem, "pod": sidecar.cfg.pod_name,
+        "events_loop_age_s": None if last is None else round(time.monotonic() - last, 3),
+        "block_keys": len(writer.index.refs), "index_withdrawn": writer.withdrawn,
+        "redis_dirty": writer.dirty, "indexed_seq": writer.indexed_seq, "engine_state": sidecar.heartbeat.state,
+        "last_decode_error": sub.last_decode_error if sub else None, "last_events_error": sidecar.events.error,
+        "stats": {**(sub.stats if sub else {}), **sidecar.stats},
+    }
 
 
 def metrics_registry(sidecar: "Sidecar") -> CollectorRegistry:
@@ -105,11 +136,11 @@ class HealthServer:
             def do_GET(self):  # noqa: N802 - http.server's API
                 path = self.path.split("?", 1)[0]
                 if path in ("/health", "/healthz", "/livez"):
-                    ok, detail = sidecar.liveness()
-                    return self._send(200 if ok else 503, json.dumps(detail).encode(), "application/json")
+                    ok, body = liveness(sidecar)
+                    return self._send(200 if ok else 503, json.dumps(body).encode(), "application/json")
                 if path in ("/ready", "/readyz"):
-                    ok, detail = sidecar.readiness()
-                    return self._send(200 if ok else 503, json.dumps(detail).encode(), "application/json")
+                    ok, body = readiness(sidecar)
+                    return self._send(200 if ok else 503, json.dumps(body).encode(), "application/json")
                 if path == "/metrics":
                     return self._send(200, health.metrics_text().encode(), CONTENT_TYPE_PLAIN_0_0_4)
                 self._send(404, b'{"error": "not found"}', "application/json")

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.common import kv_events as kv
-from kvmesh.sidecar.service import BlockIndex, Sidecar, SidecarConfig, validate_kvmesh_batch
+from kvmesh.sidecar.config import SidecarConfig
+from kvmesh.sidecar.index_writer import BlockIndex, IndexWriter, validate_kvmesh_batch
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -108,7 +109,7 @@ def _apply_everywhere(batch: kv.EventBatch) -> None:
                 validate_kvmesh_batch(batch)
             except kv.DecodeError:
                 continue  # the subscriber treats it as undecodable: never applied
-        sidecar = Sidecar.__new__(Sidecar)  # apply() needs only the index and stats
+        sidecar = IndexWriter.__new__(IndexWriter)  # apply() needs only the index and stats (no Redis client)
         sidecar.cfg, sidecar.index, sidecar.stats = cfg, BlockIndex(cfg), Counter()
         sidecar.index._warned_block_size = True  # block sizes vary on purpose here
         added, removed_, _ = sidecar.apply([kv.Delivery(seq=0, batch=batch)])

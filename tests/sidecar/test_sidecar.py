@@ -79,7 +79,7 @@ def test_eviction_removes_keys(redis_server, stub_factory, model_name):
         wait_until(lambda: r.smembers(bkey) == survivors, 5, msg="exactly the surviving keys")
         assert not evicted & r.smembers(bkey)
         assert set(per_prompt[3]) <= survivors and set(per_prompt[2][-(8 - len(per_prompt[3])):]) <= survivors
-        assert sidecar.index.keys() and set(map(key_hex, sidecar.index.keys())) == survivors
+        assert sidecar.writer.index.keys() and set(map(key_hex, sidecar.writer.index.keys())) == survivors
     finally:
         sidecar.stop()
 
@@ -158,7 +158,7 @@ def test_vllm_format_events_are_indexed_with_contract_keys(redis_server, model_n
         wait_until(lambda: r.smembers(bkey) == set(keys[:3]), 5, msg="removal mapped")
         publish_vllm(vs.AllBlocksCleared())
         wait_until(lambda: r.scard(bkey) == 0, 5, msg="cleared")
-        assert not sidecar.index.by_hash
+        assert not sidecar.writer.index.by_hash
     finally:
         sidecar.stop()
         pub.close()

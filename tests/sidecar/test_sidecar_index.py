@@ -1,7 +1,7 @@
 """The sidecar's index writer in isolation: events -> BlockIndex -> the Redis block set.
 
 Fast unit tests (no engine, no threads; a real redis-server): what ``make mutation`` runs
-against the index-writer part of sidecar/service.py (see docs/mutation.md)."""
+against sidecar/index_writer.py (see docs/mutation.md)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from kvmesh.common.block_keys import block_keys, key_hex, root_key
 from kvmesh.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Delivery,
                                      EventBatch)
 from kvmesh.common.ports import free_port
-from kvmesh.sidecar.service import (GPU_MEDIA, BlockIndex, Sidecar, SidecarConfig, _hashable,
-                                   validate_kvmesh_batch)
+from kvmesh.sidecar.config import SidecarConfig
+from kvmesh.sidecar.index_writer import GPU_MEDIA, BlockIndex, IndexWriter, _hashable, validate_kvmesh_batch
+from kvmesh.sidecar.subscriber import EventsLoop
 
 BS = 4
 
@@ -201,10 +202,10 @@ def test_a_hash_that_is_not_a_uint64_is_a_decode_error(h, where):
                               "(an engine with its own hashes needs --engine-format vllm)")
 
 
-# -- Sidecar.apply ---------------------------------------------------------------------------
+# -- IndexWriter.apply -----------------------------------------------------------------------
 
 def test_apply_collects_adds_and_removes_across_batches():
-    sc = Sidecar(cfg())
+    sc = IndexWriter(cfg())
     added, removed, full = sc.apply([batch(BlockStored([1, 2, 3], None, [0] * 3 * BS, BS)),
                                      batch(BlockRemoved([3]), BlockStored([4], 2, [0] * BS, BS), seq=1)])
     assert (added, removed, full) == ({1, 2, 4}, {3}, False)
@@ -214,7 +215,7 @@ def test_apply_collects_adds_and_removes_across_batches():
 
 
 def test_apply_a_reset_drops_the_index_and_asks_for_a_full_rewrite():
-    sc = Sidecar(cfg())
+    sc = IndexWriter(cfg())
     sc.apply([batch(BlockStored([1, 2], None, [0] * 2 * BS, BS))])
     added, removed, full = sc.apply([batch(BlockStored([3], 2, [0] * BS, BS), BlockRemoved([1])),
                                      Delivery(seq=None, reset="engine restarted"),
@@ -226,7 +227,7 @@ def test_apply_a_reset_drops_the_index_and_asks_for_a_full_rewrite():
 
 
 def test_apply_all_blocks_cleared_is_a_full_rewrite():
-    sc = Sidecar(cfg())
+    sc = IndexWriter(cfg())
     sc.apply([batch(BlockStored([1, 2], None, [0] * 2 * BS, BS))])
     added, removed, full = sc.apply([batch(BlockRemoved([1]), AllBlocksCleared(),
                                            BlockStored([5], None, [0] * BS, BS))])
@@ -237,51 +238,50 @@ def test_apply_all_blocks_cleared_is_a_full_rewrite():
 
 
 def test_apply_nothing():
-    sc = Sidecar(cfg())
+    sc = IndexWriter(cfg())
     assert sc.apply([]) == (set(), set(), False)
 
 
 # -- writing the block set -------------------------------------------------------------------
 
 @pytest.fixture
-def sidecar(redis_server, model_name):
-    sc = Sidecar(cfg(model=model_name, redis_url=redis_server.url))
-    yield sc
-    sc.redis.close()
-    sc.hb_redis.close()
+def writer(redis_server, model_name):
+    w = IndexWriter(cfg(model=model_name, redis_url=redis_server.url))
+    yield w
+    w.close()
 
 
-def test_incremental_write_adds_and_removes_key_hex_members(sidecar, redis_server):
+def test_incremental_write_adds_and_removes_key_hex_members(writer, redis_server):
     r = redis_server.client()
-    r.sadd(sidecar.blocks_key, key_hex(1), key_hex(2))
-    sidecar._redis_dirty = False
-    sidecar._incremental({3, 2**64 - 1}, {1})
-    assert r.smembers(sidecar.blocks_key) == {key_hex(2), key_hex(3), "ffffffffffffffff"}
-    assert sidecar.stats["incremental_writes"] == 1 and not sidecar._redis_dirty
-    sidecar._incremental(set(), {2, 3})  # only removals
-    sidecar._incremental({7}, set())  # only additions
-    assert r.smembers(sidecar.blocks_key) == {key_hex(7), "ffffffffffffffff"}
-    assert sidecar.stats["incremental_writes"] == 3
-    assert sidecar.blocks_key == rl.blocks_key(sidecar.cfg.model, "pod-a")
+    r.sadd(writer.blocks_key, key_hex(1), key_hex(2))
+    writer.dirty = False
+    writer.incremental({3, 2**64 - 1}, {1})
+    assert r.smembers(writer.blocks_key) == {key_hex(2), key_hex(3), "ffffffffffffffff"}
+    assert writer.stats["incremental_writes"] == 1 and not writer.dirty
+    writer.incremental(set(), {2, 3})  # only removals
+    writer.incremental({7}, set())  # only additions
+    assert r.smembers(writer.blocks_key) == {key_hex(7), "ffffffffffffffff"}
+    assert writer.stats["incremental_writes"] == 3
+    assert writer.blocks_key == rl.blocks_key(writer.cfg.model, "pod-a")
 
 
-def test_full_rewrite_replaces_the_set_with_the_index(sidecar, redis_server, caplog):
+def test_full_rewrite_replaces_the_set_with_the_index(writer, redis_server, caplog):
     r = redis_server.client()
-    r.sadd(sidecar.blocks_key, key_hex(100), key_hex(1))  # a previous incarnation's set
-    sidecar.apply([batch(BlockStored([1, 2, 3], None, [0] * 3 * BS, BS))])
-    sidecar._redis_backoff = 3.0
-    sidecar.index_withdrawn = True
-    sidecar._full_rewrite()
-    assert r.smembers(sidecar.blocks_key) == {key_hex(1), key_hex(2), key_hex(3)}
-    assert not r.exists(sidecar.blocks_key + ":tmp")
-    assert sidecar.stats["full_rewrites"] == 1 and sidecar._redis_dirty is False
-    assert sidecar._redis_backoff == 0.1 and sidecar.index_withdrawn is False
+    r.sadd(writer.blocks_key, key_hex(100), key_hex(1))  # a previous incarnation's set
+    writer.apply([batch(BlockStored([1, 2, 3], None, [0] * 3 * BS, BS))])
+    writer.backoff = 3.0
+    writer.withdrawn = True
+    writer.full_rewrite()
+    assert r.smembers(writer.blocks_key) == {key_hex(1), key_hex(2), key_hex(3)}
+    assert not r.exists(writer.blocks_key + ":tmp")
+    assert writer.stats["full_rewrites"] == 1 and writer.dirty is False
+    assert writer.backoff == 0.1 and writer.withdrawn is False
     assert not [rec for rec in caplog.records if "rewrote" in rec.getMessage()]  # the first write is quiet
-    sidecar.apply([batch(BlockRemoved([3]))])
+    writer.apply([batch(BlockRemoved([3]))])
     with caplog.at_level(logging.INFO, logger="kvmesh.sidecar"):
-        sidecar._full_rewrite()  # a later rewrite is logged
+        writer.full_rewrite()  # a later rewrite is logged
     assert [rec.getMessage() for rec in caplog.records] == ["rewrote 2 block keys to Redis"]
-    assert sidecar.stats["full_rewrites"] == 2 and r.smembers(sidecar.blocks_key) == {key_hex(1), key_hex(2)}
+    assert writer.stats["full_rewrites"] == 2 and r.smembers(writer.blocks_key) == {key_hex(1), key_hex(2)}
 
 
 class _Feed:
@@ -299,76 +299,76 @@ class _Feed:
         return out
 
 
-def test_indexed_seq_moves_only_once_the_batch_is_in_redis(sidecar, redis_server):
+def test_indexed_seq_moves_only_once_the_batch_is_in_redis(writer, redis_server):
     """indexed_seq says which events Redis holds (what a reader may wait for); the subscriber's
     next_seq moves at poll, before the write."""
     r = redis_server.client()
-    feed = sidecar.subscriber = _Feed()
-    assert sidecar.indexed_seq is None  # dirty until the first rewrite
+    loop = EventsLoop(writer.cfg, writer, writer.stats)
+    feed = loop.subscriber = _Feed()
+    assert writer.indexed_seq is None  # dirty until the first rewrite
     feed.queue = [batch(BlockStored([1, 2], None, [0] * 2 * BS, BS), seq=0)]
-    sidecar._events_iteration()  # the first write is the full rewrite
-    assert sidecar.indexed_seq == 1 and r.smembers(sidecar.blocks_key) == {key_hex(1), key_hex(2)}
+    loop.iteration()  # the first write is the full rewrite
+    assert writer.indexed_seq == 1 and r.smembers(writer.blocks_key) == {key_hex(1), key_hex(2)}
     feed.queue = [batch(BlockStored([3], 2, [0] * BS, BS), seq=1)]
-    sidecar.redis = redis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
-    sidecar._events_iteration()  # the write fails: the batch was polled but is not in Redis
-    assert feed.next_seq == 2 and sidecar.indexed_seq is None
-    sidecar.redis = redis_server.client()
-    sidecar._redis_retry_at = 0.0
-    sidecar._events_iteration()  # nothing new: the rewrite catches up
-    assert sidecar.indexed_seq == 2 and r.smembers(sidecar.blocks_key) == {key_hex(k) for k in (1, 2, 3)}
-    sidecar._redis_dirty = True  # e.g. the heartbeat found the set lost
-    assert sidecar.indexed_seq is None
+    writer.redis = redis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
+    loop.iteration()  # the write fails: the batch was polled but is not in Redis
+    assert feed.next_seq == 2 and writer.indexed_seq is None
+    writer.redis = redis_server.client()
+    writer.retry_at = 0.0
+    loop.iteration()  # nothing new: the rewrite catches up
+    assert writer.indexed_seq == 2 and r.smembers(writer.blocks_key) == {key_hex(k) for k in (1, 2, 3)}
+    writer.dirty = True  # e.g. the heartbeat found the set lost
+    assert writer.indexed_seq is None
 
 
-def test_full_rewrite_of_an_empty_index_deletes_the_set(sidecar, redis_server):
+def test_full_rewrite_of_an_empty_index_deletes_the_set(writer, redis_server):
     r = redis_server.client()
-    r.sadd(sidecar.blocks_key, key_hex(100))
-    r.sadd(sidecar.blocks_key + ":tmp", key_hex(5))  # left over by a crash mid-rewrite
-    sidecar._full_rewrite()
-    assert not r.exists(sidecar.blocks_key) and not r.exists(sidecar.blocks_key + ":tmp")
-    assert sidecar._redis_dirty is False and sidecar.stats["full_rewrites"] == 1
+    r.sadd(writer.blocks_key, key_hex(100))
+    r.sadd(writer.blocks_key + ":tmp", key_hex(5))  # left over by a crash mid-rewrite
+    writer.full_rewrite()
+    assert not r.exists(writer.blocks_key) and not r.exists(writer.blocks_key + ":tmp")
+    assert writer.dirty is False and writer.stats["full_rewrites"] == 1
 
 
-def test_full_rewrite_of_a_large_index_writes_every_key(sidecar, redis_server):
+def test_full_rewrite_of_a_large_index_writes_every_key(writer, redis_server):
     r = redis_server.client()
     n = 25_003  # more than two SADD chunks
-    sidecar.index.refs.update(range(1, n + 1))
-    sidecar._full_rewrite()
-    assert r.scard(sidecar.blocks_key) == n
-    assert r.sismember(sidecar.blocks_key, key_hex(1)) and r.sismember(sidecar.blocks_key, key_hex(n))
-    assert r.sismember(sidecar.blocks_key, key_hex(10_000)) and r.sismember(sidecar.blocks_key, key_hex(10_001))
+    writer.index.refs.update(range(1, n + 1))
+    writer.full_rewrite()
+    assert r.scard(writer.blocks_key) == n
+    assert r.sismember(writer.blocks_key, key_hex(1)) and r.sismember(writer.blocks_key, key_hex(n))
+    assert r.sismember(writer.blocks_key, key_hex(10_000)) and r.sismember(writer.blocks_key, key_hex(10_001))
 
 
 def test_redis_down_marks_the_set_dirty_and_backs_off(model_name, caplog):
-    sc = Sidecar(cfg(model=model_name, redis_url=f"redis://127.0.0.1:{free_port()}/0", max_backoff=0.35))
+    sc = IndexWriter(cfg(model=model_name, redis_url=f"redis://127.0.0.1:{free_port()}/0", max_backoff=0.35))
     try:
-        sc._redis_dirty = False
+        sc.dirty = False
         with caplog.at_level(logging.WARNING, logger="kvmesh.sidecar"):
-            sc._incremental({1}, set())
+            sc.incremental({1}, set())
         (rec,) = caplog.records
         assert rec.getMessage().startswith("Redis write failed (Error ") and "keeping state in memory" in \
             rec.getMessage()
-        assert sc._redis_dirty and sc.stats["redis_errors"] == 1 and sc.stats["incremental_writes"] == 0
-        assert sc._redis_backoff == pytest.approx(0.2)
+        assert sc.dirty and sc.stats["redis_errors"] == 1 and sc.stats["incremental_writes"] == 0
+        assert sc.backoff == pytest.approx(0.2)
         sc.index.refs.update([1])
-        sc._full_rewrite()
-        assert sc._redis_dirty and sc.stats["redis_errors"] == 2 and sc.stats["full_rewrites"] == 0
-        assert sc._redis_backoff == pytest.approx(0.35)  # doubled, capped at max_backoff
+        sc.full_rewrite()
+        assert sc.dirty and sc.stats["redis_errors"] == 2 and sc.stats["full_rewrites"] == 0
+        assert sc.backoff == pytest.approx(0.35)  # doubled, capped at max_backoff
         caplog.clear()
-        sc._redis_dirty = False
+        sc.dirty = False
         with caplog.at_level(logging.WARNING, logger="kvmesh.sidecar"):
-            sc._full_rewrite()
+            sc.full_rewrite()
         assert [r.getMessage()[:26] for r in caplog.records] == ["Redis write failed (Error "]
         assert isinstance(sc.redis, redis.Redis)
     finally:
-        sc.redis.close()
-        sc.hb_redis.close()
+        sc.close()
 
 
-def test_the_first_rewrite_after_a_redis_error_is_logged(sidecar, redis_server, caplog):
-    sidecar.stats["redis_errors"] = 1
-    sidecar.index.refs.update([4])
+def test_the_first_rewrite_after_a_redis_error_is_logged(writer, redis_server, caplog):
+    writer.stats["redis_errors"] = 1
+    writer.index.refs.update([4])
     with caplog.at_level(logging.INFO, logger="kvmesh.sidecar"):
-        sidecar._full_rewrite()
+        writer.full_rewrite()
     assert [rec.getMessage() for rec in caplog.records] == ["rewrote 1 block keys to Redis"]
-    assert redis_server.client().smembers(sidecar.blocks_key) == {key_hex(4)}
+    assert redis_server.client().smembers(writer.blocks_key) == {key_hex(4)}

@@ -162,7 +162,7 @@ def test_heartbeat_follows_the_engines_current_readiness(redis_server, stub_fact
         # The sidecar's own shutdown is the one lasting drain: the engine's readiness does not undo it.
         sidecar.mark_draining()
         time.sleep(0.5)
-        assert r.hget(hb_key, "state") == "draining" and sidecar.state == "draining"
+        assert r.hget(hb_key, "state") == "draining" and sidecar.heartbeat.state == "draining"
     finally:
         sidecar.stop()
 
@@ -258,7 +258,7 @@ def test_a_replay_flood_leaves_the_index_equal_to_the_engines_blocks(flood_rig, 
     bkey = rl.blocks_key(model_name, "pod-a")
     truth = Truth(model_name)
     _live(pub, sc, truth, r, bkey)
-    gaps_before = sc.subscriber.stats["gap_batches"]
+    gaps_before = sc.events.subscriber.stats["gap_batches"]
     pub._pub.drop = True
     for i in range(flood):
         pub.publish(truth.batch(i))
@@ -266,8 +266,8 @@ def test_a_replay_flood_leaves_the_index_equal_to_the_engines_blocks(flood_rig, 
     pub.publish(truth.batch(flood))
     wait_until(lambda: r.scard(bkey) == len(truth.keys), 30, msg="the whole flood indexed")
     assert r.smembers(bkey) == truth.hex()
-    assert {key_hex(k) for k in sc.index.keys()} == truth.hex()
-    stats = sc.subscriber.stats
+    assert {key_hex(k) for k in sc.writer.index.keys()} == truth.hex()
+    stats = sc.events.subscriber.stats
     # The live gap (and any hole a replay answer had) was counted and healed by replay alone.
     assert stats["gap_batches"] - gaps_before >= flood
     assert stats["gap_resets"] == 0 and stats["snapshots"] == 0 and stats["lost_batches"] == 0
@@ -289,7 +289,7 @@ def test_a_gap_beyond_the_replay_buffer_is_healed_from_the_snapshot(flood_rig, r
     pub._pub.drop = False
     pub.publish(truth.batch(2_000))
     wait_until(lambda: r.smembers(bkey) == truth.hex(), 30, msg="index equal to the engine's blocks")
-    stats = sc.subscriber.stats
+    stats = sc.events.subscriber.stats
     assert stats["snapshots"] == 1 and stats["gap_resets"] == 0 and stats["gap_batches"] >= 2_000
     assert _metric(sc.metrics_text(), "kvmesh_sidecar_kv_event_snapshots_total") == 1
     # And the stream goes on from the snapshot.
@@ -310,7 +310,7 @@ def test_without_snapshots_a_gap_beyond_the_buffer_is_counted_never_silent(flood
         pub.publish(truth.batch(i))
     pub._pub.drop = False
     pub.publish(truth.batch(2_000))
-    wait_until(lambda: sc.subscriber.stats["gap_resets"] == 1, 30, msg="the loss counted")
+    wait_until(lambda: sc.events.subscriber.stats["gap_resets"] == 1, 30, msg="the loss counted")
     wait_until(lambda: r.smembers(bkey) and r.smembers(bkey) <= truth.hex(), 10, msg="a subset, nothing stale")
     assert _metric(sc.metrics_text(), "kvmesh_sidecar_kv_event_gap_resets_total") == 1
 

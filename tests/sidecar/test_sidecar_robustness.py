@@ -13,7 +13,8 @@ from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import block_keys, key_hex
 from kvmesh.common import kv_events as kv
 from kvmesh.common.engine_load import parse_prometheus
-from kvmesh.sidecar.service import F_INDEX, Sidecar, SidecarConfig
+from kvmesh.sidecar.index_writer import F_INDEX
+from kvmesh.sidecar.service import Sidecar, SidecarConfig
 from tests.conftest import wait_until
 
 BS = 4
@@ -96,9 +97,9 @@ def test_bad_batches_are_counted_and_resynced_never_stopping_the_index(rig, mode
         # engine's cache, never a block the bad batch may have removed).
         expect_keys = keys
         wait_until(lambda: r.smembers(bkey) == expect_keys, 5, msg=f"index after bad batch {i}")
-        assert sc.subscriber.stats["lost_batches"] == i + 1
-    assert sc._events_thread.is_alive()
-    assert sc.subscriber.stats["decode_errors"] == 2 * len(bad)  # each seen live, then in the replay buffer
+        assert sc.events.subscriber.stats["lost_batches"] == i + 1
+    assert sc.events.thread.is_alive()
+    assert sc.events.subscriber.stats["decode_errors"] == 2 * len(bad)  # each seen live, then in the replay buffer
     assert _metric(sc, "kvmesh_sidecar_kv_event_decode_errors_total") == 2 * len(bad)
     assert _metric(sc, "kvmesh_sidecar_kv_event_lost_batches_total") == len(bad)
     assert _metric(sc, "kvmesh_sidecar_events_ok") == 1
@@ -114,7 +115,7 @@ def test_a_failing_iteration_is_counted_and_followed_by_a_full_resync(rig, model
     ev_a, keys_a = _stored(model_name, 1000, 3)
     pub.publish([ev_a])
     wait_until(lambda: r.smembers(bkey) == keys_a, 5, msg="first blocks indexed")
-    real = sc.index.stored
+    real = sc.writer.index.stored
     calls = {"n": 0}
 
     def flaky(ev, added, removed):
@@ -124,14 +125,14 @@ def test_a_failing_iteration_is_counted_and_followed_by_a_full_resync(rig, model
             raise RuntimeError("planted index bug")
         return real(ev, added, removed)
 
-    monkeypatch.setattr(sc.index, "stored", flaky)
+    monkeypatch.setattr(sc.writer.index, "stored", flaky)
     ev_b, keys_b = _stored(model_name, 5000, 2)
     pub.publish([ev_b])
     # The loop survives, counts it, and rebuilds everything from a replay from 0.
     wait_until(lambda: sc.stats["events_loop_errors"] == 1, 5, msg="loop error counted")
     wait_until(lambda: r.smembers(bkey) == keys_a | keys_b, 10, msg="full resync")
-    assert sc._events_thread.is_alive() and sc.subscriber.stats["resets"] >= 1
-    assert "planted index bug" in sc.events_error
+    assert sc.events.thread.is_alive() and sc.events.subscriber.stats["resets"] >= 1
+    assert "planted index bug" in sc.events.error
     assert _health(sc, "/health").status_code == 200
     assert _metric(sc, "kvmesh_sidecar_events_loop_errors_total") == 1
 
@@ -149,8 +150,8 @@ def test_dead_events_loop_fails_both_probes_and_withdraws_the_block_set(rig, mod
     def die():
         raise SystemExit("planted: the events thread ends")
 
-    monkeypatch.setattr(sc, "_events_iteration", die)
-    wait_until(lambda: not sc._events_thread.is_alive(), 5, msg="events thread gone")
+    monkeypatch.setattr(sc.events, "iteration", die)
+    wait_until(lambda: not sc.events.thread.is_alive(), 5, msg="events thread gone")
     for path in ("/health", "/ready"):
         resp = _health(sc, path)
         assert resp.status_code == 503 and "events loop dead" in resp.json()["problem"], resp.text
@@ -171,11 +172,11 @@ def test_stale_events_loop_fails_probes_then_recovers(rig, model_name, monkeypat
     pub.publish([ev_a])
     wait_until(lambda: r.smembers(bkey) == keys_a, 5, msg="blocks indexed")
     release = threading.Event()
-    real = sc._events_iteration
-    monkeypatch.setattr(sc, "_events_iteration", lambda: release.wait(30) and real())
+    real = sc.events.iteration
+    monkeypatch.setattr(sc.events, "iteration", lambda: release.wait(30) and real())
     resp = wait_until(lambda: (lambda x: x if x.status_code == 503 else None)(_health(sc, "/health")), 5,
                       msg="liveness fails while stuck")
-    assert "stale" in resp.json()["problem"] and sc._events_thread.is_alive()
+    assert "stale" in resp.json()["problem"] and sc.events.thread.is_alive()
     wait_until(lambda: not r.exists(bkey) and _hb(r, model_name).get(F_INDEX) == "stale", 5, msg="withdrawn")
     ev_b, keys_b = _stored(model_name, 3000, 2)
     pub.publish([ev_b])  # arrives while stuck: not lost
@@ -194,7 +195,7 @@ def test_readiness_waits_for_the_first_catch_up(redis_server, model_name):
     sc.cfg.health_port = 0
     try:
         sc.start()
-        wait_until(lambda: sc.subscriber.caught_up, 5, msg="first poll")
+        wait_until(lambda: sc.events.subscriber.caught_up, 5, msg="first poll")
         assert _health(sc, "/ready").status_code == 200
         assert _health(sc, "/nope").status_code == 404
     finally:

@@ -1,0 +1,287 @@
+"""The index writer: KV-event deliveries -> the in-memory block index -> the pod's Redis block set.
+
+The index maps the engine's block hashes to contract keys (reference-counted: two engine blocks
+may share a key). With ``engine_format="vllm"`` the engine's hashes are not contract keys: keys are
+recomputed from the token ids in BlockStored, chained from the parent's key, and the
+engine-hash -> key map serves the removals.
+
+Every change is mirrored to the Redis set ``blocks:{pod}``. A Redis failure never loses state:
+the index keeps being updated, the set is marked dirty, and once Redis answers again (retried with
+exponential backoff, ended early by the heartbeat) the whole set is rewritten atomically (temporary
+key + RENAME). A set Redis lost without an error (restarted empty, flushed, evicted) is caught by
+``verify``, which the heartbeat calls. An index that cannot be trusted (a dead or stale events loop)
+is ``withdraw``n from Redis until the next rewrite; the heartbeat's ``index`` field says which.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any, Hashable
+
+import redis
+
+from kvmesh.common import redis_layout as rl
+from kvmesh.common.block_keys import block_keys, key_hex, root_key
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Delivery, EventBatch
+from kvmesh.sidecar.config import SidecarConfig
+
+log = logging.getLogger("kvmesh.sidecar")
+
+GPU_MEDIA = (None, "GPU", "gpu", "cuda", "CUDA")
+MAX_U64 = 2**64 - 1
+# The heartbeat's field saying whether the pod's block set can be trusted ("ok" or "stale").
+F_INDEX = "index"
+
+
+class BlockIndex:
+    """Engine block hashes -> contract keys, with reference counts per key."""
+
+    def __init__(self, cfg: SidecarConfig):
+        self.cfg = cfg
+        self.by_hash: dict[Hashable, int] = {}
+        self.refs: Counter[int] = Counter()
+        self._root = root_key(cfg.model)
+        self._warned_block_size = False
+
+    def clear(self) -> None:
+        self.by_hash.clear()
+        self.refs.clear()
+
+    def keys(self) -> list[int]:
+        return list(self.refs)
+
+    def stored(self, ev: BlockStored, added: set[int], removed: set[int]) -> None:
+        if ev.medium not in GPU_MEDIA:
+            return
+        hashes = [_hashable(h) for h in ev.block_hashes]
+        if self.cfg.engine_format == "vllm":
+            if ev.block_size != self.cfg.block_size and not self._warned_block_size:
+                self._warned_block_size = True
+                log.warning("engine block size %d != --block-size %d: keys will not match the router's",
+                            ev.block_size, self.cfg.block_size)
+            if ev.parent_block_hash is None:
+                parent = self._root
+            else:
+                parent = self.by_hash.get(_hashable(ev.parent_block_hash))
+                if parent is None:
+                    log.debug("BlockStored with unknown parent; %d blocks not indexed", len(hashes))
+                    return
+            keys = block_keys(ev.token_ids, self.cfg.model, ev.block_size, parent=parent)
+        else:
+            keys = hashes  # contract keys already (checked by validate_kvmesh_batch)
+        for h, k in zip(hashes, keys):
+            if h in self.by_hash:
+                continue
+            self.by_hash[h] = k
+            self.refs[k] += 1
+            if self.refs[k] == 1:
+                added.add(k)
+                removed.discard(k)
+
+    def removed(self, ev: BlockRemoved, added: set[int], removed: set[int]) -> None:
+        if ev.medium not in GPU_MEDIA:
+            return
+        for h in ev.block_hashes:
+            k = self.by_hash.pop(_hashable(h), None)
+            if k is None:
+                continue
+            self.refs[k] -= 1
+            if self.refs[k] <= 0:
+                del self.refs[k]
+                removed.add(k)
+                added.discard(k)
+
+
+def _hashable(h: Any) -> Hashable:
+    return bytes(h) if isinstance(h, (bytearray, memoryview)) else h
+
+
+def validate_kvmesh_batch(batch: EventBatch) -> None:
+    """``--engine-format kvmesh``: every hash is a contract key, a uint64 int."""
+    for ev in batch.events:
+        hashes = ev.block_hashes if isinstance(ev, (BlockStored, BlockRemoved)) else []
+        parent = [ev.parent_block_hash] if isinstance(ev, BlockStored) and ev.parent_block_hash is not None else []
+        for h in (*hashes, *parent):
+            if type(h) is not int or not 0 <= h <= MAX_U64:
+                raise DecodeError(f"block hash {h!r:.40} is not a uint64 contract key "
+                                  "(an engine with its own hashes needs --engine-format vllm)")
+
+
+class IndexWriter:
+    """The pod's block index and its Redis block set, kept equal. ``write`` runs on the events
+    thread; ``withdraw``, ``verify`` and ``redis_error`` on the heartbeat's, under the same lock."""
+
+    def __init__(self, cfg: SidecarConfig, stats: Counter | None = None):
+        self.cfg = cfg
+        self.stats = stats if stats is not None else Counter()
+        self.index = BlockIndex(cfg)
+        self.redis = redis.Redis.from_url(cfg.redis_url, socket_timeout=2, socket_connect_timeout=1)
+        self.blocks_key = rl.blocks_key(cfg.model, cfg.pod_name)
+        self.lock = threading.Lock()
+        self.dirty = True  # the first write is a full rewrite (drops a previous incarnation's set)
+        self.retry_at = 0.0
+        self.backoff = 0.1
+        self.withdrawn = False  # the block set was removed from Redis because the index is not trusted
+        self._indexed_seq: int | None = None  # the subscriber's next_seq after the last write
+
+    def close(self) -> None:
+        self.redis.close()
+
+    # -- what the heartbeat publishes ------------------------------------------------------
+    @property
+    def indexed_seq(self) -> int | None:
+        """Every event before this sequence number is in Redis; None while the block set is dirty.
+        The subscriber's own next_seq runs ahead of it by one poll: it moves before the write."""
+        return None if self.dirty else self._indexed_seq
+
+    @property
+    def num_keys(self) -> int:
+        """The block keys the heartbeat vouches for: none while the set is withdrawn."""
+        return 0 if self.withdrawn else len(self.index.refs)
+
+    @property
+    def index_state(self) -> str:
+        """The heartbeat's ``index`` field."""
+        return "stale" if self.withdrawn else "ok"
+
+    # -- events -> index -> Redis ----------------------------------------------------------
+    def apply(self, deliveries: list[Delivery]) -> tuple[set[int], set[int], bool]:
+        """Apply deliveries to the in-memory index; returns (added, removed, full_rewrite)."""
+        added: set[int] = set()
+        removed: set[int] = set()
+        full = False
+        for d in deliveries:
+            if d.reset is not None:
+                self.index.clear()
+                added.clear()
+                removed.clear()
+                full = True
+                self.stats["resets"] += 1
+                continue
+            for ev in d.batch.events:
+                if isinstance(ev, BlockStored):
+                    self.index.stored(ev, added, removed)
+                elif isinstance(ev, BlockRemoved):
+                    self.index.removed(ev, added, removed)
+                elif isinstance(ev, AllBlocksCleared):
+                    self.index.clear()
+                    added.clear()
+                    removed.clear()
+                    full = True
+                    self.stats["clears"] += 1
+        return added, removed, full
+
+    def write(self, deliveries: list[Delivery], next_seq: int | None) -> None:
+        """Apply one poll's deliveries and mirror them to Redis (incrementally, or by a full
+        rewrite when the set is dirty); ``next_seq`` is the subscriber's after that poll."""
+        with self.lock:
+            added, removed, full = self.apply(deliveries)
+            if full or self.withdrawn:
+                self.dirty = True
+            if self.dirty:
+                if time.monotonic() >= self.retry_at:
+                    self.full_rewrite()
+            elif added or removed:
+                self.incremental(added, removed)
+            self._indexed_seq = next_seq
+
+    def reset(self) -> None:
+        """Drop whatever a failed iteration left half-applied; the replay that follows rebuilds it."""
+        with self.lock:
+            self.index.clear()
+            self.dirty = True
+
+    def incremental(self, added: set[int], removed: set[int]) -> None:
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            if removed:
+                pipe.srem(self.blocks_key, *[key_hex(k) for k in removed])
+            if added:
+                pipe.sadd(self.blocks_key, *[key_hex(k) for k in added])
+            pipe.execute()
+            self.stats["incremental_writes"] += 1
+        except redis.RedisError as exc:
+            self._failed(exc)
+
+    def full_rewrite(self) -> None:
+        keys = [key_hex(k) for k in self.index.keys()]
+        tmp = self.blocks_key + ":tmp"
+        try:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.delete(tmp)
+            for i in range(0, len(keys), 10_000):
+                pipe.sadd(tmp, *keys[i:i + 10_000])
+            if keys:
+                pipe.rename(tmp, self.blocks_key)
+            else:
+                pipe.delete(self.blocks_key)
+            pipe.execute()
+        except redis.RedisError as exc:
+            self._failed(exc)
+            return
+        if self.stats["full_rewrites"] or self.stats["redis_errors"]:
+            log.info("rewrote %d block keys to Redis", len(keys))
+        self.stats["full_rewrites"] += 1
+        self.dirty = False
+        self.backoff = 0.1
+        self.withdrawn = False
+
+    def _failed(self, exc: Exception) -> None:
+        """A Redis operation failed (the lock held): rewrite the whole set once Redis is back."""
+        self.stats["redis_errors"] += 1
+        if not self.dirty:
+            log.warning("Redis write failed (%s); keeping state in memory, will resync", exc)
+        self.dirty = True
+        self.retry_at = time.monotonic() + self.backoff
+        self.backoff = min(self.backoff * 2, self.cfg.max_backoff)
+
+    # -- from the heartbeat thread ---------------------------------------------------------
+    def redis_error(self, exc: Exception) -> None:
+        """Redis failed the heartbeat: it may have lost the set too."""
+        with self.lock:
+            self._failed(exc)
+
+    def withdraw(self, problem: str, client: redis.Redis) -> None:
+        """The events loop is dead or stale: its block set may be frozen. Remove it from Redis
+        (the router then scores this pod by load only) until the loop rewrites it. ``client``
+        is the heartbeat's: the events thread may be stuck holding its own."""
+        if self.withdrawn:
+            return
+        log.error("%s: withdrawing this pod's block set from Redis", problem)
+        locked = self.lock.acquire(timeout=1.0)
+        try:
+            client.delete(self.blocks_key)
+            self.withdrawn = True
+            self.stats["index_withdrawals"] += 1
+            if locked:
+                self.dirty = True
+        finally:
+            if locked:
+                self.lock.release()
+
+    def verify(self, client: redis.Redis) -> None:
+        """Redis can lose the block set without any error reaching this sidecar: a Redis restarted
+        (empty) between two writes is reconnected to transparently, and a flush or an eviction
+        says nothing. So every heartbeat compares the set's size with the index, under the lock
+        the events loop writes under (so the two agree whenever the set is not dirty), and any
+        difference schedules a full rewrite. Redis answering again also ends the rewrite's backoff."""
+        if not self.lock.acquire(timeout=1.0):
+            return  # the events loop is busy writing: next heartbeat
+        try:
+            if self.withdrawn:
+                return
+            if self.dirty:
+                self.retry_at = 0.0  # Redis answers this heartbeat: rewrite at the next iteration
+                return
+            in_redis = client.scard(self.blocks_key)
+            if in_redis != len(self.index.refs):
+                log.warning("the block set in Redis has %d keys, the index %d (Redis restarted or lost data); "
+                            "rewriting it", in_redis, len(self.index.refs))
+                self.stats["block_set_repairs"] += 1
+                self.dirty = True
+                self.retry_at = 0.0
+        finally:
+            self.lock.release()
