@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -97,10 +98,11 @@ def needs_sync(request: Request) -> bool:
     scheduled before that token is applied (async scheduling drains the pipeline and takes a
     synchronous step while any such request is unfinished): penalties count the output tokens,
     and min_tokens bans EOS / stop ids by the output's length until it is reached. Speculative
-    decoding (drafts proposed from the history) makes every step synchronous (EngineCore)."""
+    decoding (drafts proposed from the history) makes every step synchronous (EngineCore), and so
+    does constrained decoding: the next token's mask needs the matcher past the previous one."""
     sp = request.sampling_params
     return bool(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0) \
-        or request.num_output_tokens < sp.min_tokens
+        or request.num_output_tokens < sp.min_tokens or request.structured is not None
 
 
 class EngineCore:
@@ -163,6 +165,7 @@ class EngineCore:
         self.num_steps = 0
         self.step_failures = {"request": 0, "batch": 0}
         self._pending_aborts: list[EngineCoreOutput] = []
+        self._compiling: dict[str, Request] = {}  # structured requests whose grammar is not ready yet
         # Async scheduling (docs/engine.md): at most 2 steps between dispatch and their outputs'
         # application; their device work runs on one step thread, in order.
         self.async_scheduling = (args.async_scheduling if args.async_scheduling is not None
@@ -203,6 +206,19 @@ class EngineCore:
     def check_token_ids(self, param: str, token_ids) -> None:
         self.limits.check_token_ids(param, token_ids)
 
+    def structured_backend(self):
+        """The grammar side of constrained decoding (engine/structured/backend.py), shared with
+        an API server in the same process."""
+        from kvmesh.engine.structured.backend import backend_for
+
+        return backend_for(self.model_dir, self.model_config.vocab_size)
+
+    def check_structured(self, params: SamplingParams) -> None:
+        """Compile the request's grammar now (waiting for it): a bad spec is an InvalidParameter
+        before anything is queued. Not for the step loop: add_request compiles off it."""
+        if params.structured_outputs is not None:
+            self.structured_backend().check(params.structured_outputs)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
         self.validate_prompt(prompt_token_ids)
@@ -215,6 +231,10 @@ class EngineCore:
                 self._pending_aborts.extend(self._apply_oldest())
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.model_id,
                           self.block_size, self.max_model_len, cache_salt, arrival_time)
+        if params.structured_outputs is not None:
+            request.structured = self.structured_backend().start(params.structured_outputs,
+                                                                 request.eos_token_ids or self.eos_token_ids)
+            self._compiling[request_id] = request
         self.scheduler.add_request(request)
         if needs_sync(request):
             self._sync_candidates[request_id] = request
@@ -246,6 +266,8 @@ class EngineCore:
         outputs of step N (which ran meanwhile); a call may return no outputs (the first, which
         only dispatches), and outputs come in order per request."""
         outputs, self._pending_aborts = self._pending_aborts, []
+        if self._compiling:
+            outputs.extend(self._poll_grammars())
         if not self.async_scheduling:
             outputs.extend(self._sync_step())
             return outputs
@@ -266,6 +288,30 @@ class EngineCore:
         while self._in_flight and (len(self._in_flight) > 1 or not dispatched
                                    or self._in_flight[-1].prepared is None):
             outputs.extend(self._apply_oldest())
+        return outputs
+
+    def _poll_grammars(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar is ready become schedulable; one whose compile failed (a spec
+        the backend refuses, or the deadline) ends with an "error" output, alone. When nothing
+        else can run, waits a moment for a compile instead of spinning."""
+        outputs = []
+        for rid, req in list(self._compiling.items()):
+            if self.scheduler.requests.get(rid) is not req:
+                del self._compiling[rid]  # aborted while compiling
+                continue
+            try:
+                if not req.structured.poll():
+                    continue
+            except Exception as exc:  # noqa: BLE001 - this request's grammar only
+                log.warning("request %s: its grammar failed: %s", rid, exc)
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+                outputs.append(EngineCoreOutput(rid, [], finish_reason="error", error=f"{type(exc).__name__}: {exc}",
+                                                num_prompt_tokens=req.num_prompt_tokens))
+            del self._compiling[rid]
+        if (self._compiling and not outputs and not self.scheduler.running and not self._in_flight
+                and len(self._compiling) == len(self.scheduler.waiting)):
+            futures.wait([r.structured.handle.future for r in self._compiling.values()], timeout=0.005,
+                         return_when=futures.FIRST_COMPLETED)
         return outputs
 
     def _must_sync(self) -> bool:
@@ -416,7 +462,16 @@ class EngineCore:
                                      self.scheduler.update_from_output(sched, sampled)))
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
+            self._trim_drafts()
         return outputs
+
+    def _trim_drafts(self) -> None:
+        """A constrained request drafts only what its grammar allows: its drafts are cut before
+        the first one the matcher refuses (verification then masks each draft row as well)."""
+        for req in self.scheduler.running:
+            if req.spec_token_ids and req.structured is not None:
+                state = req.structured.synced(req.output_token_ids)
+                req.spec_token_ids = req.spec_token_ids[:state.validate(req.spec_token_ids)]
 
     def _outputs(self, sched: SchedulerOutput, sampled: dict, logprobs: dict, prompt_lps: dict,
                  updates: list) -> list[EngineCoreOutput]:

@@ -50,6 +50,7 @@ class LLM:
         for (_, ids), sp in zip(tokenized, params):
             self.engine.core.validate_prompt(ids)
             self.engine.core.validate_params(sp)
+            self.engine.core.check_structured(sp)  # a spec the backend refuses: before anything runs
         order: dict[str, tuple[int, int]] = {}  # engine request -> (prompt, sample)
         for i, ((text, ids), sp) in enumerate(zip(tokenized, params)):
             for j in range(sp.n):

@@ -110,12 +110,17 @@ class ModelRunner:
         (async scheduling fills placeholder inputs from them on the device)."""
         rows = build_step_rows(out, kv, self.block_size, self._buffers, prev_rows)
         meta = self.backend.step_metadata(rows, self._tensor, self.block_size)
+        grammar = None
+        if any(r.structured is not None for r in out.requests):  # constrained decoding: the next-token masks
+            from kvmesh.engine.structured import bitmask
+
+            grammar = bitmask.for_step(rows.sampling_requests, rows.spec_rows, self.config.vocab_size)
         return PreparedStep(
             rows.requests, self._tensor(rows.ids), self._tensor(rows.positions), meta,
             self._tensor(rows.logits().indices), rows.sampling_requests, rows.prompt_rows, rows.spec_rows,
             self._tensor(rows.fill_dst) if rows.fill_dst else None,
             self._tensor(rows.fill_src) if rows.fill_src else None,
-            {r.request_id: i for i, r in enumerate(rows.sampling_requests)})
+            {r.request_id: i for i, r in enumerate(rows.sampling_requests)}, grammar)
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager
                 ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[tuple[int, TokenLogprobs]]]]:
@@ -146,6 +151,11 @@ class ModelRunner:
         result = StepResult()
         num_plain = len(sampling_requests)
         num_sampling = num_plain + sum(len(d) + 1 for _, d in spec_rows)
+        if step.grammar is not None:  # before greedy, sampling and draft verification alike
+            from kvmesh.engine.structured import bitmask
+
+            mask, rows = step.grammar
+            bitmask.apply(logits, mask, rows, self.config.vocab_size)
         if prompt_rows:
             result.prompt_lps = prompt_logprobs(logits[num_sampling:], prompt_rows)
         if spec_rows:
@@ -200,6 +210,8 @@ class PreparedStep:
     fill_dst: torch.Tensor | None  # placeholder rows of input_ids (async scheduling)
     fill_src: torch.Tensor | None  # ... and their rows in the previous step's sampled ids
     sample_rows: dict[str, int]  # request id -> its row in this step's sampled ids
+    # Constrained decoding: the next-token bitmask and the sampling rows it applies to (None: none)
+    grammar: tuple[torch.Tensor, list[int]] | None = None
 
 
 @dataclass

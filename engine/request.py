@@ -55,6 +55,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         # Async scheduling: tokens sampled by a step still in flight (scheduled on, not yet known).
         self.num_output_placeholders = 0
+        # Constrained decoding: the request's grammar (engine/structured/backend.py RequestGrammar),
+        # set by the engine core; the scheduler holds the request back while it compiles.
+        self.structured = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         # Whole-request token limit: max_tokens, capped by the model length.
         limit = max_model_len - self.num_prompt_tokens
@@ -91,11 +94,17 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.structured is not None:
+            self.structured.accept(token_id)
 
     def check_stop(self) -> RequestStatus | None:
         """Decide, after a token was appended, whether the request is done."""
         n_out = self.num_output_tokens
         last = self.all_token_ids[-1]
+        if self.structured is not None and self.structured.done:
+            # The grammar is complete (its stop token taken; min_tokens cannot add to it).
+            self.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= self.sampling_params.min_tokens:
             if last in self.eos_token_ids:
                 self.stop_reason = None

@@ -6,6 +6,8 @@ import math
 import numbers
 from dataclasses import dataclass, field, replace
 
+from kvmesh.engine.structured.params import StructuredOutputsParams
+
 INT64_MAX = 2**63 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20
@@ -91,6 +93,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1  # samples per prompt: fanned out into n engine requests (seeds seed, seed+1, ...)
+    # Constrained decoding (vLLM's shape): a JSON schema, any JSON object, a regex, a choice or an
+    # EBNF grammar the output must follow (engine/structured/, docs/structured-outputs.md).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -143,6 +148,13 @@ class SamplingParams:
             check_text("stop", s)
         self.stop_token_ids = [_int("stop_token_ids", t, 0, INT64_MAX, "non-negative token ids")
                                for t in self.stop_token_ids]
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise InvalidParameter("structured_outputs", f"structured_outputs: {exc}") from None
+        elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise InvalidParameter("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
         if self.seed is not None:
             # The seeds of the n samples (seed, seed + 1, ...) must all fit torch's generator.
             self.seed = _int("seed", self.seed, SEED_MIN, SEED_MAX - (self.n - 1),

@@ -197,10 +197,15 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests, FCFS; none are admitted in a step that had to preempt.
+        # 2. Waiting requests, FCFS; none are admitted in a step that had to preempt. A request
+        # whose grammar is still compiling stays queued, in its place, and the ones behind it go on.
+        compiling: list[Request] = []
         while (self.waiting and budget > 0 and not out.preempted and not out.blocked
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
+            if request.structured is not None and request.structured.compiling:
+                compiling.append(self.waiting.popleft())
+                continue
             computed_blocks, num_computed = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
             if num_new > budget:
@@ -221,6 +226,7 @@ class Scheduler:
                 out.admitted.append(request.request_id)
                 self._advance(out, request, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         return out
 
     def _advance(self, out: SchedulerOutput, request: Request, num_new: int) -> None:

@@ -36,3 +36,34 @@ def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_si
     if logits.shape[-1] > vocab_size:
         index = torch.tensor(rows, device=logits.device)
         logits[index, vocab_size:] = float("-inf")
+
+
+def for_step(plain: list, spec_rows: list, vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
+    """The bitmask of a step's sampling rows, in the model's logits order: one row per plain
+    sampling request, then ``k + 1`` rows per request verifying ``k`` drafts (row j: after drafts
+    ``1..j``, walked on the matcher and rolled back). ``(bitmask, constrained rows)``, or None
+    when no row is constrained."""
+    if all(r.structured is None for r in plain) and all(r.structured is None for r, _ in spec_rows):
+        return None
+    mask = allocate(len(plain) + sum(len(d) + 1 for _, d in spec_rows), vocab_size)
+    rows = []
+    for i, req in enumerate(plain):
+        if req.structured is not None:
+            req.structured.synced(req.output_token_ids).fill_bitmask(mask, i)
+            rows.append(i)
+    at = len(plain)
+    for req, drafts in spec_rows:
+        if req.structured is not None:
+            state = req.structured.synced(req.output_token_ids)
+            walked = 0
+            for j in range(len(drafts) + 1):
+                state.fill_bitmask(mask, at + j)
+                rows.append(at + j)
+                # A draft the grammar refuses is never accepted (its row masks it), so the rows
+                # past it are never read: they stay unconstrained.
+                if j == len(drafts) or state.accept([drafts[j]]) != 1:
+                    break
+                walked += 1
+            state.rollback(walked)
+        at += len(drafts) + 1
+    return mask, rows

@@ -6,22 +6,17 @@ from __future__ import annotations
 import torch
 import xgrammar as xgr
 
-# Speculative decoding proposes at most this many tokens a step; the matcher keeps as many to undo.
-MAX_ROLLBACK_TOKENS = 16
-
 
 class StructuredState:
-    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_ids: list[int] | None = None,
-                 max_rollback_tokens: int = MAX_ROLLBACK_TOKENS):
+    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_ids: list[int] | None = None):
         self._compiled = compiled
         self._stop = list(eos_token_ids) if eos_token_ids else None
-        self._max_rollback = max_rollback_tokens
         self._matcher = self._new_matcher()
         self.num_accepted = 0  # output tokens the matcher has consumed
 
     def _new_matcher(self) -> xgr.GrammarMatcher:
-        return xgr.GrammarMatcher(self._compiled, override_stop_tokens=self._stop,
-                                  max_rollback_tokens=self._max_rollback)
+        # xgrammar keeps every accepted token to roll back (its rollback depth is unbounded).
+        return xgr.GrammarMatcher(self._compiled, override_stop_tokens=self._stop)
 
     @property
     def finished(self) -> bool:

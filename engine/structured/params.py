@@ -1,12 +1,11 @@
 """StructuredOutputsParams: what a request constrains its output to (vLLM's shape: exactly one of
-json, regex, choice, grammar, json_object)."""
+json, regex, choice, grammar, json_object). A frozen dataclass: it travels inside SamplingParams
+to a core process (msgspec) and keys the grammar cache."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-
-from kvmesh.engine.sampling_params import InvalidParameter
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -15,7 +14,7 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 class StructuredOutputsParams:
     json: str | dict | None = None  # a JSON schema (object or its text)
     regex: str | None = None
-    choice: tuple[str, ...] | list[str] | None = None
+    choice: tuple[str, ...] | None = None  # a list is taken too (kept as a tuple)
     grammar: str | None = None  # EBNF (GBNF dialect: `root ::= ...`)
     json_object: bool | None = None  # any JSON object
     # The field the spec came from, for error messages: "structured_outputs" by default; the server
@@ -23,6 +22,9 @@ class StructuredOutputsParams:
     field_name: str = "structured_outputs"
 
     def __post_init__(self) -> None:
+        # sampling_params imports this module (its field's type): the error class comes late.
+        from kvmesh.engine.sampling_params import InvalidParameter
+
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
             raise InvalidParameter(self.field_name, f"{self.field_name} must set exactly one of "
@@ -66,7 +68,8 @@ class StructuredOutputsParams:
         kind = self.kind
         if kind == "json":
             schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            # Key order kept: a schema's property order is the order the output follows.
+            return json.dumps(schema, separators=(",", ":"))
         if kind == "choice":
             return json.dumps(list(self.choice))
         if kind == "json_object":

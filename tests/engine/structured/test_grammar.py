@@ -43,7 +43,8 @@ def test_bad_spec_names_the_field(kwargs, param):
 
 
 def test_key_is_canonical():
-    assert SOP(json={"b": 1, "a": 2}).key == SOP(json='{"a": 2,  "b": 1}').key
+    assert SOP(json={"a": 2, "b": 1}).key == SOP(json='{"a": 2,  "b": 1}').key  # whitespace aside
+    assert SOP(json={"b": 1, "a": 2}).key != SOP(json={"a": 2, "b": 1}).key  # property order is output order
     assert SOP(json={"a": 1}).key != SOP(regex='{"a":1}').key
 
 
