@@ -24,7 +24,6 @@ path) and is shared with the in-thread mode (engine/server/async_engine.py).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import signal
@@ -47,8 +46,6 @@ log = logging.getLogger("kvmesh.engine.core")
 # frame kinds
 ADD, ABORT, UTILITY, SHUTDOWN = b"A", b"X", b"U", b"S"  # in
 READY, LOAD_FAILED, OUTPUTS, UTILITY_RESULT = b"R", b"F", b"O", b"u"  # out
-
-HOOK_PREFIX = "kvmesh.testing."  # the only modules a "hook" utility call may run
 
 
 # -- messages ------------------------------------------------------------------------------------
@@ -101,6 +98,7 @@ class CoreProcConfig:
     parent_pid: int
     threads: ThreadPlan | None = None
     log_level: str = "info"
+    core_loop: type["CoreLoop"] | None = None  # a CoreLoop subclass (tests add utility calls); None: CoreLoop
 
 
 class EngineStepError(RuntimeError):
@@ -161,14 +159,9 @@ class CoreLoop:
         return [(rid, err) for rid in rids]
 
     def utility(self, name: str, args: list[Any]) -> Any:
+        """A call on the core between steps, by name (a subclass may know more of them)."""
         if name == "reset_prefix_cache":
             return self.core.reset_prefix_cache()
-        if name == "hook":  # tests: kvmesh.testing.<module>:<function>(core, *args) in the core's process
-            path, *rest = args
-            module, _, fn = str(path).partition(":")
-            if not module.startswith(HOOK_PREFIX) or not fn:
-                raise ValueError(f"hooks must name a function in {HOOK_PREFIX}*, got {path!r}")
-            return getattr(importlib.import_module(module), fn)(self.core, *rest)
         raise ValueError(f"unknown utility call {name!r}")
 
 
@@ -254,7 +247,7 @@ class EngineCoreProc:
         from kvmesh.common.tokenizer import KVMeshTokenizer
 
         core.eos_token_ids |= KVMeshTokenizer(core.model_dir).eos_token_ids  # as LLMEngine does
-        self.loop = CoreLoop(core)
+        self.loop = (cfg.core_loop or CoreLoop)(core)
         _send(self.output, READY, CoreReady(
             pid=os.getpid(), model_dir=str(core.model_dir), max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
             num_blocks=core.num_blocks, eos_token_ids=sorted(core.eos_token_ids), stats=core.stats(),
@@ -312,8 +305,7 @@ class EngineCoreProc:
                 log.warning("utility call %s failed: %s: %s", call.name, type(exc).__name__, exc)
                 data = _encoder.encode(UtilityResult(call.call_id, False, None, f"{type(exc).__name__}: {exc}"))
             self.output.send_multipart([UTILITY_RESULT, data], copy=False)
-            if call.name == "hook" or call.name == "reset_prefix_cache":
-                self._send_step([])  # the stats and KV events it changed
+            self._send_step([])  # the stats and KV events the call may have changed
         elif kind == SHUTDOWN:
             self._shutdown = True
         else:

@@ -110,3 +110,78 @@ def test_a_bare_python_in_the_root_is_safe_only_with_dash_P():
     assert out.returncode == 0, out.stderr
     makefile = (ROOT / "Makefile").read_text()
     assert "PY := $(VENV)/bin/python -P" in makefile and "$(PYTHON) -P -m venv" in makefile
+
+
+
+# Test support (kvmesh/testing) never runs inside production code: no component and no shared
+# module imports it, or names one of its modules for a run-time import.
+PRODUCTION = ["engine", "router", "sidecar", "operator", "kvmesh/common", "kvmesh/mesh"]
+NAMES_TESTING = {  # file -> why a string in its code may name a kvmesh.testing module
+    "kvmesh/mesh/up.py": "`kvmesh up --engine-command stub` runs the stub engine as a child process",
+}
+
+
+def _is_testing(module: str) -> bool:
+    return module.split(".")[:2] == ["kvmesh", "testing"]
+
+
+def _testing_references(path: Path, package: str) -> tuple[list[str], list[str]]:
+    """(imports of kvmesh.testing, non-docstring string constants naming it) in one source file
+    of ``package`` (for relative imports)."""
+    import ast
+
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    imports, strings = [], []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imports += [f"line {node.lineno}: {a.name}" for a in node.names if _is_testing(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            if _is_testing(module):
+                imports.append(f"line {node.lineno}: {module}")
+            else:  # from kvmesh import testing
+                imports += [f"line {node.lineno}: {module}.{a.name}" for a in node.names
+                            if _is_testing(f"{module}.{a.name}")]
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+              and "kvmesh.testing" in node.value):
+            strings.append(f"line {node.lineno}: {node.value[:60]!r}")
+    return imports, strings
+
+
+def _package_of(rel: str) -> str:
+    """engine/server/api.py -> kvmesh.engine.server (the package-dir mapping)."""
+    parts = rel.split("/")[:-1]
+    return ".".join(parts if parts[0] == "kvmesh" else ["kvmesh", *parts])
+
+
+def test_no_production_module_imports_test_support():
+    imports, strings = {}, {}
+    for folder in PRODUCTION:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            found_imports, found_strings = _testing_references(path, _package_of(rel))
+            if found_imports:
+                imports[rel] = found_imports
+            if found_strings and rel not in NAMES_TESTING:
+                strings[rel] = found_strings
+    assert not imports, f"production modules import kvmesh.testing: {imports}"
+    assert not strings, f"production code names kvmesh.testing modules (a run-time import?): {strings}"
+
+
+def test_the_test_support_check_finds_what_it_looks_for(tmp_path):
+    # the check above proves something only if it sees each form of the reference
+    src = tmp_path / "m.py"
+    src.write_text('"""Docs may mention kvmesh.testing."""\nimport os, kvmesh.testing.chaos\n'
+                   "from kvmesh.testing.core_hooks import restore\nfrom kvmesh import testing, common\n"
+                   "from .. import testing as up\nfrom . import testing as here\nPREFIX = 'kvmesh.testing.'\n")
+    imports, strings = _testing_references(src, "kvmesh.common")
+    assert imports == ["line 2: kvmesh.testing.chaos", "line 3: kvmesh.testing.core_hooks",
+                       "line 4: kvmesh.testing", "line 5: kvmesh.testing"]
+    assert strings == ["line 7: 'kvmesh.testing.'"]
+    assert _package_of("engine/server/api.py") == "kvmesh.engine.server"
+    assert _package_of("kvmesh/common/kv_events.py") == "kvmesh.common"

@@ -89,6 +89,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._core_loop: CoreLoop | None = None
+        self.core_loop: type[CoreLoop] = CoreLoop  # the loop body; a subclass may add utility calls (tests)
         self.step_timing: dict[str, float] = {}  # StepTimer.snapshot(), refreshed with the stats
         self.on_dead: list = []  # callbacks (on the event loop) once the engine died after loading
         self.mode = "thread"
@@ -172,8 +173,7 @@ class AsyncEngine:
         self.engine.core.step_failures["request"] += 1  # read by the engine thread's stats
 
     async def utility(self, name: str, *args):
-        """Run a utility call on the core between steps (CoreLoop.utility): "reset_prefix_cache",
-        or "hook" with a kvmesh.testing function (tests: fault injection, core state)."""
+        """Run a utility call on the core between steps (``core_loop``'s ``utility``): "reset_prefix_cache"."""
         fut = asyncio.get_running_loop().create_future()
         self._commands.put(_Utility(fut, name, list(args)))
         return await fut
@@ -226,7 +226,7 @@ class AsyncEngine:
             from kvmesh.engine.llm_engine import LLMEngine
 
             self.engine = LLMEngine(self.engine_args)
-            self._core_loop = CoreLoop(self.engine.core)
+            self._core_loop = self.core_loop(self.engine.core)
             self.tokenizer = self.engine.tokenizer
             self.limits = self.engine.core.limits
             self.max_model_len = self.engine.max_model_len

@@ -155,7 +155,8 @@ class ProcAsyncEngine(AsyncEngine):
         self._out.setsockopt(zmq.RCVHWM, 0)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(out_addr)
-        cfg = CoreProcConfig(self.engine_args, in_addr, out_addr, os.getpid(), self.threads, self.log_level)
+        cfg = CoreProcConfig(self.engine_args, in_addr, out_addr, os.getpid(), self.threads, self.log_level,
+                             self.core_loop)
         self._tasks.append(loop.create_task(self._startup(cfg)))
 
     def _spawn(self, cfg: CoreProcConfig) -> "CoreProcess":

@@ -1,14 +1,35 @@
-"""Hooks run inside the engine core (its process or its thread) by tests and chaos drills.
+"""Hooks run inside the engine core (its process or its thread) by tests: fault injection and core state.
 
+The production core loop knows no such call. A test server runs ``HookedCoreLoop`` instead
+(``engine.core_loop = HookedCoreLoop`` before the engine starts: the thread mode builds it, the
+process mode sends it to the core process in its config), and then
 ``engine.call_utility("hook", "kvmesh.testing.core_hooks:<function>", *args)`` runs
-``<function>(core, *args)`` in the core's process between steps (CoreLoop.utility: only
-functions of kvmesh.testing may be named), so a test can inject a fault or read the core's
-state through the same path whichever engine mode the server runs.
+``<function>(core, *args)`` in the core between steps (only functions of kvmesh.testing may be
+named), through the same path whichever engine mode the server runs.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
+from kvmesh.engine.core_proc import CoreLoop
+
+HOOK_PREFIX = "kvmesh.testing."  # the only modules a "hook" call may run
 _SAVED = "_kvmesh_hook_saved"
+
+
+class HookedCoreLoop(CoreLoop):
+    """The production core loop plus the "hook" utility call."""
+
+    def utility(self, name: str, args: list[Any]) -> Any:
+        if name != "hook":
+            return super().utility(name, args)
+        path, *rest = args
+        module, _, fn = str(path).partition(":")
+        if not module.startswith(HOOK_PREFIX) or not fn:
+            raise ValueError(f"hooks must name a function in {HOOK_PREFIX}*, got {path!r}")
+        return getattr(importlib.import_module(module), fn)(self.core, *rest)
 
 
 def _wrap(obj, name: str, make) -> None:

@@ -17,7 +17,9 @@ from tests.tiny_models import build_tiny_model
 class ThreadServer:
     """`kvmesh serve` in a thread of the test process (same code path, minus signal handling)."""
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], core_loop: type | None = None):
+        """``core_loop``: a CoreLoop subclass for the engine core, e.g. kvmesh.testing.core_hooks's
+        HookedCoreLoop for a test that calls hooks in the core."""
         from kvmesh.engine.server import cli
         from kvmesh.engine.server.api import build_app
 
@@ -26,6 +28,8 @@ class ThreadServer:
         cli.add_arguments(parser)
         self.args = parser.parse_args(list(argv) + ["--host", "127.0.0.1", "--port", str(self.port)])
         self.state = cli.build_state(self.args)
+        if core_loop is not None:  # before the engine starts (the app's startup)
+            self.state.engine.core_loop = core_loop
         self.app = build_app(self.state)
         self.server = cli._make_server(self.app, "127.0.0.1", self.port, "warning")
         self.url = f"http://127.0.0.1:{self.port}"

@@ -9,6 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvmesh.testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer, wait_for
 
 KEY = "test-key"
@@ -18,7 +19,8 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def server(tiny_model):
     srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "256",
-                        "--max-num-seqs", "64", "--api-key", KEY, "--max-body-bytes", "65536"]).start()
+                        "--max-num-seqs", "64", "--api-key", KEY, "--max-body-bytes", "65536"],
+                       core_loop=HookedCoreLoop).start()
     yield srv
     srv.stop()
 

@@ -6,13 +6,15 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from kvmesh.testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer, wait_for
 from tests.engine.server.test_core_process import HOOKS, MODEL, REQUESTS, _strip, assert_same_answers
 
 
 def _server(tiny_model: str, mode: str, flag: str) -> ThreadServer:
     return ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "128",
-                         "--max-num-seqs", "8", "--engine-mode", mode, flag]).start()
+                         "--max-num-seqs", "8", "--engine-mode", mode, flag],
+                        core_loop=HookedCoreLoop).start()
 
 
 @pytest.fixture(scope="module")

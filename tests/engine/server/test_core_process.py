@@ -28,6 +28,7 @@ from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.server.async_engine import EngineStepError
 from kvmesh.engine.step_timing import PHASES, overhead_per_step
 from kvmesh.engine.threads import core_environment, plan_threads
+from kvmesh.testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer, free_port, wait_for
 from tests.engine.server.test_api import metrics
 
@@ -124,7 +125,8 @@ def test_overhead_per_step():
 # -- both modes --------------------------------------------------------------------------------------
 def _server(tiny_model: str, mode: str) -> ThreadServer:
     return ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "128",
-                         "--max-num-seqs", "8", "--engine-mode", mode]).start()
+                         "--max-num-seqs", "8", "--engine-mode", mode],
+                        core_loop=HookedCoreLoop).start()
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import json
 import httpx
 import pytest
 
+from kvmesh.testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer, wait_for
 from tests.engine.server.test_api import metrics
 
@@ -27,7 +28,7 @@ HOOKS = "kvmesh.testing.core_hooks"
 @pytest.fixture(scope="module")
 def server(tiny_model):
     srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "512",
-                        "--max-num-seqs", "16"]).start()
+                        "--max-num-seqs", "16"], core_loop=HookedCoreLoop).start()
     yield srv
     srv.stop()
 

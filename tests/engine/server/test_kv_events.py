@@ -11,6 +11,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvmesh.common.block_keys import block_key, block_keys, root_key
 from kvmesh.common.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvmesh.testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer, free_port, wait_for
 
 MODEL = "tiny"
@@ -23,7 +24,8 @@ def server(tiny_model):
     srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "24",
                         "--max-model-len", "256",
                         "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
-                        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]).start()
+                        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"],
+                       core_loop=HookedCoreLoop).start()
     srv.pub_endpoint = f"tcp://127.0.0.1:{pub}"
     srv.replay_endpoint = f"tcp://127.0.0.1:{replay}"
     yield srv
