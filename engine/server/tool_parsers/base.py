@@ -146,6 +146,7 @@ class ToolParser:
     # None: the request's skip_special_tokens stands; False: the call markup is special tokens
     # that must reach the text (Hermes: <tool_call>, as vLLM's parser asks)
     skip_special_tokens: bool | None = None
+    finishes_with_tool_calls = True  # finish_reason "tool_calls" once it read a call (not a named function)
 
     def __init__(self, limit: int | None = None):
         self.limit = limit  # at most this many calls (parallel_tool_calls false: 1)
@@ -180,3 +181,8 @@ class ToolParser:
     def render_call(cls, name: str, arguments: Any) -> str:
         """An earlier call, as this format writes it (for a template without tool support)."""
         raise NotImplementedError
+
+    @classmethod
+    def render_result(cls, content: str) -> str:
+        """A tool's result, for a template without tool support (a user turn holds it)."""
+        return f"<tool_response>\n{content}\n</tool_response>"

@@ -10,6 +10,8 @@ from kvmesh.engine.server.tool_parsers.base import (CallStream, ParsedOutput, St
 class NamedFunctionParser(ToolParser):
     """The whole output is the named function's arguments (vLLM: content "", one call)."""
 
+    finishes_with_tool_calls = False
+
     def __init__(self, function_name: str):
         super().__init__(1)
         self.function_name = function_name
