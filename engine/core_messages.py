@@ -18,6 +18,7 @@ class AddRequest(msgspec.Struct, array_like=True):
     params: SamplingParams
     cache_salt: str | None = None
     arrival_time: float | None = None
+    resumed_token_ids: list[int] = []  # a continuation: output generated elsewhere (Request)
 
 
 class AbortRequests(msgspec.Struct, array_like=True):

@@ -119,7 +119,7 @@ class CoreLoop:
     def add(self, msg: AddRequest) -> Exception | None:
         try:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.cache_salt,
-                                  msg.arrival_time)
+                                  msg.arrival_time, msg.resumed_token_ids or None)
         except Exception as exc:  # noqa: BLE001 - answered to that request only
             return exc
         return None

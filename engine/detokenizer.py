@@ -4,6 +4,10 @@ Decoding only a small window of recent tokens per step keeps the cost
 constant per token; text is released only once it no longer ends in an
 incomplete UTF-8 sequence. Stop strings are searched in the new text plus
 just enough of the old to catch a match that straddles the boundary.
+
+A continuation (mid-stream resume) starts as if its resumed ids had been fed
+already: their released text is the old text (so a stop string may start in it),
+and ids whose text was not released yet (half a UTF-8 character) are still pending.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from kvmesh.common.tokenizer import KVMeshTokenizer
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: KVMeshTokenizer, prompt_token_ids: list[int], stop: list[str],
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 emitted_token_ids: list[int] = ()):
         self.tokenizer = tokenizer
         self.stop = stop
         self.include_stop = include_stop_str_in_output
@@ -26,6 +31,32 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.context)
         self.text = ""
         self._max_stop = max((len(s) for s in stop), default=0)
+        self.num_emitted_chars = 0  # a continuation's text sent before it (not part of new_text)
+        if emitted_token_ids:
+            self._start_after(list(emitted_token_ids))
+
+    def _start_after(self, emitted: list[int]) -> None:
+        """The state after ``emitted`` were fed: their text up to the last id whose character is
+        complete is released (the old text); the ids after it are pending, in the window."""
+        head = self.context
+        ids = head + emitted
+        released = len(emitted)
+        # update() holds text back while it ends in an incomplete character: so was the end of
+        # ``emitted`` (its last few ids decide it)
+        while released > 0 and self._decode(ids[max(0, len(head) + released - 8):len(head) + released]
+                                             ).endswith("\ufffd"):
+            released -= 1
+        self.text = self._decode(ids[:len(head) + released])[len(self._decode(head)):] if released else ""
+        self.num_emitted_chars = len(self.text)
+        window = (head + emitted[:released])[-4:]  # context for the pending and the next ids
+        self.context = window + emitted[released:]
+        self.prefix_offset = 0
+        self.read_offset = len(window)
+
+    @property
+    def new_text(self) -> str:
+        """The text this detokenizer released (a continuation's: after the resumed text)."""
+        return self.text[self.num_emitted_chars:]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)

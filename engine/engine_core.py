@@ -81,7 +81,6 @@ class _InFlight:
     request_ids: list[str]  # every request it holds (sched.requests may shrink on failure)
     prepared: object = None  # the runner's PreparedStep (None: prepare failed)
     future: Future | None = None  # the step thread's StepResult
-    rng: dict = field(default_factory=dict)  # seeded requests' generator states before it sampled
 
 
 def _wait(batch: _InFlight) -> None:
@@ -220,9 +219,13 @@ class EngineCore:
             self.structured_backend().check(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    resumed_token_ids: list[int] | None = None) -> Request:
+        """``resumed_token_ids``: a continuation's output so far (generated elsewhere)."""
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
+        if resumed_token_ids is not None:
+            self.limits.validate_resume(prompt_token_ids, resumed_token_ids, params)
         if request_id in self.scheduler.in_flight and request_id not in self.scheduler.requests:
             # The id of a request that ended while a step holding it is in flight (its blocks,
             # keyed by the id, are not freed yet): apply those steps first; their outputs go out
@@ -230,7 +233,7 @@ class EngineCore:
             while self._in_flight:
                 self._pending_aborts.extend(self._apply_oldest())
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.model_id,
-                          self.block_size, self.max_model_len, cache_salt, arrival_time)
+                          self.block_size, self.max_model_len, cache_salt, arrival_time, resumed_token_ids)
         if params.structured_outputs is not None:
             request.structured = self.structured_backend().start(params.structured_outputs,
                                                                  request.eos_token_ids or self.eos_token_ids)
@@ -246,7 +249,6 @@ class EngineCore:
         for rid in request_ids:
             req = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             if req is not None:
-                self.runner.sampler.forget(rid)
                 if self.spec is not None:
                     self.spec.forget(rid)
                 if report:
@@ -358,10 +360,7 @@ class EngineCore:
         self._in_flight.append(batch)
 
     def _run_async(self, batch: _InFlight, prev: _InFlight | None):
-        """On the step thread: the seeded requests' generator states (for a rerun), then the step."""
-        seeded = [r for r in batch.sched.requests if r.sampling_params.seed is not None]
-        if seeded:
-            batch.rng = self.runner.sampler.checkpoint(seeded)
+        """On the step thread: the step, on the previous step's sampled ids."""
         prev_result = None
         if prev is not None and prev.future is not None and prev.future.done() and prev.future.exception() is None:
             prev_result = prev.future.result()
@@ -392,12 +391,12 @@ class EngineCore:
                     del sched.num_scheduled_tokens[r.request_id]
             sched.requests = live
             if live:
-                sampled, logprobs, prompt_lps, failed = self._isolate(sched, batch.rng, exc)
+                sampled, logprobs, prompt_lps, failed = self._isolate(sched, exc)
             else:
                 sampled, logprobs, prompt_lps, failed = {}, {}, {}, {}
         outputs: list[EngineCoreOutput] = []
         if failed:
-            outputs.extend(self._drop_failed(sched, failed, batch.rng, sampled, logprobs, prompt_lps))
+            outputs.extend(self._drop_failed(sched, failed, sampled, logprobs, prompt_lps))
         outputs.extend(self._outputs(sched, sampled, logprobs, prompt_lps,
                                      self.scheduler.update_from_async_output(sched, sampled)))
         return outputs
@@ -409,18 +408,14 @@ class EngineCore:
 
     def _release(self, batch: _InFlight) -> None:
         self.scheduler.release(batch.sched, batch.request_ids)
-        for rid in batch.request_ids:
-            if rid not in self.scheduler.requests:
-                self.runner.sampler.forget(rid)  # its step may have drawn from a generator again
 
     def _revert(self, batch: _InFlight) -> None:
         """Undo a dispatched step that will not be applied: wait until the step thread is done with
-        it, take back its seeded draws, drop from the prefix cache the blocks it wrote, and put
+        it, drop from the prefix cache the blocks it wrote, and put
         its requests' progress back (scheduler.unschedule)."""
         _wait(batch)
         sched = batch.sched
         live = self._live(sched)
-        self.runner.sampler.rollback(batch.rng, live)
         for req in live:
             rid = req.request_id
             self.kv.pool.uncache(self.kv.blocks_written(req, sched.num_scheduled_tokens[rid], sched.starts[rid]))
@@ -451,11 +446,9 @@ class EngineCore:
             return outputs
         self.num_steps += 1
         self._count_prompt_tokens(sched)
-        seeded = [r for r in sched.requests if r.sampling_params.seed is not None]
-        rng = self.runner.sampler.checkpoint(seeded) if seeded else {}
-        sampled, logprobs, prompt_lps, failed = self._execute(sched, rng)
+        sampled, logprobs, prompt_lps, failed = self._execute(sched)
         if failed:
-            outputs.extend(self._drop_failed(sched, failed, rng, sampled, logprobs, prompt_lps))
+            outputs.extend(self._drop_failed(sched, failed, sampled, logprobs, prompt_lps))
         if self.spec is not None:
             self._record_drafts(sched, sampled)
         outputs.extend(self._outputs(sched, sampled, logprobs, prompt_lps,
@@ -486,7 +479,6 @@ class EngineCore:
             self.generation_tokens += len(tokens)
             finished = req.status.finished
             if finished:
-                self.runner.sampler.forget(req.request_id)
                 if self.spec is not None:
                     self.spec.forget(req.request_id)
             lp = logprobs.get(req.request_id)
@@ -510,7 +502,7 @@ class EngineCore:
                 self.spec.record(req.request_id, num_drafts, len(tokens) - 1)
 
     # -- failures: one request's fault fails that request only ----------------------------
-    def _execute(self, sched: SchedulerOutput, rng: dict):
+    def _execute(self, sched: SchedulerOutput):
         """runner.execute, isolating failures: when the step raises, it is run again in halves
         (in schedule order, so a request that reads blocks another computes this step still runs
         after it) until each failure is pinned to the request that causes it. Returns
@@ -518,9 +510,9 @@ class EngineCore:
         try:
             return (*self.runner.execute(sched, self.kv), {})
         except Exception as exc:  # noqa: BLE001 - isolated below
-            return self._isolate(sched, rng, exc)
+            return self._isolate(sched, exc)
 
-    def _isolate(self, sched: SchedulerOutput, rng: dict, exc: Exception):
+    def _isolate(self, sched: SchedulerOutput, exc: Exception):
         """The step raised ``exc``: run it again in halves (see _execute)."""
         if len(sched.requests) == 1:
             log.error("engine step failed on request %s", sched.requests[0].request_id, exc_info=exc)
@@ -532,8 +524,7 @@ class EngineCore:
         # every subset hits (not a request's fault) fails what remains rather than running on.
         budget = [8 + 4 * max(1, len(sched.requests)).bit_length()]
 
-        def attempt(part: list) -> None:
-            self.runner.sampler.rollback(rng, part)  # a seeded request draws the same noise again
+        def attempt(part: list) -> None:  # a seeded request draws the same again: by position
             budget[0] -= 1
             try:
                 s, lp, plp = self.runner.execute(_subset(sched, part), self.kv)
@@ -557,7 +548,7 @@ class EngineCore:
         attempt(sched.requests[half:])
         return sampled, logprobs, prompt_lps, failed
 
-    def _drop_failed(self, sched: SchedulerOutput, failed: dict[str, Exception], rng: dict, sampled: dict,
+    def _drop_failed(self, sched: SchedulerOutput, failed: dict[str, Exception], sampled: dict,
                      logprobs: dict, prompt_lps: dict) -> list[EngineCoreOutput]:
         """Fail the requests in ``failed`` (an "error" output each) and keep the rest of the step.
 
@@ -592,7 +583,6 @@ class EngineCore:
             if rid in failed:
                 exc = failed[rid]
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
-                self.runner.sampler.forget(rid)
                 if self.spec is not None:
                     self.spec.forget(rid)
                 outputs.append(EngineCoreOutput(
@@ -600,8 +590,7 @@ class EngineCore:
                     num_cached_tokens=max(req.num_cached_tokens, 0), num_prompt_tokens=req.num_prompt_tokens))
             else:
                 log.info("request %s read KV of a failed request in the same step: recomputing it", rid)
-                self.runner.sampler.rollback(rng, [req])  # it samples this token again, after the recompute
-                self.scheduler.requeue(req)
+                self.scheduler.requeue(req)  # it samples this token again (the same one, if seeded)
         sched.requests = [r for r in sched.requests if r.request_id not in tainted]
         return outputs
 

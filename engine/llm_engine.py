@@ -57,12 +57,14 @@ class TextEngine:
         raise InvalidParameter("prompt", "prompt must be a string or a list of token ids")
 
     def create_state(self, prompt: PromptType, params: SamplingParams | None = None,
-                     request_id: str | None = None, prompt_token_ids: list[int] | None = None
-                     ) -> tuple[str, list[int], SamplingParams]:
+                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
+                     resumed_token_ids: list[int] | None = None) -> tuple[str, list[int], SamplingParams]:
         """The text side of a request (detokenizer, stop strings), without touching the core.
 
         A server keeps this on its own thread and feeds the core's outputs to
         process_output(), so detokenisation never runs on the engine thread.
+        ``resumed_token_ids``: a continuation's output so far, already sent: its outputs hold
+        the new text, ids and logprobs only.
         """
         params = params or self.default_sampling_params()
         request_id = request_id or f"req-{next(self._ids)}"
@@ -74,10 +76,12 @@ class TextEngine:
             raise InvalidParameter("n", "an engine request samples one sequence; LLM.generate and the server "
                                         "fan n > 1 out into n requests")
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
-                                       params.include_stop_str_in_output, params.skip_special_tokens)
+                                       params.include_stop_str_in_output, params.skip_special_tokens,
+                                       resumed_token_ids or ())
         self.states[request_id] = _RequestState(
             text, prompt_token_ids, params, detok,
-            CompletionOutput(0, "", [], logprobs=[] if params.logprobs is not None else None))
+            CompletionOutput(0, "", [], logprobs=[] if params.logprobs is not None else None,
+                             text_offset=detok.num_emitted_chars))
         return request_id, prompt_token_ids, params
 
     def process_output(self, out: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:
@@ -113,7 +117,7 @@ class TextEngine:
             comp.token_ids.extend(new_ids)
             if comp.logprobs is not None:
                 comp.logprobs.extend(new_lps)
-            comp.text = state.detok.text
+            comp.text = state.detok.new_text
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if stop_str is not None:
             finish_reason, stop_reason = "stop", stop_str
@@ -154,14 +158,17 @@ class LLMEngine(TextEngine):
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    prompt_token_ids: list[int] | None = None) -> str:
+                    prompt_token_ids: list[int] | None = None, resume_token_ids: list[int] | None = None) -> str:
+        """``resume_token_ids``: continue a request whose output so far is these ids (generated
+        elsewhere, already delivered): its outputs hold what follows them only."""
         try:  # the server checked it already; LLM.generate callers reach here directly
             check_cache_salt(cache_salt)
         except InvalidCacheSalt as exc:
             raise InvalidParameter("cache_salt", str(exc)) from None
-        request_id, ids, params = self.create_state(prompt, params, request_id, prompt_token_ids)
+        request_id, ids, params = self.create_state(prompt, params, request_id, prompt_token_ids,
+                                                    resume_token_ids)
         try:
-            self.core.add_request(request_id, ids, params, cache_salt)
+            self.core.add_request(request_id, ids, params, cache_salt, resumed_token_ids=resume_token_ids)
         except Exception:
             self.states.pop(request_id, None)
             raise

@@ -120,7 +120,8 @@ class ModelRunner:
             self._tensor(rows.logits().indices), rows.sampling_requests, rows.prompt_rows, rows.spec_rows,
             self._tensor(rows.fill_dst) if rows.fill_dst else None,
             self._tensor(rows.fill_src) if rows.fill_src else None,
-            {r.request_id: i for i, r in enumerate(rows.sampling_requests)}, grammar)
+            {r.request_id: i for i, r in enumerate(rows.sampling_requests)}, grammar,
+            sample_positions=rows.sample_positions)
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager
                 ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[tuple[int, TokenLogprobs]]]]:
@@ -170,7 +171,7 @@ class ModelRunner:
             return result
         if prompt_rows or spec_rows:
             logits = logits[:num_plain]
-        tokens, logprobs = self.sampler(logits, sampling_requests, to_host=False)
+        tokens, logprobs = self.sampler(logits, sampling_requests, to_host=False, positions=step.sample_positions)
         result.tokens = tokens
         result.requests = sampling_requests
         result.logprobs.update((r.request_id, lp) for r, lp in zip(sampling_requests, logprobs) if lp is not None)
@@ -212,6 +213,7 @@ class PreparedStep:
     sample_rows: dict[str, int]  # request id -> its row in this step's sampled ids
     # Constrained decoding: the next-token bitmask and the sampling rows it applies to (None: none)
     grammar: tuple[torch.Tensor, list[int]] | None = None
+    sample_positions: list[int] | None = None  # per sampling request: the output position it samples
 
 
 @dataclass

@@ -15,6 +15,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # Characters of the output sent before this text: a continuation's resumed text (else 0).
+    text_offset: int = 0
 
 
 @dataclass

@@ -36,10 +36,13 @@ class Request:
         max_model_len: int,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        resumed_token_ids: list[int] | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.all_token_ids = list(prompt_token_ids)
+        # A continuation (mid-stream resume) starts with the output another replica generated:
+        # prefilled with the prompt, counted as output (max_tokens, min_tokens, penalties, stops).
+        self.all_token_ids = list(prompt_token_ids) + list(resumed_token_ids or ())
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = set() if sampling_params.ignore_eos else set(eos_token_ids)

@@ -2,12 +2,16 @@
 
 Filters are applied row-wise in one vectorised pass. Random rows sample by
 inversion (one uniform per row against the row's cumulative distribution: the
-first token whose cumulative probability exceeds it), whose uniform comes from
-the request's own generator when it has a seed: a seeded request draws the same
-tokens whatever else shares its batch. Inversion draws one random number per
-row where the exponential race (argmax of p / E) draws one per vocabulary entry:
-on a CPU that race cost 1.5 ms a row at a 49k vocabulary, as much as 7% of a
-small batch's decode step.
+first token whose cumulative probability exceeds it). Inversion draws one random
+number per row where the exponential race (argmax of p / E) draws one per
+vocabulary entry: on a CPU that race cost 1.5 ms a row at a 49k vocabulary, as
+much as 7% of a small batch's decode step.
+
+A seeded request's uniform is a function of (seed, output position) alone
+(``seeded_uniform``, a counter-based hash): its token at position p is the same
+whatever else shares its batch, whether a failed step is run again, and whether
+the request runs in one go or is resumed at p from its first p tokens on another
+replica. Nothing per request is kept between steps.
 """
 
 from __future__ import annotations
@@ -26,6 +30,27 @@ class TokenLogprobs:
     logprob: float
     rank: int  # 1 = most likely
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15  # splitmix64's increment
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers whose every output bit depends on
+    every input bit."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, position: int, stream: int = 0) -> float:
+    """A uniform in [0, 1) (53 random bits) that depends on (seed, position, stream) alone: the
+    draw of a seeded request for its output token ``position`` (``stream`` tells apart draws for
+    the same position, e.g. speculative decoding's accept test from its sample)."""
+    key = _mix64((seed + _GOLDEN64) & _MASK64)
+    x = _mix64((key + (position * 2 + 1) * _GOLDEN64 + stream * 0xD1B54A32D192ED03) & _MASK64)
+    return (x >> 11) * (1.0 / (1 << 53))
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -63,46 +88,17 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int
 
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
-        self.generator = torch.Generator(device=device)
+        self.generator = torch.Generator(device=device)  # the unseeded rows' shared randomness
         self.generator.manual_seed(seed)
         self.device = device
-        self._request_generators: dict[str, torch.Generator] = {}
 
-    def forget(self, request_id: str) -> None:
-        self._request_generators.pop(request_id, None)
-
-    def checkpoint(self, requests: list[Request]) -> dict[str, torch.Tensor | None]:
-        """The generator states of these (seeded) requests, for rollback() after a failed step."""
-        return {r.request_id: (g.get_state() if (g := self._request_generators.get(r.request_id)) is not None
-                               else None) for r in requests}
-
-    def rollback(self, checkpoint: dict[str, torch.Tensor | None], requests: list[Request]) -> None:
-        """Put the requests' generators back as they were at checkpoint(): a step that is run again
-        draws the same noise, so a seeded request samples the same tokens."""
-        for r in requests:
-            if r.request_id not in checkpoint:
-                continue
-            state = checkpoint[r.request_id]
-            if state is None:
-                self._request_generators.pop(r.request_id, None)  # re-created from the seed on use
-            elif (g := self._request_generators.get(r.request_id)) is not None:
-                g.set_state(state)
-
-    def _generator_for(self, request: Request) -> torch.Generator:
-        seed = request.sampling_params.seed
-        if seed is None:
-            return self.generator
-        gen = self._request_generators.get(request.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            self._request_generators[request.request_id] = gen
-        return gen
-
-    def __call__(self, logits: torch.Tensor, requests: list[Request], to_host: bool = True
-                 ) -> tuple[list[int] | torch.Tensor, list[TokenLogprobs | None]]:
+    def __call__(self, logits: torch.Tensor, requests: list[Request], to_host: bool = True,
+                 positions: list[int] | None = None) -> tuple[list[int] | torch.Tensor, list[TokenLogprobs | None]]:
         """Sampled ids (a list, or with ``to_host=False`` the device tensor: the caller copies it
-        back without waiting) and each row's logprobs when its request asks for them."""
+        back without waiting) and each row's logprobs when its request asks for them.
+        ``positions``: each row's output position (the index of the token it samples in the
+        request's output); by default each request's output length, right when every request's
+        tokens are all known (a step scheduled ahead of its previous step's tokens passes them)."""
         raw = logits  # logprobs come from the model's distribution, before penalties and bans
         logits = self.adjust(logits, requests)
 
@@ -110,12 +106,12 @@ class Sampler:
         # copy of the sampled ids below.
         greedy = [r.sampling_params.greedy for r in requests]
         if not any(greedy):
-            tokens = self._sample(logits, requests, greedy)
+            tokens = self._sample(logits, requests, greedy, positions)
         else:
             tokens = greedy_tokens(logits)
             if not all(greedy):
                 mask = to_device(greedy, torch.bool, logits.device)
-                tokens = torch.where(mask, tokens, self._sample(logits, requests, greedy))
+                tokens = torch.where(mask, tokens, self._sample(logits, requests, greedy, positions))
 
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
@@ -146,22 +142,31 @@ class Sampler:
                     logits[i, banned] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool],
+                positions: list[int] | None) -> torch.Tensor:
         probs = self.probs(logits, requests)
-        return sample_by_inversion(probs, self.uniforms(requests, probs.device, wanted=[not g for g in greedy]))
+        return sample_by_inversion(probs, self.uniforms(requests, probs.device, [not g for g in greedy], positions))
 
-    def uniforms(self, requests: list[Request], device, wanted: list[bool] | None = None) -> torch.Tensor:
-        """One uniform per request (0 where ``wanted`` is False), each from its request's generator.
-        Unseeded rows share one draw from the engine's."""
-        out = torch.zeros(len(requests), device=device)
+    def uniforms(self, requests: list[Request], device, wanted: list[bool] | None = None,
+                 positions: list[int] | None = None, stream: int = 0) -> torch.Tensor:
+        """One uniform per request (0 where ``wanted`` is False), in float64. A seeded row's is
+        ``seeded_uniform(seed, position, stream)`` (``positions``: as in ``__call__``); unseeded
+        rows share one draw from the engine's generator."""
         at = [i for i in range(len(requests)) if wanted is None or wanted[i]]
-        shared = [i for i in at if requests[i].sampling_params.seed is None]
+        seeded = [i for i in at if requests[i].sampling_params.seed is not None]
+        shared = [i for i in at if requests[i].sampling_params.seed is None] if seeded else at
+        out = torch.zeros(len(requests), dtype=torch.float64, device=device)
         if shared:
-            out[to_device(shared, torch.long, device)] = torch.rand(len(shared), generator=self.generator,
-                                                                    device=device)
-        for i in at:
-            if requests[i].sampling_params.seed is not None:
-                out[i:i + 1].uniform_(generator=self._generator_for(requests[i]))
+            draws = torch.rand(len(shared), generator=self.generator, device=device, dtype=torch.float64)
+            if len(shared) == len(requests):
+                out = draws
+            else:
+                out[to_device(shared, torch.long, device)] = draws
+        if seeded:
+            values = [seeded_uniform(requests[i].sampling_params.seed,
+                                     positions[i] if positions is not None else requests[i].num_output_tokens,
+                                     stream) for i in seeded]
+            out[to_device(seeded, torch.long, device)] = to_device(values, torch.float64, device)
         return out
 
     def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

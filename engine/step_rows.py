@@ -55,6 +55,9 @@ class StepRows:
     prompt_rows: list[tuple[Request, int]]  # (request, position) rows that give prompt logprobs
     fill_dst: list[int]  # placeholder rows of ids (async scheduling) ...
     fill_src: list[int]  # ... and their rows in the previous step's sampled ids
+    # Per sampling request: the output position of the token it samples (its seeded draw's
+    # counter; known here even when the previous step's token is not, with async scheduling)
+    sample_positions: list[int] = field(default_factory=list)
 
     def logits(self) -> LogitsRows:
         """All logits rows, in model output order."""
@@ -125,6 +128,7 @@ def build_step_rows(out: SchedulerOutput, kv: KVCacheManager, block_size: int, b
         elif start + n >= known:
             sample.indices.append(offset + n - 1)
             rows.sampling_requests.append(req)
+            rows.sample_positions.append(start + n - req.num_prompt_tokens)
             sample.tables.append(table[:cdiv(start + n, bs)])
             sample.ctx.append(start + n)
         if req.prompt_logprobs is not None:  # position p's logits score prompt token p + 1

@@ -131,20 +131,26 @@ class AsyncEngine:
             i += 1
         return rid
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 resumed_token_ids: list[int] | None = None) -> None:
         """Checks that need the model (thread-safe: reads immutable config only)."""
         self.limits.validate_prompt(prompt_token_ids)
         self.limits.validate_params(params)
+        if resumed_token_ids is not None:
+            self.limits.validate_resume(prompt_token_ids, resumed_token_ids, params)
 
     def add(self, request_id: str, prompt: str | list[int], prompt_token_ids: list[int],
-            params: SamplingParams, cache_salt: str | None = None) -> RequestStream:
+            params: SamplingParams, cache_salt: str | None = None,
+            resumed_token_ids: list[int] | None = None) -> RequestStream:
+        """``resumed_token_ids``: a continuation's output so far (LLMEngine.add_request)."""
         if not self.alive:
             raise EngineDeadError("the engine thread is not running")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         # The text side (detokenizer, stop strings) lives on this thread, not the engine's.
-        self.engine.create_state(prompt, params, request_id, prompt_token_ids)
-        self._submit(AddRequest(request_id, prompt_token_ids, params, cache_salt))
+        self.engine.create_state(prompt, params, request_id, prompt_token_ids, resumed_token_ids)
+        self._submit(AddRequest(request_id, prompt_token_ids, params, cache_salt,
+                                resumed_token_ids=list(resumed_token_ids or ())))
         return stream
 
     def abort(self, request_id: str) -> None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.prompts import prompt_batch
 from kvmesh.common.request_limits import MAX_N, MAX_PROMPTS
+from kvmesh.engine.limits import RESUME_PARAM
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 
 
@@ -53,6 +54,10 @@ class _Common(BaseModel):
     # Asked for, but not supported: refused (a 400 naming the field), never silently ignored,
     # so a client that asks for JSON mode or tool calls does not get free text back.
     response_format: dict[str, Any] | None = None
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the response
+    # The router's continuation of a stream whose replica died: {"output_token_ids": [...]}, the ids
+    # the client has received (docs/engine-server.md, "Mid-stream resume"); read by resume_token_ids()
+    resume: Any = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -125,6 +130,18 @@ class _Common(BaseModel):
     def request_param(self, param: str) -> str:
         """The request field that carries an engine parameter (chat names some differently)."""
         return param
+
+    def resume_token_ids(self) -> list[int] | None:
+        """A continuation's already-generated ids (``resume.output_token_ids``), or None."""
+        if self.resume is None:
+            return None
+        ids = self.resume.get("output_token_ids") if isinstance(self.resume, dict) else None
+        if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+            raise InvalidParameter(RESUME_PARAM, f"{RESUME_PARAM} must be a non-empty list of token ids "
+                                                 "(resume: {\"output_token_ids\": [...]})")
+        if self.n != 1:
+            raise InvalidParameter("n", "a continuation (resume) continues one choice: n must be 1")
+        return ids
 
     def renamed(self, exc: InvalidParameter) -> InvalidParameter:
         """``exc`` naming the field as this request sent it."""

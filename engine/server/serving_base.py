@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.json_body import load_json
+from kvmesh.engine.limits import ResumeTooLong
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -164,6 +165,7 @@ class Choice:
     ids: list[int]
     params: SamplingParams
     stream: RequestStream | None = None
+    resumed: list[int] = field(default_factory=list)  # a continuation's ids already sent (resume)
 
 
 class RequestHandler:
@@ -222,10 +224,14 @@ class GenerationHandler(RequestHandler):
     id_prefix: ClassVar[str]          # the response id: prefix + request id
     response_object: ClassVar[str]    # "object" of a whole response
     chunk_object: ClassVar[str]       # "object" of a stream chunk
+    # where return_token_ids puts the prompt's ids: each choice (completions) or the response (chat)
+    prompt_ids_per_choice: ClassVar[bool] = False
     streaming = False
     echo = False
     echo_only = False
     with_prompt_logprobs = False
+    return_token_ids = False
+    resuming = False  # a continuation (resume): only what follows the resumed ids is sent
 
     # -- what a kind defines ----------------------------------------------------------------
     def prompts(self, body) -> list[Any]:
@@ -265,14 +271,24 @@ class GenerationHandler(RequestHandler):
         try:
             params = body.sampling_params(engine.sampling_defaults)
             n = body.num_choices()
+            resumed = body.resume_token_ids()
+            prompts = self.prompts(body)
+            if resumed is not None:
+                if len(prompts) != 1:
+                    raise InvalidParameter(self.prompt_param, "a continuation (resume) continues one prompt")
+                # the client had the prompt's echo and logprobs from the original stream
+                params = replace(params, prompt_logprobs=None)
             choices: list[Choice] = []
-            for p_index, prompt in enumerate(self.prompts(body)):
+            for p_index, prompt in enumerate(prompts):
                 prompt, ids = await self.tokenize_prompt(body, prompt)
-                await off_loop(len(ids), engine.validate, ids, params)  # every id against the vocabulary
+                # every id against the vocabulary (the resumed ones too), and room left to generate
+                await off_loop(len(ids) + len(resumed or ()), engine.validate, ids, params, resumed)
                 fitted = self._fit_max_tokens(body, ids, params)
                 for j in range(n):
                     # Seeded samples of one prompt differ by seed + j (as vLLM's parallel sampling).
-                    choices.append(Choice(len(choices), p_index, prompt, ids, fitted.sample(j)))
+                    choices.append(Choice(len(choices), p_index, prompt, ids, fitted.sample(j), resumed=resumed or []))
+        except ResumeTooLong as exc:
+            raise bad_request(str(exc), param=exc.param, code="context_length_exceeded" if exc.context else None)
         except InvalidParameter as exc:
             exc = body.renamed(exc)
             raise bad_request(str(exc), param=exc.param)
@@ -325,9 +341,10 @@ class GenerationHandler(RequestHandler):
         try:
             for c in choices:
                 rid = self.engine.unique_id(self.request_id if len(choices) == 1 else f"{self.request_id}-{c.index}")
-                c.stream = self.engine.add(rid, c.prompt, c.ids, c.params, cache_salt)
-                log.info("request %s admitted: %d prompt tokens, max_tokens=%s, stream=%s", rid,
-                         len(c.ids), c.params.max_tokens, self.streaming)
+                c.stream = self.engine.add(rid, c.prompt, c.ids, c.params, cache_salt, c.resumed or None)
+                log.info("request %s admitted: %d prompt tokens, max_tokens=%s, stream=%s%s", rid,
+                         len(c.ids), c.params.max_tokens, self.streaming,
+                         f", resumed after {len(c.resumed)} tokens" if c.resumed else "")
         except BaseException as exc:
             for c in choices:  # all or nothing
                 if c.stream is not None:
@@ -402,8 +419,23 @@ class GenerationHandler(RequestHandler):
         first: dict[int, Choice] = {}
         for c in choices:
             first.setdefault(c.prompt_index, c)
+        # a continuation's cache hit may reach into its resumed ids: only the prompt's part counts
         return usage_field(sum(len(c.ids) for c in first.values()), sum(completion_tokens),
-                           sum(cached[c.index] for c in first.values()))
+                           sum(min(cached[c.index], len(c.ids)) for c in first.values()))
+
+    def with_token_ids(self, choice: dict[str, Any], c: Choice, token_ids: list[int], first: bool,
+                       obj: dict[str, Any] | None = None) -> dict[str, Any]:
+        """return_token_ids (vLLM's): the choice's ``token_ids``, and the prompt's ids with the first
+        output (on the choice for completions, on ``obj`` - the response or chunk - for chat);
+        never on a continuation, whose client has them already."""
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+            if first and not (self.resuming and self.streaming):
+                if self.prompt_ids_per_choice:
+                    choice["prompt_token_ids"] = list(c.ids)
+                elif obj is not None:
+                    obj["prompt_token_ids"] = list(c.ids)
+        return choice
 
     async def stream_response(self, choices: list[Choice], include_usage: bool,
                               continuous_usage: bool = False) -> AsyncIterator[str]:
@@ -428,8 +460,10 @@ class GenerationHandler(RequestHandler):
 
         tasks = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
-            for choice in self.stream_preamble(choices):
-                yield sse(self.chunk([choice], so_far(), include_usage))
+            for k, choice in enumerate([] if self.resuming else self.stream_preamble(choices)):
+                chunk = self.chunk([choice], so_far(), include_usage)
+                self.with_token_ids(choice, choices[k], [], first=k == 0, obj=chunk)
+                yield sse(chunk)
             running = len(choices)
             while running:
                 c, out = await merged.get()
@@ -440,11 +474,16 @@ class GenerationHandler(RequestHandler):
                     raise out
                 i = c.index
                 first, started[i] = not started[i], True
-                n_out[i], cached[i] = (0 if self.echo_only else len(out.token_ids)), out.num_cached_tokens
+                # a continuation's usage counts the resumed ids too: the whole request, once
+                n_out[i] = 0 if self.echo_only else len(out.token_ids) + len(c.resumed)
+                cached[i] = out.num_cached_tokens
                 delta_text, delta_lps = ("", []) if self.echo_only else (out.delta_text, out.delta_logprobs)
+                delta_ids = [] if self.echo_only else out.delta_token_ids
                 prefix, prompt_entries = self.stream_prefix(c, out, first)
                 with_plp = first and self.with_prompt_logprobs
-                if not (prefix or delta_text or out.finished or (want_lp and delta_lps) or with_plp):
+                # with return_token_ids every id is sent as it comes, text or not (a resume needs them all)
+                if not (prefix or delta_text or out.finished or (want_lp and delta_lps) or with_plp
+                        or (self.return_token_ids and delta_ids)):
                     continue
                 finish = out.finish_reason if out.finished else None
                 if self.echo_only and finish:
@@ -452,6 +491,7 @@ class GenerationHandler(RequestHandler):
                 choice = self.stream_choice(c, out, prefix, prompt_entries, delta_text, delta_lps, finish, want_lp)
                 if with_plp:
                     choice["prompt_logprobs"] = self.prompt_logprobs_field(out)
+                self.with_token_ids(choice, c, delta_ids, first=first and self.prompt_ids_per_choice)
                 yield sse(self.chunk([choice], so_far(), include_usage))
             if include_usage:
                 yield sse(self.chunk([], self.usage(choices, n_out, cached), True))
@@ -493,20 +533,21 @@ class GenerationHandler(RequestHandler):
 
     def full_response(self, choices: list[Choice], outs: list[RequestOutput]) -> dict[str, Any]:
         items, generated = [], []
+        response = {"id": self.response_id, "object": self.response_object,
+                    "created": self.created, "model": self.state.config.served_model_name, "choices": items}
         for c, out in zip(choices, outs):
             comp, want_lp = out.outputs[0], c.params.logprobs is not None
-            text, lps, finish = comp.text, comp.logprobs or [], comp.finish_reason
+            text, lps, finish, ids = comp.text, comp.logprobs or [], comp.finish_reason, comp.token_ids
             if self.echo_only:  # the prompt alone: the one token generated is dropped
-                text, lps, finish = "", [], "length"
-            generated.append(0 if self.echo_only else len(comp.token_ids))
+                text, lps, finish, ids = "", [], "length", []
+            generated.append(0 if self.echo_only else len(comp.token_ids) + len(c.resumed))
             item = self.full_choice(c, out, text, lps, finish, want_lp)
             if self.with_prompt_logprobs:
                 item["prompt_logprobs"] = self.prompt_logprobs_field(out)
-            items.append(item)
-        usage = self.usage(choices, generated, [o.num_cached_tokens for o in outs])
-        return {"id": self.response_id, "object": self.response_object,
-                "created": self.created, "model": self.state.config.served_model_name, "choices": items,
-                "usage": usage}
+            items.append(self.with_token_ids(item, c, ids, first=c.index == 0 or self.prompt_ids_per_choice,
+                                             obj=response))
+        response["usage"] = self.usage(choices, generated, [o.num_cached_tokens for o in outs])
+        return response
 
     # -- the request ------------------------------------------------------------------------
     async def handle(self) -> Response:
@@ -516,7 +557,11 @@ class GenerationHandler(RequestHandler):
         choices = await self.prepare(body)
         self.streaming = body.stream
         self.with_prompt_logprobs = body.prompt_logprobs is not None
+        self.return_token_ids = body.return_token_ids
         self.read_options(body)
+        if body.resume is not None:  # the client had the prompt's echo and logprobs already
+            self.resuming = True
+            self.echo = self.echo_only = self.with_prompt_logprobs = False
         self.admit(choices, body.cache_salt)
         self.state.active += 1
         if body.stream:

@@ -17,6 +17,7 @@ class CompletionHandler(GenerationHandler):
     id_prefix = "cmpl-"
     response_object = "text_completion"
     chunk_object = "text_completion"
+    prompt_ids_per_choice = True  # return_token_ids: each choice has its prompt's ids (as vLLM)
 
     def __init__(self, state, request):
         super().__init__(state, request)
@@ -58,7 +59,7 @@ class CompletionHandler(GenerationHandler):
 
     def stream_choice(self, c, out, prefix, prompt_entries, delta_text, delta_lps, finish, want_lp):
         i = c.index
-        offset = self.text_offsets.get(i, 0)
+        offset = self.text_offsets.get(i, out.outputs[0].text_offset)  # a continuation's: after the resumed text
         text = prefix + delta_text
         choice = {"index": i, "text": text,
                   "logprobs": self.completion_logprobs(delta_lps, offset, prompt_entries) if want_lp else None,
@@ -69,5 +70,6 @@ class CompletionHandler(GenerationHandler):
     def full_choice(self, c, out, text, lps, finish, want_lp):
         prefix, prompt_entries = self.echo_prefix(c, out) if self.echo else ("", [])
         return {"index": c.index, "text": prefix + text,
-                "logprobs": self.completion_logprobs(lps, 0, prompt_entries) if want_lp else None,
+                "logprobs": (self.completion_logprobs(lps, out.outputs[0].text_offset, prompt_entries)
+                             if want_lp else None),
                 "finish_reason": finish, "stop_reason": out.outputs[0].stop_reason}

@@ -14,8 +14,9 @@ drafts before it as output, min_tokens counts them too (``_RowView``).
   are accepted, emit a sample of ``p_k`` (the bonus). Each emitted token is then distributed
   exactly as ``p_j``: P(d) = p(d), P(x != d) = (1 - p(d)) p(x) / (1 - p(d)).
 
-Randomness comes from the request's own generator when it has a seed (as in the sampler): k + 1
-uniforms to accept or reject by, then one to sample the emitted row by inversion.
+Randomness as in the sampler: a seeded request's uniforms are functions of (seed, output position)
+(k + 1 to accept or reject by, then one to sample the emitted token by inversion); unseeded
+requests draw from the engine's generator.
 """
 
 from __future__ import annotations
@@ -85,12 +86,11 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], draf
         is_draft = torch.tensor([j < len(drafts[i]) for i in random_reqs for j in range(len(drafts[i]) + 1)],
                                 device=probs.device)
         p_draft = probs.gather(1, draft_tok[:, None])[:, 0]
-        uniform = torch.empty(len(rows), device=probs.device)
-        at = 0
-        for i in random_reqs:  # one generator per request: k + 1 uniforms to accept or reject by
-            n = len(drafts[i]) + 1
-            uniform[at:at + n].uniform_(generator=sampler._generator_for(requests[i]))
-            at += n
+        # k + 1 uniforms per request to accept or reject by: row j's at output position
+        # num_output_tokens + j (spec decoding steps are synchronous: the output is all known)
+        row_views = [views[r] for r in rows]
+        uniform = sampler.uniforms(row_views, probs.device,  # type: ignore[arg-type]
+                                   positions=[v.num_output_tokens for v in row_views], stream=1)
         accept_list = ((uniform < p_draft) & is_draft).tolist()
         # Each request's first rejected row (or its bonus row), and that row's residual: the
         # draft's own probability zeroed (the bonus row keeps its distribution).
@@ -106,9 +106,10 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], draf
         picked = to_device(first_rejected, torch.long, probs.device)
         residual = probs[picked].scatter_(1, draft_tok[picked][:, None],
                                           torch.where(is_draft[picked], 0.0, p_draft[picked])[:, None])
-        # Then one more uniform per request (from its generator), for the token after the accepted drafts.
-        chosen = sample_by_inversion(residual, sampler.uniforms([requests[i] for i in random_reqs],
-                                                                probs.device)).tolist()
+        # Then one more uniform per request, for the token after the accepted drafts (at its position).
+        chosen = sample_by_inversion(residual, sampler.uniforms(
+            [requests[i] for i in random_reqs], probs.device,
+            positions=[requests[i].num_output_tokens + m for i, m in zip(random_reqs, accepted)])).tolist()
         for i, m, c in zip(random_reqs, accepted, chosen):
             sampled[i] = (m, c)
 

@@ -1,0 +1,177 @@
+"""The engine's HTTP side of mid-stream resume, in both engine modes: ``return_token_ids`` (vLLM's
+shapes) and the ``resume`` continuation the router sends after a replica died. A client that got
+the first k tokens of a stream, then the continuation's chunks, has exactly the uninterrupted
+stream's text, ids and logprobs (greedy and seeded; chat and completions; a stop string across the
+seam), and the usage counts the whole request once."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.engine.server.conftest import ThreadServer
+
+RESUME = "resume.output_token_ids"
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(tiny_model, request):
+    srv = ThreadServer(["--model", tiny_model, "--served-model-name", "tiny", "--num-kv-blocks", "128",
+                        "--max-num-seqs", "4", "--engine-mode", request.param]).start()
+    yield srv
+    srv.stop()
+
+
+def stream(server, path: str, body: dict) -> list[dict]:
+    chunks = []
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60,
+                      headers={"X-Request-Id": "resume-test"}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+class Seen:
+    """What a streaming client received of choice 0: per output chunk, its ids, text, logprob entries."""
+
+    def __init__(self, chunks: list[dict], chat: bool):
+        self.chunks = [c for c in chunks if c["choices"]]
+        self.usage = chunks[-1].get("usage")
+        self.parts = []  # (ids, text, logprob entries, finish_reason)
+        for ch in self.chunks:
+            c = ch["choices"][0]
+            if chat and "role" in c["delta"]:
+                continue
+            text = c["delta"].get("content", "") if chat else c["text"]
+            lps = (c["logprobs"] or {}).get("content", []) if chat else (c["logprobs"] or {}).get("tokens", [])
+            self.parts.append((c.get("token_ids"), text, lps, c["finish_reason"], c["logprobs"]))
+
+    def ids(self, upto: int | None = None) -> list[int]:
+        return [t for p in self.parts[:upto] for t in p[0]]
+
+    def text(self, upto: int | None = None) -> str:
+        return "".join(p[1] for p in self.parts[:upto])
+
+    def chunks_for(self, k: int) -> int:
+        """How many output chunks hold the first k ids."""
+        n = 0
+        for i, p in enumerate(self.parts):
+            n += len(p[0])
+            if n >= k:
+                return i + 1
+        raise AssertionError(k)
+
+
+def lp_tokens(logprobs: dict, chat: bool) -> list[str]:
+    return [e["token"] for e in logprobs["content"]] if chat else logprobs["tokens"]
+
+
+def lp_values(logprobs: dict, chat: bool) -> list[float]:
+    return [e["logprob"] for e in logprobs["content"]] if chat else logprobs["token_logprobs"]
+
+
+CASES = {
+    "completions": ("/v1/completions", dict(prompt="The quick brown fox", logprobs=2), False),
+    "chat": ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Tell me a story"}],
+                                          logprobs=True, top_logprobs=2), True),
+}
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=99)])
+def test_a_stream_continued_from_its_first_k_tokens_is_the_uninterrupted_stream(server, kind, sampling):
+    path, body, chat = CASES[kind]
+    body = {**body, **sampling, "max_tokens": 12, "ignore_eos": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    chunks = stream(server, path, body)
+    whole = Seen(chunks, chat)
+    ids = whole.ids()
+    assert len(ids) == 12 and all(len(p[0]) == 1 for p in whole.parts)  # every id, in a chunk of its own
+    first = chunks[0]
+    prompt_ids = first["prompt_token_ids"] if chat else first["choices"][0]["prompt_token_ids"]
+    assert whole.usage["prompt_tokens"] == len(prompt_ids) and whole.usage["completion_tokens"] == 12
+    for k in (1, 4, 11):
+        cont_chunks = stream(server, path, {**body, "resume": {"output_token_ids": ids[:k]}})
+        cont = Seen(cont_chunks, chat)
+        assert all("prompt_token_ids" not in ch for ch in cont_chunks)
+        assert all("role" not in c.get("delta", {}) and "prompt_token_ids" not in c
+                   for ch in cont_chunks for c in ch["choices"])
+        assert cont_chunks[0]["id"] == chunks[0]["id"]  # same X-Request-Id, same id
+        n = whole.chunks_for(k)
+        assert ids[:k] + cont.ids() == ids, k
+        assert whole.text(n) + cont.text() == whole.text(), k
+        # logprobs of the new tokens only, the same tokens and values as the uninterrupted stream's
+        assert [lp_tokens(p[4], chat) for p in cont.parts] == [lp_tokens(p[4], chat) for p in whole.parts[n:]]
+        for p, q in zip(cont.parts, whole.parts[n:]):
+            assert lp_values(p[4], chat) == pytest.approx(lp_values(q[4], chat), abs=1e-4)
+        assert cont.parts[-1][3] == "length"
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+        assert [cont.usage[f] for f in counts] == [whole.usage[f] for f in counts], k  # the whole request, once
+        assert cont.usage["prompt_tokens_details"]["cached_tokens"] <= cont.usage["prompt_tokens"]
+        if not chat:  # text_offset goes on from the characters already sent
+            assert cont.parts[0][4]["text_offset"][0] == whole.parts[n][4]["text_offset"][0]
+
+
+def test_a_stop_string_straddling_the_seam_ends_the_continuation(server):
+    path = "/v1/completions"
+    base = dict(prompt="Once upon a time", max_tokens=16, temperature=0, ignore_eos=True, return_token_ids=True)
+    plain = Seen(stream(server, path, base), chat=False)
+    at = next(i for i in range(3, len(plain.parts) - 1) if plain.parts[i][1].strip() and plain.parts[i + 1][1].strip())
+    stop = plain.parts[at][1][-1] + plain.parts[at + 1][1][0]
+    body = {**base, "stop": [stop]}
+    whole = Seen(stream(server, path, body), chat=False)
+    assert whole.parts[-1][3] == "stop"
+    ids = whole.ids()
+    k = len(ids) - 1
+    n = whole.chunks_for(k)
+    assert whole.text(n).endswith(stop[0])  # the stop string began in text the client has
+    cont = Seen(stream(server, path, {**body, "resume": {"output_token_ids": ids[:k]}}), chat=False)
+    assert cont.ids() == ids[k:] and cont.parts[-1][3] == "stop"
+    assert whole.text(n) + cont.text() == whole.text()
+    assert cont.chunks[-1]["choices"][0]["stop_reason"] == stop
+
+
+def test_a_whole_response_continuation_holds_the_new_output_and_the_whole_usage(server):
+    body = dict(prompt=[7, 8, 9, 10], max_tokens=10, temperature=1.0, seed=5, ignore_eos=True, return_token_ids=True)
+    whole = post(server, "/v1/completions", body).json()
+    ids = whole["choices"][0]["token_ids"]
+    assert whole["choices"][0]["prompt_token_ids"] == [7, 8, 9, 10] and len(ids) == 10
+    cont = post(server, "/v1/completions", {**body, "resume": {"output_token_ids": ids[:6]}}).json()
+    assert cont["choices"][0]["token_ids"] == ids[6:]
+    assert cont["usage"]["completion_tokens"] == 10 and cont["usage"]["prompt_tokens"] == 4
+    assert cont["usage"]["prompt_tokens_details"]["cached_tokens"] <= 4
+    chat = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, ignore_eos=True)
+    plain = post(server, "/v1/chat/completions", chat).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]  # only when asked
+    with_ids = post(server, "/v1/chat/completions", {**chat, "return_token_ids": True}).json()
+    assert with_ids["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert len(with_ids["choices"][0]["token_ids"]) == 6 and with_ids["prompt_token_ids"]
+
+
+@pytest.mark.parametrize("path, extra, param, code", [
+    ("/v1/completions", {"n": 2}, "n", None),
+    ("/v1/completions", {"prompt": ["a b", "c d"]}, "prompt", None),
+    ("/v1/chat/completions", {"resume": {"output_token_ids": [1, True]}}, RESUME, None),
+    ("/v1/completions", {"resume": [1, 2]}, RESUME, None),
+    ("/v1/completions", {"resume": {"output_token_ids": []}}, RESUME, None),
+    ("/v1/completions", {"resume": {"output_token_ids": [1, 10**9]}}, RESUME, None),
+    ("/v1/completions", {"resume": {"output_token_ids": [3] * 8}}, RESUME, None),  # max_tokens reached
+    ("/v1/completions", {"max_tokens": None, "resume": {"output_token_ids": [3] * 2100}}, RESUME,
+     "context_length_exceeded"),
+])
+def test_bad_continuations_are_refused_naming_the_field(server, path, extra, param, code):
+    body = {"max_tokens": 8, "resume": {"output_token_ids": [3, 4]}}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "hello"})
+    body.update(extra)
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert r.json()["error"]["code"] == code
