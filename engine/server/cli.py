@@ -24,6 +24,7 @@ import signal
 
 from kvmesh.common.logging_setup import setup_logging
 from kvmesh.engine.cli_args import add_engine_arguments, engine_args_from
+from kvmesh.engine.server.tool_parsers import TOOL_PARSERS
 
 log = logging.getLogger("kvmesh.server")
 
@@ -56,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frontend-cores", default="auto", metavar="K",
                         help="CPUs left to the API process; the core is pinned to the others (auto: 1 "
                              "on 4 or more CPUs, 0 below: shared); process mode")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto": the model decides whether to call tools, and '
+                             "--tool-call-parser reads its calls (without it, auto is a 400, as in vLLM)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="the format a model writes its tool calls in: hermes (JSON in tool_call tags; Hermes, "
+                             "Qwen 2.5) or llama3_json (Llama 3.1/3.2 JSON); also the default tool prompt's "
+                             "format for a chat template without tool support")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="also serve /metrics (only) on this port, so a NetworkPolicy can admit "
                              "scrapers there without exposing the API")
@@ -65,6 +73,8 @@ def build_state(args: argparse.Namespace):
     from kvmesh.engine.server.api import ServerConfig, ServerState
     from kvmesh.engine.server.async_engine import AsyncEngine
 
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     engine_args = engine_args_from(args, server=True, enable_kv_events=bool(args.kv_events_endpoint))
     engine_args.validate()
     publisher = None
@@ -83,7 +93,8 @@ def build_state(args: argparse.Namespace):
         engine = AsyncEngine(engine_args, publisher)
     config = ServerConfig(served_model_name=args.served_model_name or args.model, api_key=args.api_key or None,
                           max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     return ServerState(engine, config)
 
 

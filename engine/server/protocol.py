@@ -7,6 +7,7 @@ dicts built in ``api.py``; their shapes follow OpenAI's API reference.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -16,6 +17,9 @@ from kvmesh.common.prompts import prompt_batch
 from kvmesh.common.request_limits import MAX_N, MAX_PROMPTS
 from kvmesh.engine.limits import RESUME_PARAM
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
+from kvmesh.engine.server.tool_choice import ToolPlan, plan_tools
+from kvmesh.engine.server.tool_prompt import decoded_tool_calls
+from kvmesh.engine.structured.params import StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -74,10 +78,7 @@ class _Common(BaseModel):
         if fmt is not None and fmt.get("type", "text") != "text":
             raise InvalidParameter("response_format", f"response_format {str(fmt.get('type'))[:40]!r} is not "
                                                       "supported (structured output): only 'text'")
-        if self.tools:
-            raise InvalidParameter("tools", "tools (function calling) are not supported")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidParameter("tool_choice", "tool_choice requires tools, which are not supported")
+        self.check_tool_fields()
         if self.functions:
             raise InvalidParameter("functions", "functions (function calling) are not supported")
         if self.function_call not in (None, "none"):
@@ -85,6 +86,13 @@ class _Common(BaseModel):
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
             if getattr(self, name) is not None:
                 raise InvalidParameter(name, f"{name} (guided decoding) is not supported")
+
+    def check_tool_fields(self) -> None:
+        """Tools are a chat feature (ChatCompletionRequest reads them): a completion refuses them."""
+        if self.tools:
+            raise InvalidParameter("tools", "tools (function calling) are for /v1/chat/completions")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidParameter("tool_choice", "tool_choice is for /v1/chat/completions, with tools")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          defaults: Mapping[str, Any], prompt_logprobs: int | None = None) -> SamplingParams:
@@ -220,11 +228,16 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls (decoded in as_template_dict)
+    tool_call_id: str | None = None      # a tool message: the call it answers
 
     def as_template_dict(self, index: int | None = None) -> dict[str, Any]:
         """The message for the chat template; ``index``: its place in ``messages`` (errors name
         the part, e.g. ``messages.0.content.1.type``)."""
         d = self.model_dump(exclude_none=True)
+        if self.role == "assistant" and d.get("tool_calls") is not None:  # earlier calls, arguments decoded
+            d["tool_calls"] = decoded_tool_calls(d["tool_calls"], "messages" if index is None
+                                                 else f"messages.{index}.tool_calls")
         content = self.content
         if isinstance(content, list):  # content parts: only text is supported
             texts = []
@@ -244,8 +257,25 @@ class ChatMessage(BaseModel):
         return d
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool | None = None  # false: one call at most
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -257,13 +287,32 @@ class ChatCompletionRequest(_Common):
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_dict(i) for i, m in enumerate(self.messages)]
 
+    def check_tool_fields(self) -> None:
+        self.tool_plan()
+
+    def tool_plan(self) -> ToolPlan | None:
+        """What the request asks of tools (engine/server/tool_choice.py); None: no tools."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools is not None else None
+        return plan_tools(tools, self.tool_choice, self.parallel_tool_calls)
+
+    def _with_tool_schema(self, params: SamplingParams) -> SamplingParams:
+        """``required`` and a named function: the output constrained to the tools' JSON schema."""
+        plan = self.tool_plan()
+        schema = plan.schema() if plan is not None else None
+        if schema is None:
+            return params
+        if params.structured_outputs is not None:
+            raise InvalidParameter("tool_choice", f"tool_choice {plan.mode!r} constrains the output to the tools' "
+                                                  "schemas: it cannot be combined with a structured output")
+        return replace(params, structured_outputs=StructuredOutputsParams(json=schema, field_name="tools"))
+
     def sampling_params(self, defaults: Mapping[str, Any] = {}) -> SamplingParams:  # noqa: B006 - read only
         if self.echo:
             raise InvalidParameter("echo", "echo is not supported for chat completions")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
         n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(self.requested_max_tokens(), n_logprobs, defaults)
+        return self._with_tool_schema(self._sampling_params(self.requested_max_tokens(), n_logprobs, defaults))
 
     def request_param(self, param: str) -> str:
         if param == "prompt":

@@ -45,6 +45,8 @@ class ServerConfig:
     max_waiting: int = 1024
     max_body_bytes: int = 4 * 1024 * 1024
     retry_after_s: int = 1
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    tool_call_parser: str | None = None    # a name in tool_parsers.TOOL_PARSERS
 
     @property
     def capacity(self) -> int:

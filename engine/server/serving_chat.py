@@ -1,6 +1,11 @@
 """``POST /v1/chat/completions`` (vLLM's ``serving_chat.py``): the messages through the model's
 chat template, the assistant's message (a role chunk first when streaming) and the chat API's
-logprobs (content: token, logprob, bytes, top_logprobs)."""
+logprobs (content: token, logprob, bytes, top_logprobs).
+
+Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``; docs/tool-calling.md): the tools reach the
+template (tool_prompt.py), ``required`` and a named function constrain the output to the tools'
+schemas (tool_choice.py), and a tool parser reads each choice's output as content plus
+``tool_calls``, whole or as stream deltas (tool_parsers/)."""
 
 from __future__ import annotations
 
@@ -9,8 +14,12 @@ from typing import Any
 
 from kvmesh.common.tokenizer import TemplateError
 from kvmesh.engine.sampling_params import InvalidParameter
+from kvmesh.engine.server.errors import bad_request
 from kvmesh.engine.server.protocol import ChatCompletionRequest
 from kvmesh.engine.server.serving_base import Choice, GenerationHandler, off_loop
+from kvmesh.engine.server.tool_choice import ToolPlan, auto_parser
+from kvmesh.engine.server.tool_parsers import TOOL_PARSERS, ToolParser
+from kvmesh.engine.server.tool_prompt import template_inputs
 
 
 class ChatHandler(GenerationHandler):
@@ -20,16 +29,39 @@ class ChatHandler(GenerationHandler):
     response_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, state, request):
+        super().__init__(state, request)
+        self.tool_plan: ToolPlan | None = None
+        self.auto_parser: type[ToolParser] | None = None  # the server's parser, for tool_choice auto
+        self._parsers: dict[int, ToolParser | None] = {}  # per choice index
+
+    async def read_body(self, model_cls):
+        body = await super().read_body(model_cls)
+        cfg = self.state.config
+        try:
+            self.tool_plan = body.tool_plan()
+            self.auto_parser = auto_parser(self.tool_plan, cfg.enable_auto_tool_choice, cfg.tool_call_parser)
+        except InvalidParameter as exc:
+            raise bad_request(str(exc), param=exc.param)
+        if self.auto_parser is not None and self.auto_parser.skip_special_tokens is False:
+            body.skip_special_tokens = False  # the call markup is special tokens (vLLM's adjust_request)
+        return body
+
     def prompts(self, body: ChatCompletionRequest) -> list[None]:
         return [None]  # the messages, read by tokenize_prompt
 
     async def tokenize_prompt(self, body: ChatCompletionRequest, prompt: None):
-        messages = body.template_messages()
+        tokenizer = self.engine.tokenizer
+        cfg = self.state.config
+        fmt = TOOL_PARSERS.get(cfg.tool_call_parser) if cfg.tool_call_parser else None
         try:
+            messages, tool_vars = template_inputs(tokenizer.chat_template, body.template_messages(),
+                                                  self.tool_plan, fmt)
+            # chat_template_kwargs may override the tools variable, as in vLLM
+            kwargs = {**tool_vars, **(body.chat_template_kwargs or {})} or None
             size = sum(len(m["content"]) for m in messages)
-            ids = await off_loop(size, partial(self.engine.tokenizer.encode_chat, messages,
-                                               body.add_generation_prompt, body.continue_final_message,
-                                               body.chat_template_kwargs))
+            ids = await off_loop(size, partial(tokenizer.encode_chat, messages, body.add_generation_prompt,
+                                               body.continue_final_message, kwargs))
         except TemplateError as exc:
             raise InvalidParameter("messages", str(exc))
         return ids, ids
@@ -43,12 +75,37 @@ class ChatHandler(GenerationHandler):
                                               "bytes": list(t.encode())} for tid, v in lp.top]})
         return {"content": content}
 
+    # -- tool calls ---------------------------------------------------------------------------
+    def parser(self, c: Choice) -> ToolParser | None:
+        """Choice ``c``'s tool parser (its own: a stream's parsers keep state), or None."""
+        if c.index not in self._parsers:
+            plan = self.tool_plan
+            self._parsers[c.index] = plan.parser(self.auto_parser) if plan is not None else None
+        return self._parsers[c.index]
+
+    @staticmethod
+    def tool_finish(parser: ToolParser, finish: str | None, called: bool) -> str | None:
+        """``tool_calls`` for an output that stopped after calling tools (auto, required; a named
+        function keeps ``stop``, as vLLM and OpenAI answer)."""
+        return "tool_calls" if finish == "stop" and called and parser.finishes_with_tool_calls else finish
+
+    # -- choices -------------------------------------------------------------------------------
     def stream_preamble(self, choices: list[Choice]) -> list[dict[str, Any]]:
         return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for c in choices]
 
     def stream_choice(self, c, out, prefix, prompt_entries, delta_text, delta_lps, finish, want_lp):
-        delta = {"content": delta_text} if delta_text or not finish else {}
+        parser = self.parser(c)
+        if parser is None:
+            delta = {"content": delta_text} if delta_text or not finish else {}
+        else:
+            read = parser.feed(delta_text)
+            if finish:
+                read += parser.finish()
+            delta = {"content": read.content} if read.content else {}
+            if read.calls:
+                delta["tool_calls"] = [call.as_dict() for call in read.calls]
+            finish = self.tool_finish(parser, finish, parser.num_calls > 0)
         choice = {"index": c.index, "delta": delta,
                   "logprobs": self.chat_logprobs(delta_lps) if want_lp else None,
                   "finish_reason": finish}
@@ -57,6 +114,13 @@ class ChatHandler(GenerationHandler):
         return choice
 
     def full_choice(self, c, out, text, lps, finish, want_lp):
-        return {"index": c.index, "message": {"role": "assistant", "content": text},
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        parser = self.parser(c)
+        if parser is not None:
+            parsed = parser.parse(text)
+            message["content"] = parsed.content
+            message["tool_calls"] = [call.as_dict() for call in parsed.tool_calls]
+            finish = self.tool_finish(parser, finish, bool(parsed.tool_calls))
+        return {"index": c.index, "message": message,
                 "logprobs": self.chat_logprobs(lps) if want_lp else None,
                 "finish_reason": finish, "stop_reason": out.outputs[0].stop_reason}

@@ -113,7 +113,7 @@ def request_schemas(model: str | None = None, vocab_size: int | None = None) -> 
         # schema allows only their "off" values.
         "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}},
                                       "description": "only text (no JSON mode or schema)"}),
-        "tools": _nullable({"type": "array", "maxItems": 0, "description": "function calling: not supported"}),
+        "tools": _nullable({"type": "array", "maxItems": 0, "description": "tools are for chat completions"}),
         "tool_choice": {"enum": ["none", None]},
         "functions": _nullable({"type": "array", "maxItems": 0, "description": "not supported"}),
         "function_call": {"enum": ["none", None]},
@@ -142,7 +142,12 @@ def request_schemas(model: str | None = None, vocab_size: int | None = None) -> 
                     "properties": {"type": {"const": "text"}, "text": _STR}}
     message = {"type": "object", "required": ["role"], "properties": {
         "role": _STR, "content": {"anyOf": [_STR, {"type": "array", "items": content_part}, {"type": "null"}]},
-        "name": _STR}}
+        "name": _STR, "tool_call_id": _STR,
+        "tool_calls": {"type": "array", "items": _obj(["function"], {
+            "id": _STR, "type": {"const": "function"},
+            "function": _obj(["name"], {"name": {"type": "string", "minLength": 1},
+                                        "arguments": {"type": "string", "description": "JSON text"}})}),
+            "description": "an assistant's earlier calls (their arguments must be JSON)"}}}
     chat = {
         "type": "object", "required": ["messages"],
         "properties": {
@@ -157,6 +162,7 @@ def request_schemas(model: str | None = None, vocab_size: int | None = None) -> 
             "continue_final_message": _BOOL,
             "chat_template_kwargs": _nullable({"type": "object"}),
             "echo": {"const": False, "description": "vLLM's chat echo: not supported"},
+            **_TOOL_FIELDS,
         },
     }
     tok_common = {"model": model_s, "add_special_tokens": _BOOL, "add_generation_prompt": _BOOL,
@@ -181,11 +187,46 @@ def _obj(required: list[str], props: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "required": required, "properties": props}
 
 
+_TOOL_FIELDS: dict[str, Any] = {  # docs/tool-calling.md
+    "tools": _nullable({"type": "array", "items": _obj(["function"], {
+        "type": {"const": "function"},
+        "function": _obj(["name"], {"name": {"type": "string", "minLength": 1}, "description": _STR_OR_NULL,
+                                    "parameters": _nullable({"type": "object", "description": "a JSON schema"}),
+                                    "strict": _nullable(_BOOL)})})}),
+    "tool_choice": {"anyOf": [
+        {"enum": ["none", "auto", "required", None]},
+        _obj(["function"], {"type": {"const": "function"}, "function": _obj(["name"], {"name": _STR})})],
+        "description": "default: auto with tools (needs --enable-auto-tool-choice), else none; a named "
+                       "function must be one of tools"},
+    "parallel_tool_calls": _nullable(_BOOL),
+}
+
+
+_SCHEMA = {"type": "object", "description": "a JSON schema"}
+_CHOICES = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}
+_EBNF = {"type": "string", "minLength": 1, "description": "an EBNF grammar (GBNF: root ::= ...)"}
+_STRUCTURED_FIELDS: dict[str, Any] = {  # docs/structured-outputs.md: at most one of these per request
+    "response_format": _nullable({"anyOf": [
+        _obj(["type"], {"type": {"enum": ["text", "json_object"]}}),
+        _obj(["type", "json_schema"], {"type": {"const": "json_schema"}, "json_schema": _obj(["schema"], {
+            "name": _STR, "schema": _SCHEMA, "strict": _nullable(_BOOL)})})]}),
+    "structured_outputs": _nullable({
+        "type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False,
+        "properties": {"json": {"anyOf": [_SCHEMA, _STR]}, "regex": {"type": "string", "minLength": 1},
+                       "choice": _CHOICES, "grammar": _EBNF, "json_object": {"const": True}},
+        "description": "vLLM's: exactly one of json, regex, choice, grammar, json_object"}),
+    "guided_json": _nullable({"anyOf": [_SCHEMA, _STR], "description": "vLLM's older form of structured_outputs"}),
+    "guided_regex": _nullable({"type": "string", "minLength": 1}),
+    "guided_choice": _nullable(_CHOICES),
+    "guided_grammar": _nullable(_EBNF),
+}
+
+
 _USAGE = _obj(["prompt_tokens", "completion_tokens", "total_tokens"], {
     "prompt_tokens": _int(0, nullable=False), "completion_tokens": _int(0, nullable=False),
     "total_tokens": _int(0, nullable=False),
     "prompt_tokens_details": _nullable(_obj(["cached_tokens"], {"cached_tokens": _int(0, nullable=False)}))})
-_FINISH = {"enum": ["stop", "length", "abort", "error", None]}
+_FINISH = {"enum": ["stop", "length", "tool_calls", "abort", "error", None]}
 _STOP_REASON = {"type": ["integer", "string", "null"]}
 _LOGPROB = {"type": "number", "maximum": 0}  # finite: JSON has no -Infinity
 _COMPLETION_LOGPROBS = _nullable(_obj(["tokens", "token_logprobs", "top_logprobs", "text_offset"], {
@@ -212,11 +253,20 @@ def _completion(chunk: bool) -> dict[str, Any]:
         "usage": _nullable(_ref("Usage")) if chunk else _ref("Usage")})
 
 
+_TOOL_CALL = _obj(["id", "type", "function"], {"id": _STR, "type": {"const": "function"}, "function": _obj(
+    ["name", "arguments"], {"name": _STR, "arguments": _STR})})
+_TOOL_CALL_DELTA = _obj(["index", "function"], {  # a call's first delta has its id, type and name
+    "index": _int(0, nullable=False), "id": _STR, "type": {"const": "function"},
+    "function": _obj([], {"name": _STR, "arguments": _STR})})
+
+
 def _chat(chunk: bool) -> dict[str, Any]:
     if chunk:
-        body = {"delta": _obj([], {"role": {"const": "assistant"}, "content": _STR_OR_NULL})}
+        body = {"delta": _obj([], {"role": {"const": "assistant"}, "content": _STR_OR_NULL,
+                                   "tool_calls": {"type": "array", "items": _TOOL_CALL_DELTA}})}
     else:
-        body = {"message": _obj(["role", "content"], {"role": {"const": "assistant"}, "content": _STR_OR_NULL})}
+        body = {"message": _obj(["role", "content"], {"role": {"const": "assistant"}, "content": _STR_OR_NULL,
+                                                      "tool_calls": {"type": "array", "items": _TOOL_CALL}})}
     choice = _obj(["index", *body, "finish_reason"], {
         "index": _int(0, nullable=False), **body, "logprobs": _CHAT_LOGPROBS, "finish_reason": _FINISH,
         "stop_reason": _STOP_REASON, "prompt_logprobs": _PROMPT_LOGPROBS})

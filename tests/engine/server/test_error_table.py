@@ -64,6 +64,7 @@ def _content(*parts: Any) -> list[dict[str, Any]]:
 
 TEXT = {"type": "text", "text": "hi"}
 IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+F_TOOL = {"type": "function", "function": {"name": "f"}}
 
 ROWS: list[Row] = [
     # -- the body itself
@@ -92,7 +93,14 @@ ROWS: list[Row] = [
         "response_format"),
     Row("response_format-not-object", CHAT, {"messages": HI, "response_format": "json"}, 400, "response_format"),
     Row("response_format-text", CHAT, {"messages": HI, "response_format": {"type": "text"}, "max_tokens": 1}, 200),
-    Row("tools", CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    # tools: auto (the default with tools) needs the server's flags, as in vLLM (docs/tool-calling.md)
+    Row("tools-auto-without-flags", CHAT, {"messages": HI, "tools": [F_TOOL]}, 400, "tool_choice",
+        says="--enable-auto-tool-choice"),
+    Row("tools-name-missing", CHAT, {"messages": HI, "tools": [{"type": "function", "function": {}}]}, 400,
+        "tools.0.function.name"),
+    Row("tool_choice-unknown-function", CHAT, {"messages": HI, "tools": [F_TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, 400, "tool_choice.function.name"),
+    Row("tools-completion", C, {"prompt": "x", "tools": [F_TOOL]}, 400, "tools"),
     Row("tool_choice", CHAT, {"messages": HI, "tool_choice": "auto"}, 400, "tool_choice"),
     Row("tool_choice-none", CHAT, {"messages": HI, "tool_choice": "none", "tools": [], "max_tokens": 1}, 200),
     Row("functions", CHAT, {"messages": HI, "functions": [{"name": "f"}]}, 400, "functions"),
