@@ -31,6 +31,7 @@ from kvmesh.engine.config import EngineArgs
 from kvmesh.engine.core_messages import AbortRequests, AddRequest
 from kvmesh.engine.core_proc import CoreLoop, EngineStepError  # noqa: F401 - EngineStepError: api's import
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.server.offload import off_loop
 
 log = logging.getLogger("kvmesh.server.engine")
 
@@ -79,6 +80,7 @@ class AsyncEngine:
         self.max_model_len = 0
         self.vocab_size = 0
         self.limits = None  # EngineLimits, once loaded: the checks that need the model
+        self.model_dir = None  # the checkpoint (tokenizer) the model loaded from: structured outputs compile on it
         self.sampling_defaults: dict[str, Any] = {}  # the model's generation-config defaults
         self.stats = None  # EngineStats snapshot, refreshed by the engine thread after each step
         self.loaded = threading.Event()
@@ -138,6 +140,18 @@ class AsyncEngine:
         self.limits.validate_params(params)
         if resumed_token_ids is not None:
             self.limits.validate_resume(prompt_token_ids, resumed_token_ids, params)
+
+    async def check_structured(self, params: SamplingParams) -> None:
+        """Compile the request's grammar before it is admitted, in the request pool (milliseconds; at
+        worst the compile deadline): a spec the backend refuses, or one that does not compile in
+        time, is an InvalidParameter naming its field. The grammar stays cached for an engine core
+        in this process (a core process compiles it again, off its step loop)."""
+        if params.structured_outputs is None:
+            return
+        from kvmesh.engine.structured.backend import backend_for
+
+        backend = backend_for(self.model_dir, self.limits.vocab_size)
+        await off_loop(0, backend.check, params.structured_outputs, threshold=0)
 
     def add(self, request_id: str, prompt: str | list[int], prompt_token_ids: list[int],
             params: SamplingParams, cache_salt: str | None = None,
@@ -235,6 +249,7 @@ class AsyncEngine:
             self._core_loop = self.core_loop(self.engine.core)
             self.tokenizer = self.engine.tokenizer
             self.limits = self.engine.core.limits
+            self.model_dir = self.engine.core.model_dir
             self.max_model_len = self.engine.max_model_len
             self.vocab_size = self.engine.core.model_config.vocab_size
             self.sampling_defaults = dict(self.engine.sampling_defaults)

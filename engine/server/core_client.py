@@ -178,6 +178,7 @@ class ProcAsyncEngine(AsyncEngine):
             self.engine = await asyncio.to_thread(FrontendEngine, self.engine_args, ready.model_dir, ready)
             self.tokenizer = self.engine.tokenizer
             self.limits = self.engine.limits
+            self.model_dir = ready.model_dir
             self.max_model_len = ready.max_model_len
             self.vocab_size = ready.vocab_size
             self.sampling_defaults = dict(self.engine.sampling_defaults)

@@ -20,6 +20,7 @@ from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.server.tool_choice import ToolPlan, plan_tools
 from kvmesh.engine.server.tool_prompt import decoded_tool_calls
 from kvmesh.engine.structured.params import StructuredOutputsParams
+from kvmesh.engine.structured.request_fields import GUIDED_FIELDS, structured_outputs_of
 
 
 class StreamOptions(BaseModel):
@@ -55,18 +56,19 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: top-N logprobs of every prompt token
-    # Asked for, but not supported: refused (a 400 naming the field), never silently ignored,
-    # so a client that asks for JSON mode or tool calls does not get free text back.
-    response_format: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the response
     # The router's continuation of a stream whose replica died: {"output_token_ids": [...]}, the ids
     # the client has received (docs/engine-server.md, "Mid-stream resume"); read by resume_token_ids()
     resume: Any = None
+    # Structured outputs (engine/structured/request_fields.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields; at most one of them per request.
+    response_format: Any = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    # The deprecated form of tools: refused (400 naming the field), never silently ignored.
     functions: list[Any] | None = None
     function_call: Any = None
-    guided_json: Any = None  # vLLM's guided decoding
+    guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
@@ -74,18 +76,11 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         """Fields this server does not implement, when they ask for something."""
-        fmt = self.response_format
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise InvalidParameter("response_format", f"response_format {str(fmt.get('type'))[:40]!r} is not "
-                                                      "supported (structured output): only 'text'")
         self.check_tool_fields()
         if self.functions:
             raise InvalidParameter("functions", "functions (function calling) are not supported")
         if self.function_call not in (None, "none"):
             raise InvalidParameter("function_call", "function_call requires functions, which are not supported")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-            if getattr(self, name) is not None:
-                raise InvalidParameter(name, f"{name} (guided decoding) is not supported")
 
     def check_tool_fields(self) -> None:
         """Tools are a chat feature (ChatCompletionRequest reads them): a completion refuses them."""
@@ -133,6 +128,9 @@ class _Common(BaseModel):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_outputs_of(
+                self.response_format, self.structured_outputs,
+                {name: getattr(self, name) for name in GUIDED_FIELDS}),
         )
 
     def request_param(self, param: str) -> str:

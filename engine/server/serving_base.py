@@ -272,6 +272,7 @@ class GenerationHandler(RequestHandler):
         engine = self.engine
         try:
             params = body.sampling_params(engine.sampling_defaults)
+            await engine.check_structured(params)  # a spec the backend refuses: a 400 before anything runs
             n = body.num_choices()
             resumed = body.resume_token_ids()
             prompts = self.prompts(body)

@@ -109,16 +109,13 @@ def request_schemas(model: str | None = None, vocab_size: int | None = None) -> 
         "skip_special_tokens": _BOOL,
         "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS}),
         "prompt_logprobs": _int(0, MAX_LOGPROBS, description="top-N logprobs of every prompt token"),
+        **_STRUCTURED_FIELDS,
         # Not supported, and refused (400 naming the field) when they ask for something: the
         # schema allows only their "off" values.
-        "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}},
-                                      "description": "only text (no JSON mode or schema)"}),
         "tools": _nullable({"type": "array", "maxItems": 0, "description": "tools are for chat completions"}),
         "tool_choice": {"enum": ["none", None]},
         "functions": _nullable({"type": "array", "maxItems": 0, "description": "not supported"}),
         "function_call": {"enum": ["none", None]},
-        **{name: {"type": "null", "description": "vLLM's guided decoding: not supported"}
-           for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
     }
     prompt = {"anyOf": [
         {"type": "string", "minLength": 1},
