@@ -220,3 +220,20 @@ def test_grammar_past_its_deadline_fails_alone(llm, monkeypatch):
     assert done["plain"][0] == "length"
     assert done["fine"][0] == "stop"
     assert llm.engine.tokenizer.decode(done["fine"][1], skip_special_tokens=True) in CHOICES
+
+
+def test_async_scheduling_steps_constrained_requests_synchronously(llm, tiny_llama_dir):
+    """A constrained request's mask needs its previous token on the host: while one runs, the
+    async engine takes synchronous steps, with the same outputs."""
+    kinds = ["json", "choice"]
+    prompts = PROMPTS[:3]
+    ps = [params(k) for k in kinds] + [params(max_tokens=24)]
+    sync = llm.generate(prompts, ps)
+    overlapped = LLM(tiny_llama_dir, num_kv_blocks=256, max_num_batched_tokens=32, async_scheduling=True)
+    outs = overlapped.generate(prompts, ps)
+    assert overlapped.engine.core.num_sync_steps > 0
+    for a, b in zip(sync, outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    plain = overlapped.generate(prompts[2:], [params(max_tokens=8)])[0]  # none constrained: async again
+    assert plain.outputs[0].token_ids == sync[2].outputs[0].token_ids[:8]
+    assert overlapped.engine.core.num_async_steps > 0
