@@ -256,8 +256,8 @@ class GenerationHandler(RequestHandler):
         return "", []
 
     def stream_choice(self, c: Choice, out: RequestOutput, prefix: str, prompt_entries: list[tuple[int, Any]],
-                      delta_text: str, delta_lps: list, finish: str | None, want_lp: bool) -> dict[str, Any]:
-        """One choice of a stream chunk."""
+                      delta_text: str, delta_lps: list, finish: str | None, want_lp: bool) -> dict[str, Any] | None:
+        """One choice of a stream chunk (None: no chunk for this output)."""
         raise NotImplementedError
 
     def full_choice(self, c: Choice, out: RequestOutput, text: str, lps: list, finish: str | None,
@@ -492,6 +492,8 @@ class GenerationHandler(RequestHandler):
                 if self.echo_only and finish:
                     finish = "length"
                 choice = self.stream_choice(c, out, prefix, prompt_entries, delta_text, delta_lps, finish, want_lp)
+                if choice is None:  # nothing to send yet (chat: a tool parser holds back what may be markup)
+                    continue
                 if with_plp:
                     choice["prompt_logprobs"] = self.prompt_logprobs_field(out)
                 self.with_token_ids(choice, c, delta_ids, first=first and self.prompt_ids_per_choice)

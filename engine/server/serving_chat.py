@@ -34,6 +34,7 @@ class ChatHandler(GenerationHandler):
         self.tool_plan: ToolPlan | None = None
         self.auto_parser: type[ToolParser] | None = None  # the server's parser, for tool_choice auto
         self._parsers: dict[int, ToolParser | None] = {}  # per choice index
+        self._chunked: set[int] = set()  # choices that sent an output chunk (the first carries prompt logprobs)
 
     async def read_body(self, model_cls):
         body = await super().read_body(model_cls)
@@ -106,6 +107,11 @@ class ChatHandler(GenerationHandler):
             if read.calls:
                 delta["tool_calls"] = [call.as_dict() for call in read.calls]
             finish = self.tool_finish(parser, finish, parser.num_calls > 0)
+            # nothing to send yet: no chunk, unless it carries what the client asked for anyway
+            if not (delta or finish or want_lp or self.return_token_ids
+                    or (self.with_prompt_logprobs and c.index not in self._chunked)):
+                return None
+        self._chunked.add(c.index)
         choice = {"index": c.index, "delta": delta,
                   "logprobs": self.chat_logprobs(delta_lps) if want_lp else None,
                   "finish_reason": finish}
