@@ -318,7 +318,7 @@ def test_a_refusal_whose_body_breaks_off_does_not_stop_the_next_try():
 
     import aiohttp
 
-    from kvmesh.router.app import _drain_body
+    from kvmesh.router.proxy import drain_body as _drain_body
 
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]

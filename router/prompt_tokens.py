@@ -1,0 +1,62 @@
+"""A prompt's token ids exactly as the engine will see them, and its contract-1 block keys."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvmesh.common.block_keys import block_keys
+from kvmesh.common.prompts import chat_template_messages, prompt_batch
+
+log = logging.getLogger("kvmesh.router")
+
+
+class PromptTokens:
+    def __init__(self, encoder, model: str, block_size: int):
+        self.encoder = encoder
+        self.model = model
+        self.block_size = block_size
+
+    def tokens_and_keys(self, path: str, req: dict[str, Any], scores_prompt: bool,
+                        large: bool) -> tuple[list[int], list[int]]:
+        tokens = self.tokens(path, req, large)
+        # A request scoring its prompt (prompt logprobs, or echo with logprobs) computes every
+        # position and reads nothing from the cache: no prefix to match, it goes by load.
+        keys = (block_keys(tokens, self.model, self.block_size, cache_salt=req.get("cache_salt"))
+                if tokens and not scores_prompt else [])
+        return tokens, keys
+
+    def tokens(self, path: str, req: dict[str, Any], large: bool = False) -> list[int]:
+        """The prompt's ids ([] when the body is malformed: the engine will answer it)."""
+        try:
+            if path == "/v1/chat/completions":
+                return self._chat(req, large)
+            if path == "/v1/completions":
+                return self._completion(req, large)
+        except Exception as exc:  # noqa: BLE001 - the engine will answer the malformed request
+            log.debug("could not tokenize: %s", exc)
+        return []
+
+    def _chat(self, req: dict[str, Any], large: bool) -> list[int]:
+        msgs = req.get("messages")
+        if not isinstance(msgs, list):
+            return []
+        kw = {"large": True} if large else {}
+        # as the engine renders them: text parts joined, a null content as ""
+        return self.encoder.encode_chat(chat_template_messages(msgs),
+                                        add_generation_prompt=req.get("add_generation_prompt", True),
+                                        continue_final_message=bool(req.get("continue_final_message")),
+                                        template_kwargs=req.get("chat_template_kwargs"), **kw)
+
+    def _completion(self, req: dict[str, Any], large: bool) -> list[int]:
+        prompt = prompt_batch(req.get("prompt"))[0]  # a batch routes on its first prompt
+        if isinstance(prompt, str):
+            if large and hasattr(self.encoder, "encode_large"):
+                return self.encoder.encode_large(prompt)
+            return self.encoder.encode(prompt)
+        if isinstance(prompt, list) and prompt:
+            if all(type(t) is int for t in prompt):
+                return prompt
+            if all(isinstance(t, (int, float)) and float(t).is_integer() for t in prompt):
+                return [int(t) for t in prompt]
+        return []

@@ -1,0 +1,123 @@
+"""Routing: a request's tokens and block keys, the pods that may take it (held while none can), and the policy's order.
+
+`discovery` is set by the router's startup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvmesh.router.admission import Admission
+from kvmesh.router.call import Call
+from kvmesh.router.discovery import Pod
+from kvmesh.router.hold_queue import HoldQueue
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.off_loop import OFF_LOOP_CHARS, off_loop
+from kvmesh.router.pod_traffic import PodTraffic
+from kvmesh.router.policies import RouteRequest, RoutingPolicy
+from kvmesh.router.prefix_match import PrefixMatch
+from kvmesh.router.prompt_tokens import PromptTokens
+from kvmesh.router.request_checks import Refused
+from kvmesh.router.scoring import Candidate
+
+
+class Routing:
+    def __init__(self, policy: RoutingPolicy, policy_name: str, block_size: int, prompt_tokens: PromptTokens,
+                 prefix_match: PrefixMatch, hold_queue: HoldQueue, traffic: PodTraffic, admission: Admission,
+                 metrics: RouterMetrics):
+        self.policy = policy
+        self.policy_name = policy_name
+        self.block_size = block_size
+        self.prompt_tokens = prompt_tokens
+        self.prefix_match = prefix_match
+        self.hold_queue = hold_queue
+        self.traffic = traffic
+        self.admission = admission
+        self.metrics = metrics
+        self.holds = False  # scale from zero is on (set by the router)
+        self.discovery = None
+
+    async def route(self, call: Call, watcher: asyncio.Future) -> bool:
+        """Tokens and block keys, a routable pod (held until one is: scale from zero), the
+        policy's order. False if the client went away meanwhile; Refused (503) if no pod came."""
+        await self.tokenize(call)
+        if watcher.done():  # gone while we tokenised
+            self.client_gone(call)
+            return False
+        pods = await self.routable_pods(call, watcher)
+        if pods is None:
+            return False
+        await self.order(call, pods)
+        return True
+
+    def client_gone(self, call: Call) -> None:
+        self.metrics.client_disconnects.inc()
+        self.metrics.requests.labels(call.route, "499").inc()
+
+    async def tokenize(self, call: Call) -> None:
+        """Tokenize like the engine (long prompts off the event loop) and compute the block keys."""
+        req = call.req
+        call.scores_prompt = req.get("prompt_logprobs") is not None or (bool(req.get("echo"))
+                                                                        and req.get("logprobs") is not None)
+        if not call.generate:
+            return
+        t_tok = time.perf_counter()
+        if call.chars >= OFF_LOOP_CHARS:
+            call.tokens, call.keys = await off_loop(self.prompt_tokens.tokens_and_keys, call.path, req,
+                                                    call.scores_prompt, True)
+        else:
+            call.tokens, call.keys = self.prompt_tokens.tokens_and_keys(call.path, req, call.scores_prompt, False)
+        self.metrics.tokenize.observe(time.perf_counter() - t_tok)
+        self.admission.correct(call)
+
+    async def routable_pods(self, call: Call, watcher: asyncio.Future, exclude=()) -> list[Pod] | None:
+        """The pods to choose from (ejected ones only if nothing else; `exclude`d ones never);
+        none routable: the request is held until one is (scale from zero). None if the client
+        left while held."""
+        pods = self._routable(exclude)
+        if self.holds and (not pods or len(self.hold_queue)):
+            outcome, call.held_s, call.held = await self.hold_queue.hold(watcher)
+            if outcome == "disconnect":
+                self.client_gone(call)
+                self.admission.refund(call)
+                return None
+            if outcome != "dispatched":
+                raise self.hold_queue.refusal(outcome)
+            pods = self._routable(exclude)
+        now = time.monotonic()
+        usable = [p for p in pods if not self.traffic.breaker.ejected(p.name, now)] or pods
+        if not usable:
+            raise Refused(503, "no ready engine for this model", "service_unavailable", code="no_ready_engine",
+                          headers=[(b"retry-after", b"1")])
+        return usable
+
+    def _routable(self, exclude) -> list[Pod]:
+        pods = self.discovery.routable()
+        return [p for p in pods if p.name not in exclude] if exclude else pods
+
+    async def order(self, call: Call, pods: list[Pod]) -> None:
+        """The policy's order (pods that just answered 429 last), and the predicted cached tokens."""
+        ordered, reason = await self.decide(pods, call.keys, call.headers, call.body)
+        if call.scores_prompt and reason == "short_prompt":
+            reason = "scores_prompt"
+        if self.traffic.full_until:
+            now = time.monotonic()
+            ordered.sort(key=lambda c: self.traffic.full(c.name, now))
+        self.metrics.decisions.labels(self.policy_name, reason).inc()
+        # The engine serves at most len - 1 prompt tokens from its cache (the last one is always
+        # computed, for logits): a prompt of whole blocks, all matched, has its last block recomputed.
+        bs = self.block_size
+        call.predicted = min(ordered[0].matched_blocks, max(len(call.tokens) - 1, 0) // bs) * bs
+        call.ordered, call.reason = ordered, reason
+
+    async def decide(self, pods: list[Pod], keys: list[int], headers: dict[str, str],
+                     body: bytes) -> tuple[list[Candidate], str]:
+        """The routing policy's order of `pods` (best first) and its reason (router/policies)."""
+        inflight = self.traffic.inflight
+        cands = [Candidate(p.name, p.url, p.kv_usage, max(p.load, inflight.get(p.name, 0))) for p in pods]
+        # Ties break on the prompt's last full block: prompts that share only a system prompt
+        # spread over the pods, and every router still picks the same pod for the same prompt.
+        tie = keys[-1].to_bytes(8, "little") if keys else body[:512]
+        return await self.policy.order(RouteRequest(cands, keys, headers, tie,
+                                                    lambda: self.prefix_match.match(pods, keys)))
