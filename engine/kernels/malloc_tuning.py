@@ -4,7 +4,7 @@ A prefill step allocates activations of tens of MB per layer (the MLP's gate/up
 output at a full step's tokens) and frees them a moment later. With glibc's
 defaults such blocks are mmap'ed and unmapped, or trimmed off the heap top, so
 every step faults the same memory in again (what that costs, measured:
-docs/engine.md, "The CPU fast path"). vLLM's CPU guide answers this by
+docs/performance.md, "What each CPU part buys"). vLLM's CPU guide answers this by
 preloading tcmalloc; this does the same job in-process: blocks up to 32 MiB
 come from the heap, and up to 1 GiB of freed heap stays mapped for reuse.
 

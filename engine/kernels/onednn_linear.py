@@ -2,8 +2,8 @@
 
 torch's fp32 `F.linear` on CPU goes to MKL's sgemm, which repacks the weight on
 every call; oneDNN's matmul on a weight reordered once into its blocked layout
-does not, and is faster at decode and prefill sizes (figures: docs/engine.md,
-"The CPU fast path"). So after the weights are loaded every projection and the
+does not, and is faster at decode and prefill sizes (figures: docs/performance.md,
+"What each CPU part buys"). So after the weights are loaded every projection and the
 LM head are swapped for this module.
 
 `KVMESH_ONEDNN=0` keeps plain `F.linear`.

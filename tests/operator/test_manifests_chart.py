@@ -527,7 +527,7 @@ def test_dashboard_uses_only_metrics_the_code_exports():
             used.setdefault(name, where)
     unknown = {n: w for n, w in used.items() if n not in exported}
     assert not unknown, f"the dashboard queries metrics that no kvmesh code exports: {unknown}"
-    # What issue 11 asks the dashboard to show, by the metrics that carry it.
+    # What the dashboard must show, by the metrics that carry it.
     wanted = {
         "TTFT": "vllm:time_to_first_token_seconds_bucket",
         "ITL": "vllm:inter_token_latency_seconds_bucket",
