@@ -81,7 +81,10 @@ class ChatHandler(GenerationHandler):
         """Choice ``c``'s tool parser (its own: a stream's parsers keep state), or None."""
         if c.index not in self._parsers:
             plan = self.tool_plan
-            self._parsers[c.index] = plan.parser(self.auto_parser) if plan is not None else None
+            parser = plan.parser(self.auto_parser) if plan is not None else None
+            if parser is not None and c.resumed:  # a continuation: first read what the client has, silently
+                parser.feed(self.engine.tokenizer.decode(c.resumed, skip_special_tokens=c.params.skip_special_tokens))
+            self._parsers[c.index] = parser
         return self._parsers[c.index]
 
     @staticmethod

@@ -231,3 +231,37 @@ def test_a_model_deployment_passes_the_tool_flags_to_serve():
     assert argv[:2] == ["kvmesh", "serve"]
     args = parser.parse_args(argv[2:])
     assert args.enable_auto_tool_choice and args.tool_call_parser == "llama3_json"
+
+
+def test_a_resumed_tool_call_stream_continues_the_calls(server):
+    """The router's mid-stream resume: the continuation's parser first reads the ids the client has, so
+    the client's deltas (the first k tokens' chunks, then the continuation's) are the whole stream's."""
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "temperature": 0,
+            "max_tokens": 100, "return_token_ids": True, "stream": True}
+
+    def chunks_of(body):
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            return [json.loads(line[6:]) for line in r.iter_lines()
+                    if line.startswith("data: ") and line != "data: [DONE]"]
+
+    def calls_of(choices):
+        calls = {}
+        for c in choices:
+            for tc in c["delta"].get("tool_calls", []):
+                call = calls.setdefault(tc["index"], {"name": None, "arguments": ""})
+                if "id" in tc:
+                    assert call["name"] is None, "a call is named once"
+                    call["name"] = tc["function"]["name"]
+                call["arguments"] += tc["function"].get("arguments", "")
+        return [calls[i] for i in sorted(calls)]
+
+    whole = [ch["choices"][0] for ch in chunks_of(body) if ch["choices"] and "role" not in ch["choices"][0]["delta"]]
+    ids = [t for c in whole for t in c["token_ids"]]
+    want = calls_of(whole)
+    assert len(want) >= 1 and whole[-1]["finish_reason"] == "tool_calls"
+    for k in (2, len(ids) // 2, len(ids) - 2):
+        n = next(i + 1 for i in range(len(whole)) if len([t for c in whole[:i + 1] for t in c["token_ids"]]) >= k)
+        cont = [ch["choices"][0] for ch in chunks_of({**body, "resume": {"output_token_ids": ids[:k]}}) if ch["choices"]]
+        assert calls_of(whole[:n] + cont) == want, k
+        assert cont[-1]["finish_reason"] == "tool_calls"
