@@ -156,6 +156,8 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
     ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+      "tool_choice": "required"}, "tools"),  # a parameters schema the grammar backend cannot compile
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"choice": ["a"]}}, "tool_choice"),
     ({"messages": ASK + [{"role": "assistant", "tool_calls": [
