@@ -267,3 +267,11 @@ def test_a_resumed_tool_call_stream_continues_the_calls(server):
         cont = [ch["choices"][0] for ch in chunks_of({**body, "resume": {"output_token_ids": ids[:k]}}) if ch["choices"]]
         assert calls_of(whole[:n] + cont) == want, k
         assert cont[-1]["finish_reason"] == "tool_calls"
+
+
+def test_calls_cut_by_max_tokens_keep_finish_reason_length(client):
+    resp = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                          max_tokens=3)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.tool_calls and choice.message.content, "an unfinished call is returned as text"
