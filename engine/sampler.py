@@ -16,6 +16,7 @@ replica. Nothing per request is kept between steps.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,13 +45,19 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+@functools.lru_cache(maxsize=4096)
+def _seed_key(seed: int) -> int:
+    return _mix64((seed + _GOLDEN64) & _MASK64)
+
+
 def seeded_uniform(seed: int, position: int, stream: int = 0) -> float:
     """A uniform in [0, 1) (53 random bits) that depends on (seed, position, stream) alone: the
     draw of a seeded request for its output token ``position`` (``stream`` tells apart draws for
     the same position, e.g. speculative decoding's accept test from its sample)."""
-    key = _mix64((seed + _GOLDEN64) & _MASK64)
-    x = _mix64((key + (position * 2 + 1) * _GOLDEN64 + stream * 0xD1B54A32D192ED03) & _MASK64)
-    return (x >> 11) * (1.0 / (1 << 53))
+    x = (_seed_key(seed) + (position * 2 + 1) * _GOLDEN64 + stream * 0xD1B54A32D192ED03) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64  # _mix64, inlined: it runs per row and step
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((x ^ (x >> 31)) >> 11) * (1.0 / (1 << 53))
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -154,19 +161,22 @@ class Sampler:
         rows share one draw from the engine's generator."""
         at = [i for i in range(len(requests)) if wanted is None or wanted[i]]
         seeded = [i for i in at if requests[i].sampling_params.seed is not None]
+        values = None
+        if seeded:
+            values = to_device([seeded_uniform(requests[i].sampling_params.seed,
+                                               positions[i] if positions is not None else requests[i].num_output_tokens,
+                                               stream) for i in seeded], torch.float64, device)
+            if len(seeded) == len(requests):
+                return values
         shared = [i for i in at if requests[i].sampling_params.seed is None] if seeded else at
+        if len(shared) == len(requests):
+            return torch.rand(len(shared), generator=self.generator, device=device, dtype=torch.float64)
         out = torch.zeros(len(requests), dtype=torch.float64, device=device)
         if shared:
-            draws = torch.rand(len(shared), generator=self.generator, device=device, dtype=torch.float64)
-            if len(shared) == len(requests):
-                out = draws
-            else:
-                out[to_device(shared, torch.long, device)] = draws
+            out[to_device(shared, torch.long, device)] = torch.rand(len(shared), generator=self.generator,
+                                                                    device=device, dtype=torch.float64)
         if seeded:
-            values = [seeded_uniform(requests[i].sampling_params.seed,
-                                     positions[i] if positions is not None else requests[i].num_output_tokens,
-                                     stream) for i in seeded]
-            out[to_device(seeded, torch.long, device)] = to_device(values, torch.float64, device)
+            out[to_device(seeded, torch.long, device)] = values
         return out
 
     def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
