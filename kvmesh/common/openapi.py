@@ -109,6 +109,11 @@ def request_schemas(model: str | None = None, vocab_size: int | None = None) -> 
         "skip_special_tokens": _BOOL,
         "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS}),
         "prompt_logprobs": _int(0, MAX_LOGPROBS, description="top-N logprobs of every prompt token"),
+        "return_token_ids": {**_BOOL, "description": "vLLM's: the prompt's token ids and each choice's generated "
+                                                     "ids in the response (per chunk when streaming)"},
+        "resume": _nullable({**_obj(["output_token_ids"], {"output_token_ids": _token_ids(vocab_size, 1)}),
+                             "description": "internal router -> engine extension (docs/engine-server.md): "
+                                            "continue this request after the ids its client already got; n 1"}),
         **_STRUCTURED_FIELDS,
         # Not supported, and refused (400 naming the field) when they ask for something: the
         # schema allows only their "off" values.
@@ -238,12 +243,14 @@ _CHAT_LOGPROBS = _nullable(_obj(["content"], {"content": {"type": "array", "item
     "properties": {**_TOP["properties"], "top_logprobs": {"type": "array", "items": _TOP}}}}}))
 _PROMPT_LOGPROBS = {"type": "array", "items": _nullable({"type": "object", "additionalProperties": _obj(
     ["logprob", "rank"], {"logprob": _LOGPROB, "rank": _int(1, nullable=False), "decoded_token": _STR})})}
+_IDS = {"type": "array", "items": _int(0, nullable=False)}  # return_token_ids
 
 
 def _completion(chunk: bool) -> dict[str, Any]:
     choice = _obj(["index", "text", "finish_reason"], {
         "index": _int(0, nullable=False), "text": _STR, "logprobs": _COMPLETION_LOGPROBS,
-        "finish_reason": _FINISH, "stop_reason": _STOP_REASON, "prompt_logprobs": _PROMPT_LOGPROBS})
+        "finish_reason": _FINISH, "stop_reason": _STOP_REASON, "prompt_logprobs": _PROMPT_LOGPROBS,
+        "token_ids": _IDS, "prompt_token_ids": _IDS})
     return _obj(["id", "object", "created", "model", "choices"] + ([] if chunk else ["usage"]), {
         "id": _STR, "object": {"const": "text_completion"}, "created": _int(0, nullable=False), "model": _STR,
         "choices": {"type": "array", "items": choice},
@@ -266,10 +273,11 @@ def _chat(chunk: bool) -> dict[str, Any]:
                                                       "tool_calls": {"type": "array", "items": _TOOL_CALL}})}
     choice = _obj(["index", *body, "finish_reason"], {
         "index": _int(0, nullable=False), **body, "logprobs": _CHAT_LOGPROBS, "finish_reason": _FINISH,
-        "stop_reason": _STOP_REASON, "prompt_logprobs": _PROMPT_LOGPROBS})
+        "stop_reason": _STOP_REASON, "prompt_logprobs": _PROMPT_LOGPROBS, "token_ids": _IDS})
     return _obj(["id", "object", "created", "model", "choices"] + ([] if chunk else ["usage"]), {
         "id": _STR, "object": {"const": "chat.completion.chunk" if chunk else "chat.completion"},
         "created": _int(0, nullable=False), "model": _STR, "choices": {"type": "array", "items": choice},
+        "prompt_token_ids": _IDS,
         "usage": _nullable(_ref("Usage")) if chunk else _ref("Usage")})
 
 
