@@ -176,3 +176,20 @@ def test_seeded_tokens_are_the_same_with_async_scheduling_and_resumed_there(llm,
     assert async_whole.token_ids == whole.token_ids
     cont, _ = run(ahead, params, resume=whole.token_ids[:5])
     assert whole.token_ids[:5] + cont.token_ids == whole.token_ids
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=3)])
+def test_a_constrained_request_resumes_under_its_grammar(llm, sampling):
+    """Structured outputs: the continuation's matcher starts past the resumed ids (it is synced to
+    the output), so the output goes on under the grammar exactly as uninterrupted."""
+    from kvmesh.engine.structured.params import StructuredOutputsParams
+
+    params = SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(regex="(ab|cd)[a-z]{6,9}!"),
+                            **sampling)
+    whole, _ = run(llm, params)
+    ids = whole.token_ids
+    assert whole.finish_reason == "stop" and whole.text.endswith("!") and len(ids) >= 4
+    for k in (1, 3, len(ids) - 1):
+        cont, _ = run(llm, params, resume=ids[:k])
+        assert ids[:k] + cont.token_ids == ids, k
+        assert cont.finish_reason == "stop"
