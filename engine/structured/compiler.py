@@ -37,10 +37,12 @@ def compile_spec(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams)
         if kind == "regex":
             return compiler.compile_regex(spec)
         if kind == "choice":
-            # Each choice a quoted EBNF literal: JSON string escaping is what GBNF literals take.
-            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
+            # Each choice a quoted EBNF literal: JSON string escaping is what GBNF literals take, with
+            # non-ASCII characters as they are (a \ud83d\ude00 surrogate pair is not one GBNF character).
+            return compiler.compile_grammar(
+                "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice))
         return compiler.compile_grammar(spec)
-    except (RuntimeError, ValueError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever the backend raises, the client's spec is at fault
         text = str(exc).strip()
         # xgrammar prefixes "[hh:mm:ss] file.cc:line: " to its messages: the client needs the rest.
         reason = re.sub(r"^\[[^\]]*\]\s+\S+:\d+:\s*", "", text.splitlines()[0]) if text else type(exc).__name__

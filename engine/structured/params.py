@@ -39,7 +39,7 @@ class StructuredOutputsParams:
                     raise InvalidParameter(where, f"{where} is not valid JSON: {exc}") from None
             else:
                 schema = self.json
-            if not isinstance(schema, (dict, bool)):
+            if not isinstance(schema, dict):  # a boolean schema constrains nothing useful
                 raise InvalidParameter(where, f"{where} must be a JSON schema (an object)")
         elif kind in ("regex", "grammar"):
             value = getattr(self, kind)

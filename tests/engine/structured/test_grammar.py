@@ -176,3 +176,13 @@ def test_padded_vocabulary_columns_are_masked(tokenizer, tokenizer_info):
     assert torch.isinf(logits[0, vocab:]).all() and torch.isfinite(logits[1]).all()
     allowed = torch.isfinite(logits[0]).nonzero()[:, 0].tolist()
     assert allowed and all(any(c.startswith(tokenizer.decode([t])) for c in CHOICES) for t in allowed)
+
+
+def test_choices_with_escapes_and_non_ascii_text(tokenizer, tokenizer_info):
+    cache = GrammarCache(tokenizer_info)
+    choices = ["smile 😀", 'say "hi"\n', "back\\slash", "é"]
+    compiled = cache.compile_now(SOP(choice=choices))
+    for text in choices:
+        state = StructuredState(compiled, eos_token_ids=[tokenizer.eos_token_id])
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert state.accept(ids + [tokenizer.eos_token_id]) == len(ids) + 1 and state.finished, text
