@@ -193,3 +193,20 @@ def test_a_constrained_request_resumes_under_its_grammar(llm, sampling):
         cont, _ = run(llm, params, resume=ids[:k])
         assert ids[:k] + cont.token_ids == ids, k
         assert cont.finish_reason == "stop"
+
+
+def test_a_step_scheduled_ahead_carries_the_output_positions_it_samples(tiny_llama_dir):
+    """Async scheduling: step N+1 is prepared before step N's token is known, so the request's
+    output length is behind at that point; the rows carry the position each draw is for."""
+    ahead = LLM(tiny_llama_dir, num_kv_blocks=128, async_scheduling=True)
+    core = ahead.engine.core
+    ahead.engine.add_request(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=2, ignore_eos=True))
+    seen = []
+    for _ in range(3):
+        core.step()
+        seen.append(core._in_flight[-1].prepared.sample_positions if core._in_flight else None)
+    assert seen[:3] == [[0], [1], [2]]
+    req = next(iter(core.scheduler.requests.values()))
+    assert req.num_output_tokens < 3  # the last step's position was ahead of the known output
+    while ahead.engine.has_unfinished_requests():
+        ahead.engine.step()
