@@ -35,10 +35,16 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, cache_salt: str | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, cache_salt: str | None = None,
+                 resume_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+        """``resume_token_ids``: per prompt, the output a continuation starts after (generated
+        before, elsewhere; n must be 1): its outputs hold what follows them only."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt (text or token ids)
         prompts = list(prompts)
+        resumed = list(resume_token_ids) if resume_token_ids is not None else [None] * len(prompts)
+        if len(resumed) != len(prompts):
+            raise ValueError(f"{len(resumed)} resume_token_ids lists for {len(prompts)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -47,16 +53,19 @@ class LLM:
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         # Validate every prompt before any is queued: nothing half-submitted on bad input.
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
-        for (_, ids), sp in zip(tokenized, params):
+        for (_, ids), sp, done in zip(tokenized, params, resumed):
             self.engine.core.validate_prompt(ids)
             self.engine.core.validate_params(sp)
+            if done is not None:
+                self.engine.core.limits.validate_resume(ids, done, sp)
             self.engine.core.check_structured(sp)  # a spec the backend refuses: before anything runs
         order: dict[str, tuple[int, int]] = {}  # engine request -> (prompt, sample)
         for i, ((text, ids), sp) in enumerate(zip(tokenized, params)):
             for j in range(sp.n):
                 # n samples of a prompt: n requests (the later ones hit the first's prompt blocks)
                 rid = self.engine.add_request(text if text is not None else ids, sp.sample(j),
-                                              cache_salt=cache_salt, prompt_token_ids=ids)
+                                              cache_salt=cache_salt, prompt_token_ids=ids,
+                                              resume_token_ids=resumed[i])
                 order[rid] = (i, j)
         return self._run(order, len(prompts), use_tqdm)
 

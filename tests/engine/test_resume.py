@@ -210,3 +210,14 @@ def test_a_step_scheduled_ahead_carries_the_output_positions_it_samples(tiny_lla
     assert req.num_output_tokens < 3  # the last step's position was ahead of the known output
     while ahead.engine.has_unfinished_requests():
         ahead.engine.step()
+
+
+def test_llm_generate_resumes_each_prompt_after_its_ids(llm):
+    prompts = random_prompts(2, 6, 10, seed=8)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=4, ignore_eos=True)
+    whole = [o.token_ids for o in llm.generate(prompts, params)]
+    cont = llm.generate(prompts, params, resume_token_ids=[whole[0][:3], whole[1][:7]])
+    assert [whole[0][:3] + cont[0].token_ids, whole[1][:7] + cont[1].token_ids] == whole
+    with pytest.raises(InvalidParameter) as err:  # checked before anything is queued
+        llm.generate(prompts, params, resume_token_ids=[whole[0][:3], whole[1]])
+    assert err.value.param == RESUME_PARAM and not llm.engine.has_unfinished_requests()
