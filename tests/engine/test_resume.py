@@ -221,3 +221,21 @@ def test_llm_generate_resumes_each_prompt_after_its_ids(llm):
     with pytest.raises(InvalidParameter) as err:  # checked before anything is queued
         llm.generate(prompts, params, resume_token_ids=[whole[0][:3], whole[1]])
     assert err.value.param == RESUME_PARAM and not llm.engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def real(smollm2_dir):
+    return LLM(smollm2_dir, num_kv_blocks=64)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=17)])
+def test_the_builtin_model_resumes_a_chat_answer(real, sampling):
+    """The real tokenizer and weights: a chat answer continued from any point is the same answer."""
+    prompt = real.engine.apply_chat_template([{"role": "user", "content": "Name three fruits, then say ¡adiós!"}])
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop=["\n\n\n"], **sampling)
+    whole, deltas = run(real, params, prompt=prompt)
+    ids = whole.token_ids
+    for k in (1, 6, len(ids) - 1):
+        cont, _ = run(real, params, resume=ids[:k], prompt=prompt)
+        assert ids[:k] + cont.token_ids == ids, k
+        assert streamed_text(deltas, k) + cont.text == whole.text, k
