@@ -1,9 +1,12 @@
 """The batched next-token mask: one int32 bitmask row per constrained request, filled on the host
-by the matchers and applied to the logits in one call (xgrammar's kernels: torch on the CPU,
-Triton/CUDA on the GPU). Unconstrained rows are left alone."""
+by the matchers and applied to the logits in one call (float32 logits on the CPU: numpy; otherwise
+xgrammar's kernels, CUDA/Triton on the GPU). Unconstrained rows are left alone."""
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -29,13 +32,29 @@ def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_si
     tokenizer's vocabulary (a model's padded embedding) are never allowed on those rows."""
     if not rows:
         return
-    if bitmask.device != logits.device:
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(vocab_size, logits.shape[-1]),
-                                    indices=rows)
+    width = min(vocab_size, logits.shape[-1])
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and sys.byteorder == "little":
+        apply_numpy(logits, bitmask, rows, width)
+    else:
+        if bitmask.device != logits.device:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
     if logits.shape[-1] > vocab_size:
         index = torch.tensor(rows, device=logits.device)
         logits[index, vocab_size:] = float("-inf")
+
+
+def apply_numpy(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], width: int) -> None:
+    """The CPU apply: the rows' bits unpacked in one call, then one masked copy per row; about 7x
+    faster than xgrammar's CPU kernel at a 49k vocabulary (docs/structured-outputs.md). Token t is
+    bit t % 32 of word t // 32, so on a little-endian host it is bit t % 8 of byte t // 8."""
+    bits = np.unpackbits(bitmask.numpy()[rows].view(np.uint8), axis=-1, count=width, bitorder="little")
+    out = logits.numpy()
+    for i, row in enumerate(rows):
+        np.copyto(out[row, :width], _NEG_INF, where=bits[i] == 0)
+
+
+_NEG_INF = np.float32(-np.inf)
 
 
 def for_step(plain: list, spec_rows: list, vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:

@@ -186,3 +186,19 @@ def test_choices_with_escapes_and_non_ascii_text(tokenizer, tokenizer_info):
         state = StructuredState(compiled, eos_token_ids=[tokenizer.eos_token_id])
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert state.accept(ids + [tokenizer.eos_token_id]) == len(ids) + 1 and state.finished, text
+
+
+@pytest.mark.parametrize("rows", [[0, 2, 3], [1], [0, 1, 2, 3]])
+def test_cpu_apply_matches_xgrammars_kernel(rows):
+    import xgrammar as xgr
+
+    vocab = 1000
+    gen = torch.Generator().manual_seed(len(rows))
+    mask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(4, vocab + 24, generator=gen)
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, mask, vocab_size=vocab, indices=rows)
+    expected[rows, vocab:] = float("-inf")
+    bitmask.apply(logits, mask, rows, vocab)
+    assert torch.equal(logits, expected)  # the numpy path, token for token what xgrammar's kernel does
+    assert torch.isinf(logits[rows, :vocab]).any() and torch.isfinite(logits[rows, :vocab]).any()
