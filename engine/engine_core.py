@@ -463,7 +463,7 @@ class EngineCore:
         the first one the matcher refuses (verification then masks each draft row as well)."""
         for req in self.scheduler.running:
             if req.spec_token_ids and req.structured is not None:
-                state = req.structured.synced(req.output_token_ids)
+                state = req.structured.synced(req)
                 req.spec_token_ids = req.spec_token_ids[:state.validate(req.spec_token_ids)]
 
     def _outputs(self, sched: SchedulerOutput, sampled: dict, logprobs: dict, prompt_lps: dict,

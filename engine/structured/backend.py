@@ -105,10 +105,10 @@ class RequestGrammar:
         """The output is complete under the grammar (its stop token accepted), or cannot go on."""
         return self.refused or (self.state is not None and self.state.finished)
 
-    def synced(self, output_token_ids: list[int]) -> StructuredState:
-        """The matcher state, rebuilt from the outputs if it does not stand at their end (a path
-        that rewound the outputs)."""
+    def synced(self, request) -> StructuredState:
+        """The matcher state, rebuilt from the request's outputs if it does not stand at their end
+        (outputs it never saw: a resumed stream's)."""
         state = self.state
-        if state.num_accepted != len(output_token_ids) and not self.refused:
-            state.reset(output_token_ids)
+        if state.num_accepted != request.num_output_tokens and not self.refused:
+            state.reset(request.output_token_ids)
         return state

@@ -68,12 +68,12 @@ def for_step(plain: list, spec_rows: list, vocab_size: int) -> tuple[torch.Tenso
     rows = []
     for i, req in enumerate(plain):
         if req.structured is not None:
-            req.structured.synced(req.output_token_ids).fill_bitmask(mask, i)
+            req.structured.synced(req).fill_bitmask(mask, i)
             rows.append(i)
     at = len(plain)
     for req, drafts in spec_rows:
         if req.structured is not None:
-            state = req.structured.synced(req.output_token_ids)
+            state = req.structured.synced(req)
             walked = 0
             for j in range(len(drafts) + 1):
                 state.fill_bitmask(mask, at + j)

@@ -237,3 +237,18 @@ def test_async_scheduling_steps_constrained_requests_synchronously(llm, tiny_lla
     plain = overlapped.generate(prompts[2:], [params(max_tokens=8)])[0]  # none constrained: async again
     assert plain.outputs[0].token_ids == sync[2].outputs[0].token_ids[:8]
     assert overlapped.engine.core.num_async_steps > 0
+
+
+def test_resumed_output_rebuilds_the_matcher(llm):
+    """A continuation (mid-stream resume) arrives with output the matcher never saw: it is replayed
+    into the matcher, and the continuation is what the uninterrupted run wrote; output the grammar
+    refuses fails that request alone."""
+    core, tok = llm.engine.core, llm.engine.tokenizer
+    ids = tok.encode(PROMPTS[2])
+    whole = llm.generate([ids], params("json"))[0].outputs[0].token_ids
+    core.add_request("resumed", ids, params("json"), resumed_token_ids=list(whole[:5]))
+    core.add_request("off-grammar", ids, params("json"), resumed_token_ids=tok.encode("hello", add_special_tokens=False))
+    core.add_request("plain", ids, params(max_tokens=4))
+    done = _run(core, ["resumed", "off-grammar", "plain"])
+    assert done["resumed"][0] == "stop" and list(whole[:5]) + done["resumed"][1] == list(whole)
+    assert done["off-grammar"][0] == "error" and done["plain"][0] == "length"
