@@ -4,7 +4,7 @@ streams and more requests, on loopback with stub engines (no model needed).
 
 chaos     two engines (separate processes, each with its sidecar process) behind a router
           process and a real redis-server; streams in flight while one engine is SIGKILLed
-          (then restarted), Redis is SIGKILLed and restarted empty (at once, then after an
+          (then restarted: the requests on it go on with the other engine, router/resume.py), Redis is SIGKILLed and restarted empty (at once, then after an
           outage), and the router restarts (SIGTERM, new process on the same port).
 overload  each admission limit driven at --factor x its capacity: the engines' queues
           (--max-num-seqs + --max-waiting), the router's per-key --rate-limit-rpm, and its
@@ -17,6 +17,7 @@ restarts  `kvmesh up` (--up-engine: the built-in model by default, `stub`, or a 
 
     python bench/chaos.py                 # all three
     python bench/chaos.py chaos --workers 24
+    python bench/chaos.py chaos --max-resumes 0   # the router without resuming, for comparison
     python bench/chaos.py overload --seconds 30
     python bench/chaos.py restarts --up-engine stub
 
@@ -41,11 +42,16 @@ def chaos(args: argparse.Namespace) -> list[str]:
     cfg = ChaosConfig(workers=args.workers, families=args.families, requests_after_fault=args.requests_after_fault,
                       deadline=args.deadline,
                       mesh=MeshConfig(engines=args.engines, response_tokens=args.response_tokens,
-                                      token_delay=args.token_delay))
+                                      token_delay=args.token_delay,
+                                      router_args=[] if args.max_resumes is None else
+                                      ["--max-resumes", str(args.max_resumes)]))
     rep = asyncio.run(run_chaos(cfg))
     keys = ", ".join(f"{f.keys_restored}/{f.keys_expected} ({f.name})" for f in rep.redis)
     print(f"chaos: {args.engines} engines, {args.workers} clients, streams of up to {args.response_tokens} tokens "
           f"{args.token_delay * 1000:.0f} ms apart")
+    resumed = sum(r.ok for r in rep.in_flight_on_killed)
+    print(f"  requests in flight on the killed engine {len(rep.in_flight_on_killed)}, completed by another "
+          f"replica {resumed} (router/resume.py)")
     print(f"  requests sent {rep.sent}, completed {rep.completed}, lost {len(rep.lost)} (on the killed engine "
           f"{len(rep.lost_on_killed)}), failed after the fault {len(rep.failed_after_fault)}, keys restored {keys}, "
           f"hung {len(rep.hangs)}, silently truncated {len(rep.truncated)}")
@@ -96,6 +102,8 @@ def main() -> int:
     c.add_argument("--requests-after-fault", type=int, default=48)
     c.add_argument("--response-tokens", type=int, default=32)
     c.add_argument("--token-delay", type=float, default=0.03)
+    c.add_argument("--max-resumes", type=int, default=None,
+                   help="the router's --max-resumes (0: the requests on the killed engine are not resumed)")
     o = p.add_argument_group("overload")
     o.add_argument("--factor", type=int, default=4)
     o.add_argument("--seconds", type=float, default=15.0, help="longest time over the engines' capacity")

@@ -9,6 +9,7 @@ from kvmesh.router.auth import KeyInfo
 from kvmesh.router.scoring import Candidate
 
 if TYPE_CHECKING:
+    from kvmesh.router.client_stream import ClientStream
     from kvmesh.router.hold_queue import Held
 
 
@@ -36,6 +37,9 @@ class Call:
     ordered: list[Candidate] = field(default_factory=list)  # the pods to try, best first
     reason: str | None = None  # the routing decision's reason
     predicted: int = 0  # prompt tokens the chosen pod should serve from its cache
+    resumable: bool = False  # may go on with another replica if its engine fails (router/resume.py)
+    stream: ClientStream | None = None  # a resumable stream's client side
+    resumes: int = 0  # times it went on with another replica
 
     @property
     def tpm(self) -> float | None:

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-limit-tpm", type=float, default=None, help="default tokens/minute per key")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-retries", type=int, default=2)
+    p.add_argument("--max-resumes", type=int, default=2,
+                   help="times a request whose engine failed after it was sent (mid-stream, or before answering) "
+                        "goes on with another replica; 0: never (the client gets the error)")
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--read-timeout", type=float, default=300.0, help="longest silence from an engine")
     p.add_argument("--request-timeout", type=float, default=None, help="longest whole request (default none)")
@@ -88,6 +91,8 @@ def config_from_args(args: argparse.Namespace):
         StaticEndpoints(static_backends)
     except ValueError as exc:
         raise SystemExit(f"kvmesh router: --static-backends: {exc}") from None
+    if args.max_resumes < 0:
+        raise SystemExit("kvmesh router: --max-resumes must be >= 0")
     if not args.redis_stale_after > 0:
         raise SystemExit("kvmesh router: --redis-stale-after must be > 0")
     from kvmesh.router.scoring import check_hotspot_params
@@ -103,6 +108,7 @@ def config_from_args(args: argparse.Namespace):
         policy=args.policy, weights=Weights.parse(args.weights), block_size=args.block_size,
         api_keys=api_keys, rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm, max_body_bytes=args.max_body_bytes, max_retries=args.max_retries,
+        max_resumes=args.max_resumes,
         connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, request_timeout=args.request_timeout,
         eject_after=args.eject_after, eject_seconds=args.eject_seconds, hot_ratio=args.hotspot_ratio,
         hot_min=args.hotspot_min_load, session_header=args.session_header, redis_timeout=args.redis_timeout,

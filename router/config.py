@@ -47,6 +47,7 @@ class RouterConfig:
     max_pending_requests: int = 256
     scale_from_zero_timeout: float = 300.0
     vocab_size: int | None = None  # token ids must be below it (default: the model's config.json)
+    max_resumes: int = 2  # times a request whose engine failed goes on with another replica (0: never)
 
     @property
     def holds(self) -> bool:

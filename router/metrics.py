@@ -72,6 +72,19 @@ class RouterMetrics:
                                        "Unexpected exceptions caught at the ASGI boundary", registry=r)
         self.tokenize = Histogram("kvmesh_router_tokenize_seconds", "Prompt tokenization and block keys",
                                   buckets=LAT_BUCKETS, registry=r)
+        # streams that survive their replica (router/resume.py)
+        self.resumed = Counter("kvmesh_router_resumed_requests",
+                               "Requests sent on to another replica after their engine failed, by where it failed: "
+                               "mid_stream, before_response (sent, no answer), body", ["phase"], registry=r)
+        self.resume_seconds = Histogram("kvmesh_router_resume_seconds",
+                                        "From an engine's failure to the continuation's first event (a stream) "
+                                        "or its answer", buckets=LAT_BUCKETS, registry=r)
+        self.resumed_tokens = Counter("kvmesh_router_resumed_tokens",
+                                      "Tokens continuations re-prefill: the prompt and the ids already generated",
+                                      registry=r)
+        self.resume_given_up = Counter("kvmesh_router_resume_given_up",
+                                       "Engine failures not resumed, by reason: limit, no_replica, refused, "
+                                       "no_token_ids, shutdown", ["reason"], registry=r)
         # scale from zero
         self.held = Gauge("kvmesh_router_held_requests",
                           "Requests held because no replica is routable (scale from zero)", registry=r)

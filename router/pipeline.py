@@ -1,8 +1,10 @@
-"""One generation (or tokenize) request from its first byte to its settlement: admit -> route -> proxy -> settle.
+"""One generation (or tokenize) request from its first byte to its settlement: admit -> route -> proxy (-> resume) -> settle.
 
 A stage that refuses the request raises :class:`Refused`: answered here with an OpenAI error,
 counted by route and status (a refusal after admission refunds the rate-limit charge). A client
 gone before its answer ends the pipeline with nothing sent, and cancels the upstream request.
+An engine that fails after the request reached it: the request goes on with another replica
+(router/resume.py), at most `max_resumes` times.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+from kvmesh.router import resume
 from kvmesh.router.admission import Admission
 from kvmesh.router.auth import RateLimiter
 from kvmesh.router.call import Call
+from kvmesh.router.client_stream import ClientStream
 from kvmesh.router.drain import Drain
 from kvmesh.router.metrics import RouterMetrics, status_label
 from kvmesh.router.off_loop import OFF_LOOP_BODY_BYTES, off_loop
@@ -25,7 +29,8 @@ from kvmesh.router.settle import settle
 
 class Pipeline:
     def __init__(self, admission: Admission, routing: Routing, proxy: Proxy, limiter: RateLimiter,
-                 metrics: RouterMetrics, drain: Drain, policy: str, holds: bool, hold_bound_s: float):
+                 metrics: RouterMetrics, drain: Drain, policy: str, holds: bool, hold_bound_s: float,
+                 max_resumes: int):
         self.admission = admission
         self.routing = routing
         self.proxy = proxy
@@ -35,6 +40,7 @@ class Pipeline:
         self.policy = policy
         self.holds = holds  # scale from zero is on
         self.hold_bound_s = hold_bound_s  # how long a request that reached no engine is routed again
+        self.max_resumes = max_resumes
 
     async def handle(self, scope, receive, send) -> None:
         call = self.admission.begin(scope)
@@ -57,7 +63,10 @@ class Pipeline:
             except Refused as r:
                 self.admission.refund(call)  # never reached an engine
                 return await self._refuse(send, call, r)
+            self._resumable(call, send)
             out = await self._proxy_rerouting(call, send, watcher)
+            if out is not None and out.broken is not None:
+                out = await self._resume(call, send, watcher, out)
         finally:
             watcher.cancel()
             if call.held is not None:
@@ -97,10 +106,91 @@ class Pipeline:
                 return None
             await self.routing.order(call, pods)
 
-    async def _proxy(self, call: Call, send, watcher: asyncio.Future, answer_unreached: bool) -> Outcome:
+    def _resumable(self, call: Call, send) -> None:
+        call.resumable = resume.resumable(call, self.max_resumes)
+        if call.resumable and call.req.get("stream") is True:
+            call.stream = ClientStream(send, resume.wants_ids(call.req), call.path == "/v1/chat/completions")
+            call.stream.on_resumed = self.metrics.resume_seconds.observe
+
+    async def _resume(self, call: Call, send, watcher: asyncio.Future, out: Outcome) -> Outcome | None:
+        """While the engine failed after the request reached it: go on with another replica (the
+        policy's order, minus the pods that failed it), at most max_resumes times. Then, or with
+        no replica left, the client gets the failure as it would have without resuming."""
+        failed = {out.broken.pod}
+        while out.broken is not None:
+            given_up = self._cannot_resume(call, out)
+            if given_up is not None:
+                self.metrics.resume_given_up.labels(given_up).inc()
+                return await self.proxy.answer_broken(send, out, call.stream)
+            ended = await self._ended_already(call, out)
+            if ended is not None:
+                return ended
+            pods = self.routing.resume_pods(failed)
+            if not pods:
+                self.metrics.resume_given_up.labels("no_replica").inc()
+                return await self.proxy.answer_broken(send, out, call.stream)
+            await self.routing.order(call, pods)
+            new = await self._continue(call, send, watcher, out)
+            if new.error == UNREACHED:  # no pod took the connection: the same failure, those pods out too
+                failed.update(c.name for c in call.ordered)
+                out.attempts = new.attempts + out.attempts
+                continue
+            failed.add(new.pod)
+            new.attempts += out.attempts
+            out = new
+        return out
+
+    def _cannot_resume(self, call: Call, out: Outcome) -> str | None:
+        stream = call.stream
+        if out.broken.hopeless:
+            return "refused"
+        if self.drain.cutting:
+            return "shutdown"
+        if call.resumes >= self.max_resumes:
+            return "limit"
+        if stream is not None and stream.events_out and not stream.engine_sends_ids:
+            return "no_token_ids"  # the engine does not say what it generated: nothing to go on from
+        return None
+
+    async def _ended_already(self, call: Call, out: Outcome) -> Outcome | None:
+        """A stream whose engine failed once its output was complete (a finish reason out, or the
+        whole budget generated) is ended here, as the engine would have ended it."""
+        stream = call.stream
+        if stream is None or not stream.engine_sends_ids:
+            return None
+        budget = resume.max_tokens(call.req, stream.chat)
+        if stream.finished or (budget is not None and len(stream.output_ids) >= budget):
+            usage = None
+            if resume.include_usage(call.req):
+                n = len(stream.output_ids)
+                usage = {"prompt_tokens": len(call.tokens), "completion_tokens": n, "total_tokens": len(call.tokens) + n}
+            await stream.finish(None if stream.finished else "length", usage)
+            return Outcome(200, out.broken.pod, usage, out.attempts)
+        return None
+
+    async def _continue(self, call: Call, send, watcher: asyncio.Future, out: Outcome) -> Outcome:
+        """The request sent on to call.ordered: a stream from the ids its client has received, or
+        (nothing generated yet, or not a stream) the request again from the start."""
+        stream = call.stream
+        call.resumes += 1
+        ids = stream.output_ids if stream is not None else []
+        self.metrics.resumed.labels(out.broken.phase).inc()
+        self.metrics.resumed_tokens.inc(len(call.tokens) + len(ids))
+        body = resume.continuation_body(call.req, ids) if ids else None
+        if stream is not None:
+            stream.resuming(restart=not ids)
+        t0 = time.perf_counter()
+        new = await self._proxy(call, send, watcher, answer_unreached=False, body=body, continuation=True)
+        if stream is None and new.broken is None and new.status < 500:
+            self.metrics.resume_seconds.observe(time.perf_counter() - t0)
+        return new
+
+    async def _proxy(self, call: Call, send, watcher: asyncio.Future, answer_unreached: bool,
+                     body: bytes | None = None, continuation: bool = False) -> Outcome:
         """The proxy to the ordered pods; a client that goes away cancels the upstream request."""
-        on_sent = call.held.sent.set if call.held is not None else None
-        task = asyncio.ensure_future(self.proxy.send(send, self.proxy.request(call, on_sent, answer_unreached)))
+        on_sent = call.held.sent.set if call.held is not None and not continuation else None
+        req = self.proxy.request(call, on_sent, answer_unreached, body, continuation)
+        task = asyncio.ensure_future(self.proxy.send(send, req))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:

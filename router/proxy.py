@@ -3,7 +3,9 @@
 Retried on the next pod: a connect error (the request never left), a 502/503 (the engine says
 "not me"), a 429 while another pod has room. Not retried, and not counted against the pod's
 breaker: a disconnect after the request was sent, a timeout, any other 5xx (caused by the
-request). A generation is never run twice.
+request). A generation is never run twice on its own: a request that may be resumed
+(router/resume.py) and whose engine failed after it was sent comes back unanswered (its
+Outcome's `broken`), for the pipeline to go on with another replica or answer the failure.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import aiohttp
 from kvmesh.common.logging_setup import redact_url
 from kvmesh.router import upstream_failure as uf
 from kvmesh.router.call import Call
+from kvmesh.router.client_stream import ClientStream
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.drain import Drain
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.pod_traffic import PodTraffic
+from kvmesh.router.resume import stream_body
 from kvmesh.router.responses import SHUTDOWN_MSG, refuse_shutdown, send_error
 from kvmesh.router.scoring import Candidate
 
@@ -34,6 +38,23 @@ _PASS_HEADERS = {"content-type", "content-encoding", "cache-control", "retry-aft
 UNREACHED = "unreached"  # Outcome.error: no engine accepted the connection; nothing was sent
 
 
+@dataclass(frozen=True)
+class Broken:
+    """An engine failed after the request reached it, and the client has not been told: the
+    request may go on with another replica (Proxy.answer_broken answers it otherwise)."""
+
+    failure: uf.UpstreamFailure | None  # None: mid-stream, after the client's stream started
+    exc: BaseException | str | None
+    pod: str
+    headers: list  # on the answer, if one comes before the client's stream started
+    rid: str
+    hopeless: bool = False  # the engine refused the continuation itself: another replica would too
+
+    @property
+    def phase(self) -> str:
+        return self.failure.stage if self.failure is not None else "mid_stream"
+
+
 @dataclass
 class Outcome:
     status: int
@@ -41,6 +62,7 @@ class Outcome:
     usage: dict | None = None
     attempts: int = 1
     error: str | None = None  # what went wrong upstream (logged)
+    broken: Broken | None = None  # set when not answered: the engine failed after it was sent
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,9 @@ class ProxyRequest:
     extra: list  # headers on every answer to the client
     on_sent: Callable[[], None] | None = None  # called as the body goes to the engine's socket
     answer_unreached: bool = True  # when no pod took the connection: answer 502 (else leave it to the caller)
+    resumable: bool = False  # an engine's failure after sending is left to the caller (Outcome.broken)
+    stream: ClientStream | None = None  # a resumable stream's client side (its events pass through it)
+    continuation: bool = False  # sent again after an engine failed (not counted in the overhead metric)
 
 
 @dataclass
@@ -86,7 +111,12 @@ class Proxy:
         self._awaiting: set[asyncio.Task] = set()
         self._cut: set[asyncio.Task] = set()
 
-    def request(self, call: Call, on_sent=None, answer_unreached: bool = True) -> ProxyRequest:
+    def request(self, call: Call, on_sent=None, answer_unreached: bool = True, body: bytes | None = None,
+                continuation: bool = False) -> ProxyRequest:
+        """`body`: a continuation's (default: the client's, with the token ids asked for when the
+        stream may be resumed)."""
+        if body is None:
+            body = stream_body(call.body, call.req) if call.stream is not None else call.body
         headers = call.headers
         fwd = {"Content-Type": headers.get("content-type", "application/json"), "X-Request-Id": call.rid,
                "Accept-Encoding": "identity"}
@@ -97,8 +127,8 @@ class Proxy:
         elif self.pass_client_auth and "authorization" in headers:
             fwd["Authorization"] = headers["authorization"]
         target = call.path + ("?" + call.query.decode("latin-1") if call.query else "")
-        return ProxyRequest(target, call.body, fwd, call.rid, call.ordered, call.t0, call.extra, on_sent,
-                            answer_unreached)
+        return ProxyRequest(target, body, fwd, call.rid, call.ordered, call.t0, call.extra, on_sent,
+                            answer_unreached, call.resumable, call.stream, continuation)
 
     def cut(self) -> None:
         """The drain timed out: close every engine response still being passed through, and cancel
@@ -141,7 +171,7 @@ class Proxy:
         inflight[name] = inflight.get(name, 0) + 1
         resp = None
         try:
-            if tries.tried == 1:
+            if tries.tried == 1 and not req.continuation:
                 self.metrics.overhead.observe(time.perf_counter() - req.t0)
             resp, out = await self._post(send, req, cand, tries, headers)
             if resp is None:
@@ -185,7 +215,10 @@ class Proxy:
         except asyncio.TimeoutError as exc:  # sent, no answer in time: the engine may still run it
             return None, await self.upstream_failed(send, uf.TIMEOUT, exc, cand.name, req.rid, tries.tried, headers)
         except (aiohttp.ClientError, OSError) as exc:
-            # Sent, then the connection failed: the engine may be running it. Never twice.
+            # Sent, then the connection failed: the engine may be running it. Never twice, unless
+            # resumable: then the caller may send it on (the connection's end cancelled the work).
+            if req.resumable:
+                return None, self._broken(uf.DISCONNECTED, exc, cand.name, req, tries.tried, headers)
             return None, await self.upstream_failed(send, uf.DISCONNECTED, exc, cand.name, req.rid, tries.tried,
                                                     headers)
         finally:
@@ -224,11 +257,20 @@ class Proxy:
         out_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()
                        if k.lower() in _PASS_HEADERS]
         start = {"type": "http.response.start", "status": st, "headers": out_headers + headers}
-        if "event-stream" in resp.headers.get("content-type", ""):
+        streamed = "event-stream" in resp.headers.get("content-type", "")
+        if req.stream is not None and req.stream.started and (st != 200 or not streamed):
+            # A continuation the engine refused: the client's stream is open, no status line to give.
+            await drain_body(resp)
+            return self._broken(None, f"status {st}", pod, req, tried, headers, hopeless=st < 500)
+        if streamed:
+            if req.stream is not None:
+                return await self._relay(resp, start, pod, req, tried, headers)
             return await self._stream(send, resp, start, pod, req.rid, tried, headers)
         try:
             data = await resp.read()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            if req.resumable and not self.drain.cutting:
+                return self._broken(uf.BODY, exc, pod, req, tried, headers)
             return await self.upstream_failed(send, uf.BODY, exc, pod, req.rid, tried, headers)
         await send(start)
         await send({"type": "http.response.body", "body": data})
@@ -242,8 +284,78 @@ class Proxy:
             return Outcome(503, pod, None, tried, "router_shutdown")
         self.metrics.upstream_failures.labels(failure.stage).inc()
         uf.log_failure(failure, pod, exc, rid)
+        return await self._answer_failure(send, failure, pod, tried, headers)
+
+    async def _answer_failure(self, send, failure: uf.UpstreamFailure, pod: str, tried: int,
+                              headers: list) -> Outcome:
         await send_error(send, failure.status, failure.message, failure.etype, headers, code=failure.code)
         return Outcome(failure.status, pod, None, tried, failure.error)
+
+    def _broken(self, failure: uf.UpstreamFailure | None, exc, pod: str, req: ProxyRequest, tried: int,
+                headers: list, hopeless: bool = False) -> Outcome:
+        """An engine's failure after sending, counted and logged, left unanswered for the caller."""
+        broken = Broken(failure, exc, pod, headers, req.rid, hopeless)
+        self.metrics.upstream_failures.labels(broken.phase).inc()
+        if failure is not None:
+            uf.log_failure(failure, pod, exc, req.rid)
+        else:
+            log.warning("%s failed mid-stream: %s", redact_url(pod), exc or type(exc).__name__,
+                        extra={"fields": {"request_id": req.rid}})
+        return Outcome(502, pod, None, tried, broken.phase, broken)
+
+    async def answer_broken(self, send, out: Outcome, stream: ClientStream | None) -> Outcome:
+        """The client gets the failure no replica went on with, as if it had not been resumed: the
+        answer to the failure (nothing was sent yet), or its stream ends with an error event and [DONE]."""
+        b = out.broken
+        if stream is None or not stream.started:
+            if b.failure.shutdown_first and self.drain.cutting:
+                await refuse_shutdown(send, b.headers)
+                return Outcome(503, b.pod, None, out.attempts, "router_shutdown")
+            return await self._answer_failure(send, b.failure, b.pod, out.attempts, b.headers)
+        await stream.fail(MID_STREAM_EVENT)
+        return Outcome(200, b.pod, None, out.attempts, "mid_stream")
+
+    async def _relay(self, resp, start, pod: str, req: ProxyRequest, tried: int, headers: list) -> Outcome:
+        """A resumable stream, event by event through its ClientStream. The status line waits for
+        the first event; the engine's failure before or after it comes back unanswered (Broken),
+        except during the router's own cut (then the client's answer is given here)."""
+        stream = req.stream
+        it = resp.content.iter_any()
+        try:
+            chunk = await it.__anext__()
+        except StopAsyncIteration:
+            chunk = b""
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            if stream.started:
+                return await self._stream_cut(stream, pod, req, tried, headers, exc)
+            if self.drain.cutting:
+                return await self.upstream_failed(stream.send, uf.FIRST_EVENT, exc, pod, req.rid, tried, headers)
+            return self._broken(uf.FIRST_EVENT, exc, pod, req, tried, headers)
+        await stream.start(start)
+        while chunk:
+            failed = await stream.feed(chunk)
+            if failed:  # the engine's own error event, or its drain aborted the generation
+                return self._broken(None, failed, pod, req, tried, headers)
+            try:
+                chunk = await it.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                return await self._stream_cut(stream, pod, req, tried, headers, exc)
+        if not stream.done and stream.engine_sends_ids and not stream.finished:  # ended short of its end
+            return self._broken(None, "the stream ended before [DONE]", pod, req, tried, headers)
+        await stream.end()
+        status = start["status"]
+        return Outcome(status, pod, stream.usage if status == 200 else None, tried)
+
+    async def _stream_cut(self, stream: ClientStream, pod: str, req: ProxyRequest, tried: int, headers: list,
+                          exc: BaseException) -> Outcome:
+        """A resumable stream broke after it started: Broken, or our own drain's error event."""
+        if not self.drain.cutting:
+            return self._broken(None, exc, pod, req, tried, headers)
+        error, event = self._mid_stream_error(pod, req.rid, exc)
+        await stream.fail(event)
+        return Outcome(200, pod, None, tried, error)
 
     async def _stream(self, send, resp, start, pod, rid, tried, err_headers) -> Outcome:
         """Pass an SSE stream through. The status line waits for the first event, so an engine
@@ -285,8 +397,12 @@ class Proxy:
         self.metrics.upstream_failures.labels("mid_stream").inc()
         log.warning("%s failed mid-stream: %s", redact_url(pod), exc or type(exc).__name__,
                     extra={"fields": {"request_id": rid}})
-        return "mid_stream", {"error": {"message": "the engine failed mid-stream; the response is incomplete",
-                                        "type": "upstream_error", "param": None, "code": "upstream_failed"}}
+        return "mid_stream", MID_STREAM_EVENT
+
+
+# What a client's stream ends with when its engine failed and no replica went on with it.
+MID_STREAM_EVENT = {"error": {"message": "the engine failed mid-stream; the response is incomplete",
+                              "type": "upstream_error", "param": None, "code": "upstream_failed"}}
 
 
 async def drain_body(resp: aiohttp.ClientResponse) -> None:

@@ -92,6 +92,13 @@ class Routing:
                           headers=[(b"retry-after", b"1")])
         return usable
 
+    def resume_pods(self, exclude) -> list[Pod]:
+        """The pods a failed request may go on with: routable, not `exclude`d (the ones that
+        failed it), ejected ones only if nothing else. Never held: no pod left is an answer."""
+        pods = self._routable(exclude)
+        now = time.monotonic()
+        return [p for p in pods if not self.traffic.breaker.ejected(p.name, now)] or pods
+
     def _routable(self, exclude) -> list[Pod]:
         pods = self.discovery.routable()
         return [p for p in pods if p.name not in exclude] if exclude else pods

@@ -42,4 +42,4 @@ def settle(call: Call, out: Outcome, metrics: RouterMetrics, limiter: RateLimite
             "prompt_tokens": len(call.tokens), "predicted_cached_tokens": call.predicted,
             "cached_tokens": cached, "stream": bool(call.req.get("stream")),
             "held_s": round(call.held_s, 3) if call.held_s is not None else None, "error": out.error,
-            "duration_ms": round(dur * 1000, 2), "client": call.client_id}})
+            "duration_ms": round(dur * 1000, 2), "client": call.client_id, "resumes": call.resumes}})

@@ -173,6 +173,8 @@ class Mesh:
                 "--policy", self.args.policy, "--block-size", str(self.args.block_size), "--log-format", "text"]
         if self.args.api_keys_file:
             argv += ["--api-keys-file", self.args.api_keys_file]
+        if self.args.max_resumes is not None:
+            argv += ["--max-resumes", str(self.args.max_resumes)]
         argv += shlex.split(self.args.router_args or "")
         self.router = Child("router", argv, self.env, self.policy, essential=True).start()
 
@@ -367,6 +369,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'stub' for the built-in stub engine")
     p.add_argument("--engine-args", default=None, help="extra arguments for every engine")
     p.add_argument("--router-args", default=None, help="extra arguments for the router")
+    p.add_argument("--max-resumes", type=int, default=None,
+                   help="the router's --max-resumes: times a request whose engine failed goes on with another "
+                        "replica (default: the router's, 2)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on shutdown: how long the router, then each engine, lets requests in flight finish")
     p.add_argument("--max-restarts", type=int, default=5,

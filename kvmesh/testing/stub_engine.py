@@ -4,7 +4,9 @@ It speaks the engine's HTTP surface (contract 5) and KV-event stream (contract 2
 without a model: it tokenizes the prompt exactly like the engine, keeps an LRU "prefix
 cache" of block keys (contract 1), reports `cached_tokens` from it, publishes
 BlockStored / BlockRemoved / AllBlocksCleared with the contract keys, and answers with
-`--response-tokens` fake tokens, `--token-delay` seconds apart.
+`--response-tokens` fake tokens, `--token-delay` seconds apart: token i is " tok<i>", id i.
+As the engine, a stream carries each chunk's `token_ids` when asked (`return_token_ids`), and
+a continuation (`resume.output_token_ids`: the ids already sent) goes on from the next position.
 
 Test hooks: `GET /stub/stats` (requests, request ids and bodies seen, cancellations),
 `POST /stub/config` (fail_status, fail_count, waiting, running_extra, token_delay, draining),
@@ -254,6 +256,11 @@ class StubEngine:
             return await _json(send, 400, _error(f"invalid request: {exc}", "messages" if chat else "prompt"))
         cached = self.admit(tokens, salt) if tokens else 0
         n_out = min(n_out, self.cfg["response_tokens"])
+        resumed = (req.get("resume") or {}).get("output_token_ids") if isinstance(req.get("resume"), dict) else None
+        first = len(resumed) if isinstance(resumed, list) else 0  # a continuation starts after what was sent
+        if first >= n_out:
+            return await _json(send, 400, _error("nothing left to generate", "resume.output_token_ids"))
+        with_ids = req.get("return_token_ids") is True
         usage = {"prompt_tokens": len(tokens), "completion_tokens": n_out, "total_tokens": len(tokens) + n_out,
                  "prompt_tokens_details": {"cached_tokens": cached}}
         created = int(time.time())
@@ -264,7 +271,7 @@ class StubEngine:
             if req.get("stream"):
                 await send({"type": "http.response.start", "status": 200,
                             "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-                for i in range(n_out):
+                for i in range(first, n_out):
                     if watcher.done():
                         raise asyncio.CancelledError
                     if self.cfg["token_delay"]:
@@ -278,6 +285,8 @@ class StubEngine:
                     else:
                         chunk = {"id": cid, "object": "text_completion", "created": created, "model": self.model,
                                  "choices": [{"index": 0, "text": text, "finish_reason": None}]}
+                    if with_ids:
+                        chunk["choices"][0]["token_ids"] = [i]
                     await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
                                 "more_body": True})
                 final = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",

@@ -140,24 +140,38 @@ def _running_stub(stubs):
     return next((s for s in stubs if s.proc.poll() is None and s.stats()["running"] == 1), None)
 
 
-def test_an_engine_dying_after_the_request_was_sent_is_not_retried(mesh, router_factory, redis_server,
-                                                                    model_name):
+def _kill_while_running(mesh, router_factory, redis_server, model_name, **router_kw):
+    """A non-streamed request whose engine is killed while it generates: (response, the other stub, router)."""
     stubs, _ = mesh(2)
     for s in stubs:
         s.config(token_delay=1.0)  # a non-streamed answer after 8 tokens x 1 s
-    router = router_factory(model=model_name, redis_url=redis_server.url, eject_after=1)
+    router = router_factory(model=model_name, redis_url=redis_server.url, eject_after=1, **router_kw)
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("resp", complete(router.url, text(330, 30))))
     t.start()
     victim = wait_until(lambda: _running_stub(stubs), 10, msg="an engine runs the request")
     victim.kill()
-    t.join(20)
-    other = next(s for s in stubs if s is not victim)
-    resp = out["resp"]
+    t.join(30)
+    return out["resp"], next(s for s in stubs if s is not victim), router
+
+
+def test_an_engine_dying_after_the_request_was_sent_is_not_retried_without_resumes(mesh, router_factory,
+                                                                                    redis_server, model_name):
+    resp, other, router = _kill_while_running(mesh, router_factory, redis_server, model_name, max_resumes=0)
     assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_disconnected", resp.text
     assert other.stats()["requests"] == 0  # never run twice
     assert metric(router.url, "kvmesh_router_upstream_failures_total", phase="before_response") == 1
     assert metric(router.url, "kvmesh_router_ejections_total") == 0
+
+
+def test_a_non_streamed_request_whose_engine_died_is_answered_by_another(mesh, router_factory, redis_server,
+                                                                         model_name):
+    resp, other, router = _kill_while_running(mesh, router_factory, redis_server, model_name)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"].count(" tok") == 4, resp.text
+    assert other.stats()["requests"] == 1  # sent again, once
+    assert metric(router.url, "kvmesh_router_resumed_requests_total", phase="before_response") == 1
+    assert metric(router.url, "kvmesh_router_upstream_failures_total", phase="before_response") == 1
+    assert metric(router.url, "kvmesh_router_requests_total", status="200") == 1
 
 
 @pytest.fixture

@@ -1,0 +1,189 @@
+"""The client's side of a resumable stream: its events as they go out, the ids generated so far, and how it ends.
+
+The router asks the engine for the generated token ids (`return_token_ids`) on a stream it may
+have to resume, so it knows exactly what the client has received. The ids, and the prompt's
+ids, are taken out of each event again unless the client asked for them itself. A stream that
+a continuation goes on with (another replica, after its engine failed) keeps the original's
+`id` and `created`; a restart from nothing (the engine failed before its first token) also
+drops the preamble the client already had (the chat role chunk, the prompt's ids).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+DONE = b"data: [DONE]"
+
+# What the engine's own failure looks like inside a stream: an error event, or a choice it
+# aborted (its drain timed out): the generation did not finish, another replica may go on with it.
+ENGINE_ERROR = "engine_error"
+ABORTED = "aborted"
+
+
+class ClientStream:
+    def __init__(self, send, want_ids: bool, chat: bool):
+        self.send = send
+        self.want_ids = want_ids  # the client asked for return_token_ids itself: pass them on
+        self.chat = chat
+        self.started = False  # the status line went out
+        self.events_out = 0  # events the client has received
+        self.output_ids: list[int] = []  # choice 0's generated ids, as the client has received them
+        self.engine_sends_ids = False  # the engine sent token ids: a continuation can go on from them
+        self.id: str | None = None  # the original's id and created, kept by every continuation
+        self.created: int | None = None
+        self.model: str | None = None
+        self.object: str | None = None
+        self.finish_reason: str | None = None
+        self.done = False  # [DONE] went out
+        self.usage: dict | None = None
+        self.resumed_at: float | None = None  # set while a continuation's first event is awaited
+        self.on_resumed = None  # called with the seconds from the break to the continuation's first event
+        self._restart = False  # passing through a restart from nothing after the client had events
+        self._buf = b""
+
+    # -- the status line, the events --------------------------------------------------------------
+    async def start(self, start: dict) -> None:
+        if not self.started:
+            self.started = True
+            await self.send(start)
+
+    def resuming(self, restart: bool) -> None:
+        """A continuation (or, with `restart`, the request again from nothing) takes over."""
+        self._buf = b""
+        self._restart = restart and self.events_out > 0
+        self.resumed_at = time.perf_counter()
+
+    async def feed(self, chunk: bytes) -> str | None:
+        """Pass the complete events in `chunk` on; ENGINE_ERROR or ABORTED when the engine reported
+        its own failure (that event is not passed on: another replica may go on)."""
+        self._buf += chunk
+        out = []
+        broken = None
+        while not broken and b"\n\n" in self._buf:
+            raw, self._buf = self._buf.split(b"\n\n", 1)
+            event, broken = self._event(raw)
+            if event is not None:
+                out.append(event + b"\n\n")
+        if out:
+            if self.resumed_at is not None:
+                if self.on_resumed is not None:
+                    self.on_resumed(time.perf_counter() - self.resumed_at)
+                self.resumed_at = None
+            self.events_out += len(out)
+            await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+        return broken
+
+    async def end(self) -> None:
+        """The stream is complete: what is left of it, then the end of the body."""
+        if self._buf.strip():
+            await self.send({"type": "http.response.body", "body": self._buf, "more_body": True})
+        self._buf = b""
+        await self.send({"type": "http.response.body", "body": b""})
+
+    async def fail(self, event: dict) -> None:
+        """End the client's stream with an error event and [DONE] (nothing is silently truncated)."""
+        await self.send({"type": "http.response.body", "more_body": True,
+                         "body": b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"})
+        await self.send({"type": "http.response.body", "body": b""})
+
+    async def finish(self, reason: str | None, usage: dict | None) -> None:
+        """End the stream here, as the engine would have: the last chunk (when `reason` is given:
+        choice 0 finished with it), the usage chunk if the client asked for one, then [DONE]."""
+        events = []
+        if reason is not None:
+            choice = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason} if self.chat else
+                      {"index": 0, "text": "", "logprobs": None, "finish_reason": reason})
+            events.append(self._chunk([choice]))
+        if usage is not None:
+            events.append({**self._chunk([]), "usage": usage})
+        body = b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events)
+        await self.send({"type": "http.response.body", "body": body + DONE + b"\n\n", "more_body": True})
+        await self.send({"type": "http.response.body", "body": b""})
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    # -- one event ------------------------------------------------------------------------------------
+    def _event(self, raw: bytes) -> tuple[bytes | None, str | None]:
+        """The event as the client gets it (None: dropped), and whether it reports a failure."""
+        if not raw.startswith(b"data: ") or raw.startswith(DONE):
+            self.done = self.done or raw.startswith(DONE)
+            return raw, None
+        try:
+            obj = json.loads(raw[6:])
+        except ValueError:
+            return raw, None
+        if not isinstance(obj, dict):
+            return raw, None
+        if "error" in obj and not obj.get("choices"):
+            return None, ENGINE_ERROR
+        changed = self._identity(obj)
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+        broken = None
+        for choice in obj.get("choices") or ():
+            changed |= self._choice(choice)
+            if choice.get("finish_reason") == "abort":  # the engine's drain cut it: not an end
+                choice["finish_reason"], changed, broken = None, True, ABORTED
+        if self._restart and self._preamble(obj):
+            return None, broken
+        if "prompt_token_ids" in obj and (not self.want_ids or self._restart):
+            del obj["prompt_token_ids"]
+            changed = True
+        if broken and not self._has_content(obj):
+            return None, broken
+        if not changed:
+            return raw, broken
+        return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode(), broken
+
+    def _identity(self, obj: dict) -> bool:
+        """The first event sets the stream's id and created; later ones (a continuation's) keep them."""
+        if self.id is None:
+            self.id, self.created = obj.get("id"), obj.get("created")
+            self.model, self.object = obj.get("model"), obj.get("object")
+            return False
+        changed = False
+        if "id" in obj and obj["id"] != self.id:
+            obj["id"], changed = self.id, True
+        if "created" in obj and obj["created"] != self.created:
+            obj["created"], changed = self.created, True
+        return changed
+
+    def _choice(self, choice: dict) -> bool:
+        changed = False
+        if "token_ids" in choice:
+            self.engine_sends_ids = True
+            if choice.get("index", 0) == 0 and isinstance(choice["token_ids"], list):
+                self.output_ids.extend(choice["token_ids"])
+            if not self.want_ids:
+                del choice["token_ids"]
+                changed = True
+        if "prompt_token_ids" in choice and (not self.want_ids or self._restart):
+            del choice["prompt_token_ids"]
+            changed = True
+        if choice.get("index", 0) == 0 and choice.get("finish_reason") not in (None, "abort"):
+            self.finish_reason = choice["finish_reason"]
+        return changed
+
+    def _preamble(self, obj: dict) -> bool:
+        """A restart's chat role chunk, which the client already had: dropped."""
+        choices = obj.get("choices") or ()
+        if not self.chat or len(choices) != 1:
+            return False
+        delta = choices[0].get("delta") or {}
+        return "role" in delta and not delta.get("content") and not choices[0].get("token_ids") \
+            and not choices[0].get("finish_reason")
+
+    @staticmethod
+    def _has_content(obj: dict) -> bool:
+        for choice in obj.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if choice.get("text") or delta.get("content") or delta.get("tool_calls") or choice.get("token_ids"):
+                return True
+        return False
+
+    def _chunk(self, choices: list) -> dict:
+        return {"id": self.id, "object": self.object or ("chat.completion.chunk" if self.chat else "text_completion"),
+                "created": self.created, "model": self.model, "choices": choices}
