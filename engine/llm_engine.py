@@ -121,6 +121,8 @@ class TextEngine:
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if stop_str is not None:
             finish_reason, stop_reason = "stop", stop_str
+        elif finish_reason is not None:
+            delta_text += state.detok.flush()  # the end held back in case a stop string began there
         if finish_reason is not None:
             comp.finish_reason, comp.stop_reason = finish_reason, stop_reason
             del self.states[out.request_id]
