@@ -87,22 +87,11 @@ def test_the_scan_covers_docs_readme_and_sources():
     assert not any("__pycache__" in n for n in names)
 
 
-# Files that still name a tracker issue in a docstring or comment. Each is checked by the xfail
-# test below, every other file by the strict one; delete an entry once its file is fixed (the
-# xfail test then passes and goes, with this set).
-NOT_YET_FIXED = {
-    "tests/operator/test_manifests_chart.py",
-    "tests/router/test_chaos.py",
-    "tests/router/test_front_door.py",
-    "tests/router/test_overload.py",
-}
-
-
-def offending_lines(skip: set[str], only: set[str] | None = None) -> list[str]:
+def offending_lines() -> list[str]:
     out = []
     for path in scanned_files():
         rel = path.relative_to(ROOT).as_posix()
-        if rel in ALLOWED or rel in skip or (only is not None and rel not in only):
+        if rel in ALLOWED:
             continue
         for number, what, line in findings(path.read_text(encoding="utf-8", errors="replace")):
             out.append(f"{rel}:{number}: {what}: {line[:120]}")
@@ -110,11 +99,5 @@ def offending_lines(skip: set[str], only: set[str] | None = None) -> list[str]:
 
 
 def test_docs_and_sources_describe_the_software():
-    offending = offending_lines(skip=NOT_YET_FIXED)
-    assert not offending, "history, tracker numbers or machine paths:\n" + "\n".join(offending)
-
-
-@pytest.mark.xfail(strict=False, reason="tracker references left in files other work owns")
-def test_files_not_yet_fixed_describe_the_software():
-    offending = offending_lines(skip=set(), only=NOT_YET_FIXED)
+    offending = offending_lines()
     assert not offending, "history, tracker numbers or machine paths:\n" + "\n".join(offending)

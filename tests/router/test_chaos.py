@@ -1,4 +1,4 @@
-"""Chaos on loopback (issue 10, "Proof"): two stub engines (separate processes, each with its own
+"""Chaos on loopback: two stub engines (separate processes, each with its own
 sidecar process) behind a router process, a real redis-server; streams in flight while (a) one
 engine is SIGKILLed (its container then restarts), (b) Redis is SIGKILLed and restarted empty
 (at once, and after an outage the router notices), (c) the router restarts (SIGTERM, then a new

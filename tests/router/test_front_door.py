@@ -1,4 +1,4 @@
-"""The router as a front door (issue 10): bad input is a 400 naming the field, the retry policy
+"""The router as a front door: bad input is a 400 naming the field, the retry policy
 never runs a generation twice, an engine killed mid-stream ends the stream with an error event,
 rate-limit charges are bounded and refunded, /metrics labels come from fixed sets, and a 4 MB
 prompt is tokenised off the event loop after the cheap checks. Real HTTP on loopback, real

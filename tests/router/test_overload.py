@@ -1,4 +1,4 @@
-"""Overload on loopback (issue 10, "Proof"): each admission limit of the mesh driven at 4x its
+"""Overload on loopback: each admission limit of the mesh driven at 4x its
 capacity for a bounded time; the answer is only ever a 429 with Retry-After (the engines' queues,
 `--max-num-seqs` + `--max-waiting`; the router's per-key `--rate-limit-rpm`), or the documented
 503 with Retry-After (the router's hold queue, `--max-pending-requests`, while no engine is
