@@ -6,16 +6,20 @@ import logging
 from typing import Any
 
 from kvmesh.common.block_keys import block_keys
-from kvmesh.common.prompts import chat_template_messages, prompt_batch
+from kvmesh.common.chat_prompt import DEFAULT_TOOL_PROMPT, ToolPrompt, chat_request_prompt
+from kvmesh.common.prompts import prompt_batch
 
 log = logging.getLogger("kvmesh.router")
 
 
 class PromptTokens:
-    def __init__(self, encoder, model: str, block_size: int):
+    def __init__(self, encoder, model: str, block_size: int, tool_format: type[ToolPrompt] = DEFAULT_TOOL_PROMPT):
+        """``tool_format``: how the engines describe tools to a template that does not read them (their
+        ``--tool-call-parser``'s format; Hermes, the engine's default)."""
         self.encoder = encoder
         self.model = model
         self.block_size = block_size
+        self.tool_format = tool_format
 
     def tokens_and_keys(self, path: str, req: dict[str, Any], scores_prompt: bool,
                         large: bool) -> tuple[list[int], list[int]]:
@@ -38,15 +42,19 @@ class PromptTokens:
         return []
 
     def _chat(self, req: dict[str, Any], large: bool) -> list[int]:
-        msgs = req.get("messages")
-        if not isinstance(msgs, list):
-            return []
+        # as the engine renders it: text parts joined, a null content as "", earlier calls' arguments
+        # decoded, and the tools (the engine's default format for a template that does not read them)
+        messages, template_vars = chat_request_prompt(req, self.chat_template, self.tool_format)
         kw = {"large": True} if large else {}
-        # as the engine renders them: text parts joined, a null content as ""
-        return self.encoder.encode_chat(chat_template_messages(msgs),
-                                        add_generation_prompt=req.get("add_generation_prompt", True),
+        return self.encoder.encode_chat(messages, add_generation_prompt=req.get("add_generation_prompt", True),
                                         continue_final_message=bool(req.get("continue_final_message")),
-                                        template_kwargs=req.get("chat_template_kwargs"), **kw)
+                                        template_kwargs=template_vars, **kw)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The encoder's chat template (a FastEncoder's is its tokenizer's)."""
+        template = getattr(self.encoder, "chat_template", None)
+        return template if template is not None else getattr(getattr(self.encoder, "tok", None), "chat_template", None)
 
     def _completion(self, req: dict[str, Any], large: bool) -> list[int]:
         prompt = prompt_batch(req.get("prompt"))[0]  # a batch routes on its first prompt

@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
+from kvmesh.common.chat_prompt import tools_chars
 from kvmesh.common.prompts import prompt_batch
 from kvmesh.common.request_limits import MAX_N, MAX_PROMPTS, MAX_TOKENS_ESTIMATE, lax_int
 
@@ -62,7 +63,7 @@ def prompt_chars(path: str, req: dict[str, Any]) -> int:
                 total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict)
                              and isinstance(p.get("text"), str))
             total += 16  # role and template markup
-        return total
+        return total + tools_chars(req.get("tools"))  # the tools are rendered into the prompt too
     first = prompt_batch(req.get("prompt"))[0]
     if isinstance(first, list):
         return 4 * len(first)  # token ids: exact after the division by 4

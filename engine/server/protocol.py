@@ -269,6 +269,12 @@ class ToolDefinition(BaseModel):
     function: FunctionDefinition
 
 
+def tool_plan_of(tools: list[ToolDefinition] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan | None:
+    """A request's tools planned (the tools as the template gets them: their definitions without nulls)."""
+    listed = [t.model_dump(exclude_none=True) for t in tools] if tools is not None else None
+    return plan_tools(listed, tool_choice, parallel)
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDefinition] | None = None
@@ -290,8 +296,7 @@ class ChatCompletionRequest(_Common):
 
     def tool_plan(self) -> ToolPlan | None:
         """What the request asks of tools (engine/server/tool_choice.py); None: no tools."""
-        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools is not None else None
-        return plan_tools(tools, self.tool_choice, self.parallel_tool_calls)
+        return tool_plan_of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def _with_tool_schema(self, params: SamplingParams) -> SamplingParams:
         """``required`` and a named function: the output constrained to the tools' JSON schema."""
@@ -383,11 +388,18 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None  # with messages: rendered as the chat handler renders them
+    tool_choice: Any = None  # with a template that does not read tools, "none" leaves the tools' prompt out
     return_token_strs: bool = False
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidParameter("prompt", "send exactly one of prompt and messages")
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The tools as the chat handler plans them (InvalidParameter naming the field); the server's
+        ``--enable-auto-tool-choice`` is the chat handler's to check, not the tokenizer's."""
+        return tool_plan_of(self.tools, self.tool_choice, None)
 
 
 class DetokenizeRequest(BaseModel):

@@ -18,8 +18,8 @@ from kvmesh.engine.server.errors import bad_request
 from kvmesh.engine.server.protocol import ChatCompletionRequest
 from kvmesh.engine.server.serving_base import Choice, GenerationHandler, off_loop
 from kvmesh.engine.server.tool_choice import ToolPlan, auto_parser
-from kvmesh.engine.server.tool_parsers import TOOL_PARSERS, ToolParser
-from kvmesh.engine.server.tool_prompt import template_inputs
+from kvmesh.engine.server.tool_parsers import ToolParser
+from kvmesh.engine.server.tool_prompt import chat_prompt_inputs, prompt_size
 
 
 class ChatHandler(GenerationHandler):
@@ -53,16 +53,12 @@ class ChatHandler(GenerationHandler):
 
     async def tokenize_prompt(self, body: ChatCompletionRequest, prompt: None):
         tokenizer = self.engine.tokenizer
-        cfg = self.state.config
-        fmt = TOOL_PARSERS.get(cfg.tool_call_parser) if cfg.tool_call_parser else None
         try:
-            messages, tool_vars = template_inputs(tokenizer.chat_template, body.template_messages(),
-                                                  self.tool_plan, fmt)
-            # chat_template_kwargs may override the tools variable, as in vLLM
-            kwargs = {**tool_vars, **(body.chat_template_kwargs or {})} or None
-            size = sum(len(m["content"]) for m in messages)
-            ids = await off_loop(size, partial(tokenizer.encode_chat, messages, body.add_generation_prompt,
-                                               body.continue_final_message, kwargs))
+            messages, kwargs = chat_prompt_inputs(tokenizer.chat_template, body.template_messages(), self.tool_plan,
+                                                  self.state.config.tool_call_parser, body.chat_template_kwargs)
+            ids = await off_loop(prompt_size(messages, self.tool_plan),
+                                 partial(tokenizer.encode_chat, messages, body.add_generation_prompt,
+                                         body.continue_final_message, kwargs))
         except TemplateError as exc:
             raise InvalidParameter("messages", str(exc))
         return ids, ids

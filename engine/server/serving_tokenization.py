@@ -1,5 +1,6 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's ``serving_tokenization.py``): the token ids
-the engine would see for a prompt or chat messages, and the text of token ids."""
+the engine would see for a prompt or chat messages (with their ``tools`` and ``tool_choice``, as the
+chat handler renders them), and the text of token ids."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from kvmesh.engine.server.errors import bad_request
 from kvmesh.engine.server.offload import off_loop
 from kvmesh.engine.server.protocol import DetokenizeRequest, TokenizeRequest
 from kvmesh.engine.server.serving_base import RequestHandler
+from kvmesh.engine.server.tool_prompt import chat_prompt_inputs, prompt_size
 
 
 def json_response(obj: Any) -> Response:
@@ -32,11 +34,14 @@ class TokenizationHandler(RequestHandler):
         tok = engine.tokenizer
         try:
             body.check()
-            if body.messages is not None:
-                messages = [m.as_template_dict(i) for i, m in enumerate(body.messages)]
-                ids = await off_loop(sum(len(m["content"]) for m in messages), tok.encode_chat, messages,
-                                     body.add_generation_prompt, body.continue_final_message,
-                                     body.chat_template_kwargs)
+            if body.messages is not None:  # rendered as the chat handler renders it, tools included
+                plan = body.tool_plan()
+                messages, kwargs = chat_prompt_inputs(tok.chat_template,
+                                                      [m.as_template_dict(i) for i, m in enumerate(body.messages)],
+                                                      plan, self.state.config.tool_call_parser,
+                                                      body.chat_template_kwargs)
+                ids = await off_loop(prompt_size(messages, plan), tok.encode_chat, messages,
+                                     body.add_generation_prompt, body.continue_final_message, kwargs)
             else:
                 ids = await off_loop(len(body.prompt), tok.encode, body.prompt, body.add_special_tokens)
         except InvalidParameter as exc:

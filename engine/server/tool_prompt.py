@@ -1,89 +1,53 @@
-"""Tools and tool messages into the chat template.
+"""Tools and tool messages into the chat template: the engine's side of kvmesh/common/chat_prompt.py
+(the contract the router renders with too, so its block keys are the engine's).
 
-A template that reads ``tools`` (Hermes, Qwen 2.5, Llama 3.1, ...) gets them as a template variable
-and the messages as the client sent them, with each earlier call's ``arguments`` decoded to an object
-(as Hugging Face templates expect, and vLLM passes them).
-
-A template that does not (SmolLM2's, for one) gets the documented default instead: the tools are
-described in the system message by the tool parser's prompt (Hermes' ``<tools>`` block and
-``<tool_call>`` format without ``--tool-call-parser``), earlier calls are written into the assistant's
-content in that format, and ``tool`` messages become user messages holding a ``<tool_response>``.
+A template that reads ``tools`` gets them as a template variable, and earlier calls' ``arguments``
+decoded; one that does not gets the tool format's default prompt and history written as text (the
+server's ``--tool-call-parser`` format, Hermes without one). docs/tool-calling.md.
 """
 
 from __future__ import annotations
 
-import json
-from functools import lru_cache
 from typing import Any
 
+from kvmesh.common.chat_prompt import (ChatPromptError, template_reads_tools, template_variables,
+                                       tool_template_inputs, tools_chars)
+from kvmesh.common.chat_prompt import decoded_tool_calls as _decoded_tool_calls
 from kvmesh.engine.sampling_params import InvalidParameter
 from kvmesh.engine.server.tool_choice import ToolPlan
-from kvmesh.engine.server.tool_parsers import ToolParser
-from kvmesh.engine.server.tool_parsers.hermes import HermesToolParser
+from kvmesh.engine.server.tool_parsers import TOOL_PARSERS, ToolParser
 
-
-@lru_cache(maxsize=8)
-def template_reads_tools(template: str | None) -> bool:
-    if not template:
-        return False
-    import jinja2
-    from jinja2 import meta
-
-    try:
-        return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
-    except jinja2.TemplateSyntaxError:
-        return False
+__all__ = ["chat_prompt_inputs", "decoded_tool_calls", "prompt_size", "template_inputs", "template_reads_tools"]
 
 
 def decoded_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's ``tool_calls`` with each ``function.arguments`` (JSON text) decoded;
     InvalidParameter naming the part that is wrong (``messages.1.tool_calls.0.function.arguments``)."""
-    if not isinstance(tool_calls, list):
-        raise InvalidParameter(where, f"{where} must be a list of tool calls")
-    calls = []
-    for j, call in enumerate(tool_calls):
-        at = f"{where}.{j}"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict):
-            raise InvalidParameter(f"{at}.function", f"{at}.function must be an object with a name and arguments")
-        if not isinstance(function.get("name"), str) or not function["name"]:
-            raise InvalidParameter(f"{at}.function.name", f"{at}.function.name must be a non-empty string")
-        arguments = function.get("arguments")
-        if isinstance(arguments, str) and arguments.strip():
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                raise InvalidParameter(f"{at}.function.arguments", f"{at}.function.arguments is not valid JSON") from None
-        elif not isinstance(arguments, dict):
-            arguments = {}
-        calls.append({**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}})
-    return calls
+    try:
+        return _decoded_tool_calls(tool_calls, where)
+    except ChatPromptError as exc:
+        raise InvalidParameter(exc.param, str(exc)) from None
 
 
 def template_inputs(template: str | None, messages: list[dict[str, Any]], plan: ToolPlan | None,
                     parser: type[ToolParser] | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(messages, extra template variables) for the request's tools."""
-    if template_reads_tools(template):
-        return messages, ({"tools": plan.tools} if plan is not None else {})
-    fmt = parser or HermesToolParser
-    rendered = [_flattened(m, fmt) for m in messages]
-    if plan is not None and plan.mode != "none":
-        prompt = fmt.default_prompt(plan.tools)
-        if rendered and rendered[0].get("role") == "system":
-            rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{prompt}".lstrip()}
-        else:
-            rendered.insert(0, {"role": "system", "content": prompt})
-    return rendered, {}
+    """(messages, extra template variables) for the request's tools (``parser``: the server's, whose
+    format a template without tool support is told)."""
+    if plan is None:
+        return tool_template_inputs(template, messages, None, False, parser)
+    return tool_template_inputs(template, messages, plan.tools, plan.mode != "none", parser)
 
 
-def _flattened(message: dict[str, Any], fmt: type[ToolParser]) -> dict[str, Any]:
-    """One message with its tool parts written as text (for a template without tool support)."""
-    if message.get("role") == "tool":
-        return {"role": "user", "content": fmt.render_result(message.get("content") or "")}
-    calls = message.get("tool_calls")
-    if message.get("role") == "assistant" and calls:
-        text = "\n".join(fmt.render_call(c["function"]["name"], c["function"]["arguments"]) for c in calls)
-        content = message.get("content") or ""
-        flat = {k: v for k, v in message.items() if k != "tool_calls"}
-        return {**flat, "content": f"{content}\n{text}" if content else text}
-    return message
+def chat_prompt_inputs(template: str | None, messages: list[dict[str, Any]], plan: ToolPlan | None,
+                       tool_call_parser: str | None, chat_template_kwargs: dict[str, Any] | None
+                       ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """(messages, template variables) a chat request's prompt is rendered from, by the chat handler
+    and /tokenize alike (``tool_call_parser``: the server's)."""
+    parser = TOOL_PARSERS.get(tool_call_parser) if tool_call_parser else None
+    messages, tool_vars = template_inputs(template, messages, plan, parser)
+    return messages, template_variables(tool_vars, chat_template_kwargs)
+
+
+def prompt_size(messages: list[dict[str, Any]], plan: ToolPlan | None) -> int:
+    """About how long the rendered prompt is (characters): whether it is rendered off the event loop."""
+    return sum(len(m["content"]) for m in messages) + (tools_chars(plan.tools) if plan is not None else 0)

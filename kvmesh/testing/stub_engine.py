@@ -34,9 +34,10 @@ from typing import Any
 
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE, block_keys
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
+from kvmesh.common.chat_prompt import chat_request_prompt
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
 from kvmesh.common.models import DEFAULT_MODEL
-from kvmesh.common.prompts import chat_template_messages, prompt_batch
+from kvmesh.common.prompts import prompt_batch
 
 
 class StubEngine:
@@ -175,8 +176,8 @@ class StubEngine:
         if path == "/tokenize" and method == "POST":
             try:  # what the engine cannot read or render is its 400
                 req = json.loads(body or b"{}")
-                tokens = (self.encoder.encode_chat(chat_template_messages(req["messages"]))
-                          if req.get("messages") is not None else self.encoder.encode(req.get("prompt") or ""))
+                tokens = (self.chat_ids(req) if req.get("messages") is not None
+                          else self.encoder.encode(req.get("prompt") or ""))
             except Exception as exc:  # noqa: BLE001
                 return await _json(send, 400, _error(f"cannot tokenize: {exc}", "prompt"))
             return await _json(send, 200, {"count": len(tokens), "max_model_len": 8192, "tokens": tokens,
@@ -235,15 +236,19 @@ class StubEngine:
         finally:
             self.admitted -= 1
 
+    def chat_ids(self, req: dict) -> list[int]:
+        """A chat request's prompt ids, rendered as the engine renders it (tools included)."""
+        messages, template_vars = chat_request_prompt(req, self.encoder.tok.chat_template)
+        return self.encoder.encode_chat(messages, req.get("add_generation_prompt", True),
+                                        bool(req.get("continue_final_message")), template_vars)
+
     async def _generate(self, path, req, rid, receive, send):
         chat = path.endswith("chat/completions")
         tokens: list[int] = []
         try:  # the engine refuses what it cannot read (a message it cannot render): its 400
             if self.encoder is not None:
                 if chat:
-                    tokens = self.encoder.encode_chat(
-                        chat_template_messages(req.get("messages") or []), req.get("add_generation_prompt", True),
-                        bool(req.get("continue_final_message")), req.get("chat_template_kwargs"))
+                    tokens = self.chat_ids(req)
                 else:  # a batch: its first prompt (the one the router routes on)
                     prompt = prompt_batch(req.get("prompt") or "")[0]
                     tokens = [int(t) for t in prompt] if isinstance(prompt, list) else self.encoder.encode(prompt)

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.common.chat_prompt import ToolPrompt
 from kvmesh.engine.server.tool_parsers.json_calls import JsonCallScanner
 
 
@@ -139,8 +140,9 @@ def held_prefix(text: str, tag: str) -> int:
     return 0
 
 
-class ToolParser:
-    """Reads one output. Subclasses implement ``feed`` and ``finish`` over ``self.streams``."""
+class ToolParser(ToolPrompt):
+    """Reads one output. Subclasses implement ``feed`` and ``finish`` over ``self.streams``; the format's
+    prompt side (how a template without tool support is told about tools) is kvmesh.common.chat_prompt's."""
 
     name = ""
     # None: the request's skip_special_tokens stands; False: the call markup is special tokens
@@ -171,18 +173,3 @@ class ToolParser:
         if not calls or not all(s.valid for s in self.streams):
             return ParsedOutput(text, [])
         return ParsedOutput(whole.content or None, calls)
-
-    @classmethod
-    def default_prompt(cls, tools: list[dict[str, Any]]) -> str:
-        """The system prompt that describes ``tools`` to a model whose chat template does not."""
-        raise NotImplementedError
-
-    @classmethod
-    def render_call(cls, name: str, arguments: Any) -> str:
-        """An earlier call, as this format writes it (for a template without tool support)."""
-        raise NotImplementedError
-
-    @classmethod
-    def render_result(cls, content: str) -> str:
-        """A tool's result, for a template without tool support (a user turn holds it)."""
-        return f"<tool_response>\n{content}\n</tool_response>"

@@ -4,15 +4,13 @@ calls is dropped (as vLLM's parser does). A final block left unclosed still coun
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
+from kvmesh.common.chat_prompt import HermesPrompt
 from kvmesh.engine.server.tool_parsers.base import CallStream, StreamDelta, ToolParser, held_prefix
 
 START, END = "<tool_call>", "</tool_call>"
 
 
-class HermesToolParser(ToolParser):
+class HermesToolParser(HermesPrompt, ToolParser):
     name = "hermes"
     skip_special_tokens = False  # <tool_call> is an added token in Hermes and Qwen vocabularies
 
@@ -47,18 +45,3 @@ class HermesToolParser(ToolParser):
         if self._in_call:
             return StreamDelta(calls=self.streams[-1].feed(rest))
         return StreamDelta("" if self._called else rest)
-
-    @classmethod
-    def default_prompt(cls, tools: list[dict[str, Any]]) -> str:
-        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                "You are provided with function signatures within <tools></tools> XML tags:\n"
-                f"<tools>\n{listed}\n</tools>\n\n"
-                "For each function call, return a json object with function name and arguments within "
-                "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
-
-    @classmethod
-    def render_call(cls, name: str, arguments: Any) -> str:
-        call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-        return f"{START}\n{call}\n{END}"

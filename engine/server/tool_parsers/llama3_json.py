@@ -4,15 +4,13 @@ output is content."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
+from kvmesh.common.chat_prompt import Llama3JsonPrompt
 from kvmesh.engine.server.tool_parsers.base import CallStream, StreamDelta, ToolParser
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(Llama3JsonPrompt, ToolParser):
     name = "llama3_json"
 
     def __init__(self, limit: int | None = None):
@@ -42,15 +40,3 @@ class Llama3JsonToolParser(ToolParser):
     def finish(self) -> StreamDelta:
         rest, self._pending = self._pending, ""
         return StreamDelta(rest) if self._mode is None else StreamDelta()
-
-    @classmethod
-    def default_prompt(cls, tools: list[dict[str, Any]]) -> str:
-        listed = "\n\n".join(json.dumps(t, indent=4, ensure_ascii=False) for t in tools)
-        return ("Given the following functions, please respond with a JSON for a function call with its "
-                "proper arguments that best answers the given prompt.\n\n"
-                'Respond in the format {"name": function name, "parameters": dictionary of argument name '
-                "and its value}. Do not use variables.\n\n" + listed)
-
-    @classmethod
-    def render_call(cls, name: str, arguments: Any) -> str:
-        return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
