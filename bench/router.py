@@ -13,8 +13,15 @@ multiround A multi-round chat workload (users sharing a system prompt, each roun
            for a quick run without the model), or measures one running mesh with `--url`.
            docs/router.md explains the sizing.
 
+tool-tokenize
+           The router's tokenization (ids and block keys) of a chat request carrying tools, against
+           the same request without them (what the router computed before it rendered tools),
+           measured in the same run; the model's template (tools in the system prompt) and one
+           that reads `tools` (as Qwen 2.5's and Llama 3.1's do).
+
     python bench/router.py overhead
     python bench/router.py multiround [--replicas 4] [--engine-command stub]
+    python bench/router.py tool-tokenize [--tools 10]
 """
 
 from __future__ import annotations
@@ -442,6 +449,54 @@ def multiround(args: argparse.Namespace) -> None:
     compare(results)
 
 
+# -- tool requests: tokenization cost -----------------------------------------------------------
+READS_TOOLS = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
+               "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def bench_tools(n: int) -> list[dict]:
+    return [{"type": "function", "function": {
+        "name": f"lookup_{i}", "description": f"Looks up records of kind {i} in the archive and returns the matches",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "description": "what to look up"},
+            "limit": {"type": "integer", "minimum": 1, "maximum": 100, "description": "at most this many"},
+            "since": {"type": "string", "format": "date", "description": "only records after this day"}},
+            "required": ["query"]}}} for i in range(n)]
+
+
+def tool_tokenize(args: argparse.Namespace) -> None:
+    from kvmesh.common.models import find_model_dir
+    from kvmesh.common.tokenizer import KVMeshTokenizer
+    from kvmesh.router.fast_tokenize import FastEncoder
+    from kvmesh.router.prompt_tokens import PromptTokens
+
+    messages = [{"role": "user", "content": "Which records of March mention the Oslo office?"}]
+    with_tools = {"messages": messages, "tools": bench_tools(args.tools), "tool_choice": "auto"}
+    print(f"router tokenization of a chat request with {args.tools} tools: p50 of {args.requests} calls "
+          "of PromptTokens.tokens_and_keys (ids and block keys), one process")
+    for label, template in (("model template (tools in the system prompt)", None), ("template reading tools", READS_TOOLS)):
+        tok = KVMeshTokenizer(find_model_dir(args.model))
+        if template is not None:
+            tok.chat_template = template
+        prompt_tokens = PromptTokens(FastEncoder(tok), args.model, 16)
+        times: dict[str, list[float]] = {"without tools": [], "with tools": []}
+        sizes = {}
+        for i in range(args.warmup + args.requests):
+            for name, req in (("without tools", {"messages": messages}), ("with tools", with_tools)):
+                t0 = time.perf_counter()
+                ids, _ = prompt_tokens.tokens_and_keys("/v1/chat/completions", req, False, False)
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
+                sizes[name] = len(ids)
+        before, after = (statistics.median(times[k]) for k in ("without tools", "with tools"))
+        print(f"  {label}: without tools {before * 1000:.3f} ms ({sizes['without tools']} tokens), "
+              f"with tools {after * 1000:.3f} ms ({sizes['with tools']} tokens), ratio {after / before:.1f}x, "
+              f"{after / sizes['with tools'] * 1e6:.2f} us/token")
+    load = os.getloadavg()[0]
+    print(f"  machine: {os.cpu_count()} CPUs, load average {load:.1f} at the end")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -472,8 +527,13 @@ def main() -> None:
     m.add_argument("--think-time", type=float, default=3.0, help="mean seconds between a user's rounds")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--verbose", action="store_true")
+    t = sub.add_parser("tool-tokenize")
+    t.add_argument("--tools", type=int, default=10)
+    t.add_argument("--requests", type=int, default=500)
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--model", default="smollm2-135m-instruct")
     args = p.parse_args()
-    overhead(args) if args.what == "overhead" else multiround(args)
+    {"overhead": overhead, "multiround": multiround, "tool-tokenize": tool_tokenize}[args.what](args)
 
 
 if __name__ == "__main__":
