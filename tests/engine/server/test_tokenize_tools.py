@@ -161,3 +161,18 @@ def test_tokenize_counts_tools_with_a_prompt_ignored(server):
     plain = httpx.post(f"{server.url}/tokenize", json={"prompt": "hello"}, timeout=30).json()
     with_tools = httpx.post(f"{server.url}/tokenize", json={"prompt": "hello", "tools": TOOLS}, timeout=30).json()
     assert plain["tokens"] == with_tools["tokens"]
+
+
+def test_tokenize_counts_an_auto_request_on_a_server_without_auto_tool_choice(tiny_model, router_tokens):
+    """Nothing is generated, so /tokenize needs no --enable-auto-tool-choice (the chat handler's 400);
+    without --tool-call-parser the tools are described in Hermes' format, the router's default."""
+    srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "64"]).start()
+    try:
+        req = REQUESTS["auto-explicit-history"]
+        resp = httpx.post(f"{srv.url}/tokenize", json=req, timeout=30)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["tokens"] == router_tokens.tokens("/v1/chat/completions", req)
+        chat = httpx.post(f"{srv.url}/v1/chat/completions", json={**req, "max_tokens": 1}, timeout=30)
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "tool_choice"
+    finally:
+        srv.stop()
