@@ -177,7 +177,9 @@ def request_schemas(model: str | None = None, vocab_size: int | None = None) -> 
                 **tok_common, "prompt": _STR, "messages": {"type": "null"}}},
             {"type": "object", "required": ["messages"], "properties": {
                 **tok_common, "prompt": {"type": "null"},
-                "messages": {"type": "array", "items": _ref("ChatMessage")}}},
+                "messages": {"type": "array", "items": _ref("ChatMessage")},
+                # rendered as the chat handler renders them (docs/tool-calling.md)
+                "tools": _TOOL_FIELDS["tools"], "tool_choice": _TOOL_FIELDS["tool_choice"]}},
         ],
     }
     detokenize = {"type": "object", "required": ["tokens"], "properties": {"model": model_s, "tokens": ids}}
@@ -379,6 +381,9 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "TokenizeRequest": {
         "prompt": {"value": {"prompt": "Hello world", "return_token_strs": True}},
         "messages": {"value": {"messages": _CHAT, "add_generation_prompt": True}},
+        "tools": {"summary": "a chat request's prompt with its tools", "value": {
+            "messages": _CHAT, "tool_choice": "required", "tools": [{"type": "function", "function": {
+                "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}},
     },
     "DetokenizeRequest": {"tokens": {"value": {"tokens": [1, 2, 3, 4]}}},
 }
