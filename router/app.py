@@ -86,7 +86,8 @@ class Router:
         self.routing.holds = cfg.holds
         self.proxy = Proxy(cfg, not self.keys.enabled, self.metrics, self.traffic, self.drain)
         self.pipeline = Pipeline(self.admission, self.routing, self.proxy, self.limiter, self.metrics, self.drain,
-                                 cfg.policy, cfg.holds, cfg.scale_from_zero_timeout, cfg.max_resumes)
+                                 cfg.policy, cfg.holds, cfg.scale_from_zero_timeout, cfg.max_resumes,
+                                 cfg.resume_timeout)
         self._started = False
         self._openapi: bytes | None = None
 

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-resumes", type=int, default=2,
                    help="times a request whose engine failed after it was sent (mid-stream, or before answering) "
                         "goes on with another replica; 0: never (the client gets the error)")
+    p.add_argument("--resume-timeout", type=float, default=60.0,
+                   help="seconds a request whose engine failed waits for a replica to go on with when none is "
+                        "routable (a one-replica deployment's engine restarting in place); 0: the error at once")
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--read-timeout", type=float, default=300.0, help="longest silence from an engine")
     p.add_argument("--request-timeout", type=float, default=None, help="longest whole request (default none)")
@@ -91,6 +94,8 @@ def config_from_args(args: argparse.Namespace):
         StaticEndpoints(static_backends)
     except ValueError as exc:
         raise SystemExit(f"kvmesh router: --static-backends: {exc}") from None
+    if not args.resume_timeout >= 0:
+        raise SystemExit("kvmesh router: --resume-timeout must be >= 0")
     if args.max_resumes < 0:
         raise SystemExit("kvmesh router: --max-resumes must be >= 0")
     if not args.redis_stale_after > 0:
@@ -109,6 +114,7 @@ def config_from_args(args: argparse.Namespace):
         api_keys=api_keys, rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm, max_body_bytes=args.max_body_bytes, max_retries=args.max_retries,
         max_resumes=args.max_resumes,
+        resume_timeout=args.resume_timeout,
         connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, request_timeout=args.request_timeout,
         eject_after=args.eject_after, eject_seconds=args.eject_seconds, hot_ratio=args.hotspot_ratio,
         hot_min=args.hotspot_min_load, session_header=args.session_header, redis_timeout=args.redis_timeout,

@@ -48,11 +48,12 @@ class ClientStream:
             self.started = True
             await self.send(start)
 
-    def resuming(self, restart: bool) -> None:
-        """A continuation (or, with `restart`, the request again from nothing) takes over."""
+    def resuming(self, restart: bool, since: float) -> None:
+        """A continuation (or, with `restart`, the request again from nothing) takes over; `since`:
+        when the engine failed (time.perf_counter), for the resume latency."""
         self._buf = b""
         self._restart = restart and self.events_out > 0
-        self.resumed_at = time.perf_counter()
+        self.resumed_at = since
 
     async def feed(self, chunk: bytes) -> str | None:
         """Pass the complete events in `chunk` on; ENGINE_ERROR or ABORTED when the engine reported
@@ -73,6 +74,13 @@ class ClientStream:
             self.events_out += len(out)
             await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
         return broken
+
+    async def keep_alive(self) -> None:
+        """An SSE comment while no replica can go on with the stream yet: the client, and any proxy
+        between, sees the stream alive and what it waits for (SSE clients skip comments)."""
+        if self.started:
+            await self.send({"type": "http.response.body", "more_body": True,
+                             "body": b": waiting for a replica to go on with this stream\n\n"})
 
     async def end(self) -> None:
         """The stream is complete: what is left of it, then the end of the body."""

@@ -82,6 +82,9 @@ class RouterMetrics:
         self.resumed_tokens = Counter("kvmesh_router_resumed_tokens",
                                       "Tokens continuations re-prefill: the prompt and the ids already generated",
                                       registry=r)
+        self.resume_waiting = Gauge("kvmesh_router_resume_waiting_requests",
+                                    "Requests whose engine failed, waiting for a replica to go on with "
+                                    "(none routable: an engine restarting)", registry=r)
         self.resume_given_up = Counter("kvmesh_router_resume_given_up",
                                        "Engine failures not resumed, by reason: limit, no_replica, refused, "
                                        "no_token_ids, shutdown", ["reason"], registry=r)

@@ -30,7 +30,7 @@ from kvmesh.router.settle import settle
 class Pipeline:
     def __init__(self, admission: Admission, routing: Routing, proxy: Proxy, limiter: RateLimiter,
                  metrics: RouterMetrics, drain: Drain, policy: str, holds: bool, hold_bound_s: float,
-                 max_resumes: int):
+                 max_resumes: int, resume_timeout: float):
         self.admission = admission
         self.routing = routing
         self.proxy = proxy
@@ -41,6 +41,7 @@ class Pipeline:
         self.holds = holds  # scale from zero is on
         self.hold_bound_s = hold_bound_s  # how long a request that reached no engine is routed again
         self.max_resumes = max_resumes
+        self.resume_timeout = resume_timeout  # how long a failed request waits for a replica to go on with
 
     async def handle(self, scope, receive, send) -> None:
         call = self.admission.begin(scope)
@@ -115,9 +116,11 @@ class Pipeline:
     async def _resume(self, call: Call, send, watcher: asyncio.Future, out: Outcome) -> Outcome | None:
         """While the engine failed after the request reached it: go on with another replica (the
         policy's order, minus the pods that failed it), at most max_resumes times. Then, or with
-        no replica left, the client gets the failure as it would have without resuming."""
+        no replica left (none came back within resume_timeout), the client gets the failure as it
+        would have without resuming."""
         failed = {out.broken.pod}
         while out.broken is not None:
+            t_fail = time.perf_counter()
             given_up = self._cannot_resume(call, out)
             if given_up is not None:
                 self.metrics.resume_given_up.labels(given_up).inc()
@@ -126,11 +129,16 @@ class Pipeline:
             if ended is not None:
                 return ended
             pods = self.routing.resume_pods(failed)
+            if not pods and self.resume_timeout > 0:
+                pods = await self._wait_for_replica(call, failed, watcher)
+                if pods is None:  # the client went away while it waited
+                    self.metrics.client_disconnects.inc()
+                    return Outcome(499, out.broken.pod, attempts=out.attempts)
             if not pods:
                 self.metrics.resume_given_up.labels("no_replica").inc()
                 return await self.proxy.answer_broken(send, out, call.stream)
             await self.routing.order(call, pods)
-            new = await self._continue(call, send, watcher, out)
+            new = await self._continue(call, send, watcher, out, t_fail)
             if new.error == UNREACHED:  # no pod took the connection: the same failure, those pods out too
                 failed.update(c.name for c in call.ordered)
                 out.attempts = new.attempts + out.attempts
@@ -168,7 +176,19 @@ class Pipeline:
             return Outcome(200, out.broken.pod, usage, out.attempts)
         return None
 
-    async def _continue(self, call: Call, send, watcher: asyncio.Future, out: Outcome) -> Outcome:
+    async def _wait_for_replica(self, call: Call, failed: set[str], watcher: asyncio.Future):
+        """No other replica is routable: wait for one (a restarted engine counts), a stream kept
+        alive meanwhile. The pods, [] if none came, None if the client left."""
+        stream = call.stream
+        keep_alive = stream.keep_alive if stream is not None else _nothing
+        self.metrics.resume_waiting.inc()
+        try:
+            return await self.routing.resume_pods_waiting(failed, watcher, self.resume_timeout,
+                                                          lambda: self.drain.cutting, keep_alive, self.proxy.ready)
+        finally:
+            self.metrics.resume_waiting.dec()
+
+    async def _continue(self, call: Call, send, watcher: asyncio.Future, out: Outcome, t_fail: float) -> Outcome:
         """The request sent on to call.ordered: a stream from the ids its client has received, or
         (nothing generated yet, or not a stream) the request again from the start."""
         stream = call.stream
@@ -178,11 +198,10 @@ class Pipeline:
         self.metrics.resumed_tokens.inc(len(call.tokens) + len(ids))
         body = resume.continuation_body(call.req, ids) if ids else None
         if stream is not None:
-            stream.resuming(restart=not ids)
-        t0 = time.perf_counter()
+            stream.resuming(restart=not ids, since=t_fail)
         new = await self._proxy(call, send, watcher, answer_unreached=False, body=body, continuation=True)
         if stream is None and new.broken is None and new.status < 500:
-            self.metrics.resume_seconds.observe(time.perf_counter() - t0)
+            self.metrics.resume_seconds.observe(time.perf_counter() - t_fail)
         return new
 
     async def _proxy(self, call: Call, send, watcher: asyncio.Future, answer_unreached: bool,
@@ -205,3 +224,7 @@ class Pipeline:
         except (asyncio.CancelledError, Exception):  # noqa: BLE001
             pass
         return Outcome(499, call.ordered[0].name)
+
+
+async def _nothing() -> None:
+    return None

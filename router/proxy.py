@@ -38,6 +38,8 @@ _PASS_HEADERS = {"content-type", "content-encoding", "cache-control", "retry-aft
 UNREACHED = "unreached"  # Outcome.error: no engine accepted the connection; nothing was sent
 
 
+READY_PROBE_TIMEOUT_S = 1.0  # an engine asked whether it is back answers /ready at once, or is not
+
 @dataclass(frozen=True)
 class Broken:
     """An engine failed after the request reached it, and the client has not been told: the
@@ -129,6 +131,17 @@ class Proxy:
         target = call.path + ("?" + call.query.decode("latin-1") if call.query else "")
         return ProxyRequest(target, body, fwd, call.rid, call.ordered, call.t0, call.extra, on_sent,
                             answer_unreached, call.resumable, call.stream, continuation)
+
+    async def ready(self, pod) -> bool:
+        """Whether the pod's engine answers /ready with 200 now (a replica that failed a request,
+        asked whether it is back)."""
+        headers = {"Authorization": f"Bearer {self.cfg.upstream_api_key}"} if self.cfg.upstream_api_key else None
+        try:
+            async with self.session.get(pod.url + "/ready", headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=READY_PROBE_TIMEOUT_S)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
 
     def cut(self) -> None:
         """The drain timed out: close every engine response still being passed through, and cancel

@@ -21,6 +21,10 @@ from kvmesh.router.prompt_tokens import PromptTokens
 from kvmesh.router.request_checks import Refused
 from kvmesh.router.scoring import Candidate
 
+RESUME_POLL_S = 0.25  # how often a request waiting for a replica to resume on looks again
+RESUME_PROBE_S = 1.0  # how often it asks the engines that failed it whether they are back
+RESUME_KEEPALIVE_S = 5.0  # an SSE comment this often to a stream that waits (clients ignore comments)
+
 
 class Routing:
     def __init__(self, policy: RoutingPolicy, policy_name: str, block_size: int, prompt_tokens: PromptTokens,
@@ -98,6 +102,39 @@ class Routing:
         pods = self._routable(exclude)
         now = time.monotonic()
         return [p for p in pods if not self.traffic.breaker.ejected(p.name, now)] or pods
+
+    async def resume_pods_waiting(self, failed: set[str], watcher: asyncio.Future, timeout: float,
+                                  stopped, keep_alive, ready) -> list[Pod] | None:
+        """No replica to go on with: wait up to `timeout` s for one. A new pod qualifies, and so
+        does one that failed this request once it is back: seen unroutable since and routable
+        again, or its engine answering `await ready(pod)` (its engine restarted in place, as a
+        one-replica deployment's only engine does; a view without health, static backends, never
+        shows it down). Such a pod leaves `failed`. [] when none came in time (or `stopped()`),
+        None when the client went away. `keep_alive()` is awaited every RESUME_KEEPALIVE_S."""
+        now = time.monotonic()
+        deadline, next_alive, next_probe = now + timeout, now + RESUME_KEEPALIVE_S, now
+        seen_down: set[str] = set()
+        while True:
+            routable = self._routable(())
+            seen_down |= failed - {p.name for p in routable}
+            if time.monotonic() >= next_probe:
+                next_probe = time.monotonic() + RESUME_PROBE_S
+                for pod in routable:
+                    if pod.name in failed and pod.name not in seen_down and await ready(pod):
+                        seen_down.add(pod.name)
+            pods = self.resume_pods(failed - seen_down)
+            if pods:
+                failed -= {p.name for p in pods}
+                return pods
+            now = time.monotonic()
+            if now >= deadline or stopped():
+                return []
+            if now >= next_alive:
+                await keep_alive()
+                next_alive = now + RESUME_KEEPALIVE_S
+            await asyncio.wait({watcher}, timeout=min(RESUME_POLL_S, deadline - now))
+            if watcher.done():
+                return None
 
     def _routable(self, exclude) -> list[Pod]:
         pods = self.discovery.routable()

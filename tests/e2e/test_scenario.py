@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 import redis
 
@@ -28,7 +29,7 @@ from kvmesh.common import redis_layout as rl
 from kvmesh.operator import crd, render
 from kvmesh.testing import controlplane
 from tests.e2e import report
-from tests.e2e.traffic import ERROR, OK, Traffic, failures, summary
+from tests.e2e.traffic import OK, Traffic, failures, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 MD_FILE = Path(__file__).with_name("chat-modeldeployment.yaml")
@@ -143,16 +144,6 @@ def engine_command(pod: dict[str, Any]) -> list[str]:
     return next(c for c in pod["spec"]["containers"] if c["name"] == "engine")["command"]
 
 
-def assert_only_killed_streams_failed(streams, pod: str, killed_at: float) -> list:
-    """Every failed stream was in flight on ``pod`` when its engine died, and ended with an error
-    (never just stopped); returns the failed ones."""
-    failed = failures(streams)
-    for s in failed:
-        assert s.outcome == ERROR, f"a stream ended without telling its client: {s}"
-        assert s.pod == pod and s.in_flight_at(killed_at), f"a stream not on the killed engine failed: {s}"
-    return failed
-
-
 def manifest_files() -> list[Path]:
     """manifests/ as a user applies it, less the example ModelDeployment (its engine asks for a
     GPU and the default 4 GiB KV cache; the scenario deploys its own)."""
@@ -257,7 +248,6 @@ def light_stops(load: Traffic) -> Iterator[None]:
 
 
 def test_kv_pressure_scales_up_through_scale_and_idle_scales_back_down(cluster) -> None:
-    import httpx
 
     from tests.e2e.traffic import stream_chat
 
@@ -310,8 +300,17 @@ def test_kv_pressure_scales_up_through_scale_and_idle_scales_back_down(cluster) 
                   f"({summary(light.finished())}; {len(drained)} drained by the removed pod)")
 
 
-def test_sigkilled_engine_restarts_in_place_and_is_routed_again(cluster) -> None:
+def router_metric(cluster, name: str) -> float:
+    """A router metric's value, every label summed."""
+    with httpx.Client(timeout=10, trust_env=False) as http:
+        text = http.get(router_url(cluster) + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_sigkilled_engine_restarts_in_place_and_its_streams_go_on(cluster) -> None:
     pod = one_ready_engine(cluster)
+    resumed_before = router_metric(cluster, "kvmesh_router_resumed_requests_total")
     with flowing_traffic(cluster, pod, served=2, max_tokens=64) as load:
         pid = cluster.processes(NS, pod)["engine"]
         killed_at = time.time()
@@ -321,11 +320,15 @@ def test_sigkilled_engine_restarts_in_place_and_is_routed_again(cluster) -> None
         eventually(lambda: load.count_ok_on(pod, since=killed_at) > 0, 90, "a request served after the restart")
         routable_after = time.time() - killed_at
     streams = load.finished()
-    failed = assert_only_killed_streams_failed(streams, pod, killed_at)
-    assert failed, "no stream was in flight on the killed engine: the fault tested nothing"
+    # The only replica's streams wait for its engine to come back (the router asks it), and go on
+    # from the tokens their clients had: nothing fails.
+    assert not failures(streams), [str(s) for s in failures(streams)]
+    on_it = [s for s in streams if s.pod == pod and s.in_flight_at(killed_at)]
+    assert on_it, "no stream was in flight on the killed engine: the fault tested nothing"
+    assert router_metric(cluster, "kvmesh_router_resumed_requests_total") - resumed_before >= len(on_it)
     assert restart_count(cluster.pod(NS, pod), "engine") == 1 and cluster.pod(NS, pod)["metadata"]["name"] == pod
-    report.record("engine SIGKILL: restarted, routed again", f"{routable_after:.1f} s ({summary(streams)}, "
-                  f"all on the killed engine)")
+    report.record("engine SIGKILL: restarted, routed again", f"{routable_after:.1f} s ({summary(streams)}; "
+                  f"{len(on_it)} in flight on it went on after the restart)")
 
 
 def test_deleted_engine_pod_is_replaced_and_routed(cluster) -> None:

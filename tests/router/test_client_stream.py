@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from kvmesh.common.json_body import load_json
 from kvmesh.router import resume
@@ -70,7 +71,7 @@ def test_the_client_that_asked_for_ids_gets_them():
 def test_a_continuation_keeps_the_original_id_and_created():
     stream, sent = client_stream()
     run(stream, ev(chunk(" a", [5])))
-    stream.resuming(restart=False)
+    stream.resuming(restart=False, since=time.perf_counter())
     run(stream, ev(chunk(" b", [6], cid="cmpl-other", created=200)))
     assert [(e["id"], e["created"]) for e in events(sent)] == [("cmpl-1", 100), ("cmpl-1", 100)]
 
@@ -92,7 +93,7 @@ def test_a_restart_drops_the_chat_role_chunk_the_client_already_had():
     role = {"id": "c", "created": 1, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                   "token_ids": [], "finish_reason": None}], "prompt_token_ids": [1]}
     run(stream, ev(role))
-    stream.resuming(restart=True)
+    stream.resuming(restart=True, since=time.perf_counter())
     first = {"id": "c", "created": 1, "choices": [{"index": 0, "delta": {"content": "Hi"}, "token_ids": [8],
                                                    "finish_reason": None}]}
     run(stream, ev({**role, "id": "d"}) + ev(first))

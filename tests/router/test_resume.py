@@ -44,8 +44,10 @@ class Engine:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "Engine":
-        self.port = free_port()
+    def start(self, same_port: bool = False) -> "Engine":
+        """Started (again); on a new port unless `same_port` (a restart in place, as a pod's)."""
+        if not same_port:
+            self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.cli", "serve", "--model", self.model_dir, "--served-model-name", "tiny",
              "--host", "127.0.0.1", "--port", str(self.port), "--num-kv-blocks", "256", "--engine-mode", "thread",
@@ -252,13 +254,43 @@ def test_a_non_streamed_request_whose_engine_is_killed_is_answered_by_another(ro
 
 
 def test_a_stream_whose_every_replica_died_gets_the_error_event(router, live):
-    rt = router(pods=live[:1])  # one replica: none is left once it dies
+    rt = router(pods=live[:1], resume_timeout=1.0)  # one replica, not back within the second it waits
     body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, **LONG}
+    t0 = time.monotonic()
     events, killed = stream(rt.url, "/v1/completions", body, kill_after=4, engines=live)
     assert killed == live[0].name
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "upstream_failed", events[-3:]
+    assert time.monotonic() - t0 < 30
     assert metric(rt.url, "kvmesh_router_resume_given_up_total", reason="no_replica") == 1
     assert metric(rt.url, "kvmesh_router_resumed_requests_total") == 0
+
+
+def test_a_one_replica_stream_waits_for_its_engine_to_restart_and_goes_on(router, live):
+    """The only engine is killed and comes back on the same address (a pod's container restarted in
+    place): the stream waits for it, kept alive with SSE comments, and goes on as if uninterrupted."""
+    body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, **LONG, "stream_options": {"include_usage": True}}
+    engine = live[0]
+    reference, _ = stream(engine.url, "/v1/completions", body)
+    rt = router(pods=[engine])  # static: the router sees no health; it asks the engine itself
+    events, comments = [], []
+    with httpx.stream("POST", rt.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith(":"):
+                comments.append(line)
+            if not line.startswith("data: "):
+                continue
+            events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+            if len(events) == 4:
+                engine.kill()
+                time.sleep(6)  # down longer than one keep-alive period
+                engine.start(same_port=True)
+    check_one_stream(events)
+    assert text_of(events, False) == text_of(reference, False)
+    assert usage_of(events)["completion_tokens"] == usage_of(reference)["completion_tokens"] == LONG["max_tokens"]
+    assert comments and set(comments) == {": waiting for a replica to go on with this stream"}, comments
+    assert metric(rt.url, "kvmesh_router_resumed_requests_total", phase="mid_stream") == 1
+    assert metric(rt.url, "kvmesh_router_resume_given_up_total", reason="no_replica") == 0
 
 
 def test_the_resume_limit_holds(router, live):
