@@ -183,6 +183,9 @@ def chat_request_prompt(req: dict[str, Any], template: str | None, fmt: type[Too
     return messages, template_variables(tool_vars, kwargs)
 
 
+_MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id")  # the engine's ChatMessage, in order
+
+
 def chat_template_messages(messages: Any) -> list[dict[str, Any]]:
     """Chat messages as the engine hands them to the chat template (its ChatMessage.as_template_dict):
     text content parts joined into one string, a missing or null content as "", an assistant's
@@ -194,7 +197,9 @@ def chat_template_messages(messages: Any) -> list[dict[str, Any]]:
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise ChatPromptError(f"messages.{i}", f"messages.{i} must be an object")
-        d = {k: v for k, v in msg.items() if v is not None}
+        # the engine's order: its model's fields, then the extra ones as sent (a template may list them)
+        d = {k: msg[k] for k in _MESSAGE_FIELDS if msg.get(k) is not None}
+        d.update((k, v) for k, v in msg.items() if v is not None and k not in d)
         if d.get("role") == "assistant" and d.get("tool_calls") is not None:
             d["tool_calls"] = decoded_tool_calls(d["tool_calls"], f"messages.{i}.tool_calls")
         content = msg.get("content")

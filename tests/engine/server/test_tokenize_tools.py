@@ -119,6 +119,17 @@ def test_a_template_that_reads_tools_renders_the_same_for_router_and_engine(tiny
     assert router.tokens("/v1/chat/completions", override) == engine_render_ids(tok, override)
 
 
+def test_a_template_that_lists_a_messages_fields_sees_them_in_the_engines_order(tiny_model):
+    tok = KVMeshTokenizer(tiny_model)
+    tok.chat_template = "{% for m in messages %}{% for k, v in m.items() %}{{ k }}={{ v }};{% endfor %}\n{% endfor %}"
+    router = PromptTokens(FastEncoder(tok), MODEL, 16)
+    req = {"messages": [{"name": "ann", "content": "hi", "role": "user", "lang": None},
+                        {"tool_call_id": "call-1", "content": None, "role": "tool", "name": "f"}]}
+    ids = engine_render_ids(tok, req)
+    assert router.tokens("/v1/chat/completions", req) == ids
+    assert tok.decode(ids, skip_special_tokens=False).startswith("role=user;content=hi;name=ann;role=user;")
+
+
 def test_the_engines_tool_call_parser_sets_the_format_the_router_must_know(tiny_model):
     """An engine started with --tool-call-parser llama3_json describes tools in Llama 3's format; a router
     told the same format agrees, one left at the default (Hermes) does not."""
