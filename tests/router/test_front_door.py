@@ -207,7 +207,8 @@ def test_an_engine_killed_before_the_first_event_is_a_502(mesh, router_factory, 
                                                           asgi_errors):
     stubs, _ = mesh(1)
     stubs[0].config(token_delay=5.0)  # the status line is out at once, the first event in 5 s
-    router = router_factory(model=model_name, redis_url=redis_server.url)
+    # the only replica, and no waiting for it to come back: the failure goes to the client
+    router = router_factory(model=model_name, redis_url=redis_server.url, resume_timeout=0)
     out = {}
 
     def go():

@@ -1,5 +1,6 @@
-"""Structured-output and tool-calling fields pass through the router untouched, and do not change
-the prompt's block keys (the router routes on the prompt alone; the engine reads these fields)."""
+"""Structured-output and tool-calling fields pass through the router untouched. The structured-output
+fields do not change the prompt's block keys (the engine reads them, its prompt is the same); tools
+do, as they change the prompt the engine renders (tests/router/test_tool_routing.py)."""
 
 import httpx
 import pytest
@@ -37,13 +38,20 @@ def test_the_engine_receives_every_structured_field_unchanged(stub_factory, rout
     assert received == sent
 
 
-def test_block_keys_ignore_the_structured_fields():
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+
+
+def test_block_keys_ignore_the_structured_fields_and_follow_the_tools():
     from kvmesh.router import app
 
     router = app.Router(app.RouterConfig(model="smollm2-135m-instruct", redis_url=None))  # its real tokenizer
+    structured = {k: v for k, v in STRUCTURED.items() if k not in TOOL_FIELDS}
     for path, body in (("/v1/chat/completions", {"messages": MESSAGES}),
                        ("/v1/completions", {"prompt": "Name a colour. " * 40})):
         plain = router._tokens_and_keys(path, body, False, False)
-        with_fields = router._tokens_and_keys(path, {**body, **STRUCTURED}, False, False)
+        with_fields = router._tokens_and_keys(path, {**body, **structured}, False, False)
         assert plain[1], "the prompt is long enough for at least one full block"
         assert with_fields == plain
+    chat = {"messages": MESSAGES}
+    with_tools = router._tokens_and_keys("/v1/chat/completions", {**chat, **STRUCTURED}, False, False)
+    assert with_tools[0] != router._tokens_and_keys("/v1/chat/completions", chat, False, False)[0]
