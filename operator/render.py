@@ -15,6 +15,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.common.chat_prompt import tool_call_parser_in
 from kvmesh.operator import crd
 from kvmesh.operator.spec import GPU, served_model_name
 
@@ -238,6 +239,9 @@ def router_args(spec: dict[str, Any], md_name: str) -> list[str]:
         args += ["--tokenizer", _model_arg(spec)]
     if router.get("apiKeySecretRef"):
         args += ["--api-keys-file", "/etc/kvmesh/api-keys/keys"]
+    parser = tool_call_parser_in(list(spec["engine"].get("extraArgs") or []))
+    if parser:  # tool requests rendered as the engines render them
+        args += ["--tool-call-parser", parser]
     return args
 
 

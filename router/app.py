@@ -19,6 +19,7 @@ import aiohttp
 
 from kvmesh.common import openapi as oa
 from kvmesh.common import redis_layout as rl
+from kvmesh.common.chat_prompt import TOOL_PROMPTS
 from kvmesh.router import policies
 from kvmesh.router.admission import Admission
 from kvmesh.router.auth import ApiKeys, RateLimiter
@@ -76,7 +77,7 @@ class Router:
         self.redis = None
         self.discovery: Discovery | None = None
         self.session: aiohttp.ClientSession | None = None
-        self.prompt_tokens = PromptTokens(encoder, cfg.model, cfg.block_size)
+        self.prompt_tokens = PromptTokens(encoder, cfg.model, cfg.block_size, TOOL_PROMPTS[cfg.tool_call_parser])
         self.hold_queue = HoldQueue(cfg.model, cfg.max_pending_requests, cfg.scale_from_zero_timeout, self.metrics,
                                     self.drain)
         self.prefix_match = PrefixMatch(cfg.model, self.metrics, cfg.redis_retry_after)

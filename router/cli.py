@@ -6,6 +6,7 @@ import argparse
 import os
 
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
+from kvmesh.common.chat_prompt import TOOL_PROMPTS
 from kvmesh.common.logging_setup import redact_url, setup_logging
 from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.router import policies
@@ -26,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=policies.NAMES, default=policies.DEFAULT)
     p.add_argument("--weights", default="prefix=1.0,kv=0.5,queue=0.5", help="routing-score weights (contract 4)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="must match the engines")
+    p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PROMPTS),
+                   help="the engines' --tool-call-parser: how they describe tools to a chat template that does "
+                        "not read them; the router renders tool requests the same way to match their cached prefix")
     p.add_argument("--api-keys-file", default=None,
                    help="API keys, one per line (env KVMESH_API_KEYS: a path or the keys themselves)")
     # additions beyond the agreed flags
@@ -115,6 +119,7 @@ def config_from_args(args: argparse.Namespace):
         rate_limit_tpm=args.rate_limit_tpm, max_body_bytes=args.max_body_bytes, max_retries=args.max_retries,
         max_resumes=args.max_resumes,
         resume_timeout=args.resume_timeout,
+        tool_call_parser=args.tool_call_parser,
         connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, request_timeout=args.request_timeout,
         eject_after=args.eject_after, eject_seconds=args.eject_seconds, hot_ratio=args.hotspot_ratio,
         hot_min=args.hotspot_min_load, session_header=args.session_header, redis_timeout=args.redis_timeout,

@@ -88,6 +88,18 @@ TOOL_PROMPTS: dict[str, type[ToolPrompt]] = {"hermes": HermesPrompt, "llama3_jso
 DEFAULT_TOOL_PROMPT = HermesPrompt
 
 
+def tool_call_parser_in(argv: list[str]) -> str | None:
+    """The `--tool-call-parser` an engine command line names (the last one wins, as in argparse),
+    for the router that must render tools as those engines do."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == "--tool-call-parser" and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith("--tool-call-parser="):
+            found = arg.split("=", 1)[1]
+    return found if found in TOOL_PROMPTS else None
+
+
 # -- the messages and the tools, into the template ------------------------------------------------
 
 @lru_cache(maxsize=8)

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
+from kvmesh.common.chat_prompt import tool_call_parser_in
 from kvmesh.common.logging_setup import setup_logging
 from kvmesh.common.models import DEFAULT_MODEL
 from kvmesh.common.ports import free_port
@@ -175,6 +176,9 @@ class Mesh:
             argv += ["--api-keys-file", self.args.api_keys_file]
         if self.args.max_resumes is not None:
             argv += ["--max-resumes", str(self.args.max_resumes)]
+        parser = tool_call_parser_in(shlex.split(self.args.engine_args or ""))
+        if parser:  # tool requests rendered as the engines render them
+            argv += ["--tool-call-parser", parser]
         argv += shlex.split(self.args.router_args or "")
         self.router = Child("router", argv, self.env, self.policy, essential=True).start()
 

@@ -373,3 +373,15 @@ def test_token_budget_is_rendered_only_when_set():
     args = render.engine_args(specs.apply_defaults({"model": {"builtin": "x"}, "engine": {"maxNumBatchedTokens": 4096}}))
     i = args.index("--max-num-batched-tokens")
     assert args[i + 1] == "4096"
+
+
+def test_the_router_renders_tools_as_the_engines_tool_call_parser_does():
+    spec = specs.apply_defaults(CASES["hf-gpu-autoscaling"])
+    assert "--tool-call-parser" not in render.router_args(spec, "demo")  # the router's default: hermes
+    spec["engine"]["extraArgs"] = ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+    args = render.router_args(spec, "demo")
+    assert args[args.index("--tool-call-parser") + 1] == "llama3_json"
+    assert _flags(args) <= _cli_flags("router")
+    spec["engine"]["extraArgs"] = ["--tool-call-parser=hermes"]
+    args = render.router_args(spec, "demo")
+    assert args[args.index("--tool-call-parser") + 1] == "hermes"

@@ -85,3 +85,28 @@ def test_tools_count_in_the_prompt_size_up_to_a_cap():
     hostile = [[{"k": "v"}] * 1000] * 4000  # four million objects: read up to the cap, no further
     assert tools_chars(hostile) == tools_chars(hostile, cap=1 << 15) == 1 << 15
     assert tools_chars(hostile, cap=100) == 100
+
+
+def test_the_router_reads_the_tool_call_parser_off_an_engine_command_line():
+    from kvmesh.common.chat_prompt import tool_call_parser_in
+
+    assert tool_call_parser_in(["--tool-call-parser", "llama3_json"]) == "llama3_json"
+    assert tool_call_parser_in(["--tool-call-parser=hermes", "--tool-call-parser", "llama3_json"]) == "llama3_json"
+    assert tool_call_parser_in(["--tool-call-parser"]) is None  # no value: argparse refuses it anyway
+    assert tool_call_parser_in(["--tool-call-parser", "pythonic"]) is None  # no prompt format: the default
+    assert tool_call_parser_in([]) is None
+
+
+def test_a_router_started_with_a_tool_call_parser_renders_tools_in_that_format():
+    from kvmesh.common.chat_prompt import Llama3JsonPrompt
+    from kvmesh.router import app
+    import argparse
+
+    from kvmesh.router.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--tool-call-parser", "llama3_json", "--model", "smollm2-135m-instruct",
+                                              "--static-backends", "a=http://127.0.0.1:1"]))
+    assert cfg.tool_call_parser == "llama3_json"
+    assert app.Router(cfg).prompt_tokens.tool_format is Llama3JsonPrompt
