@@ -51,7 +51,8 @@ class Engine:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.cli", "serve", "--model", self.model_dir, "--served-model-name", "tiny",
              "--host", "127.0.0.1", "--port", str(self.port), "--num-kv-blocks", "256", "--engine-mode", "thread",
-             "--log-level", "warning"], stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT,
+             # a drain (SIGTERM) cuts what still runs after 0.2 s: the drain test's streams outlive it
+             "--drain-timeout", "0.2", "--log-level", "warning"], stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT,
             start_new_session=True)
         return self
 
@@ -72,6 +73,11 @@ class Engine:
         if self.alive:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+    def terminate(self) -> None:
+        """SIGTERM: the engine drains (0.2 s), aborts what still runs, and exits."""
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +257,30 @@ def test_a_non_streamed_request_whose_engine_is_killed_is_answered_by_another(ro
     assert out["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
     assert out["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
     assert metric(rt.url, "kvmesh_router_resumed_requests_total") == 1
+
+
+def test_a_stream_cut_by_its_engines_drain_goes_on_with_another(router, live):
+    """A draining engine (a scale-down, a rollout) aborts the streams still running at its drain
+    timeout (finish_reason "abort"): the router goes on with another replica instead of ending them."""
+    body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, **LONG, "stream_options": {"include_usage": True}}
+    reference, _ = stream(live[0].url, "/v1/completions", body)
+    rt = router()
+    events = []
+    with httpx.stream("POST", rt.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+        pod = resp.headers["x-kvmesh-pod"]
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                if len(events) == 4:
+                    next(e for e in live if e.name == pod).terminate()
+    drained = next(e for e in live if e.name == pod)
+    assert drained.proc.wait(30) == 0  # it drained and exited by itself
+    check_one_stream(events)
+    assert text_of(events, False) == text_of(reference, False)
+    finish = [c["finish_reason"] for e in events if e != "[DONE]" for c in e["choices"] if c.get("finish_reason")]
+    assert finish == ["length"]  # never "abort": the client does not see the cut
+    assert usage_of(events)["completion_tokens"] == LONG["max_tokens"]
+    assert metric(rt.url, "kvmesh_router_resumed_requests_total", phase="mid_stream") == 1
 
 
 def test_a_stream_whose_every_replica_died_gets_the_error_event(router, live):
