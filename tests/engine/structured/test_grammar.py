@@ -4,10 +4,8 @@ output valid), with rollback and reset of the matcher."""
 
 import functools
 import json
-import re
 import threading
 
-import jsonschema
 import pytest
 import torch
 
@@ -16,12 +14,8 @@ from kvmesh.engine.structured import bitmask, compiler
 from kvmesh.engine.structured.compiler import GrammarCache, GrammarTimeout
 from kvmesh.engine.structured.matcher import StructuredState
 from kvmesh.engine.structured.params import StructuredOutputsParams as SOP
+from tests.engine.structured.specs import CHOICES, PERSON, REGEX, check_json, check_regex
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "kind": {"enum": ["a", "b"]}}, "required": ["name", "age", "kind"], "additionalProperties": False}
-REGEX = r"[a-z]{2,6}@[a-z]{2,4}\.(com|org)"
-CHOICES = ["yes", "no", "maybe so"]
 EBNF = 'root ::= "(" num ("," num)* ")"\nnum ::= [0-9] | [1-9] [0-9]'
 
 
@@ -132,13 +126,13 @@ def _generate(cache, tokenizer, spec, seed, greedy, max_tokens=200):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_kind_decodes_to_valid_output(tokenizer, tokenizer_info, greedy, seed):
     cache = GrammarCache(tokenizer_info)
-    jsonschema.validate(json.loads(_generate(cache, tokenizer, SOP(json=PERSON), seed, greedy)), PERSON)
+    check_json(_generate(cache, tokenizer, SOP(json=PERSON), seed, greedy), PERSON)
     if greedy:  # sampled free-form keys and strings run past any small bound
         assert isinstance(json.loads(_generate(cache, tokenizer, SOP(json_object=True), seed, greedy)), dict)
-    assert re.fullmatch(REGEX, _generate(cache, tokenizer, SOP(regex=REGEX), seed, greedy))
+    check_regex(_generate(cache, tokenizer, SOP(regex=REGEX), seed, greedy))
     assert _generate(cache, tokenizer, SOP(choice=CHOICES), seed, greedy) in CHOICES
     text = _generate(cache, tokenizer, SOP(grammar=EBNF), seed, greedy)
-    assert re.fullmatch(r"\((?:[0-9]|[1-9][0-9])(?:,(?:[0-9]|[1-9][0-9]))*\)", text), text
+    check_regex(text, r"\((?:[0-9]|[1-9][0-9])(?:,(?:[0-9]|[1-9][0-9]))*\)")
 
 
 def _mask_of(state, vocab):
