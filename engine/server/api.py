@@ -38,13 +38,20 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvmesh engine", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
-    auth = bool(state.config.api_key)
+    _openapi_document(app, state)
+    _error_handlers(app)
+    _openai_routes(app, state)
+    _operations_routes(app, state)
+    return app
 
-    def api(method: str, path: str) -> dict[str, Any]:
-        """A route's OpenAPI operation (kvmesh.common.openapi): its JSON request body (the routes
-        read raw JSON, so FastAPI would document none) and every status it answers."""
-        return oa.operation(method, path, auth=auth)
 
+def _api(state: ServerState, method: str, path: str) -> dict[str, Any]:
+    """A route's OpenAPI operation (kvmesh.common.openapi): its JSON request body (the routes read
+    raw JSON, so FastAPI would document none) and every status it answers."""
+    return oa.operation(method, path, auth=bool(state.config.api_key))
+
+
+def _openapi_document(app: FastAPI, state: ServerState) -> None:
     def openapi() -> dict[str, Any]:
         """FastAPI's document, plus the shared schemas: the model name and, once the model is
         loaded, its vocabulary bound the token ids."""
@@ -53,13 +60,17 @@ def build_app(state: ServerState) -> FastAPI:
         from fastapi.openapi.utils import get_openapi
 
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        doc["components"] = oa.components(state.config.served_model_name, state.engine.vocab_size or None, auth)
+        doc["components"] = oa.components(state.config.served_model_name, state.engine.vocab_size or None,
+                                          bool(state.config.api_key))
         if state.engine.loaded.is_set():  # final: the vocabulary is known
             app.openapi_schema = doc
         return doc
 
     app.openapi = openapi
 
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape."""
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         if "x-request-id" in request.headers:
@@ -78,6 +89,9 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
                             headers=exc.headers)
 
+
+def _openai_routes(app: FastAPI, state: ServerState) -> None:
+    """/v1/* and vLLM's /tokenize, /detokenize: each hands its request to its handler."""
     async def guard(request: Request) -> None:
         """Every /v1 route: the API key, then readiness. Like vLLM, nothing under /v1 answers before
         the model is loaded (503 with Retry-After), /v1/models included: a client that polls it
@@ -87,15 +101,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(guard)])
 
-    @v1.post("/completions", openapi_extra=api("post", "/v1/completions"))
+    @v1.post("/completions", openapi_extra=_api(state, "post", "/v1/completions"))
     async def completions(request: Request):
         return await CompletionHandler(state, request).handle()
 
-    @v1.post("/chat/completions", openapi_extra=api("post", "/v1/chat/completions"))
+    @v1.post("/chat/completions", openapi_extra=_api(state, "post", "/v1/chat/completions"))
     async def chat_completions(request: Request):
         return await ChatHandler(state, request).handle()
 
-    @v1.get("/models", openapi_extra=api("get", "/v1/models"))
+    @v1.get("/models", openapi_extra=_api(state, "get", "/v1/models"))
     async def models(request: Request):
         eng = state.engine
         return {"object": "list", "data": [{
@@ -105,17 +119,20 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.include_router(v1)
 
-    @app.post("/tokenize", openapi_extra=api("post", "/tokenize"))
+    @app.post("/tokenize", openapi_extra=_api(state, "post", "/tokenize"))
     async def tokenize(request: Request):
         """vLLM's /tokenize: the token ids the engine would see for a prompt or chat messages."""
         await guard(request)  # outside /v1: auth and readiness checked here
         return await TokenizationHandler(state, request).tokenize()
 
-    @app.post("/detokenize", openapi_extra=api("post", "/detokenize"))
+    @app.post("/detokenize", openapi_extra=_api(state, "post", "/detokenize"))
     async def detokenize(request: Request):
         await guard(request)
         return await TokenizationHandler(state, request).detokenize()
 
+
+def _operations_routes(app: FastAPI, state: ServerState) -> None:
+    """Liveness, readiness, the load figures and the metrics: answered from the server state."""
     @app.get("/health", openapi_extra=oa.simple_get("liveness: 500 once the engine failed to load, 503 once its "
                                                     "core process (or thread) exited", [200, 500, 503],
                                                     status_body=True))
@@ -148,5 +165,3 @@ def build_app(state: ServerState) -> FastAPI:
                                                      {"text/plain": {"schema": {"type": "string"}}}))
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    return app
