@@ -157,7 +157,10 @@ def scale_up_cap(policy: ScalingPolicy, state: ScalerState, now: float, current:
 
 
 def decide(policy: ScalingPolicy, obs: Observation, state: ScalerState | None = None) -> Decision:
-    """One autoscaling decision. Pure: the same inputs always give the same output."""
+    """One autoscaling decision. Pure: the same inputs always give the same output. Kept whole: its
+    rules apply in this order (the spec's bounds, scale from and to zero, missing metrics, the KV and
+    queue recommendation, the stabilization windows and rate limits, as Kubernetes' HPA applies
+    them), and one reading top to bottom is the decision's explanation."""
     state = state or ScalerState()
     current = obs.current_replicas
     stuck, starting = split_pending(policy, obs)
