@@ -318,6 +318,8 @@ def _download_init_container(spec: dict[str, Any], image: str, pull: str) -> dic
 
 def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: Images,
                              credentials: str | None = None) -> dict[str, Any]:
+    """The engine pods' Deployment (engine + sidecar). Kept whole: it reads as the manifest
+    `kubectl get -o yaml` shows, each field next to the spec value it comes from."""
     name = md["metadata"]["name"]
     eng = spec["engine"]
     image = eng.get("image") or images.engine

@@ -75,7 +75,8 @@ def _token_ids(vocab_size: int | None, min_items: int = 0) -> dict[str, Any]:
 
 def request_schemas(model: str | None = None, vocab_size: int | None = None) -> dict[str, dict[str, Any]]:
     """The request bodies. ``model``: the one model name the server accepts (others get 404);
-    ``vocab_size``: token ids are below it. Unknown fields are ignored (not refused)."""
+    ``vocab_size``: token ids are below it. Unknown fields are ignored (not refused). Kept whole: one
+    table of every request body, read next to the API reference it generates."""
     model_s = {"type": ["string", "null"], "description": "the served model name (another one is a 404)"}
     if model:
         model_s = {"enum": [model, None], "description": "the served model name (another one is a 404)"}
