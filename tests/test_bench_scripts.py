@@ -223,3 +223,83 @@ def test_gpu_check_pins_one_wheel_per_package_and_the_random_1b_shape_is_1_07b()
     kv = preset["num_key_value_heads"] * preset["head_dim"]
     params = vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h  # tied embeddings
     assert 1.06e9 < params < 1.08e9
+
+
+def test_structured_online_counts_valid_cut_invalid_and_refused_replies(bench_module, tmp_path, capsys):
+    """bench/structured_online.py against a scripted OpenAI-style server: per schema, the
+    constrained reply is valid, refused (400), cut by max_tokens, invalid or valid; every
+    unconstrained reply is fenced JSON (not a bare document). Two names for the server give the
+    ratio line; --results keeps the runs and refuses a file saved with other settings."""
+    import asyncio
+    import json
+    import threading
+
+    from aiohttp import web
+
+    so = bench_module("structured_online")
+    constrained_replies = {  # (status, text, finish_reason) per schema
+        "flat": (200, '{"name": "a", "age": 3}', "stop"),
+        "nested": (400, "", None),
+        "anyof_ref": (200, '{"v": "ab", "items": [', "length"),
+        "order": (200, '{"order_id": 0}', "stop"),
+        "event": (200, '{"title": "t", "day": "mon", "attendees": ["a", "b"], "online": true}', "stop"),
+    }
+    assert set(constrained_replies) == set(so.SCHEMAS)
+
+    async def chat(request):
+        body = await request.json()
+        spec = body.get("response_format")
+        status, text, finish = (constrained_replies[spec["json_schema"]["name"]] if spec
+                                else (200, '```json\n{"name": "a"}\n```', "stop"))
+        if status != 200:
+            return web.json_response({"error": {"message": "unsupported schema"}}, status=status)
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece, reason in ((text[:5], None), (text[5:], finish)):
+            chunk = {"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": reason}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    async def models(_):
+        return web.json_response({"data": [{"id": "m"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    results = tmp_path / "runs.json"
+    url = f"http://127.0.0.1:{port}"
+    try:
+        args = ["--url", f"a={url}", "--url", f"b={url}/", "--model", "m", "--requests", "10", "--warmup", "1",
+                "--results", str(results)]
+        assert so.main(args) == 0
+        out = capsys.readouterr().out
+        with pytest.raises(SystemExit):
+            so.main([*args[:4], "--requests", "12", "--results", str(results)])
+        assert "saved with" in capsys.readouterr().err
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    runs = json.loads(results.read_text())["runs"]
+    assert set(runs) == {"a", "b"}
+    c, u = runs["a"]["constrained"], runs["a"]["unconstrained"]
+    assert (c["requests"], c["valid"], c["cut"], c["invalid"], c["refused"]) == (5, 2, 1, 1, 1)
+    assert c["valid_share"] == 0.4 and "unsupported schema" in c["first_refusal"]
+    assert (u["requests"], u["valid"], u["invalid"], u["refused"]) == (5, 0, 5, 0)
+    assert runs["a"]["output_tok_s"] > 0 and c["ttft_p50_ms"] > 0
+    assert "schema-valid 2/5 (40%); cut by max_tokens 1, invalid 1, refused 1" in out
+    assert "ratio a/b: output tok/s" in out
+    with pytest.raises(ValueError, match="NAME=http"):
+        so.parse_urls(["http://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="given twice"):
+        so.parse_urls(["a=http://x:1", "a=http://x:2"])
