@@ -153,7 +153,8 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, req: Reques
     return reply
 
 
-async def run(url: str, model: str, reqs: list[Request], max_tokens: int, concurrency: int) -> tuple[list[Reply], float]:
+async def run(url: str, model: str, reqs: list[Request], max_tokens: int,
+              concurrency: int) -> tuple[list[Reply], float]:
     sem = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=3600, sock_connect=30)
     async with aiohttp.ClientSession(timeout=timeout) as session:
