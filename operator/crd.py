@@ -274,6 +274,12 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
             "queue": _num("Weight of the queue share.", default=0.5, minimum=0),
         }, default={}),
         "apiKeySecretRef": _secret_ref("Secret with API keys, one per line.", "api-keys"),
+        "maxResumes": _int("Times a request whose engine failed mid-stream (or before answering) goes on with "
+                           "another replica from the tokens its client received (--max-resumes); 0: never.",
+                           default=2, minimum=0, maximum=16),
+        "resumeTimeoutSeconds": _num("How long such a request waits for a replica when none is routable, e.g. "
+                                     "the only engine restarting in place (--resume-timeout); 0: the error at "
+                                     "once.", default=60, minimum=0, maximum=3600),
         "serviceType": _str("Router Service type.", enum=["ClusterIP", "NodePort", "LoadBalancer"],
                             default="ClusterIP"),
         "resources": _obj("Router container resources.", {

@@ -231,7 +231,8 @@ def router_args(spec: dict[str, Any], md_name: str) -> list[str]:
             "--k8s-service", names(md_name)[ENGINE], "--metrics-port", str(METRICS_PORT),
             "--port", str(crd.ROUTER_PORT), "--policy", router["policy"],
             "--weights", f"prefix={_num(w['prefix'])},kv={_num(w['kv'])},queue={_num(w['queue'])}",
-            "--block-size", str(spec["engine"]["blockSize"])]
+            "--block-size", str(spec["engine"]["blockSize"]),
+            "--max-resumes", str(router["maxResumes"]), "--resume-timeout", _num(router["resumeTimeoutSeconds"])]
     model = spec["model"]
     if "huggingFace" in model:
         args += ["--tokenizer", model["huggingFace"]["repoId"]]

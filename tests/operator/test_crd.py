@@ -82,7 +82,11 @@ def test_engine_defaults_match_kvmesh_serve():
     assert d["engine"]["enablePrefixCaching"] is True and d["engine"]["enableChunkedPrefill"] is True
     assert d["engine"]["dtype"] == "auto" and d["engine"]["drainTimeoutSeconds"] == 30
     assert d["router"] == {"replicas": 1, "policy": "prefix", "weights": {"prefix": 1.0, "kv": 0.5, "queue": 0.5},
+                           "maxResumes": 2, "resumeTimeoutSeconds": 60,
                            "serviceType": "ClusterIP", "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1}}
+    from kvmesh.router.config import RouterConfig  # the router's own defaults
+    assert (d["router"]["maxResumes"], d["router"]["resumeTimeoutSeconds"]) == (RouterConfig.max_resumes,
+                                                                               RouterConfig.resume_timeout)
     assert d["redis"] == {"mode": "managed", "requirePassword": True}
     a = specs.apply_defaults({"model": {"builtin": "x"}, "autoscaling": {"maxReplicas": 3}})["autoscaling"]
     assert a["minReplicas"] == 1 and a["targetKVUtilization"] == 0.7 and a["maxScaleDownStep"] == 1

@@ -159,7 +159,8 @@ async def test_spec_update_updates_and_prunes_children(k8s, operator, redis_url)
                      and k8s.fetch_object(SERVICES, "ns", "demo-redis") is None)
     assert base64.b64decode(k8s.fetch_object(SECRETS, "ns", "demo-redis-url")["data"]["url"]).decode() == redis_url
     router = k8s.fetch_object(DEPLOYMENTS, "ns", "demo-router")
-    assert router["spec"]["template"]["spec"]["containers"][0]["command"][-1] == "32"
+    router_cmd = router["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert router_cmd[router_cmd.index("--block-size") + 1] == "32"
 
 
 async def test_scale_subresource_drives_engine_replicas(k8s, operator):

@@ -385,3 +385,12 @@ def test_the_router_renders_tools_as_the_engines_tool_call_parser_does():
     spec["engine"]["extraArgs"] = ["--tool-call-parser=hermes"]
     args = render.router_args(spec, "demo")
     assert args[args.index("--tool-call-parser") + 1] == "hermes"
+
+
+def test_the_router_resumes_as_the_spec_says():
+    spec = specs.apply_defaults(CASES["hf-gpu-autoscaling"])
+    args = render.router_args(spec, "demo")
+    assert args[args.index("--max-resumes") + 1] == "2" and args[args.index("--resume-timeout") + 1] == "60"
+    spec["router"].update(maxResumes=0, resumeTimeoutSeconds=2.5)
+    args = render.router_args(spec, "demo")
+    assert args[args.index("--max-resumes") + 1] == "0" and args[args.index("--resume-timeout") + 1] == "2.5"
