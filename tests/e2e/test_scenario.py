@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -136,8 +137,11 @@ def redis_client(cluster) -> redis.Redis:
 def kubectl_get_md(cluster) -> dict[str, str]:
     """`kubectl get md` as {column: value} of the one row."""
     out = kubectl(cluster, "get", "md", "-n", NS).splitlines()
-    header, row = out[0].split(), out[1].split()
-    return dict(zip(header, row))
+    header, row = out[0], out[1]
+    # by the header's column offsets (kubectl aligns them): an empty cell is "", not the next column's value
+    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    ends = starts[1:] + [None]
+    return {header[a:b].strip(): row[a:b].strip() for a, b in zip(starts, ends)}
 
 
 def engine_command(pod: dict[str, Any]) -> list[str]:
@@ -186,8 +190,9 @@ def test_operator_pod_reconciles_a_modeldeployment_to_ready(cluster) -> None:
     assert "reconciled" in log and "Creation is processed: 1 succeeded" in log, log[-2000:]
 
     # `kubectl get md`: the printer columns are filled once a heartbeat has come in.
-    row = eventually(lambda: (r := kubectl_get_md(cluster)).get("KV%", "<none>") != "<none>" and r, 60,
-                     "kubectl get md with its KV% column")
+    row = eventually(lambda: (r := kubectl_get_md(cluster)).get("KV%", "") not in ("", "<none>")
+                     and r.get("MODEL", "") not in ("", "<none>") and r, 60,
+                     "kubectl get md with its MODEL and KV% columns")
     assert row["NAME"] == MD and row["MODEL"] == MODEL, row
     assert row["READY"] == "1" and row["REPLICAS"] == "1", row
     assert 0 <= int(row["KV%"]) <= 100, row
