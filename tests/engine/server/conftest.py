@@ -61,6 +61,15 @@ def tiny_model(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "tiny-llama-plain"))
 
 
+@pytest.fixture(scope="module")
+def hermes_tool_server(tiny_model):
+    """`kvmesh serve` of the tiny model as "tiny", with auto tool choice in the Hermes format."""
+    srv = ThreadServer(["--model", tiny_model, "--served-model-name", "tiny", "--num-kv-blocks", "256",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]).start()
+    yield srv
+    srv.stop()
+
+
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while True:

@@ -52,11 +52,8 @@ TOOL_TEMPLATE = ("{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}{% for m 
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
-    srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "256",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]).start()
-    yield srv
-    srv.stop()
+def server(hermes_tool_server):
+    return hermes_tool_server
 
 
 @pytest.fixture(scope="module")

@@ -31,11 +31,8 @@ HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
-    srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "256",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]).start()
-    yield srv
-    srv.stop()
+def server(hermes_tool_server):
+    return hermes_tool_server
 
 
 @pytest.fixture(scope="module")
