@@ -297,9 +297,12 @@ class TritonBackend(AttentionBackend):
                               decode_seqs=qsl_d[:n], num_decodes=n,
                               num_splits=self.num_splits(n, int(lens.max())))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float) -> torch.Tensor:
-        """q: [T, heads, dim]; the step's k, v are in the cache already (the fused RoPE op)."""
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, heads, dim]; the step's k, v are in the cache already (the fused RoPE op).
+        ``out``: where to write (a piecewise graph's static buffer); new when None."""
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.kernels.decode_attention(out, q, k_cache, v_cache, meta.decode_seqs, meta.num_decodes,
                                       meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
                                       meta.num_splits)

@@ -117,16 +117,6 @@ class Attention(nn.Module):
         self.ops = None
         self.attend = paged_attention  # the attention backend's forward (use_attention_backend)
 
-    def forward(self, x, step_rope: StepRope, k_cache, v_cache, meta: AttentionMetadata,
-                sample_rows: torch.Tensor | None = None):
-        """With `sample_rows`, every row's K/V is stored but only those rows attend and come out
-        (the last layer: nothing else reads the other rows' outputs)."""
-        q, k, v = self.project_and_store(x, step_rope, k_cache, v_cache, meta)
-        if sample_rows is not None:
-            q, meta = q[sample_rows], meta.sample_meta
-        attn = self.attend(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(attn.reshape(-1, self.q_size))
-
     def project_and_store(self, x, step_rope: StepRope, k_cache, v_cache, meta: AttentionMetadata):
         """q, k, v of the rows ([T, heads, dim], RoPE applied), with k and v stored in the cache."""
         qkv = self.qkv_proj(x)
@@ -172,17 +162,31 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, step_rope, k_cache, v_cache, meta, sample_rows=None):
         """vLLM's residual convention: returns (this layer's output, the residual stream before it).
-        With `sample_rows`, only those rows come out (see Attention.forward)."""
+        With `sample_rows`, every row's K/V is stored but only those rows attend and come out
+        (the last layer: nothing else reads the other rows' outputs)."""
+        q, k, v, residual = self.pre_attention(x, residual, step_rope, k_cache, v_cache, meta)
+        if sample_rows is not None:
+            if meta.sample_meta is None:  # nothing samples: the K/V store was all
+                return residual[:0], residual[:0]
+            q, meta, residual = q[sample_rows], meta.sample_meta, residual[sample_rows]
+        attn = self.self_attn.attend(q, k, v, k_cache, v_cache, meta, self.self_attn.scale)
+        return self.post_attention(attn, residual)
+
+    # The layer in two halves around attention: the eager forward above runs both; the
+    # piecewise CUDA graphs (piecewise_graphs.py) capture them and attend between.
+    def pre_attention(self, x, residual, step_rope, k_cache, v_cache, meta):
+        """Input norm (with the residual add), qkv projection, RoPE, the K/V store:
+        (q, k, v, residual stream)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        if sample_rows is not None and meta.sample_meta is None:  # nothing samples: store K/V only
-            self.self_attn.project_and_store(x, step_rope, k_cache, v_cache, meta)
-            return x[:0], residual[:0]
-        x = self.self_attn(x, step_rope, k_cache, v_cache, meta, sample_rows)
-        if sample_rows is not None:
-            residual = residual[sample_rows]
+        q, k, v = self.self_attn.project_and_store(x, step_rope, k_cache, v_cache, meta)
+        return q, k, v, residual
+
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor):
+        """o_proj, the post-attention norm (with the residual add), MLP: (output, residual stream)."""
+        x = self.self_attn.o_proj(attn.reshape(-1, self.self_attn.q_size))
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -274,7 +278,13 @@ class LlamaForCausalLM(nn.Module):
             # that sample: for a prefill that is one row in hundreds.
             x, residual = layer(x, residual, step_rope, k_cache, v_cache, meta,
                                 logits_indices if i == last else None)
-        x = self.norm(x + residual)
+        return self.compute_logits(self.final_norm(x, residual))
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + residual)
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final hidden states."""
         if self.packed_lm_head is not None:
             return self.packed_lm_head(x).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
