@@ -18,7 +18,8 @@
 # Steps, in order, each under its own time limit and all inside BUDGET_S (default 450 s), each
 # surviving the failure of the one before (STEPS="..." picks some; decode and async are extra):
 #   kernels      the Triton kernel tests (tests/engine/test_triton_kernels.py), compiled on the GPU
-#   parity-fp32  greedy parity with transformers, fp32: CUDA graphs with async scheduling, eager sync
+#   parity-fp32  greedy parity with transformers, fp32: CUDA graphs with async scheduling, eager sync,
+#                piecewise graphs for every step
 #   parity-bf16  the same in bf16, reported: identical prompts, each divergence weighed in
 #                transformers' own bf16 and fp32 logits (near-tie or beyond rounding)
 #   offline-cold the W64 offline workload on kvmesh alone, bf16: the first run, Triton compiling
@@ -27,7 +28,8 @@
 #                shared prefix, each level after a warm pass of its shape, then the engine alone at
 #                64 and 256: the server's share (bench/gpu_serve.py)
 #   profile      host vs device time per step: decode at batch 64 (graphs, sync and async) and a
-#                mixed step of 64 decodes + a 512-token chunk (bench/gpu_profile.py)
+#                mixed step of 64 decodes + a 512-token chunk, piecewise graphs and eager
+#                (bench/gpu_profile.py)
 #   decode       decode tok/s and HBM bandwidth, graphs vs eager (bench/gpu_decode.py)
 #   async        sync vs async scheduling at a decode batch of 64 (bench/step_overhead.py)
 # Output: a PASS / FAIL line per step, a summary table, and under $OUT (default
@@ -175,7 +177,7 @@ step() {  # step NAME CAP_S COMMAND...: run under min(CAP_S, what is left of BUD
 export TRITON_INTERPRET=0
 step kernels 90 "$PYTHON" -m pytest -q -p no:cacheprovider --noconftest --import-mode=importlib \
   tests/engine/test_triton_kernels.py
-step parity-fp32 100 "$PYTHON" bench/gpu_parity.py --dtypes float32 --engine-modes graphs-async,eager-sync \
+step parity-fp32 110 "$PYTHON" bench/gpu_parity.py --dtypes float32 --engine-modes graphs-async,eager-sync,piecewise-sync \
   --json "$WORK/parity-fp32.json"
 step parity-bf16 75 "$PYTHON" bench/gpu_parity.py --dtypes bfloat16 --engine-modes graphs-async \
   --json "$WORK/parity-bf16.json"
@@ -186,7 +188,7 @@ step offline-cold 60 "$PYTHON" bench/offline_throughput.py --device cuda --dtype
 step offline 80 "$PYTHON" bench/offline_throughput.py --device cuda --dtype bfloat16 --attention-backend triton
 step serve 200 "$PYTHON" bench/gpu_serve.py --model "$BIG_MODEL" --json "$WORK/serve.json" \
   --log-dir "$WORK/serve" --pid-file "$WORK/serve.pid" --offline-at 64,256 $SERVE_ARGS
-step profile 80 "$PYTHON" bench/gpu_profile.py --model "$BIG_MODEL" --json "$WORK/profile.json" $PROFILE_ARGS
+step profile 100 "$PYTHON" bench/gpu_profile.py --model "$BIG_MODEL" --json "$WORK/profile.json" $PROFILE_ARGS
 step decode 120 "$PYTHON" bench/gpu_decode.py --model "$BIG_MODEL" --batches 1,64
 step async 90 "$PYTHON" bench/step_overhead.py --compare-async --batch 64 --steps 50 --rounds 4
 

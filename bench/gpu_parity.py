@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """GPU greedy parity: kvmesh (Triton backend, CUDA graphs and eager) against transformers on the
 same GPU, fp32 and bf16, on the built-in model (part of bench/gpu_check.sh); async scheduling
-(the CUDA default) with graphs and eager, and synchronous with graphs.
+(the CUDA default) with graphs (full decode graphs, piecewise graphs for the other steps) and
+eager, synchronous with graphs, and piecewise graphs for every step (--engine-modes piecewise-sync).
 
 fp32 must match token for token (the kernels multiply in IEEE fp32, not TF32), also with speculative
 decoding (n-gram drafts verified through the Triton backend), except at a near-tie: where the two
@@ -143,13 +144,18 @@ def main(argv=None) -> int:
         expected, hf_logits = hf_greedy(model_dir, getattr(torch, ref), prompts, args.max_tokens, args.hf_attention)
         if ref != dtype or args.hf_attention != "sdpa":
             print(f"reference: transformers {ref}, attention {args.hf_attention}", flush=True)
-        for eager, async_scheduling in [(m.startswith("eager"), m.endswith("-async")) for m in modes if m != "spec"]:
-            llm = LLM(args.model, dtype=dtype, device="cuda", attention_backend="triton", enforce_eager=eager,
+        for graphs, async_scheduling in [(m.split("-")[0], m.endswith("-async")) for m in modes if m != "spec"]:
+            # graphs: full decode graphs + piecewise for the rest (the default); piecewise: every
+            # step through the pieces; eager: none
+            llm = LLM(args.model, dtype=dtype, device="cuda", attention_backend="triton",
+                      enforce_eager=graphs == "eager",
+                      compilation_config={"cudagraph_mode": "PIECEWISE"} if graphs == "piecewise" else None,
                       gpu_memory_utilization=0.5, max_num_seqs=16, async_scheduling=async_scheduling)
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
             same = sum(g == e for g, e in zip(got, expected))
             prefix = [first_divergence(g, e) for g, e in zip(got, expected)]
-            mode = ("eager" if eager else "cuda-graphs") + (" async" if async_scheduling else " sync")
+            mode = {"eager": "eager", "piecewise": "piecewise"}.get(graphs, "cuda-graphs") + (
+                " async" if async_scheduling else " sync")
             gaps = divergence_gaps(got, expected, hf_logits)
             worst = max((gap for _, _, gap in gaps), default=0.0)
             print(f"parity {dtype:<9} {mode:<17}: {same}/{len(prompts)} prompts identical to transformers; "
@@ -172,8 +178,10 @@ def main(argv=None) -> int:
             save()
             if dtype == "float32" and worst > NEAR_TIE:
                 failed = True
-            if llm.engine.core.runner.graphs is not None:
-                print(f"  decode steps replayed from CUDA graphs: {llm.engine.core.runner.graphs.num_replays}",
+            runner = llm.engine.core.runner
+            if runner.graphs is not None or runner.piecewise is not None:
+                print(f"  steps replayed: {runner.graphs.num_replays if runner.graphs else 0} from full decode "
+                      f"graphs, {runner.piecewise.num_replays if runner.piecewise else 0} from piecewise graphs",
                       flush=True)
             del llm
             gc.collect()

@@ -5,9 +5,11 @@ bench/gpu_check.sh), on one engine (bf16, Triton backend, CUDA graphs), in three
   decode        --batch decode rows, every step replayed from a CUDA graph, synchronous scheduling
   decode-async  the same with async scheduling (the next step is scheduled while this one runs)
   mixed         --batch decode rows plus one fresh --chunk-token prompt per step (a mixed step,
-                which runs eagerly: no graph covers it), synchronous scheduling
+                replayed from the piecewise graphs, attention between them), synchronous scheduling
+  mixed-eager   the same step run eagerly (the piecewise graphs set aside): the before of the pair
 
-Per step: wall time (each synchronous step ends on the device: its sampled ids are copied to
+Per step: the step's wall time over its device busy time (the targets: within 1.15x for the
+batch-64 decode step, 1.3x for the mixed step); wall time (each synchronous step ends on the device: its sampled ids are copied to
 the host); device busy time (the union of the kernels' and copies' intervals under
 torch.profiler); the forward alone (CUDA events around the model call or the graph replay);
 the device's idle time (wall - busy: host work the device waited for); the host phases of the
@@ -26,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-SCENARIOS = ("decode", "decode-async", "mixed")
+SCENARIOS = ("decode", "decode-async", "mixed", "mixed-eager")
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
 
 
@@ -39,16 +41,18 @@ class ForwardEvents:
         self.cuda = torch.cuda.is_available() and runner.device.type == "cuda"
         runner.model.register_forward_pre_hook(lambda *a: self._start())
         runner.model.register_forward_hook(lambda *a: self._stop())
-        if runner.graphs is not None:
-            replay = runner.graphs.replay
+        for graphs, name in ((runner.graphs, "replay"), (runner.piecewise, "forward")):
+            if graphs is not None:
+                setattr(graphs, name, self._timed(getattr(graphs, name)))
 
-            def timed_replay(*args, **kwargs):
-                self._start()
-                out = replay(*args, **kwargs)
-                self._stop()
-                return out
+    def _timed(self, call):
+        def timed(*args, **kwargs):
+            self._start()
+            out = call(*args, **kwargs)
+            self._stop()
+            return out
 
-            runner.graphs.replay = timed_replay
+        return timed
 
     def _event(self):
         if not self.cuda:  # the CPU (a dry run of this script): host time only
@@ -156,7 +160,7 @@ def main(argv=None) -> int:
                             SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
 
     def one_step(name: str) -> None:
-        if name == "mixed":
+        if name.startswith("mixed"):
             add_chunk()
         loop.step()
 
@@ -166,8 +170,10 @@ def main(argv=None) -> int:
 
     out: dict = {"model": args.model, "dtype": args.dtype, "batch": args.batch, "chunk": args.chunk,
                  "steps": steps, "device": torch.cuda.get_device_name() if cuda else "cpu", "scenarios": {}}
+    piecewise = core.runner.piecewise
     for name in scenarios:
         core.async_scheduling = name == "decode-async"
+        core.runner.piecewise = None if name == "mixed-eager" else piecewise
         while core._in_flight:  # a switch drains the pipeline: its outputs are not this scenario's
             core._apply_oldest()
         for _ in range(3):  # warm: the mixed step's prefill kernels compile here
@@ -193,18 +199,20 @@ def main(argv=None) -> int:
         r = {"wall_ms": round(wall, 3), "device_busy_ms": round(busy, 3), "device_idle_ms": round(wall - busy, 3),
              "forward_device_ms": round(fwd_dev, 3), "forward_issue_ms": round(fwd_issue, 3),
              "forwards_per_step": round(n_fwd / steps, 2), "launches_per_step": round(launches / steps, 1),
-             "host_phases_ms": phases, "rows": batch_seen}
+             "host_phases_ms": phases, "rows": batch_seen, "wall_over_busy": round(wall / busy, 3) if busy else None}
         out["scenarios"][name] = r
-        print(f"profile {name:<12} batch {args.batch}{f' + {args.chunk}-token chunk' if name == 'mixed' else ''}: "
+        ratio = f"{wall / busy:.2f}x" if busy else "n/a"
+        print(f"profile {name:<12} batch {args.batch}{f' + {args.chunk}-token chunk' if name.startswith('mixed') else ''}: "
+              f"step / device busy {ratio}; "
               f"wall {wall:.2f} ms/step; device busy {busy:.2f} ms (forward {fwd_dev:.2f} ms by events), "
               f"device idle {wall - busy:.2f} ms; host issue of the forward {fwd_issue:.2f} ms; "
               f"{launches / steps:.0f} launches/step", flush=True)
         print("   host phases ms/step: " + ", ".join(f"{p} {v:.2f}" for p, v in phases.items())
               + "  (sample includes the wait for the device; a graph replay counts under output)", flush=True)
-        if name == "mixed" and args.rows:
+        if name.startswith("mixed") and args.rows:
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows,
                                               max_name_column_width=50)
-            print(f"mixed step, ops by host time ({steps} steps):\n{table}", flush=True)
+            print(f"{name} step, ops by host time ({steps} steps):\n{table}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
     core.abort_requests(list(core.scheduler.requests))

@@ -38,6 +38,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="attention and fused-op kernels: auto (triton on CUDA, the compiled kernels on "
                         "the CPU), or force one (triton on the CPU runs under Triton's interpreter)")
     g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    g.add_argument("--compilation-config", type=_compilation_config, default=None, metavar="JSON",
+                   help='which CUDA graphs, as vLLM\'s: \'{"cudagraph_mode": "FULL_AND_PIECEWISE"}\' (the default: '
+                        "full graphs for decode-only steps, piecewise graphs with eager attention for the others "
+                        "up to max_cudagraph_capture_size tokens), FULL_DECODE_ONLY, PIECEWISE or NONE; "
+                        "cudagraph_capture_sizes lists the piecewise token counts")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory the engine may use; the KV cache gets what the "
                         "weights and a profiling step leave of it")
@@ -57,6 +62,15 @@ def _speculative_config(text: str):
 
     try:
         return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _compilation_config(text: str):
+    from kvmesh.engine.compilation_config import CompilationConfig
+
+    try:
+        return CompilationConfig.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -98,6 +112,7 @@ def engine_args_from(args: argparse.Namespace, server: bool = False, **overrides
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, dtype=args.dtype, device=args.device,
         seed=args.seed, generation_config=args.generation_config, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager, compilation_config=getattr(args, "compilation_config", None),
+        gpu_memory_utilization=args.gpu_memory_utilization,
         speculative_config=_with_batch_limit(args), async_scheduling=getattr(args, "async_scheduling", None),
         **overrides)

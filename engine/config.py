@@ -80,6 +80,9 @@ class EngineArgs:
     speculative_config: Any = None
     attention_backend: str = "auto"  # auto | torch | cpu | triton (attention_backends.py)
     enforce_eager: bool = False  # no CUDA graphs
+    # Which CUDA graphs (compilation_config.py), as vLLM's: {"cudagraph_mode": "FULL_AND_PIECEWISE",
+    # "max_cudagraph_capture_size": 2048, "cudagraph_capture_sizes": [...]} (a dict or its JSON)
+    compilation_config: Any = None
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use (KV sized from it)
     # Schedule and prepare step N+1 while step N runs (vLLM's --async-scheduling). None: on for
     # CUDA devices, off on the CPU (where it measured no faster: docs/performance.md).
@@ -111,6 +114,9 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        from kvmesh.engine.compilation_config import CompilationConfig
+
+        self.compilation_config = CompilationConfig.parse(self.compilation_config)
         if self.speculative_config is not None:
             from kvmesh.engine.spec_decode.config import SpeculativeConfig
 

@@ -10,7 +10,8 @@ rows of the static buffers, the rows up to the padded size become padding (slot 
 the KV write skips; context length 0, which attention reads nothing for), the graph of the
 padded size replays, and the first ``n`` rows of its static output are the logits. Steps
 with prefills or chunks, steps with prompt-logprob rows, and batches larger than the largest
-size run eagerly. ``enforce_eager`` skips capture altogether.
+size run on the piecewise graphs (piecewise_graphs.py) or eagerly beyond those;
+``compilation_config`` picks which graphs are captured, ``enforce_eager`` none.
 
 Split-KV ranges per row are fixed per captured size (from ``max_model_len``), since a graph
 replays the grid it was captured with; each range adapts to the row's real length in the
@@ -23,6 +24,7 @@ bookkeeping on the CPU with that boundary stubbed (tests/engine/test_gpu_executi
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 import torch
@@ -108,6 +110,7 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (the smaller ones reuse its memory pool)."""
+        start = time.perf_counter()
         for size in reversed(self.sizes):
             self.metas[size] = self._meta(size)
             self._forward(size)  # warm-up: JIT compiles the kernels, the allocator settles
@@ -115,7 +118,7 @@ class CUDAGraphRunner:
             self.outputs[size] = self.api.capture(graph, lambda size=size: self._forward(size))
             self.graphs[size] = graph
         self.api.synchronize()
-        log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes, time.perf_counter() - start)
 
     def can_replay(self, meta, num_sampling: int) -> bool:
         return (isinstance(meta, TritonMetadata) and meta.decode_only

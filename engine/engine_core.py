@@ -151,7 +151,9 @@ class EngineCore:
             runner.allocate_kv_cache(num_blocks)
         self.runner = runner
         if self.device.type == "cuda" and not args.enforce_eager:
-            self.runner.capture_cuda_graphs(args.max_num_seqs, self.max_model_len)
+            graphs = args.compilation_config
+            self.runner.capture_cuda_graphs(args.max_num_seqs, self.max_model_len, decode=graphs.full_decode,
+                                            piecewise_sizes=graphs.piecewise_token_sizes(max_batched))
         self.spec = None  # speculative decoding (spec_decode/), when speculative_config asks for it
         if args.speculative_config is not None:
             from kvmesh.engine.spec_decode.config import SpeculativeConfig

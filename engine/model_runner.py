@@ -56,6 +56,7 @@ class ModelRunner:
         self._buffers = StepBuffers()
         self.cpu_ops = None  # the compiled CPU kernels (kernels/cpu.py), when they build
         self.graphs = None  # the CUDA graphs of decode steps (cuda_graphs.py), once captured
+        self.piecewise = None  # the piecewise CUDA graphs of the other steps (piecewise_graphs.py)
         self.backend = attention_backends.create(backend_name, config, block_size, device)
         log.info("attention backend: %s", self.backend.name)
         if device.type == "cpu":
@@ -86,16 +87,27 @@ class ModelRunner:
             for _ in range(self.config.num_hidden_layers)
         ]
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, api=None) -> None:
-        """Capture the decode step's CUDA graphs (cuda_graphs.py); `api` stubs torch.cuda in tests."""
-        from kvmesh.engine.cuda_graphs import CUDAGraphRunner
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, api=None, decode: bool = True,
+                            piecewise_sizes: list[int] | None = None) -> None:
+        """Capture the decode steps' full CUDA graphs (cuda_graphs.py) and, with
+        ``piecewise_sizes``, the other steps' piecewise graphs for those token counts
+        (piecewise_graphs.py). ``api`` stubs torch.cuda in tests."""
+        from kvmesh.engine.cuda_graphs import CUDAGraphRunner, GraphAPI
 
         if not self.backend.supports_cuda_graphs:
             log.info("attention backend %s: no CUDA graphs", self.backend.name)
             return
-        self.graphs = CUDAGraphRunner(self.model, self.backend, self.kv_caches, max_num_seqs, max_model_len,
-                                      self.block_size, self.device, api)
-        self.graphs.capture()
+        api = api or GraphAPI()  # one memory pool for both kinds: they never run at once
+        if decode:
+            self.graphs = CUDAGraphRunner(self.model, self.backend, self.kv_caches, max_num_seqs, max_model_len,
+                                          self.block_size, self.device, api)
+            self.graphs.capture()
+        if piecewise_sizes:
+            from kvmesh.engine.piecewise_graphs import PiecewiseGraphRunner
+
+            self.piecewise = PiecewiseGraphRunner(self.model, self.backend, self.kv_caches, piecewise_sizes,
+                                                  self.device, self.dtype, api)
+            self.piecewise.capture()
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         t = torch.as_tensor(values, dtype=dtype)
@@ -147,6 +159,8 @@ class ModelRunner:
                                                            step.spec_rows)
         if not spec_rows and self.graphs is not None and self.graphs.can_replay(meta, len(sampling_requests)):
             logits = self.graphs.replay(input_ids, step.positions, meta)
+        elif self.piecewise is not None and self.piecewise.covers(meta, input_ids.shape[0]):
+            logits = self.piecewise.forward(input_ids, step.positions, meta, step.logits_indices)
         else:
             logits = self.model(input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
         result = StepResult()
