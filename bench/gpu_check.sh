@@ -16,7 +16,7 @@
 # shape (BIG_MODEL) for the serving and profile steps.
 #
 # Steps, in order, each under its own time limit and all inside BUDGET_S (default 450 s), each
-# surviving the failure of the one before (STEPS="..." picks some; decode and async are extra):
+# surviving the failure of the one before (STEPS="..." picks some; decode, decode8b and async are extra):
 #   kernels      the Triton kernel tests (tests/engine/test_triton_kernels.py), compiled on the GPU
 #   parity-fp32  greedy parity with transformers, fp32: CUDA graphs with async scheduling, eager sync,
 #                piecewise graphs for every step
@@ -30,7 +30,10 @@
 #   profile      host vs device time per step: decode at batch 64 (graphs, sync and async) and a
 #                mixed step of 64 decodes + a 512-token chunk, piecewise graphs and eager
 #                (bench/gpu_profile.py)
-#   decode       decode tok/s and HBM bandwidth, graphs vs eager (bench/gpu_decode.py)
+#   decode       decode tok/s and HBM bandwidth, graphs vs eager, and where the device time goes by
+#                kernel kind (bench/gpu_decode.py)
+#   decode8b     the same at batch 1 on an 8B-shaped model (random bf16 weights drawn on the GPU,
+#                15 GB written and loaded: about 2 minutes)
 #   async        sync vs async scheduling at a decode batch of 64 (bench/step_overhead.py)
 # Output: a PASS / FAIL line per step, a summary table, and under $OUT (default
 # /tmp/kvmesh-gpu-check) the whole log (gpu_check.log), the figures (figures.json) and the
@@ -70,6 +73,7 @@ WORK=${WORK:-/tmp/kvmesh-gpu-check-work}
 SITE=${SITE:-/tmp/kvmesh-gpu-site}
 SRC=${SRC:-/tmp/kvmesh-gpu-src}
 BIG_MODEL=${BIG_MODEL:-/tmp/kvmesh-models/llama-1.07b}
+BIG8_MODEL=${BIG8_MODEL:-/tmp/kvmesh-models/llama-8b}
 BUDGET_S=${BUDGET_S:-450}
 STEPS=${STEPS:-kernels parity-fp32 parity-bf16 offline-cold offline serve profile}
 CKPT_DEVICE=${CKPT_DEVICE:-cuda}  # where the random weights are drawn
@@ -190,6 +194,9 @@ step serve 200 "$PYTHON" bench/gpu_serve.py --model "$BIG_MODEL" --json "$WORK/s
   --log-dir "$WORK/serve" --pid-file "$WORK/serve.pid" --offline-at 64,256 $SERVE_ARGS
 step profile 100 "$PYTHON" bench/gpu_profile.py --model "$BIG_MODEL" --json "$WORK/profile.json" $PROFILE_ARGS
 step decode 120 "$PYTHON" bench/gpu_decode.py --model "$BIG_MODEL" --batches 1,64
+step decode8b 240 bash -c '[ -f "$3/config.json" ] || "$1" bench/random_checkpoint.py "$2" "$3" --preset llama-8b \
+  --dtype bfloat16 --device "$4" || exit 1; "$1" bench/gpu_decode.py --model "$3" --batches 1 --modes cuda-graphs \
+  --no-fused-ops-bench' decode8b "$PYTHON" "$SKELETON" "$BIG8_MODEL" "$CKPT_DEVICE"
 step async 90 "$PYTHON" bench/step_overhead.py --compare-async --batch 64 --steps 50 --rounds 4
 
 wait_models >/dev/null  # nothing left running in the background
@@ -213,7 +220,7 @@ for r in "${RESULTS[@]}"; do
     offline*) pattern="^kvmesh  |^hf-static|^ratio";;
     serve) pattern="^   (load|c=|prefix c=)|engine alone c=|^!!";;
     profile) pattern="^profile |host phases";;
-    *) pattern="^decode |speed-up|async / sync|^  (sync|async)";;
+    *) pattern="^decode |speed-up|async / sync|^  (sync|async)|where the device time goes";;
   esac
   grep -h -E "$pattern" "$WORK/$name.log" | sed "s/^/$name: /" | cut -c1-260
 done

@@ -77,15 +77,77 @@ class ForwardTimer:
         return total / max(1, n)
 
 
-def decode_rate(llm, batch: int, prompt_len: int, steps: int, warm: int = 3, timer: ForwardTimer | None = None):
+# Kernel kinds by name (first match wins): where a decode step's device time goes.
+KERNEL_KINDS = (
+    ("attention", ("_decode_kernel", "_decode_reduce", "_prefill_kernel", "store_kv")),
+    ("norm/rope/silu", ("rms_norm", "rotary", "silu")),
+    ("gemm", ("gemm", "gemv", "cutlass", "sm90_", "sm80_", "cublas", "xmma", "splitk", "matmul", "dot_kernel")),
+    ("copy", ("memcpy", "memset", "copy", "fill")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def kernel_breakdown(events, steps: int) -> dict[str, tuple[float, float]]:
+    """{kind: (device ms per step, kernels per step)} from (name, device us, count) rows of a
+    profiler's per-kernel averages."""
+    out: dict[str, list[float]] = {}
+    for name, us, count in events:
+        row = out.setdefault(kernel_kind(name), [0.0, 0.0])
+        row[0] += us / 1e3 / steps
+        row[1] += count / steps
+    return {k: (round(ms, 4), round(n, 1)) for k, (ms, n) in sorted(out.items(), key=lambda kv: -kv[1][0])}
+
+
+def profiled_kernels(run_steps, steps: int):
+    """(name, device us, count) per CUDA kernel over `steps` steps run by run_steps(steps)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_steps(steps)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        rows.append((e.key, float(us), int(e.count)))
+    return rows
+
+
+def print_breakdown(label: str, rows, steps: int, weight_bytes: int, peak: float | None) -> None:
+    kinds = kernel_breakdown(rows, steps)
+    total = sum(ms for ms, _ in kinds.values())
+    launches = sum(n for _, n in kinds.values())
+    parts = []
+    for kind, (ms, n) in kinds.items():
+        extra = ""
+        if kind == "gemm" and ms > 0:  # the projections read every weight once a step
+            bw = weight_bytes / (ms / 1e3)
+            extra = f", weights at {bw / 1e12:.2f} TB/s" + (f" = {bw / peak:.0%} of datasheet" if peak else "")
+        parts.append(f"{kind} {ms:.3f} ms ({ms / total:.0%}, {n:.0f} kernels{extra})")
+    print(f"   where the device time goes, {label}: {total:.3f} ms, {launches:.0f} kernels per step: "
+          + "; ".join(parts), flush=True)
+
+
+def decode_rate(llm, batch: int, prompt_len: int, steps: int, warm: int = 3, timer: ForwardTimer | None = None,
+                profile_steps: int = 0, peak: float | None = None, label: str = ""):
     """(tok/s, bytes read per step, wall s per step, forward ms per step) over `steps` decode
-    steps of `batch` running requests."""
+    steps of `batch` running requests; with `profile_steps`, then that many steps under the
+    profiler, their device time printed by kernel kind."""
     import torch
 
     from kvmesh.engine import SamplingParams
 
     engine = llm.engine
-    sp = SamplingParams(max_tokens=warm + steps + 2, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=warm + steps + profile_steps + 2, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request([(13 * i + j) % 1000 + 10 for j in range(prompt_len)], sp)
     core = engine.core
@@ -106,10 +168,15 @@ def decode_rate(llm, batch: int, prompt_len: int, steps: int, warm: int = 3, tim
     if timer is not None:
         timer.on = False
         forward_ms = timer.take_ms()
+    weights = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
+    if profile_steps:
+        try:
+            rows = profiled_kernels(lambda n: [engine.step() for _ in range(n)], profile_steps)
+            print_breakdown(label or f"batch {batch}", rows, profile_steps, weights, peak)
+        except Exception as exc:  # a figure lost, not the run
+            print(f"!! kernel breakdown failed: {exc!r}", flush=True)
     while engine.has_unfinished_requests():
         engine.step()
-    model = core.runner.model
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     cfg = core.model_config
     per_token_kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * core.runner.kv_caches[0][0].element_size()
     mean_ctx = ctx_before + batch * steps / 2
@@ -158,6 +225,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--modes", default="eager,cuda-graphs")
+    ap.add_argument("--profile-steps", type=int, default=8,
+                    help="steps profiled after each CUDA-graph measurement: device time by kernel kind (0: none)")
+    ap.add_argument("--no-fused-ops-bench", action="store_true")
     args = ap.parse_args(argv)
 
     import torch
@@ -171,13 +242,16 @@ def main(argv=None) -> int:
           f"device copy measured {measured / 1e12:.2f} TB/s", flush=True)
     batches = [int(b) for b in args.batches.split(",")]
     rates = {}
-    for eager in (True, False):
+    modes = args.modes.split(",")
+    for eager in [m == "eager" for m in ("eager", "cuda-graphs") if m in modes]:
         llm = LLM(args.model, dtype=args.dtype, device="cuda", attention_backend="triton", enforce_eager=eager,
                   max_num_seqs=max(batches), num_kv_blocks=8192)
         mode = "eager" if eager else "cuda-graphs"
         timer = ForwardTimer(llm.engine.core.runner)
         for b in batches:
-            tps, step_bytes, step_s, fwd_ms = decode_rate(llm, b, args.prompt_len, args.steps, timer=timer)
+            tps, step_bytes, step_s, fwd_ms = decode_rate(
+                llm, b, args.prompt_len, args.steps, timer=timer, profile_steps=0 if eager else args.profile_steps,
+                peak=peak, label=f"{mode} batch {b}")
             rates[(mode, b)] = tps
             bw = step_bytes / step_s
             fwd_bw = step_bytes / (fwd_ms / 1e3)
@@ -191,8 +265,11 @@ def main(argv=None) -> int:
         gc.collect()
         torch.cuda.empty_cache()
     for b in batches:
-        print(f"cuda graphs speed-up at batch {b}: {rates[('cuda-graphs', b)] / rates[('eager', b)]:.2f}x", flush=True)
-    fused_ops_bench(torch)
+        if ("cuda-graphs", b) in rates and ("eager", b) in rates:
+            print(f"cuda graphs speed-up at batch {b}: {rates[('cuda-graphs', b)] / rates[('eager', b)]:.2f}x",
+                  flush=True)
+    if not args.no_fused_ops_bench:
+        fused_ops_bench(torch)
     return 0
 
 

@@ -27,6 +27,10 @@ PRESETS: dict[str, dict] = {
     "llama-1.07b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
                     "tie_word_embeddings": True, "max_position_embeddings": 8192},
+    # Llama 3 8B's layers (the skeleton's smaller vocabulary: 7.4B parameters, 14.8 GB in bf16)
+    "llama-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "tie_word_embeddings": False, "max_position_embeddings": 8192, "rope_theta": 500000.0},
 }
 
 

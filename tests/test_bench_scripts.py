@@ -225,6 +225,37 @@ def test_gpu_check_pins_one_wheel_per_package_and_the_random_1b_shape_is_1_07b()
     assert 1.06e9 < params < 1.08e9
 
 
+def test_the_random_8b_shape_is_llama3_8b_layers():
+    sys.path.insert(0, str(BENCH))
+    try:
+        preset = importlib.import_module("random_checkpoint").PRESETS["llama-8b"]
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("random_checkpoint", None)
+    h, i, layers, vocab = preset["hidden_size"], preset["intermediate_size"], preset["num_hidden_layers"], 49152
+    kv = preset["num_key_value_heads"] * preset["head_dim"]
+    params = 2 * vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h  # untied head
+    assert 7.3e9 < params < 7.5e9
+
+
+def test_gpu_decode_sorts_kernels_by_kind_per_step(bench_module, capsys):
+    gpu_decode = bench_module("gpu_decode")
+    rows = [("sm90_xmma_gemm_bf16bf16_bf16f32", 800.0, 8), ("_decode_kernel", 100.0, 4),
+            ("_decode_reduce_kernel", 20.0, 4), ("_fused_add_rms_norm_kernel", 40.0, 8),
+            ("_rotary_store_kernel", 30.0, 4), ("Memcpy HtoD (Pinned -> Device)", 10.0, 4),
+            ("void at::native::argmax_kernel", 50.0, 4)]
+    kinds = gpu_decode.kernel_breakdown(rows, steps=4)
+    assert list(kinds)[0] == "gemm" and kinds["gemm"] == (0.2, 2.0)
+    assert kinds["attention"] == (0.03, 2.0)
+    assert kinds["norm/rope/silu"] == (0.0175, 3.0)
+    assert kinds["copy"] == (0.0025, 1.0) and kinds["other"] == (0.0125, 1.0)
+    gpu_decode.print_breakdown("cuda-graphs batch 1", rows, 4, weight_bytes=int(2e9), peak=4.8e12)
+    line = capsys.readouterr().out
+    # 2 GB of weights in 0.2 ms of GEMMs: 10 TB/s, above the datasheet (numbers made up)
+    assert "gemm 0.200 ms (76%, 2 kernels, weights at 10.00 TB/s = 208% of datasheet)" in line
+    assert "0.263 ms, 9 kernels per step" in line
+
+
 def test_structured_online_counts_valid_cut_invalid_and_refused_replies(bench_module, tmp_path, capsys):
     """bench/structured_online.py against a scripted OpenAI-style server: per schema, the
     constrained reply is valid, refused (400), cut by max_tokens, invalid or valid; every
