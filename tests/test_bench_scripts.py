@@ -213,29 +213,25 @@ def test_gpu_check_pins_one_wheel_per_package_and_the_random_1b_shape_is_1_07b()
     assert all("==" in p for p in pins) and len(set(names)) == len(names)
     # the engine core's messages and the server's framework: what a bare GPU image lacks
     assert {"pyzmq", "msgspec", "fastapi", "uvicorn", "pydantic", "starlette", "opentelemetry_api"} <= set(names)
-    sys.path.insert(0, str(BENCH))
-    try:
-        preset = importlib.import_module("random_checkpoint").PRESETS["llama-1.07b"]
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("random_checkpoint", None)
-    h, i, layers, vocab = preset["hidden_size"], preset["intermediate_size"], preset["num_hidden_layers"], 49152
-    kv = preset["num_key_value_heads"] * preset["head_dim"]
-    params = vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h  # tied embeddings
-    assert 1.06e9 < params < 1.08e9
+    assert 1.06e9 < preset_parameters("llama-1.07b") < 1.08e9
 
 
 def test_the_random_8b_shape_is_llama3_8b_layers():
+    assert 7.3e9 < preset_parameters("llama-8b") < 7.5e9
+
+
+def preset_parameters(name: str, vocab: int = 49152) -> int:
+    """Parameters of a bench/random_checkpoint.py preset over the built-in model's vocabulary."""
     sys.path.insert(0, str(BENCH))
     try:
-        preset = importlib.import_module("random_checkpoint").PRESETS["llama-8b"]
+        preset = importlib.import_module("random_checkpoint").PRESETS[name]
     finally:
         sys.path.remove(str(BENCH))
         sys.modules.pop("random_checkpoint", None)
-    h, i, layers, vocab = preset["hidden_size"], preset["intermediate_size"], preset["num_hidden_layers"], 49152
+    h, i, layers = preset["hidden_size"], preset["intermediate_size"], preset["num_hidden_layers"]
     kv = preset["num_key_value_heads"] * preset["head_dim"]
-    params = 2 * vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h  # untied head
-    assert 7.3e9 < params < 7.5e9
+    heads = 1 if preset["tie_word_embeddings"] else 2
+    return heads * vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h
 
 
 def test_gpu_decode_sorts_kernels_by_kind_per_step(bench_module, capsys):
