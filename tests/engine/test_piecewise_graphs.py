@@ -33,7 +33,7 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 def piecewise_llm(model_dir: str, decode_graphs: bool = False, sizes=SIZES, **kw):
     """An engine on the Triton backend with piecewise graphs captured through the stub."""
-    llm = LLM(model_dir, attention_backend="triton", num_kv_blocks=64, max_num_seqs=4, **kw)
+    llm = LLM(model_dir, attention_backend="triton", **{"num_kv_blocks": 64, "max_num_seqs": 4, **kw})
     runner = llm.engine.core.runner
     api = FakeGraphAPI()
     runner.capture_cuda_graphs(4, llm.engine.core.max_model_len, api=api, decode=decode_graphs,
@@ -105,19 +105,31 @@ def test_captures_every_piece_of_every_size_without_touching_the_cache(tiny_llam
 
 
 @needs_triton
-@pytest.mark.parametrize("mode", ["batched", "chunked", "async"])
+@pytest.mark.parametrize("mode", ["batched", "chunked", "async", "prefix", "preempt"])
 def test_greedy_tokens_match_transformers(tiny_llama_dir, mode):
-    """Prefills (padded to the ladder), chunks beside decodes (mixed steps) and, with the full
-    decode graphs too, decode-only steps on those: transformers' tokens throughout."""
-    kw = {"batched": {}, "chunked": dict(max_num_batched_tokens=24), "async": dict(async_scheduling=True)}[mode]
+    """Prefills (padded to the ladder), chunks beside decodes (mixed steps), prefix-cache hits
+    (a chunk after cached context) and recompute after preemption, with the full decode graphs
+    for decode-only steps: transformers' tokens throughout."""
+    kw = {"batched": {}, "chunked": dict(max_num_batched_tokens=24), "async": dict(async_scheduling=True),
+          "prefix": dict(max_num_batched_tokens=32), "preempt": dict(num_kv_blocks=6)}[mode]
+    n = 16 if mode == "preempt" else 6
     llm, runner, _ = piecewise_llm(tiny_llama_dir, decode_graphs=True, sizes=SIZES + [128], **kw)
     prompts = random_prompts(6, 5, 40, seed=11)  # 6 requests, 4 at a time: the last join decodes
-    outs = llm.generate(prompts, greedy(6))
+    if mode == "prefix":
+        head = random_prompts(1, 35, 35, seed=12)[0]
+        prompts = [head + p[:9] for p in prompts[:4]]
+        first = llm.generate(prompts[:1], greedy(6))
+        outs = first + llm.generate(prompts[1:], greedy(6))
+        assert all(o.num_cached_tokens >= 32 for o in outs[1:])
+    else:
+        outs = llm.generate(prompts, greedy(n))
     for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(tiny_llama_dir, p, 6, True)
+        assert o.outputs[0].token_ids == hf_greedy(tiny_llama_dir, p, n, True)
     assert runner.piecewise.num_replays > 0 and runner.graphs.num_replays > 0
     if mode == "chunked":  # a 40-token prompt in 24-token chunks: steps beyond one size, padded
         assert llm.stats().num_steps > 7
+    if mode == "preempt":  # 6 blocks of 16 tokens for requests growing to 49 tokens
+        assert llm.stats().num_preemptions > 0
 
 
 @needs_triton
