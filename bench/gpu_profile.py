@@ -199,9 +199,11 @@ def main(argv=None) -> int:
         r = {"wall_ms": round(wall, 3), "device_busy_ms": round(busy, 3), "device_idle_ms": round(wall - busy, 3),
              "forward_device_ms": round(fwd_dev, 3), "forward_issue_ms": round(fwd_issue, 3),
              "forwards_per_step": round(n_fwd / steps, 2), "launches_per_step": round(launches / steps, 1),
-             "host_phases_ms": phases, "rows": batch_seen, "wall_over_busy": round(wall / busy, 3) if busy else None}
+             "host_phases_ms": phases, "rows": batch_seen, "wall_over_busy": round(wall / busy, 3) if busy else None,
+             "wall_over_forward": round(wall / fwd_dev, 3) if fwd_dev == fwd_dev and fwd_dev > 0 else None}
         out["scenarios"][name] = r
         ratio = f"{wall / busy:.2f}x" if busy else "n/a"
+        ratio += f", step / forward {wall / fwd_dev:.2f}x" if fwd_dev == fwd_dev and fwd_dev > 0 else ""
         print(f"profile {name:<12} batch {args.batch}{f' + {args.chunk}-token chunk' if name.startswith('mixed') else ''}: "
               f"step / device busy {ratio}; "
               f"wall {wall:.2f} ms/step; device busy {busy:.2f} ms (forward {fwd_dev:.2f} ms by events), "
