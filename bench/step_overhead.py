@@ -11,6 +11,7 @@ the step's wall time minus the model's forward, in ms and as a share of the step
   python bench/step_overhead.py                       # smollm2-135m-instruct, batch 64, 64 steps
   python bench/step_overhead.py --batch 64 --steps 128 --model /path/to/hf-dir
   python bench/step_overhead.py --compare-async     # sync vs async scheduling, alternating rounds
+  python bench/step_overhead.py --host-only         # ModelRunner.prepare alone, no model, batch 64 and 256
 
 On a shared machine the forward time is noisy; the overhead (pure Python and small tensor work)
 much less so.
@@ -35,7 +36,14 @@ def main() -> None:
                     help="sync vs async scheduling on one engine: --rounds alternating rounds of --steps "
                          "decode steps each; wall and process CPU time per step, and their ratio")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--host-only", action="store_true",
+                    help="time ModelRunner.prepare alone (no model, no forward) for the cpu and triton "
+                         "backends' metadata at batches 64 and 256 (--host-batches)")
+    ap.add_argument("--host-batches", default="64,256")
     args = ap.parse_args()
+    if args.host_only:
+        host_only(args)
+        return
     if args.compare_async:
         compare_async(args)
         return
@@ -149,6 +157,64 @@ def compare_async(args) -> None:
               f"{p['wall'] - p['forward'] - p['sample']:.2f} ms, {t['tokens'] / t['wall']:.1f} tok/s")
     print(f"  async / sync: wall {per[True]['wall'] / per[False]['wall']:.3f}, "
           f"cpu {per[True]['cpu'] / per[False]['cpu']:.3f}")
+
+def host_only(args) -> None:
+    """ModelRunner.prepare's host time per decode step: a scheduler and KV cache manager with no
+    model behind them (each step appends a fixed token), the runner's prepare timed alone, with the
+    cpu backend's metadata (compiled-kernel layout) and the triton backend's (TRITON_INTERPRET=1;
+    nothing runs on it). Prints the median step (and the mean)."""
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    from kvmesh.engine import attention_backends
+    from kvmesh.engine.kv_cache_manager import KVCacheManager
+    from kvmesh.engine.model_runner import ModelRunner
+    from kvmesh.engine.request import Request
+    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.engine.scheduler import Scheduler
+    from kvmesh.engine.step_rows import StepBuffers
+
+    class _Config:  # what the Triton backend reads
+        num_attention_heads, num_key_value_heads, head_dim, vocab_size = 9, 3, 64, 49152
+
+    bs = 16
+    for backend_name in ("cpu", "triton"):
+        for batch in (int(b) for b in args.host_batches.split(",")):
+            total_len = args.prompt_len + args.warmup_steps + args.steps + 8
+            kv = KVCacheManager(batch * -(-total_len // bs) + 16, bs)
+            sched = Scheduler(kv, max(8192, batch * args.prompt_len), batch, total_len + 16)
+            runner = ModelRunner.__new__(ModelRunner)  # prepare's state only: no model
+            runner.block_size, runner.device, runner.config = bs, torch.device("cpu"), _Config
+            runner._buffers = StepBuffers()
+            try:
+                from kvmesh.engine.input_batch import InputBatch
+                runner.input_batch = InputBatch(bs, max_rows=batch)
+            except ImportError:
+                pass
+            if backend_name == "cpu":
+                runner.backend = attention_backends.CpuBackend()
+                runner.backend.use_cpu_ops(object(), True)  # the compiled kernels' metadata layout
+            else:
+                runner.backend = attention_backends.TritonBackend(_Config, bs, torch.device("cpu"))
+            rng = random.Random(args.seed)
+            params = SamplingParams(max_tokens=total_len, temperature=0.0, ignore_eos=True)
+            for i in range(batch):
+                sched.add_request(Request(f"r{i}", [rng.randrange(0, 1000) for _ in range(args.prompt_len)],
+                                          params, set(), "m", bs, total_len + 16))
+            times = []
+            for step in range(args.warmup_steps + args.steps):
+                out = sched.schedule()
+                t0 = time.perf_counter()
+                runner.prepare(out, kv)
+                if step >= args.warmup_steps and len(out.requests) == batch:
+                    times.append(time.perf_counter() - t0)
+                sched.update_from_output(out, {r.request_id: 7 for r in out.requests})
+            times.sort()  # the median: robust to the load of a shared machine
+            print(f"host-only prepare: backend {backend_name}, decode batch {batch}: "
+                  f"{1000 * times[len(times) // 2]:.3f} ms per step (median; mean {1000 * sum(times) / len(times):.3f})")
+
 
 if __name__ == "__main__":
     main()

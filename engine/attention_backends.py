@@ -29,7 +29,6 @@ import torch
 
 from kvmesh.engine.attention import AttentionMetadata, PrefillSeq, paged_attention
 from kvmesh.engine.config import ModelConfig
-from kvmesh.engine.kv_cache_manager import cdiv
 from kvmesh.engine.step_rows import StepRows
 
 log = logging.getLogger(__name__)
@@ -67,14 +66,6 @@ def choose(requested: str, device: torch.device) -> str:
     return requested
 
 
-def _pad(tables: list[list[int]]) -> np.ndarray:
-    """Block tables as one [n, longest] int64 array, zero-padded."""
-    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
-    for i, t in enumerate(tables):
-        out[i, :len(t)] = t
-    return out
-
-
 class AttentionBackend:
     name = "torch"
     supports_cuda_graphs = False
@@ -97,61 +88,62 @@ class TorchBackend(AttentionBackend):
     def step_metadata(self, rows: StepRows, upload, block_size: int) -> AttentionMetadata:
         """Decode rows batched (kernel or masked gather), prefills by the compiled kernel or one
         PrefillSeq each, and the last layer's view of the rows that give logits."""
-        bs = block_size
-        decode_idx: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_ctx: list[int] = []
+        q_lens, starts, qsl = rows.q_lens, rows.starts, rows.query_start_loc
+        # Decode and draft-verifying sequences' rows are decodes over the context up to themselves:
+        # the decode kernel does a handful of query rows far cheaper than the prefill kernel.
+        as_decode = (q_lens == 1) | rows.verifies_drafts
+        prefill_seqs = np.flatnonzero(~as_decode)
         prefills: list[PrefillSeq] = []
-        prefill_rows: list[tuple[int, int, int]] = []  # for the compiled kernel
-        prefill_tables: list[list[int]] = []
-        for offset, n, start, table, verifies_drafts in rows.seqs:
-            if n == 1:
-                decode_idx.append(offset)
-                decode_tables.append(table[:cdiv(start + 1, bs)])
-                decode_ctx.append(start + 1)
-            elif verifies_drafts:
-                # Each row a decode over the context up to itself: the decode kernel does a
-                # handful of query rows far cheaper than the prefill kernel, made for chunks.
-                decode_idx.extend(range(offset, offset + n))
-                decode_tables.extend(table[:cdiv(p + 1, bs)] for p in range(start, start + n))
-                decode_ctx.extend(range(start + 1, start + n + 1))
-            elif self.cpu_prefill_attention:
-                prefill_rows.append((offset, n, start))
-                prefill_tables.append(table[:cdiv(start + n, bs)])
-            else:
-                prefills.append(PrefillSeq(offset, n, start, upload(table) if start else None))
         meta = AttentionMetadata(slots=upload(rows.slots), decode_indices=None, decode_block_tables=None,
                                  decode_mask=None, prefills=prefills)
-        if prefill_rows:
-            meta.cpu_ops = self.cpu_ops
-            meta.prefill_seqs = upload(prefill_rows)
-            meta.prefill_block_tables = upload(_pad(prefill_tables))
-        if decode_idx:
+        if prefill_seqs.size:
+            if self.cpu_prefill_attention:
+                seq_lens = starts + q_lens
+                meta.cpu_ops = self.cpu_ops
+                meta.prefill_seqs = upload(np.stack([qsl[prefill_seqs], q_lens[prefill_seqs],
+                                                     starts[prefill_seqs]], axis=1))
+                meta.prefill_block_tables = upload(rows.batch.table_view(rows.seq_rows[prefill_seqs],
+                                                                         seq_lens[prefill_seqs]))
+            else:
+                for i in prefill_seqs.tolist():
+                    start = int(starts[i])
+                    prefills.append(PrefillSeq(int(qsl[i]), int(q_lens[i]), start,
+                                               upload(rows.batch.full_table(int(rows.seq_rows[i])))
+                                               if start else None))
+        num_decode_seqs = len(q_lens) - prefill_seqs.size
+        if num_decode_seqs == len(q_lens) and len(q_lens) == len(rows.positions):
+            decode_idx = np.arange(len(q_lens))
+        elif num_decode_seqs:
+            decode_idx = np.flatnonzero(np.repeat(as_decode, q_lens))
+        else:
+            decode_idx = None
+        if decode_idx is not None:
+            token_rows = np.repeat(rows.seq_rows, q_lens)
             meta.decode_indices = upload(decode_idx)
-            self._set_decodes(meta, decode_tables, decode_ctx, upload, bs)
+            self._set_decodes(meta, rows.batch.table_view(token_rows[decode_idx], rows.positions[decode_idx] + 1),
+                              rows.positions[decode_idx] + 1, upload, block_size)
         logits = rows.logits()
-        if logits.ctx and len(decode_idx) == len(rows.seqs) == len(logits.ctx):
+        num_logits = len(logits.ctx)
+        if num_logits and decode_idx is not None and len(decode_idx) == len(q_lens) == num_logits:
             # Every row decodes and samples: the last layer's view is the decode rows' own.
             meta.sample_meta = AttentionMetadata(
                 slots=None, decode_indices=meta.decode_indices, decode_block_tables=meta.decode_block_tables,
                 decode_mask=meta.decode_mask, prefills=[], decode_ctx_lens=meta.decode_ctx_lens,
                 cpu_ops=meta.cpu_ops)
             meta.all_decode = True
-        elif logits.ctx:
+        elif num_logits:
             # The last layer only carries on for the rows that give logits: to them it is a
             # decode step over their whole context (this step's K/V are stored by then).
             meta.sample_meta = AttentionMetadata(
-                slots=None, decode_indices=upload(range(len(logits.ctx))),
+                slots=None, decode_indices=upload(np.arange(num_logits)),
                 decode_block_tables=None, decode_mask=None, prefills=[])
-            self._set_decodes(meta.sample_meta, logits.tables, logits.ctx, upload, bs)
+            self._set_decodes(meta.sample_meta, rows.logits_tables(logits), logits.ctx, upload, block_size)
         return meta
 
-    def _set_decodes(self, meta: AttentionMetadata, tables: list[list[int]], ctx_lens: list[int], upload,
+    def _set_decodes(self, meta: AttentionMetadata, padded: np.ndarray, ctx: np.ndarray, upload,
                      block_size: int) -> None:
         """Block tables and context lengths (kernel) or a length mask (torch path) of decode rows."""
-        padded = _pad(tables)
         meta.decode_block_tables = upload(padded)
-        ctx = np.asarray(ctx_lens)
         if self.cpu_ops is not None:
             meta.cpu_ops = self.cpu_ops
             meta.decode_ctx_lens = upload(ctx)
@@ -254,8 +246,9 @@ class TritonBackend(AttentionBackend):
 
     def step_metadata(self, rows: StepRows, upload, block_size: int) -> TritonMetadata:
         logits = rows.logits()
-        return self.build_metadata([(s.num_new, s.start, s.table) for s in rows.seqs], upload(rows.slots),
-                                   logits.tables, logits.ctx)
+        seq_lens = rows.starts + rows.q_lens
+        return self._metadata(rows.q_lens, rows.starts, rows.seq_tables(seq_lens), upload(rows.slots),
+                              rows.logits_tables(logits) if len(logits.ctx) else None, logits.ctx)
 
     def build_metadata(self, rows: list[tuple[int, int, list[int]]], slots: torch.Tensor,
                        sample_tables: list[list[int]], sample_ctx: list[int]) -> TritonMetadata:
@@ -263,15 +256,23 @@ class TritonBackend(AttentionBackend):
         sample_tables / sample_ctx: the sampling rows' block tables and context lengths."""
         q_lens = np.fromiter((n for n, _, _ in rows), dtype=np.int64, count=len(rows))
         starts = np.fromiter((s for _, s, _ in rows), dtype=np.int64, count=len(rows))
+        ctx = np.asarray(sample_ctx, dtype=np.int64)
+        return self._metadata(q_lens, starts, self._tables([t for _, _, t in rows], starts + q_lens), slots,
+                              self._tables(sample_tables, ctx) if sample_ctx else None, ctx)
+
+    def _metadata(self, q_lens: np.ndarray, starts: np.ndarray, tables: np.ndarray, slots: torch.Tensor | None,
+                  sample_tables: np.ndarray | None, sample_ctx: np.ndarray) -> TritonMetadata:
+        """From arrays: each sequence's new and cached tokens and its [S, W] block table (zero
+        past its context); the sampling rows' block tables and context lengths."""
+        num_seqs = len(q_lens)
         seq_lens = starts + q_lens
-        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         decode = np.flatnonzero(q_lens == 1)
         prefill = np.flatnonzero(q_lens > 1)
         tiles_per = -(-q_lens[prefill] // self.block_q)
         tile_seq = np.repeat(prefill, tiles_per)
         tile_q = (np.arange(tile_seq.size) - np.repeat(np.cumsum(tiles_per) - tiles_per, tiles_per)) * self.block_q
-        tables = self._tables([t for _, _, t in rows], seq_lens)
         max_decode = int(seq_lens[decode].max()) if decode.size else 0
         qsl_d, lens_d, tables_d, dec_d, tseq_d, tq_d = self._upload(
             [qsl, seq_lens, tables, decode, tile_seq, tile_q])
@@ -279,20 +280,23 @@ class TritonBackend(AttentionBackend):
                               decode_seqs=dec_d, num_decodes=int(decode.size),
                               num_splits=self.num_splits(int(decode.size), max_decode),
                               tile_seq=tseq_d, tile_q=tq_d, num_tiles=int(tile_seq.size))
-        meta.decode_only = (not prefill.size and len(sample_ctx) == len(rows)
-                            and np.array_equal(np.asarray(sample_ctx), seq_lens))
+        meta.decode_only = (not prefill.size and len(sample_ctx) == num_seqs
+                            and np.array_equal(sample_ctx, seq_lens))
         if meta.decode_only:  # the sampling rows are the batch's rows: the same metadata serves
             meta.sample_meta = meta
-        elif sample_ctx:
-            meta.sample_meta = self.decode_metadata(sample_tables, sample_ctx)
+        elif len(sample_ctx):
+            meta.sample_meta = self._decode_metadata(sample_tables, sample_ctx)
         return meta
 
     def decode_metadata(self, tables: list[list[int]], ctx_lens: list[int]) -> TritonMetadata:
         """Row i: one query token over ctx_lens[i] cache rows of tables[i]."""
-        n = len(ctx_lens)
         lens = np.asarray(ctx_lens, dtype=np.int64)
+        return self._decode_metadata(self._tables(tables, lens), lens)
+
+    def _decode_metadata(self, tables: np.ndarray, lens: np.ndarray) -> TritonMetadata:
+        n = len(lens)
         seqs = np.arange(n + 1)
-        qsl_d, lens_d, tables_d = self._upload([seqs, lens, self._tables(tables, lens)])
+        qsl_d, lens_d, tables_d = self._upload([seqs, lens, tables])
         return TritonMetadata(slots=None, query_start_loc=qsl_d, seq_lens=lens_d, block_tables=tables_d,
                               decode_seqs=qsl_d[:n], num_decodes=n,
                               num_splits=self.num_splits(n, int(lens.max())))

@@ -14,6 +14,7 @@ from kvmesh.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from kvmesh.engine.scheduler import SchedulerOutput
+from kvmesh.engine.input_batch import InputBatch
 from kvmesh.engine.step_rows import StepBuffers, build_step_rows
 from kvmesh.engine.weights import load_weights
 
@@ -54,6 +55,7 @@ class ModelRunner:
         self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(seed, device)
         self._buffers = StepBuffers()
+        self.input_batch = InputBatch(block_size, max_rows=batch_hint)  # block tables kept across steps
         self.cpu_ops = None  # the compiled CPU kernels (kernels/cpu.py), when they build
         self.graphs = None  # the CUDA graphs of decode steps (cuda_graphs.py), once captured
         self.piecewise = None  # the piecewise CUDA graphs of the other steps (piecewise_graphs.py)
@@ -120,7 +122,7 @@ class ModelRunner:
         """The step's inputs on the device: its rows (step_rows.py), then the attention backend's
         metadata for them. ``prev_rows``: each request's row in the previous step's sampled ids
         (async scheduling fills placeholder inputs from them on the device)."""
-        rows = build_step_rows(out, kv, self.block_size, self._buffers, prev_rows)
+        rows = build_step_rows(out, kv, self.block_size, self._buffers, prev_rows, self.input_batch)
         meta = self.backend.step_metadata(rows, self._tensor, self.block_size)
         grammar = None
         if any(r.structured is not None for r in out.requests):  # constrained decoding: the next-token masks
