@@ -1,7 +1,8 @@
 """The client's side of a resumable stream: its events as they go out, the ids generated so far, and how it ends.
 
 The router asks the engine for the generated token ids (`return_token_ids`) on a stream it may
-have to resume, so it knows exactly what the client has received. The ids, and the prompt's
+have to resume, so it knows exactly what the client has received, choice by choice (n > 1 and a
+batch of prompts: choice index = prompt index * n + j), and which choices finished. The ids, and the prompt's
 ids, are taken out of each event again unless the client asked for them itself. A stream that
 a continuation goes on with (another replica, after its engine failed) keeps the original's
 `id` and `created`; a restart from nothing (the engine failed before its first token) also
@@ -22,19 +23,23 @@ ABORTED = "aborted"
 
 
 class ClientStream:
-    def __init__(self, send, want_ids: bool, chat: bool):
+    def __init__(self, send, want_ids: bool, chat: bool, num_choices: int = 1, n: int = 1):
         self.send = send
         self.want_ids = want_ids  # the client asked for return_token_ids itself: pass them on
         self.chat = chat
+        self.num_choices = num_choices  # prompts x n
+        self.n = n  # choices per prompt: choice i is of prompt i // n
         self.started = False  # the status line went out
         self.events_out = 0  # events the client has received
-        self.output_ids: list[int] = []  # choice 0's generated ids, as the client has received them
+        self.ids: dict[int, list[int]] = {}  # per choice index: its generated ids, as the client has received them
+        self.finish_reasons: dict[int, str] = {}  # per choice index that finished: its reason
+        self.prompt_tokens: dict[int, int] = {}  # per prompt index: its token count (from prompt_token_ids)
+        self.usage_offset = (0, 0)  # (prompt, completion) tokens a continuation's usage leaves out
         self.engine_sends_ids = False  # the engine sent token ids: a continuation can go on from them
         self.id: str | None = None  # the original's id and created, kept by every continuation
         self.created: int | None = None
         self.model: str | None = None
         self.object: str | None = None
-        self.finish_reason: str | None = None
         self.done = False  # [DONE] went out
         self.usage: dict | None = None
         self.resumed_at: float | None = None  # set while a continuation's first event is awaited
@@ -54,6 +59,47 @@ class ClientStream:
         self._buf = b""
         self._restart = restart and self.events_out > 0
         self.resumed_at = since
+        self.usage_offset = (0, 0) if restart else self._left_out()
+
+    # -- the choices ------------------------------------------------------------------------------
+    @property
+    def output_ids(self) -> list[int]:
+        """Every id the client has received, of all choices."""
+        return [t for ids in self.ids.values() for t in ids]
+
+    def running(self) -> list[int]:
+        """The choices that have not finished, by index."""
+        return [i for i in range(self.num_choices) if i not in self.finish_reasons]
+
+    def spent(self, budget: int | None) -> list[int]:
+        """Running choices that have generated their whole budget (max_tokens) without a finish
+        reason out: the engine would end them with "length" and nothing more."""
+        if budget is None:
+            return []
+        return [i for i in self.running() if len(self.ids.get(i, ())) >= budget]
+
+    def continuation(self) -> dict:
+        """The `resume` field that goes on with this stream: one choice's ids, or the running
+        choices of several, each with its ids (none yet is fine)."""
+        if self.num_choices == 1:
+            return {"output_token_ids": self.ids.get(0, [])}
+        return {"choices": [{"index": i, "output_token_ids": self.ids.get(i, [])} for i in self.running()]}
+
+    def whole_usage(self, fallback_prompt_tokens: int) -> dict:
+        """The whole request's usage from what the client received (the router ends the stream)."""
+        prompts = sum(self.prompt_tokens.values()) if self.prompt_tokens else fallback_prompt_tokens
+        out = sum(len(ids) for ids in self.ids.values())
+        return {"prompt_tokens": prompts, "completion_tokens": out, "total_tokens": prompts + out}
+
+    def _left_out(self) -> tuple[int, int]:
+        """What a continuation's usage does not count: it runs the unfinished choices only, so it
+        counts their prompts and outputs; the finished choices' outputs and the prompts none of
+        whose choices still run are added back."""
+        running = self.running()
+        live_prompts = {i // self.n for i in running}
+        prompt = sum(count for p, count in self.prompt_tokens.items() if p not in live_prompts)
+        out = sum(len(ids) for i, ids in self.ids.items() if i not in running)
+        return prompt, out
 
     async def feed(self, chunk: bytes) -> str | None:
         """Pass the complete events in `chunk` on; ENGINE_ERROR or ABORTED when the engine reported
@@ -95,23 +141,29 @@ class ClientStream:
                          "body": b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"})
         await self.send({"type": "http.response.body", "body": b""})
 
-    async def finish(self, reason: str | None, usage: dict | None) -> None:
-        """End the stream here, as the engine would have: the last chunk (when `reason` is given:
-        choice 0 finished with it), the usage chunk if the client asked for one, then [DONE]."""
+    async def close_choices(self, reasons: dict[int, str]) -> None:
+        """End these choices here, as the engine would have: each one's last chunk (no text)."""
         events = []
-        if reason is not None:
-            choice = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason} if self.chat else
-                      {"index": 0, "text": "", "logprobs": None, "finish_reason": reason})
+        for i, reason in reasons.items():
+            choice = ({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason} if self.chat else
+                      {"index": i, "text": "", "logprobs": None, "finish_reason": reason})
             events.append(self._chunk([choice]))
-        if usage is not None:
-            events.append({**self._chunk([]), "usage": usage})
-        body = b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events)
-        await self.send({"type": "http.response.body", "body": body + DONE + b"\n\n", "more_body": True})
+            self.finish_reasons[i] = reason
+        if events:
+            await self.send({"type": "http.response.body", "body": _sse(events), "more_body": True})
+
+    async def finish(self, reasons: dict[int, str], usage: dict | None) -> None:
+        """End the stream here, as the engine would have: the last chunk of each choice in `reasons`,
+        the usage chunk if the client asked for one, then [DONE]."""
+        await self.close_choices(reasons)
+        events = [{**self._chunk([]), "usage": usage}] if usage is not None else []
+        await self.send({"type": "http.response.body", "body": _sse(events) + DONE + b"\n\n", "more_body": True})
         await self.send({"type": "http.response.body", "body": b""})
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """Every choice finished."""
+        return len(self.finish_reasons) >= self.num_choices
 
     # -- one event ------------------------------------------------------------------------------------
     def _event(self, raw: bytes) -> tuple[bytes | None, str | None]:
@@ -129,7 +181,10 @@ class ClientStream:
             return None, ENGINE_ERROR
         changed = self._identity(obj)
         if obj.get("usage"):
+            changed |= self._whole_usage(obj["usage"])
             self.usage = obj["usage"]
+        if isinstance(obj.get("prompt_token_ids"), list):  # chat: the response's one prompt
+            self.prompt_tokens[0] = len(obj["prompt_token_ids"])
         broken = None
         for choice in obj.get("choices") or ():
             changed |= self._choice(choice)
@@ -159,20 +214,34 @@ class ClientStream:
             obj["created"], changed = self.created, True
         return changed
 
+    def _whole_usage(self, usage: dict) -> bool:
+        """A continuation's usage, made the whole request's (see _left_out)."""
+        prompt, out = self.usage_offset
+        if not (prompt or out) or not isinstance(usage.get("prompt_tokens"), int):
+            return False
+        usage["prompt_tokens"] += prompt
+        usage["completion_tokens"] = usage.get("completion_tokens", 0) + out
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return True
+
     def _choice(self, choice: dict) -> bool:
         changed = False
+        index = choice.get("index", 0)
+        index = index if type(index) is int else 0
         if "token_ids" in choice:
             self.engine_sends_ids = True
-            if choice.get("index", 0) == 0 and isinstance(choice["token_ids"], list):
-                self.output_ids.extend(choice["token_ids"])
+            if isinstance(choice["token_ids"], list):
+                self.ids.setdefault(index, []).extend(choice["token_ids"])
             if not self.want_ids:
                 del choice["token_ids"]
                 changed = True
+        if isinstance(choice.get("prompt_token_ids"), list):  # completions: each choice's prompt
+            self.prompt_tokens[index // self.n] = len(choice["prompt_token_ids"])
         if "prompt_token_ids" in choice and (not self.want_ids or self._restart):
             del choice["prompt_token_ids"]
             changed = True
-        if choice.get("index", 0) == 0 and choice.get("finish_reason") not in (None, "abort"):
-            self.finish_reason = choice["finish_reason"]
+        if choice.get("finish_reason") not in (None, "abort"):
+            self.finish_reasons[index] = choice["finish_reason"]
         return changed
 
     def _preamble(self, obj: dict) -> bool:
@@ -195,3 +264,7 @@ class ClientStream:
     def _chunk(self, choices: list) -> dict:
         return {"id": self.id, "object": self.object or ("chat.completion.chunk" if self.chat else "text_completion"),
                 "created": self.created, "model": self.model, "choices": choices}
+
+
+def _sse(events: list[dict]) -> bytes:
+    return b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events)

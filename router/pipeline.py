@@ -110,7 +110,9 @@ class Pipeline:
     def _resumable(self, call: Call, send) -> None:
         call.resumable = resume.resumable(call, self.max_resumes)
         if call.resumable and call.req.get("stream") is True:
-            call.stream = ClientStream(send, resume.wants_ids(call.req), call.path == "/v1/chat/completions")
+            num_choices, n = resume.choices(call)
+            call.stream = ClientStream(send, resume.wants_ids(call.req), call.path == "/v1/chat/completions",
+                                       num_choices, n)
             call.stream.on_resumed = self.metrics.resume_seconds.observe
 
     async def _resume(self, call: Call, send, watcher: asyncio.Future, out: Outcome) -> Outcome | None:
@@ -161,19 +163,18 @@ class Pipeline:
         return None
 
     async def _ended_already(self, call: Call, out: Outcome) -> Outcome | None:
-        """A stream whose engine failed once its output was complete (a finish reason out, or the
-        whole budget generated) is ended here, as the engine would have ended it."""
+        """A stream whose engine failed once its output was complete (every choice with a finish
+        reason out, or its whole budget generated) is ended here, as the engine would have ended
+        it. A choice that generated its whole budget is ended here too (no engine goes on with it)."""
         stream = call.stream
         if stream is None or not stream.engine_sends_ids:
             return None
-        budget = resume.max_tokens(call.req, stream.chat)
-        if stream.finished or (budget is not None and len(stream.output_ids) >= budget):
-            usage = None
-            if resume.include_usage(call.req):
-                n = len(stream.output_ids)
-                usage = {"prompt_tokens": len(call.tokens), "completion_tokens": n, "total_tokens": len(call.tokens) + n}
-            await stream.finish(None if stream.finished else "length", usage)
+        spent = {i: "length" for i in stream.spent(resume.max_tokens(call.req, stream.chat))}
+        if len(spent) == len(stream.running()):
+            usage = stream.whole_usage(len(call.tokens)) if resume.include_usage(call.req) else None
+            await stream.finish(spent, usage)
             return Outcome(200, out.broken.pod, usage, out.attempts)
+        await stream.close_choices(spent)
         return None
 
     async def _wait_for_replica(self, call: Call, failed: set[str], watcher: asyncio.Future):
@@ -196,9 +197,11 @@ class Pipeline:
         ids = stream.output_ids if stream is not None else []
         self.metrics.resumed.labels(out.broken.phase).inc()
         self.metrics.resumed_tokens.inc(len(call.tokens) + len(ids))
-        body = resume.continuation_body(call.req, ids) if ids else None
+        # nothing received yet (no id, no choice finished): the request again from the start
+        restart = stream is None or not (ids or stream.finish_reasons)
+        body = None if restart else resume.continuation_body(call.req, stream.continuation())
         if stream is not None:
-            stream.resuming(restart=not ids, since=t_fail)
+            stream.resuming(restart=restart, since=t_fail)
         new = await self._proxy(call, send, watcher, answer_unreached=False, body=body, continuation=True)
         if stream is None and new.broken is None and new.status < 500:
             self.metrics.resume_seconds.observe(time.perf_counter() - t_fail)

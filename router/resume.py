@@ -3,7 +3,8 @@
 A stream goes on from the ids the client has received: the original body, unchanged, with
 `return_token_ids` and `resume.output_token_ids` (the engine re-prefills prompt + those ids and
 counts them as output already generated: max_tokens, min_tokens, stop strings over the whole
-output, usage once). A stream that failed before its first token, and a non-streamed request,
+output, usage once); a stream of several choices (n > 1, a batch of prompts) lists the choices
+still running, each with its ids, in `resume.choices` (the finished ones are not run again). A stream that failed before its first token, and a non-streamed request,
 are sent again as they were. docs/router.md, "Streams survive their replica".
 """
 
@@ -17,18 +18,27 @@ from kvmesh.router.call import Call
 
 
 def resumable(call: Call, max_resumes: int) -> bool:
-    """A generation of one choice from one prompt (a continuation continues one choice)."""
+    """A generation whose choices the router can count (best_of picks among hidden samples: not resumed)."""
     if max_resumes <= 0 or not call.generate:
         return False
+    return call.req.get("best_of") in (None, 1) and choices(call) is not None
+
+
+def choices(call: Call) -> tuple[int, int] | None:
+    """(prompts x n, n) of a generation: choice index = prompt index * n + j; None when malformed
+    (the engine answers it)."""
     req = call.req
-    if req.get("n") not in (None, 1) or req.get("best_of") not in (None, 1):
-        return False
-    if call.path == "/v1/completions":
-        try:
-            return len(prompt_batch(req.get("prompt"))) == 1
-        except Exception:  # noqa: BLE001 - malformed: the engine answers it
-            return False
-    return True
+    n = req.get("n", 1)
+    n = 1 if n is None else n
+    if type(n) is not int or n < 1:
+        return None
+    if call.path != "/v1/completions":
+        return n, n
+    try:
+        prompts = len(prompt_batch(req.get("prompt")))
+    except Exception:  # noqa: BLE001 - malformed: the engine answers it
+        return None
+    return (prompts * n, n) if prompts else None
 
 
 def wants_ids(req: dict[str, Any]) -> bool:
@@ -51,9 +61,10 @@ def stream_body(body: bytes, req: dict[str, Any]) -> bytes:
     return json.dumps({**req, "return_token_ids": True}).encode()
 
 
-def continuation_body(req: dict[str, Any], output_ids: list[int]) -> bytes:
-    """The original request, going on from `output_ids` (the ids the client has received)."""
-    return json.dumps({**req, "return_token_ids": True, "resume": {"output_token_ids": output_ids}}).encode()
+def continuation_body(req: dict[str, Any], resume: dict[str, Any]) -> bytes:
+    """The original request, going on from the ids the client has received (`resume`:
+    ClientStream.continuation())."""
+    return json.dumps({**req, "return_token_ids": True, "resume": resume}).encode()
 
 
 def max_tokens(req: dict[str, Any], chat: bool) -> int | None:

@@ -58,7 +58,9 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = None  # vLLM's: top-N logprobs of every prompt token
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the response
     # The router's continuation of a stream whose replica died: {"output_token_ids": [...]}, the ids
-    # the client has received (docs/engine-server.md, "Mid-stream resume"); read by resume_token_ids()
+    # the client has received of its one choice, or {"choices": [{"index": i, "output_token_ids": [...]}]}
+    # for the choices of several still running (docs/engine-server.md, "Mid-stream resume");
+    # read by resume_token_ids() and resume_choices()
     resume: Any = None
     # Structured outputs (engine/structured/request_fields.py): OpenAI's response_format, vLLM's
     # structured_outputs and its older guided_* fields; at most one of them per request.
@@ -138,16 +140,47 @@ class _Common(BaseModel):
         return param
 
     def resume_token_ids(self) -> list[int] | None:
-        """A continuation's already-generated ids (``resume.output_token_ids``), or None."""
-        if self.resume is None:
+        """A one-choice continuation's already-generated ids (``resume.output_token_ids``), or None."""
+        if self.resume is None or (isinstance(self.resume, dict) and "choices" in self.resume):
             return None
         ids = self.resume.get("output_token_ids") if isinstance(self.resume, dict) else None
         if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
             raise InvalidParameter(RESUME_PARAM, f"{RESUME_PARAM} must be a non-empty list of token ids "
                                                  "(resume: {\"output_token_ids\": [...]})")
         if self.n != 1:
-            raise InvalidParameter("n", "a continuation (resume) continues one choice: n must be 1")
+            raise InvalidParameter("n", "a continuation (resume) continues one choice: n must be 1; "
+                                        "several go on with resume.choices")
         return ids
+
+    def resume_choices(self, num_choices: int) -> dict[int, list[int]] | None:
+        """A continuation of several choices (``resume.choices``): choice index -> its ids so far
+        (possibly none yet), for the choices still running, in the order listed; None when the
+        request is not one."""
+        if not isinstance(self.resume, dict) or "choices" not in self.resume:
+            return None
+        if "output_token_ids" in self.resume:
+            raise InvalidParameter("resume", "resume holds either output_token_ids (one choice) or choices")
+        listed = self.resume["choices"]
+        if not isinstance(listed, list) or not listed:
+            raise InvalidParameter("resume.choices", "resume.choices must be a non-empty list of "
+                                                     "{\"index\": i, \"output_token_ids\": [...]}")
+        plan: dict[int, list[int]] = {}
+        for k, item in enumerate(listed):
+            where = f"resume.choices.{k}"
+            if not isinstance(item, dict):
+                raise InvalidParameter(where, f"{where} must be an object {{\"index\": i, \"output_token_ids\": [...]}}")
+            index = item.get("index")
+            if type(index) is not int or not 0 <= index < num_choices:
+                raise InvalidParameter(f"{where}.index", f"{where}.index must be a choice index, 0 to "
+                                                         f"{num_choices - 1} (prompts x n)")
+            if index in plan:
+                raise InvalidParameter(f"{where}.index", f"{where}.index: choice {index} is listed twice")
+            ids = item.get("output_token_ids")
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                raise InvalidParameter(f"{where}.output_token_ids",
+                                       f"{where}.output_token_ids must be a list of token ids")
+            plan[index] = ids
+        return plan
 
     def renamed(self, exc: InvalidParameter) -> InvalidParameter:
         """``exc`` naming the field as this request sent it."""

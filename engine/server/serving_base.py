@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.json_body import load_json
-from kvmesh.engine.limits import ResumeTooLong
+from kvmesh.engine.limits import RESUME_PARAM, ResumeTooLong
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -276,26 +276,56 @@ class GenerationHandler(RequestHandler):
             n = body.num_choices()
             resumed = body.resume_token_ids()
             prompts = self.prompts(body)
+            plan = body.resume_choices(len(prompts) * n)
             if resumed is not None:
                 if len(prompts) != 1:
-                    raise InvalidParameter(self.prompt_param, "a continuation (resume) continues one prompt")
+                    raise InvalidParameter(self.prompt_param, "a continuation (resume) continues one prompt; "
+                                                              "several go on with resume.choices")
+                plan = {0: resumed}
+            if plan is not None:
                 # the client had the prompt's echo and logprobs from the original stream
                 params = replace(params, prompt_logprobs=None)
             choices: list[Choice] = []
             for p_index, prompt in enumerate(prompts):
+                indices = range(p_index * n, (p_index + 1) * n)
+                if plan is not None and not any(i in plan for i in indices):
+                    continue  # a continuation: every choice of this prompt finished before the break
                 prompt, ids = await self.tokenize_prompt(body, prompt)
-                # every id against the vocabulary (the resumed ones too), and room left to generate
-                await off_loop(len(ids) + len(resumed or ()), engine.validate, ids, params, resumed)
+                await off_loop(len(ids), engine.validate, ids, params)
                 fitted = self._fit_max_tokens(body, ids, params)
-                for j in range(n):
-                    # Seeded samples of one prompt differ by seed + j (as vLLM's parallel sampling).
-                    choices.append(Choice(len(choices), p_index, prompt, ids, fitted.sample(j), resumed=resumed or []))
+                for j, index in enumerate(indices):
+                    if plan is not None and index not in plan:
+                        continue  # finished before the break: not run again
+                    # Seeded samples of one prompt differ by seed + j (as vLLM's parallel sampling),
+                    # a continuation's too: it keeps the original's choice indices.
+                    sample = fitted.sample(j)
+                    so_far = plan[index] if plan is not None else []
+                    if so_far:  # every id against the vocabulary, and room left to generate
+                        where = None if resumed is not None else f"resume.choices.{list(plan).index(index)}"
+                        await self._validate_resume(ids, sample, so_far, where)
+                    choices.append(Choice(index, p_index, prompt, ids, sample, resumed=so_far))
         except ResumeTooLong as exc:
             raise bad_request(str(exc), param=exc.param, code="context_length_exceeded" if exc.context else None)
         except InvalidParameter as exc:
             exc = body.renamed(exc)
             raise bad_request(str(exc), param=exc.param)
         return choices
+
+    async def _validate_resume(self, ids: list[int], sample: SamplingParams, so_far: list[int],
+                               where: str | None) -> None:
+        """A continued choice's ids; ``where``: its entry in resume.choices (None: the one-choice
+        form), which the error then names."""
+        try:
+            await off_loop(len(ids) + len(so_far), self.engine.validate, ids, sample, so_far)
+        except InvalidParameter as exc:
+            if where is None or exc.param != RESUME_PARAM:
+                raise
+            param = f"{where}.output_token_ids"
+            message = str(exc).replace(RESUME_PARAM, param)
+            renamed = ResumeTooLong(message, exc.context) if isinstance(exc, ResumeTooLong) else InvalidParameter(
+                param, message)
+            renamed.param = param
+            raise renamed from None
 
     def _fit_max_tokens(self, body, ids: list[int], params: SamplingParams) -> SamplingParams:
         max_len = self.engine.max_model_len
@@ -443,8 +473,10 @@ class GenerationHandler(RequestHandler):
     async def stream_response(self, choices: list[Choice], include_usage: bool,
                               continuous_usage: bool = False) -> AsyncIterator[str]:
         want_lp = choices[0].params.logprobs is not None
-        n_out, cached = [0] * len(choices), [0] * len(choices)
-        started = [False] * len(choices)
+        # by choice index (a continuation runs only some of the request's choices, under their own indices)
+        size = choices[-1].index + 1
+        n_out, cached = [0] * size, [0] * size
+        started = [False] * size
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(c: Choice) -> None:  # one engine request's outputs into the merged queue
@@ -551,7 +583,10 @@ class GenerationHandler(RequestHandler):
                 item["prompt_logprobs"] = self.prompt_logprobs_field(out)
             items.append(self.with_token_ids(item, c, ids, first=c.index == 0 or self.prompt_ids_per_choice,
                                              obj=response))
-        response["usage"] = self.usage(choices, generated, [o.num_cached_tokens for o in outs])
+        cached = [0] * (choices[-1].index + 1)  # by choice index, as usage() reads it
+        for c, out in zip(choices, outs):
+            cached[c.index] = out.num_cached_tokens
+        response["usage"] = self.usage(choices, generated, cached)
         return response
 
     # -- the request ------------------------------------------------------------------------

@@ -29,13 +29,13 @@ def run(stream: ClientStream, *pieces: bytes) -> list:
     return [asyncio.run(stream.feed(p)) for p in pieces]
 
 
-def client_stream(want_ids=False, chat=False):
+def client_stream(want_ids=False, chat=False, num_choices=1, n=1):
     sent = []
 
     async def send(msg):
         sent.append(msg)
 
-    return ClientStream(send, want_ids, chat), sent
+    return ClientStream(send, want_ids, chat, num_choices, n), sent
 
 
 def events(sent) -> list:
@@ -104,7 +104,7 @@ def test_a_restart_drops_the_chat_role_chunk_the_client_already_had():
 def test_a_stream_ended_by_the_router_has_its_finish_usage_and_done():
     stream, sent = client_stream()
     run(stream, ev(chunk(" a", [5])))
-    asyncio.run(stream.finish("length", {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}))
+    asyncio.run(stream.finish({0: "length"}, {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}))
     out = events(sent)
     assert out[1]["choices"][0]["finish_reason"] == "length" and out[1]["id"] == "cmpl-1"
     assert out[2]["usage"]["total_tokens"] == 4 and out[2]["choices"] == [] and out[3] == "[DONE]"
@@ -120,7 +120,7 @@ def test_the_upstream_body_asks_for_ids_without_re_encoding_the_prompt():
     assert load_json(resume.stream_body(asked_not, load_json(asked_not)))["return_token_ids"] is True
     asked = b'{"prompt": "x", "return_token_ids": true}'
     assert resume.stream_body(asked, load_json(asked)) == asked
-    cont = load_json(resume.continuation_body({"prompt": "x", "max_tokens": 9}, [4, 5]))
+    cont = load_json(resume.continuation_body({"prompt": "x", "max_tokens": 9}, {"output_token_ids": [4, 5]}))
     assert cont == {"prompt": "x", "max_tokens": 9, "return_token_ids": True, "resume": {"output_token_ids": [4, 5]}}
 
 
@@ -131,8 +131,67 @@ def test_which_requests_may_be_resumed():
         return c
     assert resume.resumable(call("/v1/completions", {"prompt": "x"}), 2)
     assert resume.resumable(call("/v1/completions", {"prompt": [1, 2, 3]}), 2)
-    assert not resume.resumable(call("/v1/completions", {"prompt": ["x", "y"]}), 2)  # a batch
-    assert not resume.resumable(call("/v1/chat/completions", {"messages": [], "n": 2}), 2)
+    assert resume.resumable(call("/v1/completions", {"prompt": ["x", "y"], "n": 3}), 2)  # a batch, n > 1
+    assert resume.choices(call("/v1/completions", {"prompt": ["x", "y"], "n": 3})) == (6, 3)
+    assert resume.choices(call("/v1/completions", {"prompt": [[1], [2], [3]]})) == (3, 1)
+    assert resume.resumable(call("/v1/chat/completions", {"messages": [], "n": 2}), 2)
+    assert resume.choices(call("/v1/chat/completions", {"messages": [], "n": 2})) == (2, 2)
+    assert not resume.resumable(call("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}), 2)
+    assert not resume.resumable(call("/v1/completions", {"prompt": "x", "n": "2"}), 2)  # malformed
     assert not resume.resumable(call("/v1/chat/completions", {"messages": []}), 0)  # --max-resumes 0
     assert resume.max_tokens({"max_tokens": 5, "max_completion_tokens": 7}, chat=True) == 7
     assert resume.max_tokens({"max_tokens": 5}, chat=False) == 5
+
+
+def multi(index: int, text: str, ids: list[int], finish=None, **extra) -> bytes:
+    obj = chunk(text, ids, finish=finish)
+    obj["choices"][0]["index"] = index
+    obj["choices"][0].update(extra)
+    return ev(obj)
+
+
+def test_several_choices_are_tracked_each_and_a_continuation_lists_the_running_ones():
+    """A batch of 2 prompts x n = 2: choice 1 finishes before the break; choice 3 has no output yet."""
+    stream, sent = client_stream(num_choices=4, n=2)
+    run(stream, multi(0, " a", [5], prompt_token_ids=[1, 2, 3]), multi(1, " b", [6], prompt_token_ids=[1, 2, 3]),
+        multi(2, " c", [7], prompt_token_ids=[9, 9]), multi(1, "", [8], finish="stop"), multi(0, " d", [10]))
+    assert stream.ids == {0: [5, 10], 1: [6, 8], 2: [7]} and stream.finish_reasons == {1: "stop"}
+    assert stream.prompt_tokens == {0: 3, 1: 2} and not stream.finished and stream.running() == [0, 2, 3]
+    assert stream.continuation() == {"choices": [{"index": 0, "output_token_ids": [5, 10]},
+                                                 {"index": 2, "output_token_ids": [7]},
+                                                 {"index": 3, "output_token_ids": []}]}
+    assert stream.spent(2) == [0] and stream.spent(None) == []
+    assert all("token_ids" not in c and "prompt_token_ids" not in c for e in events(sent) for c in e["choices"])
+    # the continuation counts its choices' prompts and outputs; choice 1's output is added back
+    stream.resuming(restart=False, since=time.perf_counter())
+    cont_usage = {"prompt_tokens": 5, "completion_tokens": 30, "total_tokens": 35,
+                  "prompt_tokens_details": {"cached_tokens": 4}}
+    run(stream, multi(3, " e", [11], finish="length"),
+        ev({**chunk("", None, cid="cmpl-2", created=200), "choices": [], "usage": cont_usage}))
+    usage = events(sent)[-1]["usage"]
+    assert usage == {"prompt_tokens": 5, "completion_tokens": 32, "total_tokens": 37,
+                     "prompt_tokens_details": {"cached_tokens": 4}}
+    assert events(sent)[-1]["id"] == "cmpl-1" and events(sent)[-1]["created"] == 100
+
+
+def test_a_prompt_whose_every_choice_finished_is_added_back_to_the_usage():
+    stream, sent = client_stream(num_choices=4, n=2)
+    run(stream, multi(0, " a", [5], prompt_token_ids=[1, 2, 3], finish="stop"),
+        multi(1, " b", [6, 7], prompt_token_ids=[1, 2, 3], finish="length"),
+        multi(2, " c", [8], prompt_token_ids=[9, 9]))
+    stream.resuming(restart=False, since=time.perf_counter())
+    assert stream.usage_offset == (3, 3)  # prompt 0's tokens, choices 0 and 1's outputs
+
+
+def test_a_stream_of_several_choices_ended_by_the_router_closes_each():
+    stream, sent = client_stream(chat=True, num_choices=2, n=2)
+    run(stream, ev({"id": "c", "created": 1, "model": "m", "object": "chat.completion.chunk", "prompt_token_ids": [1, 2],
+                    "choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [3], "finish_reason": "stop"}]}),
+        ev({"id": "c", "created": 1, "model": "m", "object": "chat.completion.chunk",
+            "choices": [{"index": 1, "delta": {"content": "y"}, "token_ids": [4, 5], "finish_reason": None}]}))
+    assert stream.spent(2) == [1]
+    asyncio.run(stream.finish({1: "length"}, stream.whole_usage(0)))
+    out = events(sent)
+    assert out[2]["choices"] == [{"index": 1, "delta": {}, "logprobs": None, "finish_reason": "length"}]
+    assert out[3]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5} and out[4] == "[DONE]"
+    assert stream.finished

@@ -122,9 +122,13 @@ def sse_events(lines) -> list:
     return out
 
 
-def stream(url: str, path: str, body: dict, kill_after: int | None = None, engines=()) -> tuple[list, str | None]:
+def stream(url: str, path: str, body: dict, kill_after: int | None = None, engines=(),
+           kill_when=None) -> tuple[list, str | None]:
     """The events of a stream; with `kill_after`, the engine that answers (X-Kvmesh-Pod) is
-    killed once that many events arrived. Returns (events, the killed pod)."""
+    killed once that many events arrived (or, with `kill_when`, once it holds for the events so
+    far). Returns (events, the killed pod)."""
+    if kill_when is not None:
+        kill_after = 1
     events, killed = [], None
     with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as resp:
         assert resp.status_code == 200, resp.read()
@@ -133,7 +137,8 @@ def stream(url: str, path: str, body: dict, kill_after: int | None = None, engin
             if not line.startswith("data: "):
                 continue
             events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-            if kill_after is not None and killed is None and len(events) >= kill_after:
+            if kill_after is not None and killed is None and len(events) >= kill_after \
+                    and (kill_when is None or kill_when(events)):
                 next(e for e in engines if e.name == pod).kill()
                 killed = pod
     return events, killed
@@ -342,3 +347,95 @@ def test_the_resume_limit_holds(router, live):
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "upstream_failed", events[-3:]
     assert metric(rt.url, "kvmesh_router_resumed_requests_total") == 1
     assert metric(rt.url, "kvmesh_router_resume_given_up_total", reason="limit") == 1
+
+
+# -- several choices: n > 1, a batch of prompts (choice index = prompt index * n + j) -----------------
+def per_choice(events: list, chat: bool) -> dict[int, dict]:
+    """Per choice index: its text and finish reasons, as the client assembles them."""
+    out: dict[int, dict] = {}
+    for ev in events:
+        if ev == "[DONE]" or "error" in ev:
+            continue
+        for c in ev["choices"]:
+            one = out.setdefault(c["index"], {"text": "", "finish": []})
+            one["text"] += ((c.get("delta") or {}).get("content") or "") if chat else (c.get("text") or "")
+            if c.get("finish_reason"):
+                one["finish"].append(c["finish_reason"])
+    return out
+
+
+def finished(events: list, indices) -> bool:
+    return set(indices) <= {c["index"] for e in events if e != "[DONE]" for c in e["choices"] if c.get("finish_reason")}
+
+
+MULTI = {
+    "greedy chat n=2": ("/v1/chat/completions", {"messages": CHAT, "temperature": 0, "n": 2}),
+    "seeded chat n=3": ("/v1/chat/completions", {"messages": CHAT, "temperature": 1.0, "seed": 77, "n": 3}),
+    "greedy completions n=2": ("/v1/completions", {"prompt": PROMPT, "temperature": 0, "n": 2}),
+    "seeded completions n=3": ("/v1/completions", {"prompt": PROMPT, "temperature": 1.0, "seed": 5, "n": 3}),
+    "seeded batch of 2 prompts x n=2": ("/v1/completions", {"prompt": [PROMPT, "Once upon a time in a harbour"],
+                                                            "temperature": 1.0, "seed": 11, "n": 2}),
+}
+
+
+def check_same_as(events: list, reference: list, chat: bool) -> None:
+    """Per choice the same text and finish reason (once) as the uninterrupted run, and the same usage."""
+    check_one_stream(events)
+    got, want = per_choice(events, chat), per_choice(reference, chat)
+    assert sorted(got) == sorted(want)
+    for i in want:
+        assert got[i]["text"] == want[i]["text"], i
+        assert got[i]["finish"] == want[i]["finish"] and len(want[i]["finish"]) == 1, (i, got[i]["finish"])
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [usage_of(events)[f] for f in counts] == [usage_of(reference)[f] for f in counts]
+
+
+@pytest.mark.parametrize("case", list(MULTI))
+def test_a_stream_of_several_choices_whose_engine_is_killed_loses_none(case, router, live):
+    path, body = MULTI[case]
+    chat = path.endswith("chat/completions")
+    body = {"model": "tiny", **body, **LONG, "stream_options": {"include_usage": True}}
+    reference, _ = stream(live[0].url, path, body)
+    if "seeded" in case:  # seeded choices differ: each one's own draws are checked
+        texts = [c["text"] for c in per_choice(reference, chat).values()]
+        assert len(set(texts)) == len(texts)
+    rt = router()
+    events, killed = stream(rt.url, path, body, kill_after=8, engines=live)
+    assert killed is not None
+    check_same_as(events, reference, chat)
+    assert metric(rt.url, "kvmesh_router_resumed_requests_total", phase="mid_stream") == 1
+
+
+def early_stop(texts: dict[int, str], early: list[int]) -> list[str]:
+    """Stop strings that end each of the `early` choices a few tokens in and no other choice."""
+    stops = []
+    for i in early:
+        others = [t for j, t in texts.items() if j != i]
+        at = next(k for k in range(20, len(texts[i]) - 6) if texts[i][k] == " " and texts[i][k + 1:k + 6].strip()
+                  and texts[i][k:k + 6] not in texts[i][:k + 5] and not any(texts[i][k:k + 6] in t for t in others))
+        stops.append(texts[i][at:at + 6])
+    return stops
+
+
+@pytest.mark.parametrize("case, early", [
+    ("seeded chat n=3", [1]),
+    ("seeded batch of 2 prompts x n=2", [0, 1]),  # prompt 0's every choice: its prompt is not run again
+])
+def test_choices_that_finished_before_the_kill_are_not_run_again(case, early, router, live):
+    """Some choices end (a stop string) before the engine is killed, the others after: the
+    continuation runs the others only, and the client's stream is the uninterrupted one's."""
+    path, body = MULTI[case]
+    chat = path.endswith("chat/completions")
+    body = {"model": "tiny", **body, **LONG, "stream_options": {"include_usage": True}}
+    plain, _ = stream(live[0].url, path, body)
+    body["stop"] = early_stop({i: c["text"] for i, c in per_choice(plain, chat).items()}, early)
+    reference, _ = stream(live[0].url, path, body)
+    ref = per_choice(reference, chat)
+    assert [ref[i]["finish"] for i in early] == [["stop"]] * len(early)
+    assert all(ref[i]["finish"] == ["length"] for i in ref if i not in early)
+    rt = router()
+    events, killed = stream(rt.url, path, body, engines=live, kill_when=lambda evs: finished(evs, early))
+    assert killed is not None
+    check_same_as(events, reference, chat)
+    assert metric(rt.url, "kvmesh_router_resumed_requests_total", phase="mid_stream") == 1
+

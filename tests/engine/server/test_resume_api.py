@@ -158,7 +158,7 @@ def test_a_whole_response_continuation_holds_the_new_output_and_the_whole_usage(
 
 
 @pytest.mark.parametrize("path, extra, param, code", [
-    ("/v1/completions", {"n": 2}, "n", None),
+    ("/v1/completions", {"n": 2}, "n", None),  # one choice's form; several go on with resume.choices
     ("/v1/completions", {"prompt": ["a b", "c d"]}, "prompt", None),
     ("/v1/chat/completions", {"resume": {"output_token_ids": [1, True]}}, RESUME, None),
     ("/v1/completions", {"resume": [1, 2]}, RESUME, None),
@@ -176,3 +176,100 @@ def test_bad_continuations_are_refused_naming_the_field(server, path, extra, par
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert r.json()["error"]["code"] == code
+
+
+def by_choice(chunks: list[dict], chat: bool) -> dict[int, dict]:
+    """Per choice index: its ids, text and finish reason, as a streaming client assembles them."""
+    seen: dict[int, dict] = {}
+    for ch in chunks:
+        for c in ch["choices"]:
+            one = seen.setdefault(c["index"], {"ids": [], "text": "", "finish": None, "role": False})
+            one["role"] |= chat and "role" in c["delta"]
+            one["ids"] += c.get("token_ids") or []
+            one["text"] += (c["delta"].get("content") or "") if chat else c["text"]
+            one["finish"] = c["finish_reason"] or one["finish"]
+    return seen
+
+
+MULTI = {
+    # a batch of 2 prompts x n = 2: choice index = prompt index * n + j
+    "completions batch": ("/v1/completions", dict(prompt=["The quick brown fox", "Once upon a time there"], n=2), False),
+    "chat n=3": ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Tell me a story"}], n=3), True),
+}
+
+
+@pytest.mark.parametrize("kind", list(MULTI))
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=7)])
+def test_several_choices_continue_under_their_own_indices(server, kind, sampling):
+    """resume.choices: only the listed choices run, each from its own ids, drawing as in the
+    uninterrupted run (seed + j by its index), and the usage counts the listed choices' prompts and
+    whole outputs (the router adds what finished before the break)."""
+    path, body, chat = MULTI[kind]
+    body = {**body, **sampling, "max_tokens": 10, "ignore_eos": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    chunks = stream(server, path, body)
+    whole = by_choice(chunks, chat)
+    n_choices = len(whole)
+    assert all(len(whole[i]["ids"]) == 10 for i in range(n_choices))
+    if sampling.get("seed") is not None:  # seeded choices differ from each other
+        assert len({tuple(whole[i]["ids"]) for i in range(n_choices)}) == n_choices
+    prompt_lens = {}
+    for ch in chunks:  # completions: on each choice's first chunk; chat: on the response's first chunk
+        for c in ch["choices"]:
+            if "prompt_token_ids" in c:
+                prompt_lens[c["index"] // 2] = len(c["prompt_token_ids"])
+        if "prompt_token_ids" in ch:
+            prompt_lens[0] = len(ch["prompt_token_ids"])
+    # choice 1 finished before the break; the last one had not generated anything yet
+    listed = {0: whole[0]["ids"][:3], n_choices - 1: []}
+    if n_choices > 3:
+        listed[2] = whole[2]["ids"][:9]
+    resume = {"choices": [{"index": i, "output_token_ids": ids} for i, ids in listed.items()]}
+    cont_chunks = stream(server, path, {**body, "resume": resume})
+    cont = by_choice(cont_chunks, chat)
+    assert sorted(cont) == sorted(listed)  # choice 1 is not run again
+    for i, ids in listed.items():
+        assert ids + cont[i]["ids"] == whole[i]["ids"], i
+        assert whole[i]["text"].endswith(cont[i]["text"]) and cont[i]["text"], i
+        assert cont[i]["finish"] == "length" and not cont[i]["role"]
+    assert all("prompt_token_ids" not in ch and all("prompt_token_ids" not in c for c in ch["choices"])
+               for ch in cont_chunks)
+    usage = cont_chunks[-1]["usage"]
+    prompts = {i // (n_choices if chat else 2) for i in listed}
+    assert usage["prompt_tokens"] == sum(prompt_lens[p] for p in prompts)
+    assert usage["completion_tokens"] == 10 * len(listed)
+    assert usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
+
+
+@pytest.mark.parametrize("resume, param, code", [
+    ({"choices": []}, "resume.choices", None),
+    ({"choices": {"index": 0}}, "resume.choices", None),
+    ({"choices": [5]}, "resume.choices.0", None),
+    ({"choices": [{"index": 4, "output_token_ids": [3]}]}, "resume.choices.0.index", None),
+    ({"choices": [{"index": -1, "output_token_ids": [3]}]}, "resume.choices.0.index", None),
+    ({"choices": [{"index": "1", "output_token_ids": [3]}]}, "resume.choices.0.index", None),
+    ({"choices": [{"index": 1, "output_token_ids": [3]}, {"index": 1, "output_token_ids": [4]}]},
+     "resume.choices.1.index", None),
+    ({"choices": [{"index": 0, "output_token_ids": "3 4"}]}, "resume.choices.0.output_token_ids", None),
+    ({"choices": [{"index": 0}]}, "resume.choices.0.output_token_ids", None),
+    ({"choices": [{"index": 0, "output_token_ids": [3, 4.5]}]}, "resume.choices.0.output_token_ids", None),
+    ({"choices": [{"index": 0, "output_token_ids": [1]}, {"index": 3, "output_token_ids": [1, 10**9]}]},
+     "resume.choices.1.output_token_ids", None),  # outside the vocabulary (the second entry)
+    ({"choices": [{"index": 2, "output_token_ids": [3] * 8}]}, "resume.choices.0.output_token_ids", None),
+    ({"choices": [{"index": 0, "output_token_ids": [3]}], "output_token_ids": [3]}, "resume", None),
+])
+def test_bad_multi_choice_continuations_are_refused_naming_the_field(server, resume, param, code):
+    body = {"prompt": ["hello", "world"], "n": 2, "max_tokens": 8, "stream": True, "resume": resume}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["code"] == code
+
+
+def test_a_multi_choice_continuation_past_the_context_names_its_choice(server):
+    body = {"prompt": "hello", "n": 2, "max_tokens": None, "stream": True,
+            "resume": {"choices": [{"index": 1, "output_token_ids": [3] * 2100}]}}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "resume.choices.0.output_token_ids"
+    assert r.json()["error"]["code"] == "context_length_exceeded"
