@@ -235,35 +235,16 @@ class TritonBackend(AttentionBackend):
             at += a.size
         return out
 
-    def _tables(self, tables: list[list[int]], seq_lens: np.ndarray) -> np.ndarray:
-        bs = self.block_size
-        width = max(1, int(-(-seq_lens.max() // bs)))
-        out = np.zeros((len(tables), width), dtype=np.int32)
-        for i, (t, n) in enumerate(zip(tables, seq_lens)):
-            used = -(-int(n) // bs)
-            out[i, :used] = t[:used]
-        return out
-
     def step_metadata(self, rows: StepRows, upload, block_size: int) -> TritonMetadata:
         logits = rows.logits()
         seq_lens = rows.starts + rows.q_lens
-        return self._metadata(rows.q_lens, rows.starts, rows.seq_tables(seq_lens), upload(rows.slots),
+        return self.metadata(rows.q_lens, rows.starts, rows.seq_tables(seq_lens), upload(rows.slots),
                               rows.logits_tables(logits) if len(logits.ctx) else None, logits.ctx)
 
-    def build_metadata(self, rows: list[tuple[int, int, list[int]]], slots: torch.Tensor,
-                       sample_tables: list[list[int]], sample_ctx: list[int]) -> TritonMetadata:
-        """rows: (new tokens, cached tokens, block table) of each sequence, in batch order;
-        sample_tables / sample_ctx: the sampling rows' block tables and context lengths."""
-        q_lens = np.fromiter((n for n, _, _ in rows), dtype=np.int64, count=len(rows))
-        starts = np.fromiter((s for _, s, _ in rows), dtype=np.int64, count=len(rows))
-        ctx = np.asarray(sample_ctx, dtype=np.int64)
-        return self._metadata(q_lens, starts, self._tables([t for _, _, t in rows], starts + q_lens), slots,
-                              self._tables(sample_tables, ctx) if sample_ctx else None, ctx)
-
-    def _metadata(self, q_lens: np.ndarray, starts: np.ndarray, tables: np.ndarray, slots: torch.Tensor | None,
-                  sample_tables: np.ndarray | None, sample_ctx: np.ndarray) -> TritonMetadata:
-        """From arrays: each sequence's new and cached tokens and its [S, W] block table (zero
-        past its context); the sampling rows' block tables and context lengths."""
+    def metadata(self, q_lens: np.ndarray, starts: np.ndarray, tables: np.ndarray, slots: torch.Tensor | None,
+                 sample_tables: np.ndarray | None, sample_ctx: np.ndarray) -> TritonMetadata:
+        """Each sequence's new and cached tokens and its [S, W] block table (zero past its
+        context), in batch order; the sampling rows' [R, W'] block tables and context lengths."""
         num_seqs = len(q_lens)
         seq_lens = starts + q_lens
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -285,15 +266,11 @@ class TritonBackend(AttentionBackend):
         if meta.decode_only:  # the sampling rows are the batch's rows: the same metadata serves
             meta.sample_meta = meta
         elif len(sample_ctx):
-            meta.sample_meta = self._decode_metadata(sample_tables, sample_ctx)
+            meta.sample_meta = self.decode_metadata(sample_tables, sample_ctx)
         return meta
 
-    def decode_metadata(self, tables: list[list[int]], ctx_lens: list[int]) -> TritonMetadata:
-        """Row i: one query token over ctx_lens[i] cache rows of tables[i]."""
-        lens = np.asarray(ctx_lens, dtype=np.int64)
-        return self._decode_metadata(self._tables(tables, lens), lens)
-
-    def _decode_metadata(self, tables: np.ndarray, lens: np.ndarray) -> TritonMetadata:
+    def decode_metadata(self, tables: np.ndarray, lens: np.ndarray) -> TritonMetadata:
+        """Row i: one query token over lens[i] cache rows of tables[i] ([R, W], zero past it)."""
         n = len(lens)
         seqs = np.arange(n + 1)
         qsl_d, lens_d, tables_d = self._upload([seqs, lens, tables])

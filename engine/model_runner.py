@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.input_batch import InputBatch
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from kvmesh.engine.scheduler import SchedulerOutput
-from kvmesh.engine.input_batch import InputBatch
 from kvmesh.engine.step_rows import StepBuffers, build_step_rows
 from kvmesh.engine.weights import load_weights
 
@@ -122,7 +122,7 @@ class ModelRunner:
         """The step's inputs on the device: its rows (step_rows.py), then the attention backend's
         metadata for them. ``prev_rows``: each request's row in the previous step's sampled ids
         (async scheduling fills placeholder inputs from them on the device)."""
-        rows = build_step_rows(out, kv, self.block_size, self._buffers, prev_rows, self.input_batch)
+        rows = build_step_rows(out, kv, self.block_size, self._buffers, self.input_batch, prev_rows)
         meta = self.backend.step_metadata(rows, self._tensor, self.block_size)
         grammar = None
         if any(r.structured is not None for r in out.requests):  # constrained decoding: the next-token masks

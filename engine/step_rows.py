@@ -92,14 +92,12 @@ class StepBuffers:
 
 
 def build_step_rows(out: SchedulerOutput, kv: KVCacheManager, block_size: int, buffers: StepBuffers,
-                    prev_rows: dict[str, int] | None = None, batch: InputBatch | None = None) -> StepRows:
+                    batch: InputBatch, prev_rows: dict[str, int] | None = None) -> StepRows:
     """The step's rows. Async scheduling: a position past the request's known tokens is a
     placeholder for the token the previous step samples; its input id is left 0 here and
     filled on the device from that step's sampled ids (``fill_dst`` <- row ``fill_src`` of
     them, ``prev_rows`` giving each request's row there)."""
     bs = block_size
-    if batch is None:
-        batch = InputBatch(bs)
     batch.begin_step()
     reqs = out.requests
     ids_buf = buffers.get(out.total_tokens)

@@ -79,7 +79,7 @@ def test_step_rows_slots_and_positions_over_mixed_prefill_and_decode():
         req.num_computed_tokens = done
         out.requests.append(req)
         out.num_scheduled_tokens[req.request_id] = n
-    rows = build_step_rows(out, kv, BS, StepBuffers(), batch=batch)
+    rows = build_step_rows(out, kv, BS, StepBuffers(), batch)
     expect_pos = [8, 0] + list(range(3, 14)) + [0, 1, 2]
     assert rows.positions.tolist() == expect_pos
     owners = [0, 1] + [2] * 11 + [3] * 3

@@ -16,12 +16,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are importe
 import math  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
-from kvmesh.engine.attention_backends import PAD_SLOT, TritonBackend  # noqa: E402
+from kvmesh.engine.attention_backends import PAD_SLOT, TritonBackend, TritonMetadata  # noqa: E402
 from kvmesh.engine.kernels import triton_attention, triton_ops  # noqa: E402
 
 # Interpreted on the CPU, or compiled on a GPU when TRITON_INTERPRET=0 was set before the import.
@@ -92,6 +93,24 @@ def _mixed_case(bs, dim, group, dtype, specs, seed=0):
 
 # (new tokens, cached tokens): decodes (a 1-token context, exactly one block, crossing blocks, long),
 # fresh prefills (shorter than, exactly, longer than a block), chunks after cached context.
+def padded_tables(tables: list[list[int]], ctx_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """Hand-made block tables as the backend takes them: [n, W], zero past each context."""
+    width = max(1, int(-(-ctx_lens.max() // block_size)))
+    out = np.zeros((len(tables), width), dtype=np.int64)
+    for i, (t, n) in enumerate(zip(tables, ctx_lens)):
+        used = -(-int(n) // block_size)
+        out[i, :used] = t[:used]
+    return out
+
+
+def step_metadata(backend: TritonBackend, rows: list[tuple[int, int, list[int]]]) -> TritonMetadata:
+    """A hand-made step's metadata: (new tokens, cached tokens, block table) per sequence, none sampling."""
+    q_lens = np.array([n for n, _, _ in rows], dtype=np.int64)
+    starts = np.array([c for _, c, _ in rows], dtype=np.int64)
+    tables = padded_tables([t for _, _, t in rows], starts + q_lens, backend.block_size)
+    return backend.metadata(q_lens, starts, tables, None, None, np.zeros(0, dtype=np.int64))
+
+
 MIXED = [(1, 0), (1, 15), (1, 40), (5, 0), (16, 0), (19, 13), (3, 32), (1, 70), (37, 0)]
 
 
@@ -107,7 +126,7 @@ def test_mixed_batch_matches_reference(bs, dim, group, dtype):
     backend = TritonBackend(_config(heads, kv_heads), bs, torch.device(DEV))
     backend.target_programs = 64  # as on a small GPU: the few decode rows are split
     rows = [(n, c, t) for (n, c), t in zip(MIXED, tables)]
-    meta = backend.build_metadata(rows, None, [], [])
+    meta = step_metadata(backend, rows)
     assert meta.num_decodes == 4
     # The long decode rows take the split path. Whether the heuristic splits these short contexts
     # depends on the key tile (larger when compiled for a GPU): force two ranges where it does not.
@@ -126,7 +145,7 @@ def test_decode_split_kv_reduction(num_splits):
     specs = [(1, 0), (1, 31), (1, 32), (1, 100)]
     q, k_cache, v_cache, tables, heads, kv_heads = _mixed_case(16, 64, 4, torch.float32, specs, seed=1)
     backend = TritonBackend(_config(heads, kv_heads), 16, torch.device(DEV))
-    meta = backend.build_metadata([(n, c, t) for (n, c), t in zip(specs, tables)], None, [], [])
+    meta = step_metadata(backend, [(n, c, t) for (n, c), t in zip(specs, tables)])
     meta.num_splits = num_splits
     got = backend.forward(q, None, None, k_cache, v_cache, meta, 0.125)
     ref = _reference(q, k_cache, v_cache, specs, tables, 0.125)
@@ -138,7 +157,8 @@ def test_decode_padding_rows_give_zeros_and_read_nothing():
     specs = [(1, 20), (1, 0)]
     q, k_cache, v_cache, tables, heads, kv_heads = _mixed_case(16, 64, 1, torch.float32, specs, seed=2)
     backend = TritonBackend(_config(heads, kv_heads), 16, torch.device(DEV))
-    meta = backend.decode_metadata([tables[0], [0]], [21, 0])
+    lens = np.array([21, 0])
+    meta = backend.decode_metadata(padded_tables([tables[0], [0]], lens, 16), lens)
     for splits in (1, 4):
         meta.num_splits = splits
         got = backend.forward(q, None, None, k_cache, v_cache, meta, 0.125)
@@ -242,7 +262,7 @@ def test_prefill_tile_reads_only_its_causal_keys():
     flat_k = k_cache.view(kv_heads, -1, dim)
     table = tables[0]
     backend = TritonBackend(_config(heads, kv_heads), bs, torch.device(DEV))
-    meta = backend.build_metadata([(20, 5, table)], None, [], [])
+    meta = step_metadata(backend, [(20, 5, table)])
     ref = _reference(q, k_cache, v_cache, specs, tables, dim ** -0.5)
     # Rows past the context (slot 25 .. end of its last block) are never part of any query's keys.
     for p in range(25, len(table) * bs):
