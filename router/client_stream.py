@@ -162,8 +162,8 @@ class ClientStream:
 
     @property
     def finished(self) -> bool:
-        """Every choice finished."""
-        return len(self.finish_reasons) >= self.num_choices
+        """Every choice finished (an index the request does not have counts for nothing)."""
+        return not self.running()
 
     # -- one event ------------------------------------------------------------------------------------
     def _event(self, raw: bytes) -> tuple[bytes | None, str | None]:

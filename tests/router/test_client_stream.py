@@ -195,3 +195,12 @@ def test_a_stream_of_several_choices_ended_by_the_router_closes_each():
     assert out[2]["choices"] == [{"index": 1, "delta": {}, "logprobs": None, "finish_reason": "length"}]
     assert out[3]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5} and out[4] == "[DONE]"
     assert stream.finished
+
+
+def test_a_finish_under_an_index_the_request_does_not_have_ends_nothing():
+    """Two choices: a finish reported for index 5 (an engine's mistake) does not end the stream."""
+    stream, _ = client_stream(num_choices=2, n=2)
+    run(stream, multi(0, " a", [5], finish="stop"), multi(5, "", [6], finish="stop"))
+    assert not stream.finished and stream.running() == [1]
+    run(stream, multi(1, " b", [7], finish="length"))
+    assert stream.finished
