@@ -28,6 +28,10 @@ from tests.tiny_models import build_tiny_model
 PROMPT = "The history of the printing press begins"
 CHAT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 LONG = {"max_tokens": 300, "ignore_eos": True}
+# For tests that act on a request from outside its stream (a metrics poll, a drain's timeout): the
+# tiny model writes 300 tokens in ~0.2 s, within one poll or the drain's 0.2 s; this one runs for
+# over a second (the tiny model's context is 2048 tokens)
+LONGER = {"max_tokens": 1900, "ignore_eos": True}
 
 
 class Engine:
@@ -236,7 +240,7 @@ def test_the_client_asking_for_token_ids_gets_them_all_once(router, live):
 
 
 def test_a_non_streamed_request_whose_engine_is_killed_is_answered_by_another(router, live):
-    body = {"model": "tiny", "messages": CHAT, "temperature": 0, **LONG}
+    body = {"model": "tiny", "messages": CHAT, "temperature": 0, **LONGER}
     reference = httpx.post(live[0].url + "/v1/chat/completions", json=body, timeout=120).json()
     rt = router()
     result = {}
@@ -267,7 +271,7 @@ def test_a_non_streamed_request_whose_engine_is_killed_is_answered_by_another(ro
 def test_a_stream_cut_by_its_engines_drain_goes_on_with_another(router, live):
     """A draining engine (a scale-down, a rollout) aborts the streams still running at its drain
     timeout (finish_reason "abort"): the router goes on with another replica instead of ending them."""
-    body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, **LONG, "stream_options": {"include_usage": True}}
+    body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, **LONGER, "stream_options": {"include_usage": True}}
     reference, _ = stream(live[0].url, "/v1/completions", body)
     rt = router()
     events = []
@@ -284,7 +288,7 @@ def test_a_stream_cut_by_its_engines_drain_goes_on_with_another(router, live):
     assert text_of(events, False) == text_of(reference, False)
     finish = [c["finish_reason"] for e in events if e != "[DONE]" for c in e["choices"] if c.get("finish_reason")]
     assert finish == ["length"]  # never "abort": the client does not see the cut
-    assert usage_of(events)["completion_tokens"] == LONG["max_tokens"]
+    assert usage_of(events)["completion_tokens"] == LONGER["max_tokens"]
     assert metric(rt.url, "kvmesh_router_resumed_requests_total", phase="mid_stream") == 1
 
 
