@@ -85,6 +85,13 @@ class ClientStream:
             return {"output_token_ids": self.ids.get(0, [])}
         return {"choices": [{"index": i, "output_token_ids": self.ids.get(i, [])} for i in self.running()]}
 
+    def resume_tokens(self, fallback_prompt_tokens: int) -> int:
+        """The tokens a continuation prefills again: each running choice's prompt (its own
+        sequence in the engine) and the ids the client has of it. `fallback_prompt_tokens` for a
+        prompt whose token count the engine has not sent."""
+        return sum(self.prompt_tokens.get(i // self.n, fallback_prompt_tokens) + len(self.ids.get(i, ()))
+                   for i in self.running())
+
     def whole_usage(self, fallback_prompt_tokens: int) -> dict:
         """The whole request's usage from what the client received (the router ends the stream)."""
         prompts = sum(self.prompt_tokens.values()) if self.prompt_tokens else fallback_prompt_tokens

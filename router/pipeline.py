@@ -196,7 +196,7 @@ class Pipeline:
         call.resumes += 1
         ids = stream.output_ids if stream is not None else []
         self.metrics.resumed.labels(out.broken.phase).inc()
-        self.metrics.resumed_tokens.inc(len(call.tokens) + len(ids))
+        self.metrics.resumed_tokens.inc(len(call.tokens) if stream is None else stream.resume_tokens(len(call.tokens)))
         # nothing received yet (no id, no choice finished): the request again from the start
         restart = stream is None or not (ids or stream.finish_reasons)
         body = None if restart else resume.continuation_body(call.req, stream.continuation())

@@ -161,6 +161,8 @@ def test_several_choices_are_tracked_each_and_a_continuation_lists_the_running_o
                                                  {"index": 2, "output_token_ids": [7]},
                                                  {"index": 3, "output_token_ids": []}]}
     assert stream.spent(2) == [0] and stream.spent(None) == []
+    # re-prefilled: the running choices 0, 2 and 3, each its prompt and its ids (the fallback unused)
+    assert stream.resume_tokens(4) == (3 + 2) + (2 + 1) + (2 + 0)
     assert all("token_ids" not in c and "prompt_token_ids" not in c for e in events(sent) for c in e["choices"])
     # the continuation counts its choices' prompts and outputs; choice 1's output is added back
     stream.resuming(restart=False, since=time.perf_counter())

@@ -239,15 +239,25 @@ def test_the_client_asking_for_token_ids_gets_them_all_once(router, live):
     assert ids(events) == ids(reference) and len(ids(events)) == LONG["max_tokens"]
 
 
-def test_a_non_streamed_request_whose_engine_is_killed_is_answered_by_another(router, live):
-    body = {"model": "tiny", "messages": CHAT, "temperature": 0, **LONGER}
-    reference = httpx.post(live[0].url + "/v1/chat/completions", json=body, timeout=120).json()
+NON_STREAMED = {
+    "greedy chat": ("/v1/chat/completions", {"messages": CHAT, "temperature": 0}),
+    "seeded batch of 2 prompts x n=2": ("/v1/completions", {"prompt": [PROMPT, "Once upon a time in a harbour"],
+                                                            "temperature": 1.0, "seed": 11, "n": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(NON_STREAMED))
+def test_a_non_streamed_request_whose_engine_is_killed_is_answered_by_another(case, router, live):
+    """Nothing reached the client: the request goes again, whole, to the other replica, and its
+    answer is the uninterrupted one (every choice, seeded ones too)."""
+    path, body = NON_STREAMED[case]
+    body = {"model": "tiny", **body, **LONGER}
+    reference = httpx.post(live[0].url + path, json=body, timeout=120).json()
     rt = router()
     result = {}
     import threading
 
-    t = threading.Thread(target=lambda: result.setdefault(
-        "resp", httpx.post(rt.url + "/v1/chat/completions", json=body, timeout=120)))
+    t = threading.Thread(target=lambda: result.setdefault("resp", httpx.post(rt.url + path, json=body, timeout=120)))
     t.start()
 
     def running():
@@ -263,7 +273,10 @@ def test_a_non_streamed_request_whose_engine_is_killed_is_answered_by_another(ro
     resp = result["resp"]
     assert resp.status_code == 200, resp.text
     out = resp.json()
-    assert out["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
+    content = (lambda c: c["message"]["content"]) if path.endswith("chat/completions") else (lambda c: c["text"])
+    assert len(out["choices"]) == len(reference["choices"])
+    assert sorted((c["index"], content(c)) for c in out["choices"]) == \
+        sorted((c["index"], content(c)) for c in reference["choices"])
     assert out["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
     assert metric(rt.url, "kvmesh_router_resumed_requests_total") == 1
 
@@ -408,6 +421,9 @@ def test_a_stream_of_several_choices_whose_engine_is_killed_loses_none(case, rou
     assert killed is not None
     check_same_as(events, reference, chat)
     assert metric(rt.url, "kvmesh_router_resumed_requests_total", phase="mid_stream") == 1
+    # every choice ran at the kill: each re-prefills its prompt (usage counts a prompt once) and its ids
+    prompts_per_choice = usage_of(reference)["prompt_tokens"] * body["n"]
+    assert metric(rt.url, "kvmesh_router_resumed_tokens_total") > prompts_per_choice
 
 
 def early_stop(texts: dict[int, str], early: list[int]) -> list[str]:
