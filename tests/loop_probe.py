@@ -72,4 +72,6 @@ def check_latencies(latencies: list[float]) -> None:
     print(f"probes {len(latencies)}: p50 {latencies[len(latencies) // 2] * 1000:.1f} ms, "
           f"p99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms")
     assert p99 < P99_LIMIT_S, f"p99 {p99 * 1000:.0f} ms, max {latencies[-1] * 1000:.0f} ms over {len(latencies)} probes"
-    assert len(latencies) > 50, latencies  # probed throughout
+    # probed throughout: the load lasts ~0.5-1 s here, each probe ~17 ms (10 ms apart); a faster
+    # server shortens the window, so the floor is what shows probes ran while the load did
+    assert len(latencies) >= 20, latencies
