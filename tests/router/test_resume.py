@@ -29,8 +29,8 @@ PROMPT = "The history of the printing press begins"
 CHAT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 LONG = {"max_tokens": 300, "ignore_eos": True}
 # For tests that act on a request from outside its stream (a metrics poll, a drain's timeout): the
-# tiny model writes 300 tokens in ~0.2 s, within one poll or the drain's 0.2 s; this one runs for
-# over a second (the tiny model's context is 2048 tokens)
+# tiny model writes 300 tokens in ~0.2 s (a few metrics polls, or the drain's 0.2 s); this one runs
+# for over a second (the tiny model's context is 2048 tokens)
 LONGER = {"max_tokens": 1900, "ignore_eos": True}
 
 
@@ -198,7 +198,8 @@ def test_a_stream_whose_engine_is_killed_goes_on_as_if_nothing_happened(case, ro
     reference, _ = stream(live[0].url, path, body)  # straight to an engine, uninterrupted
     ref_text = text_of(reference, chat)
     if "stop" in case:  # a stop string well after the kill (its first occurrence): both runs end there
-        at = next(k for k in range(len(ref_text) * 3 // 4, len(ref_text) - 8) if ref_text[k:k + 8] not in ref_text[:k + 7])
+        at = next(k for k in range(len(ref_text) * 3 // 4, len(ref_text) - 8)
+                  if ref_text[k:k + 8] not in ref_text[:k + 7])
         body["stop"] = [ref_text[at:at + 8]]
         reference, _ = stream(live[0].url, path, body)
         ref_text = text_of(reference, chat)
