@@ -4,19 +4,24 @@ residual add, RoPE on q/k in place, SiLU-and-mul), and linear layers over panel-
 weights for decode-size batches (onednn_linear.py uses them).
 
 Builds with the system compiler into torch's extension cache: ahead of time with
-``kvmesh build-kernels`` (``make setup`` runs it), else on the first engine start. One
-process builds at a time; the others wait for it, for at most KVMESH_CPU_KERNELS_WAIT_S
-seconds, and a lock left by a builder that died is cleared (build_lock.py). If the kernels
-cannot be built (no compiler, KVMESH_CPU_KERNELS=0, that wait ran out), the model falls
-back to plain torch ops, which compute the same thing.
+``kvmesh build-kernels`` (``make setup`` runs it), else on the first engine start. The build
+directory is named after everything the library depends on (the sources, the flags, torch's
+version, the Python ABI), and a finished build there is loaded without ninja, whichever
+checkout or venv built it (build_record.py). One process builds at a time; the others wait
+for it, for at most KVMESH_CPU_KERNELS_WAIT_S seconds, and a lock left by a builder that died
+is cleared (build_lock.py). If the kernels cannot be built (no compiler, KVMESH_CPU_KERNELS=0,
+that wait ran out), the model falls back to plain torch ops, which compute the same thing.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import sysconfig
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 _SOURCE_FILES = ("bindings_cpu.cpp", "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "fused_ops_cpu.cpp",
@@ -42,14 +47,22 @@ def _cpu_flags() -> list[str]:
     return flags if portable() else flags + ["-march=native"]
 
 
-def _build_name(flags: list[str]) -> str:
-    # torch's build cache keys on the .cpp files only; hashing the headers too means an
-    # edited header is never served from a stale build.
+def _build_inputs(flags: list[str]) -> dict[str, Any]:
+    """What the built library depends on. The headers count (torch's own cache keys on the .cpp
+    files only); ninja and the source paths do not (a finished build is loaded without ninja)."""
+    import torch
+
     digest = hashlib.sha256()
     for name in _SOURCE_FILES + _HEADERS:
         digest.update(Path(__file__).with_name(name).read_bytes())
+    return {"sources": digest.hexdigest(), "flags": flags, "torch": torch.__version__,
+            "python": sysconfig.get_config_var("EXT_SUFFIX")}
+
+
+def _build_name(flags: list[str]) -> str:
+    key = hashlib.sha256(json.dumps(_build_inputs(flags), sort_keys=True).encode()).hexdigest()
     kind = "native" if "-march=native" in flags else "portable"
-    return f"kvmesh_cpu_ops_{digest.hexdigest()[:10]}_{kind}"
+    return f"kvmesh_cpu_ops_{key[:10]}_{kind}"
 
 
 def wait_timeout() -> float:
@@ -74,16 +87,22 @@ def build(timeout: float | None = None):
     a builder that died is cleared (build_lock.py)."""
     from torch.utils.cpp_extension import load as load_extension
 
+    from kvmesh.engine.kernels import build_record
     from kvmesh.engine.kernels.build_lock import exclusive_build
 
     flags = _cpu_flags()
     name = _build_name(flags)
     directory = build_directory(name)
     with exclusive_build(directory, wait_timeout() if timeout is None else timeout):
+        module = build_record.load_finished(directory, name)
+        if module is not None:
+            return module
         log.info("building the CPU kernels in %s (once; cached by torch; `kvmesh build-kernels` does it "
                  "ahead of time)", directory)
-        return load_extension(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=flags,
-                              extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+        module = load_extension(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=flags,
+                                extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+        build_record.record(directory, name, _build_inputs(flags))
+        return module
 
 
 def load():

@@ -161,6 +161,14 @@ class Traffic:
             every = self.streams + list(self._in_flight.values())
         return sum(1 for s in every if s.pod == pod and s.status == 200 and s.started >= since)
 
+    def mid_stream_on(self, pod: str, most_tokens: int) -> list[Stream]:
+        """Streams on ``pod`` that have received tokens, at most ``most_tokens``, and not ended: the
+        rest of each is still to come."""
+        with self._lock:
+            running = list(self._in_flight.values())
+        return [s for s in running if s.pod == pod and s.status == 200 and 0 < s.tokens <= most_tokens
+                and not s.ended]
+
     def count_ok_on(self, pod: str, since: float = 0.0) -> int:
         return sum(1 for s in self.finished() if s.pod == pod and s.outcome == OK and s.started >= since)
 
