@@ -29,6 +29,13 @@ SHORT_NAMES = ["md"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
 API_VERSION = f"{GROUP}/{VERSION}"
 
+
+def object_ref(body: Any) -> dict[str, Any]:
+    """The reference to one ModelDeployment that the Events about it carry."""
+    meta = body["metadata"]
+    return {"apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}}
+
 # Engine defaults: the same as `kvmesh serve` (docs/cli.md); the model and block size are the
 # shared contracts' (kvmesh/common), the routing policies' names kvmesh/common/policy_names.py.
 DEFAULT_MODEL = _models.DEFAULT_MODEL
