@@ -25,13 +25,13 @@ from pydantic import BaseModel, ValidationError
 
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.json_body import load_json
-from kvmesh.engine.limits import RESUME_PARAM, ResumeTooLong
+from kvmesh.engine.model_limits import RESUME_PARAM, ResumeTooLong
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvmesh.engine.server.errors import APIError, bad_request, error_body
 from kvmesh.engine.server.metrics import ServerMetrics
-from kvmesh.engine.server.offload import LARGE_BODY_BYTES, off_loop
+from kvmesh.engine.server.off_loop import LARGE_BODY_BYTES, off_loop
 from kvmesh.engine.server.protocol import first_error_param, invalid_text_field
 
 log = logging.getLogger("kvmesh.server")
