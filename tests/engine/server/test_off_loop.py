@@ -34,7 +34,7 @@ def test_an_error_in_the_pool_reaches_the_handler():
 def test_large_bodies_are_decoded_as_small_ones():
     """decode_body in the pool: the same model, or the same 400, as inline."""
     from kvmesh.engine.server.protocol import CompletionRequest
-    from kvmesh.engine.server.serving_base import decode_body
+    from kvmesh.engine.server.request_body import decode_body
 
     pad = " " * off_loop.LARGE_BODY_BYTES
     good = b'{"prompt": [1, 2, 3], "cache_salt": "t"}'
