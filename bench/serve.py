@@ -764,7 +764,7 @@ def main(argv=None) -> int:
         ap.error("give --url (a running server) or --compare")
     vocab = 49152
     try:
-        from kvmesh.common.models import find_model_dir
+        from kvmesh.common.model_lookup import find_model_dir
         from kvmesh.engine.config import ModelConfig
 
         vocab = ModelConfig.from_dir(find_model_dir(args.model)).vocab_size

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvmesh.common.models import BuiltinModel, ModelNotConverted, builtin_gguf_path, find_model_dir
+from kvmesh.common.model_lookup import BuiltinModel, ModelNotConverted, builtin_gguf_path, find_model_dir
 
 
 def resolve_model_dir(model: str) -> Path:
     """A Hugging Face directory for `model`: a path, or a built-in name, converted on first use
-    (kvmesh.common.models.find_model_dir only looks up; conversion is the engine's)."""
+    (kvmesh.common.model_lookup.find_model_dir only looks up; conversion is the engine's)."""
     try:
         return find_model_dir(model)
     except ModelNotConverted as missing:

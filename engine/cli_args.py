@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
-from kvmesh.common.models import DEFAULT_MODEL
+from kvmesh.common.model_lookup import DEFAULT_MODEL
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvmesh.common.models import BUILTIN_MODELS, DEFAULT_MODEL
+    from kvmesh.common.model_lookup import BUILTIN_MODELS, DEFAULT_MODEL
 
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, choices=sorted(BUILTIN_MODELS))
 

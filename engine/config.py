@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
-from kvmesh.common.models import DEFAULT_MODEL
+from kvmesh.common.model_lookup import DEFAULT_MODEL
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
                "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}

@@ -19,7 +19,7 @@ import torch
 from kvmesh.engine.builtin import resolve_model_dir
 from kvmesh.engine.config import EngineArgs, ModelConfig, parse_size, pick_device
 from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
-from kvmesh.engine.limits import EngineLimits
+from kvmesh.engine.model_limits import EngineLimits
 from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampler import TokenLogprobs

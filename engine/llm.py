@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from kvmesh.common.models import DEFAULT_MODEL
+from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.engine.config import EngineArgs
 from kvmesh.engine.llm_engine import LLMEngine, PromptType
 from kvmesh.engine.outputs import RequestOutput

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from kvmesh.operator.apply import Connection
-    from kvmesh.operator.handlers import OperatorConfig
+    from kvmesh.operator.memo import OperatorConfig
 
     return OperatorConfig(
         images=render.Images(engine=args.engine_image, router=args.router_image, redis=args.redis_image),
@@ -40,7 +40,8 @@ async def run_operator(config, *, namespaces: list[str] | None = None, liveness_
     """Run the operator in the current event loop until ``stop_flag`` is set."""
     import kopf
 
-    from kvmesh.operator.handlers import Memo, registry
+    from kvmesh.operator.handlers import registry
+    from kvmesh.operator.memo import Memo
 
     await kopf.operator(
         registry=registry, memo=Memo(config=config), standalone=True,

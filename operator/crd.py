@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvmesh.common import block_keys as _block_keys, models as _models
+from kvmesh.common import block_keys as _block_keys, model_lookup as _model_lookup
 from kvmesh.common import policy_names as _policies
 
 GROUP = "kvmesh.io"
@@ -29,9 +29,16 @@ SHORT_NAMES = ["md"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
 API_VERSION = f"{GROUP}/{VERSION}"
 
+
+def object_ref(body: Any) -> dict[str, Any]:
+    """The reference to one ModelDeployment that the Events about it carry."""
+    meta = body["metadata"]
+    return {"apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}}
+
 # Engine defaults: the same as `kvmesh serve` (docs/cli.md); the model and block size are the
 # shared contracts' (kvmesh/common), the routing policies' names kvmesh/common/policy_names.py.
-DEFAULT_MODEL = _models.DEFAULT_MODEL
+DEFAULT_MODEL = _model_lookup.DEFAULT_MODEL
 DEFAULT_BLOCK_SIZE = _block_keys.DEFAULT_BLOCK_SIZE
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_DRAIN_TIMEOUT = 30

@@ -16,19 +16,17 @@ state through kopf's ``memo`` (:class:`Memo`).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
-import secrets
-import time
-import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import kopf
 
-from kvmesh.operator import crd, render, spec as specs, status as st
-from kvmesh.operator.apply import ApiError, ApplyConflict, Connection, KubeClient, object_path
+from kvmesh.operator import crd, render, scaling, spec as specs, status as st
+from kvmesh.operator.apply import ApiError, ApplyConflict, Connection, KubeClient
+from kvmesh.operator.generated_secrets import ensure_generated_secrets
+from kvmesh.operator.memo import Memo
+from kvmesh.operator.status_write import refresh_status, write_status
 
 registry = kopf.OperatorRegistry()
 ANNOTATION_PREFIX = "kvmesh.io"
@@ -39,62 +37,6 @@ CHILD_RESOURCES = (("apps", "v1", "deployments"), ("v1", "services"), ("v1", "se
                    ("networking.k8s.io", "v1", "networkpolicies"), ("policy", "v1", "poddisruptionbudgets"),
                    ("v1", "persistentvolumeclaims"), ("batch", "v1", "jobs"), ("v1", "serviceaccounts"),
                    ("rbac.authorization.k8s.io", "v1", "roles"), ("rbac.authorization.k8s.io", "v1", "rolebindings"))
-
-
-@dataclass
-class OperatorConfig:
-    images: render.Images = field(default_factory=render.Images)
-    connection: Connection | None = None          # None: in-cluster service account, else kubeconfig
-    status_interval: float = 10.0                 # status refresh when not autoscaling
-    managed_redis_url: str | None = None          # reach managed Redis here instead of its in-cluster
-                                                  # Service name (operator outside the cluster, tests)
-    clock: Callable[[], float] = time.time        # the autoscaler's clock (tests fast-forward it)
-    api_retries: int = 4
-    rejected_retry_delay: float = 60.0            # slow retry after the API server rejected a child
-    resync_interval: float = 60.0                 # full reconcile of every ModelDeployment this often,
-                                                  # besides the one a child's change triggers
-    heal_debounce: float = 0.2                    # gather a burst of child events into one reconcile
-    watch_server_timeout: int = 300               # the API server ends a watch after this (whole seconds:
-                                                  # timeoutSeconds=300.0 is a 400); kopf re-lists
-    watch_client_timeout: float = 330.0           # a watch silent this long is dead: restart it
-    watch_connect_timeout: float = 30.0
-
-
-@dataclass
-class Shared:
-    """Operator-wide mutable state. kopf hands each resource a shallow copy of the memo,
-    so anything that must be seen everywhere after startup lives in this one object."""
-    client: KubeClient | None = None
-    stopping: bool = False
-    dirty: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)   # (ns, md) -> heal now
-    fingerprints: dict[str, str] = field(default_factory=dict)                   # child uid -> last seen
-    conflicts: dict[str, str] = field(default_factory=dict)                      # md uid -> conflict message
-    # md uid -> the lock one reconcile holds (the create/update handler and the healer never overlap)
-    reconcile_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = field(
-        default_factory=weakref.WeakValueDictionary)
-
-
-@dataclass
-class Memo:
-    config: OperatorConfig = field(default_factory=OperatorConfig)
-    shared: Shared = field(default_factory=Shared)
-    scalers: dict[str, Any] = field(default_factory=dict)     # uid -> scaling.LoopState
-    redis: dict[str, Any] = field(default_factory=dict)       # url -> metrics_source.RedisHeartbeats
-    last_actions: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def client(self) -> KubeClient | None:
-        return self.shared.client
-
-    @property
-    def stopping(self) -> bool:
-        return self.shared.stopping
-
-
-def _md_ref(body: Any) -> dict[str, Any]:
-    meta = body["metadata"]
-    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
-            "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}}
 
 
 @kopf.on.startup(registry=registry)
@@ -154,21 +96,15 @@ def probe(memo: Memo, **_: Any) -> int:
     return len(memo.scalers)
 
 
-async def _write_status(memo: Memo, md: dict[str, Any], patch: dict[str, Any]) -> None:
-    meta = md["metadata"]
-    assert memo.client is not None
-    await memo.client.patch_status(crd.KIND, meta["namespace"], meta["name"], patch)
-
-
 async def _mark_invalid(memo: Memo, md: dict[str, Any], errors: list[str], reason: str = "InvalidSpec") -> None:
     previous = (md.get("status") or {}).get("conditions")
     gen = md["metadata"].get("generation")
     already = any(c.get("type") == "Ready" and c.get("reason") == reason and c.get("observedGeneration") == gen
                   and c.get("message") == "; ".join(errors) for c in previous or [])
-    await _write_status(memo, md, {"observedGeneration": gen,
+    await write_status(memo, md, {"observedGeneration": gen,
                                    "conditions": st.invalid_conditions(errors, gen, previous, st.now_iso(), reason)})
     if not already:
-        kopf.warn(_md_ref(md), reason=reason, message="; ".join(errors)[:1000])
+        kopf.warn(crd.object_ref(md), reason=reason, message="; ".join(errors)[:1000])
 
 
 async def reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter,
@@ -206,7 +142,7 @@ async def _reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | lo
         await _mark_invalid(memo, md, errors)
         return
     try:
-        credentials = await _ensure_generated_secrets(memo, md, spec)
+        credentials = await ensure_generated_secrets(memo, md, spec)
         children = render.render_children(md, spec, memo.config.images, credentials)
         conflicts = []
         for child in children:
@@ -258,30 +194,6 @@ async def _apply_child(memo: Memo, md: dict[str, Any], spec: dict[str, Any], chi
         return f"{child['kind']} {child['metadata']['name']}: {exc.message}"
 
 
-async def _ensure_generated_secrets(memo: Memo, md: dict[str, Any], spec: dict[str, Any]) -> str | None:
-    """Create the generated credentials that do not exist yet (a random token each; an
-    existing Secret is never overwritten). Returns a digest of their identities, which the
-    pod templates carry, so a Secret made anew rolls every pod that uses it."""
-    assert memo.client is not None
-    meta = md["metadata"]
-    uids = []
-    for name in render.generated_secret_names(meta["name"], spec):
-        secret = await memo.client.get("Secret", meta["namespace"], name)
-        if secret is None:
-            body = render.generated_secret(md, spec, name, secrets.token_hex(24))
-            try:   # create, never apply: an existing token must not be replaced
-                secret = await memo.client.request("POST", object_path("Secret", meta["namespace"]), body=body,
-                                                   retry_conflicts=False)
-            except ApiError as exc:
-                if exc.status != 409:
-                    raise
-                secret = await memo.client.get("Secret", meta["namespace"], name)   # a concurrent reconcile won
-                if secret is None:
-                    raise
-        uids.append(f"{name}={secret['metadata']['uid']}")
-    return hashlib.sha256(",".join(uids).encode()).hexdigest()[:16] if uids else None
-
-
 async def _prune(memo: Memo, md: dict[str, Any], children: list[dict[str, Any]], keep: list[str] = ()) -> None:
     """Delete children this ModelDeployment controls that are no longer rendered
     (e.g. the managed Redis after switching to an external one).
@@ -314,48 +226,6 @@ async def _prune(memo: Memo, md: dict[str, Any], children: list[dict[str, Any]],
         await memo.client.delete(kind, meta["namespace"], name)
 
 
-async def refresh_status(memo: Memo, md: dict[str, Any], spec: dict[str, Any], *, observed: bool = False,
-                         extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Derive status from the children and write it."""
-    assert memo.client is not None
-    meta = md["metadata"]
-    ns, name = meta["namespace"], meta["name"]
-    n = render.names(name)
-    engine = await memo.client.get("Deployment", ns, n[render.ENGINE])
-    router = await memo.client.get("Deployment", ns, n[render.ROUTER]) if spec["router"]["replicas"] > 0 else None
-    redis = await memo.client.get("Deployment", ns, n[render.REDIS]) if spec["redis"]["mode"] == "managed" else None
-    e = st.deployment_summary(engine)
-    old = md.get("status") or {}
-    gen = meta.get("generation") if observed else old.get("observedGeneration", meta.get("generation"))
-    patch: dict[str, Any] = {
-        "model": specs.served_model_name(spec),
-        "replicas": e["replicas"],
-        "readyReplicas": e["ready"],
-        "selector": render.selector_string(name),
-        "routerEndpoint": render.router_endpoint(name, ns),
-        "conditions": st.derive_conditions(
-            generation=gen, previous=old.get("conditions"), now=st.now_iso(), engine=e,
-            router=st.deployment_summary(router) if spec["router"]["replicas"] > 0 else None,
-            redis=st.deployment_summary(redis) if spec["redis"]["mode"] == "managed" else None),
-    }
-    sticky = [c for c in old.get("conditions") or [] if c.get("type") == "Ready"
-              and c.get("reason") in ("ApplyFailed", "InvalidSpec")
-              and c.get("observedGeneration") == meta.get("generation")]
-    if sticky and not observed:
-        del patch["conditions"]   # only a successful reconcile of this generation clears these
-    patch["desiredReplicas"] = render.engine_replicas(spec)
-    if "conditions" in patch:
-        message = memo.shared.conflicts.get(meta["uid"], "")
-        patch["conditions"].append(st.condition(
-            st.CONFLICT, bool(message), "FieldManagedElsewhere" if message else "NoConflict",
-            message or "the operator owns every field it renders", gen, old.get("conditions"), st.now_iso()))
-    if observed:
-        patch["observedGeneration"] = gen
-    patch.update(extra or {})
-    await _write_status(memo, md, patch)
-    return patch
-
-
 @kopf.on.resume(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry)
 @kopf.on.create(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry)
 @kopf.on.update(crd.GROUP, crd.VERSION, crd.PLURAL, field="spec", registry=registry)
@@ -371,8 +241,6 @@ async def reconcile_handler(body: kopf.Body, memo: Memo, logger: Any, **_: Any) 
 async def autoscaler_daemon(stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo, logger: Any,
                             **_: Any) -> None:
     """One loop per ModelDeployment: status refresh and autoscaling (scaling.run_loop)."""
-    from kvmesh.operator import scaling
-
     await scaling.run_loop(stopped, meta, memo, logger)
 
 

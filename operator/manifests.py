@@ -18,7 +18,7 @@ LIVENESS_PORT = 8080
 
 # Exactly what the operator calls (operator/apply.py, handlers.py, and kopf itself):
 # - modeldeployments: kopf lists/watches, patches annotations & finalizers; we GET fresh copies.
-# - status: kopf and refresh_status() merge-patch it.
+# - status: kopf and status_write.py merge-patch it.
 # - children: server-side apply = PATCH, plus CREATE when the object is new; GET for status;
 #   LIST + DELETE to prune children no longer rendered; secrets GET for an external Redis URL.
 # - pods: the autoscaler (scaling.py) lists the engine pods (readiness, startup deadline) and

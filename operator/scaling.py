@@ -34,8 +34,10 @@ from kvmesh.operator import crd, render, spec as specs, status as st
 from kvmesh.operator.apply import ApiError
 from kvmesh.operator.autoscaler import (HOLD, NONE, Autoscaler, Decision, Observation, ScalingPolicy,
                                         split_pending)
-from kvmesh.operator.handlers import Memo, _ensure_generated_secrets, _md_ref, _write_status, refresh_status
+from kvmesh.operator.generated_secrets import ensure_generated_secrets
+from kvmesh.operator.memo import Memo
 from kvmesh.operator.metrics_source import RedisHeartbeats
+from kvmesh.operator.status_write import refresh_status, write_status
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 NOT_STARTING = "ReplicasNotStarting"
@@ -203,7 +205,7 @@ async def _refresh(memo: Memo, md: dict[str, Any], spec: dict[str, Any], extra: 
     patch = await refresh_status(memo, md, spec, extra=extra)
     if stuck != loop.reported_stuck:
         if stuck:
-            kopf.warn(_md_ref(md), reason=NOT_STARTING,
+            kopf.warn(crd.object_ref(md), reason=NOT_STARTING,
                       message=f"not Ready within startupTimeoutSeconds ({policy.startup_timeout_s:g}s), no longer "
                               f"counted as coming capacity: {', '.join(stuck)}")
         loop.reported_stuck = stuck
@@ -219,7 +221,7 @@ async def _refresh(memo: Memo, md: dict[str, Any], spec: dict[str, Any], extra: 
             c = st.condition(st.DEGRADED, True, NOT_STARTING, message, c.get("observedGeneration"),
                              (md.get("status") or {}).get("conditions"), st.now_iso())
         conditions.append(c)
-    await _write_status(memo, md, {"conditions": conditions})
+    await write_status(memo, md, {"conditions": conditions})
 
 
 async def tick(memo: Memo, namespace: str, name: str, logger: Any) -> float:
@@ -273,7 +275,7 @@ async def tick(memo: Memo, namespace: str, name: str, logger: Any) -> float:
     if decision.changed:
         await _scale(memo, md, spec, decision, pods, load, now, extra, logger)
     elif decision.action != loop.last_action and decision.action in (HOLD, NONE):
-        kopf.event(_md_ref(md), type="Normal", reason="AutoscalerHold" if decision.action == HOLD else
+        kopf.event(crd.object_ref(md), type="Normal", reason="AutoscalerHold" if decision.action == HOLD else
                    "AutoscalerSteady", message=f"{current} replicas: {decision.reason}")
     loop.last_action = decision.action
     if decision.changed:
@@ -291,7 +293,7 @@ async def _scale(memo: Memo, md: dict[str, Any], spec: dict[str, Any], decision:
     extra["desiredReplicas"] = desired
     extra["lastScaleTime"] = st.now_iso(now)
     # Record the decision before acting on it: a restart in between re-renders the same count.
-    await _write_status(memo, md, {"desiredReplicas": desired, "lastScaleTime": extra["lastScaleTime"],
+    await write_status(memo, md, {"desiredReplicas": desired, "lastScaleTime": extra["lastScaleTime"],
                                    "lastDecision": extra["lastDecision"]})
     if pods and 0 < desired < current:
         await annotate_deletion_costs(memo, ns, pods, deletion_costs(pods, load, decision.stuck), logger)
@@ -299,11 +301,11 @@ async def _scale(memo: Memo, md: dict[str, Any], spec: dict[str, Any], decision:
     scaled = dict(md, spec={**(md.get("spec") or {}), "replicas": desired},
                   status={**(md.get("status") or {}), "desiredReplicas": desired})
     # The same Deployment a reconcile renders (credentials included), or the pods would roll.
-    credentials = await _ensure_generated_secrets(memo, scaled, spec)
+    credentials = await ensure_generated_secrets(memo, scaled, spec)
     await memo.client.apply(render.render_engine_deployment(scaled, dict(spec, replicas=desired),
                                                             memo.config.images, credentials))
     verb = "ScaledUp" if desired > current else "ScaledDown"
-    kopf.event(_md_ref(md), type="Normal", reason=verb, message=f"{current} -> {desired} replicas: {decision.reason}")
+    kopf.event(crd.object_ref(md), type="Normal", reason=verb, message=f"{current} -> {desired} replicas: {decision.reason}")
     logger.info(f"autoscaler: {current} -> {desired}: {decision.reason}")
 
 

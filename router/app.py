@@ -60,7 +60,7 @@ class Router:
         self.metrics = RouterMetrics()
         vocab = cfg.vocab_size
         if encoder is None:
-            from kvmesh.common.models import find_model_dir
+            from kvmesh.common.model_lookup import find_model_dir
             from kvmesh.common.tokenizer import KVMeshTokenizer
             from kvmesh.router.fast_tokenize import FastEncoder
 

@@ -8,7 +8,7 @@ import os
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
 from kvmesh.common.chat_prompt import TOOL_PROMPTS
 from kvmesh.common.logging_setup import redact_url, setup_logging
-from kvmesh.common.models import DEFAULT_MODEL
+from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.router import policies
 
 

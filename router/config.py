@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
-from kvmesh.common.models import DEFAULT_MODEL
+from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.router import policies
 from kvmesh.router.auth import KeyInfo
 from kvmesh.router.scoring import Weights

@@ -8,19 +8,14 @@ pool, 50 ms with one thread.
 
 from __future__ import annotations
 
-import asyncio
-import functools
-from concurrent.futures import ThreadPoolExecutor
+from kvmesh.common.worker_pool import WorkerPool
 
 OFF_LOOP_CHARS = 16384  # prompts this long are tokenised in the worker thread
 OFF_LOOP_BODY_BYTES = 64 * 1024  # bodies this large are parsed and checked in it
 
-_work_pool: ThreadPoolExecutor | None = None
+_work_pool = WorkerPool(1, "kvmesh-router-work")
 
 
 async def off_loop(fn, *args):
     """``fn(*args)`` in the router's worker thread, while the event loop serves everything else."""
-    global _work_pool
-    if _work_pool is None:
-        _work_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-router-work")
-    return await asyncio.get_running_loop().run_in_executor(_work_pool, functools.partial(fn, *args))
+    return await _work_pool.run(fn, *args)

@@ -10,7 +10,7 @@ import socket
 import threading
 
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
-from kvmesh.common.models import DEFAULT_MODEL
+from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.common.logging_setup import setup_logging
 
 

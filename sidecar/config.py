@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass
 
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
-from kvmesh.common.models import DEFAULT_MODEL
+from kvmesh.common.model_lookup import DEFAULT_MODEL
 
 
 @dataclass

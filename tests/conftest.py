@@ -210,7 +210,7 @@ _ENCODER = None
 def shared_encoder():
     global _ENCODER
     if _ENCODER is None:
-        from kvmesh.common.models import find_model_dir
+        from kvmesh.common.model_lookup import find_model_dir
         from kvmesh.common.tokenizer import KVMeshTokenizer
         from kvmesh.router.fast_tokenize import FastEncoder
 

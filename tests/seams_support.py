@@ -59,7 +59,7 @@ def tokenizer_source(tmp: Path) -> Path:
     KVMESH_SEAMS_TOKENIZER=bpe, to run the seam tests on it)."""
     import os
 
-    from kvmesh.common.models import find_model_dir
+    from kvmesh.common.model_lookup import find_model_dir
 
     if os.environ.get("KVMESH_SEAMS_TOKENIZER") == "bpe":
         return trained_tokenizer_dir(tmp / "bpe-tokenizer")

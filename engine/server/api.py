@@ -1,6 +1,7 @@
 """The engine server's FastAPI app (vLLM's ``api_server.py``): routes only. A route hands its request
 to a handler: ``serving_completion``, ``serving_chat``, ``serving_tokenization`` (on the shared
-``serving_base``); health, readiness, /load and /metrics answer from the server state here."""
+``serving_base``); auth and readiness are ``server_state``'s checks; health, readiness, /load and
+/metrics answer from the server state here."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh.common import openapi as oa
 from kvmesh.engine.server.errors import APIError, error_body
-from kvmesh.engine.server.serving_base import ServerConfig, ServerState, check_auth, check_ready
+from kvmesh.engine.server.server_state import ServerConfig, ServerState, check_auth, check_ready
 from kvmesh.engine.server.serving_chat import ChatHandler
 from kvmesh.engine.server.serving_completion import CompletionHandler
 from kvmesh.engine.server.serving_tokenization import TokenizationHandler

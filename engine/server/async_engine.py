@@ -31,7 +31,7 @@ from kvmesh.engine.config import EngineArgs
 from kvmesh.engine.core_messages import AbortRequests, AddRequest
 from kvmesh.engine.core_proc import CoreLoop, EngineStepError  # noqa: F401 - EngineStepError: api's import
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.server.offload import off_loop
+from kvmesh.engine.server.off_loop import off_loop
 
 log = logging.getLogger("kvmesh.server.engine")
 

@@ -37,7 +37,7 @@ from kvmesh.engine.core_proc import (ABORT, ADD, LOAD_FAILED, OUTPUTS, READY, SH
                                      UTILITY_RESULT, CoreProcConfig, CoreReady, StepOutputs,
                                      UtilityCall, UtilityResult, failure_exception)
 from kvmesh.engine.core_messages import AbortRequests, AddRequest
-from kvmesh.engine.limits import EngineLimits
+from kvmesh.engine.model_limits import EngineLimits
 from kvmesh.engine.llm_engine import TextEngine
 from kvmesh.engine.server.async_engine import AsyncEngine, EngineDeadError
 from kvmesh.engine.threads import ThreadPlan, core_environment

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.prompts import prompt_batch
 from kvmesh.common.request_limits import MAX_N, MAX_PROMPTS
-from kvmesh.engine.limits import RESUME_PARAM
+from kvmesh.engine.model_limits import RESUME_PARAM
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.server.tool_choice import ToolPlan, plan_tools
 from kvmesh.engine.server.tool_prompt import decoded_tool_calls

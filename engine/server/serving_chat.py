@@ -14,9 +14,11 @@ from typing import Any
 
 from kvmesh.common.tokenizer import TemplateError
 from kvmesh.engine.sampling_params import InvalidParameter
+from kvmesh.engine.server.choices import Choice
 from kvmesh.engine.server.errors import bad_request
+from kvmesh.engine.server.off_loop import off_loop
 from kvmesh.engine.server.protocol import ChatCompletionRequest
-from kvmesh.engine.server.serving_base import Choice, GenerationHandler, off_loop
+from kvmesh.engine.server.serving_base import GenerationHandler
 from kvmesh.engine.server.tool_choice import ToolPlan, auto_parser
 from kvmesh.engine.server.tool_parsers import ToolParser
 from kvmesh.engine.server.tool_prompt import chat_prompt_inputs, prompt_size

@@ -7,8 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.server.choices import Choice
+from kvmesh.engine.server.off_loop import off_loop
 from kvmesh.engine.server.protocol import CompletionRequest
-from kvmesh.engine.server.serving_base import Choice, GenerationHandler, off_loop
+from kvmesh.engine.server.serving_base import GenerationHandler
 
 
 class CompletionHandler(GenerationHandler):

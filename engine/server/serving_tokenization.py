@@ -12,9 +12,9 @@ from fastapi.responses import Response
 from kvmesh.common.tokenizer import TemplateError
 from kvmesh.engine.sampling_params import InvalidParameter
 from kvmesh.engine.server.errors import bad_request
-from kvmesh.engine.server.offload import off_loop
+from kvmesh.engine.server.off_loop import off_loop
 from kvmesh.engine.server.protocol import DetokenizeRequest, TokenizeRequest
-from kvmesh.engine.server.serving_base import RequestHandler
+from kvmesh.engine.server.request_body import RequestHandler
 from kvmesh.engine.server.tool_prompt import chat_prompt_inputs, prompt_size
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
 from kvmesh.common.chat_prompt import tool_call_parser_in
 from kvmesh.common.logging_setup import setup_logging
-from kvmesh.common.models import DEFAULT_MODEL
+from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.common.ports import free_port
 from kvmesh.mesh.supervisor import GAVE_UP, RESTARTED, Child, RestartPolicy, say
 from kvmesh.common import policy_names as policies
@@ -51,7 +51,7 @@ SUPERVISE_INTERVAL_S = 0.2  # how often exits are looked for (a restart waits fo
 
 
 def default_state_file() -> Path:
-    from kvmesh.common.models import cache_root
+    from kvmesh.common.model_lookup import cache_root
 
     return cache_root() / "up.json"
 
@@ -438,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("kvmesh up: --replicas must be at least 1 (0 only with --autoscale --min-replicas 0)")
     # Convert the built-in model once, before N engines and the router all want it (the
     # conversion is the engine's: torch, transformers).
-    from kvmesh.common.models import find_model_dir
+    from kvmesh.common.model_lookup import find_model_dir
 
     try:
         find_model_dir(args.model)

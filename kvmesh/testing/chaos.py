@@ -52,7 +52,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 
 from kvmesh.common import redis_layout as rl
-from kvmesh.common.models import DEFAULT_MODEL
+from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.common.ports import free_port
 
 WORDS = ("time year people way day man thing woman life child world school state family student group country "

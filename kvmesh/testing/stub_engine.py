@@ -36,7 +36,7 @@ from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE, block_keys
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.chat_prompt import chat_request_prompt
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
-from kvmesh.common.models import DEFAULT_MODEL
+from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.common.prompts import prompt_batch
 
 
@@ -48,7 +48,7 @@ class StubEngine:
         self.num_blocks = args.num_blocks
         self.encoder = None
         if not args.no_tokenize:
-            from kvmesh.common.models import find_model_dir
+            from kvmesh.common.model_lookup import find_model_dir
             from kvmesh.common.tokenizer import KVMeshTokenizer
             from kvmesh.router.fast_tokenize import FastEncoder
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvmesh.engine import LLM, SamplingParams
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
-from kvmesh.engine.limits import RESUME_PARAM
+from kvmesh.engine.model_limits import RESUME_PARAM
 from kvmesh.engine.sampler import seeded_uniform
 from kvmesh.engine.sampling_params import InvalidParameter
 from tests.engine.conftest import random_prompts

@@ -136,7 +136,7 @@ class OperatorRunner:
     async def start(self) -> None:
         from kvmesh.operator.apply import Connection
         from kvmesh.operator.cli import run_operator
-        from kvmesh.operator.handlers import OperatorConfig
+        from kvmesh.operator.memo import OperatorConfig
 
         self.config = config = OperatorConfig(connection=Connection(server=str(self.k8s.url).rstrip("/")),
                                 status_interval=0.2, managed_redis_url=self.redis_url, clock=self.clock,

@@ -77,7 +77,7 @@ def operator(cluster: ControlPlane, redis_url: str, operator_logs: LogCapture) -
     """The real operator, cluster-wide, authenticated with a TokenRequest token of the
     kvmesh-operator ServiceAccount: only the ClusterRole of manifests/rbac.yaml applies."""
     from kvmesh.operator.apply import Connection
-    from kvmesh.operator.handlers import OperatorConfig
+    from kvmesh.operator.memo import OperatorConfig
 
     token = cluster.request_token(OPERATOR_NS, OPERATOR_SA)
     config = OperatorConfig(connection=Connection(server=cluster.server, token=token, ca_path=cluster.ca_path),

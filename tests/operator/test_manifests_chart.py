@@ -778,7 +778,7 @@ def test_real_apiserver_operator_reconciles_under_the_namespaced_rbac(real_clust
     it renders a ModelDeployment's children (Secrets included, through the write guard) in the
     watched namespace without a single refused request, and never sees the unwatched one."""
     from kvmesh.operator.apply import Connection
-    from kvmesh.operator.handlers import OperatorConfig
+    from kvmesh.operator.memo import OperatorConfig
 
     cp, env = real_cluster.cp, real_cluster.env
     resp = cp.apply(crd.crd_manifest())   # = manifests/crd.yaml and the chart's crds/ (tested above)

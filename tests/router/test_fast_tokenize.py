@@ -2,7 +2,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.common.models import find_model_dir
+from kvmesh.common.model_lookup import find_model_dir
 from kvmesh.common.tokenizer import KVMeshTokenizer
 from kvmesh.router.fast_tokenize import FastEncoder
 

@@ -21,7 +21,7 @@ def _sidecar(stub, redis_server, model, pod="pod-a", **kw) -> Sidecar:
 
 
 def _keys_for(prompt: str, model: str) -> list[str]:
-    from kvmesh.common.models import find_model_dir
+    from kvmesh.common.model_lookup import find_model_dir
     from kvmesh.common.tokenizer import KVMeshTokenizer
 
     tok = KVMeshTokenizer(find_model_dir("smollm2-135m-instruct"))

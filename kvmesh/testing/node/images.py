@@ -65,7 +65,7 @@ def _project_image(cmd: tuple[str, ...]) -> Image:
     # built-in model converted here is found in the pods, and the CPU kernels torch built here
     # (TORCH_EXTENSIONS_DIR; HOME=/tmp is each pod's emptyDir, so every engine pod would compile
     # them again otherwise).
-    from kvmesh.common.models import cache_root
+    from kvmesh.common.model_lookup import cache_root
 
     torch_extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"

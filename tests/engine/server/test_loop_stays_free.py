@@ -1,7 +1,7 @@
 """A real `kvmesh serve` keeps answering /health, /ready and /metrics within milliseconds while
 four ~4 MB requests arrive at once (a text completion, a chat, a token-id list, a /tokenize):
 their JSON, validation, chat template, tokenisation and answer run off the event loop
-(engine/server/offload.py), the tokenizer without the GIL. The prompts are far over the context
+(engine/server/off_loop.py), the tokenizer without the GIL. The prompts are far over the context
 and are refused; the work before the refusal is what used to stall the loop for seconds and get
 the pod's heartbeat withdrawn."""
 

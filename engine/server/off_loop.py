@@ -12,12 +12,10 @@ milliseconds. Small requests stay on the loop: a thread hop would cost them more
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
-import functools
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
+
+from kvmesh.common.worker_pool import WorkerPool
 
 T = TypeVar("T")
 
@@ -30,17 +28,12 @@ LARGE_BODY_BYTES = 64 * 1024  # a request body this large is decoded and validat
 # poll (the convoy effect).
 POOL_SIZE = 2
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_pool = WorkerPool(POOL_SIZE, "kvmesh-request")
 
 
 def request_pool() -> ThreadPoolExecutor:
     """The process's pool for per-request CPU work (created on first use)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=POOL_SIZE, thread_name_prefix="kvmesh-request")
-        return _pool
+    return _pool.executor()
 
 
 async def off_loop(size: int, fn: Callable[..., T], *args: Any, threshold: int = LARGE_CHARS) -> T:
@@ -48,5 +41,4 @@ async def off_loop(size: int, fn: Callable[..., T], *args: Any, threshold: int =
     ``threshold``, else in the request pool while the event loop serves everything else."""
     if size < threshold:
         return fn(*args)
-    ctx = contextvars.copy_context()
-    return await asyncio.get_running_loop().run_in_executor(request_pool(), functools.partial(ctx.run, fn, *args))
+    return await _pool.run(fn, *args)
