@@ -6,11 +6,8 @@ import math
 import numbers
 from dataclasses import dataclass, field, replace
 
+from kvmesh.common.request_limits import INT64_MAX, MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from kvmesh.engine.structured.params import StructuredOutputsParams
-
-INT64_MAX = 2**63 - 1
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
-MAX_LOGPROBS = 20
 
 
 class InvalidParameter(ValueError):

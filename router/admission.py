@@ -102,7 +102,7 @@ class Admission:
         req, info = call.req, call.key_info
         call.chars = prompt_chars(call.path, req) if call.generate else 0
         ok, retry_after, which, charged = self.limiter.admit_charge(
-            call.client_id, estimate_tokens(req, call.chars // 4 + 1) if call.generate else 0,
+            call.client_id, estimate_tokens(call.path, req, call.chars // 4 + 1) if call.generate else 0,
             info.rpm if info else None, call.tpm)
         if not ok:
             self.metrics.rate_limited.labels(which).inc()
@@ -114,7 +114,7 @@ class Admission:
         """The charge corrected with the real prompt length, once tokenized."""
         if call.tokens and call.charged:
             call.charged += self.limiter.adjust(call.client_id,
-                                                estimate_tokens(call.req, len(call.tokens)) - call.charged, call.tpm)
+                                                estimate_tokens(call.path, call.req, len(call.tokens)) - call.charged, call.tpm)
 
     def refund(self, call: Call) -> None:
         """No engine ran the request: its charge goes back."""

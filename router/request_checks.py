@@ -1,7 +1,8 @@
 """Admission checks on a request's body: the fields the router reads, checked as the engine checks them, and its token estimate.
 
 A check that fails raises :class:`BadRequest` (a 400 naming the field); :class:`Refused` is any
-answer the router gives itself. The limits are the engine's (kvmesh/common/request_limits.py).
+answer the router gives itself. The bounds are the request models' (kvmesh.common.protocol, read
+into :data:`INT_FIELDS`), the limits the engine's (kvmesh/common/request_limits.py).
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from annotated_types import Ge, Le
+from pydantic import BaseModel
+
+from kvmesh.common import protocol
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.chat_prompt import tools_chars
 from kvmesh.common.prompts import prompt_batch
@@ -36,13 +41,30 @@ class BadRequest(Refused):
         super().__init__(status, message, "invalid_request_error", param, code)
 
 
+CHAT = "/v1/chat/completions"
 
-def estimate_tokens(req: dict[str, Any], prompt_tokens: int) -> int:
+
+def _bounds(model: type[BaseModel], name: str) -> tuple[int, int | None]:
+    """The [lo, hi] the request model gives an integer field (hi None: unbounded)."""
+    meta = model.model_fields[name].metadata
+    lo = next(m.ge for m in meta if isinstance(m, Ge))
+    return lo, next((m.le for m in meta if isinstance(m, Le)), None)
+
+
+# The integer fields the router reads, by endpoint: name -> the request model's bounds.
+_READS = {"/v1/completions": (protocol.CompletionRequest, ("n", "max_tokens")),
+          CHAT: (protocol.ChatCompletionRequest, ("n", "max_tokens", "max_completion_tokens"))}
+INT_FIELDS: dict[str, dict[str, tuple[int, int | None]]] = {
+    path: {name: _bounds(model, name) for name in names} for path, (model, names) in _READS.items()}
+
+
+def estimate_tokens(path: str, req: dict[str, Any], prompt_tokens: int) -> int:
     """Tokens a request will use, charged to the rate limit up front (settled with its usage):
     every prompt of a batch (sized like the first) and n completions of each. Malformed or
-    absurd values are bounded (the limiter charges at most a minute's budget anyway)."""
+    absurd values are bounded (the limiter charges at most a minute's budget anyway). Chat's
+    max_completion_tokens overrides max_tokens; a completion has none (as vLLM's)."""
     n = min(max(1, lax_int(req.get("n"), 1)), MAX_N)
-    mt = req.get("max_completion_tokens")
+    mt = req.get("max_completion_tokens") if path == CHAT else None
     if mt is None:
         mt = req.get("max_tokens")
     max_tokens = min(max(0, lax_int(mt, 0)), MAX_TOKENS_ESTIMATE)
@@ -53,7 +75,7 @@ def estimate_tokens(req: dict[str, Any], prompt_tokens: int) -> int:
 def prompt_chars(path: str, req: dict[str, Any]) -> int:
     """The size of the prompt the router tokenises (characters, or token ids), read cheaply:
     1/4 of it estimates its tokens before tokenising, and a long one is tokenised off the loop."""
-    if path == "/v1/chat/completions":
+    if path == CHAT:
         total = 0
         for msg in req.get("messages") or ():
             content = msg.get("content") if isinstance(msg, dict) else None
@@ -114,11 +136,9 @@ def check_request(path: str, req: dict[str, Any], vocab: int) -> None:
         check_cache_salt(req.get("cache_salt"))
     except InvalidCacheSalt as exc:
         raise BadRequest(str(exc), exc.param, code=exc.code) from None
-    _int_param(req, "n", 1, MAX_N)
-    _int_param(req, "max_tokens", 0)
-    if path == "/v1/chat/completions":
-        _int_param(req, "max_completion_tokens", 0)
-    if path == "/v1/chat/completions":
+    for name, (lo, hi) in INT_FIELDS[path].items():
+        _int_param(req, name, lo, hi)
+    if path == CHAT:
         msgs = req.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise BadRequest("messages must be a non-empty list of messages", "messages")

@@ -70,7 +70,7 @@ class NoTorch:
 sys.meta_path.insert(0, NoTorch())
 """
 WITHOUT_TORCH = ["kvmesh.common.block_keys", "kvmesh.common.kv_events", "kvmesh.common.logging_setup",
-                 "kvmesh.common.model_lookup", "kvmesh.common.openapi", "kvmesh.common.redis_layout",
+                 "kvmesh.common.model_lookup", "kvmesh.common.openapi", "kvmesh.common.protocol", "kvmesh.common.redis_layout",
                  "kvmesh.common.worker_pool",
                  "kvmesh.common.tokenizer", "kvmesh.router.app", "kvmesh.router.cli", "kvmesh.router.policies",
                  "kvmesh.sidecar.service", "kvmesh.sidecar.cli", "kvmesh.operator.handlers",

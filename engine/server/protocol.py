@@ -1,20 +1,20 @@
-"""Request models of the OpenAI API (plus vLLM's extensions), validated with pydantic.
+"""The engine's request models: the shared models' fields (kvmesh.common.protocol) with what the engine reads from them.
 
-Unknown fields are ignored, as OpenAI-compatible servers do. Responses are plain
-dicts built in ``api.py``; their shapes follow OpenAI's API reference.
+Responses are plain dicts built in ``api.py``; their shapes follow OpenAI's API reference.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import Any, Literal, Mapping, Union
+from typing import Any, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
+from kvmesh.common import protocol as fields
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.prompts import prompt_batch
-from kvmesh.common.request_limits import MAX_N, MAX_PROMPTS
+from kvmesh.common.request_limits import MAX_PROMPTS
 from kvmesh.engine.model_limits import RESUME_PARAM
 from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.server.tool_choice import ToolPlan, plan_tools
@@ -23,58 +23,8 @@ from kvmesh.engine.structured.params import StructuredOutputsParams
 from kvmesh.engine.structured.request_fields import GUIDED_FIELDS, structured_outputs_of
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: Union[str, list[str], None] = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
-    user: str | None = None
-    # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    cache_salt: str | None = None
-    prompt_logprobs: int | None = None  # vLLM's: top-N logprobs of every prompt token
-    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the response
-    # The router's continuation of a stream whose replica died: {"output_token_ids": [...]}, the ids
-    # the client has received of its one choice, or {"choices": [{"index": i, "output_token_ids": [...]}]}
-    # for the choices of several still running (docs/engine-server.md, "Mid-stream resume");
-    # read by resume_token_ids() and resume_choices()
-    resume: Any = None
-    # Structured outputs (engine/structured/request_fields.py): OpenAI's response_format, vLLM's
-    # structured_outputs and its older guided_* fields; at most one of them per request.
-    response_format: Any = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    # The deprecated form of tools: refused (400 naming the field), never silently ignored.
-    functions: list[Any] | None = None
-    function_call: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
+class _Generation:
+    """The engine's reading of a generation request (completions and chat share it)."""
 
     def check_supported(self) -> None:
         """Fields this server does not implement, when they ask for something."""
@@ -190,10 +140,8 @@ class _Common(BaseModel):
         return InvalidParameter(param, str(exc).replace(exc.param, param, 1))
 
     def num_choices(self) -> int:
-        """``n``: choices per prompt, each its own engine request (they share the prompt's full
-        KV blocks through the prefix cache, even when admitted in the same step)."""
-        if not 1 <= self.n <= MAX_N:
-            raise InvalidParameter("n", f"n must be between 1 and {MAX_N}, got {self.n}")
+        """``n`` (bounded by the model): choices per prompt, each its own engine request (they
+        share the prompt's full KV blocks through the prefix cache, even when admitted in the same step)."""
         return self.n
 
     @property
@@ -206,25 +154,7 @@ class _Common(BaseModel):
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
-class CompletionRequest(_Common):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _token_ids_not_booleans(cls, value: Any) -> Any:
-        """``true`` is not token id 1 (pydantic's lax mode would take it; the router refuses it too)."""
-        if isinstance(value, list):  # set(map(type, ...)): C speed over a million ids
-            kinds = set(map(type, value))
-            if bool in kinds or (list in kinds and any(bool in set(map(type, item)) for item in value
-                                                       if type(item) is list)):
-                raise ValueError("token ids must be integers, not booleans")
-        return value
-
+class CompletionRequest(_Generation, fields.CompletionRequest):
     def prompt_inputs(self) -> list[str | list[int]]:
         """The prompts: one text or token-id list, or a batch of them (OpenAI's prompt array)."""
         batch = prompt_batch(self.prompt)
@@ -255,74 +185,41 @@ class CompletionRequest(_Common):
         return self.echo and self.max_tokens == 0
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: Union[str, list[dict[str, Any]], None] = None
-    tool_calls: list[Any] | None = None  # an assistant's earlier calls (decoded in as_template_dict)
-    tool_call_id: str | None = None      # a tool message: the call it answers
-
-    def as_template_dict(self, index: int | None = None) -> dict[str, Any]:
-        """The message for the chat template; ``index``: its place in ``messages`` (errors name
-        the part, e.g. ``messages.0.content.1.type``)."""
-        d = self.model_dump(exclude_none=True)
-        if self.role == "assistant" and d.get("tool_calls") is not None:  # earlier calls, arguments decoded
-            d["tool_calls"] = decoded_tool_calls(d["tool_calls"], "messages" if index is None
-                                                 else f"messages.{index}.tool_calls")
-        content = self.content
-        if isinstance(content, list):  # content parts: only text is supported
-            texts = []
-            for j, part in enumerate(content):
-                where = "messages" if index is None else f"messages.{index}.content.{j}"
-                if part.get("type") != "text":
-                    raise InvalidParameter(where if index is None else f"{where}.type",
-                                           f"unsupported content part type {str(part.get('type'))[:40]!r}: "
-                                           "only 'text' parts are supported")
-                text = part.get("text", "")
-                if not isinstance(text, str):
-                    raise InvalidParameter(where if index is None else f"{where}.text",
-                                           "a text content part's text must be a string")
-                texts.append(text)
-            content = "".join(texts)
-        d["content"] = content or ""
-        return d
+def template_message(message: fields.ChatMessage, index: int | None = None) -> dict[str, Any]:
+    """A message for the chat template; ``index``: its place in ``messages`` (errors name
+    the part, e.g. ``messages.0.content.1.type``)."""
+    d = message.model_dump(exclude_none=True)
+    if message.role == "assistant" and d.get("tool_calls") is not None:  # earlier calls, arguments decoded
+        d["tool_calls"] = decoded_tool_calls(d["tool_calls"], "messages" if index is None
+                                             else f"messages.{index}.tool_calls")
+    content = message.content
+    if isinstance(content, list):  # content parts: only text is supported
+        texts = []
+        for j, part in enumerate(content):
+            where = "messages" if index is None else f"messages.{index}.content.{j}"
+            if part.get("type") != "text":
+                raise InvalidParameter(where if index is None else f"{where}.type",
+                                       f"unsupported content part type {str(part.get('type'))[:40]!r}: "
+                                       "only 'text' parts are supported")
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise InvalidParameter(where if index is None else f"{where}.text",
+                                       "a text content part's text must be a string")
+            texts.append(text)
+        content = "".join(texts)
+    d["content"] = content or ""
+    return d
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
-    strict: bool | None = None
-
-
-class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-def tool_plan_of(tools: list[ToolDefinition] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan | None:
+def tool_plan_of(tools: list[fields.ToolDefinition] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan | None:
     """A request's tools planned (the tools as the template gets them: their definitions without nulls)."""
     listed = [t.model_dump(exclude_none=True) for t in tools] if tools is not None else None
     return plan_tools(listed, tool_choice, parallel)
 
 
-class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[ToolDefinition] | None = None
-    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
-    parallel_tool_calls: bool | None = None  # false: one call at most
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # vLLM's: the model continues the final (assistant) message
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
-    echo: bool = False  # vLLM's chat echo (prefix the last message): not supported
-
+class ChatCompletionRequest(_Generation, fields.ChatCompletionRequest):
     def template_messages(self) -> list[dict[str, Any]]:
-        return [m.as_template_dict(i) for i, m in enumerate(self.messages)]
+        return [template_message(m, i) for i, m in enumerate(self.messages)]
 
     def check_tool_fields(self) -> None:
         self.tool_plan()
@@ -410,21 +307,7 @@ def first_error_param(exc: ValidationError) -> tuple[str, str]:
     return param or "body", f"{param or 'body'}: {err.get('msg', 'invalid value')}"
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ToolDefinition] | None = None  # with messages: rendered as the chat handler renders them
-    tool_choice: Any = None  # with a template that does not read tools, "none" leaves the tools' prompt out
-    return_token_strs: bool = False
-
+class TokenizeRequest(fields.TokenizeRequest):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidParameter("prompt", "send exactly one of prompt and messages")
@@ -435,7 +318,5 @@ class TokenizeRequest(BaseModel):
         return tool_plan_of(self.tools, self.tool_choice, None)
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    tokens: list[int]
+class DetokenizeRequest(fields.DetokenizeRequest):
+    pass

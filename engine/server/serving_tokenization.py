@@ -13,7 +13,7 @@ from kvmesh.common.tokenizer import TemplateError
 from kvmesh.engine.sampling_params import InvalidParameter
 from kvmesh.engine.server.errors import bad_request
 from kvmesh.engine.server.off_loop import off_loop
-from kvmesh.engine.server.protocol import DetokenizeRequest, TokenizeRequest
+from kvmesh.engine.server.protocol import DetokenizeRequest, TokenizeRequest, template_message
 from kvmesh.engine.server.request_body import RequestHandler
 from kvmesh.engine.server.tool_prompt import chat_prompt_inputs, prompt_size
 
@@ -37,7 +37,7 @@ class TokenizationHandler(RequestHandler):
             if body.messages is not None:  # rendered as the chat handler renders it, tools included
                 plan = body.tool_plan()
                 messages, kwargs = chat_prompt_inputs(tok.chat_template,
-                                                      [m.as_template_dict(i) for i, m in enumerate(body.messages)],
+                                                      [template_message(m, i) for i, m in enumerate(body.messages)],
                                                       plan, self.state.config.tool_call_parser,
                                                       body.chat_template_kwargs)
                 ids = await off_loop(prompt_size(messages, plan), tok.encode_chat, messages,

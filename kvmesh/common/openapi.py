@@ -1,9 +1,9 @@
 """The OpenAPI description of the OpenAI-compatible surface, shared by the engine server and the router.
 
-Plain JSON schemas (no pydantic, no torch: the router imports this). They describe what an engine
-accepts (``kvmesh.engine.server.protocol`` and ``SamplingParams`` check the same bounds;
-tests/engine/server/test_fuzz_api.py keeps the two in step) and every response it can give, so a
-client generator or a fuzzer (schemathesis, in ``make test``) gets real request bodies.
+No torch (the router imports this). The request bodies are derived from the request models
+(kvmesh.common.protocol), the one source of the request surface; the responses are plain JSON
+schemas of every answer an engine can give. A client generator or a fuzzer (schemathesis, in
+``make test``) gets real request bodies from it.
 
 - :func:`components` -- ``components`` of a document: the schemas, and the bearer scheme.
 - :func:`operation` -- one operation's request body, responses and security (the engine's
@@ -16,12 +16,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvmesh.common.cache_salt import MAX_CACHE_SALT_CHARS
-from kvmesh.common.request_limits import MAX_N, MAX_PROMPTS
+from pydantic.json_schema import models_json_schema
 
-INT64_MAX = 2**63 - 1
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-MAX_LOGPROBS = 20
+from kvmesh.common.protocol import REQUEST_MODELS, VOCAB_KEY
 
 REF = "#/components/schemas/"
 
@@ -48,183 +45,62 @@ def _int(lo: int | None = None, hi: int | None = None, nullable: bool = True, **
     return _nullable(s) if nullable else s
 
 
-def _num(lo: float | None = None, hi: float | None = None, low_open: bool = False,
-         nullable: bool = True) -> dict[str, Any]:
-    s: dict[str, Any] = {"type": "number"}
-    if lo is not None:
-        s["exclusiveMinimum" if low_open else "minimum"] = lo
-    if hi is not None:
-        s["maximum"] = hi
-    return _nullable(s) if nullable else s
-
-
 _STR = {"type": "string"}
 _BOOL = {"type": "boolean"}
 _STR_OR_NULL = {"type": ["string", "null"]}
 
 
-def _token_ids(vocab_size: int | None, min_items: int = 0) -> dict[str, Any]:
-    item: dict[str, Any] = {"type": "integer", "minimum": 0}
-    if vocab_size:
-        item["maximum"] = vocab_size - 1
-    s: dict[str, Any] = {"type": "array", "items": item}
-    if min_items:
-        s["minItems"] = min_items
-    return s
-
-
 def request_schemas(model: str | None = None, vocab_size: int | None = None) -> dict[str, dict[str, Any]]:
-    """The request bodies. ``model``: the one model name the server accepts (others get 404);
-    ``vocab_size``: token ids are below it. Unknown fields are ignored (not refused). Kept whole: one
-    table of every request body, read next to the API reference it generates."""
-    model_s = {"type": ["string", "null"], "description": "the served model name (another one is a 404)"}
-    if model:
-        model_s = {"enum": [model, None], "description": "the served model name (another one is a 404)"}
-    ids = _token_ids(vocab_size)
-    common: dict[str, Any] = {
-        "model": model_s,
-        "temperature": _num(0.0),
-        "top_p": _num(0.0, 1.0, low_open=True),
-        "n": _int(1, MAX_N, nullable=False, description="choices per prompt; prompts x n must fit the "
-                  "requests the server admits at once"),
-        "stream": _BOOL,
-        "stream_options": _nullable({"type": "object", "properties": {
-            "include_usage": _BOOL, "continuous_usage_stats": _BOOL}}),
-        "stop": {"anyOf": [{"type": "string", "minLength": 1},
-                           {"type": "array", "items": {"type": "string", "minLength": 1}},
-                           {"type": "null"}]},
-        "seed": _int(SEED_MIN, SEED_MAX, description="with n > 1, seed + n - 1 must stay within the bound"),
-        "presence_penalty": _num(-2.0, 2.0),
-        "frequency_penalty": _num(-2.0, 2.0),
-        "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
-                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
-                                 "description": "token id (a decimal string) -> bias added to its logit"}),
-        "user": _STR_OR_NULL,
-        "top_k": _int(-1, vocab_size, description="-1 or 0: off"),
-        "min_p": _num(0.0, 1.0),
-        "repetition_penalty": _num(0.0, low_open=True),
-        "min_tokens": _int(0, INT64_MAX, nullable=False, description="at most max_tokens"),
-        "ignore_eos": _BOOL,
-        "stop_token_ids": _nullable(ids),
-        "include_stop_str_in_output": _BOOL,
-        "skip_special_tokens": _BOOL,
-        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS}),
-        "prompt_logprobs": _int(0, MAX_LOGPROBS, description="top-N logprobs of every prompt token"),
-        "return_token_ids": {**_BOOL, "description": "vLLM's: the prompt's token ids and each choice's generated "
-                                                     "ids in the response (per chunk when streaming)"},
-        "resume": _nullable({**_obj(["output_token_ids"], {"output_token_ids": _token_ids(vocab_size, 1)}),
-                             "description": "internal router -> engine extension (docs/engine-server.md): "
-                                            "continue this request after the ids its client already got; n 1"}),
-        **_STRUCTURED_FIELDS,
-        # Not supported, and refused (400 naming the field) when they ask for something: the
-        # schema allows only their "off" values.
-        "tools": _nullable({"type": "array", "maxItems": 0, "description": "tools are for chat completions"}),
-        "tool_choice": {"enum": ["none", None]},
-        "functions": _nullable({"type": "array", "maxItems": 0, "description": "not supported"}),
-        "function_call": {"enum": ["none", None]},
-    }
-    prompt = {"anyOf": [
-        {"type": "string", "minLength": 1},
-        _token_ids(vocab_size, 1),
-        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_PROMPTS},
-        {"type": "array", "items": _token_ids(vocab_size, 1), "minItems": 1, "maxItems": MAX_PROMPTS},
-    ], "description": "a text, a list of token ids, or a batch of either"}
-    completion = {
-        "type": "object", "required": ["prompt"],
-        "properties": {
-            "prompt": prompt, **common,
-            "max_tokens": _int(0, INT64_MAX, description="default 16; 0 only with echo (the prompt alone); "
-                               "prompt + max_tokens must fit the context"),
-            "logprobs": _int(0, MAX_LOGPROBS),
-            "echo": _BOOL,
-            "best_of": {"enum": [1, None]},
-            "suffix": {"type": ["string", "null"], "maxLength": 0, "description": "not supported"},
-        },
-    }
-    content_part = {"type": "object", "required": ["type"],
-                    "properties": {"type": {"const": "text"}, "text": _STR}}
-    message = {"type": "object", "required": ["role"], "properties": {
-        "role": _STR, "content": {"anyOf": [_STR, {"type": "array", "items": content_part}, {"type": "null"}]},
-        "name": _STR, "tool_call_id": _STR,
-        "tool_calls": {"type": "array", "items": _obj(["function"], {
-            "id": _STR, "type": {"const": "function"},
-            "function": _obj(["name"], {"name": {"type": "string", "minLength": 1},
-                                        "arguments": {"type": "string", "description": "JSON text"}})}),
-            "description": "an assistant's earlier calls (their arguments must be JSON)"}}}
-    chat = {
-        "type": "object", "required": ["messages"],
-        "properties": {
-            "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
-            **common,
-            "max_tokens": _int(1, INT64_MAX, description="the model's default when absent; prompt + "
-                               "max_tokens must fit the context"),
-            "max_completion_tokens": _int(1, INT64_MAX, description="overrides max_tokens"),
-            "logprobs": _BOOL,
-            "top_logprobs": _int(0, MAX_LOGPROBS, description="requires logprobs"),
-            "add_generation_prompt": _BOOL,
-            "continue_final_message": _BOOL,
-            "chat_template_kwargs": _nullable({"type": "object"}),
-            "echo": {"const": False, "description": "vLLM's chat echo: not supported"},
-            **_TOOL_FIELDS,
-        },
-    }
-    tok_common = {"model": model_s, "add_special_tokens": _BOOL, "add_generation_prompt": _BOOL,
-                  "continue_final_message": _BOOL, "chat_template_kwargs": _nullable({"type": "object"}),
-                  "return_token_strs": _BOOL}
-    tokenize = {
-        "description": "exactly one of prompt and messages",
-        "oneOf": [
-            {"type": "object", "required": ["prompt"], "properties": {
-                **tok_common, "prompt": _STR, "messages": {"type": "null"}}},
-            {"type": "object", "required": ["messages"], "properties": {
-                **tok_common, "prompt": {"type": "null"},
-                "messages": {"type": "array", "items": _ref("ChatMessage")},
-                # rendered as the chat handler renders them (docs/tool-calling.md)
-                "tools": _TOOL_FIELDS["tools"], "tool_choice": _TOOL_FIELDS["tool_choice"]}},
-        ],
-    }
-    detokenize = {"type": "object", "required": ["tokens"], "properties": {"model": model_s, "tokens": ids}}
-    return {"CompletionRequest": completion, "ChatCompletionRequest": chat, "ChatMessage": message,
-            "TokenizeRequest": tokenize, "DetokenizeRequest": detokenize}
+    """The request bodies, derived from the request models (kvmesh.common.protocol) as FastAPI
+    derives them, with what the served model adds on top: ``model``, the one model name the server
+    accepts (others get 404); ``vocab_size``, the bound of token ids. Unknown fields are ignored
+    (not refused). The nested models (ChatMessage, ToolDefinition, ...) are components too."""
+    _, doc = models_json_schema([(m, "validation") for m in REQUEST_MODELS.values()], ref_template=REF + "{model}")
+    schemas = doc["$defs"]
+    for schema in schemas.values():
+        _tailor(schema, vocab_size)
+        if model and "model" in schema.get("properties", {}):
+            schema["properties"]["model"] = {"enum": [model, None], "description": "the served model name "
+                                                                                   "(another one is a 404)"}
+    return schemas
+
+
+_SUBSCHEMA = ("items", "additionalProperties", "propertyNames", "not", "contentSchema")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def _tailor(schema: dict[str, Any], vocab_size: int | None) -> None:
+    """``schema`` (in place, and every schema in it) as the document serves it: token ids bounded
+    by the vocabulary, pydantic's titles dropped, nullable scalars written ``type: [t, "null"]``."""
+    schema.pop("title", None)
+    vocab = schema.pop(VOCAB_KEY, None)
+    if vocab and vocab_size:
+        schema["maximum"] = vocab_size - 1 if vocab == "id" else vocab_size
+    for key in _SUBSCHEMA:
+        if isinstance(schema.get(key), dict):
+            _tailor(schema[key], vocab_size)
+    for key in _SUBSCHEMA_MAPS:
+        for sub in schema.get(key, {}).values():
+            _tailor(sub, vocab_size)
+    for key in _SUBSCHEMA_LISTS:
+        for sub in schema.get(key, ()):
+            _tailor(sub, vocab_size)
+    keys = schema.get("patternProperties")
+    if keys and len(keys) == 1 and "properties" not in schema:  # pydantic's dict with constrained keys
+        (pattern, value), = schema.pop("patternProperties").items()
+        schema.update(propertyNames={"pattern": pattern}, additionalProperties=value)
+    branches = schema.get("anyOf")
+    if branches and len(branches) == 2 and branches[1] == {"type": "null"} and set(schema) <= {"anyOf", "default",
+                                                                                              "description"}:
+        nullable = _nullable(branches[0])
+        if "anyOf" not in nullable:  # a scalar or null: one schema, as JSON Schema 2020-12 writes it
+            del schema["anyOf"]
+            schema.update(nullable)
 
 
 def _obj(required: list[str], props: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "required": required, "properties": props}
-
-
-_TOOL_FIELDS: dict[str, Any] = {  # docs/tool-calling.md
-    "tools": _nullable({"type": "array", "items": _obj(["function"], {
-        "type": {"const": "function"},
-        "function": _obj(["name"], {"name": {"type": "string", "minLength": 1}, "description": _STR_OR_NULL,
-                                    "parameters": _nullable({"type": "object", "description": "a JSON schema"}),
-                                    "strict": _nullable(_BOOL)})})}),
-    "tool_choice": {"anyOf": [
-        {"enum": ["none", "auto", "required", None]},
-        _obj(["function"], {"type": {"const": "function"}, "function": _obj(["name"], {"name": _STR})})],
-        "description": "default: auto with tools (needs --enable-auto-tool-choice), else none; a named "
-                       "function must be one of tools"},
-    "parallel_tool_calls": _nullable(_BOOL),
-}
-
-
-_SCHEMA = {"type": "object", "description": "a JSON schema"}
-_CHOICES = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}
-_EBNF = {"type": "string", "minLength": 1, "description": "an EBNF grammar (GBNF: root ::= ...)"}
-_STRUCTURED_FIELDS: dict[str, Any] = {  # docs/structured-outputs.md: at most one of these per request
-    "response_format": _nullable({"anyOf": [
-        _obj(["type"], {"type": {"enum": ["text", "json_object"]}}),
-        _obj(["type", "json_schema"], {"type": {"const": "json_schema"}, "json_schema": _obj(["schema"], {
-            "name": _STR, "schema": _SCHEMA, "strict": _nullable(_BOOL)})})]}),
-    "structured_outputs": _nullable({
-        "type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False,
-        "properties": {"json": {"anyOf": [_SCHEMA, _STR]}, "regex": {"type": "string", "minLength": 1},
-                       "choice": _CHOICES, "grammar": _EBNF, "json_object": {"const": True}},
-        "description": "vLLM's: exactly one of json, regex, choice, grammar, json_object"}),
-    "guided_json": _nullable({"anyOf": [_SCHEMA, _STR], "description": "vLLM's older form of structured_outputs"}),
-    "guided_regex": _nullable({"type": "string", "minLength": 1}),
-    "guided_choice": _nullable(_CHOICES),
-    "guided_grammar": _nullable(_EBNF),
-}
 
 
 _USAGE = _obj(["prompt_tokens", "completion_tokens", "total_tokens"], {

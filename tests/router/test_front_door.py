@@ -84,7 +84,6 @@ def test_bad_input_is_a_json_400_naming_the_field(mesh, router_factory, redis_se
 def test_router_limits_match_the_engines():
     import argparse
 
-    from kvmesh.engine.server import protocol
     from kvmesh.engine.server.api import ServerConfig
     from kvmesh.engine.server.cli import add_arguments as engine_args
     from kvmesh.router import app
@@ -93,8 +92,8 @@ def test_router_limits_match_the_engines():
     from kvmesh.common import request_limits
     from kvmesh.router import request_checks
 
-    assert (request_checks.MAX_N, request_checks.MAX_PROMPTS) == (protocol.MAX_N, protocol.MAX_PROMPTS)
-    assert (protocol.MAX_N, protocol.MAX_PROMPTS) == (request_limits.MAX_N, request_limits.MAX_PROMPTS)
+    assert (request_checks.MAX_N, request_checks.MAX_PROMPTS) == (request_limits.MAX_N, request_limits.MAX_PROMPTS)
+    assert request_checks.INT_FIELDS["/v1/completions"]["n"] == (1, request_limits.MAX_N)
     assert app.RouterConfig().max_body_bytes == ServerConfig("m").max_body_bytes
     pe, pr = argparse.ArgumentParser(), argparse.ArgumentParser()
     engine_args(pe)

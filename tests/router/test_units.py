@@ -221,12 +221,16 @@ def test_router_tokenizes_every_prompt_shape():
 def test_rate_limit_estimate_counts_batches_and_choices():
     from kvmesh.router.request_checks import estimate_tokens
 
-    assert estimate_tokens({"prompt": "x", "max_tokens": 10}, 5) == 15
-    assert estimate_tokens({"prompt": "x", "max_tokens": 10, "n": 3}, 5) == 35
-    assert estimate_tokens({"prompt": ["a", "b"], "max_tokens": 10, "n": 2}, 5) == 50
-    assert estimate_tokens({"prompt": [1, 2, 3], "max_tokens": 4}, 3) == 7  # token ids, not a batch
-    assert estimate_tokens({"messages": [], "max_completion_tokens": 8}, 2) == 10
-    assert estimate_tokens({"prompt": "x", "n": "many"}, 2) == 2
+    cmpl, chat = "/v1/completions", "/v1/chat/completions"
+    assert estimate_tokens(cmpl, {"prompt": "x", "max_tokens": 10}, 5) == 15
+    assert estimate_tokens(cmpl, {"prompt": "x", "max_tokens": 10, "n": 3}, 5) == 35
+    assert estimate_tokens(cmpl, {"prompt": ["a", "b"], "max_tokens": 10, "n": 2}, 5) == 50
+    assert estimate_tokens(cmpl, {"prompt": [1, 2, 3], "max_tokens": 4}, 3) == 7  # token ids, not a batch
+    assert estimate_tokens(chat, {"messages": [], "max_completion_tokens": 8}, 2) == 10
+    assert estimate_tokens(chat, {"messages": [], "max_tokens": 4, "max_completion_tokens": 8}, 2) == 10
+    # a completion has no max_completion_tokens (vLLM's CompletionRequest): max_tokens is charged
+    assert estimate_tokens(cmpl, {"prompt": "x", "max_tokens": 4, "max_completion_tokens": 8}, 2) == 6
+    assert estimate_tokens(cmpl, {"prompt": "x", "n": "many"}, 2) == 2
 
 
 def test_a_key_file_line_is_the_whole_key_and_a_missing_file_is_an_error(tmp_path):
@@ -297,9 +301,10 @@ def test_rate_limit_charges_are_bounded_so_no_key_is_locked_out_past_its_window(
     assert lim.admit("a", 1000)[0]  # a window later the key is whole again
     from kvmesh.router.request_checks import estimate_tokens
 
-    assert estimate_tokens({"prompt": "x", "max_tokens": float("inf")}, 5) == 5
-    assert estimate_tokens({"prompt": "x", "max_tokens": -7, "n": 10**9}, 5) == 5
-    assert estimate_tokens({"prompt": "x", "max_tokens": 10**30}, 1) == 1 + (1 << 31)
+    cmpl = "/v1/completions"
+    assert estimate_tokens(cmpl, {"prompt": "x", "max_tokens": float("inf")}, 5) == 5
+    assert estimate_tokens(cmpl, {"prompt": "x", "max_tokens": -7, "n": 10**9}, 5) == 5
+    assert estimate_tokens(cmpl, {"prompt": "x", "max_tokens": 10**30}, 1) == 1 + (1 << 31)
 
 
 def test_metric_labels_come_from_fixed_sets():
