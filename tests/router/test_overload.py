@@ -3,7 +3,7 @@ capacity for a bounded time; the answer is only ever a 429 with Retry-After (the
 `--max-num-seqs` + `--max-waiting`; the router's per-key `--rate-limit-rpm`), or the documented
 503 with Retry-After (the router's hold queue, `--max-pending-requests`, while no engine is
 routable); never another 5xx; every admitted request completes. The scenario is
-tests/support/chaos/ (bench/chaos.py runs it larger)."""
+tests/support/chaos/overload.py (bench/chaos.py runs it larger)."""
 
 from __future__ import annotations
 
