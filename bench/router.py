@@ -113,7 +113,7 @@ def overhead(args: argparse.Namespace) -> None:
                                        "--save", "", "--appendonly", "no", "--dir", tmp],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         redis_url = f"redis://127.0.0.1:{rport}/0"
-        procs.append(subprocess.Popen([sys.executable, "-m", "kvmesh.testing.stub_engine", "--port", str(sport),
+        procs.append(subprocess.Popen([sys.executable, "-m", "kvmesh.mesh.stub_engine", "--port", str(sport),
                                        "--no-tokenize", "--response-tokens", "1"], env=env(),
                                       stdout=subprocess.DEVNULL))
         profile = ["-m", "cProfile", "-o", os.environ["KVMESH_BENCH_PROFILE"]] \

@@ -121,7 +121,7 @@ class StubProc:
         return f"tcp://127.0.0.1:{self.replay_port}"
 
     def start(self, wait: bool = True) -> "StubProc":
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvmesh.testing.stub_engine", *self.args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvmesh.mesh.stub_engine", *self.args],
                                      env=child_env(), cwd=ROOT)
         if wait:
             self.wait_ready()

@@ -41,20 +41,39 @@ def test_components_live_at_the_repository_root():
         assert Path(module.__file__).resolve().parent == ROOT / folder
 
 
+def _packages_under(mapping: dict[str, str], base: Path) -> set[str]:
+    """Every package (a folder with __init__.py) under the mapped folders, at its import name."""
+    found = set()
+    for name, folder in mapping.items():
+        for init in (base / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(base / folder).parts
+            found.add(".".join((name, *rel)))
+    return found
+
+
 def test_pyproject_lists_every_package():
     # setuptools installs only the listed packages: a new sub-package left out of the list
     # would work in an editable install and be missing from the wheel (and the images).
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(tool["packages"])
-    mapping = {"kvmesh": "kvmesh", **tool["package-dir"]}
-    found = set()
-    for name, folder in mapping.items():
-        base = ROOT / folder
-        for init in base.rglob("__init__.py"):
-            rel = init.parent.relative_to(base).parts
-            found.add(".".join((name, *rel)))
+    found = _packages_under({"kvmesh": "kvmesh", **tool["package-dir"]}, ROOT)
     # a mapped folder under kvmesh/ would be found twice; the mapped name wins
     assert found == listed, (sorted(found - listed), sorted(listed - found))
+
+
+def test_dev_distribution_lists_every_package():
+    # the test support (tests/support/, imported as kvmesh_testing): the same rule for its list
+    support = ROOT / "tests" / "support"
+    tool = tomllib.loads((support / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    assert tool["package-dir"] == {"kvmesh_testing": "."}
+    assert _packages_under(tool["package-dir"], support) == listed, sorted(listed)
+
+
+def test_the_shipped_package_holds_no_test_support():
+    # kvmesh/ is the CLI and what the components share; test support lives in tests/support/
+    assert sorted(p.name for p in (ROOT / "kvmesh").iterdir() if p.name != "__pycache__") == [
+        "__init__.py", "cli.py", "cli_reference.py", "common", "mesh"]
 
 
 # torch (and transformers) are the engine's: the router, the sidecar, the operator, the local
@@ -75,7 +94,7 @@ WITHOUT_TORCH = ["kvmesh.common.block_keys", "kvmesh.common.kv_events", "kvmesh.
                  "kvmesh.common.tokenizer", "kvmesh.router.app", "kvmesh.router.cli", "kvmesh.router.policies",
                  "kvmesh.sidecar.service", "kvmesh.sidecar.cli", "kvmesh.operator.handlers",
                  "kvmesh.operator.scaling", "kvmesh.operator.cli", "kvmesh.operator.generate", "kvmesh.mesh.up",
-                 "kvmesh.mesh.status", "kvmesh.testing.stub_engine"]
+                 "kvmesh.mesh.status", "kvmesh.mesh.stub_engine"]
 
 
 def test_components_import_without_torch():
@@ -114,21 +133,19 @@ def test_a_bare_python_in_the_root_is_safe_only_with_dash_P():
 
 
 
-# Test support (kvmesh/testing) never runs inside production code: no component and no shared
-# module imports it, or names one of its modules for a run-time import.
-PRODUCTION = ["engine", "router", "sidecar", "operator", "kvmesh/common", "kvmesh/mesh"]
-NAMES_TESTING = {  # file -> why a string in its code may name a kvmesh.testing module
-    "kvmesh/mesh/up.py": "`kvmesh up --engine-command stub` runs the stub engine as a child process",
-}
+# Test support (tests/support/, the kvmesh_testing distribution) never runs inside production
+# code: no component and no shared module imports it, or names one of its modules for a run-time
+# import. The stub engine behind `kvmesh up --engine-command stub` is production (kvmesh.mesh).
+PRODUCTION = ["engine", "router", "sidecar", "operator", "kvmesh"]
+TESTING = "kvmesh_testing"
 
 
 def _is_testing(module: str) -> bool:
-    return module.split(".")[:2] == ["kvmesh", "testing"]
+    return module.split(".")[0] == TESTING
 
 
-def _testing_references(path: Path, package: str) -> tuple[list[str], list[str]]:
-    """(imports of kvmesh.testing, non-docstring string constants naming it) in one source file
-    of ``package`` (for relative imports)."""
+def _testing_references(path: Path) -> tuple[list[str], list[str]]:
+    """(imports of kvmesh_testing, non-docstring string constants naming it) in one source file."""
     import ast
 
     tree = ast.parse(path.read_text(), str(path))
@@ -140,24 +157,13 @@ def _testing_references(path: Path, package: str) -> tuple[list[str], list[str]]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             imports += [f"line {node.lineno}: {a.name}" for a in node.names if _is_testing(a.name)]
-        elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
-            module = ".".join([*base, *([node.module] if node.module else [])])
-            if _is_testing(module):
-                imports.append(f"line {node.lineno}: {module}")
-            else:  # from kvmesh import testing
-                imports += [f"line {node.lineno}: {module}.{a.name}" for a in node.names
-                            if _is_testing(f"{module}.{a.name}")]
+        elif isinstance(node, ast.ImportFrom) and not node.level:  # relative imports stay in kvmesh
+            if _is_testing(node.module or ""):
+                imports.append(f"line {node.lineno}: {node.module}")
         elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-              and "kvmesh.testing" in node.value):
+              and TESTING in node.value):
             strings.append(f"line {node.lineno}: {node.value[:60]!r}")
     return imports, strings
-
-
-def _package_of(rel: str) -> str:
-    """engine/server/api.py -> kvmesh.engine.server (the package-dir mapping)."""
-    parts = rel.split("/")[:-1]
-    return ".".join(parts if parts[0] == "kvmesh" else ["kvmesh", *parts])
 
 
 def test_no_production_module_imports_test_support():
@@ -165,24 +171,22 @@ def test_no_production_module_imports_test_support():
     for folder in PRODUCTION:
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            found_imports, found_strings = _testing_references(path, _package_of(rel))
+            found_imports, found_strings = _testing_references(path)
             if found_imports:
                 imports[rel] = found_imports
-            if found_strings and rel not in NAMES_TESTING:
+            if found_strings:
                 strings[rel] = found_strings
-    assert not imports, f"production modules import kvmesh.testing: {imports}"
-    assert not strings, f"production code names kvmesh.testing modules (a run-time import?): {strings}"
+    assert not imports, f"production modules import kvmesh_testing: {imports}"
+    assert not strings, f"production code names kvmesh_testing modules (a run-time import?): {strings}"
 
 
 def test_the_test_support_check_finds_what_it_looks_for(tmp_path):
     # the check above proves something only if it sees each form of the reference
     src = tmp_path / "m.py"
-    src.write_text('"""Docs may mention kvmesh.testing."""\nimport os, kvmesh.testing.chaos\n'
-                   "from kvmesh.testing.core_hooks import restore\nfrom kvmesh import testing, common\n"
-                   "from .. import testing as up\nfrom . import testing as here\nPREFIX = 'kvmesh.testing.'\n")
-    imports, strings = _testing_references(src, "kvmesh.common")
-    assert imports == ["line 2: kvmesh.testing.chaos", "line 3: kvmesh.testing.core_hooks",
-                       "line 4: kvmesh.testing", "line 5: kvmesh.testing"]
-    assert strings == ["line 7: 'kvmesh.testing.'"]
-    assert _package_of("engine/server/api.py") == "kvmesh.engine.server"
-    assert _package_of("kvmesh/common/kv_events.py") == "kvmesh.common"
+    src.write_text('"""Docs may mention kvmesh_testing."""\nimport os, kvmesh_testing.chaos\n'
+                   "from kvmesh_testing.core_hooks import restore\nfrom kvmesh_testing import cluster, node\n"
+                   "from . import testing as here\nimport kvmesh_testing as t\nPREFIX = 'kvmesh_testing.'\n")
+    imports, strings = _testing_references(src)
+    assert imports == ["line 2: kvmesh_testing.chaos", "line 3: kvmesh_testing.core_hooks",
+                       "line 4: kvmesh_testing", "line 6: kvmesh_testing"]
+    assert strings == ["line 7: 'kvmesh_testing.'"]

@@ -63,6 +63,14 @@ def test_wheel_holds_every_package(wheel):
     assert not any(n.startswith(("engine/", "router/", "sidecar/", "operator/", "tests/")) for n in names)
 
 
+def test_wheel_holds_no_test_support(wheel):
+    # test support is a dev-only distribution of its own (tests/support/, package kvmesh_testing)
+    assert not [p for p in SETUPTOOLS["packages"] if "testing" in p], SETUPTOOLS["packages"]
+    names = wheel.namelist()
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"kvmesh"}
+    assert not [n for n in names if "testing" in n.split("/")[:-1]]
+
+
 def test_wheel_holds_the_kernel_sources(wheel):
     # the engine compiles its CPU kernels from these at first start: package data, not modules
     names = set(wheel.namelist())

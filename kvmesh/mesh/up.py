@@ -42,7 +42,7 @@ DEFAULT_ENGINE_COMMAND = (
     "--kv-events-replay-endpoint {replay_endpoint}"
 )
 STUB_ENGINE_COMMAND = (
-    "{python} -m kvmesh.testing.stub_engine --model {model} --served-model-name {served_model_name} "
+    "{python} -m kvmesh.mesh.stub_engine --model {model} --served-model-name {served_model_name} "
     "--port {port} --block-size {block_size} --kv-events-endpoint {events_endpoint} "
     "--kv-events-replay-endpoint {replay_endpoint}"
 )

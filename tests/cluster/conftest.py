@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import pytest
 
-from kvmesh.testing.cluster import LocalCluster, unavailable
+from kvmesh_testing.cluster import LocalCluster, unavailable
 
 HERE = Path(__file__).resolve().parent
 STANDIN = str(HERE / "standin.py")

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvmesh.testing.cluster import LOCK_DIR, LocalCluster
-from kvmesh.testing.node import network
+from kvmesh_testing.cluster import LOCK_DIR, LocalCluster
+from kvmesh_testing.node import network
 from tests.cluster.conftest import IMAGES, namespace, pod, require_cluster, wait_for, wait_pod
 
 
@@ -45,7 +45,7 @@ def test_two_clusters_side_by_side_and_nothing_left_after_stop(tmp_path: Path) -
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
-CRASHING = ("import sys, time\nfrom pathlib import Path\nfrom kvmesh.testing.cluster import LocalCluster\n"
+CRASHING = ("import sys, time\nfrom pathlib import Path\nfrom kvmesh_testing.cluster import LocalCluster\n"
             "c = LocalCluster(Path(sys.argv[1]), images={'example.com/python:*': [sys.executable]})\nc.start()\n"
             "c.api.apply({'apiVersion': 'v1', 'kind': 'Pod', 'metadata': {'name': 'p', 'namespace': 'default'},"
             " 'spec': {'containers': [{'name': 'c', 'image': 'example.com/python:1',"
@@ -100,7 +100,7 @@ def test_the_next_cluster_in_a_slot_cleans_up_what_a_crash_left(tmp_path: Path) 
 
 def test_the_cli_brings_a_cluster_up_and_down(tmp_path: Path) -> None:
     require_cluster()
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "kvmesh.testing.cluster", "up", "--workdir", str(tmp_path)],
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "kvmesh_testing.cluster", "up", "--workdir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         first = proc.stdout.readline()

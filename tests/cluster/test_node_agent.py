@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from kvmesh.testing.cluster import LocalCluster
+from kvmesh_testing.cluster import LocalCluster
 from tests.cluster.conftest import condition, container_status, namespace, pod, wait_for, wait_pod
 
 NS = "agent"

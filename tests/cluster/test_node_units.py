@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.testing.node.envvars import ConfigError, expand, quantity, resource_field, service_variables
-from kvmesh.testing.node.images import VENV_BIN, Image, ImageNotMapped, ImageTable
-from kvmesh.testing.node.status import phase
+from kvmesh_testing.node.envvars import ConfigError, expand, quantity, resource_field, service_variables
+from kvmesh_testing.node.images import VENV_BIN, Image, ImageNotMapped, ImageTable
+from kvmesh_testing.node.status import phase
 
 
 def test_the_project_images_run_the_kvmesh_cli_from_the_venv() -> None:
@@ -91,7 +91,7 @@ def test_pod_phase() -> None:
 def test_slots_whose_ranges_the_host_routes_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     import subprocess
 
-    from kvmesh.testing.node import network
+    from kvmesh_testing.node import network
 
     routes = ("default via 192.0.2.1 dev eth0\n10.244.0.0/16 dev cni0 proto kernel scope link\n"
               "10.96.3.0/24 dev kvmbr3 proto kernel scope link\nlocal 10.96.5.1 dev lo table local\n")
@@ -105,7 +105,7 @@ def test_slots_whose_ranges_the_host_routes_are_skipped(monkeypatch: pytest.Monk
 def test_created_mount_points_go_once_no_other_cluster_runs(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import fcntl
 
-    from kvmesh.testing.node import hostpaths
+    from kvmesh_testing.node import hostpaths
 
     monkeypatch.setattr(hostpaths, "STATE_DIR", tmp_path / "state")
     monkeypatch.setattr(hostpaths, "LOCK", tmp_path / "state" / "mount-points.lock")

@@ -1,4 +1,4 @@
-"""The end-to-end scenario's cluster (one per module: kvmesh.testing.cluster.LocalCluster, the
+"""The end-to-end scenario's cluster (one per module: kvmesh_testing.cluster.LocalCluster, the
 real control plane and a node agent running pods as local processes), what a failed step
 shows (every pod's state and its containers' last log lines), and the report at the end."""
 
@@ -31,7 +31,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from kvmesh.testing.cluster import LocalCluster, unavailable
+    from kvmesh_testing.cluster import LocalCluster, unavailable
 
     why = unavailable()
     if why:
@@ -85,7 +85,7 @@ def engine_image_with_prebuilt_kernels(root: Path) -> dict[str, dict]:
     carry them): otherwise every engine start compiles them anew into its own emptyDir /tmp,
     minutes on a small machine. The pods load a copy of the ones `make setup` built, kept for the
     scenario alone, so no other build on the machine can make them stale."""
-    from kvmesh.testing.node.images import VENV_BIN, base_path, default_table
+    from kvmesh_testing.node.images import VENV_BIN, base_path, default_table
 
     pattern = "ghcr.io/kvmesh/engine:*"
     image = default_table()[pattern]

@@ -28,7 +28,7 @@ import redis
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.operator import crd, render
-from kvmesh.testing import controlplane
+from kvmesh_testing import controlplane
 from tests.e2e import report
 from tests.e2e.traffic import OK, Traffic, failures, summary
 

@@ -1,6 +1,6 @@
 """Restart scenarios through `kvmesh up`: two `kvmesh serve` replicas of a tiny random-weight
 model, their sidecars, the router and the embedded Redis. Each part in turn is killed under a
-client load through the router (kvmesh/testing/chaos.py: `up_restart`); `kvmesh up` must restart
+client load through the router (tests/support/chaos/up_restarts.py: `up_restart`); `kvmesh up` must restart
 it, every replica must be routable again within a bound (the router's /ready and a `ready`
 heartbeat written after the restart), and no request may fail but the killed process's own.
 
@@ -15,7 +15,7 @@ import signal
 import pytest
 import redis
 
-from kvmesh.testing.chaos import UpConfig, UpMesh, UpRestart, UpRestartConfig, up_restart
+from kvmesh_testing.chaos import UpConfig, UpMesh, UpRestart, UpRestartConfig, up_restart
 from tests.tiny_models import build_tiny_model
 
 # Seconds from the kill until every replica is routable again. An engine's restart is its process

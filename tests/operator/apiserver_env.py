@@ -1,5 +1,5 @@
 """The operator's real-API-server fixtures: the control plane itself (etcd, kube-apiserver,
-kube-controller-manager) lives in kvmesh.testing.controlplane, shared with the local cluster;
+kube-controller-manager) lives in kvmesh_testing.controlplane, shared with the local cluster;
 this module adds what only the operator's suites use (log capture, the operator in a thread).
 See docs/operator.md, "Testing against a real API server", for how to get the binaries.
 """
@@ -10,7 +10,7 @@ import logging
 import threading
 from typing import Any
 
-from kvmesh.testing.controlplane import (  # noqa: F401 - re-exported for the operator's suites
+from kvmesh_testing.controlplane import (  # noqa: F401 - re-exported for the operator's suites
     ADMIN_USER, ASSETS_ENV, DEFAULT_ASSETS_ROOT, KINDS, Assets, ControlPlane, Proc, find_assets, find_environment,
     make_pki, path, register_kind, wait_for)
 

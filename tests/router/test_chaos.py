@@ -2,7 +2,7 @@
 sidecar process) behind a router process, a real redis-server; streams in flight while (a) one
 engine is SIGKILLed (its container then restarts), (b) Redis is SIGKILLed and restarted empty
 (at once, and after an outage the router notices), (c) the router restarts (SIGTERM, then a new
-process on the same port). The scenario is kvmesh/testing/chaos.py (bench/chaos.py runs it
+process on the same port). The scenario is tests/support/chaos/faults.py (bench/chaos.py runs it
 larger); each figure it reports is asserted here."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import signal
 import httpx
 
 from kvmesh.common import redis_layout as rl
-from kvmesh.testing.chaos import ChaosConfig, MeshConfig, run_chaos
+from kvmesh_testing.chaos import ChaosConfig, MeshConfig, run_chaos
 from tests.conftest import wait_until
 
 

@@ -3,14 +3,14 @@ capacity for a bounded time; the answer is only ever a 429 with Retry-After (the
 `--max-num-seqs` + `--max-waiting`; the router's per-key `--rate-limit-rpm`), or the documented
 503 with Retry-After (the router's hold queue, `--max-pending-requests`, while no engine is
 routable); never another 5xx; every admitted request completes. The scenario is
-kvmesh/testing/chaos.py (bench/chaos.py runs it larger)."""
+tests/support/chaos/overload.py (bench/chaos.py runs it larger)."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 
-from kvmesh.testing.chaos import MeshConfig, OverloadConfig, run_overload
+from kvmesh_testing.chaos import MeshConfig, OverloadConfig, run_overload
 
 
 def test_four_times_each_admission_limit_gets_only_retry_after_refusals_and_admitted_requests_complete():

@@ -18,7 +18,7 @@ class ThreadServer:
     """`kvmesh serve` in a thread of the test process (same code path, minus signal handling)."""
 
     def __init__(self, argv: list[str], core_loop: type | None = None):
-        """``core_loop``: a CoreLoop subclass for the engine core, e.g. kvmesh.testing.core_hooks's
+        """``core_loop``: a CoreLoop subclass for the engine core, e.g. kvmesh_testing.core_hooks's
         HookedCoreLoop for a test that calls hooks in the core."""
         from kvmesh.engine.server import cli
         from kvmesh.engine.server.api import build_app

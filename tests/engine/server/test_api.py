@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.testing.core_hooks import HookedCoreLoop
+from kvmesh_testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer, wait_for
 
 KEY = "test-key"
@@ -298,12 +298,12 @@ def test_queue_full_gets_429(http, server, client):
     assert metrics(http)["kvmesh:requests_rejected_total{reason=queue_full}"] >= 1
 
 
-HOOKS = "kvmesh.testing.core_hooks"
+HOOKS = "kvmesh_testing.core_hooks"
 
 
 @pytest.fixture()
 def core_hook(server):
-    """Run a kvmesh.testing.core_hooks function in the engine core (its process); undone after."""
+    """Run a kvmesh_testing.core_hooks function in the engine core (its process); undone after."""
     engine = server.state.engine
     yield lambda fn, *args: engine.call_utility("hook", f"{HOOKS}:{fn}", *args)
     engine.call_utility("hook", f"{HOOKS}:restore")

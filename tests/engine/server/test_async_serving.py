@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvmesh.testing.core_hooks import HookedCoreLoop
+from kvmesh_testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer, wait_for
 from tests.engine.server.test_core_process import HOOKS, MODEL, REQUESTS, _strip, assert_same_answers
 

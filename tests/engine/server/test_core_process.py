@@ -28,12 +28,12 @@ from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 from kvmesh.engine.server.async_engine import EngineStepError
 from kvmesh.engine.step_timing import PHASES, overhead_per_step
 from kvmesh.engine.threads import core_environment, plan_threads
-from kvmesh.testing.core_hooks import HookedCoreLoop
+from kvmesh_testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer, free_port, wait_for
 from tests.engine.server.test_api import metrics
 
 MODEL = "tiny"
-HOOKS = "kvmesh.testing.core_hooks"
+HOOKS = "kvmesh_testing.core_hooks"
 
 
 # -- messages, no server ------------------------------------------------------------------------------

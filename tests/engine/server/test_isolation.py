@@ -16,13 +16,13 @@ import json
 import httpx
 import pytest
 
-from kvmesh.testing.core_hooks import HookedCoreLoop
+from kvmesh_testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer, wait_for
 from tests.engine.server.test_api import metrics
 
 MODEL = "tiny"
 POISON = 7777
-HOOKS = "kvmesh.testing.core_hooks"
+HOOKS = "kvmesh_testing.core_hooks"
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvmesh.common.block_keys import block_key, block_keys, root_key
 from kvmesh.common.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from kvmesh.testing.core_hooks import HookedCoreLoop
+from kvmesh_testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer, free_port, wait_for
 
 MODEL = "tiny"
@@ -149,7 +149,7 @@ def test_events_match_blocks_stored_and_evicted(server):
 
     # What the subscriber derived is exactly what the engine's prefix cache holds now, parents too.
     # (read in the engine core's process)
-    cached = server.state.engine.call_utility("hook", "kvmesh.testing.core_hooks:cached_blocks")
+    cached = server.state.engine.call_utility("hook", "kvmesh_testing.core_hooks:cached_blocks")
     assert live == set(cached)
     assert cached == {k: parent_of[k] for k in live}
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from kvmesh.engine.structured import compiler
 from kvmesh.engine.structured.backend import backend_for
-from kvmesh.testing.core_hooks import HookedCoreLoop
+from kvmesh_testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer
 
 MODEL = "tiny"

@@ -17,7 +17,7 @@ Admission, as the engine's (`kvmesh serve --max-num-seqs N --max-waiting M`): wi
 beyond N + M is refused with 429, `Retry-After: 1` and the engine's error body (code
 `queue_full`). `/stub/stats` counts `rejected` and the most ever admitted (`max_admitted`).
 
-    python -m kvmesh.testing.stub_engine --port 8101 --kv-events-endpoint tcp://127.0.0.1:5601
+    python -m kvmesh.mesh.stub_engine --port 8101 --kv-events-endpoint tcp://127.0.0.1:5601
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The production core loop knows no such call. A test server runs ``HookedCoreLoop`` instead
 (``engine.core_loop = HookedCoreLoop`` before the engine starts: the thread mode builds it, the
 process mode sends it to the core process in its config), and then
-``engine.call_utility("hook", "kvmesh.testing.core_hooks:<function>", *args)`` runs
-``<function>(core, *args)`` in the core between steps (only functions of kvmesh.testing may be
+``engine.call_utility("hook", "kvmesh_testing.core_hooks:<function>", *args)`` runs
+``<function>(core, *args)`` in the core between steps (only functions of kvmesh_testing may be
 named), through the same path whichever engine mode the server runs.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from kvmesh.engine.core_proc import CoreLoop
 
-HOOK_PREFIX = "kvmesh.testing."  # the only modules a "hook" call may run
+HOOK_PREFIX = "kvmesh_testing."  # the only modules a "hook" call may run
 _SAVED = "_kvmesh_hook_saved"
 
 

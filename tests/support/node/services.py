@@ -5,7 +5,7 @@ each of its ports, forwarding every connection to one of the Service's ready end
 server's loopback port. Pods reach ClusterIPs through the bridge; the test process reaches
 them directly.
 
-``python -m kvmesh.testing.node.services --kubeconfig K --slot N --apiserver-port P``
+``python -m kvmesh_testing.node.services --kubeconfig K --slot N --apiserver-port P``
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvmesh.testing.node import network
-from kvmesh.testing.node.api import Api, Informer
-from kvmesh.testing.node.lifeline import watch_parent
+from kvmesh_testing.node import network
+from kvmesh_testing.node.api import Api, Informer
+from kvmesh_testing.node.lifeline import watch_parent
 
-log = logging.getLogger("kvmesh.testing.services")
+log = logging.getLogger("kvmesh_testing.services")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
@@ -165,7 +165,7 @@ class Forwarder:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kvmesh.testing.node.services", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvmesh_testing.node.services", description=__doc__.split("\n\n")[0])
     p.add_argument("--kubeconfig", type=Path, required=True)
     p.add_argument("--slot", type=int, required=True)
     p.add_argument("--apiserver-port", type=int, required=True)

@@ -11,17 +11,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.testing.node import network
-from kvmesh.testing.node.api import ApiError
-from kvmesh.testing.node.containers import Container, Launch
-from kvmesh.testing.node.envvars import ConfigError, container_env, expand, service_variables
-from kvmesh.testing.node.images import ImageNotMapped, base_path
-from kvmesh.testing.node.probes import Target, run_handler
-from kvmesh.testing.node.status import Conditions, now, phase
-from kvmesh.testing.node.volumes import PodVolumes
+from kvmesh_testing.node import network
+from kvmesh_testing.node.api import ApiError
+from kvmesh_testing.node.containers import Container, Launch
+from kvmesh_testing.node.envvars import ConfigError, container_env, expand, service_variables
+from kvmesh_testing.node.images import ImageNotMapped, base_path
+from kvmesh_testing.node.probes import Target, run_handler
+from kvmesh_testing.node.status import Conditions, now, phase
+from kvmesh_testing.node.volumes import PodVolumes
 
 if TYPE_CHECKING:
-    from kvmesh.testing.node.agent import Agent
+    from kvmesh_testing.node.agent import Agent
 
 log = logging.getLogger(__name__)
 TICK = 0.1

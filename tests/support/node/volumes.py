@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from kvmesh.testing.node.envvars import ConfigError, _field, expand, resource_field
+from kvmesh_testing.node.envvars import ConfigError, _field, expand, resource_field
 
 Lookup = Callable[[str, str], dict[str, Any] | None]
 TokenRequest = Callable[[str, dict[str, Any]], str]   # (serviceAccount, TokenRequest spec) -> token

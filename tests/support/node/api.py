@@ -1,5 +1,5 @@
 """A small synchronous Kubernetes API client for the node agent and the service forwarder:
-a kubeconfig with a bearer token and a CA file (what kvmesh.testing.controlplane writes),
+a kubeconfig with a bearer token and a CA file (what kvmesh_testing.controlplane writes),
 get/list/create/patch/delete of dicts, and watches."""
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """A local Kubernetes cluster for tests (docs/local-cluster.md): the real control plane
-(etcd, kube-apiserver, kube-controller-manager, kube-scheduler; kvmesh.testing.controlplane),
+(etcd, kube-apiserver, kube-controller-manager, kube-scheduler; kvmesh_testing.controlplane),
 one node agent that runs pods as local processes in network namespaces of their own
-(kvmesh.testing.node), and a Service forwarder (kvmesh.testing.node.services).
+(kvmesh_testing.node), and a Service forwarder (kvmesh_testing.node.services).
 
     with LocalCluster(tmp_path) as cluster:
         cluster.kubectl("apply", "-f", "manifests/")
         url = cluster.service_url("ns", "svc", 8000)
 
-``python -m kvmesh.testing.cluster up --workdir DIR`` runs one by hand until Ctrl-C.
+``python -m kvmesh_testing.cluster up --workdir DIR`` runs one by hand until Ctrl-C.
 
 Needs root (network namespaces, a bridge, bind mounts), the ``ip``, ``nsenter`` and
 ``openssl`` commands, and the control-plane binaries (``make setup`` installs them). ``unavailable()`` says why a cluster cannot run here (tests skip on it).
@@ -27,10 +27,10 @@ from typing import Any
 
 import httpx
 
-from kvmesh.testing import controlplane
-from kvmesh.testing.controlplane import ControlPlane, find_environment, wait_for
-from kvmesh.testing.node import hostpaths, lifeline, network
-from kvmesh.testing.node.pods import pod_dir
+from kvmesh_testing import controlplane
+from kvmesh_testing.controlplane import ControlPlane, find_environment, wait_for
+from kvmesh_testing.node import hostpaths, lifeline, network
+from kvmesh_testing.node.pods import pod_dir
 
 LOCK_DIR = hostpaths.STATE_DIR
 SLOTS = range(0, 64)
@@ -97,8 +97,8 @@ class _Slot:
 
     def watchdog(self) -> subprocess.Popen:
         """A process that holds this slot's lock too and cleans the slot up if this process
-        dies without stopping the cluster (kvmesh.testing.node.lifeline)."""
-        return subprocess.Popen([sys.executable, "-P", "-m", "kvmesh.testing.node.lifeline", "--slot",
+        dies without stopping the cluster (kvmesh_testing.node.lifeline)."""
+        return subprocess.Popen([sys.executable, "-P", "-m", "kvmesh_testing.node.lifeline", "--slot",
                                  str(self.number), "--pids-file", str(self.pids_file)],
                                 pass_fds=(self.file.fileno(),), stdin=subprocess.DEVNULL)
 
@@ -179,10 +179,10 @@ class LocalCluster:
         images_file.write_text(json.dumps(self.images))
         python = [sys.executable, "-P", "-m"]
         self.procs.append(cp._spawn("service-forwarder", [
-            *python, "kvmesh.testing.node.services", "--kubeconfig", str(kubeconfig), "--slot", str(net.slot),
+            *python, "kvmesh_testing.node.services", "--kubeconfig", str(kubeconfig), "--slot", str(net.slot),
             "--apiserver-port", str(cp.port), "--log-level", self.log_level]))
         self.procs.append(cp._spawn("node-agent", [
-            *python, "kvmesh.testing.node", "--kubeconfig", str(kubeconfig), "--state-dir", str(self.node_dir),
+            *python, "kvmesh_testing.node", "--kubeconfig", str(kubeconfig), "--state-dir", str(self.node_dir),
             "--slot", str(net.slot), "--node-name", NODE_NAME, "--cpu", self.node_cpu, "--memory", self.node_memory,
             "--gpus", str(self.gpus), "--images", str(images_file), "--backoff-initial", str(self.backoff_initial),
             "--backoff-cap", str(self.backoff_cap), "--log-level", self.log_level]))
@@ -359,7 +359,7 @@ def _up(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kvmesh.testing.cluster", description="a local Kubernetes cluster")
+    p = argparse.ArgumentParser(prog="python -m kvmesh_testing.cluster", description="a local Kubernetes cluster")
     sub = p.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start a cluster and run it until Ctrl-C")
     up.add_argument("--workdir", required=True)

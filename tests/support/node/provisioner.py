@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from kvmesh.testing.node.api import Api, ApiError, Informer
+from kvmesh_testing.node.api import Api, ApiError, Informer
 
 log = logging.getLogger(__name__)
 PROVISIONER = "kvmesh.io/local-cluster"

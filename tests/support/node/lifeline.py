@@ -2,7 +2,7 @@
 to stop its children): the parent's pid is polled, as PR_SET_PDEATHSIG would follow only the
 thread that forked us, and a cluster may be started from a thread that ends.
 
-``python -m kvmesh.testing.node.lifeline --slot N --pids-file F`` is a cluster's watchdog: it
+``python -m kvmesh_testing.node.lifeline --slot N --pids-file F`` is a cluster's watchdog: it
 holds the cluster's slot lock (inherited), and if the cluster's process dies it stops the
 processes recorded in F (SIGTERM, SIGKILL after a while), removes the slot's network, and
 exits, releasing the slot. A normal stop ends it with SIGTERM before cleaning up itself.
@@ -79,9 +79,9 @@ def stop_recorded(pids_file: Path, grace: float = 15.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from kvmesh.testing.node import hostpaths, network
+    from kvmesh_testing.node import hostpaths, network
 
-    p = argparse.ArgumentParser(prog="python -m kvmesh.testing.node.lifeline")
+    p = argparse.ArgumentParser(prog="python -m kvmesh_testing.node.lifeline")
     p.add_argument("--slot", type=int, required=True)
     p.add_argument("--pids-file", type=Path, required=True)
     args = p.parse_args(argv)

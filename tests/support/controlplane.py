@@ -6,7 +6,7 @@ found in ``$KUBEBUILDER_ASSETS`` or setup-envtest's default directory
 The API server runs with RBAC authorization, a service-account signing key (so the
 TokenRequest API issues real ServiceAccount tokens), a static admin token (group
 ``system:masters``) and certificates from a throwaway CA made with the ``openssl`` CLI.
-The operator's real-API-server suite and the local cluster (kvmesh.testing.cluster) use it;
+The operator's real-API-server suite and the local cluster (kvmesh_testing.cluster) use it;
 docs/operator.md, "Testing against a real API server", says how to get the binaries.
 """
 

@@ -9,8 +9,8 @@ import platform
 import threading
 from typing import Any
 
-from kvmesh.testing.node.api import Api, ApiError
-from kvmesh.testing.node.status import now
+from kvmesh_testing.node.api import Api, ApiError
+from kvmesh_testing.node.status import now
 
 log = logging.getLogger(__name__)
 LEASE_SECONDS = 40

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from kvmesh.testing.node import hostpaths
-from kvmesh.testing.node.probes import Prober, Target
-from kvmesh.testing.node.status import now
+from kvmesh_testing.node import hostpaths
+from kvmesh_testing.node.probes import Prober, Target
+from kvmesh_testing.node.status import now
 
 LAUNCHER = str(Path(__file__).with_name("launcher.py"))
 

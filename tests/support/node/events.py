@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Any
 
-from kvmesh.testing.node.api import Api
-from kvmesh.testing.node.status import now
+from kvmesh_testing.node.api import Api
+from kvmesh_testing.node.status import now
 
 log = logging.getLogger(__name__)
 REPEAT_WINDOW = 10.0

@@ -2,7 +2,7 @@
 to it as local processes (one PodWorker thread each). Also the pods' view of Services:
 /etc/hosts entries and the Service environment variables.
 
-``python -m kvmesh.testing.node --kubeconfig K --state-dir D --slot N`` (kvmesh.testing.cluster
+``python -m kvmesh_testing.node --kubeconfig K --state-dir D --slot N`` (kvmesh_testing.cluster
 starts it); it stops every pod on SIGTERM, or when the process that started it is gone.
 """
 
@@ -17,18 +17,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvmesh.testing.node import network
-from kvmesh.testing.node.api import Api, Informer
-from kvmesh.testing.node.envvars import ConfigError
-from kvmesh.testing.node.events import EventRecorder
-from kvmesh.testing.node.images import ImageTable
-from kvmesh.testing.node.kubelet_api import KubeletApi
-from kvmesh.testing.node.lifeline import watch_parent
-from kvmesh.testing.node.pods import PodWorker
-from kvmesh.testing.node.provisioner import Provisioner
-from kvmesh.testing.node.registration import Registration
+from kvmesh_testing.node import network
+from kvmesh_testing.node.api import Api, Informer
+from kvmesh_testing.node.envvars import ConfigError
+from kvmesh_testing.node.events import EventRecorder
+from kvmesh_testing.node.images import ImageTable
+from kvmesh_testing.node.kubelet_api import KubeletApi
+from kvmesh_testing.node.lifeline import watch_parent
+from kvmesh_testing.node.pods import PodWorker
+from kvmesh_testing.node.provisioner import Provisioner
+from kvmesh_testing.node.registration import Registration
 
-log = logging.getLogger("kvmesh.testing.node")
+log = logging.getLogger("kvmesh_testing.node")
 
 
 class Agent:
@@ -180,15 +180,15 @@ class Agent:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kvmesh.testing.node", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvmesh_testing.node", description=__doc__.split("\n\n")[0])
     p.add_argument("--kubeconfig", type=Path, required=True)
     p.add_argument("--state-dir", type=Path, required=True)
-    p.add_argument("--slot", type=int, required=True, help="the cluster's network slot (kvmesh.testing.cluster)")
+    p.add_argument("--slot", type=int, required=True, help="the cluster's network slot (kvmesh_testing.cluster)")
     p.add_argument("--node-name", default="kvmesh-node")
     p.add_argument("--cpu", default="16")
     p.add_argument("--memory", default="64Gi")
     p.add_argument("--gpus", type=int, default=4)
-    p.add_argument("--images", type=Path, help="JSON: extra image table entries (kvmesh.testing.node.images)")
+    p.add_argument("--images", type=Path, help="JSON: extra image table entries (kvmesh_testing.node.images)")
     p.add_argument("--backoff-initial", type=float, default=10.0, help="first crash back-off, seconds")
     p.add_argument("--backoff-cap", type=float, default=300.0, help="longest crash back-off, seconds")
     p.add_argument("--log-level", default="INFO")

@@ -1,1 +1,0 @@
-"""Test and benchmark harnesses shared by tests/ and bench/ (no model needed)."""

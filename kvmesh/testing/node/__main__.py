@@ -1,3 +1,0 @@
-from kvmesh.testing.node.agent import main
-
-main()

@@ -1,0 +1,1 @@
+"""Test and benchmark support, installed as the dev-only distribution kvmesh-testing (package kvmesh_testing)."""

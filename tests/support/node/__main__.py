@@ -1,0 +1,3 @@
+from kvmesh_testing.node.agent import main
+
+main()
