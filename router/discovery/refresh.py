@@ -119,7 +119,7 @@ class Discovery:
         now = time.monotonic()
         if self.redis is not None and self._redis_read_at is not None:
             self.dm.view_age.set(round(now - self._redis_read_at, 3))
-        view = RedisView(self._heartbeats, self._redis_read_at, self.redis_stale_after) if self.redis else None
+        view = None if self.redis is None else RedisView(self._heartbeats, self._redis_read_at, self.redis_stale_after)
         joined = join(known, synced, view, self._claims, self._state, now)
         self._heartbeats, self._state = joined.heartbeats, joined.state
         for note in joined.notes:
