@@ -15,7 +15,7 @@ import uuid
 
 from kvmesh.common.json_body import load_json
 from kvmesh.router.auth import ApiKeys, RateLimiter
-from kvmesh.router.call import Call
+from kvmesh.router.request_state import Call
 from kvmesh.router.metrics import RouterMetrics, route_label
 from kvmesh.router.request_checks import Refused, check_request, estimate_tokens, prompt_chars
 

@@ -24,7 +24,7 @@ from kvmesh.router import policies
 from kvmesh.router.admission import Admission
 from kvmesh.router.auth import ApiKeys, RateLimiter
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.discovery import Discovery, EndpointSlices, Pod
+from kvmesh.router.discovery import Discovery, EndpointSlices
 from kvmesh.router.drain import Drain
 from kvmesh.router.hold_queue import HoldQueue, body_sent_trace
 from kvmesh.router.metrics import RouterMetrics, route_label
@@ -33,11 +33,9 @@ from kvmesh.router.pod_traffic import Breaker, PodTraffic
 from kvmesh.router.policies import PolicySettings
 from kvmesh.router.prefix_match import PrefixMatch
 from kvmesh.router.prompt_tokens import PromptTokens
-from kvmesh.router.proxy import Outcome, Proxy
+from kvmesh.router.proxy import Proxy
 from kvmesh.router.responses import header, send_body, send_error, send_json
 from kvmesh.router.routing import Routing
-from kvmesh.router.scoring import Candidate
-from kvmesh.router import upstream_failure as uf
 
 __all__ = ["Router", "RouterConfig", "POLICIES"]
 
@@ -92,50 +90,7 @@ class Router:
         self._started = False
         self._openapi: bytes | None = None
 
-    # -- what the server, the tests and the CLI read ---------------------------------------------
-    @property
-    def breaker(self) -> Breaker:
-        return self.traffic.breaker
-
-    @property
-    def inflight(self) -> dict[str, int]:
-        return self.traffic.inflight
-
-    @property
-    def full_until(self) -> dict[str, float]:
-        return self.traffic.full_until
-
-    @property
-    def holds(self) -> bool:
-        """Whether requests are held while no pod is routable (scale from zero)."""
-        return self.cfg.holds
-
-    @property
-    def draining(self) -> bool:
-        return self.drain.draining
-
-    @property
-    def cutting(self) -> bool:
-        return self.drain.cutting
-
-    @cutting.setter
-    def cutting(self, value: bool) -> None:
-        self.drain.cutting = value
-
-    @property
-    def active(self) -> int:
-        return len(self.drain.active)
-
-    # -- the drain (router/server.py) ---------------------------------------------------------------
-    def begin_drain(self) -> None:
-        self.drain.draining = True
-
-    async def wait_drained(self, timeout: float, stop=lambda: False) -> bool:
-        return await self.drain.wait_drained(timeout, stop)
-
-    def describe_active(self, limit: int = 10) -> str:
-        return self.drain.describe_active(limit)
-
+    # -- the drain's last step (router/server.py) --------------------------------------------------
     def cut(self) -> None:
         """The drain timed out: every engine response still open is closed and every request
         waiting for its engine's status line cancelled (each client gets an error event and
@@ -143,33 +98,6 @@ class Router:
         self.drain.cutting = True
         self.proxy.cut()
         self.hold_queue.cancel_all()
-
-    # -- the parts' entry points, by their old names ---------------------------------------------------
-    async def handle(self, scope, receive, send) -> None:
-        await self.pipeline.handle(scope, receive, send)
-
-    def _tokens(self, path, req, large: bool = False) -> list[int]:
-        return self.prompt_tokens.tokens(path, req, large)
-
-    def _tokens_and_keys(self, path, req, scores_prompt: bool, large: bool) -> tuple[list[int], list[int]]:
-        return self.prompt_tokens.tokens_and_keys(path, req, scores_prompt, large)
-
-    async def _upstream_failed(self, send, failure: uf.UpstreamFailure, exc: BaseException, pod: str, rid: str,
-                               tried: int, headers: list) -> Outcome:
-        return await self.proxy.upstream_failed(send, failure, exc, pod, rid, tried, headers)
-
-    async def decide(self, pods: list[Pod], keys: list[int], headers: dict[str, str],
-                     body: bytes) -> tuple[list[Candidate], str]:
-        return await self.routing.decide(pods, keys, headers, body)
-
-    async def match(self, pods: list[Pod], keys: list[int]) -> dict[str, int] | None:
-        return await self.prefix_match.match(pods, keys)
-
-    def block_sets_state(self) -> str:
-        return self.prefix_match.state()
-
-    async def signal_demand(self) -> None:
-        await self.hold_queue.signal_demand()
 
     # -- lifespan ---------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -197,7 +125,7 @@ class Router:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S)
         self.session = self.proxy.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
-            trace_configs=[body_sent_trace()] if self.holds else None)
+            trace_configs=[body_sent_trace()] if self.cfg.holds else None)
 
     async def shutdown(self) -> None:
         """Each step gets at most SHUTDOWN_STEP_S: a clean-up that hangs (a Redis or engine
@@ -307,21 +235,21 @@ class Router:
         until one is (scale from zero); the detail says how many are held. 503 once draining."""
         n = len(self.discovery.routable()) if self.discovery else 0
         draining = self.drain.draining
-        ok = (bool(n) or self.holds) and not draining
+        ok = (bool(n) or self.cfg.holds) and not draining
         if draining:
             status = "draining: shutting down"
         elif n:
             status = "ready"
-        elif self.holds:
+        elif self.cfg.holds:
             status = "ready: no routable engine, requests are held until one is (scale from zero)"
         else:
             status = "no ready engines"
         return await send_json(send, 200 if ok else 503, {
             "status": status, "pods": n, "redis": bool(self.discovery and self.discovery.redis_ok),
             "discovery": self.discovery.detail() if self.discovery else None,
-            "block_sets": self.block_sets_state() if self.discovery else "off",
+            "block_sets": self.prefix_match.state() if self.discovery else "off",
             "held_requests": len(self.hold_queue),
-            "max_pending_requests": self.cfg.max_pending_requests if self.holds else 0})
+            "max_pending_requests": self.cfg.max_pending_requests if self.cfg.holds else 0})
 
     def openapi(self) -> bytes:
         """The OpenAPI document of the router's surface (kvmesh.common.openapi): the engines'

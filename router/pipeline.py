@@ -15,13 +15,13 @@ import time
 from kvmesh.router import resume
 from kvmesh.router.admission import Admission
 from kvmesh.router.auth import RateLimiter
-from kvmesh.router.call import Call
 from kvmesh.router.client_stream import ClientStream
 from kvmesh.router.drain import Drain
 from kvmesh.router.metrics import RouterMetrics, status_label
 from kvmesh.router.off_loop import OFF_LOOP_BODY_BYTES, off_loop
 from kvmesh.router.proxy import UNREACHED, Outcome, Proxy
 from kvmesh.router.request_checks import Refused
+from kvmesh.router.request_state import Call
 from kvmesh.router.responses import send_refused, wait_disconnect
 from kvmesh.router.routing import Routing
 from kvmesh.router.settle import settle

@@ -22,7 +22,7 @@ import aiohttp
 
 from kvmesh.common.logging_setup import redact_url
 from kvmesh.router import upstream_failure as uf
-from kvmesh.router.call import Call
+from kvmesh.router.request_state import Call
 from kvmesh.router.client_stream import ClientStream
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.drain import Drain

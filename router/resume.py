@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from kvmesh.common.prompts import prompt_batch
-from kvmesh.router.call import Call
+from kvmesh.router.request_state import Call
 
 
 def resumable(call: Call, max_resumes: int) -> bool:

@@ -9,7 +9,6 @@ import asyncio
 import time
 
 from kvmesh.router.admission import Admission
-from kvmesh.router.call import Call
 from kvmesh.router.discovery import Pod
 from kvmesh.router.hold_queue import HoldQueue
 from kvmesh.router.metrics import RouterMetrics
@@ -19,6 +18,7 @@ from kvmesh.router.policies import RouteRequest, RoutingPolicy
 from kvmesh.router.prefix_match import PrefixMatch
 from kvmesh.router.prompt_tokens import PromptTokens
 from kvmesh.router.request_checks import Refused
+from kvmesh.router.request_state import Call
 from kvmesh.router.scoring import Candidate
 
 RESUME_POLL_S = 0.25  # how often a request waiting for a replica to resume on looks again

@@ -43,7 +43,7 @@ class DrainingServer(uvicorn.Server):
             # thread's stack to the log and exits, rather than outliving its grace period unexplained
             # (armed until the process ends: the interpreter's own exit comes after this method).
             faulthandler.dump_traceback_later(self.drain_timeout + WATCHDOG_AFTER_S, exit=True)
-        router.begin_drain()
+        router.drain.draining = True
         for server in self.servers:  # stop accepting
             server.close()
         for sock in sockets or []:
@@ -51,14 +51,14 @@ class DrainingServer(uvicorn.Server):
         for conn in list(self.server_state.connections):
             conn.shutdown()  # idle: closed now; busy: closed after its response
         log.info("draining: %d requests in flight, %d connections open (up to %.0fs)",
-                 router.active, len(self.server_state.connections), self.drain_timeout)
-        if await router.wait_drained(self.drain_timeout, lambda: self.force_exit):
+                 len(router.drain.active), len(self.server_state.connections), self.drain_timeout)
+        if await router.drain.wait_drained(self.drain_timeout, lambda: self.force_exit):
             log.info("drained: every request finished")
         elif not self.force_exit:
             log.warning("drain timeout (%.0fs): %d requests still in flight are cut: %s", self.drain_timeout,
-                        router.active, router.describe_active())
+                        len(router.drain.active), router.drain.describe_active())
             router.cut()  # each stream ends with an error event and [DONE]
-            await router.wait_drained(CUT_GRACE_S, lambda: self.force_exit)
+            await router.drain.wait_drained(CUT_GRACE_S, lambda: self.force_exit)
         # Then uvicorn's own shutdown: what is left (a client that stopped reading) gets
         # CUT_GRACE_S more and is cancelled; then the lifespan shutdown.
         await super().shutdown(sockets)

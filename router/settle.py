@@ -7,7 +7,7 @@ import time
 
 from kvmesh.common.logging_setup import redact_url
 from kvmesh.router.auth import RateLimiter
-from kvmesh.router.call import Call
+from kvmesh.router.request_state import Call
 from kvmesh.router.metrics import RouterMetrics, status_label
 from kvmesh.router.proxy import Outcome
 

@@ -198,7 +198,7 @@ def _body(kind: str, payload, salt):
 
 
 def check_one(mesh: Mesh, path: str, body: dict) -> None:
-    tokens, keys = mesh.router._tokens_and_keys(path, body, False, False)
+    tokens, keys = mesh.router.prompt_tokens.tokens_and_keys(path, body, False, False)
     assert tokens, "the router could not tokenize a request the engine serves"
     assert keys == block_keys(tokens, MODEL, BS, cache_salt=body.get("cache_salt"))
     mesh.settled()
@@ -260,8 +260,8 @@ def test_salts_and_models_never_share_keys(mesh):
         path, body = _body("completion", text, salt)
         usage[salt], _ = mesh.send(path, body)
     assert all(u["prompt_tokens_details"]["cached_tokens"] == 0 for u in usage.values())
-    chains = [set(block_keys(mesh.router._tokens_and_keys("/v1/completions", {"prompt": text}, False, False)[0],
-                             MODEL, BS, cache_salt=s)) for s in (None, "tenant-a", "tenant-b")]
+    tokens = mesh.router.prompt_tokens.tokens_and_keys("/v1/completions", {"prompt": text}, False, False)[0]
+    chains = [set(block_keys(tokens, MODEL, BS, cache_salt=s)) for s in (None, "tenant-a", "tenant-b")]
     assert not (chains[0] & chains[1] or chains[0] & chains[2] or chains[1] & chains[2])
     mesh.settled()
     assert all(c <= mesh.log.live for c in chains)

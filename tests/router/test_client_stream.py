@@ -10,7 +10,7 @@ import time
 
 from kvmesh.common.json_body import load_json
 from kvmesh.router import resume
-from kvmesh.router.call import Call
+from kvmesh.router.request_state import Call
 from kvmesh.router.client_stream import ABORTED, ENGINE_ERROR, ClientStream
 
 

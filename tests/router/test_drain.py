@@ -230,7 +230,7 @@ def test_while_draining_responses_close_their_connection_and_ready_fails(stub_fa
             r = c.post("/v1/completions", json=body)
             assert r.status_code == 200 and r.headers.get("connection") != "close"
             assert c.get("/ready").status_code == 200
-            rt.router.begin_drain()
+            rt.router.drain.draining = True
             r = c.post("/v1/completions", json=body)
             assert r.status_code == 200 and r.headers.get("connection") == "close"
             assert json.loads(r.text)["choices"][0]["text"]
@@ -250,7 +250,7 @@ def test_after_the_cut_no_engine_is_tried(stub_factory, model_name):
     rt = RouterThread(RouterConfig(model=model_name, tokenizer="smollm2-135m-instruct", redis_url=None,
                                    static_backends=[f"e0={stub.url}"]))
     try:
-        rt.router.cutting = True
+        rt.router.drain.cutting = True
         r = httpx.post(rt.url + "/v1/completions", json={"model": model_name, "prompt": "hi", "max_tokens": 2},
                        timeout=10)
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text

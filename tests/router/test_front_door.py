@@ -129,7 +129,8 @@ def test_a_429_goes_to_a_pod_with_room_else_back_to_the_client(mesh, router_fact
                                                       reason="status_429") >= 1
     assert metric(router.url, "kvmesh_router_ejections_total") == 0  # full is not broken
     stubs[1].config(fail_status=429)  # nobody has room: the client gets the 429 and its Retry-After
-    wait_until(lambda: all(not router.router.full_until.get(p, 0) > time.monotonic() for p in ("pod-0", "pod-1")),
+    full_until = router.router.traffic.full_until
+    wait_until(lambda: all(not full_until.get(p, 0) > time.monotonic() for p in ("pod-0", "pod-1")),
                5, msg="429 marks expired")
     busy = complete(router.url, text(320, 30))
     assert busy.status_code == 429 and busy.headers["retry-after"] == "1"

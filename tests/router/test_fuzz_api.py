@@ -51,7 +51,8 @@ def test_router_api_fuzz(fuzzed, model_name):
     # the engine refuses to render the stub refuses as the engine does: a 400, not a 500
     r = httpx.post(router.url + "/v1/chat/completions", json=CONTENT_PARTS, headers=AUTH, timeout=20)
     assert r.status_code == 200, r.text  # the stub tokenizes it as the router does (continue_final_message)
-    assert r.json()["usage"]["prompt_tokens"] == len(router.router._tokens("/v1/chat/completions", CONTENT_PARTS))
+    prompt = router.router.prompt_tokens.tokens("/v1/chat/completions", CONTENT_PARTS)
+    assert r.json()["usage"]["prompt_tokens"] == len(prompt)
     image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
     r = httpx.post(router.url + "/v1/chat/completions", json=image, headers=AUTH, timeout=20)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
@@ -107,13 +108,14 @@ def test_router_tokenizes_content_parts_and_null_content_as_the_engine_renders_t
     path = "/v1/chat/completions"
     flat = {**CONTENT_PARTS, "messages": [{"role": "user", "content": "Count:"},
                                           {"role": "assistant", "content": "1, 2,"}]}
-    tokens = router._tokens(path, CONTENT_PARTS)
-    assert tokens and tokens == router._tokens(path, flat)
+    tokens_of = router.prompt_tokens.tokens
+    tokens = tokens_of(path, CONTENT_PARTS)
+    assert tokens and tokens == tokens_of(path, flat)
     two_parts = [{"type": "text", "text": "Cou"}, {"type": "text", "text": "nt:"}]
-    assert router._tokens(path, {**CONTENT_PARTS, "messages": [{"role": "user", "content": two_parts},
-                                                               CONTENT_PARTS["messages"][1]]}) == tokens
+    assert tokens_of(path, {**CONTENT_PARTS, "messages": [{"role": "user", "content": two_parts},
+                                                          CONTENT_PARTS["messages"][1]]}) == tokens
     # a null content is "" (the template would write "None")
-    assert router._tokens(path, {"messages": [{"role": "user", "content": None}]}) == router._tokens(
+    assert tokens_of(path, {"messages": [{"role": "user", "content": None}]}) == tokens_of(
         path, {"messages": [{"role": "user", "content": ""}]})
 
 

@@ -232,7 +232,7 @@ def test_two_routers_on_one_redis_pick_the_same_pod(mesh, router_factory, redis_
         wait_until(idle, 10, msg="pods idle")
         pb = complete(b.url, p).headers["x-kvmesh-pod"]
         assert pa == pb, (i, pa, pb)
-        _, keys = b.router._tokens_and_keys("/v1/completions", {"prompt": p}, False, False)
+        _, keys = b.router.prompt_tokens.tokens_and_keys("/v1/completions", {"prompt": p}, False, False)
         tie = keys[-1].to_bytes(8, "little")
         assert pa == max(pods, key=lambda name: rendezvous(tie, name)), i
         picks.append(pa)

@@ -48,10 +48,10 @@ def test_block_keys_ignore_the_structured_fields_and_follow_the_tools():
     structured = {k: v for k, v in STRUCTURED.items() if k not in TOOL_FIELDS}
     for path, body in (("/v1/chat/completions", {"messages": MESSAGES}),
                        ("/v1/completions", {"prompt": "Name a colour. " * 40})):
-        plain = router._tokens_and_keys(path, body, False, False)
-        with_fields = router._tokens_and_keys(path, {**body, **structured}, False, False)
+        plain = router.prompt_tokens.tokens_and_keys(path, body, False, False)
+        with_fields = router.prompt_tokens.tokens_and_keys(path, {**body, **structured}, False, False)
         assert plain[1], "the prompt is long enough for at least one full block"
         assert with_fields == plain
     chat = {"messages": MESSAGES}
-    with_tools = router._tokens_and_keys("/v1/chat/completions", {**chat, **STRUCTURED}, False, False)
-    assert with_tools[0] != router._tokens_and_keys("/v1/chat/completions", chat, False, False)[0]
+    with_tools = router.prompt_tokens.tokens_and_keys("/v1/chat/completions", {**chat, **STRUCTURED}, False, False)
+    assert with_tools[0] != router.prompt_tokens.tokens_and_keys("/v1/chat/completions", chat, False, False)[0]

@@ -208,13 +208,13 @@ def test_router_tokenizes_every_prompt_shape():
     from tests.conftest import shared_encoder
 
     router = Router(RouterConfig(model="m", redis_url=None), encoder=shared_encoder())
-    text = router._tokens("/v1/completions", {"prompt": "hello world"})
+    text = router.prompt_tokens.tokens("/v1/completions", {"prompt": "hello world"})
     assert text and text == router.encoder.encode("hello world")
-    assert router._tokens("/v1/completions", {"prompt": ["hello world", "other"]}) == text
-    assert router._tokens("/v1/completions", {"prompt": [5, 6, 7]}) == [5, 6, 7]  # token ids, not a batch
-    assert router._tokens("/v1/completions", {"prompt": [[5, 6, 7], [8]]}) == [5, 6, 7]
-    assert router._tokens("/v1/completions", {"prompt": 42}) == []  # malformed: the engine answers it
-    chat = router._tokens("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert router.prompt_tokens.tokens("/v1/completions", {"prompt": ["hello world", "other"]}) == text
+    assert router.prompt_tokens.tokens("/v1/completions", {"prompt": [5, 6, 7]}) == [5, 6, 7]  # token ids, not a batch
+    assert router.prompt_tokens.tokens("/v1/completions", {"prompt": [[5, 6, 7], [8]]}) == [5, 6, 7]
+    assert router.prompt_tokens.tokens("/v1/completions", {"prompt": 42}) == []  # malformed: the engine answers it
+    chat = router.prompt_tokens.tokens("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert chat  # rendered with the chat template, then encoded
 
 

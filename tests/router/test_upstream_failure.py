@@ -22,7 +22,7 @@ def _answer(router, failure):
     async def send(msg):
         sent.append(msg)
 
-    out = asyncio.run(router._upstream_failed(send, failure, OSError("reset"), "pod-0", "rid-1", 1,
+    out = asyncio.run(router.proxy.upstream_failed(send, failure, OSError("reset"), "pod-0", "rid-1", 1,
                                               [(b"x-kvmesh-pod", b"pod-0")]))
     return out, sent
 
@@ -42,7 +42,7 @@ def test_each_failure_answers_as_its_row_says(failure, status, code, stage, erro
 @pytest.mark.parametrize("failure", [uf.BODY, uf.FIRST_EVENT])
 def test_a_failure_during_the_routers_own_cut_is_a_shutdown_answer(failure):
     router = app.Router(app.RouterConfig(redis_url=None), encoder=object())
-    router.cutting = True
+    router.drain.cutting = True
     out, sent = _answer(router, failure)
     assert (out.status, out.error) == (503, "router_shutdown")
     assert json.loads(sent[1]["body"])["error"]["code"] == "router_shutdown"
