@@ -297,14 +297,54 @@ def invalid_text_field(body: bytes, data: Any) -> str | None:
     return None
 
 
-def first_error_param(exc: ValidationError) -> tuple[str, str]:
-    """(param, message) of a pydantic error, param in OpenAI's dotted style (messages.0.role)."""
-    err = exc.errors()[0]
-    loc = [str(x) for x in err.get("loc", ()) if not str(x).startswith(("function-", "union["))]
-    # pydantic puts the union member type names into loc ("str", "list[int]"); drop them.
-    loc = [x for x in loc if x not in ("str", "int", "list[int]", "list[str]", "list[list[int]]")]
-    param = ".".join(loc) or None
-    return param or "body", f"{param or 'body'}: {err.get('msg', 'invalid value')}"
+# pydantic's error types for a value of the right type outside a field's bounds
+_BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "string_too_short",
+                 "string_too_long", "too_short", "too_long"}
+
+# an item that should have been an object (messages: ["hi"]) keeps its index: messages.0
+_OBJECT_ERRORS = {"model_type", "model_attributes_type", "dict_type"}
+
+
+def first_error_param(exc: ValidationError, model_cls: type | None = None) -> tuple[str, str]:
+    """(param, message) of a pydantic error, param in OpenAI's dotted style (messages.0.role).
+
+    A value outside its bounds names the request field that holds it (``logit_bias``, not
+    ``logit_bias.5``), as the sampling parameters' own checks do; a value of the wrong type keeps
+    its path into objects and maps (``logit_bias.5``, ``messages.0.role``), not into a list of values
+    (``stop``, not ``stop.0``)."""
+    # the deepest error: of a union's branches, the one that got furthest (stop: ["a", ""] is a list
+    # with an empty string, not "not a string")
+    err = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
+    # pydantic puts union members' tags into loc ("str", "list[int]", "constrained-str"): drop them
+    parts = [x for x in err.get("loc", ()) if not _is_union_tag(x)]
+    if (len(parts) > 1 and all(isinstance(x, int) for x in parts[1:])
+            and err.get("type") not in _OBJECT_ERRORS):
+        parts = parts[:1]  # an item of a list of values (stop: [1]) names the list
+    loc = [str(x) for x in parts]
+    if "[key]" in loc:  # a bad dict key (logit_bias.abc.[key]): name the dict, not the client's key
+        loc = loc[:max(loc.index("[key]") - 1, 0)]
+    if err.get("type") in _BOUND_ERRORS and loc:
+        loc = loc[:1]
+        bounds = _field_bounds(model_cls, loc[0])
+        if bounds is not None:
+            return loc[0], f"{loc[0]} must be between {bounds[0]} and {bounds[1]}, got {err.get('input')}"
+    param = ".".join(loc) or "body"
+    return param, f"{param}: {err.get('msg', 'invalid value')}"
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part.startswith(("function-", "union[")) or part in (
+        "str", "int", "list[int]", "list[str]", "list[list[int]]") or "constrained-" in part)
+
+
+def _field_bounds(model_cls: type | None, name: str) -> tuple[Any, Any] | None:
+    """(lowest, highest) allowed by a field's own ge/le, when it has both."""
+    field = getattr(model_cls, "model_fields", {}).get(name)
+    lo = hi = None
+    for rule in getattr(field, "metadata", ()):
+        lo = getattr(rule, "ge", lo)
+        hi = getattr(rule, "le", hi)
+    return (lo, hi) if lo is not None and hi is not None else None
 
 
 class TokenizeRequest(fields.TokenizeRequest):

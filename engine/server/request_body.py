@@ -37,7 +37,7 @@ def decode_body(raw: bytes, model_cls: type[BaseModel]):
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
-        param, message = first_error_param(exc)
+        param, message = first_error_param(exc, model_cls)
         raise bad_request(message, param=param)
 
 
