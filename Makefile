@@ -18,7 +18,7 @@ IN_VENV := PATH="$(abspath $(VENV))/bin:$$PATH"
 # tests/operator/apiserver_env.py looks. K8S_INSTALL=path/to/install.sh overrides where it is.
 K8S_INSTALL ?= $(firstword $(wildcard shared/k8s/install.sh ../shared/k8s/install.sh))
 
-.PHONY: setup control-plane build-kernels up demo test test-fast e2e generate bench-offline bench-serve bench-router mutation clean
+.PHONY: setup control-plane build-kernels up demo test test-fast lint format e2e generate bench-offline bench-serve bench-router mutation clean
 
 setup: $(STAMP) control-plane
 
@@ -57,6 +57,16 @@ demo: setup
 
 test: setup
 	$(IN_VENV) $(PY) -m pytest -q -ra tests
+
+# The formatter and the linter, as CI runs them (one configuration: [tool.ruff] in pyproject.toml).
+lint: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+# Rewrite the sources in the house style (what `make lint` checks).
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 test-fast: setup
 	$(IN_VENV) $(PY) -m pytest -q -ra -m "not slow" tests

@@ -18,8 +18,18 @@ import gc
 import sys
 import time
 
-PEAK_HBM = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.04e12,
-            "A100-SXM4-40GB": 1.56e12, "A100": 1.56e12, "L40S": 0.864e12, "L4": 0.3e12, "A10": 0.6e12}
+PEAK_HBM = {
+    "H200": 4.8e12,
+    "H100 SXM": 3.35e12,
+    "H100 PCIe": 2.0e12,
+    "H100": 3.35e12,
+    "A100-SXM4-80GB": 2.04e12,
+    "A100-SXM4-40GB": 1.56e12,
+    "A100": 1.56e12,
+    "L40S": 0.864e12,
+    "L4": 0.3e12,
+    "A10": 0.6e12,
+}
 
 
 def copy_bandwidth(torch) -> float:
@@ -81,7 +91,21 @@ class ForwardTimer:
 KERNEL_KINDS = (
     ("attention", ("_decode_kernel", "_decode_reduce", "_prefill_kernel", "store_kv")),
     ("norm/rope/silu", ("rms_norm", "rotary", "silu")),
-    ("gemm", ("gemm", "gemv", "cutlass", "sm90_", "sm80_", "cublas", "xmma", "splitk", "matmul", "dot_kernel")),
+    (
+        "gemm",
+        (
+            "gemm",
+            "gemv",
+            "cutlass",
+            "sm90_",
+            "sm80_",
+            "cublas",
+            "xmma",
+            "splitk",
+            "matmul",
+            "dot_kernel",
+        ),
+    ),
     ("copy", ("memcpy", "memset", "copy", "fill")),
 )
 
@@ -99,7 +123,10 @@ def kernel_breakdown(events, steps: int) -> dict[str, tuple[float, float]]:
         row = out.setdefault(kernel_kind(name), [0.0, 0.0])
         row[0] += us / 1e3 / steps
         row[1] += count / steps
-    return {k: (round(ms, 4), round(n, 1)) for k, (ms, n) in sorted(out.items(), key=lambda kv: -kv[1][0])}
+    return {
+        k: (round(ms, 4), round(n, 1))
+        for k, (ms, n) in sorted(out.items(), key=lambda kv: -kv[1][0])
+    }
 
 
 def profiled_kernels(run_steps, steps: int):
@@ -131,14 +158,28 @@ def print_breakdown(label: str, rows, steps: int, weight_bytes: int, peak: float
         extra = ""
         if kind == "gemm" and ms > 0:  # the projections read every weight once a step
             bw = weight_bytes / (ms / 1e3)
-            extra = f", weights at {bw / 1e12:.2f} TB/s" + (f" = {bw / peak:.0%} of datasheet" if peak else "")
+            extra = f", weights at {bw / 1e12:.2f} TB/s" + (
+                f" = {bw / peak:.0%} of datasheet" if peak else ""
+            )
         parts.append(f"{kind} {ms:.3f} ms ({ms / total:.0%}, {n:.0f} kernels{extra})")
-    print(f"   where the device time goes, {label}: {total:.3f} ms, {launches:.0f} kernels per step: "
-          + "; ".join(parts), flush=True)
+    print(
+        f"   where the device time goes, {label}: {total:.3f} ms, {launches:.0f} kernels per step: "
+        + "; ".join(parts),
+        flush=True,
+    )
 
 
-def decode_rate(llm, batch: int, prompt_len: int, steps: int, warm: int = 3, timer: ForwardTimer | None = None,
-                profile_steps: int = 0, peak: float | None = None, label: str = ""):
+def decode_rate(
+    llm,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    warm: int = 3,
+    timer: ForwardTimer | None = None,
+    profile_steps: int = 0,
+    peak: float | None = None,
+    label: str = "",
+):
     """(tok/s, bytes read per step, wall s per step, forward ms per step) over `steps` decode
     steps of `batch` running requests; with `profile_steps`, then that many steps under the
     profiler, their device time printed by kernel kind."""
@@ -147,11 +188,15 @@ def decode_rate(llm, batch: int, prompt_len: int, steps: int, warm: int = 3, tim
     from kvmesh.engine import SamplingParams
 
     engine = llm.engine
-    sp = SamplingParams(max_tokens=warm + steps + profile_steps + 2, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(
+        max_tokens=warm + steps + profile_steps + 2, temperature=0.0, ignore_eos=True
+    )
     for i in range(batch):
         engine.add_request([(13 * i + j) % 1000 + 10 for j in range(prompt_len)], sp)
     core = engine.core
-    while core.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
+    while core.scheduler.num_waiting or any(
+        r.num_output_tokens == 0 for r in core.scheduler.running
+    ):
         engine.step()
     for _ in range(warm):
         engine.step()
@@ -178,7 +223,13 @@ def decode_rate(llm, batch: int, prompt_len: int, steps: int, warm: int = 3, tim
     while engine.has_unfinished_requests():
         engine.step()
     cfg = core.model_config
-    per_token_kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * core.runner.kv_caches[0][0].element_size()
+    per_token_kv = (
+        2
+        * cfg.num_hidden_layers
+        * cfg.num_key_value_heads
+        * cfg.head_dim
+        * core.runner.kv_caches[0][0].element_size()
+    )
     mean_ctx = ctx_before + batch * steps / 2
     return batch * steps / elapsed, weights + per_token_kv * mean_ctx, elapsed / steps, forward_ms
 
@@ -213,9 +264,12 @@ def fused_ops_bench(torch):
         k_norm = timed(lambda: triton_ops.fused_add_rms_norm(xx, rr, norm.weight, 1e-5))
         t_silu = timed(lambda: torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:])
         k_silu = timed(lambda: triton_ops.silu_and_mul(gu))
-        print(f"fused ops, {tokens} tokens, bf16: add+RMSNorm torch {t_norm:.1f} us vs triton {k_norm:.1f} us "
-              f"({t_norm / k_norm:.2f}x); SiLU-and-mul torch {t_silu:.1f} us vs triton {k_silu:.1f} us "
-              f"({t_silu / k_silu:.2f}x)", flush=True)
+        print(
+            f"fused ops, {tokens} tokens, bf16: add+RMSNorm torch {t_norm:.1f} us vs triton {k_norm:.1f} us "
+            f"({t_norm / k_norm:.2f}x); SiLU-and-mul torch {t_silu:.1f} us vs triton {k_silu:.1f} us "
+            f"({t_silu / k_silu:.2f}x)",
+            flush=True,
+        )
 
 
 def main(argv=None) -> int:
@@ -226,8 +280,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--modes", default="eager,cuda-graphs")
-    ap.add_argument("--profile-steps", type=int, default=8,
-                    help="steps profiled after each CUDA-graph measurement: device time by kernel kind (0: none)")
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=8,
+        help="steps profiled after each CUDA-graph measurement: device time by kernel kind (0: none)",
+    )
     ap.add_argument("--no-fused-ops-bench", action="store_true")
     args = ap.parse_args(argv)
 
@@ -238,36 +296,58 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_HBM.items() if k in name), None)
     measured = copy_bandwidth(torch)
-    print(f"device {name}: datasheet HBM {peak / 1e12 if peak else float('nan'):.2f} TB/s, "
-          f"device copy measured {measured / 1e12:.2f} TB/s", flush=True)
+    print(
+        f"device {name}: datasheet HBM {peak / 1e12 if peak else float('nan'):.2f} TB/s, "
+        f"device copy measured {measured / 1e12:.2f} TB/s",
+        flush=True,
+    )
     batches = [int(b) for b in args.batches.split(",")]
     rates = {}
     modes = args.modes.split(",")
     for eager in [m == "eager" for m in ("eager", "cuda-graphs") if m in modes]:
-        llm = LLM(args.model, dtype=args.dtype, device="cuda", attention_backend="triton", enforce_eager=eager,
-                  max_num_seqs=max(batches), num_kv_blocks=8192)
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            device="cuda",
+            attention_backend="triton",
+            enforce_eager=eager,
+            max_num_seqs=max(batches),
+            num_kv_blocks=8192,
+        )
         mode = "eager" if eager else "cuda-graphs"
         timer = ForwardTimer(llm.engine.core.runner)
         for b in batches:
             tps, step_bytes, step_s, fwd_ms = decode_rate(
-                llm, b, args.prompt_len, args.steps, timer=timer, profile_steps=0 if eager else args.profile_steps,
-                peak=peak, label=f"{mode} batch {b}")
+                llm,
+                b,
+                args.prompt_len,
+                args.steps,
+                timer=timer,
+                profile_steps=0 if eager else args.profile_steps,
+                peak=peak,
+                label=f"{mode} batch {b}",
+            )
             rates[(mode, b)] = tps
             bw = step_bytes / step_s
             fwd_bw = step_bytes / (fwd_ms / 1e3)
             frac = f"{bw / peak:.1%} of datasheet, " if peak else ""
             fwd_frac = f"{fwd_bw / peak:.1%} of datasheet, " if peak else ""
-            print(f"decode {args.dtype} {mode:<11} batch {b:>3}: {tps:9.1f} tok/s, {step_s * 1e3:6.2f} ms/step "
-                  f"({step_bytes / 1e9:.3f} GB read): {bw / 1e12:.2f} TB/s = {frac}{bw / measured:.1%} of measured "
-                  f"copy bandwidth; the forward alone {fwd_ms:.3f} ms: {fwd_bw / 1e12:.2f} TB/s = {fwd_frac}"
-                  f"{fwd_bw / measured:.1%} of copy", flush=True)
+            print(
+                f"decode {args.dtype} {mode:<11} batch {b:>3}: {tps:9.1f} tok/s, {step_s * 1e3:6.2f} ms/step "
+                f"({step_bytes / 1e9:.3f} GB read): {bw / 1e12:.2f} TB/s = {frac}{bw / measured:.1%} of measured "
+                f"copy bandwidth; the forward alone {fwd_ms:.3f} ms: {fwd_bw / 1e12:.2f} TB/s = {fwd_frac}"
+                f"{fwd_bw / measured:.1%} of copy",
+                flush=True,
+            )
         del llm
         gc.collect()
         torch.cuda.empty_cache()
     for b in batches:
         if ("cuda-graphs", b) in rates and ("eager", b) in rates:
-            print(f"cuda graphs speed-up at batch {b}: {rates[('cuda-graphs', b)] / rates[('eager', b)]:.2f}x",
-                  flush=True)
+            print(
+                f"cuda graphs speed-up at batch {b}: {rates[('cuda-graphs', b)] / rates[('eager', b)]:.2f}x",
+                flush=True,
+            )
     if not args.no_fused_ops_bench:
         fused_ops_bench(torch)
     return 0

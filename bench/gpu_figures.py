@@ -15,15 +15,27 @@ from pathlib import Path
 
 def kernel_counts(log: str) -> dict:
     """pytest's summary line: {'passed': 15, 'failed': 0, ...}."""
-    lines = [ln for ln in log.splitlines() if re.search(r"\d+ (passed|failed|errors?|skipped)\b", ln)]
-    return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)\b", lines[-1])} if lines else {}
+    lines = [
+        ln for ln in log.splitlines() if re.search(r"\d+ (passed|failed|errors?|skipped)\b", ln)
+    ]
+    return (
+        {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)\b", lines[-1])}
+        if lines
+        else {}
+    )
 
 
 def offline_rates(log: str) -> dict:
     """bench/offline_throughput.py's table rows and ratio line."""
     out = {}
-    for name, secs, tok, total in re.findall(r"^(kvmesh|hf-static)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", log, re.M):
-        out[name] = {"seconds": float(secs), "output_tok_s": float(tok), "total_tok_s": float(total)}
+    for name, secs, tok, total in re.findall(
+        r"^(kvmesh|hf-static)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", log, re.M
+    ):
+        out[name] = {
+            "seconds": float(secs),
+            "output_tok_s": float(tok),
+            "total_tok_s": float(total),
+        }
     m = re.search(r"total ([\d.]+)x", log)
     if m:
         out["ratio_total"] = float(m.group(1))

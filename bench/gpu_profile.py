@@ -29,7 +29,13 @@ import time
 from pathlib import Path
 
 SCENARIOS = ("decode", "decode-async", "mixed", "mixed-eager")
-LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
+LAUNCH_EVENTS = (
+    "cudaLaunchKernel",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaLaunchKernelExC",
+    "cudaGraphLaunch",
+)
 
 
 class ForwardEvents:
@@ -86,8 +92,11 @@ class ForwardEvents:
 
 def busy_ms(prof, DeviceType) -> tuple[float, int]:
     """(union of the device intervals in ms, kernel launches) of a torch.profiler run."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
     total, cur_s, cur_e = 0, None, None
     for s, e in spans:
         if cur_e is None or s > cur_e:
@@ -109,11 +118,15 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=512, help="the decode rows' prompts")
     ap.add_argument("--chunk", type=int, default=512, help="the mixed step's fresh prompt")
-    ap.add_argument("--steps", type=int, default=24, help="timed steps per scenario (and as many profiled)")
+    ap.add_argument(
+        "--steps", type=int, default=24, help="timed steps per scenario (and as many profiled)"
+    )
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--rows", type=int, default=15, help="ops listed for the mixed step")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script's logic (no device figures)")
+    ap.add_argument(
+        "--device", default="cuda", help="cpu: a dry run of the script's logic (no device figures)"
+    )
     args = ap.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = set(scenarios) - set(SCENARIOS)
@@ -135,29 +148,47 @@ def main(argv=None) -> int:
     decode_tokens = 16 + 4 * steps + 2 * (steps + 4) + 64  # every scenario's steps, with room
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    core = EngineCore(EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
-                                 attention_backend="triton" if cuda else "auto",
-                                 max_num_seqs=args.batch + 1, kv_cache_memory="8GiB" if cuda else "256MiB",
-                                 async_scheduling=False,
-                                 max_model_len=args.prompt_len + decode_tokens + 64,
-                                 max_num_batched_tokens=max(2048, args.batch + args.chunk)))
+    core = EngineCore(
+        EngineArgs(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            attention_backend="triton" if cuda else "auto",
+            max_num_seqs=args.batch + 1,
+            kv_cache_memory="8GiB" if cuda else "256MiB",
+            async_scheduling=False,
+            max_model_len=args.prompt_len + decode_tokens + 64,
+            max_num_batched_tokens=max(2048, args.batch + args.chunk),
+        )
+    )
     loop = CoreLoop(core)
     events = ForwardEvents(core.runner, torch)
     rng = random.Random(0)
     vocab = core.model_config.vocab_size
     params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):
-        loop.add(AddRequest(f"d{i}", [rng.randrange(100, vocab) for _ in range(args.prompt_len)], params))
-    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
+        loop.add(
+            AddRequest(f"d{i}", [rng.randrange(100, vocab) for _ in range(args.prompt_len)], params)
+        )
+    while core.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running
+    ):
         loop.step()
     for _ in range(4):
         loop.step()
     n_chunks = [0]
 
-    def add_chunk() -> None:  # one fresh prompt that finishes after its first token: the next step is mixed
+    def add_chunk() -> (
+        None
+    ):  # one fresh prompt that finishes after its first token: the next step is mixed
         n_chunks[0] += 1
-        loop.add(AddRequest(f"c{n_chunks[0]}", [rng.randrange(100, vocab) for _ in range(args.chunk)],
-                            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+        loop.add(
+            AddRequest(
+                f"c{n_chunks[0]}",
+                [rng.randrange(100, vocab) for _ in range(args.chunk)],
+                SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+            )
+        )
 
     def one_step(name: str) -> None:
         if name.startswith("mixed"):
@@ -168,8 +199,15 @@ def main(argv=None) -> int:
         snap = loop.timer.snapshot()
         return {p: round(1000 * (snap[p] - snap0[p]) / n, 3) for p in PHASES}
 
-    out: dict = {"model": args.model, "dtype": args.dtype, "batch": args.batch, "chunk": args.chunk,
-                 "steps": steps, "device": torch.cuda.get_device_name() if cuda else "cpu", "scenarios": {}}
+    out: dict = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "chunk": args.chunk,
+        "steps": steps,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "scenarios": {},
+    }
     piecewise = core.runner.piecewise
     for name in scenarios:
         core.async_scheduling = name == "decode-async"
@@ -190,30 +228,52 @@ def main(argv=None) -> int:
         events.on = False
         fwd_dev, fwd_issue, n_fwd = events.take()
         phases = phases_since(snap0, steps)
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        with profile(
+            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        ) as prof:
             for _ in range(steps):
                 one_step(name)
             sync()
         busy, launches = busy_ms(prof, DeviceType)
         busy /= steps
-        r = {"wall_ms": round(wall, 3), "device_busy_ms": round(busy, 3), "device_idle_ms": round(wall - busy, 3),
-             "forward_device_ms": round(fwd_dev, 3), "forward_issue_ms": round(fwd_issue, 3),
-             "forwards_per_step": round(n_fwd / steps, 2), "launches_per_step": round(launches / steps, 1),
-             "host_phases_ms": phases, "rows": batch_seen, "wall_over_busy": round(wall / busy, 3) if busy else None,
-             "wall_over_forward": round(wall / fwd_dev, 3) if fwd_dev == fwd_dev and fwd_dev > 0 else None}
+        r = {
+            "wall_ms": round(wall, 3),
+            "device_busy_ms": round(busy, 3),
+            "device_idle_ms": round(wall - busy, 3),
+            "forward_device_ms": round(fwd_dev, 3),
+            "forward_issue_ms": round(fwd_issue, 3),
+            "forwards_per_step": round(n_fwd / steps, 2),
+            "launches_per_step": round(launches / steps, 1),
+            "host_phases_ms": phases,
+            "rows": batch_seen,
+            "wall_over_busy": round(wall / busy, 3) if busy else None,
+            "wall_over_forward": round(wall / fwd_dev, 3)
+            if fwd_dev == fwd_dev and fwd_dev > 0
+            else None,
+        }
         out["scenarios"][name] = r
         ratio = f"{wall / busy:.2f}x" if busy else "n/a"
-        ratio += f", step / forward {wall / fwd_dev:.2f}x" if fwd_dev == fwd_dev and fwd_dev > 0 else ""
-        print(f"profile {name:<12} batch {args.batch}{f' + {args.chunk}-token chunk' if name.startswith('mixed') else ''}: "
-              f"step / device busy {ratio}; "
-              f"wall {wall:.2f} ms/step; device busy {busy:.2f} ms (forward {fwd_dev:.2f} ms by events), "
-              f"device idle {wall - busy:.2f} ms; host issue of the forward {fwd_issue:.2f} ms; "
-              f"{launches / steps:.0f} launches/step", flush=True)
-        print("   host phases ms/step: " + ", ".join(f"{p} {v:.2f}" for p, v in phases.items())
-              + "  (sample includes the wait for the device; a graph replay counts under output)", flush=True)
+        ratio += (
+            f", step / forward {wall / fwd_dev:.2f}x" if fwd_dev == fwd_dev and fwd_dev > 0 else ""
+        )
+        print(
+            f"profile {name:<12} batch {args.batch}{f' + {args.chunk}-token chunk' if name.startswith('mixed') else ''}: "
+            f"step / device busy {ratio}; "
+            f"wall {wall:.2f} ms/step; device busy {busy:.2f} ms (forward {fwd_dev:.2f} ms by events), "
+            f"device idle {wall - busy:.2f} ms; host issue of the forward {fwd_issue:.2f} ms; "
+            f"{launches / steps:.0f} launches/step",
+            flush=True,
+        )
+        print(
+            "   host phases ms/step: "
+            + ", ".join(f"{p} {v:.2f}" for p, v in phases.items())
+            + "  (sample includes the wait for the device; a graph replay counts under output)",
+            flush=True,
+        )
         if name.startswith("mixed") and args.rows:
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows,
-                                              max_name_column_width=50)
+            table = prof.key_averages().table(
+                sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=50
+            )
             print(f"{name} step, ops by host time ({steps} steps):\n{table}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))

@@ -46,7 +46,11 @@ def package_dirs(pyproject: str) -> dict[str, str]:
     """Folder -> its place in the installed package, from pyproject's package-dir mapping
     (``{"engine": "kvmesh/engine", ...}``; a package not mapped sits where it is)."""
     mapping = tomllib.loads(pyproject).get("tool", {}).get("setuptools", {}).get("package-dir", {})
-    return {folder.strip("/"): name.replace(".", "/") for name, folder in mapping.items() if folder.strip("/")}
+    return {
+        folder.strip("/"): name.replace(".", "/")
+        for name, folder in mapping.items()
+        if folder.strip("/")
+    }
 
 
 PACKAGE_DIRS = package_dirs((ROOT / "pyproject.toml").read_text())
@@ -57,7 +61,7 @@ def package_path(path: str, dirs: dict[str, str] = PACKAGE_DIRS) -> str:
     kvmesh/engine/scheduler.py (what the tests import it as: kvmesh.engine.scheduler)."""
     for folder, place in dirs.items():
         if path.startswith(folder + "/"):
-            return place + path[len(folder):]
+            return place + path[len(folder) :]
     return path
 
 
@@ -80,7 +84,10 @@ class Module:
 
     def globs(self) -> list[str]:
         # mutmut 3's mangled names: x_function, xǁClassǁmethod
-        return [f"{self.dotted}.{f if f.startswith('xǁ') else 'x_' + f}__mutmut_*" for f in self.functions]
+        return [
+            f"{self.dotted}.{f if f.startswith('xǁ') else 'x_' + f}__mutmut_*"
+            for f in self.functions
+        ]
 
 
 def _nodes(path: str, *tests: str) -> list[str]:
@@ -94,48 +101,104 @@ def _m(cls: str, *methods: str) -> list[str]:
 
 
 MODULES = [
-    Module("block_keys", "kvmesh/common/block_keys.py",
-           ["tests/test_block_keys.py", "tests/test_block_keys_mutants.py"],
-           doc="contract 1: chained block keys"),
-    Module("redis_layout", "kvmesh/common/redis_layout.py",
-           ["tests/router/test_units.py::test_heartbeat_roundtrip_and_layout_names",
+    Module(
+        "block_keys",
+        "kvmesh/common/block_keys.py",
+        ["tests/test_block_keys.py", "tests/test_block_keys_mutants.py"],
+        doc="contract 1: chained block keys",
+    ),
+    Module(
+        "redis_layout",
+        "kvmesh/common/redis_layout.py",
+        [
+            "tests/router/test_units.py::test_heartbeat_roundtrip_and_layout_names",
             "tests/router/test_units.py::test_prefix_match_lua_and_orphan_cleanup",
-            "tests/router/test_redis_layout_mutants.py"],
-           doc="contract 3: Redis key names and the heartbeat hash (the Lua scripts are module "
-               "constants: mutmut does not mutate them; test_units runs them on a real Redis)"),
-    Module("kv_events_codec", "kvmesh/common/kv_events.py",
-           [*_nodes("tests/router/test_kv_events.py", "test_encoder_is_byte_identical_to_vllm_msgspec",
-                    "test_decoder_reads_vllm_bytes_with_bytes_hashes_and_dp_rank",
-                    "test_decoder_tolerates_missing_and_extra_trailing_fields",
-                    "test_decoder_refuses_wrong_types_with_the_one_error", "test_decoder_refuses_truncated_payloads",
-                    "test_validation_hook_failures_are_decode_errors"),
-            "tests/router/test_kv_events_fuzz.py", "tests/router/test_kv_events_codec_mutants.py"],
-           functions=["encode_batch", "_short", "_is_int", "_hash", "_opt_hash", "_hashes", "_token_ids",
-                      "_opt_int", "_opt_str", "_opt", "_decode_event", "decode_batch",
-                      *_m("BlockStored", "to_wire"), *_m("BlockRemoved", "to_wire"),
-                      *_m("AllBlocksCleared", "to_wire")],
-           doc="contract 2: the KV-event codec (not the ZMQ publisher/subscriber)"),
-    Module("block_pool", "engine/block_pool.py",
-           ["tests/engine/test_block_pool.py", "tests/engine/test_block_pool_mutants.py"],
-           doc="free queue, reference counts, prefix cache, events"),
-    Module("kv_cache_manager", "engine/kv_cache_manager.py",
-           ["tests/engine/test_block_pool.py", "tests/engine/test_block_pool_mutants.py"],
-           doc="block tables, prefix hits, slot allocation"),
-    Module("scheduler", "engine/scheduler.py",
-           ["tests/engine/test_scheduler.py", "tests/engine/test_scheduler_mutants.py"],
-           doc="token-budget scheduler"),
-    Module("scoring", "router/scoring.py",
-           [*_nodes("tests/router/test_units.py", "test_score_prefers_the_longest_prefix_then_load",
-                    "test_hotspot_guard_skips_a_far_hotter_pod_unless_all_are",
-                    "test_hotspot_guard_always_leaves_a_pod_in_front", "test_ties_break_deterministically_and_spread",
-                    "test_weights_parse"),
-            "tests/router/test_scoring_mutants.py"],
-           doc="contract 4: routing score, hotspot guard, tie-breaking"),
-    Module("sidecar_index", "sidecar/index_writer.py",
-           ["tests/sidecar/test_sidecar_index.py"],
-           functions=[*_m("BlockIndex", "clear", "keys", "stored", "removed"), "_hashable",
-                      "validate_kvmesh_batch", *_m("IndexWriter", "apply", "incremental", "full_rewrite")],
-           doc="the sidecar's index writer: events -> in-memory index -> the Redis block set"),
+            "tests/router/test_redis_layout_mutants.py",
+        ],
+        doc="contract 3: Redis key names and the heartbeat hash (the Lua scripts are module "
+        "constants: mutmut does not mutate them; test_units runs them on a real Redis)",
+    ),
+    Module(
+        "kv_events_codec",
+        "kvmesh/common/kv_events.py",
+        [
+            *_nodes(
+                "tests/router/test_kv_events.py",
+                "test_encoder_is_byte_identical_to_vllm_msgspec",
+                "test_decoder_reads_vllm_bytes_with_bytes_hashes_and_dp_rank",
+                "test_decoder_tolerates_missing_and_extra_trailing_fields",
+                "test_decoder_refuses_wrong_types_with_the_one_error",
+                "test_decoder_refuses_truncated_payloads",
+                "test_validation_hook_failures_are_decode_errors",
+            ),
+            "tests/router/test_kv_events_fuzz.py",
+            "tests/router/test_kv_events_codec_mutants.py",
+        ],
+        functions=[
+            "encode_batch",
+            "_short",
+            "_is_int",
+            "_hash",
+            "_opt_hash",
+            "_hashes",
+            "_token_ids",
+            "_opt_int",
+            "_opt_str",
+            "_opt",
+            "_decode_event",
+            "decode_batch",
+            *_m("BlockStored", "to_wire"),
+            *_m("BlockRemoved", "to_wire"),
+            *_m("AllBlocksCleared", "to_wire"),
+        ],
+        doc="contract 2: the KV-event codec (not the ZMQ publisher/subscriber)",
+    ),
+    Module(
+        "block_pool",
+        "engine/block_pool.py",
+        ["tests/engine/test_block_pool.py", "tests/engine/test_block_pool_mutants.py"],
+        doc="free queue, reference counts, prefix cache, events",
+    ),
+    Module(
+        "kv_cache_manager",
+        "engine/kv_cache_manager.py",
+        ["tests/engine/test_block_pool.py", "tests/engine/test_block_pool_mutants.py"],
+        doc="block tables, prefix hits, slot allocation",
+    ),
+    Module(
+        "scheduler",
+        "engine/scheduler.py",
+        ["tests/engine/test_scheduler.py", "tests/engine/test_scheduler_mutants.py"],
+        doc="token-budget scheduler",
+    ),
+    Module(
+        "scoring",
+        "router/scoring.py",
+        [
+            *_nodes(
+                "tests/router/test_units.py",
+                "test_score_prefers_the_longest_prefix_then_load",
+                "test_hotspot_guard_skips_a_far_hotter_pod_unless_all_are",
+                "test_hotspot_guard_always_leaves_a_pod_in_front",
+                "test_ties_break_deterministically_and_spread",
+                "test_weights_parse",
+            ),
+            "tests/router/test_scoring_mutants.py",
+        ],
+        doc="contract 4: routing score, hotspot guard, tie-breaking",
+    ),
+    Module(
+        "sidecar_index",
+        "sidecar/index_writer.py",
+        ["tests/sidecar/test_sidecar_index.py"],
+        functions=[
+            *_m("BlockIndex", "clear", "keys", "stored", "removed"),
+            "_hashable",
+            "validate_kvmesh_batch",
+            *_m("IndexWriter", "apply", "incremental", "full_rewrite"),
+        ],
+        doc="the sidecar's index writer: events -> in-memory index -> the Redis block set",
+    ),
 ]
 BY_NAME = {m.name: m for m in MODULES}
 
@@ -144,17 +207,36 @@ BY_NAME = {m.name: m for m in MODULES}
 # (Mutant numbers follow the source: after an edit of a module, check its entries again.)
 EQUIVALENT: dict[str, set[str]] = {
     "redis_layout": {"xǁHeartbeatǁfrom_mapping__mutmut_13", "xǁHeartbeatǁfrom_mapping__mutmut_15"},
-    "kv_events_codec": {"x_decode_batch__mutmut_3", "x_decode_batch__mutmut_4", "x_decode_batch__mutmut_6",
-                        "x_decode_batch__mutmut_31", "x_decode_batch__mutmut_32", "x_encode_batch__mutmut_9"},
+    "kv_events_codec": {
+        "x_decode_batch__mutmut_3",
+        "x_decode_batch__mutmut_4",
+        "x_decode_batch__mutmut_6",
+        "x_decode_batch__mutmut_31",
+        "x_decode_batch__mutmut_32",
+        "x_encode_batch__mutmut_9",
+    },
     "scoring": {"x_check_hotspot_params__mutmut_8", "x_rendezvous__mutmut_4"},
-    "block_pool": {"xǁBlockPoolǁ__init____mutmut_1", "xǁBlockPoolǁ__init____mutmut_10",
-                   *(f"xǁFreeBlockQueueǁ__init____mutmut_{i}" for i in (2, 3, 4, 6, 7, 8)),
-                   "xǁFreeBlockQueueǁremove__mutmut_1", "xǁKVBlockǁ__init____mutmut_6", "xǁKVBlockǁ__init____mutmut_7"},
-    "kv_cache_manager": {"xǁKVCacheManagerǁ__init____mutmut_7", "xǁKVCacheManagerǁ_cache_full_blocks__mutmut_9"},
-    "sidecar_index": {"xǁBlockIndexǁstored__mutmut_21", "xǁBlockIndexǁstored__mutmut_35",
-                      "xǁIndexWriterǁfull_rewrite__mutmut_8", "xǁIndexWriterǁfull_rewrite__mutmut_9",
-                      "xǁIndexWriterǁfull_rewrite__mutmut_23", "xǁIndexWriterǁincremental__mutmut_2",
-                      "xǁIndexWriterǁincremental__mutmut_3"},
+    "block_pool": {
+        "xǁBlockPoolǁ__init____mutmut_1",
+        "xǁBlockPoolǁ__init____mutmut_10",
+        *(f"xǁFreeBlockQueueǁ__init____mutmut_{i}" for i in (2, 3, 4, 6, 7, 8)),
+        "xǁFreeBlockQueueǁremove__mutmut_1",
+        "xǁKVBlockǁ__init____mutmut_6",
+        "xǁKVBlockǁ__init____mutmut_7",
+    },
+    "kv_cache_manager": {
+        "xǁKVCacheManagerǁ__init____mutmut_7",
+        "xǁKVCacheManagerǁ_cache_full_blocks__mutmut_9",
+    },
+    "sidecar_index": {
+        "xǁBlockIndexǁstored__mutmut_21",
+        "xǁBlockIndexǁstored__mutmut_35",
+        "xǁIndexWriterǁfull_rewrite__mutmut_8",
+        "xǁIndexWriterǁfull_rewrite__mutmut_9",
+        "xǁIndexWriterǁfull_rewrite__mutmut_23",
+        "xǁIndexWriterǁincremental__mutmut_2",
+        "xǁIndexWriterǁincremental__mutmut_3",
+    },
     "scheduler": {"xǁSchedulerǁschedule__mutmut_7", "xǁSchedulerǁschedule__mutmut_36"},
 }
 
@@ -182,13 +264,23 @@ def prepare(mod: Module, workdir: Path, rev: str | None = None) -> None:
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
     if rev:  # a commit, not the working tree (others' uncommitted edits stay out)
-        pyproject = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pyproject.toml"], check=True,
-                                   capture_output=True, text=True).stdout
+        pyproject = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:pyproject.toml"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         dirs = package_dirs(pyproject)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kvmesh", "tests", *dirs],
-                                 check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(workdir), "--exclude=tests/operator/golden"], input=archive,
-                       check=True)
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", rev, "kvmesh", "tests", *dirs],
+            check=True,
+            capture_output=True,
+        ).stdout
+        subprocess.run(
+            ["tar", "-x", "-C", str(workdir), "--exclude=tests/operator/golden"],
+            input=archive,
+            check=True,
+        )
         for folder, place in dirs.items():
             shutil.move(workdir / folder, workdir / place)
     else:
@@ -204,8 +296,11 @@ def prepare(mod: Module, workdir: Path, rev: str | None = None) -> None:
         raise SystemExit(f"{mod.name}: {mod.path} is not in the copy ({target})")
     (workdir / "_kvmesh_mutation_plugin.py").write_text(PLUGIN)
     # A test file not there (yet) is left out rather than failing the run.
-    tests = [t for t in mod.tests if t.startswith("-") or (workdir / t.split("::")[0]).exists()
-             or not t.startswith("tests/")]
+    tests = [
+        t
+        for t in mod.tests
+        if t.startswith("-") or (workdir / t.split("::")[0]).exists() or not t.startswith("tests/")
+    ]
     if not any(t.startswith("tests/") for t in tests):
         raise SystemExit(f"{mod.name}: none of its test files exist ({mod.tests})")
     pyproject += f"""
@@ -222,10 +317,18 @@ timeout_multiplier = 10.0
 
 
 def run_module(mod: Module, workdir: Path, log) -> int:
-    cmd = [str(Path(sys.executable).with_name("mutmut")), "run", "--max-children", "1", *mod.globs()]
+    cmd = [
+        str(Path(sys.executable).with_name("mutmut")),
+        "run",
+        "--max-children",
+        "1",
+        *mod.globs(),
+    ]
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", MUTANT_UNDER_TEST="")
     env.pop("PYTHONPATH", None)
-    return subprocess.run(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    return subprocess.run(
+        cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, env=env
+    ).returncode
 
 
 def results(mod: Module, workdir: Path) -> dict[str, str]:
@@ -236,32 +339,49 @@ def results(mod: Module, workdir: Path) -> dict[str, str]:
         return {}
     data = json.loads(meta.read_text())["exit_code_by_key"]
     globs = mod.globs()
-    return {name: status_by_exit_code[code] for name, code in sorted(data.items())
-            if not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)}
+    return {
+        name: status_by_exit_code[code]
+        for name, code in sorted(data.items())
+        if not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)
+    }
 
 
 def diff(workdir: Path, name: str) -> str:
-    out = subprocess.run([str(Path(sys.executable).with_name("mutmut")), "show", name], cwd=workdir,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("mutmut")), "show", name],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+    )
     return out.stdout.strip()
 
 
 def short(mod: Module, name: str) -> str:
-    return name[len(mod.dotted) + 1:] if name.startswith(mod.dotted + ".") else name
+    return name[len(mod.dotted) + 1 :] if name.startswith(mod.dotted + ".") else name
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("modules", nargs="*", help=f"some of: {', '.join(BY_NAME)} (default: all)")
-    ap.add_argument("--workdir", default=os.environ.get("KVMESH_MUTATION_DIR", "/tmp/kvmesh-mutation"),
-                    help="scratch folder (a subfolder per module; removed and rebuilt each run)")
+    ap.add_argument(
+        "--workdir",
+        default=os.environ.get("KVMESH_MUTATION_DIR", "/tmp/kvmesh-mutation"),
+        help="scratch folder (a subfolder per module; removed and rebuilt each run)",
+    )
     ap.add_argument("--show", action="store_true", help="print the diff of every survivor")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--list", action="store_true", help="list the modules, their files and tests")
-    ap.add_argument("--strict", action="store_true",
-                    help="exit 2 when a survivor is not listed as equivalent (a test is missing)")
-    ap.add_argument("--rev", help="mutate and test this commit (git archive) instead of the working tree")
-    ap.add_argument("--tests", help="pytest arguments replacing the module's test selection (one module)")
+    ap.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 2 when a survivor is not listed as equivalent (a test is missing)",
+    )
+    ap.add_argument(
+        "--rev", help="mutate and test this commit (git archive) instead of the working tree"
+    )
+    ap.add_argument(
+        "--tests", help="pytest arguments replacing the module's test selection (one module)"
+    )
     args = ap.parse_args(argv)
 
     unknown = [m for m in args.modules if m not in BY_NAME]
@@ -271,11 +391,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.tests:
         if len(mods) != 1:
             ap.error("--tests needs exactly one module")
-        mods = [Module(mods[0].name, mods[0].path, shlex.split(args.tests), mods[0].functions, mods[0].doc)]
+        mods = [
+            Module(
+                mods[0].name, mods[0].path, shlex.split(args.tests), mods[0].functions, mods[0].doc
+            )
+        ]
     if args.list:
         for m in mods:
-            print(f"{m.name:18} {m.path}{' (' + ', '.join(m.functions) + ')' if m.functions else ''}\n"
-                  f"{'':18} tests: {' '.join(m.tests)}\n{'':18} {m.doc}")
+            print(
+                f"{m.name:18} {m.path}{' (' + ', '.join(m.functions) + ')' if m.functions else ''}\n"
+                f"{'':18} tests: {' '.join(m.tests)}\n{'':18} {m.doc}"
+            )
         return 0
 
     table = []
@@ -312,13 +438,17 @@ def main(argv: list[str] | None = None) -> int:
     print("| module | file | killed / total | score | survivors | of which equivalent |")
     print("|---|---|---|---|---|---|")
     for (name, killed, total, n_eq, score, _), mod in zip(table, mods):
-        print(f"| {name} | {mod.path} | {killed} / {total} | {100 * score:.1f}% | {total - killed} | {n_eq} |")
+        print(
+            f"| {name} | {mod.path} | {killed} / {total} | {100 * score:.1f}% | {total - killed} | {n_eq} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     unexplained = sum(total - killed - n_eq for _, killed, total, n_eq, _, _ in table)
     if unexplained:
-        print(f"\n{unexplained} survivor(s) not known to be equivalent: kill them with a test, or list them "
-              "in EQUIVALENT and docs/mutation.md with the reason")
+        print(
+            f"\n{unexplained} survivor(s) not known to be equivalent: kill them with a test, or list them "
+            "in EQUIVALENT and docs/mutation.md with the reason"
+        )
     if failed:
         return 1
     return 2 if args.strict and unexplained else 0

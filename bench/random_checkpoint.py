@@ -19,18 +19,38 @@ import argparse
 import shutil
 from pathlib import Path
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-                   "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
 
 # Config overrides by name: the shape changes, the vocabulary and tokenizer stay the skeleton's.
 PRESETS: dict[str, dict] = {
-    "llama-1.07b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-                    "tie_word_embeddings": True, "max_position_embeddings": 8192},
+    "llama-1.07b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+    },
     # Llama 3 8B's layers (the skeleton's smaller vocabulary: 7.4B parameters, 14.8 GB in bf16)
-    "llama-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                 "tie_word_embeddings": False, "max_position_embeddings": 8192, "rope_theta": 500000.0},
+    "llama-8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+    },
 }
 
 
@@ -39,13 +59,27 @@ def main(argv=None) -> int:
     ap.add_argument("skeleton", help="a directory with config.json and the tokenizer files")
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--std", type=float, default=None,
-                    help="initializer_range (default: the config's); larger gives peakier logits")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                    help="another model shape with the skeleton's tokenizer")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                    help="the stored weights' dtype (the config's `dtype` says the same)")
-    ap.add_argument("--device", default="cpu", help="where the random weights are drawn (cuda: seconds for 1B)")
+    ap.add_argument(
+        "--std",
+        type=float,
+        default=None,
+        help="initializer_range (default: the config's); larger gives peakier logits",
+    )
+    ap.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="another model shape with the skeleton's tokenizer",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="the stored weights' dtype (the config's `dtype` says the same)",
+    )
+    ap.add_argument(
+        "--device", default="cpu", help="where the random weights are drawn (cuda: seconds for 1B)"
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -68,7 +102,9 @@ def main(argv=None) -> int:
             shutil.copy(src / name, out / name)
     n = sum(p.numel() for p in model.parameters())
     shape = f"preset {args.preset}, tokenizer of {src}" if args.preset else f"shape of {src}"
-    print(f"random-weight checkpoint: {out} ({n / 1e6:.1f}M parameters, {args.dtype}, {shape}, seed {args.seed})")
+    print(
+        f"random-weight checkpoint: {out} ({n / 1e6:.1f}M parameters, {args.dtype}, {shape}, seed {args.seed})"
+    )
     return 0
 
 

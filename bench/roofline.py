@@ -50,11 +50,20 @@ def model_shapes(model: str) -> dict:
 
     c = ModelConfig.from_dir(str(resolve_model_dir(model)))
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return dict(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
-                kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab=c.vocab_size,
-                linears={"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q),
-                         "gate_up": (2 * c.intermediate_size, c.hidden_size),
-                         "down": (c.hidden_size, c.intermediate_size)})
+    return dict(
+        layers=c.num_hidden_layers,
+        hidden=c.hidden_size,
+        heads=c.num_attention_heads,
+        kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        vocab=c.vocab_size,
+        linears={
+            "qkv": (q + 2 * kv, c.hidden_size),
+            "o": (c.hidden_size, q),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size),
+            "down": (c.hidden_size, c.intermediate_size),
+        },
+    )
 
 
 class Bench:
@@ -71,12 +80,16 @@ class Bench:
         s = self.shapes = model_shapes(args.model)
         L = s["layers"]
         print(f"packing {L} layers of random weights in {args.model}'s shapes ...", flush=True)
-        self.panels = {n: [self.ops.pack_panels(torch.randn(N, K)) for _ in range(L)]
-                       for n, (N, K) in s["linears"].items()}
+        self.panels = {
+            n: [self.ops.pack_panels(torch.randn(N, K)) for _ in range(L)]
+            for n, (N, K) in s["linears"].items()
+        }
         self.head = self.ops.pack_panels(torch.randn(s["vocab"], s["hidden"]))
         # The prefill linears as the model runs them (oneDNN on prepacked weights; no panels).
-        self.linears = {n: [OneDNNLinear(torch.randn(N, K), None, args.prefill_rows) for _ in range(L)]
-                        for n, (N, K) in s["linears"].items()}
+        self.linears = {
+            n: [OneDNNLinear(torch.randn(N, K), None, args.prefill_rows) for _ in range(L)]
+            for n, (N, K) in s["linears"].items()
+        }
         self.hot = OneDNNLinear(torch.randn(576, 576), None, 512)
         self.hot_x = torch.randn(512, 576)
         self.stream_buf = torch.randn(args.stream_mib << 18)  # MiB of fp32
@@ -91,13 +104,15 @@ class Bench:
         # served a while: each 16-token block of a head is a 4 KiB read somewhere else).
         perm = torch.randperm(nblocks)
         self.tables = torch.arange(args.batch * per_seq).view(args.batch, per_seq).long()
-        self.scattered = perm[:args.batch * per_seq].view(args.batch, per_seq).long()
+        self.scattered = perm[: args.batch * per_seq].view(args.batch, per_seq).long()
         self.ctx_lens = torch.full((args.batch,), ctx, dtype=torch.long)
         self.q_dec = torch.randn(args.batch, s["heads"], D)
         n_new = args.prefill_rows // args.prefill_seqs
-        self.pf_seqs = torch.tensor([[i * n_new, n_new, args.prefill_cached] for i in range(args.prefill_seqs)],
-                                    dtype=torch.long)
-        self.pf_tables = perm[:args.prefill_seqs * per_seq].view(args.prefill_seqs, per_seq).long()
+        self.pf_seqs = torch.tensor(
+            [[i * n_new, n_new, args.prefill_cached] for i in range(args.prefill_seqs)],
+            dtype=torch.long,
+        )
+        self.pf_tables = perm[: args.prefill_seqs * per_seq].view(args.prefill_seqs, per_seq).long()
         self.q_pf = torch.randn(n_new * args.prefill_seqs, s["heads"], D)
         self.out_pf = torch.empty_like(self.q_pf)
         self.x = {n: torch.randn(args.batch, K) for n, (N, K) in s["linears"].items()}
@@ -121,14 +136,20 @@ class Bench:
 
     def lm_head(self) -> tuple[float, float]:
         s, x = self.shapes, self.torch.randn(self.args.batch, self.shapes["hidden"])
-        return s["vocab"] * s["hidden"] * 4, best_of(lambda: self.ops.panel_linear(x, self.head, s["vocab"]), 3)
+        return s["vocab"] * s["hidden"] * 4, best_of(
+            lambda: self.ops.panel_linear(x, self.head, s["vocab"]), 3
+        )
 
     def decode_attention(self, tables=None) -> tuple[float, float]:
         s, a = self.shapes, self.args
         scale = s["head_dim"] ** -0.5
         att, tables = self.ops.paged_decode_attention, self.tables if tables is None else tables
-        t = best_of(lambda: [att(self.q_dec, k, v, tables, self.ctx_lens, scale)
-                             for k, v in zip(self.k, self.v)], 3)
+        t = best_of(
+            lambda: [
+                att(self.q_dec, k, v, tables, self.ctx_lens, scale) for k, v in zip(self.k, self.v)
+            ],
+            3,
+        )
         return a.batch * a.context * s["kv_heads"] * s["head_dim"] * 4 * 2 * s["layers"], t
 
     def decode_attention_scattered(self) -> tuple[float, float]:
@@ -144,11 +165,20 @@ class Bench:
         s, a = self.shapes, self.args
         scale = s["head_dim"] ** -0.5
         att = self.ops.paged_prefill_attention
-        t = best_of(lambda: [att(self.out_pf, self.q_pf, k, v, self.pf_seqs, self.pf_tables, scale)
-                             for k, v in zip(self.k, self.v)], 2)
+        t = best_of(
+            lambda: [
+                att(self.out_pf, self.q_pf, k, v, self.pf_seqs, self.pf_tables, scale)
+                for k, v in zip(self.k, self.v)
+            ],
+            2,
+        )
         n_new, c = a.prefill_rows // a.prefill_seqs, a.prefill_cached
-        keys = sum(c + i + 1 for i in range(n_new)) * a.prefill_seqs  # causal: row i sees c + i + 1 keys
-        return 4 * keys * s["heads"] * s["head_dim"] * s["layers"], t  # QK^T and PV: 2 FLOPs a multiply-add
+        keys = (
+            sum(c + i + 1 for i in range(n_new)) * a.prefill_seqs
+        )  # causal: row i sees c + i + 1 keys
+        return 4 * keys * s["heads"] * s["head_dim"] * s[
+            "layers"
+        ], t  # QK^T and PV: 2 FLOPs a multiply-add
 
 
 def main() -> None:
@@ -156,9 +186,16 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--batch", type=int, default=8, help="decode rows")
     ap.add_argument("--context", type=int, default=512, help="decode context per request")
-    ap.add_argument("--prefill-rows", type=int, default=512, help="prefill rows in the step (the CPU server's budget)")
+    ap.add_argument(
+        "--prefill-rows",
+        type=int,
+        default=512,
+        help="prefill rows in the step (the CPU server's budget)",
+    )
     ap.add_argument("--prefill-seqs", type=int, default=4)
-    ap.add_argument("--prefill-cached", type=int, default=384, help="tokens each prefill finds in the cache")
+    ap.add_argument(
+        "--prefill-cached", type=int, default=384, help="tokens each prefill finds in the cache"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--stream-mib", type=int, default=512)
@@ -169,11 +206,14 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     bench = Bench(args)
-    kernels = [("decode linears", bench.decode_linears, "stream"), ("LM head", bench.lm_head, "stream"),
-               ("decode attention", bench.decode_attention, "stream"),
-               ("  scattered blocks", bench.decode_attention_scattered, "stream"),
-               ("prefill linears", bench.prefill_linears, "peak"),
-               ("prefill attention", bench.prefill_attention, "peak")]
+    kernels = [
+        ("decode linears", bench.decode_linears, "stream"),
+        ("LM head", bench.lm_head, "stream"),
+        ("decode attention", bench.decode_attention, "stream"),
+        ("  scattered blocks", bench.decode_attention_scattered, "stream"),
+        ("prefill linears", bench.prefill_linears, "peak"),
+        ("prefill attention", bench.prefill_attention, "peak"),
+    ]
     base: dict[str, list[float]] = {"stream": [], "peak": []}
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in kernels}
     for r in range(args.rounds):
@@ -183,26 +223,37 @@ def main() -> None:
         for name, fn, _ in kernels:
             runs[name].append(fn())
     med = statistics.median
-    print(f"\n{torch.get_num_threads()} threads; {args.model}: {bench.shapes['layers']} layers; medians of "
-          f"{args.rounds} rounds, ratios paired within a round")
-    print(f"   baseline  stream read {med(base['stream']) / 1e9:6.1f} GB/s   matmul peak "
-          f"{med(base['peak']) / 1e9:6.1f} GFLOP/s")
+    print(
+        f"\n{torch.get_num_threads()} threads; {args.model}: {bench.shapes['layers']} layers; medians of "
+        f"{args.rounds} rounds, ratios paired within a round"
+    )
+    print(
+        f"   baseline  stream read {med(base['stream']) / 1e9:6.1f} GB/s   matmul peak "
+        f"{med(base['peak']) / 1e9:6.1f} GFLOP/s"
+    )
     seconds = {}
     for name, _, kind in kernels:
-        work = runs[name][0][0]
         rates = [w / t for w, t in runs[name]]
         ratio = med(rate / b for rate, b in zip(rates, base[kind]))
         seconds[name] = med(t for _, t in runs[name])
         unit, scale = ("GB/s", 1e9) if kind == "stream" else ("GFLOP/s", 1e9)
-        print(f"   {name:18s} {med(rates) / scale:7.1f} {unit:8s} {ratio:5.2f}x of {kind:6s} "
-              f"({1e3 * seconds[name]:7.2f} ms for all layers)")
+        print(
+            f"   {name:18s} {med(rates) / scale:7.1f} {unit:8s} {ratio:5.2f}x of {kind:6s} "
+            f"({1e3 * seconds[name]:7.2f} ms for all layers)"
+        )
     # A step is its parts; at the roofline each part would take its work over the baseline.
-    for step, parts in (("decode step", ("decode linears", "LM head", "decode attention")),
-                        ("prefill step", ("prefill linears", "prefill attention"))):
+    for step, parts in (
+        ("decode step", ("decode linears", "LM head", "decode attention")),
+        ("prefill step", ("prefill linears", "prefill attention")),
+    ):
         spent = sum(seconds[p] for p in parts)
-        floor = sum(runs[p][0][0] / med(base[k]) for p, k in ((n, kd) for n, _, kd in kernels if n in parts))
-        print(f"   {step:18s} kernels {1e3 * spent:7.2f} ms; at the baselines {1e3 * floor:7.2f} ms "
-              f"-> {floor / spent:.2f}x of the machine's limit")
+        floor = sum(
+            runs[p][0][0] / med(base[k]) for p, k in ((n, kd) for n, _, kd in kernels if n in parts)
+        )
+        print(
+            f"   {step:18s} kernels {1e3 * spent:7.2f} ms; at the baselines {1e3 * floor:7.2f} ms "
+            f"-> {floor / spent:.2f}x of the machine's limit"
+        )
 
 
 if __name__ == "__main__":

@@ -41,9 +41,24 @@ def main() -> None:
     dev = torch.device(args.device)
 
     def requests(seeded: bool) -> list[Request]:
-        return [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=10**6, temperature=0.8, top_p=0.95,
-                                                           seed=1000 + i if seeded else None, ignore_eos=True),
-                        set(), "m", 16, 10**7) for i in range(args.batch)]
+        return [
+            Request(
+                f"r{i}",
+                [1, 2, 3],
+                SamplingParams(
+                    max_tokens=10**6,
+                    temperature=0.8,
+                    top_p=0.95,
+                    seed=1000 + i if seeded else None,
+                    ignore_eos=True,
+                ),
+                set(),
+                "m",
+                16,
+                10**7,
+            )
+            for i in range(args.batch)
+        ]
 
     seeded, unseeded = requests(True), requests(False)
     sampler = Sampler(0, dev)
@@ -64,7 +79,7 @@ def main() -> None:
             if gen is None:
                 gen = generators[r.request_id] = torch.Generator(device=dev)
                 gen.manual_seed(r.sampling_params.seed)
-            out[i:i + 1].uniform_(generator=gen)
+            out[i : i + 1].uniform_(generator=gen)
 
     def step_seeded(step: int) -> None:
         sampler(logits, seeded, positions=[step] * len(seeded))
@@ -72,8 +87,12 @@ def main() -> None:
     def step_unseeded(step: int) -> None:
         sampler(logits, unseeded)
 
-    cases = {"uniforms, by position": by_position, "uniforms, per-request generator": per_request_generator,
-             "sampler step, seeded": step_seeded, "sampler step, unseeded": step_unseeded}
+    cases = {
+        "uniforms, by position": by_position,
+        "uniforms, per-request generator": per_request_generator,
+        "sampler step, seeded": step_seeded,
+        "sampler step, unseeded": step_unseeded,
+    }
     best = {name: float("inf") for name in cases}
     for _ in range(args.rounds):
         for name, fn in cases.items():
@@ -84,14 +103,20 @@ def main() -> None:
                 fn(s)
             sync()
             best[name] = min(best[name], (time.perf_counter() - t0) / args.steps * 1e6)
-    print(f"batch {args.batch}, vocab {args.vocab}, device {dev}, best of {args.rounds} rounds of "
-          f"{args.steps} steps (torch {torch.__version__}, {torch.get_num_threads()} threads)")
+    print(
+        f"batch {args.batch}, vocab {args.vocab}, device {dev}, best of {args.rounds} rounds of "
+        f"{args.steps} steps (torch {torch.__version__}, {torch.get_num_threads()} threads)"
+    )
     for name, us in best.items():
         print(f"  {name:34s} {us:10.1f} us/step")
-    print(f"  ratio uniforms by position / per-request generator: "
-          f"{best['uniforms, by position'] / best['uniforms, per-request generator']:.2f}")
-    print(f"  ratio sampler step seeded / unseeded:               "
-          f"{best['sampler step, seeded'] / best['sampler step, unseeded']:.2f}")
+    print(
+        f"  ratio uniforms by position / per-request generator: "
+        f"{best['uniforms, by position'] / best['uniforms, per-request generator']:.2f}"
+    )
+    print(
+        f"  ratio sampler step seeded / unseeded:               "
+        f"{best['sampler step, seeded'] / best['sampler step, unseeded']:.2f}"
+    )
 
 
 if __name__ == "__main__":

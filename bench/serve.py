@@ -60,7 +60,9 @@ class Req:
     max_tokens: int
 
 
-def offline_workload(n: int, min_len: int, max_len: int, output_len: int, vocab: int, seed: int = 0) -> list[Req]:
+def offline_workload(
+    n: int, min_len: int, max_len: int, output_len: int, vocab: int, seed: int = 0
+) -> list[Req]:
     # Same generator as bench/offline_throughput.py: the same prompts for the same seed.
     rng = random.Random(seed)
     out = []
@@ -70,28 +72,47 @@ def offline_workload(n: int, min_len: int, max_len: int, output_len: int, vocab:
     return out
 
 
-def shared_prefix_workload(n: int, prompt_len: int, shared_frac: float, output_len: int, vocab: int,
-                           seed: int = 0) -> list[Req]:
+def shared_prefix_workload(
+    n: int, prompt_len: int, shared_frac: float, output_len: int, vocab: int, seed: int = 0
+) -> list[Req]:
     rng = random.Random(seed + 1)
     shared = [rng.randrange(0, vocab) for _ in range(int(prompt_len * shared_frac))]
-    return [Req(shared + [rng.randrange(0, vocab) for _ in range(prompt_len - len(shared))], output_len)
-            for _ in range(n)]
+    return [
+        Req(shared + [rng.randrange(0, vocab) for _ in range(prompt_len - len(shared))], output_len)
+        for _ in range(n)
+    ]
 
 
-def random_workload(n: int, input_len: int, output_len: int, vocab: int, seed: int = 0) -> list[Req]:
+def random_workload(
+    n: int, input_len: int, output_len: int, vocab: int, seed: int = 0
+) -> list[Req]:
     """vLLM bench's `random` dataset shape: fixed-length prompts of random token ids."""
     rng = random.Random(seed + 2)
-    return [Req([rng.randrange(100, vocab) for _ in range(input_len)], output_len) for _ in range(n)]
+    return [
+        Req([rng.randrange(100, vocab) for _ in range(input_len)], output_len) for _ in range(n)
+    ]
 
 
-def prefix_repetition_workload(n: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int,
-                               vocab: int, seed: int = 0) -> list[Req]:
+def prefix_repetition_workload(
+    n: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    vocab: int,
+    seed: int = 0,
+) -> list[Req]:
     """vLLM bench's `prefix_repetition` shape: num_prefixes shared prefixes, a random suffix each,
     the prompts shuffled."""
     rng = random.Random(seed + 3)
     prefixes = [[rng.randrange(100, vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
-    reqs = [Req(prefixes[i % num_prefixes] + [rng.randrange(100, vocab) for _ in range(suffix_len)], output_len)
-            for i in range(n)]
+    reqs = [
+        Req(
+            prefixes[i % num_prefixes] + [rng.randrange(100, vocab) for _ in range(suffix_len)],
+            output_len,
+        )
+        for i in range(n)
+    ]
     rng.shuffle(reqs)
     return reqs
 
@@ -109,9 +130,17 @@ class Result:
     error: str = ""
 
 
-async def _one(session: aiohttp.ClientSession, url: str, model: str | None, req: Req, api_key: str | None) -> Result:
-    body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def _one(
+    session: aiohttp.ClientSession, url: str, model: str | None, req: Req, api_key: str | None
+) -> Result:
+    body = {
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if model:
         body["model"] = model
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -142,8 +171,10 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str | None, req:
                     u = chunk["usage"]
                     res.prompt_tokens = u["prompt_tokens"]
                     res.output_tokens = u["completion_tokens"]
-                    res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    res.cached_tokens = (u.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens"
+                    ) or 0
+    except (TimeoutError, aiohttp.ClientError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
         return res
     res.e2e = time.perf_counter() - start
@@ -151,9 +182,16 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str | None, req:
     return res
 
 
-async def run_load(url: str, reqs: list[Req], concurrency: int | None, rate: float | None,
-                   model: str | None = None, api_key: str | None = None, label: str = "",
-                   seed: int = 0) -> tuple[list[Result], float]:
+async def run_load(
+    url: str,
+    reqs: list[Req],
+    concurrency: int | None,
+    rate: float | None,
+    model: str | None = None,
+    api_key: str | None = None,
+    label: str = "",
+    seed: int = 0,
+) -> tuple[list[Result], float]:
     """The load generator. aiohttp, as vLLM's own benchmark client: its C HTTP parser keeps the
     client's share of a small machine's CPU low (it runs beside the server it measures)."""
     connector = aiohttp.TCPConnector(limit=max(concurrency or 0, len(reqs)) + 8)
@@ -163,12 +201,16 @@ async def run_load(url: str, reqs: list[Req], concurrency: int | None, rate: flo
     t0 = time.perf_counter()
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
         async def tracked(req: Req) -> Result:
             nonlocal done
             r = await _one(session, url, model, req, api_key)
             done += 1
             if done % max(1, len(reqs) // 10) == 0 or done == len(reqs):
-                print(f"  [{label}] {done}/{len(reqs)} done, {time.perf_counter() - t0:.1f}s", flush=True)
+                print(
+                    f"  [{label}] {done}/{len(reqs)} done, {time.perf_counter() - t0:.1f}s",
+                    flush=True,
+                )
             return r
 
         if rate:  # Poisson arrivals, unbounded concurrency
@@ -206,18 +248,31 @@ def summarize(name: str, results: list[Result], elapsed: float) -> dict:
     ttft = [r.ttft for r in ok]
     itl = [x for r in ok for x in r.itls]
     e2e = [r.e2e for r in ok]
-    s = {"name": name, "ok": len(ok), "failed": len(failed), "elapsed": elapsed,
-         "req_s": len(ok) / elapsed, "out_tok_s": out_tok / elapsed, "total_tok_s": (in_tok + out_tok) / elapsed,
-         "cached_frac": sum(r.cached_tokens for r in ok) / max(in_tok, 1),
-         "ttft": ttft, "itl": itl, "e2e": e2e}
-    print(f"\n== {name}: {len(ok)} ok, {len(failed)} failed in {elapsed:.1f}s; {s['req_s']:.2f} req/s, "
-          f"{s['out_tok_s']:.1f} output tok/s, {s['total_tok_s']:.1f} total tok/s, "
-          f"{100 * s['cached_frac']:.0f}% prompt tokens cached")
+    s = {
+        "name": name,
+        "ok": len(ok),
+        "failed": len(failed),
+        "elapsed": elapsed,
+        "req_s": len(ok) / elapsed,
+        "out_tok_s": out_tok / elapsed,
+        "total_tok_s": (in_tok + out_tok) / elapsed,
+        "cached_frac": sum(r.cached_tokens for r in ok) / max(in_tok, 1),
+        "ttft": ttft,
+        "itl": itl,
+        "e2e": e2e,
+    }
+    print(
+        f"\n== {name}: {len(ok)} ok, {len(failed)} failed in {elapsed:.1f}s; {s['req_s']:.2f} req/s, "
+        f"{s['out_tok_s']:.1f} output tok/s, {s['total_tok_s']:.1f} total tok/s, "
+        f"{100 * s['cached_frac']:.0f}% prompt tokens cached"
+    )
     print(f"   {'ms':<6} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}")
     for label, vals in (("TTFT", ttft), ("ITL", itl), ("E2E", e2e)):
         mean = sum(vals) / len(vals) if vals else float("nan")
-        print(f"   {label:<6} {1000 * mean:9.1f} {1000 * _pct(vals, 50):9.1f} {1000 * _pct(vals, 90):9.1f} "
-              f"{1000 * _pct(vals, 99):9.1f}")
+        print(
+            f"   {label:<6} {1000 * mean:9.1f} {1000 * _pct(vals, 50):9.1f} {1000 * _pct(vals, 90):9.1f} "
+            f"{1000 * _pct(vals, 99):9.1f}"
+        )
     if failed:
         print(f"   first error: {failed[0].error}")
     return s
@@ -232,15 +287,34 @@ class LocalServer:
         self.log = open(log_path, "w")
         # Its own session (process group): pause() stops the server and its engine core together.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "serve", "--model", model, "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning", *engine_flags],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "kvmesh.cli",
+                "serve",
+                "--model",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                *engine_flags,
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}; see {self.log.name}"
+                )
             try:
                 if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
                     return
@@ -303,14 +377,17 @@ def offline_engine(model: str, dtype: str, budget: int):
     from kvmesh.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineArgs(model=model, dtype=dtype, max_num_batched_tokens=budget))
-    engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    engine.add_request(
+        list(range(100, 164)), SamplingParams(max_tokens=4, temperature=0.0)
+    )  # warm-up
     while engine.has_unfinished_requests():
         engine.step()
     return engine
 
 
-def offline_closed_loop(engine, prompts: list[list[int]], max_tokens: list[int],
-                        concurrency: int) -> tuple[float, int, int]:
+def offline_closed_loop(
+    engine, prompts: list[list[int]], max_tokens: list[int], concurrency: int
+) -> tuple[float, int, int]:
     """The requests on the engine alone at the server's concurrency, closed loop: (seconds, prompt
     tokens, output tokens). The yardstick for the serving path's own cost (the target: the
     server keeps >= 95% of it)."""
@@ -322,7 +399,9 @@ def offline_closed_loop(engine, prompts: list[list[int]], max_tokens: list[int],
     while todo or in_flight:
         while todo and in_flight < concurrency:
             prompt, n = todo.pop(0)
-            engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            engine.add_request(
+                prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            )
             in_flight += 1
         for o in engine.step():
             if o.finished:
@@ -368,9 +447,13 @@ class OfflineEngine:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         saved = dict(os.environ)
-        os.environ.update(core_environment(plan_threads()))  # a spawned child takes os.environ as it starts
+        os.environ.update(
+            core_environment(plan_threads())
+        )  # a spawned child takes os.environ as it starts
         try:
-            self.proc = ctx.Process(target=_offline_worker, args=(child, model, dtype, budget), daemon=True)
+            self.proc = ctx.Process(
+                target=_offline_worker, args=(child, model, dtype, budget), daemon=True
+            )
             self.proc.start()
         finally:
             os.environ.clear()
@@ -382,7 +465,9 @@ class OfflineEngine:
         try:
             kind, value = self.conn.recv()
         except EOFError:
-            raise RuntimeError(f"the offline engine's process exited ({self.proc.exitcode})") from None
+            raise RuntimeError(
+                f"the offline engine's process exited ({self.proc.exitcode})"
+            ) from None
         if kind == "error":
             raise RuntimeError(f"offline engine: {value}")
         return value
@@ -434,55 +519,96 @@ def compare(args) -> int:
     from kvmesh.engine.config import ModelConfig
 
     vocab = ModelConfig.from_dir(resolve_model_dir(args.model)).vocab_size
-    engine_flags = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                    "--kv-cache-memory", args.kv_cache_memory]
-    engine_kwargs = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory)
+    engine_flags = [
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--kv-cache-memory",
+        args.kv_cache_memory,
+    ]
+    engine_kwargs = dict(
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+    )
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     report = []
 
     # (1) shared prefix: caching on vs off.
     if not args.skip_prefix:
-        reqs = shared_prefix_workload(args.prefix_num_requests, args.prefix_prompt_len, 0.75,
-                                      args.prefix_output_len, vocab)
+        reqs = shared_prefix_workload(
+            args.prefix_num_requests, args.prefix_prompt_len, 0.75, args.prefix_output_len, vocab
+        )
         warm = shared_prefix_workload(1, args.prefix_prompt_len, 0.75, 2, vocab, seed=99)
-        print(f"shared-prefix workload: {len(reqs)} requests of {args.prefix_prompt_len} tokens "
-              f"(75% shared), {args.prefix_output_len} output tokens, concurrency {args.prefix_concurrency}",
-              flush=True)
+        print(
+            f"shared-prefix workload: {len(reqs)} requests of {args.prefix_prompt_len} tokens "
+            f"(75% shared), {args.prefix_output_len} output tokens, concurrency {args.prefix_concurrency}",
+            flush=True,
+        )
         medians = {}
         for caching in ("on", "off"):
-            flags = engine_flags + (["--enable-prefix-caching"] if caching == "on" else ["--no-enable-prefix-caching"])
+            flags = engine_flags + (
+                ["--enable-prefix-caching"] if caching == "on" else ["--no-enable-prefix-caching"]
+            )
             with LocalServer(args.model, flags, logs / f"serve-prefix-{caching}.log") as srv:
                 # One warm-up request (random prompt, same length) for both: the shared prefix is
                 # computed by the first measured requests, as in production.
                 asyncio.run(run_load(srv.url, warm, 1, None, label="warm-up"))
-                res, el = asyncio.run(run_load(srv.url, reqs, args.prefix_concurrency, args.request_rate,
-                                               label=f"prefix caching {caching}"))
+                res, el = asyncio.run(
+                    run_load(
+                        srv.url,
+                        reqs,
+                        args.prefix_concurrency,
+                        args.request_rate,
+                        label=f"prefix caching {caching}",
+                    )
+                )
             s = summarize(f"shared-prefix, prefix caching {caching}", res, el)
             medians[caching] = _pct(s["ttft"], 50)
         ratio = medians["off"] / medians["on"]
-        report.append(f"shared-prefix median TTFT: caching on {1000 * medians['on']:.1f} ms, off "
-                      f"{1000 * medians['off']:.1f} ms -> {ratio:.2f}x lower with caching (target >= 3x)")
+        report.append(
+            f"shared-prefix median TTFT: caching on {1000 * medians['on']:.1f} ms, off "
+            f"{1000 * medians['off']:.1f} ms -> {ratio:.2f}x lower with caching (target >= 3x)"
+        )
 
     # (2) the offline workload: server vs offline API.
     if not args.skip_offline:
-        reqs = offline_workload(args.num_requests, args.min_len, args.max_len, args.output_len, vocab)
-        print(f"\noffline workload: {len(reqs)} requests, {sum(len(r.prompt) for r in reqs)} prompt tokens, "
-              f"{args.output_len} output tokens each", flush=True)
+        reqs = offline_workload(
+            args.num_requests, args.min_len, args.max_len, args.output_len, vocab
+        )
+        print(
+            f"\noffline workload: {len(reqs)} requests, {sum(len(r.prompt) for r in reqs)} prompt tokens, "
+            f"{args.output_len} output tokens each",
+            flush=True,
+        )
         elapsed, gen, prompt_tokens = run_offline_api(args.model, reqs, engine_kwargs)
         off_tps = (gen + prompt_tokens) / elapsed
-        print(f"\n== offline API (LLM.generate): {elapsed:.1f}s, {gen / elapsed:.1f} output tok/s, "
-              f"{off_tps:.1f} total tok/s")
+        print(
+            f"\n== offline API (LLM.generate): {elapsed:.1f}s, {gen / elapsed:.1f} output tok/s, "
+            f"{off_tps:.1f} total tok/s"
+        )
         with LocalServer(args.model, engine_flags, logs / "serve-offline.log") as srv:
             asyncio.run(run_load(srv.url, [Req(reqs[0].prompt[:32], 4)], 1, None, label="warm-up"))
-            res, el = asyncio.run(run_load(srv.url, reqs, args.concurrency or len(reqs), args.request_rate,
-                                           label="offline workload via server"))
+            res, el = asyncio.run(
+                run_load(
+                    srv.url,
+                    reqs,
+                    args.concurrency or len(reqs),
+                    args.request_rate,
+                    label="offline workload via server",
+                )
+            )
         s = summarize("offline workload via kvmesh serve", res, el)
-        report.append(f"offline workload: server {s['out_tok_s']:.1f} output tok/s / {s['total_tok_s']:.1f} total "
-                      f"tok/s vs offline API {gen / elapsed:.1f} / {off_tps:.1f} -> server keeps "
-                      f"{100 * s['total_tok_s'] / off_tps:.0f}% (target >= 85%)")
+        report.append(
+            f"offline workload: server {s['out_tok_s']:.1f} output tok/s / {s['total_tok_s']:.1f} total "
+            f"tok/s vs offline API {gen / elapsed:.1f} / {off_tps:.1f} -> server keeps "
+            f"{100 * s['total_tok_s'] / off_tps:.0f}% (target >= 85%)"
+        )
     print("\n== summary")
     for line in report:
         print("  " + line)
@@ -491,7 +617,9 @@ def compare(args) -> int:
 
 # -- kvmesh serve vs vLLM serve ------------------------------------------------------------------------
 # The vLLM anchor script, beside the checkout (relative to the repository root).
-VLLM_ANCHOR = str(Path(__file__).resolve().parents[1] / ".." / "shared" / "bench" / "vllm_anchor.sh")
+VLLM_ANCHOR = str(
+    Path(__file__).resolve().parents[1] / ".." / "shared" / "bench" / "vllm_anchor.sh"
+)
 
 
 class VLLMServer(LocalServer):
@@ -502,8 +630,13 @@ class VLLMServer(LocalServer):
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
         # cwd: not the repository root, whose operator/ would shadow the stdlib's in vLLM's `python -m` children
-        self.proc = subprocess.Popen([anchor, "serve", model_dir, str(self.port), name], cwd=log_path.parent,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [anchor, "serve", model_dir, str(self.port), name],
+            cwd=log_path.parent,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 1200) -> None:
         """vLLM has no /ready: its /v1/models answers once the engine is up (its first start
@@ -511,7 +644,9 @@ class VLLMServer(LocalServer):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; see {self.log.name}")
+                raise RuntimeError(
+                    f"vllm serve exited with {self.proc.returncode}; see {self.log.name}"
+                )
             try:
                 if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
                     return
@@ -533,26 +668,43 @@ class VLLMServer(LocalServer):
 
 
 def _tpot(results: list[Result]) -> list[float]:
-    return [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in results if r.ok and r.output_tokens > 1]
+    return [
+        (r.e2e - r.ttft) / (r.output_tokens - 1) for r in results if r.ok and r.output_tokens > 1
+    ]
 
 
 def _anchor_workloads(vocab: int, args, seed: int = 0) -> list[tuple[str, list[Req], int]]:
     return [
-        (f"random {args.random_input_len} in / {args.random_output_len} out, {args.random_num_prompts} prompts, "
-         f"concurrency {args.random_concurrency}",
-         random_workload(args.random_num_prompts, args.random_input_len, args.random_output_len, vocab, seed),
-         args.random_concurrency),
-        (f"prefix_repetition {args.prefix_rep_prefix_len}+{args.prefix_rep_suffix_len}, "
-         f"{args.prefix_rep_num_prefixes} prefixes, {args.prefix_rep_output_len} out, {args.prefix_rep_num_prompts} "
-         f"prompts, concurrency {args.prefix_rep_concurrency}",
-         prefix_repetition_workload(args.prefix_rep_num_prompts, args.prefix_rep_prefix_len, args.prefix_rep_suffix_len,
-                                    args.prefix_rep_num_prefixes, args.prefix_rep_output_len, vocab, seed),
-         args.prefix_rep_concurrency),
+        (
+            f"random {args.random_input_len} in / {args.random_output_len} out, {args.random_num_prompts} prompts, "
+            f"concurrency {args.random_concurrency}",
+            random_workload(
+                args.random_num_prompts, args.random_input_len, args.random_output_len, vocab, seed
+            ),
+            args.random_concurrency,
+        ),
+        (
+            f"prefix_repetition {args.prefix_rep_prefix_len}+{args.prefix_rep_suffix_len}, "
+            f"{args.prefix_rep_num_prefixes} prefixes, {args.prefix_rep_output_len} out, {args.prefix_rep_num_prompts} "
+            f"prompts, concurrency {args.prefix_rep_concurrency}",
+            prefix_repetition_workload(
+                args.prefix_rep_num_prompts,
+                args.prefix_rep_prefix_len,
+                args.prefix_rep_suffix_len,
+                args.prefix_rep_num_prefixes,
+                args.prefix_rep_output_len,
+                vocab,
+                seed,
+            ),
+            args.prefix_rep_concurrency,
+        ),
     ]
 
 
 def _bench_server(label: str, url: str, model: str, name: str, reqs: list[Req], conc: int) -> dict:
-    res, el = asyncio.run(run_load(url, reqs, conc, None, model=model, label=f"{label}: {name[:24]}"))
+    res, el = asyncio.run(
+        run_load(url, reqs, conc, None, model=model, label=f"{label}: {name[:24]}")
+    )
     s = summarize(f"{label}: {name}", res, el)
     s["tpot"] = _tpot(res)
     return s
@@ -604,8 +756,9 @@ def compare_vllm(args) -> int:
     with contextlib.ExitStack() as stack:
         if args.compare_vllm == "auto":
             print("starting vllm serve (its first start compiles: minutes)", flush=True)
-            started["vllm"] = stack.enter_context(VLLMServer(args.vllm_anchor, model_dir, name,
-                                                             logs / "vllm-serve.log"))
+            started["vllm"] = stack.enter_context(
+                VLLMServer(args.vllm_anchor, model_dir, name, logs / "vllm-serve.log")
+            )
             vllm_url = started["vllm"].url
         else:
             vllm_url = args.compare_vllm.rstrip("/")
@@ -614,20 +767,31 @@ def compare_vllm(args) -> int:
         else:
             print("starting kvmesh serve", flush=True)
             flags = ["--served-model-name", name, "--dtype", args.dtype, *kvmesh_flags]
-            started["kvmesh"] = stack.enter_context(LocalServer(args.model, flags, logs / "kvmesh-serve.log"))
+            started["kvmesh"] = stack.enter_context(
+                LocalServer(args.model, flags, logs / "kvmesh-serve.log")
+            )
             kvmesh_url = started["kvmesh"].url
         if not args.skip_offline:
-            print("starting the offline engine (the engine alone, in its own long-lived process)", flush=True)
+            print(
+                "starting the offline engine (the engine alone, in its own long-lived process)",
+                flush=True,
+            )
             started["offline"] = stack.enter_context(OfflineEngine(args.model, args.dtype, budget))
         warm = random_workload(2, 64, 4, vocab, seed=99)
         for label, url in (("vllm serve", vllm_url), ("kvmesh serve", kvmesh_url)):
             asyncio.run(run_load(url, warm, 2, None, model=name, label=f"{label} warm-up"))
-        print(f"waiting {args.settle:.0f} s for the host to reclaim the memory the start-ups freed "
-              "(while it does, it takes CPU time from this machine: steal)", flush=True)
+        print(
+            f"waiting {args.settle:.0f} s for the host to reclaim the memory the start-ups freed "
+            "(while it does, it takes CPU time from this machine: steal)",
+            flush=True,
+        )
         time.sleep(args.settle)
         busy = _machine_busy()
-        print(f"all up and idle: the machine is {100 * busy:.1f}% busy; each part runs with the "
-              f"others paused (SIGSTOP: {', '.join(started) or 'none started here'})", flush=True)
+        print(
+            f"all up and idle: the machine is {100 * busy:.1f}% busy; each part runs with the "
+            f"others paused (SIGSTOP: {', '.join(started) or 'none started here'})",
+            flush=True,
+        )
 
         def offline(wname: str, reqs: list[Req], conc: int) -> dict:
             print(f"  [offline engine: {wname[:24]}] running", flush=True)
@@ -637,6 +801,7 @@ def compare_vllm(args) -> int:
         def alone(part: str, fn):
             """fn with everything this run started, except the part it measures, paused; the
             result notes the CPU time the host took meanwhile (steal)."""
+
             def run(*a):
                 others = [srv for p, srv in started.items() if p != part]
                 for srv in others:
@@ -649,10 +814,17 @@ def compare_vllm(args) -> int:
                 finally:
                     for srv in others:
                         srv.resume()
+
             return run
 
-        parts = {"vllm": alone("vllm", lambda w, r, c: _bench_server("vllm serve", vllm_url, name, w, r, c)),
-                 "kvmesh": alone("kvmesh", lambda w, r, c: _bench_server("kvmesh serve", kvmesh_url, name, w, r, c))}
+        parts = {
+            "vllm": alone(
+                "vllm", lambda w, r, c: _bench_server("vllm serve", vllm_url, name, w, r, c)
+            ),
+            "kvmesh": alone(
+                "kvmesh", lambda w, r, c: _bench_server("kvmesh serve", kvmesh_url, name, w, r, c)
+            ),
+        }
         if not args.skip_offline:
             parts["offline"] = alone("offline", offline)
         # results[workload index][part]: one summary per round
@@ -660,8 +832,13 @@ def compare_vllm(args) -> int:
         names = [w[0] for w in _anchor_workloads(vocab, args)]
         for rnd in range(args.rounds):
             order = list(parts) if rnd % 2 == 0 else list(parts)[::-1]
-            for wi, (wname, reqs, conc) in enumerate(_anchor_workloads(vocab, args, seed=1000 * rnd)):
-                print(f"\n-- round {rnd + 1}/{args.rounds}, {wname[:40]}: {' -> '.join(order)}", flush=True)
+            for wi, (wname, reqs, conc) in enumerate(
+                _anchor_workloads(vocab, args, seed=1000 * rnd)
+            ):
+                print(
+                    f"\n-- round {rnd + 1}/{args.rounds}, {wname[:40]}: {' -> '.join(order)}",
+                    flush=True,
+                )
                 for part in order:
                     results[wi][part].append(parts[part](wname, reqs, conc))
                 _print_round(results[wi], rnd)
@@ -671,56 +848,99 @@ def compare_vllm(args) -> int:
 
 def _print_round(res: dict[str, list[dict]], rnd: int) -> None:
     v, k = res["vllm"][rnd], res["kvmesh"][rnd]
-    line = (f"   round {rnd + 1}: total tok/s vllm {v['total_tok_s']:.1f} kvmesh {k['total_tok_s']:.1f} "
-            f"= {k['total_tok_s'] / v['total_tok_s']:.2f}x; TTFT p50 {1000 * _pct(v['ttft'], 50):.0f} / "
-            f"{1000 * _pct(k['ttft'], 50):.0f} ms = {_pct(k['ttft'], 50) / _pct(v['ttft'], 50):.2f}x")
+    line = (
+        f"   round {rnd + 1}: total tok/s vllm {v['total_tok_s']:.1f} kvmesh {k['total_tok_s']:.1f} "
+        f"= {k['total_tok_s'] / v['total_tok_s']:.2f}x; TTFT p50 {1000 * _pct(v['ttft'], 50):.0f} / "
+        f"{1000 * _pct(k['ttft'], 50):.0f} ms = {_pct(k['ttft'], 50) / _pct(v['ttft'], 50):.2f}x"
+    )
     if "offline" in res:
         o = res["offline"][rnd]
         line += f"; offline {o['total_tok_s']:.1f} tok/s, server keeps {100 * k['total_tok_s'] / o['total_tok_s']:.1f}%"
     steal = {p: runs[rnd]["steal"] for p, runs in res.items() if "steal" in runs[rnd]}
     if any(x >= 0.01 for x in steal.values()):
-        line += "\n   (host steal: " + ", ".join(f"{p} {100 * x:.1f}%" for p, x in steal.items()) + " of CPU time)"
+        line += (
+            "\n   (host steal: "
+            + ", ".join(f"{p} {100 * x:.1f}%" for p, x in steal.items())
+            + " of CPU time)"
+        )
     print(line, flush=True)
 
 
 def _print_report(names: list[str], results: list[dict[str, list[dict]]], rounds: int) -> None:
-    print(f"\n== kvmesh serve vs vllm serve (same machine, same client, {rounds} interleaved rounds; medians; "
-          "ratios paired within a round; targets: >= 2.0x total tok/s, <= 0.5x TTFT p50, server >= 95% of offline)")
+    print(
+        f"\n== kvmesh serve vs vllm serve (same machine, same client, {rounds} interleaved rounds; medians; "
+        "ratios paired within a round; targets: >= 2.0x total tok/s, <= 0.5x TTFT p50, server >= 95% of offline)"
+    )
     print(f"   {'workload':<58} {'metric':<14} {'vllm':>10} {'kvmesh':>10} {'ratio':>7}  per round")
     for wname, res in zip(names, results):
-        metrics = [("total tok/s", lambda s: s["total_tok_s"], 1.0),
-                   ("TTFT p50 ms", lambda s: _pct(s["ttft"], 50), 1000.0),
-                   ("TPOT p50 ms", lambda s: _pct(s["tpot"], 50), 1000.0)]
+        metrics = [
+            ("total tok/s", lambda s: s["total_tok_s"], 1.0),
+            ("TTFT p50 ms", lambda s: _pct(s["ttft"], 50), 1000.0),
+            ("TPOT p50 ms", lambda s: _pct(s["tpot"], 50), 1000.0),
+        ]
         for metric, get, scale in metrics:
             v = [get(s) for s in res["vllm"]]
             k = [get(s) for s in res["kvmesh"]]
             ratios = [b / a if a else float("nan") for a, b in zip(v, k)]
-            print(f"   {wname[:58]:<58} {metric:<14} {scale * _median(v):10.1f} {scale * _median(k):10.1f} "
-                  f"{_median(ratios):6.2f}x  {' '.join(f'{x:.2f}' for x in ratios)}")
+            print(
+                f"   {wname[:58]:<58} {metric:<14} {scale * _median(v):10.1f} {scale * _median(k):10.1f} "
+                f"{_median(ratios):6.2f}x  {' '.join(f'{x:.2f}' for x in ratios)}"
+            )
         if "offline" in res:
             o = [s["total_tok_s"] for s in res["offline"]]
             shares = [s["total_tok_s"] / b for s, b in zip(res["kvmesh"], o)]
-            print(f"   {wname[:58]:<58} {'offline tok/s':<14} {'':>10} {_median(o):10.1f} "
-                  f"server keeps {100 * _median(shares):.1f}%  {' '.join(f'{100 * x:.0f}%' for x in shares)}")
+            print(
+                f"   {wname[:58]:<58} {'offline tok/s':<14} {'':>10} {_median(o):10.1f} "
+                f"server keeps {100 * _median(shares):.1f}%  {' '.join(f'{100 * x:.0f}%' for x in shares)}"
+            )
         failed = [(p, sum(s["failed"] for s in res[p])) for p in ("vllm", "kvmesh")]
         if any(n for _, n in failed):
             print(f"   (failed requests: {', '.join(f'{p} {n}' for p, n in failed)})")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     ap.add_argument("--url", help="base URL of a running OpenAI-compatible server")
-    ap.add_argument("--compare", action="store_true", help="prefix caching on vs off, and the server vs the offline API (starts its own servers)")
-    ap.add_argument("--compare-vllm", metavar="URL|auto", default=None,
-                    help="the comparison against vLLM's server at URL (auto: start it with --vllm-anchor)")
-    ap.add_argument("--vllm-anchor", default=VLLM_ANCHOR, help="vllm_anchor.sh, which serves vLLM's CPU build (default: ../shared/bench/vllm_anchor.sh from the repository root)")
-    ap.add_argument("--kvmesh-url", default=None, help="--compare-vllm: a running kvmesh server (else one is started)")
-    ap.add_argument("--kvmesh-flags", default="", help="--compare-vllm: extra `kvmesh serve` flags, one string")
-    ap.add_argument("--settle", type=float, default=30.0,
-                    help="--compare-vllm: seconds to wait after the start-ups before measuring")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="--compare-vllm: interleaved rounds (each: every workload on vllm, kvmesh, offline)")
+    ap.add_argument(
+        "--compare",
+        action="store_true",
+        help="prefix caching on vs off, and the server vs the offline API (starts its own servers)",
+    )
+    ap.add_argument(
+        "--compare-vllm",
+        metavar="URL|auto",
+        default=None,
+        help="the comparison against vLLM's server at URL (auto: start it with --vllm-anchor)",
+    )
+    ap.add_argument(
+        "--vllm-anchor",
+        default=VLLM_ANCHOR,
+        help="vllm_anchor.sh, which serves vLLM's CPU build (default: ../shared/bench/vllm_anchor.sh from the repository root)",
+    )
+    ap.add_argument(
+        "--kvmesh-url",
+        default=None,
+        help="--compare-vllm: a running kvmesh server (else one is started)",
+    )
+    ap.add_argument(
+        "--kvmesh-flags", default="", help="--compare-vllm: extra `kvmesh serve` flags, one string"
+    )
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=30.0,
+        help="--compare-vllm: seconds to wait after the start-ups before measuring",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="--compare-vllm: interleaved rounds (each: every workload on vllm, kvmesh, offline)",
+    )
     ap.add_argument("--random-num-prompts", type=int, default=64)
     ap.add_argument("--random-input-len", type=int, default=256)
     ap.add_argument("--random-output-len", type=int, default=128)
@@ -732,8 +952,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix-rep-output-len", type=int, default=32)
     ap.add_argument("--prefix-rep-concurrency", type=int, default=8)
     ap.add_argument("--workload", choices=["offline", "shared-prefix"], default="offline")
-    ap.add_argument("--model", default="smollm2-135m-instruct",
-                    help="--compare: the model to serve; --url: the `model` field sent")
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="--compare: the model to serve; --url: the `model` field sent",
+    )
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--min-len", type=int, default=64)
@@ -743,8 +966,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix-prompt-len", type=int, default=512)
     ap.add_argument("--prefix-output-len", type=int, default=16)
     ap.add_argument("--prefix-concurrency", type=int, default=4)
-    ap.add_argument("--concurrency", type=int, default=None, help="fixed concurrency (default: all at once)")
-    ap.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals (req/s) instead")
+    ap.add_argument(
+        "--concurrency", type=int, default=None, help="fixed concurrency (default: all at once)"
+    )
+    ap.add_argument(
+        "--request-rate", type=float, default=None, help="Poisson arrivals (req/s) instead"
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -771,14 +998,26 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001 - any server: stay inside a common vocabulary size
         pass
     if args.workload == "offline":
-        reqs = offline_workload(args.num_requests, args.min_len, args.max_len, args.output_len, vocab)
+        reqs = offline_workload(
+            args.num_requests, args.min_len, args.max_len, args.output_len, vocab
+        )
         conc = args.concurrency or len(reqs)
     else:
-        reqs = shared_prefix_workload(args.prefix_num_requests, args.prefix_prompt_len, 0.75,
-                                      args.prefix_output_len, vocab)
+        reqs = shared_prefix_workload(
+            args.prefix_num_requests, args.prefix_prompt_len, 0.75, args.prefix_output_len, vocab
+        )
         conc = args.concurrency or args.prefix_concurrency
-    res, el = asyncio.run(run_load(args.url.rstrip("/"), reqs, conc, args.request_rate, model=args.model,
-                                   api_key=args.api_key, label=args.workload))
+    res, el = asyncio.run(
+        run_load(
+            args.url.rstrip("/"),
+            reqs,
+            conc,
+            args.request_rate,
+            model=args.model,
+            api_key=args.api_key,
+            label=args.workload,
+        )
+    )
     summarize(f"{args.workload} workload against {args.url}", res, el)
     return 0
 

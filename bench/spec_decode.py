@@ -32,15 +32,25 @@ import random
 import statistics
 import time
 
-WORDS = ("the a river town keeper light ship harbour evening morning winter summer old new small "
-         "great quiet bright dark stone wooden bridge road market garden window door lamp clock "
-         "bell tower field hill forest cloud rain wind snow sea coast island boat sail net fish "
-         "baker smith teacher child mother father friend neighbour walked carried watched opened "
-         "closed painted mended counted sang called waited found left kept brought over under "
-         "across beside through after before while because and but slowly carefully every each").split()
-TARGETS = {("copy", 1): 1.8, ("copy", 4): 1.4, ("copy", 64): 0.97,
-           ("random", 1): 0.97, ("random", 4): 0.97, ("random", 64): 0.97,
-           ("sampled", 1): 0.97, ("sampled", 4): 0.97, ("sampled", 64): 0.97}
+WORDS = (
+    "the a river town keeper light ship harbour evening morning winter summer old new small "
+    "great quiet bright dark stone wooden bridge road market garden window door lamp clock "
+    "bell tower field hill forest cloud rain wind snow sea coast island boat sail net fish "
+    "baker smith teacher child mother father friend neighbour walked carried watched opened "
+    "closed painted mended counted sang called waited found left kept brought over under "
+    "across beside through after before while because and but slowly carefully every each"
+).split()
+TARGETS = {
+    ("copy", 1): 1.8,
+    ("copy", 4): 1.4,
+    ("copy", 64): 0.97,
+    ("random", 1): 0.97,
+    ("random", 4): 0.97,
+    ("random", 64): 0.97,
+    ("sampled", 1): 0.97,
+    ("sampled", 4): 0.97,
+    ("sampled", 64): 0.97,
+}
 WORKLOAD_TEMPERATURE = {"copy": 0.0, "random": 0.0, "sampled": 1.0}
 
 
@@ -60,8 +70,10 @@ def copy_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     for _ in range(n):
         text = passage(rng, 220)  # ~300 tokens
         old, new = rng.choice(WORDS[:40]), rng.choice(WORDS[40:80])
-        msg = (f"Rewrite the passage below, replacing every '{old}' with '{new}'. Change nothing "
-               f"else and add no comment.\n\n{text}")
+        msg = (
+            f"Rewrite the passage below, replacing every '{old}' with '{new}'. Change nothing "
+            f"else and add no comment.\n\n{text}"
+        )
         out.append(tokenizer.encode_chat([{"role": "user", "content": msg}]))
     return out
 
@@ -71,8 +83,9 @@ def random_prompts(n: int, seed: int, vocab: int, length: int = 300) -> list[lis
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def run_wave(engine, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float = 0.0
-             ) -> tuple[list[float], list[float]]:
+def run_wave(
+    engine, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float = 0.0
+) -> tuple[list[float], list[float]]:
     """Closed loop at `concurrency`; each request's TPOT (seconds), in wall time and in this
     process's CPU time (all threads). On a shared machine the CPU-time TPOT is the steadier
     measure: other people's processes stretch wall time, not the work this process does.
@@ -93,7 +106,11 @@ def run_wave(engine, prompts: list[list[int]], concurrency: int, max_tokens: int
     in_flight = started = steps = 0
     stagger = max(1, max_tokens // concurrency)
     while todo or in_flight:
-        while todo and in_flight < concurrency and (started >= concurrency or steps >= started * stagger):
+        while (
+            todo
+            and in_flight < concurrency
+            and (started >= concurrency or steps >= started * stagger)
+        ):
             engine.add_request(todo.pop(0), params)
             in_flight += 1
             started += 1
@@ -120,7 +137,13 @@ def spec_counts(engine) -> tuple[int, int, int]:
 _ENGINE = None  # in a wave worker process: its one engine, built by its first wave
 
 
-def wave(engine_kwargs: dict, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float):
+def wave(
+    engine_kwargs: dict,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    temperature: float,
+):
     """One wave on this worker process's engine: (wall TPOTs, CPU TPOTs, wall seconds, the wave's
     spec counts). The engine is built (and warmed up) by the worker's first wave."""
     global _ENGINE
@@ -129,14 +152,20 @@ def wave(engine_kwargs: dict, prompts: list[list[int]], concurrency: int, max_to
 
     if _ENGINE is None:
         _ENGINE = LLMEngine(EngineArgs(**engine_kwargs))
-        _ENGINE.add_request(list(range(100, 164)), SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+        _ENGINE.add_request(
+            list(range(100, 164)), SamplingParams(max_tokens=8, temperature=0.0)
+        )  # warm-up
         while _ENGINE.has_unfinished_requests():
             _ENGINE.step()
     before = spec_counts(_ENGINE)
     t0 = time.perf_counter()
     wall_tpots, cpu_tpots = run_wave(_ENGINE, prompts, concurrency, max_tokens, temperature)
-    return (wall_tpots, cpu_tpots, time.perf_counter() - t0,
-            [a - b for a, b in zip(spec_counts(_ENGINE), before)])
+    return (
+        wall_tpots,
+        cpu_tpots,
+        time.perf_counter() - t0,
+        [a - b for a, b in zip(spec_counts(_ENGINE), before)],
+    )
 
 
 class WavePair:
@@ -151,7 +180,9 @@ class WavePair:
         from concurrent.futures import ProcessPoolExecutor
 
         ctx = multiprocessing.get_context("spawn")
-        self.pools = {mode: ProcessPoolExecutor(max_workers=1, mp_context=ctx) for mode in ("off", "on")}
+        self.pools = {
+            mode: ProcessPoolExecutor(max_workers=1, mp_context=ctx) for mode in ("off", "on")
+        }
 
     def run(self, mode: str, *args):
         return self.pools[mode].submit(wave, *args).result()
@@ -167,15 +198,30 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,4,64")
     ap.add_argument("--workloads", default="copy,random,sampled")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
-                                                    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
+    ap.add_argument(
+        "--speculative-config",
+        default='{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+    )
     ap.add_argument("--kv-cache-memory", default="2GiB")
-    ap.add_argument("--order", default="off,on", help="which engine runs first (alternating with repetitions)")
-    ap.add_argument("--repeats", type=int, default=8,
-                    help="wave pairs per configuration, new prompts each, the order alternating")
-    ap.add_argument("--waves-per-process", type=int, default=4,
-                    help="wave pairs run by one pair of worker processes before new ones start")
-    ap.add_argument("--num-requests", type=int, default=None, help="per configuration (default: max(c, 2))")
+    ap.add_argument(
+        "--order", default="off,on", help="which engine runs first (alternating with repetitions)"
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=8,
+        help="wave pairs per configuration, new prompts each, the order alternating",
+    )
+    ap.add_argument(
+        "--waves-per-process",
+        type=int,
+        default=4,
+        help="wave pairs run by one pair of worker processes before new ones start",
+    )
+    ap.add_argument(
+        "--num-requests", type=int, default=None, help="per configuration (default: max(c, 2))"
+    )
     args = ap.parse_args()
 
     from kvmesh.common.tokenizer import KVMeshTokenizer
@@ -188,10 +234,12 @@ def main() -> int:
     engine_kwargs = {"off": common, "on": dict(common, speculative_config=spec_cfg)}
     model_dir = resolve_model_dir(args.model)
     tokenizer, vocab = KVMeshTokenizer(model_dir), ModelConfig.from_dir(model_dir).vocab_size
-    print(f"model {args.model}, {args.max_tokens} output tokens; speculative_config {spec_cfg} "
-          f"(disable_by_batch_size {SpeculativeConfig.parse(spec_cfg).disable_by_batch_size}); "
-          f"{args.repeats} wave pairs per configuration, {args.waves_per_process} per pair of worker processes",
-          flush=True)
+    print(
+        f"model {args.model}, {args.max_tokens} output tokens; speculative_config {spec_cfg} "
+        f"(disable_by_batch_size {SpeculativeConfig.parse(spec_cfg).disable_by_batch_size}); "
+        f"{args.repeats} wave pairs per configuration, {args.waves_per_process} per pair of worker processes",
+        flush=True,
+    )
     seed = 0
     for workload in args.workloads.split(","):
         for c in [int(x) for x in args.concurrency.split(",")]:
@@ -205,11 +253,24 @@ def main() -> int:
                         pair.close()
                     pair = WavePair()
                 seed += 1  # new prompts each repetition: neither engine has them cached
-                prompts = (copy_prompts(tokenizer, n, seed) if workload == "copy"
-                           else random_prompts(n, seed, vocab))
-                reps.append({mode: pair.run(mode, engine_kwargs[mode], prompts, c, args.max_tokens,
-                                            WORKLOAD_TEMPERATURE[workload])
-                             for mode in (order if rep % 2 == 0 else order[::-1])})  # alternate who goes first
+                prompts = (
+                    copy_prompts(tokenizer, n, seed)
+                    if workload == "copy"
+                    else random_prompts(n, seed, vocab)
+                )
+                reps.append(
+                    {
+                        mode: pair.run(
+                            mode,
+                            engine_kwargs[mode],
+                            prompts,
+                            c,
+                            args.max_tokens,
+                            WORKLOAD_TEMPERATURE[workload],
+                        )
+                        for mode in (order if rep % 2 == 0 else order[::-1])
+                    }
+                )  # alternate who goes first
             pair.close()
             report(workload, c, n, reps)
     return 0
@@ -229,15 +290,24 @@ def report(workload: str, c: int, n: int, reps: list[dict]) -> None:
     ratio, ratio_cpu = off / on, med(per_rep)
     drafts, draft_toks, accepted = (sum(r["on"][3][i] for r in reps) for i in range(3))
     target = TARGETS.get((workload, c))
-    verdict = "" if target is None else \
-        f" (target >= {target}x: {'met' if ratio_cpu >= target else 'MISSED'} by CPU time)"
+    verdict = (
+        ""
+        if target is None
+        else f" (target >= {target}x: {'met' if ratio_cpu >= target else 'MISSED'} by CPU time)"
+    )
     acc = f"{accepted / draft_toks:.2f}" if draft_toks else "-"
-    reps_txt = "" if len(reps) == 1 else \
-        f" | {len(reps)} repetitions, CPU-time ratio each: {' '.join(f'{x:.2f}' for x in per_rep)}"
-    print(f"{workload:6s} c={c:<3d} n={n:<3d} median TPOT wall off {off * 1e3:7.1f} ms on {on * 1e3:7.1f} ms "
-          f"= {ratio:5.2f}x | CPU-time off {off_cpu * 1e3:7.1f} ms on {on_cpu * 1e3:7.1f} ms = {ratio_cpu:5.2f}x"
-          f"{verdict} | acceptance {acc} ({accepted}/{draft_toks} tokens, {drafts} drafts){reps_txt} | "
-          f"wall off {sum(r['off'][2] for r in reps):.0f}s on {sum(r['on'][2] for r in reps):.0f}s", flush=True)
+    reps_txt = (
+        ""
+        if len(reps) == 1
+        else f" | {len(reps)} repetitions, CPU-time ratio each: {' '.join(f'{x:.2f}' for x in per_rep)}"
+    )
+    print(
+        f"{workload:6s} c={c:<3d} n={n:<3d} median TPOT wall off {off * 1e3:7.1f} ms on {on * 1e3:7.1f} ms "
+        f"= {ratio:5.2f}x | CPU-time off {off_cpu * 1e3:7.1f} ms on {on_cpu * 1e3:7.1f} ms = {ratio_cpu:5.2f}x"
+        f"{verdict} | acceptance {acc} ({accepted}/{draft_toks} tokens, {drafts} drafts){reps_txt} | "
+        f"wall off {sum(r['off'][2] for r in reps):.0f}s on {sum(r['on'][2] for r in reps):.0f}s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

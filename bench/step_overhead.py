@@ -32,13 +32,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--warmup-steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--compare-async", action="store_true",
-                    help="sync vs async scheduling on one engine: --rounds alternating rounds of --steps "
-                         "decode steps each; wall and process CPU time per step, and their ratio")
+    ap.add_argument(
+        "--compare-async",
+        action="store_true",
+        help="sync vs async scheduling on one engine: --rounds alternating rounds of --steps "
+        "decode steps each; wall and process CPU time per step, and their ratio",
+    )
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--host-only", action="store_true",
-                    help="time ModelRunner.prepare alone (no model, no forward) for the cpu and triton "
-                         "backends' metadata at batches 64 and 256 (--host-batches)")
+    ap.add_argument(
+        "--host-only",
+        action="store_true",
+        help="time ModelRunner.prepare alone (no model, no forward) for the cpu and triton "
+        "backends' metadata at batches 64 and 256 (--host-batches)",
+    )
     ap.add_argument("--host-batches", default="64,256")
     args = ap.parse_args()
     if args.host_only:
@@ -78,14 +84,23 @@ def main() -> None:
         raise SystemExit(f"expected {args.steps} decode steps, got {snap.get('decode_steps')}")
     import torch
 
-    print(f"decode steps: {args.steps} at batch {per['batch']:.0f}, model {args.model}, "
-          f"{torch.get_num_threads()} torch threads")
-    print("  per step (ms): " + ", ".join(f"{p} {per[p]:.2f}" for p in PHASES)
-          + f"  (output includes msgspec encoding: {1000 * encode_s / args.steps:.2f})")
-    print(f"  step {per['total']:.2f} ms (wall {1000 * wall / args.steps:.2f}), forward {per['forward']:.2f} ms")
-    print(f"python overhead per decode step at batch {per['batch']:.0f}: {per['overhead']:.2f} ms "
-          f"({100 * per['overhead'] / per['total']:.1f}% of the step; "
-          f"{1000 * per['overhead'] / per['batch']:.1f} us per sequence)")
+    print(
+        f"decode steps: {args.steps} at batch {per['batch']:.0f}, model {args.model}, "
+        f"{torch.get_num_threads()} torch threads"
+    )
+    print(
+        "  per step (ms): "
+        + ", ".join(f"{p} {per[p]:.2f}" for p in PHASES)
+        + f"  (output includes msgspec encoding: {1000 * encode_s / args.steps:.2f})"
+    )
+    print(
+        f"  step {per['total']:.2f} ms (wall {1000 * wall / args.steps:.2f}), forward {per['forward']:.2f} ms"
+    )
+    print(
+        f"python overhead per decode step at batch {per['batch']:.0f}: {per['overhead']:.2f} ms "
+        f"({100 * per['overhead'] / per['total']:.1f}% of the step; "
+        f"{1000 * per['overhead'] / per['batch']:.1f} us per sequence)"
+    )
 
 
 def _decode_engine(args, async_scheduling: bool | None, total_steps: int):
@@ -97,17 +112,30 @@ def _decode_engine(args, async_scheduling: bool | None, total_steps: int):
     from kvmesh.engine.sampling_params import SamplingParams
 
     total_len = args.prompt_len + args.warmup_steps + total_steps + 8
-    core = EngineCore(EngineArgs(model=args.model, num_kv_blocks=args.batch * -(-total_len // 16) + 16,
-                                 max_num_seqs=args.batch, max_model_len=max(total_len + 16, 256),
-                                 max_num_batched_tokens=max(2048, args.prompt_len), dtype="float32",
-                                 async_scheduling=async_scheduling))
+    core = EngineCore(
+        EngineArgs(
+            model=args.model,
+            num_kv_blocks=args.batch * -(-total_len // 16) + 16,
+            max_num_seqs=args.batch,
+            max_model_len=max(total_len + 16, 256),
+            max_num_batched_tokens=max(2048, args.prompt_len),
+            dtype="float32",
+            async_scheduling=async_scheduling,
+        )
+    )
     loop = CoreLoop(core)
     rng = random.Random(args.seed)
     vocab = core.model_config.vocab_size
-    params = SamplingParams(max_tokens=args.warmup_steps + total_steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=args.warmup_steps + total_steps + 4, temperature=0.0, ignore_eos=True
+    )
     for i in range(args.batch):
-        loop.add(AddRequest(f"r{i}", [rng.randrange(0, vocab) for _ in range(args.prompt_len)], params))
-    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
+        loop.add(
+            AddRequest(f"r{i}", [rng.randrange(0, vocab) for _ in range(args.prompt_len)], params)
+        )
+    while core.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running
+    ):
         loop.step()
     for _ in range(args.warmup_steps):
         loop.step()
@@ -126,9 +154,12 @@ def compare_async(args) -> None:
     core, timer = loop.core, loop.timer
     worker_threads = []
     core._step_thread.submit(lambda: worker_threads.append(torch.get_num_threads())).result()
-    totals = {mode: {"wall": 0.0, "cpu": 0.0, "forward": 0.0, "sample": 0.0, "tokens": 0} for mode in (False, True)}
+    totals = {
+        mode: {"wall": 0.0, "cpu": 0.0, "forward": 0.0, "sample": 0.0, "tokens": 0}
+        for mode in (False, True)
+    }
     for r in range(args.rounds):
-        for mode in ((False, True) if r % 2 == 0 else (True, False)):
+        for mode in (False, True) if r % 2 == 0 else (True, False):
             while core._in_flight:  # drain before a switch: its outputs are not this round's
                 core._apply_oldest()
             core.async_scheduling = mode
@@ -144,19 +175,26 @@ def compare_async(args) -> None:
             t["forward"] += timer.totals["forward"] - fwd0
             t["sample"] += timer.totals["sample"] - smp0
             t["tokens"] += core.generation_tokens - tok0
-    print(f"sync vs async scheduling: model {args.model}, decode batch {args.batch}, "
-          f"{torch.get_num_threads()} torch threads (step thread: {worker_threads[0]}), one engine, "
-          f"{args.rounds} alternating rounds x {args.steps} steps per mode")
+    print(
+        f"sync vs async scheduling: model {args.model}, decode batch {args.batch}, "
+        f"{torch.get_num_threads()} torch threads (step thread: {worker_threads[0]}), one engine, "
+        f"{args.rounds} alternating rounds x {args.steps} steps per mode"
+    )
     per = {}
     for mode, t in totals.items():
         n = t["tokens"] / args.batch  # steps whose tokens were applied
         per[mode] = {k: 1000 * t[k] / n for k in ("wall", "cpu", "forward", "sample")}
         p = per[mode]
-        print(f"  {'async' if mode else 'sync ':5}: wall {p['wall']:.2f} ms/step, cpu {p['cpu']:.2f} ms/step, "
-              f"forward {p['forward']:.2f} + sample {p['sample']:.2f} ms, host overhead outside them "
-              f"{p['wall'] - p['forward'] - p['sample']:.2f} ms, {t['tokens'] / t['wall']:.1f} tok/s")
-    print(f"  async / sync: wall {per[True]['wall'] / per[False]['wall']:.3f}, "
-          f"cpu {per[True]['cpu'] / per[False]['cpu']:.3f}")
+        print(
+            f"  {'async' if mode else 'sync ':5}: wall {p['wall']:.2f} ms/step, cpu {p['cpu']:.2f} ms/step, "
+            f"forward {p['forward']:.2f} + sample {p['sample']:.2f} ms, host overhead outside them "
+            f"{p['wall'] - p['forward'] - p['sample']:.2f} ms, {t['tokens'] / t['wall']:.1f} tok/s"
+        )
+    print(
+        f"  async / sync: wall {per[True]['wall'] / per[False]['wall']:.3f}, "
+        f"cpu {per[True]['cpu'] / per[False]['cpu']:.3f}"
+    )
+
 
 def host_only(args) -> None:
     """ModelRunner.prepare's host time per decode step: a scheduler and KV cache manager with no
@@ -190,6 +228,7 @@ def host_only(args) -> None:
             runner._buffers = StepBuffers()
             try:
                 from kvmesh.engine.input_batch import InputBatch
+
                 runner.input_batch = InputBatch(bs, max_rows=batch)
             except ImportError:
                 pass
@@ -201,8 +240,17 @@ def host_only(args) -> None:
             rng = random.Random(args.seed)
             params = SamplingParams(max_tokens=total_len, temperature=0.0, ignore_eos=True)
             for i in range(batch):
-                sched.add_request(Request(f"r{i}", [rng.randrange(0, 1000) for _ in range(args.prompt_len)],
-                                          params, set(), "m", bs, total_len + 16))
+                sched.add_request(
+                    Request(
+                        f"r{i}",
+                        [rng.randrange(0, 1000) for _ in range(args.prompt_len)],
+                        params,
+                        set(),
+                        "m",
+                        bs,
+                        total_len + 16,
+                    )
+                )
             times = []
             for step in range(args.warmup_steps + args.steps):
                 out = sched.schedule()
@@ -212,8 +260,10 @@ def host_only(args) -> None:
                     times.append(time.perf_counter() - t0)
                 sched.update_from_output(out, {r.request_id: 7 for r in out.requests})
             times.sort()  # the median: robust to the load of a shared machine
-            print(f"host-only prepare: backend {backend_name}, decode batch {batch}: "
-                  f"{1000 * times[len(times) // 2]:.3f} ms per step (median; mean {1000 * sum(times) / len(times):.3f})")
+            print(
+                f"host-only prepare: backend {backend_name}, decode batch {batch}: "
+                f"{1000 * times[len(times) // 2]:.3f} ms per step (median; mean {1000 * sum(times) / len(times):.3f})"
+            )
 
 
 if __name__ == "__main__":

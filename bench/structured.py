@@ -11,23 +11,34 @@
 
     python -P bench/structured.py [--model smollm2-135m-instruct | --tiny] [--requests 32] [--max-tokens 128]
 """
+
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.tiny_models, bench.structured_backends
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent.parent)
+)  # tests.tiny_models, bench.structured_backends
 
 CONCURRENCY = 16
 # An array longer than any max_tokens here allows: a constrained request never ends early.
-LONG_SCHEMA = {"type": "object", "properties": {"values": {
-    "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 400}},
-    "required": ["values"], "additionalProperties": False}
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "values": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 999},
+            "minItems": 400,
+        }
+    },
+    "required": ["values"],
+    "additionalProperties": False,
+}
 
 
 def _pct(values, q):
@@ -54,6 +65,7 @@ class MaskTimer:
             finally:
                 self.seconds += time.perf_counter() - start
                 self.steps += counts_step
+
         return wrapper
 
 
@@ -63,7 +75,9 @@ def throughput(llm, prompts, params) -> tuple[float, float]:
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, elapsed / (llm.engine.core.num_steps - steps)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, elapsed / (
+        llm.engine.core.num_steps - steps
+    )
 
 
 def bench_throughput(llm, num_requests: int, max_tokens: int, repeats: int) -> None:
@@ -72,10 +86,15 @@ def bench_throughput(llm, num_requests: int, max_tokens: int, repeats: int) -> N
 
     prompts = [f"Request {i}: list some numbers as JSON." for i in range(num_requests)]
     plain = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                 structured_outputs=StructuredOutputsParams(json=LONG_SCHEMA))
+    constrained = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        structured_outputs=StructuredOutputsParams(json=LONG_SCHEMA),
+    )
     half = [constrained if i % 2 else plain for i in range(num_requests)]
-    llm.generate(prompts[:CONCURRENCY], half[:CONCURRENCY])  # warm-up: kernels, the grammar compiled and cached
+    llm.generate(
+        prompts[:CONCURRENCY], half[:CONCURRENCY]
+    )  # warm-up: kernels, the grammar compiled and cached
     timer = MaskTimer()
     base, mixed, mixed_steps = [], [], []
     for _ in range(repeats):
@@ -84,13 +103,19 @@ def bench_throughput(llm, num_requests: int, max_tokens: int, repeats: int) -> N
         mixed.append(tps)
         mixed_steps.append(step_s)
     b, m = statistics.median(base), statistics.median(mixed)
-    print(f"throughput all unconstrained      {b:8.1f} tok/s  (runs: {', '.join(f'{x:.1f}' for x in base)})")
-    print(f"throughput half JSON-constrained  {m:8.1f} tok/s  (runs: {', '.join(f'{x:.1f}' for x in mixed)})")
+    print(
+        f"throughput all unconstrained      {b:8.1f} tok/s  (runs: {', '.join(f'{x:.1f}' for x in base)})"
+    )
+    print(
+        f"throughput half JSON-constrained  {m:8.1f} tok/s  (runs: {', '.join(f'{x:.1f}' for x in mixed)})"
+    )
     print(f"ratio half-constrained / unconstrained: {m / b:.3f}x (target >= 0.9x)")
     mask_ms = timer.seconds / max(timer.steps, 1) * 1e3
     step_ms = statistics.median(mixed_steps) * 1e3
-    print(f"mask build + apply per step: {mask_ms:.3f} ms of a {step_ms:.1f} ms step ({mask_ms / step_ms:.1%}; "
-          f"{CONCURRENCY // 2} of {CONCURRENCY} rows constrained)")
+    print(
+        f"mask build + apply per step: {mask_ms:.3f} ms of a {step_ms:.1f} ms step ({mask_ms / step_ms:.1%}; "
+        f"{CONCURRENCY // 2} of {CONCURRENCY} rows constrained)"
+    )
 
 
 def bench_compile(backend, repeats: int) -> None:
@@ -101,21 +126,31 @@ def bench_compile(backend, repeats: int) -> None:
         cold, cached = [], []
         for i in range(repeats):
             # A spec the cache has not seen (a new description), then the same one again.
-            spec = StructuredOutputsParams(json={**schema, "description": f"bench {time.time_ns()} {i}"})
+            spec = StructuredOutputsParams(
+                json={**schema, "description": f"bench {time.time_ns()} {i}"}
+            )
             start = time.perf_counter()
             backend.cache.compile_now(spec)
             cold.append((time.perf_counter() - start) * 1e3)
             start = time.perf_counter()
             backend.cache.compile_now(spec)
             cached.append((time.perf_counter() - start) * 1e3)
-        print(f"compile {name:11s} cold   p50 {_pct(cold, 0.5):7.3f} ms  p99 {_pct(cold, 0.99):7.3f} ms")
-        print(f"compile {name:11s} cached p50 {_pct(cached, 0.5):7.3f} ms  p99 {_pct(cached, 0.99):7.3f} ms")
+        print(
+            f"compile {name:11s} cold   p50 {_pct(cold, 0.5):7.3f} ms  p99 {_pct(cold, 0.99):7.3f} ms"
+        )
+        print(
+            f"compile {name:11s} cached p50 {_pct(cached, 0.5):7.3f} ms  p99 {_pct(cached, 0.99):7.3f} ms"
+        )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--tiny", action="store_true", help="a tiny random-weight Llama (tests/tiny_models.py)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="a tiny random-weight Llama (tests/tiny_models.py)"
+    )
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
@@ -132,8 +167,10 @@ def main() -> None:
         model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="kvmesh-tiny-")), "tiny-llama"))
     llm = LLM(model, max_num_seqs=CONCURRENCY, kv_cache_memory=args.kv_cache_memory, seed=0)
     core = llm.engine.core
-    print(f"model {args.model if not args.tiny else 'tiny-llama (random weights)'}, device {core.device}, "
-          f"dtype {core.dtype}, concurrency {CONCURRENCY}, {args.requests} requests x {args.max_tokens} tokens")
+    print(
+        f"model {args.model if not args.tiny else 'tiny-llama (random weights)'}, device {core.device}, "
+        f"dtype {core.dtype}, concurrency {CONCURRENCY}, {args.requests} requests x {args.max_tokens} tokens"
+    )
     bench_throughput(llm, args.requests, args.max_tokens, args.repeats)
     bench_compile(core.structured_backend(), args.compile_repeats)
 

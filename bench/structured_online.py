@@ -16,6 +16,7 @@ there with the same workload, the first saved one over the others (a name run ag
     python -P bench/structured_online.py --url kvmesh=http://127.0.0.1:8000 --url vllm=http://127.0.0.1:8001 \\
         [--model smollm2-135m-instruct] [--requests 64] [--max-tokens 128] [--results FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -37,36 +38,81 @@ from bench.structured_backends import SCHEMAS as COMPILE_SCHEMAS  # noqa: E402
 CONCURRENCY = 16
 SCHEMAS = {
     **COMPILE_SCHEMAS,
-    "order": {"type": "object", "properties": {
-        "order_id": {"type": "integer", "minimum": 1},
-        "customer": {"type": "object", "properties": {
-            "name": {"type": "string"}, "country": {"enum": ["FR", "DE", "US", "JP", "BR"]}},
-            "required": ["name", "country"]},
-        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "object", "properties": {
-            "product": {"type": "string"}, "quantity": {"type": "integer", "minimum": 1, "maximum": 20}},
-            "required": ["product", "quantity"]}},
-        "status": {"enum": ["pending", "shipped", "delivered"]}},
-        "required": ["order_id", "customer", "items", "status"]},
-    "event": {"type": "object", "properties": {
-        "title": {"type": "string"}, "day": {"enum": ["mon", "tue", "wed", "thu", "fri", "sat", "sun"]},
-        "attendees": {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 4},
-        "online": {"type": "boolean"}},
-        "required": ["title", "day", "attendees", "online"]},
+    "order": {
+        "type": "object",
+        "properties": {
+            "order_id": {"type": "integer", "minimum": 1},
+            "customer": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "country": {"enum": ["FR", "DE", "US", "JP", "BR"]},
+                },
+                "required": ["name", "country"],
+            },
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "product": {"type": "string"},
+                        "quantity": {"type": "integer", "minimum": 1, "maximum": 20},
+                    },
+                    "required": ["product", "quantity"],
+                },
+            },
+            "status": {"enum": ["pending", "shipped", "delivered"]},
+        },
+        "required": ["order_id", "customer", "items", "status"],
+    },
+    "event": {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string"},
+            "day": {"enum": ["mon", "tue", "wed", "thu", "fri", "sat", "sun"]},
+            "attendees": {
+                "type": "array",
+                "items": {"type": "string"},
+                "minItems": 2,
+                "maxItems": 4,
+            },
+            "online": {"type": "boolean"},
+        },
+        "required": ["title", "day", "attendees", "online"],
+    },
 }
 # What each schema's prompt asks for, with a subject that varies per request.
 ASKS = {
     "flat": "Give a person named after {subject} as a JSON object with a string field name and an integer field age.",
     "nested": "Describe a user of a {subject} forum as a JSON object: a user object with an integer id, a list of "
-              "tags and a kind (a, b or c), and a non-negative score.",
+    "tags and a kind (a, b or c), and a non-negative score.",
     "anyof_ref": "Give a JSON object about {subject}: field v is a lowercase word, an integer or null, and field "
-                 "items is a list of one to four objects with a number x.",
+    "items is a list of one to four objects with a number x.",
     "order": "Write a customer order for {subject} as JSON: order_id, customer (name and country, one of FR, DE, "
-             "US, JP, BR), one to three items with product and quantity, and status (pending, shipped or delivered).",
+    "US, JP, BR), one to three items with product and quantity, and status (pending, shipped or delivered).",
     "event": "Plan a meeting about {subject} as JSON: title, day (mon to sun), two to four attendee names, and "
-             "whether it is online.",
+    "whether it is online.",
 }
-SUBJECTS = ["Paris", "gardening", "chess", "a bakery", "jazz", "the ocean", "robots", "winter", "football", "coffee",
-            "a library", "volcanoes", "trains", "tea", "mountains", "a museum"]
+SUBJECTS = [
+    "Paris",
+    "gardening",
+    "chess",
+    "a bakery",
+    "jazz",
+    "the ocean",
+    "robots",
+    "winter",
+    "football",
+    "coffee",
+    "a library",
+    "volcanoes",
+    "trains",
+    "tea",
+    "mountains",
+    "a museum",
+]
 
 
 @dataclass
@@ -95,16 +141,32 @@ def workload(num_requests: int) -> list[Request]:
         pair = i // 2
         name = names[pair % len(names)]
         subject = SUBJECTS[(pair // len(names)) % len(SUBJECTS)]
-        reqs.append(Request(name, ASKS[name].format(subject=subject) + " Reply with the JSON only.", i % 2 == 1))
+        reqs.append(
+            Request(
+                name, ASKS[name].format(subject=subject) + " Reply with the JSON only.", i % 2 == 1
+            )
+        )
     return reqs
 
 
 def request_body(req: Request, model: str, max_tokens: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": req.prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": req.prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if req.constrained:
-        body["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": req.schema_name, "schema": SCHEMAS[req.schema_name], "strict": True}}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {
+                "name": req.schema_name,
+                "schema": SCHEMAS[req.schema_name],
+                "strict": True,
+            },
+        }
     return body
 
 
@@ -153,11 +215,13 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, req: Reques
     return reply
 
 
-async def run(url: str, model: str, reqs: list[Request], max_tokens: int,
-              concurrency: int) -> tuple[list[Reply], float]:
+async def run(
+    url: str, model: str, reqs: list[Request], max_tokens: int, concurrency: int
+) -> tuple[list[Reply], float]:
     sem = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=3600, sock_connect=30)
     async with aiohttp.ClientSession(timeout=timeout) as session:
+
         async def limited(req: Request) -> Reply:
             async with sem:
                 return await send(session, url, request_body(req, model, max_tokens), req)
@@ -176,7 +240,7 @@ async def wait_ready(url: str, timeout: float) -> None:
                 async with session.get(url + "/v1/models") as resp:
                     if resp.status == 200:
                         return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
@@ -189,17 +253,23 @@ def _p50_ms(values: list[float]) -> float | None:
 
 def summarize(replies: list[Reply], seconds: float) -> dict:
     """The run's figures (a JSON-ready dict)."""
-    out = {"seconds": round(seconds, 2),
-           "output_tok_s": round(sum(r.output_tokens for r in replies) / seconds, 1)}
+    out = {
+        "seconds": round(seconds, 2),
+        "output_tok_s": round(sum(r.output_tokens for r in replies) / seconds, 1),
+    }
     for side, constrained in (("constrained", True), ("unconstrained", False)):
         group = [r for r in replies if r.request.constrained == constrained]
         counts = {v: 0 for v in ("valid", "invalid", "cut", "refused")}
         for r in group:
             counts[verdict(r)] += 1
         ran = [r for r in group if not r.refused]
-        out[side] = {"requests": len(group), **counts, "valid_share": round(counts["valid"] / max(len(group), 1), 3),
-                     "ttft_p50_ms": _p50_ms([r.ttft for r in ran if r.ttft]),
-                     "latency_p50_ms": _p50_ms([r.latency for r in ran])}
+        out[side] = {
+            "requests": len(group),
+            **counts,
+            "valid_share": round(counts["valid"] / max(len(group), 1), 3),
+            "ttft_p50_ms": _p50_ms([r.ttft for r in ran if r.ttft]),
+            "latency_p50_ms": _p50_ms([r.latency for r in ran]),
+        }
         refusals = [r.refused for r in group if r.refused]
         if refusals:
             out[side]["first_refusal"] = refusals[0]
@@ -210,9 +280,11 @@ def report_lines(name: str, s: dict) -> list[str]:
     lines = [f"{name}: {s['output_tok_s']} output tok/s ({s['seconds']} s)"]
     for side in ("constrained", "unconstrained"):
         g = s[side]
-        lines.append(f"  {side:13s} schema-valid {g['valid']}/{g['requests']} ({g['valid_share']:.0%}); "
-                     f"cut by max_tokens {g['cut']}, invalid {g['invalid']}, refused {g['refused']}; "
-                     f"p50 TTFT {g['ttft_p50_ms']} ms, latency {g['latency_p50_ms']} ms")
+        lines.append(
+            f"  {side:13s} schema-valid {g['valid']}/{g['requests']} ({g['valid_share']:.0%}); "
+            f"cut by max_tokens {g['cut']}, invalid {g['invalid']}, refused {g['refused']}; "
+            f"p50 TTFT {g['ttft_p50_ms']} ms, latency {g['latency_p50_ms']} ms"
+        )
         if g.get("first_refusal"):
             lines.append(f"  {'':13s} first refusal: {g['first_refusal']}")
     return lines
@@ -227,11 +299,15 @@ def ratio_lines(first: str, other: str, runs: dict) -> list[str]:
     parts = [f"output tok/s {_ratio(a['output_tok_s'], b['output_tok_s'])}"]
     for side in ("constrained", "unconstrained"):
         for metric in ("ttft_p50_ms", "latency_p50_ms"):
-            parts.append(f"{side} {metric.removesuffix('_ms').replace('_', ' ')} "
-                         f"{_ratio(a[side][metric], b[side][metric])}")
-    return [f"ratio {first}/{other}: " + ", ".join(parts),
-            f"schema-valid share {first} {a['constrained']['valid_share']:.0%}, "
-            f"{other} {b['constrained']['valid_share']:.0%}"]
+            parts.append(
+                f"{side} {metric.removesuffix('_ms').replace('_', ' ')} "
+                f"{_ratio(a[side][metric], b[side][metric])}"
+            )
+    return [
+        f"ratio {first}/{other}: " + ", ".join(parts),
+        f"schema-valid share {first} {a['constrained']['valid_share']:.0%}, "
+        f"{other} {b['constrained']['valid_share']:.0%}",
+    ]
 
 
 def parse_urls(values: list[str]) -> dict[str, str]:
@@ -252,41 +328,71 @@ def load_results(path: Path | None, settings: dict) -> dict:
         return {}
     saved = json.loads(path.read_text())
     if saved.get("settings") != settings:
-        raise ValueError(f"--results {path}: saved with {saved.get('settings')}, this run is {settings}")
+        raise ValueError(
+            f"--results {path}: saved with {saved.get('settings')}, this run is {settings}"
+        )
     return saved["runs"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", action="append", required=True, metavar="NAME=URL",
-                    help="a server to benchmark (repeat; run in this order; the first is the ratios' numerator)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--url",
+        action="append",
+        required=True,
+        metavar="NAME=URL",
+        help="a server to benchmark (repeat; run in this order; the first is the ratios' numerator)",
+    )
     ap.add_argument("--model", default="smollm2-135m-instruct", help="the served model name")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=CONCURRENCY)
-    ap.add_argument("--warmup", type=int, default=2, help="requests sent (unmeasured) before each server's run")
-    ap.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for each server to be ready")
-    ap.add_argument("--results", type=Path, help="JSON file: this run's figures are added to the runs saved there")
+    ap.add_argument(
+        "--warmup", type=int, default=2, help="requests sent (unmeasured) before each server's run"
+    )
+    ap.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=900,
+        help="seconds to wait for each server to be ready",
+    )
+    ap.add_argument(
+        "--results",
+        type=Path,
+        help="JSON file: this run's figures are added to the runs saved there",
+    )
     args = ap.parse_args(argv)
     for flag in ("requests", "max_tokens", "concurrency"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
     try:
         urls = parse_urls(args.url)
-        settings = {"model": args.model, "requests": args.requests, "max_tokens": args.max_tokens,
-                    "concurrency": args.concurrency}
+        settings = {
+            "model": args.model,
+            "requests": args.requests,
+            "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency,
+        }
         runs = load_results(args.results, settings)
     except ValueError as exc:
         ap.error(str(exc))
 
     reqs = workload(args.requests)
-    print(f"{len(reqs)} chat requests ({sum(r.constrained for r in reqs)} json_schema-constrained, "
-          f"schemas {', '.join(SCHEMAS)}), max_tokens {args.max_tokens}, concurrency {args.concurrency}, greedy")
+    print(
+        f"{len(reqs)} chat requests ({sum(r.constrained for r in reqs)} json_schema-constrained, "
+        f"schemas {', '.join(SCHEMAS)}), max_tokens {args.max_tokens}, concurrency {args.concurrency}, greedy"
+    )
     for name, url in urls.items():
         asyncio.run(wait_ready(url, args.ready_timeout))
         if args.warmup:
-            asyncio.run(run(url, args.model, workload(args.warmup), args.max_tokens, args.concurrency))
-        replies, seconds = asyncio.run(run(url, args.model, reqs, args.max_tokens, args.concurrency))
+            asyncio.run(
+                run(url, args.model, workload(args.warmup), args.max_tokens, args.concurrency)
+            )
+        replies, seconds = asyncio.run(
+            run(url, args.model, reqs, args.max_tokens, args.concurrency)
+        )
         runs[name] = summarize(replies, seconds)
         print("\n".join(report_lines(name, runs[name])), flush=True)
     if args.results:

@@ -47,14 +47,19 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None = None  # [S, max_blocks]
     # The sampling rows as decodes over their whole context, for the last layer (which carries
     # on only for them); None when no row samples this step.
-    sample_meta: "AttentionMetadata | None" = None
+    sample_meta: AttentionMetadata | None = None
     # Every row is a decode that samples, in order (logits rows 0..R-1): the steps the compiled
     # decode stack runs (models/llama.py).
     all_decode: bool = False
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             meta: AttentionMetadata) -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
     """Store the step's new keys/values ([T, kv_heads, dim]) in their slots (the torch path;
     the compiled RoPE op stores them itself)."""
     num_kv_heads, _, _, head_dim = k_cache.shape
@@ -62,9 +67,15 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(num_kv_heads, -1, head_dim)[:, meta.slots] = v.transpose(0, 1)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """q: [T, heads, dim]; k, v: [T, kv_heads, dim] (already written to the cache)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
@@ -76,7 +87,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         only_decodes = not meta.prefills and meta.prefill_seqs is None
         qd = q if only_decodes else q[meta.decode_indices]
         attn = meta.cpu_ops.paged_decode_attention(
-            qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens, scale)
+            qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens, scale
+        )
         if only_decodes:
             return attn
         out[meta.decode_indices] = attn
@@ -92,16 +104,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[meta.decode_indices] = attn.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
     if meta.prefill_seqs is not None:
-        meta.cpu_ops.paged_prefill_attention(out, q, k_cache, v_cache, meta.prefill_seqs,
-                                             meta.prefill_block_tables, scale)
+        meta.cpu_ops.paged_prefill_attention(
+            out, q, k_cache, v_cache, meta.prefill_seqs, meta.prefill_block_tables, scale
+        )
     for seq in meta.prefills:
         sl = slice(seq.start, seq.start + seq.num_new)
         qs = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if seq.num_context == 0:
             ks = k[sl].transpose(0, 1).unsqueeze(0)
             vs = v[sl].transpose(0, 1).unsqueeze(0)
-            attn = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                  enable_gqa=group > 1)
+            attn = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1
+            )
         else:
             total = seq.num_context + seq.num_new
             ks = k_cache[:, seq.block_table].flatten(1, 2)[:, :total].unsqueeze(0)
@@ -109,7 +123,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q_pos = torch.arange(seq.num_context, total, device=q.device)
             k_pos = torch.arange(total, device=q.device)
             mask = k_pos[None, :] <= q_pos[:, None]
-            attn = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                                  enable_gqa=group > 1)
+            attn = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=group > 1
+            )
         out[sl] = attn.squeeze(0).transpose(0, 1)
     return out

@@ -105,8 +105,14 @@ class BlockPool:
     def lookup(self, key: int) -> KVBlock | None:
         return self.cached.get(key)
 
-    def cache_blocks(self, blocks: list[KVBlock], keys: list[int], parent_key: int | None,
-                     token_ids: list[int], block_size: int) -> None:
+    def cache_blocks(
+        self,
+        blocks: list[KVBlock],
+        keys: list[int],
+        parent_key: int | None,
+        token_ids: list[int],
+        block_size: int,
+    ) -> None:
         """Register newly full blocks under their keys: one BlockStored event per contiguous run.
 
         Each event is one continuous chain from a parent the cache holds (its parent, then every
@@ -136,11 +142,13 @@ class BlockPool:
             block.key, block.parent_key = key, parent_key
             self.cached[key] = block
             run_keys.append(key)
-            run_tokens.extend(token_ids[i * block_size:(i + 1) * block_size])
+            run_tokens.extend(token_ids[i * block_size : (i + 1) * block_size])
             parent_key = key
         self._emit_stored(run_keys, run_parent, run_tokens, block_size)
 
-    def _emit_stored(self, keys: list[int], parent: int | None, tokens: list[int], block_size: int) -> None:
+    def _emit_stored(
+        self, keys: list[int], parent: int | None, tokens: list[int], block_size: int
+    ) -> None:
         if self.enable_events and keys:
             self.events.append(BlockStored(keys, parent, tokens, block_size, medium="GPU"))
 
@@ -192,8 +200,11 @@ class BlockPool:
                 # often the last of a run that is free before it.
                 block = self.free_queue.head.next_free
                 start, want = block.block_id, n - len(out)
-                while (start > 0 and block.block_id - start + 1 < want
-                       and _cheap_to_take(self.blocks[start - 1], protect_from)):
+                while (
+                    start > 0
+                    and block.block_id - start + 1 < want
+                    and _cheap_to_take(self.blocks[start - 1], protect_from)
+                ):
                     start -= 1
                 block = self.blocks[start]
             self.free_queue.remove(block)

@@ -16,7 +16,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvmesh.common.model_lookup import BuiltinModel, ModelNotConverted, builtin_gguf_path, find_model_dir
+from kvmesh.common.model_lookup import (
+    BuiltinModel,
+    ModelNotConverted,
+    builtin_gguf_path,
+    find_model_dir,
+)
 
 
 def resolve_model_dir(model: str) -> Path:

@@ -44,7 +44,7 @@ class CompilationConfig:
     max_cudagraph_capture_size: int | None = None
 
     @classmethod
-    def parse(cls, value: Any) -> "CompilationConfig":
+    def parse(cls, value: Any) -> CompilationConfig:
         """From None, a dict, a JSON object's text or a CompilationConfig; ValueError names the field."""
         if value is None:
             return cls()
@@ -59,22 +59,39 @@ class CompilationConfig:
             raise ValueError("compilation_config must be a JSON object")
         unknown = sorted(set(value) - set(FIELDS))
         if unknown:
-            raise ValueError(f"compilation_config: unknown field(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(FIELDS)})")
+            raise ValueError(
+                f"compilation_config: unknown field(s) {', '.join(unknown)} "
+                f"(known: {', '.join(FIELDS)})"
+            )
         mode = value.get("cudagraph_mode", cls.cudagraph_mode)
         if not isinstance(mode, str) or mode.upper() not in MODES:
-            hint = " (full graphs cover decode-only steps here: FULL_DECODE_ONLY)" if mode == "FULL" else ""
-            raise ValueError(f"compilation_config.cudagraph_mode must be one of {', '.join(MODES)}, "
-                             f"got {mode!r}{hint}")
+            hint = (
+                " (full graphs cover decode-only steps here: FULL_DECODE_ONLY)"
+                if mode == "FULL"
+                else ""
+            )
+            raise ValueError(
+                f"compilation_config.cudagraph_mode must be one of {', '.join(MODES)}, "
+                f"got {mode!r}{hint}"
+            )
         sizes = value.get("cudagraph_capture_sizes")
         if sizes is not None:
-            if (not isinstance(sizes, list) or not sizes
-                    or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)):
-                raise ValueError("compilation_config.cudagraph_capture_sizes must be a list of positive integers")
+            if (
+                not isinstance(sizes, list)
+                or not sizes
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)
+            ):
+                raise ValueError(
+                    "compilation_config.cudagraph_capture_sizes must be a list of positive integers"
+                )
             sizes = tuple(sorted(set(sizes)))
         largest = value.get("max_cudagraph_capture_size")
-        if largest is not None and (not isinstance(largest, int) or isinstance(largest, bool) or largest < 1):
-            raise ValueError("compilation_config.max_cudagraph_capture_size must be a positive integer")
+        if largest is not None and (
+            not isinstance(largest, int) or isinstance(largest, bool) or largest < 1
+        ):
+            raise ValueError(
+                "compilation_config.max_cudagraph_capture_size must be a positive integer"
+            )
         return cls(mode.upper(), sizes, largest)
 
     @property

@@ -13,8 +13,19 @@ import torch
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
 from kvmesh.common.model_lookup import DEFAULT_MODEL
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+}
 
 
 def parse_size(value: int | str) -> int:
@@ -27,8 +38,14 @@ def parse_size(value: int | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 # The token budget per step. A server on the CPU gets a smaller one than vLLM's (2048 for its CPU
@@ -74,7 +91,9 @@ class EngineArgs:
     device: str = "auto"
     seed: int = 0
     enable_kv_events: bool = False
-    generation_config: str = "auto"  # sampling defaults: auto (the model's), vllm (OpenAI's) or a folder
+    generation_config: str = (
+        "auto"  # sampling defaults: auto (the model's), vllm (OpenAI's) or a folder
+    )
     # Speculative decoding, as vLLM's: {"method": "ngram", "num_speculative_tokens": K,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2, ...} (a dict or its JSON); None: off.
     speculative_config: Any = None
@@ -83,13 +102,15 @@ class EngineArgs:
     # Which CUDA graphs (compilation_config.py), as vLLM's: {"cudagraph_mode": "FULL_AND_PIECEWISE",
     # "max_cudagraph_capture_size": 2048, "cudagraph_capture_sizes": [...]} (a dict or its JSON)
     compilation_config: Any = None
-    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use (KV sized from it)
+    gpu_memory_utilization: float = (
+        0.9  # share of the GPU's memory the engine may use (KV sized from it)
+    )
     # Schedule and prepare step N+1 while step N runs (vLLM's --async-scheduling). None: on for
     # CUDA devices, off on the CPU (where it measured no faster: docs/performance.md).
     async_scheduling: bool | None = None
 
     @classmethod
-    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -109,11 +130,17 @@ class EngineArgs:
         from kvmesh.engine.attention_backends import BACKENDS
 
         if self.attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         from kvmesh.engine.compilation_config import CompilationConfig
 
         self.compilation_config = CompilationConfig.parse(self.compilation_config)
@@ -152,11 +179,13 @@ class ModelConfig:
     SUPPORTED = ("llama", "qwen2", "mistral")
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         model_type = raw.get("model_type", "")
         if model_type not in cls.SUPPORTED:
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(cls.SUPPORTED)}")
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(cls.SUPPORTED)}"
+            )
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {raw.get('hidden_act')!r} (only silu)")
         heads = raw["num_attention_heads"]
@@ -191,7 +220,9 @@ class ModelConfig:
             mlp_bias=raw.get("mlp_bias", False),
             hidden_act=raw.get("hidden_act", "silu"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            eos_token_id=[e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)],
+            eos_token_id=[
+                e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)
+            ],
         )
 
     def resolve_dtype(self, requested: str, device: torch.device) -> torch.dtype:
@@ -209,4 +240,11 @@ class ModelConfig:
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_hidden_layers * block_size * self.num_key_value_heads * self.head_dim * element
+        return (
+            2
+            * self.num_hidden_layers
+            * block_size
+            * self.num_key_value_heads
+            * self.head_dim
+            * element
+        )

@@ -98,7 +98,9 @@ class CoreProcConfig:
     parent_pid: int
     threads: ThreadPlan | None = None
     log_level: str = "info"
-    core_loop: type["CoreLoop"] | None = None  # a CoreLoop subclass (tests add utility calls); None: CoreLoop
+    core_loop: type[CoreLoop] | None = (
+        None  # a CoreLoop subclass (tests add utility calls); None: CoreLoop
+    )
 
 
 class EngineStepError(RuntimeError):
@@ -118,8 +120,14 @@ class CoreLoop:
 
     def add(self, msg: AddRequest) -> Exception | None:
         try:
-            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.cache_salt,
-                                  msg.arrival_time, msg.resumed_token_ids or None)
+            self.core.add_request(
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.params,
+                msg.cache_salt,
+                msg.arrival_time,
+                msg.resumed_token_ids or None,
+            )
         except Exception as exc:  # noqa: BLE001 - answered to that request only
             return exc
         return None
@@ -184,8 +192,12 @@ def main() -> None:
 
 
 def run_engine_core(cfg: CoreProcConfig) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the API process drains
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C reaches the process group: the API process drains
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s"
+    )
     sys.exit(EngineCoreProc(cfg).run())
 
 
@@ -248,10 +260,20 @@ class EngineCoreProc:
 
         core.eos_token_ids |= KVMeshTokenizer(core.model_dir).eos_token_ids  # as LLMEngine does
         self.loop = (cfg.core_loop or CoreLoop)(core)
-        _send(self.output, READY, CoreReady(
-            pid=os.getpid(), model_dir=str(core.model_dir), max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
-            num_blocks=core.num_blocks, eos_token_ids=sorted(core.eos_token_ids), stats=core.stats(),
-            threads=threads))
+        _send(
+            self.output,
+            READY,
+            CoreReady(
+                pid=os.getpid(),
+                model_dir=str(core.model_dir),
+                max_model_len=core.max_model_len,
+                vocab_size=core.model_config.vocab_size,
+                num_blocks=core.num_blocks,
+                eos_token_ids=sorted(core.eos_token_ids),
+                stats=core.stats(),
+                threads=threads,
+            ),
+        )
 
     def _parent_alive(self) -> bool:
         return os.getppid() == self.cfg.parent_pid
@@ -293,7 +315,9 @@ class EngineCoreProc:
             msg = self._add_decoder.decode(payload)
             exc = self.loop.add(msg)
             if exc is not None:
-                self._failures.append(Failure(msg.request_id, str(exc), getattr(exc, "param", None)))
+                self._failures.append(
+                    Failure(msg.request_id, str(exc), getattr(exc, "param", None))
+                )
         elif kind == ABORT:
             self.loop.abort(self._abort_decoder.decode(payload))
         elif kind == UTILITY:
@@ -303,7 +327,9 @@ class EngineCoreProc:
                 data = _encoder.encode(result)
             except Exception as exc:  # noqa: BLE001 - answered to the caller
                 log.warning("utility call %s failed: %s: %s", call.name, type(exc).__name__, exc)
-                data = _encoder.encode(UtilityResult(call.call_id, False, None, f"{type(exc).__name__}: {exc}"))
+                data = _encoder.encode(
+                    UtilityResult(call.call_id, False, None, f"{type(exc).__name__}: {exc}")
+                )
             self.output.send_multipart([UTILITY_RESULT, data], copy=False)
             self._send_step([])  # the stats and KV events the call may have changed
         elif kind == SHUTDOWN:
@@ -322,8 +348,13 @@ class EngineCoreProc:
             else:
                 outputs.append(item)
         events = loop.core.take_kv_events()
-        msg = StepOutputs(outputs, failures, loop.core.stats(), loop.timer.snapshot(),
-                          [e.to_wire() for e in events] if events else [])
+        msg = StepOutputs(
+            outputs,
+            failures,
+            loop.core.stats(),
+            loop.timer.snapshot(),
+            [e.to_wire() for e in events] if events else [],
+        )
         _send(self.output, OUTPUTS, msg)
         # The send belongs to the step it ends (its "output" phase).
         loop.timer.totals["output"] += time.perf_counter() - t0

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -67,8 +67,17 @@ class GraphAPI:
 
 
 class CUDAGraphRunner:
-    def __init__(self, model, backend, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, api: GraphAPI | None = None):
+    def __init__(
+        self,
+        model,
+        backend,
+        kv_caches,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        api: GraphAPI | None = None,
+    ):
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.api = api or GraphAPI()
         self.sizes = capture_sizes(max_num_seqs)
@@ -81,7 +90,9 @@ class CUDAGraphRunner:
         self.slots = torch.full((largest,), PAD_SLOT, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((largest, width), dtype=torch.int32, device=device)
-        self.rows = torch.arange(largest + 1, dtype=torch.int32, device=device)  # one query token per row
+        self.rows = torch.arange(
+            largest + 1, dtype=torch.int32, device=device
+        )  # one query token per row
         self.logits_indices = torch.arange(largest, dtype=torch.long, device=device)
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -96,16 +107,27 @@ class CUDAGraphRunner:
         return None
 
     def _meta(self, size: int) -> TritonMetadata:
-        meta = TritonMetadata(slots=self.slots[:size], query_start_loc=self.rows[:size + 1],
-                              seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
-                              decode_seqs=self.rows[:size], num_decodes=size,
-                              num_splits=self.backend.num_splits(size, self.max_model_len), decode_only=True)
+        meta = TritonMetadata(
+            slots=self.slots[:size],
+            query_start_loc=self.rows[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            decode_seqs=self.rows[:size],
+            num_decodes=size,
+            num_splits=self.backend.num_splits(size, self.max_model_len),
+            decode_only=True,
+        )
         meta.sample_meta = meta  # every row samples: the last layer attends for all of them
         return meta
 
     def _forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self.metas[size],
-                          self.logits_indices[:size])
+        return self.model(
+            self.input_ids[:size],
+            self.positions[:size],
+            self.kv_caches,
+            self.metas[size],
+            self.logits_indices[:size],
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -118,13 +140,22 @@ class CUDAGraphRunner:
             self.outputs[size] = self.api.capture(graph, lambda size=size: self._forward(size))
             self.graphs[size] = graph
         self.api.synchronize()
-        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes, time.perf_counter() - start)
+        log.info(
+            "captured CUDA graphs for decode batch sizes %s in %.1f s",
+            self.sizes,
+            time.perf_counter() - start,
+        )
 
     def can_replay(self, meta, num_sampling: int) -> bool:
-        return (isinstance(meta, TritonMetadata) and meta.decode_only
-                and self.padded_size(num_sampling) is not None)
+        return (
+            isinstance(meta, TritonMetadata)
+            and meta.decode_only
+            and self.padded_size(num_sampling) is not None
+        )
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: TritonMetadata) -> torch.Tensor:
+    def replay(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: TritonMetadata
+    ) -> torch.Tensor:
         """Logits of a decode-only step ([n, vocab]) from the graph of its padded size."""
         n = input_ids.shape[0]
         size = self.padded_size(n)

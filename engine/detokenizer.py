@@ -20,9 +20,15 @@ from kvmesh.common.tokenizer import KVMeshTokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: KVMeshTokenizer, prompt_token_ids: list[int], stop: list[str],
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                 emitted_token_ids: list[int] = ()):
+    def __init__(
+        self,
+        tokenizer: KVMeshTokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        emitted_token_ids: list[int] = (),
+    ):
         self.tokenizer = tokenizer
         self.stop = stop
         self.include_stop = include_stop_str_in_output
@@ -50,10 +56,13 @@ class IncrementalDetokenizer:
         released = len(emitted)
         # update() holds text back while it ends in an incomplete character: so was the end of
         # ``emitted`` (its last few ids decide it)
-        while released > 0 and self._decode(ids[max(0, len(head) + released - 8):len(head) + released]
-                                             ).endswith("\ufffd"):
+        while released > 0 and self._decode(
+            ids[max(0, len(head) + released - 8) : len(head) + released]
+        ).endswith("\ufffd"):
             released -= 1
-        self.text = self._decode(ids[:len(head) + released])[len(self._decode(head)):] if released else ""
+        self.text = (
+            self._decode(ids[: len(head) + released])[len(self._decode(head)) :] if released else ""
+        )
         self.num_sent = self.num_emitted_chars = max(0, len(self.text) - self._hold)
         window = (head + emitted[:released])[-4:]  # context for the pending and the next ids
         self.context = window + emitted[released:]
@@ -63,14 +72,14 @@ class IncrementalDetokenizer:
     @property
     def new_text(self) -> str:
         """The output text (a continuation's: after what its client had)."""
-        return self.text[self.num_emitted_chars:]
+        return self.text[self.num_emitted_chars :]
 
     def _release(self, stopped: bool) -> str:
         """The text not handed out yet, but the held-back end while the request runs."""
         upto = len(self.text) if stopped else len(self.text) - self._hold
         if upto <= self.num_sent:
             return ""
-        delta = self.text[self.num_sent:upto]
+        delta = self.text[self.num_sent : upto]
         self.num_sent = upto
         return delta
 
@@ -85,11 +94,11 @@ class IncrementalDetokenizer:
         """Feed new tokens; returns (text delta, matched stop string or None)."""
         self.token_ids.extend(new_token_ids)
         self.context.extend(new_token_ids)
-        prefix_text = self._decode(self.context[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.context[self.prefix_offset:])
+        prefix_text = self._decode(self.context[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.context[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return "", None  # wait for the rest of a multi-byte character (or of a stop string)
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.context)
         if len(self.context) > 64:  # keep the window short
@@ -109,7 +118,9 @@ class IncrementalDetokenizer:
             if best is not None:
                 idx, s = best
                 end = idx + len(s) if self.include_stop else idx
-                self.text = candidate[:end]  # never shorter than what was handed out: that was held back
+                self.text = candidate[
+                    :end
+                ]  # never shorter than what was handed out: that was held back
                 return self._release(True), s
         self.text += delta
         return self._release(False), None

@@ -8,7 +8,6 @@ thread or process without the HTTP side waiting on it.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,7 +17,7 @@ import torch
 
 from kvmesh.engine.builtin import resolve_model_dir
 from kvmesh.engine.config import EngineArgs, ModelConfig, parse_size, pick_device
-from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
+from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.model_limits import EngineLimits
 from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.request import Request, RequestStatus
@@ -37,10 +36,14 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
-    error: str | None = None  # with finish_reason "error": what failed in the step, for this request only
+    error: str | None = (
+        None  # with finish_reason "error": what failed in the step, for this request only
+    )
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = (
+        None  # with the first token, when asked for
+    )
 
     @property
     def finished(self) -> bool:
@@ -68,9 +71,13 @@ class EngineStats:
 
 def _subset(sched: SchedulerOutput, requests: list[Request]) -> SchedulerOutput:
     ids = {r.request_id for r in requests}
-    return SchedulerOutput({r.request_id: sched.num_scheduled_tokens[r.request_id] for r in requests},
-                           list(requests), starts={k: v for k, v in sched.starts.items() if k in ids},
-                           epochs=sched.epochs, is_async=sched.is_async)
+    return SchedulerOutput(
+        {r.request_id: sched.num_scheduled_tokens[r.request_id] for r in requests},
+        list(requests),
+        starts={k: v for k, v in sched.starts.items() if k in ids},
+        epochs=sched.epochs,
+        is_async=sched.is_async,
+    )
 
 
 @dataclass
@@ -100,8 +107,11 @@ def needs_sync(request: Request) -> bool:
     decoding (drafts proposed from the history) makes every step synchronous (EngineCore), and so
     does constrained decoding: the next token's mask needs the matcher past the previous one."""
     sp = request.sampling_params
-    return bool(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0) \
-        or request.num_output_tokens < sp.min_tokens or request.structured is not None
+    return (
+        bool(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0)
+        or request.num_output_tokens < sp.min_tokens
+        or request.structured is not None
+    )
 
 
 class EngineCore:
@@ -117,19 +127,28 @@ class EngineCore:
 
         per_block = self.model_config.kv_bytes_per_block(args.block_size, self.dtype)
         runner = None
-        if self.device.type == "cuda" and args.num_kv_blocks is None and args.kv_cache_memory is None:
+        if (
+            self.device.type == "cuda"
+            and args.num_kv_blocks is None
+            and args.kv_cache_memory is None
+        ):
             runner, num_blocks = self._size_kv_from_gpu_memory(args, per_block)
         else:
-            num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory or "4GiB") // per_block
+            num_blocks = (
+                args.num_kv_blocks or parse_size(args.kv_cache_memory or "4GiB") // per_block
+            )
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {args.kv_cache_memory} holds no block of {per_block} bytes")
+            raise ValueError(
+                f"kv_cache_memory {args.kv_cache_memory} holds no block of {per_block} bytes"
+            )
         capacity = num_blocks * args.block_size
         if args.max_model_len is not None:
             if args.max_model_len > capacity:
                 raise ValueError(
                     f"max_model_len {args.max_model_len} does not fit the KV cache "
                     f"({num_blocks} blocks x {args.block_size} = {capacity} tokens): "
-                    "raise num_kv_blocks / kv_cache_memory or lower max_model_len")
+                    "raise num_kv_blocks / kv_cache_memory or lower max_model_len"
+                )
             self.max_model_len = args.max_model_len
         else:
             self.max_model_len = min(self.model_config.max_position_embeddings, capacity)
@@ -140,46 +159,79 @@ class EngineCore:
         self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size)
         self.num_blocks = num_blocks
 
-        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, args.enable_kv_events)
-        self.scheduler = Scheduler(self.kv, max_batched, args.max_num_seqs, self.max_model_len,
-                                   args.enable_chunked_prefill)
+        self.kv = KVCacheManager(
+            num_blocks, args.block_size, args.enable_prefix_caching, args.enable_kv_events
+        )
+        self.scheduler = Scheduler(
+            self.kv, max_batched, args.max_num_seqs, self.max_model_len, args.enable_chunked_prefill
+        )
         if runner is None:
-            runner = ModelRunner(self.model_config, self.model_dir, self.dtype, self.device,
-                                 num_blocks, args.block_size, self.max_model_len, args.seed,
-                                 batch_hint=args.max_num_seqs, attention_backend=args.attention_backend)
+            runner = ModelRunner(
+                self.model_config,
+                self.model_dir,
+                self.dtype,
+                self.device,
+                num_blocks,
+                args.block_size,
+                self.max_model_len,
+                args.seed,
+                batch_hint=args.max_num_seqs,
+                attention_backend=args.attention_backend,
+            )
         else:
             runner.allocate_kv_cache(num_blocks)
         self.runner = runner
         if self.device.type == "cuda" and not args.enforce_eager:
             graphs = args.compilation_config
-            self.runner.capture_cuda_graphs(args.max_num_seqs, self.max_model_len, decode=graphs.full_decode,
-                                            piecewise_sizes=graphs.piecewise_token_sizes(max_batched))
+            self.runner.capture_cuda_graphs(
+                args.max_num_seqs,
+                self.max_model_len,
+                decode=graphs.full_decode,
+                piecewise_sizes=graphs.piecewise_token_sizes(max_batched),
+            )
         self.spec = None  # speculative decoding (spec_decode/), when speculative_config asks for it
         if args.speculative_config is not None:
             from kvmesh.engine.spec_decode.config import SpeculativeConfig
             from kvmesh.engine.spec_decode.controller import SpecDecoder
 
-            self.spec = SpecDecoder(SpeculativeConfig.parse(args.speculative_config), self.max_model_len)
+            self.spec = SpecDecoder(
+                SpeculativeConfig.parse(args.speculative_config), self.max_model_len
+            )
         self.eos_token_ids: set[int] = set(self.model_config.eos_token_id)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_steps = 0
         self.step_failures = {"request": 0, "batch": 0}
         self._pending_aborts: list[EngineCoreOutput] = []
-        self._compiling: dict[str, Request] = {}  # structured requests whose grammar is not ready yet
+        self._compiling: dict[
+            str, Request
+        ] = {}  # structured requests whose grammar is not ready yet
         # Async scheduling (docs/engine.md): at most 2 steps between dispatch and their outputs'
         # application; their device work runs on one step thread, in order.
-        self.async_scheduling = (args.async_scheduling if args.async_scheduling is not None
-                                 else self.device.type == "cuda")
+        self.async_scheduling = (
+            args.async_scheduling
+            if args.async_scheduling is not None
+            else self.device.type == "cuda"
+        )
         self._in_flight: deque[_InFlight] = deque()
-        self._sync_next = False  # an async schedule ran out of blocks: the next step drains and may preempt
+        self._sync_next = (
+            False  # an async schedule ran out of blocks: the next step drains and may preempt
+        )
         self._sync_candidates: dict[str, Request] = {}  # requests for which needs_sync() may hold
         self._step_thread: ThreadPoolExecutor | None = None
         self.num_async_steps = 0
         self.num_sync_steps = 0
-        log.info("engine ready: model=%s dtype=%s device=%s blocks=%d (%d tokens) max_model_len=%d "
-                 "async_scheduling=%s", self.model_id, self.dtype, self.device, num_blocks, capacity,
-                 self.max_model_len, self.async_scheduling)
+        log.info(
+            "engine ready: model=%s dtype=%s device=%s blocks=%d (%d tokens) max_model_len=%d "
+            "async_scheduling=%s",
+            self.model_id,
+            self.dtype,
+            self.device,
+            num_blocks,
+            capacity,
+            self.max_model_len,
+            self.async_scheduling,
+        )
 
     def _size_kv_from_gpu_memory(self, args: EngineArgs, per_block: int) -> tuple[ModelRunner, int]:
         """Load the model, profile one step at the largest batch, and fit the KV cache into
@@ -187,14 +239,34 @@ class EngineCore:
         from kvmesh.engine import kv_memory
 
         model_len = args.max_model_len or self.model_config.max_position_embeddings
-        runner = ModelRunner(self.model_config, self.model_dir, self.dtype, self.device, 0, args.block_size,
-                             model_len, args.seed, batch_hint=args.max_num_seqs,
-                             attention_backend=args.attention_backend)
-        max_batched = args.max_num_batched_tokens if args.enable_chunked_prefill else max(
-            args.max_num_batched_tokens, model_len)
-        sizing = kv_memory.size_kv_cache(runner, max_batched, args.max_num_seqs, model_len,
-                                         args.gpu_memory_utilization, per_block)
-        kv_memory.log_capacity(sizing, args.block_size, min(model_len, sizing.num_blocks * args.block_size))
+        runner = ModelRunner(
+            self.model_config,
+            self.model_dir,
+            self.dtype,
+            self.device,
+            0,
+            args.block_size,
+            model_len,
+            args.seed,
+            batch_hint=args.max_num_seqs,
+            attention_backend=args.attention_backend,
+        )
+        max_batched = (
+            args.max_num_batched_tokens
+            if args.enable_chunked_prefill
+            else max(args.max_num_batched_tokens, model_len)
+        )
+        sizing = kv_memory.size_kv_cache(
+            runner,
+            max_batched,
+            args.max_num_seqs,
+            model_len,
+            args.gpu_memory_utilization,
+            per_block,
+        )
+        kv_memory.log_capacity(
+            sizing, args.block_size, min(model_len, sizing.num_blocks * args.block_size)
+        )
         return runner, sizing.num_blocks
 
     # -- requests ----------------------------------------------------------------
@@ -220,9 +292,15 @@ class EngineCore:
         if params.structured_outputs is not None:
             self.structured_backend().check(params.structured_outputs)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, arrival_time: float | None = None,
-                    resumed_token_ids: list[int] | None = None) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        resumed_token_ids: list[int] | None = None,
+    ) -> Request:
         """``resumed_token_ids``: a continuation's output so far (generated elsewhere)."""
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
@@ -234,11 +312,22 @@ class EngineCore:
             # with the next step's.
             while self._in_flight:
                 self._pending_aborts.extend(self._apply_oldest())
-        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.model_id,
-                          self.block_size, self.max_model_len, cache_salt, arrival_time, resumed_token_ids)
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            self.eos_token_ids,
+            self.model_id,
+            self.block_size,
+            self.max_model_len,
+            cache_salt,
+            arrival_time,
+            resumed_token_ids,
+        )
         if params.structured_outputs is not None:
-            request.structured = self.structured_backend().start(params.structured_outputs,
-                                                                 request.eos_token_ids or self.eos_token_ids)
+            request.structured = self.structured_backend().start(
+                params.structured_outputs, request.eos_token_ids or self.eos_token_ids
+            )
             self._compiling[request_id] = request
         self.scheduler.add_request(request)
         if needs_sync(request):
@@ -254,15 +343,22 @@ class EngineCore:
                 if self.spec is not None:
                     self.spec.forget(rid)
                 if report:
-                    self._pending_aborts.append(EngineCoreOutput(
-                        rid, [], finish_reason="abort",
-                        num_cached_tokens=max(req.num_cached_tokens, 0),
-                        num_prompt_tokens=req.num_prompt_tokens))
+                    self._pending_aborts.append(
+                        EngineCoreOutput(
+                            rid,
+                            [],
+                            finish_reason="abort",
+                            num_cached_tokens=max(req.num_cached_tokens, 0),
+                            num_prompt_tokens=req.num_prompt_tokens,
+                        )
+                    )
 
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, abort outputs the next step will emit, or async
         steps whose outputs are still to be applied."""
-        return self.scheduler.has_unfinished() or bool(self._pending_aborts) or bool(self._in_flight)
+        return (
+            self.scheduler.has_unfinished() or bool(self._pending_aborts) or bool(self._in_flight)
+        )
 
     # -- the step ------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -289,8 +385,9 @@ class EngineCore:
         if dispatched:
             self._dispatch(sched)
         # Keep at most one step in flight between calls: N+1 is scheduled only while N runs.
-        while self._in_flight and (len(self._in_flight) > 1 or not dispatched
-                                   or self._in_flight[-1].prepared is None):
+        while self._in_flight and (
+            len(self._in_flight) > 1 or not dispatched or self._in_flight[-1].prepared is None
+        ):
             outputs.extend(self._apply_oldest())
         return outputs
 
@@ -309,13 +406,28 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 - this request's grammar only
                 log.warning("request %s: its grammar failed: %s", rid, exc)
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
-                outputs.append(EngineCoreOutput(rid, [], finish_reason="error", error=f"{type(exc).__name__}: {exc}",
-                                                num_prompt_tokens=req.num_prompt_tokens))
+                outputs.append(
+                    EngineCoreOutput(
+                        rid,
+                        [],
+                        finish_reason="error",
+                        error=f"{type(exc).__name__}: {exc}",
+                        num_prompt_tokens=req.num_prompt_tokens,
+                    )
+                )
             del self._compiling[rid]
-        if (self._compiling and not outputs and not self.scheduler.running and not self._in_flight
-                and len(self._compiling) == len(self.scheduler.waiting)):
-            futures.wait([r.structured.handle.future for r in self._compiling.values()], timeout=0.005,
-                         return_when=futures.FIRST_COMPLETED)
+        if (
+            self._compiling
+            and not outputs
+            and not self.scheduler.running
+            and not self._in_flight
+            and len(self._compiling) == len(self.scheduler.waiting)
+        ):
+            futures.wait(
+                [r.structured.handle.future for r in self._compiling.values()],
+                timeout=0.005,
+                return_when=futures.FIRST_COMPLETED,
+            )
         return outputs
 
     def _must_sync(self) -> bool:
@@ -348,7 +460,9 @@ class EngineCore:
         batch = _InFlight(sched, [r.request_id for r in sched.requests])
         prev = self._in_flight[-1] if self._in_flight else None
         try:
-            batch.prepared = self.runner.prepare(sched, self.kv, prev.prepared.sample_rows if prev else None)
+            batch.prepared = self.runner.prepare(
+                sched, self.kv, prev.prepared.sample_rows if prev else None
+            )
         except Exception as exc:  # noqa: BLE001 - isolated when the step is applied
             batch.future = Future()
             batch.future.set_exception(exc)
@@ -357,14 +471,21 @@ class EngineCore:
                 init = None
                 if self.device.type == "cuda" and self.device.index is not None:
                     init = lambda: torch.cuda.set_device(self.device)  # noqa: E731 - the thread's current device
-                self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-step", initializer=init)
+                self._step_thread = ThreadPoolExecutor(
+                    1, thread_name_prefix="kvmesh-step", initializer=init
+                )
             batch.future = self._step_thread.submit(self._run_async, batch, prev)
         self._in_flight.append(batch)
 
     def _run_async(self, batch: _InFlight, prev: _InFlight | None):
         """On the step thread: the step, on the previous step's sampled ids."""
         prev_result = None
-        if prev is not None and prev.future is not None and prev.future.done() and prev.future.exception() is None:
+        if (
+            prev is not None
+            and prev.future is not None
+            and prev.future.done()
+            and prev.future.exception() is None
+        ):
             prev_result = prev.future.result()
         return self.runner.run(batch.prepared, prev_result)
 
@@ -376,7 +497,9 @@ class EngineCore:
         try:
             return self._apply(batch)
         finally:
-            self._release(batch)  # even when applying raised: its requests' blocks are not held for ever
+            self._release(
+                batch
+            )  # even when applying raised: its requests' blocks are not held for ever
 
     def _apply(self, batch: _InFlight) -> list[EngineCoreOutput]:
         sched = batch.sched
@@ -399,14 +522,25 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         if failed:
             outputs.extend(self._drop_failed(sched, failed, sampled, logprobs, prompt_lps))
-        outputs.extend(self._outputs(sched, sampled, logprobs, prompt_lps,
-                                     self.scheduler.update_from_async_output(sched, sampled)))
+        outputs.extend(
+            self._outputs(
+                sched,
+                sampled,
+                logprobs,
+                prompt_lps,
+                self.scheduler.update_from_async_output(sched, sampled),
+            )
+        )
         return outputs
 
     def _live(self, sched: SchedulerOutput) -> list[Request]:
         """The step's requests that are still the same requests: not ended, not preempted since."""
-        return [r for r in sched.requests if self.scheduler.requests.get(r.request_id) is r
-                and r.num_preemptions == sched.epochs[r.request_id]]
+        return [
+            r
+            for r in sched.requests
+            if self.scheduler.requests.get(r.request_id) is r
+            and r.num_preemptions == sched.epochs[r.request_id]
+        ]
 
     def _release(self, batch: _InFlight) -> None:
         self.scheduler.release(batch.sched, batch.request_ids)
@@ -420,7 +554,9 @@ class EngineCore:
         live = self._live(sched)
         for req in live:
             rid = req.request_id
-            self.kv.pool.uncache(self.kv.blocks_written(req, sched.num_scheduled_tokens[rid], sched.starts[rid]))
+            self.kv.pool.uncache(
+                self.kv.blocks_written(req, sched.num_scheduled_tokens[rid], sched.starts[rid])
+            )
         self.scheduler.unschedule(sched)
         self._release(batch)
         self.num_steps -= 1
@@ -453,8 +589,15 @@ class EngineCore:
             outputs.extend(self._drop_failed(sched, failed, sampled, logprobs, prompt_lps))
         if self.spec is not None:
             self._record_drafts(sched, sampled)
-        outputs.extend(self._outputs(sched, sampled, logprobs, prompt_lps,
-                                     self.scheduler.update_from_output(sched, sampled)))
+        outputs.extend(
+            self._outputs(
+                sched,
+                sampled,
+                logprobs,
+                prompt_lps,
+                self.scheduler.update_from_output(sched, sampled),
+            )
+        )
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
             self._trim_drafts()
@@ -466,10 +609,11 @@ class EngineCore:
         for req in self.scheduler.running:
             if req.spec_token_ids and req.structured is not None:
                 state = req.structured.synced(req)
-                req.spec_token_ids = req.spec_token_ids[:state.validate(req.spec_token_ids)]
+                req.spec_token_ids = req.spec_token_ids[: state.validate(req.spec_token_ids)]
 
-    def _outputs(self, sched: SchedulerOutput, sampled: dict, logprobs: dict, prompt_lps: dict,
-                 updates: list) -> list[EngineCoreOutput]:
+    def _outputs(
+        self, sched: SchedulerOutput, sampled: dict, logprobs: dict, prompt_lps: dict, updates: list
+    ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         if prompt_lps:
             by_id = {r.request_id: r for r in sched.requests}
@@ -484,15 +628,22 @@ class EngineCore:
                 if self.spec is not None:
                     self.spec.forget(req.request_id)
             lp = logprobs.get(req.request_id)
-            outputs.append(EngineCoreOutput(
-                req.request_id, tokens,
-                (lp[:len(tokens)] if isinstance(lp, list) else [lp]) if lp is not None else [],
-                finish_reason=req.status.value if finished else None,
-                stop_reason=req.stop_reason if finished else None,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-                num_prompt_tokens=req.num_prompt_tokens,
-                prompt_logprobs=(list(req.prompt_logprobs) if req.prompt_logprobs is not None
-                                 and req.num_output_tokens == len(tokens) else None)))
+            outputs.append(
+                EngineCoreOutput(
+                    req.request_id,
+                    tokens,
+                    (lp[: len(tokens)] if isinstance(lp, list) else [lp]) if lp is not None else [],
+                    finish_reason=req.status.value if finished else None,
+                    stop_reason=req.stop_reason if finished else None,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    prompt_logprobs=(
+                        list(req.prompt_logprobs)
+                        if req.prompt_logprobs is not None and req.num_output_tokens == len(tokens)
+                        else None
+                    ),
+                )
+            )
         return outputs
 
     def _record_drafts(self, sched: SchedulerOutput, sampled: dict) -> None:
@@ -500,7 +651,11 @@ class EngineCore:
         for req in sched.requests:
             tokens = sampled.get(req.request_id)
             if isinstance(tokens, list):
-                num_drafts = req.num_computed_tokens + sched.num_scheduled_tokens[req.request_id] - req.num_tokens
+                num_drafts = (
+                    req.num_computed_tokens
+                    + sched.num_scheduled_tokens[req.request_id]
+                    - req.num_tokens
+                )
                 self.spec.record(req.request_id, num_drafts, len(tokens) - 1)
 
     # -- failures: one request's fault fails that request only ----------------------------
@@ -517,10 +672,15 @@ class EngineCore:
     def _isolate(self, sched: SchedulerOutput, exc: Exception):
         """The step raised ``exc``: run it again in halves (see _execute)."""
         if len(sched.requests) == 1:
-            log.error("engine step failed on request %s", sched.requests[0].request_id, exc_info=exc)
+            log.error(
+                "engine step failed on request %s", sched.requests[0].request_id, exc_info=exc
+            )
             return {}, {}, {}, {sched.requests[0].request_id: exc}
-        log.error("engine step of %d requests failed; finding the request(s) that cause it",
-                  len(sched.requests), exc_info=exc)
+        log.error(
+            "engine step of %d requests failed; finding the request(s) that cause it",
+            len(sched.requests),
+            exc_info=exc,
+        )
         sampled, logprobs, prompt_lps, failed = {}, {}, {}, {}
         # Bisection costs about 2 log2(n) runs per culprit; past this budget, a failure that
         # every subset hits (not a request's fault) fails what remains rather than running on.
@@ -533,8 +693,12 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001
                 if len(part) == 1 or budget[0] <= 0:
                     for r in part:
-                        log.warning("request %s fails the engine step: %s: %s", r.request_id,
-                                    type(exc).__name__, exc)
+                        log.warning(
+                            "request %s fails the engine step: %s: %s",
+                            r.request_id,
+                            type(exc).__name__,
+                            exc,
+                        )
                         failed[r.request_id] = exc
                     return
                 half = len(part) // 2
@@ -550,8 +714,14 @@ class EngineCore:
         attempt(sched.requests[half:])
         return sampled, logprobs, prompt_lps, failed
 
-    def _drop_failed(self, sched: SchedulerOutput, failed: dict[str, Exception], sampled: dict,
-                     logprobs: dict, prompt_lps: dict) -> list[EngineCoreOutput]:
+    def _drop_failed(
+        self,
+        sched: SchedulerOutput,
+        failed: dict[str, Exception],
+        sampled: dict,
+        logprobs: dict,
+        prompt_lps: dict,
+    ) -> list[EngineCoreOutput]:
         """Fail the requests in ``failed`` (an "error" output each) and keep the rest of the step.
 
         The KV that a failed request was to write this step is garbage: its blocks leave the
@@ -566,13 +736,15 @@ class EngineCore:
         bad_blocks: set[int] = set()
         while todo:
             req = todo.pop()
-            written = self.kv.blocks_written(req, sched.num_scheduled_tokens[req.request_id],
-                                             sched.starts.get(req.request_id))
+            written = self.kv.blocks_written(
+                req, sched.num_scheduled_tokens[req.request_id], sched.starts.get(req.request_id)
+            )
             self.kv.pool.uncache(written)
             bad_blocks.update(b.block_id for b in written)
             for other in sched.requests:
                 if other.request_id not in tainted and bad_blocks.intersection(
-                        self.kv.block_table(other.request_id)):
+                    self.kv.block_table(other.request_id)
+                ):
                     tainted.add(other.request_id)
                     todo.append(other)
         outputs = []
@@ -587,11 +759,20 @@ class EngineCore:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
                 if self.spec is not None:
                     self.spec.forget(rid)
-                outputs.append(EngineCoreOutput(
-                    rid, [], finish_reason="error", error=f"{type(exc).__name__}: {exc}",
-                    num_cached_tokens=max(req.num_cached_tokens, 0), num_prompt_tokens=req.num_prompt_tokens))
+                outputs.append(
+                    EngineCoreOutput(
+                        rid,
+                        [],
+                        finish_reason="error",
+                        error=f"{type(exc).__name__}: {exc}",
+                        num_cached_tokens=max(req.num_cached_tokens, 0),
+                        num_prompt_tokens=req.num_prompt_tokens,
+                    )
+                )
             else:
-                log.info("request %s read KV of a failed request in the same step: recomputing it", rid)
+                log.info(
+                    "request %s read KV of a failed request in the same step: recomputing it", rid
+                )
                 self.scheduler.requeue(req)  # it samples this token again (the same one, if seeded)
         sched.requests = [r for r in sched.requests if r.request_id not in tainted]
         return outputs

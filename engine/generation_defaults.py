@@ -18,16 +18,24 @@ from kvmesh.engine.sampling_params import InvalidParameter, SamplingParams
 log = logging.getLogger("kvmesh.engine")
 
 # generation_config.json key -> SamplingParams field (the keys vLLM takes over).
-_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def check_source(generation_config: str) -> None:
     if generation_config in ("auto", "vllm"):
         return
     if not (Path(generation_config) / "generation_config.json").is_file():
-        raise ValueError(f"generation_config must be auto, vllm or a folder holding a generation_config.json; "
-                         f"{generation_config!r} holds none")
+        raise ValueError(
+            f"generation_config must be auto, vllm or a folder holding a generation_config.json; "
+            f"{generation_config!r} holds none"
+        )
 
 
 def load_sampling_defaults(generation_config: str, model_dir: Path) -> dict[str, Any]:
@@ -35,7 +43,9 @@ def load_sampling_defaults(generation_config: str, model_dir: Path) -> dict[str,
     check_source(generation_config)
     if generation_config == "vllm":
         return {}
-    path = (Path(model_dir) if generation_config == "auto" else Path(generation_config)) / "generation_config.json"
+    path = (
+        Path(model_dir) if generation_config == "auto" else Path(generation_config)
+    ) / "generation_config.json"
     if not path.is_file():
         return {}
     try:
@@ -48,6 +58,10 @@ def load_sampling_defaults(generation_config: str, model_dir: Path) -> dict[str,
     except (InvalidParameter, TypeError) as exc:
         raise ValueError(f"{path}: invalid sampling default: {exc}") from exc
     if defaults:
-        log.info("default sampling parameters from %s: %s (requests may override them; "
-                 "--generation-config vllm turns this off)", path, defaults)
+        log.info(
+            "default sampling parameters from %s: %s (requests may override them; "
+            "--generation-config vllm turns this off)",
+            path,
+            defaults,
+        )
     return defaults

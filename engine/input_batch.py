@@ -60,7 +60,7 @@ class InputBatch:
         return np.where(np.arange(width)[None, :] < used[:, None], view, 0)
 
     def full_table(self, r: int) -> np.ndarray:
-        return self.tables[r, :self.num_blocks[r]].copy()
+        return self.tables[r, : self.num_blocks[r]].copy()
 
     def _assign(self, request) -> int:
         old = self.row_of.pop(request.request_id, None)
@@ -97,5 +97,5 @@ class InputBatch:
         while width < n:
             width *= 2
         wider = np.zeros((self.tables.shape[0], width), dtype=np.int64)
-        wider[:, :self.tables.shape[1]] = self.tables
+        wider[:, : self.tables.shape[1]] = self.tables
         self.tables = wider

@@ -11,8 +11,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 enable_events: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        enable_events: bool = False,
+    ):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, enable_events)
@@ -52,13 +57,16 @@ class KVCacheManager:
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> list[KVBlock] | None:
         """Make room for `num_new_tokens` more tokens; None (and no change) if blocks run out."""
         computed_blocks = computed_blocks or []
         held = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(held) - len(computed_blocks)
+        needed = (
+            cdiv(num_computed + num_new_tokens, self.block_size) - len(held) - len(computed_blocks)
+        )
         # Cache hits on free blocks come out of the free list too.
         hits_on_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if needed + hits_on_free > self.pool.num_free_blocks:
@@ -66,7 +74,9 @@ class KVCacheManager:
         self.pool.touch(computed_blocks)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         last = computed_blocks[-1] if computed_blocks else blocks[-1] if blocks else None
-        new_blocks = self.pool.allocate(max(needed, 0), after=None if last is None else last.block_id)
+        new_blocks = self.pool.allocate(
+            max(needed, 0), after=None if last is None else last.block_id
+        )
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
         if request.request_id not in self.num_cached_blocks:
@@ -87,9 +97,12 @@ class KVCacheManager:
         keys = request.block_keys(num_full)
         blocks = self.req_blocks[request.request_id]
         self.pool.cache_blocks(
-            blocks[start:num_full], keys[start:num_full],
+            blocks[start:num_full],
+            keys[start:num_full],
             keys[start - 1] if start > 0 else None,
-            request.all_token_ids[start * bs:num_full * bs], bs)
+            request.all_token_ids[start * bs : num_full * bs],
+            bs,
+        )
         self.num_cached_blocks[request.request_id] = num_full
 
     def cache_computed(self, request: Request) -> None:
@@ -98,13 +111,15 @@ class KVCacheManager:
         if self.enable_caching and request.request_id in self.num_cached_blocks:
             self._cache_full_blocks(request, request.num_computed_tokens)
 
-    def blocks_written(self, request: Request, num_tokens: int, start: int | None = None) -> list[KVBlock]:
+    def blocks_written(
+        self, request: Request, num_tokens: int, start: int | None = None
+    ) -> list[KVBlock]:
         """The blocks that the request's next ``num_tokens`` tokens (from ``start``, by default
         num_computed_tokens) fill."""
         if start is None:
             start = request.num_computed_tokens
         blocks = self.req_blocks.get(request.request_id, [])
-        return blocks[start // self.block_size:cdiv(start + num_tokens, self.block_size)]
+        return blocks[start // self.block_size : cdiv(start + num_tokens, self.block_size)]
 
     def release_lookahead(self, request: Request) -> None:
         """Free the blocks past the request's verified tokens: the lookahead slots of its rejected

@@ -19,8 +19,8 @@ are tested on the CPU with the query stubbed (tests/engine/test_gpu_execution.py
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class MemoryQuery:
     """The torch.cuda boundary: (free, total) bytes, and the caching allocator's counters."""
+
     mem_get_info: Callable[[], tuple[int, int]]
     reset_peak: Callable[[], None]
     max_allocated: Callable[[], int]
@@ -43,13 +44,15 @@ class MemoryQuery:
     empty_cache: Callable[[], None]
 
     @classmethod
-    def cuda(cls, device: torch.device) -> "MemoryQuery":
-        return cls(mem_get_info=lambda: torch.cuda.mem_get_info(device),
-                   reset_peak=lambda: torch.cuda.reset_peak_memory_stats(device),
-                   max_allocated=lambda: torch.cuda.max_memory_allocated(device),
-                   allocated=lambda: torch.cuda.memory_allocated(device),
-                   synchronize=lambda: torch.cuda.synchronize(device),
-                   empty_cache=torch.cuda.empty_cache)
+    def cuda(cls, device: torch.device) -> MemoryQuery:
+        return cls(
+            mem_get_info=lambda: torch.cuda.mem_get_info(device),
+            reset_peak=lambda: torch.cuda.reset_peak_memory_stats(device),
+            max_allocated=lambda: torch.cuda.max_memory_allocated(device),
+            allocated=lambda: torch.cuda.memory_allocated(device),
+            synchronize=lambda: torch.cuda.synchronize(device),
+            empty_cache=torch.cuda.empty_cache,
+        )
 
 
 @dataclass
@@ -61,21 +64,26 @@ class KVSizing:
     kv_bytes: int
 
 
-def blocks_from_memory(total: int, in_use: int, peak_activation: int, utilization: float,
-                       bytes_per_block: int) -> tuple[int, int]:
+def blocks_from_memory(
+    total: int, in_use: int, peak_activation: int, utilization: float, bytes_per_block: int
+) -> tuple[int, int]:
     """(blocks, bytes for the KV cache) that fit in utilization x total beside what is in use
     and the profiled activation peak."""
     kv_bytes = int(total * utilization) - in_use - peak_activation
     return max(0, kv_bytes // bytes_per_block), max(0, kv_bytes)
 
 
-def profile_step(runner, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
+def profile_step(
+    runner, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
+) -> None:
     """One step at the engine's largest batch on a scratch KV cache just big enough for it."""
     block_size = runner.block_size
     tokens = max(1, max_num_batched_tokens)
     num_seqs = max(1, min(max_num_seqs, tokens))
     per_seq = cdiv(tokens, num_seqs)
-    if per_seq > max_model_len - 1:  # more, shorter sequences when one would overflow the model length
+    if (
+        per_seq > max_model_len - 1
+    ):  # more, shorter sequences when one would overflow the model length
         per_seq = max_model_len - 1
         num_seqs = cdiv(tokens, per_seq)
     num_blocks = num_seqs * cdiv(per_seq, block_size) + 1
@@ -88,16 +96,30 @@ def profile_step(runner, max_num_batched_tokens: int, max_num_seqs: int, max_mod
         if n <= 0:
             break
         left -= n
-        req = Request(f"profile-{i}", [(7 * i + j) % runner.config.vocab_size for j in range(n)], params,
-                      set(), "profile", block_size, max_model_len)
+        req = Request(
+            f"profile-{i}",
+            [(7 * i + j) % runner.config.vocab_size for j in range(n)],
+            params,
+            set(),
+            "profile",
+            block_size,
+            max_model_len,
+        )
         kv.allocate_slots(req, n)
         requests.append(req)
         scheduled[req.request_id] = n
     runner.execute(SchedulerOutput(scheduled, requests), kv)
 
 
-def size_kv_cache(runner, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                  utilization: float, bytes_per_block: int, query: MemoryQuery | None = None) -> KVSizing:
+def size_kv_cache(
+    runner,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    utilization: float,
+    bytes_per_block: int,
+    query: MemoryQuery | None = None,
+) -> KVSizing:
     """Profile one step and return how many KV blocks fit; the runner's cache is left empty
     (the caller allocates the real one)."""
     query = query or MemoryQuery.cuda(runner.device)
@@ -120,7 +142,8 @@ def size_kv_cache(runner, max_num_batched_tokens: int, max_num_seqs: int, max_mo
             f"no GPU memory left for the KV cache: {utilization:.2f} x {total / 2**30:.1f} GiB total, "
             f"{in_use / 2**30:.2f} GiB in use after loading the weights, {peak / 2**30:.2f} GiB peak "
             "activations at max_num_batched_tokens: raise gpu_memory_utilization or lower "
-            "max_num_batched_tokens")
+            "max_num_batched_tokens"
+        )
     return sizing
 
 
@@ -128,8 +151,15 @@ def log_capacity(sizing: KVSizing, block_size: int, max_model_len: int) -> float
     """Log the cache and its max concurrency (full-length requests held at once); returns it."""
     tokens = sizing.num_blocks * block_size
     concurrency = tokens / max_model_len
-    log.info("GPU KV cache: %d blocks (%d tokens, %.2f GiB; %.2f GiB in use after the weights, %.2f GiB "
-             "peak activations); maximum concurrency for %d-token requests: %.2fx",
-             sizing.num_blocks, tokens, sizing.kv_bytes / 2**30, sizing.in_use / 2**30,
-             sizing.peak_activation / 2**30, max_model_len, concurrency)
+    log.info(
+        "GPU KV cache: %d blocks (%d tokens, %.2f GiB; %.2f GiB in use after the weights, %.2f GiB "
+        "peak activations); maximum concurrency for %d-token requests: %.2fx",
+        sizing.num_blocks,
+        tokens,
+        sizing.kv_bytes / 2**30,
+        sizing.in_use / 2**30,
+        sizing.peak_activation / 2**30,
+        max_model_len,
+        concurrency,
+    )
     return concurrency

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -19,7 +20,7 @@ class LLM:
         self.engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(args)
         return llm
@@ -33,13 +34,19 @@ class LLM:
         (engine arg ``generation_config``), else SamplingParams()."""
         return self.engine.default_sampling_params()
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, cache_salt: str | None = None,
-                 resume_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+        resume_token_ids: list[list[int]] | None = None,
+    ) -> list[RequestOutput]:
         """``resume_token_ids``: per prompt, the output a continuation starts after (generated
         before, elsewhere; n must be 1): its outputs hold what follows them only."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # a single prompt (text or token ids)
         prompts = list(prompts)
         resumed = list(resume_token_ids) if resume_token_ids is not None else [None] * len(prompts)
@@ -58,27 +65,44 @@ class LLM:
             self.engine.core.validate_params(sp)
             if done is not None:
                 self.engine.core.limits.validate_resume(ids, done, sp)
-            self.engine.core.check_structured(sp)  # a spec the backend refuses: before anything runs
+            self.engine.core.check_structured(
+                sp
+            )  # a spec the backend refuses: before anything runs
         order: dict[str, tuple[int, int]] = {}  # engine request -> (prompt, sample)
         for i, ((text, ids), sp) in enumerate(zip(tokenized, params)):
             for j in range(sp.n):
                 # n samples of a prompt: n requests (the later ones hit the first's prompt blocks)
-                rid = self.engine.add_request(text if text is not None else ids, sp.sample(j),
-                                              cache_salt=cache_salt, prompt_token_ids=ids,
-                                              resume_token_ids=resumed[i])
+                rid = self.engine.add_request(
+                    text if text is not None else ids,
+                    sp.sample(j),
+                    cache_salt=cache_salt,
+                    prompt_token_ids=ids,
+                    resume_token_ids=resumed[i],
+                )
                 order[rid] = (i, j)
         return self._run(order, len(prompts), use_tqdm)
 
-    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.apply_chat_template(c, add_generation_prompt, continue_final_message,
-                                                   chat_template_kwargs) for c in conversations]
+        prompts = [
+            self.engine.apply_chat_template(
+                c, add_generation_prompt, continue_final_message, chat_template_kwargs
+            )
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, order: dict[str, tuple[int, int]], num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, order: dict[str, tuple[int, int]], num_prompts: int, use_tqdm: bool
+    ) -> list[RequestOutput]:
         samples: list[dict[int, RequestOutput]] = [{} for _ in range(num_prompts)]
         bar = tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
@@ -92,7 +116,9 @@ class LLM:
         for outs in samples:  # one RequestOutput per prompt, its n samples in outputs[0..n-1]
             first = outs[0]
             if len(outs) > 1:
-                first = replace(first, outputs=[replace(outs[j].outputs[0], index=j) for j in range(len(outs))])
+                first = replace(
+                    first, outputs=[replace(outs[j].outputs[0], index=j) for j in range(len(outs))]
+                )
             results.append(first)
         return results
 

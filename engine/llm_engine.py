@@ -49,16 +49,25 @@ class TextEngine:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidParameter("prompt", "prompt is empty: it must contain at least one token")
+                raise InvalidParameter(
+                    "prompt", "prompt is empty: it must contain at least one token"
+                )
             check_text("prompt", prompt)
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             return None, list(prompt)
         raise InvalidParameter("prompt", "prompt must be a string or a list of token ids")
 
-    def create_state(self, prompt: PromptType, params: SamplingParams | None = None,
-                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
-                     resumed_token_ids: list[int] | None = None) -> tuple[str, list[int], SamplingParams]:
+    def create_state(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        resumed_token_ids: list[int] | None = None,
+    ) -> tuple[str, list[int], SamplingParams]:
         """The text side of a request (detokenizer, stop strings), without touching the core.
 
         A server keeps this on its own thread and feeds the core's outputs to
@@ -73,15 +82,32 @@ class TextEngine:
         else:
             text = prompt if isinstance(prompt, str) else None
         if params.n != 1:
-            raise InvalidParameter("n", "an engine request samples one sequence; LLM.generate and the server "
-                                        "fan n > 1 out into n requests")
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
-                                       params.include_stop_str_in_output, params.skip_special_tokens,
-                                       resumed_token_ids or ())
+            raise InvalidParameter(
+                "n",
+                "an engine request samples one sequence; LLM.generate and the server "
+                "fan n > 1 out into n requests",
+            )
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids,
+            params.stop,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+            resumed_token_ids or (),
+        )
         self.states[request_id] = _RequestState(
-            text, prompt_token_ids, params, detok,
-            CompletionOutput(0, "", [], logprobs=[] if params.logprobs is not None else None,
-                             text_offset=detok.num_emitted_chars))
+            text,
+            prompt_token_ids,
+            params,
+            detok,
+            CompletionOutput(
+                0,
+                "",
+                [],
+                logprobs=[] if params.logprobs is not None else None,
+                text_offset=detok.num_emitted_chars,
+            ),
+        )
         return request_id, prompt_token_ids, params
 
     def process_output(self, out: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:
@@ -109,7 +135,7 @@ class TextEngine:
                 delta, stop_str = state.detok.update([token])
                 delta_text += delta
                 if stop_str is not None:
-                    new_ids, new_lps = new_ids[:i + 1], new_lps[:i + 1]
+                    new_ids, new_lps = new_ids[: i + 1], new_lps[: i + 1]
                     break
         elif new_ids:
             delta_text, stop_str = state.detok.update(new_ids)
@@ -127,21 +153,34 @@ class TextEngine:
             comp.finish_reason, comp.stop_reason = finish_reason, stop_reason
             del self.states[out.request_id]
         return RequestOutput(
-            out.request_id, state.prompt, state.prompt_token_ids, [comp],
-            finished=finish_reason is not None, num_cached_tokens=out.num_cached_tokens,
-            prompt_logprobs=state.prompt_logprobs, delta_text=delta_text, delta_token_ids=list(new_ids),
-            delta_logprobs=list(new_lps), error=out.error)
+            out.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            [comp],
+            finished=finish_reason is not None,
+            num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=state.prompt_logprobs,
+            delta_text=delta_text,
+            delta_token_ids=list(new_ids),
+            delta_logprobs=list(new_lps),
+            error=out.error,
+        )
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False,
-                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         for i, message in enumerate(messages):
             for key, value in message.items():
                 if isinstance(value, str):
                     check_text(f"messages.{i}.{key}", value)
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt, continue_final_message,
-                                              chat_template_kwargs)
+            return self.tokenizer.encode_chat(
+                messages, add_generation_prompt, continue_final_message, chat_template_kwargs
+            )
         except TemplateError as exc:
             raise InvalidParameter("messages", str(exc)) from None
 
@@ -158,19 +197,28 @@ class LLMEngine(TextEngine):
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
-    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None,
-                    prompt_token_ids: list[int] | None = None, resume_token_ids: list[int] | None = None) -> str:
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        resume_token_ids: list[int] | None = None,
+    ) -> str:
         """``resume_token_ids``: continue a request whose output so far is these ids (generated
         elsewhere, already delivered): its outputs hold what follows them only."""
         try:  # the server checked it already; LLM.generate callers reach here directly
             check_cache_salt(cache_salt)
         except InvalidCacheSalt as exc:
             raise InvalidParameter("cache_salt", str(exc)) from None
-        request_id, ids, params = self.create_state(prompt, params, request_id, prompt_token_ids,
-                                                    resume_token_ids)
+        request_id, ids, params = self.create_state(
+            prompt, params, request_id, prompt_token_ids, resume_token_ids
+        )
         try:
-            self.core.add_request(request_id, ids, params, cache_salt, resumed_token_ids=resume_token_ids)
+            self.core.add_request(
+                request_id, ids, params, cache_salt, resumed_token_ids=resume_token_ids
+            )
         except Exception:
             self.states.pop(request_id, None)
             raise

@@ -39,11 +39,13 @@ class EngineLimits:
         if n >= self.max_model_len:
             raise PromptTooLong(
                 f"prompt has {n} tokens, but the model's maximum context length is {self.max_model_len} "
-                f"tokens and at least one must be left for the output")
+                f"tokens and at least one must be left for the output"
+            )
         self.check_token_ids("prompt", prompt_token_ids)
 
-    def validate_resume(self, prompt_token_ids: list[int], resumed_token_ids: list[int],
-                        params: SamplingParams) -> None:
+    def validate_resume(
+        self, prompt_token_ids: list[int], resumed_token_ids: list[int], params: SamplingParams
+    ) -> None:
         """A continuation's already-generated ids: in the vocabulary, and with room for at least
         one more token under the context length and max_tokens (they count as output)."""
         if not resumed_token_ids:
@@ -53,20 +55,29 @@ class EngineLimits:
         self.check_token_ids(RESUME_PARAM, resumed_token_ids)
         n_prompt, n_out = len(prompt_token_ids), len(resumed_token_ids)
         if n_prompt + n_out >= self.max_model_len:
-            raise ResumeTooLong(f"the prompt ({n_prompt} tokens) and {RESUME_PARAM} ({n_out}) fill the model's "
-                                f"maximum context length of {self.max_model_len} tokens: nothing is left to "
-                                "generate", context=True)
+            raise ResumeTooLong(
+                f"the prompt ({n_prompt} tokens) and {RESUME_PARAM} ({n_out}) fill the model's "
+                f"maximum context length of {self.max_model_len} tokens: nothing is left to "
+                "generate",
+                context=True,
+            )
         if params.max_tokens is not None and n_out >= params.max_tokens:
-            raise ResumeTooLong(f"{RESUME_PARAM} holds {n_out} tokens, max_tokens is {params.max_tokens}: "
-                                "the request is complete, nothing is left to generate", context=False)
+            raise ResumeTooLong(
+                f"{RESUME_PARAM} holds {n_out} tokens, max_tokens is {params.max_tokens}: "
+                "the request is complete, nothing is left to generate",
+                context=False,
+            )
 
     def validate_params(self, params: SamplingParams) -> None:
         """Checks of sampling params that need the model (SamplingParams checked the rest on
         construction): every count within the vocabulary, every token id in it."""
         vocab = self.vocab_size
         if params.top_k > vocab:
-            raise InvalidParameter("top_k", f"top_k must be -1 (off) or at most the vocabulary size {vocab}, "
-                                            f"got {params.top_k}")
+            raise InvalidParameter(
+                "top_k",
+                f"top_k must be -1 (off) or at most the vocabulary size {vocab}, "
+                f"got {params.top_k}",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > vocab:
                 raise InvalidParameter(name, f"{name} must be at most the vocabulary size {vocab}")
@@ -77,4 +88,6 @@ class EngineLimits:
         vocab = self.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidParameter(param, f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise InvalidParameter(
+                param, f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )

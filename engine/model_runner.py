@@ -22,9 +22,19 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, model_dir: str | Path, dtype: torch.dtype,
-                 device: torch.device, num_blocks: int, block_size: int, max_model_len: int,
-                 seed: int = 0, batch_hint: int = 128, attention_backend: str = "auto"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        model_dir: str | Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        seed: int = 0,
+        batch_hint: int = 128,
+        attention_backend: str = "auto",
+    ):
         from kvmesh.engine import attention_backends
 
         self.config = config
@@ -43,19 +53,26 @@ class ModelRunner:
 
         backend_name = attention_backends.choose(attention_backend, device)
         if onednn_linear.available(device, dtype):
-            panel_ops = None  # decode-size inputs on the compiled panel kernel (fp32, CPU kernels built)
+            panel_ops = (
+                None  # decode-size inputs on the compiled panel kernel (fp32, CPU kernels built)
+            )
             if backend_name == "cpu" and onednn_linear.panels_enabled(dtype):
                 from kvmesh.engine.kernels import cpu as cpu_kernels
 
                 panel_ops = cpu_kernels.load()
-            log.debug("prepacked %d linear layers for oneDNN%s", model.use_onednn(batch_hint, panel_ops),
-                      " and panels" if panel_ops is not None else "")
+            log.debug(
+                "prepacked %d linear layers for oneDNN%s",
+                model.use_onednn(batch_hint, panel_ops),
+                " and panels" if panel_ops is not None else "",
+            )
         self.model = model.eval()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(seed, device)
         self._buffers = StepBuffers()
-        self.input_batch = InputBatch(block_size, max_rows=batch_hint)  # block tables kept across steps
+        self.input_batch = InputBatch(
+            block_size, max_rows=batch_hint
+        )  # block tables kept across steps
         self.cpu_ops = None  # the compiled CPU kernels (kernels/cpu.py), when they build
         self.graphs = None  # the CUDA graphs of decode steps (cuda_graphs.py), once captured
         self.piecewise = None  # the piecewise CUDA graphs of the other steps (piecewise_graphs.py)
@@ -74,8 +91,10 @@ class ModelRunner:
             self.cpu_ops = cpu_kernels.load()
             if self.cpu_ops is not None:
                 self.model.use_fused_ops(self.cpu_ops)
-                self.backend.use_cpu_ops(self.cpu_ops, self.cpu_ops.prefill_attention_supported(
-                    dtype, config.head_dim, block_size))
+                self.backend.use_cpu_ops(
+                    self.cpu_ops,
+                    self.cpu_ops.prefill_attention_supported(dtype, config.head_dim, block_size),
+                )
                 if self.model.use_decode_stack(self.cpu_ops):
                     log.debug("decode steps run on the compiled decode stack")
 
@@ -84,13 +103,21 @@ class ModelRunner:
         self.kv_caches = []  # the old cache goes first
         shape = (self.config.num_key_value_heads, num_blocks, self.block_size, self.config.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(self.config.num_hidden_layers)
         ]
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, api=None, decode: bool = True,
-                            piecewise_sizes: list[int] | None = None) -> None:
+    def capture_cuda_graphs(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        api=None,
+        decode: bool = True,
+        piecewise_sizes: list[int] | None = None,
+    ) -> None:
         """Capture the decode steps' full CUDA graphs (cuda_graphs.py) and, with
         ``piecewise_sizes``, the other steps' piecewise graphs for those token counts
         (piecewise_graphs.py). ``api`` stubs torch.cuda in tests."""
@@ -101,44 +128,77 @@ class ModelRunner:
             return
         api = api or GraphAPI()  # one memory pool for both kinds: they never run at once
         if decode:
-            self.graphs = CUDAGraphRunner(self.model, self.backend, self.kv_caches, max_num_seqs, max_model_len,
-                                          self.block_size, self.device, api)
+            self.graphs = CUDAGraphRunner(
+                self.model,
+                self.backend,
+                self.kv_caches,
+                max_num_seqs,
+                max_model_len,
+                self.block_size,
+                self.device,
+                api,
+            )
             self.graphs.capture()
         if piecewise_sizes:
             from kvmesh.engine.piecewise_graphs import PiecewiseGraphRunner
 
-            self.piecewise = PiecewiseGraphRunner(self.model, self.backend, self.kv_caches, piecewise_sizes,
-                                                  self.device, self.dtype, api)
+            self.piecewise = PiecewiseGraphRunner(
+                self.model,
+                self.backend,
+                self.kv_caches,
+                piecewise_sizes,
+                self.device,
+                self.dtype,
+                api,
+            )
             self.piecewise.capture()
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         t = torch.as_tensor(values, dtype=dtype)
-        if self.device.type == "cuda":  # pinned: the copy does not wait for the device's queued work
+        if (
+            self.device.type == "cuda"
+        ):  # pinned: the copy does not wait for the device's queued work
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def prepare(self, out: SchedulerOutput, kv: KVCacheManager, prev_rows: dict[str, int] | None = None
-                ) -> "PreparedStep":
+    def prepare(
+        self, out: SchedulerOutput, kv: KVCacheManager, prev_rows: dict[str, int] | None = None
+    ) -> PreparedStep:
         """The step's inputs on the device: its rows (step_rows.py), then the attention backend's
         metadata for them. ``prev_rows``: each request's row in the previous step's sampled ids
         (async scheduling fills placeholder inputs from them on the device)."""
         rows = build_step_rows(out, kv, self.block_size, self._buffers, self.input_batch, prev_rows)
         meta = self.backend.step_metadata(rows, self._tensor, self.block_size)
         grammar = None
-        if any(r.structured is not None for r in out.requests):  # constrained decoding: the next-token masks
+        if any(
+            r.structured is not None for r in out.requests
+        ):  # constrained decoding: the next-token masks
             from kvmesh.engine.structured import bitmask
 
-            grammar = bitmask.for_step(rows.sampling_requests, rows.spec_rows, self.config.vocab_size)
+            grammar = bitmask.for_step(
+                rows.sampling_requests, rows.spec_rows, self.config.vocab_size
+            )
         return PreparedStep(
-            rows.requests, self._tensor(rows.ids), self._tensor(rows.positions), meta,
-            self._tensor(rows.logits().indices), rows.sampling_requests, rows.prompt_rows, rows.spec_rows,
+            rows.requests,
+            self._tensor(rows.ids),
+            self._tensor(rows.positions),
+            meta,
+            self._tensor(rows.logits().indices),
+            rows.sampling_requests,
+            rows.prompt_rows,
+            rows.spec_rows,
             self._tensor(rows.fill_dst) if rows.fill_dst else None,
             self._tensor(rows.fill_src) if rows.fill_src else None,
-            {r.request_id: i for i, r in enumerate(rows.sampling_requests)}, grammar,
-            sample_positions=rows.sample_positions)
+            {r.request_id: i for i, r in enumerate(rows.sampling_requests)},
+            grammar,
+            sample_positions=rows.sample_positions,
+        )
 
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager
-                ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[tuple[int, TokenLogprobs]]]]:
+    def execute(
+        self, out: SchedulerOutput, kv: KVCacheManager
+    ) -> tuple[
+        dict[str, int], dict[str, TokenLogprobs], dict[str, list[tuple[int, TokenLogprobs]]]
+    ]:
         """Sampled tokens, their logprobs, and prompt logprobs as (position, logprob) per request.
 
         A request that verified drafts this step gets a list: the accepted drafts, then one sampled
@@ -146,25 +206,37 @@ class ModelRunner:
         return self.finish(self.run(self.prepare(out, kv)))
 
     @torch.inference_mode()
-    def run(self, step: "PreparedStep", prev: "StepResult | None" = None) -> "StepResult":
+    def run(self, step: PreparedStep, prev: StepResult | None = None) -> StepResult:
         """The device part of a step: placeholder fill, forward, sampling. Nothing here waits for
         the device but what logprobs need; the sampled ids come back through ``finish``. With
         async scheduling this runs on the engine's step thread, one step after the other."""
         input_ids = step.input_ids
         if step.fill_dst is not None:
             if prev is None or prev.tokens is None:
-                raise RuntimeError("the previous step left no sampled ids to fill this step's inputs")
+                raise RuntimeError(
+                    "the previous step left no sampled ids to fill this step's inputs"
+                )
             # The previous step's sampled ids into this step's inputs, on the device (before the
             # forward, and so before a CUDA graph's static buffers take the inputs).
             input_ids.index_copy_(0, step.fill_dst, prev.tokens.index_select(0, step.fill_src))
-        meta, sampling_requests, prompt_rows, spec_rows = (step.meta, step.sampling_requests, step.prompt_rows,
-                                                           step.spec_rows)
-        if not spec_rows and self.graphs is not None and self.graphs.can_replay(meta, len(sampling_requests)):
+        meta, sampling_requests, prompt_rows, spec_rows = (
+            step.meta,
+            step.sampling_requests,
+            step.prompt_rows,
+            step.spec_rows,
+        )
+        if (
+            not spec_rows
+            and self.graphs is not None
+            and self.graphs.can_replay(meta, len(sampling_requests))
+        ):
             logits = self.graphs.replay(input_ids, step.positions, meta)
         elif self.piecewise is not None and self.piecewise.covers(meta, input_ids.shape[0]):
             logits = self.piecewise.forward(input_ids, step.positions, meta, step.logits_indices)
         else:
-            logits = self.model(input_ids, step.positions, self.kv_caches, meta, step.logits_indices)
+            logits = self.model(
+                input_ids, step.positions, self.kv_caches, meta, step.logits_indices
+            )
         result = StepResult()
         num_plain = len(sampling_requests)
         num_sampling = num_plain + sum(len(d) + 1 for _, d in spec_rows)
@@ -178,8 +250,15 @@ class ModelRunner:
         if spec_rows:
             from kvmesh.engine.spec_decode.rejection import verify
 
-            for (req, _), v in zip(spec_rows, verify(self.sampler, logits[num_plain:num_sampling],
-                                                     [r for r, _ in spec_rows], [d for _, d in spec_rows])):
+            for (req, _), v in zip(
+                spec_rows,
+                verify(
+                    self.sampler,
+                    logits[num_plain:num_sampling],
+                    [r for r, _ in spec_rows],
+                    [d for _, d in spec_rows],
+                ),
+            ):
                 result.sampled[req.request_id] = v.tokens
                 if v.logprobs is not None:
                     result.logprobs[req.request_id] = v.logprobs
@@ -187,11 +266,17 @@ class ModelRunner:
             return result
         if prompt_rows or spec_rows:
             logits = logits[:num_plain]
-        tokens, logprobs = self.sampler(logits, sampling_requests, to_host=False, positions=step.sample_positions)
+        tokens, logprobs = self.sampler(
+            logits, sampling_requests, to_host=False, positions=step.sample_positions
+        )
         result.tokens = tokens
         result.requests = sampling_requests
-        result.logprobs.update((r.request_id, lp) for r, lp in zip(sampling_requests, logprobs) if lp is not None)
-        if tokens.device.type == "cuda":  # the step's one device-to-host copy, without waiting for it
+        result.logprobs.update(
+            (r.request_id, lp) for r, lp in zip(sampling_requests, logprobs) if lp is not None
+        )
+        if (
+            tokens.device.type == "cuda"
+        ):  # the step's one device-to-host copy, without waiting for it
             result.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             result.host.copy_(tokens, non_blocking=True)
             result.event = torch.cuda.Event()
@@ -201,8 +286,11 @@ class ModelRunner:
         return result
 
     @staticmethod
-    def finish(result: "StepResult"
-               ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[tuple[int, TokenLogprobs]]]]:
+    def finish(
+        result: StepResult,
+    ) -> tuple[
+        dict[str, int], dict[str, TokenLogprobs], dict[str, list[tuple[int, TokenLogprobs]]]
+    ]:
         """The host side of a step's result: waits for its sampled ids (the copy ``run`` started)."""
         sampled = dict(result.sampled)
         if result.requests:
@@ -229,7 +317,9 @@ class PreparedStep:
     sample_rows: dict[str, int]  # request id -> its row in this step's sampled ids
     # Constrained decoding: the next-token bitmask and the sampling rows it applies to (None: none)
     grammar: tuple[torch.Tensor, list[int]] | None = None
-    sample_positions: list[int] | None = None  # per sampling request: the output position it samples
+    sample_positions: list[int] | None = (
+        None  # per sampling request: the output position it samples
+    )
 
 
 @dataclass
@@ -245,11 +335,15 @@ class StepResult:
     prompt_lps: dict = field(default_factory=dict)
 
 
-def prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Request, int]]
-                    ) -> dict[str, list[tuple[int, TokenLogprobs]]]:
+def prompt_logprobs(
+    logits: torch.Tensor, rows: list[tuple[Request, int]]
+) -> dict[str, list[tuple[int, TokenLogprobs]]]:
     """Per request, (position, logprob) of prompt token p + 1 under row p's logits."""
-    found = token_logprobs(logits, [req.all_token_ids[p + 1] for req, p in rows],
-                           [req.sampling_params.prompt_logprobs for req, _ in rows])
+    found = token_logprobs(
+        logits,
+        [req.all_token_ids[p + 1] for req, p in rows],
+        [req.sampling_params.prompt_logprobs for req, _ in rows],
+    )
     result: dict[str, list[tuple[int, TokenLogprobs]]] = {}
     for (req, p), lp in zip(rows, found):
         result.setdefault(req.request_id, []).append((p + 1, lp))

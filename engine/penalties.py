@@ -31,7 +31,7 @@ def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     out = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         if r:
-            out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     if torch.device(device).type == "cuda":
         return out.pin_memory().to(device, non_blocking=True)
     return out
@@ -61,7 +61,9 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     freq = to_device([p.frequency_penalty for p in params], torch.float32, dev)[:, None]
     pres = to_device([p.presence_penalty for p in params], torch.float32, dev)[:, None]
     sub = sub - freq * counts - pres * (counts > 0)
-    biased = [(j, tid, bias) for j, p in enumerate(params) for tid, bias in (p.logit_bias or {}).items()]
+    biased = [
+        (j, tid, bias) for j, p in enumerate(params) for tid, bias in (p.logit_bias or {}).items()
+    ]
     if biased:
         at_row, at_tok, bias = zip(*biased)
         sub[list(at_row), list(at_tok)] += to_device(list(bias), sub.dtype, dev)

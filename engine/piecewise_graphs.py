@@ -39,6 +39,7 @@ from kvmesh.engine.models.llama import StepRope
 
 log = logging.getLogger(__name__)
 
+
 class StaticSlots:
     """What the K/V store reads of the metadata inside a piece: the static slot buffer."""
 
@@ -47,12 +48,22 @@ class StaticSlots:
 
 
 class PiecewiseGraphRunner:
-    def __init__(self, model, backend, kv_caches, sizes: list[int], device: torch.device, dtype: torch.dtype,
-                 api=None):
+    def __init__(
+        self,
+        model,
+        backend,
+        kv_caches,
+        sizes: list[int],
+        device: torch.device,
+        dtype: torch.dtype,
+        api=None,
+    ):
         from kvmesh.engine.cuda_graphs import GraphAPI
 
         if model.fused_ops is None:
-            raise ValueError("piecewise graphs need the fused ops (RoPE with the K/V store in one kernel)")
+            raise ValueError(
+                "piecewise graphs need the fused ops (RoPE with the K/V store in one kernel)"
+            )
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.api = api or GraphAPI()
         self.sizes = sorted(set(sizes))
@@ -64,7 +75,9 @@ class PiecewiseGraphRunner:
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
         self.slots = torch.full((largest,), PAD_SLOT, dtype=torch.long, device=device)
         self.q = torch.zeros((largest, self.num_heads, self.head_dim), dtype=dtype, device=device)
-        self.attn_out = torch.zeros((largest, self.num_heads, self.head_dim), dtype=dtype, device=device)
+        self.attn_out = torch.zeros(
+            (largest, self.num_heads, self.head_dim), dtype=dtype, device=device
+        )
         self.residual = torch.zeros((largest, hidden), dtype=dtype, device=device)
         self.hidden = torch.zeros((largest, hidden), dtype=dtype, device=device)
         self.graphs: dict[int, list[object]] = {}  # size -> its L + 1 pieces, in order
@@ -88,12 +101,17 @@ class PiecewiseGraphRunner:
     def _rope(self, size: int) -> StepRope:
         return StepRope(self.model.rope, self.positions[:size], self.q.dtype, fused=True)
 
-    def _project(self, i: int, x: torch.Tensor, residual: torch.Tensor | None, size: int) -> torch.Tensor:
+    def _project(
+        self, i: int, x: torch.Tensor, residual: torch.Tensor | None, size: int
+    ) -> torch.Tensor:
         """Layer i's first half into the static q and residual buffers; returns the q buffer."""
         k_cache, v_cache = self.kv_caches[i]
-        q, _, _, residual = self.model.layers[i].pre_attention(x, residual, self._rope(size), k_cache, v_cache,
-                                                               StaticSlots(self.slots[:size]))
-        if residual.data_ptr() != self.residual.data_ptr():  # a fused norm updates the buffer in place
+        q, _, _, residual = self.model.layers[i].pre_attention(
+            x, residual, self._rope(size), k_cache, v_cache, StaticSlots(self.slots[:size])
+        )
+        if (
+            residual.data_ptr() != self.residual.data_ptr()
+        ):  # a fused norm updates the buffer in place
             self.residual[:size].copy_(residual)
         self.q[:size].copy_(q)
         return self.q[:size]
@@ -125,13 +143,22 @@ class PiecewiseGraphRunner:
                 pieces.append(graph)
             self.graphs[size] = pieces
         self.api.synchronize()
-        log.info("captured piecewise CUDA graphs (%d pieces each) for token counts %s in %.1f s", num_pieces,
-                 self.sizes, time.perf_counter() - start)
+        log.info(
+            "captured piecewise CUDA graphs (%d pieces each) for token counts %s in %.1f s",
+            num_pieces,
+            self.sizes,
+            time.perf_counter() - start,
+        )
 
     # -- a step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: TritonMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: TritonMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
         """The step's logits rows ([len(logits_indices), vocab]): the pieces of its padded size
         replayed, attention for its real rows between them."""
         n = input_ids.shape[0]

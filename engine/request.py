@@ -16,12 +16,18 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"  # an engine step failed on this request (EngineCoreOutput.error says how)
+    FINISHED_ERROR = (
+        "error"  # an engine step failed on this request (EngineCoreOutput.error says how)
+    )
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
+        )
 
 
 class Request:
@@ -69,7 +75,8 @@ class Request:
         self.max_output_tokens = limit
         # Prompt logprobs by position (the first token has none), filled as the prompt is computed.
         self.prompt_logprobs: list | None = (
-            [None] * self.num_prompt_tokens if sampling_params.prompt_logprobs is not None else None)
+            [None] * self.num_prompt_tokens if sampling_params.prompt_logprobs is not None else None
+        )
         self._root = root_key(model_id, cache_salt)
         self._block_keys: list[int] = []
 
@@ -83,7 +90,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     def block_keys(self, num_blocks: int) -> list[int]:
         """Keys of the first `num_blocks` full blocks, extended lazily as tokens arrive."""
@@ -92,7 +99,7 @@ class Request:
         while len(keys) < num_blocks:
             i = len(keys)
             parent = keys[-1] if keys else self._root
-            keys.append(block_key(parent, self.all_token_ids[i * bs:(i + 1) * bs]))
+            keys.append(block_key(parent, self.all_token_ids[i * bs : (i + 1) * bs]))
         return keys[:num_blocks]
 
     def append_token(self, token_id: int) -> None:

@@ -55,7 +55,9 @@ def seeded_uniform(seed: int, position: int, stream: int = 0) -> float:
     draw of a seeded request for its output token ``position`` (``stream`` tells apart draws for
     the same position, e.g. speculative decoding's accept test from its sample)."""
     x = (_seed_key(seed) + (position * 2 + 1) * _GOLDEN64 + stream * 0xD1B54A32D192ED03) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64  # _mix64, inlined: it runs per row and step
+    x = (
+        (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    ) & _MASK64  # _mix64, inlined: it runs per row and step
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return ((x ^ (x >> 31)) >> 11) * (1.0 / (1 << 53))
 
@@ -75,20 +77,27 @@ def sample_by_inversion(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Ten
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int], chunk: int = 256
-                   ) -> list[TokenLogprobs]:
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], num_top: list[int], chunk: int = 256
+) -> list[TokenLogprobs]:
     """Logprob, rank and top-N (``num_top[i]``) of ``token_ids[i]`` under row i's logits, from the
     raw distribution; a slice of rows at a time, so the [rows, vocab] log-softmax stays small."""
     out: list[TokenLogprobs] = []
     k = max(1, max(num_top))
     for s in range(0, len(token_ids), chunk):
-        lp = torch.log_softmax(logits[s:s + chunk].float(), dim=-1)
-        target = torch.tensor(token_ids[s:s + chunk], device=lp.device)
+        lp = torch.log_softmax(logits[s : s + chunk].float(), dim=-1)
+        target = torch.tensor(token_ids[s : s + chunk], device=lp.device)
         chosen = lp.gather(1, target[:, None])[:, 0]
         ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
         top_v, top_i = lp.topk(k, dim=-1)
-        for tid, n, value, rank, tv, ti in zip(token_ids[s:s + chunk], num_top[s:s + chunk], chosen.tolist(),
-                                              ranks.tolist(), top_v.tolist(), top_i.tolist()):
+        for tid, n, value, rank, tv, ti in zip(
+            token_ids[s : s + chunk],
+            num_top[s : s + chunk],
+            chosen.tolist(),
+            ranks.tolist(),
+            top_v.tolist(),
+            top_i.tolist(),
+        ):
             out.append(TokenLogprobs(tid, value, rank, list(zip(ti[:n], tv[:n]))))
     return out
 
@@ -99,8 +108,13 @@ class Sampler:
         self.generator.manual_seed(seed)
         self.device = device
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request], to_host: bool = True,
-                 positions: list[int] | None = None) -> tuple[list[int] | torch.Tensor, list[TokenLogprobs | None]]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        to_host: bool = True,
+        positions: list[int] | None = None,
+    ) -> tuple[list[int] | torch.Tensor, list[TokenLogprobs | None]]:
         """Sampled ids (a list, or with ``to_host=False`` the device tensor: the caller copies it
         back without waiting) and each row's logprobs when its request asks for them.
         ``positions``: each row's output position (the index of the token it samples in the
@@ -118,7 +132,9 @@ class Sampler:
             tokens = greedy_tokens(logits)
             if not all(greedy):
                 mask = to_device(greedy, torch.bool, logits.device)
-                tokens = torch.where(mask, tokens, self._sample(logits, requests, greedy, positions))
+                tokens = torch.where(
+                    mask, tokens, self._sample(logits, requests, greedy, positions)
+                )
 
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
@@ -127,8 +143,11 @@ class Sampler:
         elif wanted:  # logprobs need the chosen ids on the host: these rows' only
             token_list = dict(zip(wanted, tokens[wanted].tolist()))
         if wanted:
-            found = token_logprobs(raw[wanted], [token_list[i] for i in wanted],
-                                   [requests[i].sampling_params.logprobs for i in wanted])
+            found = token_logprobs(
+                raw[wanted],
+                [token_list[i] for i in wanted],
+                [requests[i].sampling_params.logprobs for i in wanted],
+            )
             for i, lp in zip(wanted, found):
                 logprobs[i] = lp
         return (token_list if to_host else tokens), logprobs
@@ -149,13 +168,26 @@ class Sampler:
                     logits[i, banned] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool],
-                positions: list[int] | None) -> torch.Tensor:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        greedy: list[bool],
+        positions: list[int] | None,
+    ) -> torch.Tensor:
         probs = self.probs(logits, requests)
-        return sample_by_inversion(probs, self.uniforms(requests, probs.device, [not g for g in greedy], positions))
+        return sample_by_inversion(
+            probs, self.uniforms(requests, probs.device, [not g for g in greedy], positions)
+        )
 
-    def uniforms(self, requests: list[Request], device, wanted: list[bool] | None = None,
-                 positions: list[int] | None = None, stream: int = 0) -> torch.Tensor:
+    def uniforms(
+        self,
+        requests: list[Request],
+        device,
+        wanted: list[bool] | None = None,
+        positions: list[int] | None = None,
+        stream: int = 0,
+    ) -> torch.Tensor:
         """One uniform per request (0 where ``wanted`` is False), in float64. A seeded row's is
         ``seeded_uniform(seed, position, stream)`` (``positions``: as in ``__call__``); unseeded
         rows share one draw from the engine's generator."""
@@ -163,18 +195,30 @@ class Sampler:
         seeded = [i for i in at if requests[i].sampling_params.seed is not None]
         values = None
         if seeded:
-            values = to_device([seeded_uniform(requests[i].sampling_params.seed,
-                                               positions[i] if positions is not None else requests[i].num_output_tokens,
-                                               stream) for i in seeded], torch.float64, device)
+            values = to_device(
+                [
+                    seeded_uniform(
+                        requests[i].sampling_params.seed,
+                        positions[i] if positions is not None else requests[i].num_output_tokens,
+                        stream,
+                    )
+                    for i in seeded
+                ],
+                torch.float64,
+                device,
+            )
             if len(seeded) == len(requests):
                 return values
         shared = [i for i in at if requests[i].sampling_params.seed is None] if seeded else at
         if len(shared) == len(requests):
-            return torch.rand(len(shared), generator=self.generator, device=device, dtype=torch.float64)
+            return torch.rand(
+                len(shared), generator=self.generator, device=device, dtype=torch.float64
+            )
         out = torch.zeros(len(requests), dtype=torch.float64, device=device)
         if shared:
-            out[to_device(shared, torch.long, device)] = torch.rand(len(shared), generator=self.generator,
-                                                                    device=device, dtype=torch.float64)
+            out[to_device(shared, torch.long, device)] = torch.rand(
+                len(shared), generator=self.generator, device=device, dtype=torch.float64
+            )
         if seeded:
             out[to_device(seeded, torch.long, device)] = values
         return out

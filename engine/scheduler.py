@@ -52,8 +52,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ):
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -163,14 +169,21 @@ class Scheduler:
             if pending and request.num_output_tokens + pending >= request.max_output_tokens:
                 i += 1  # its last token is in flight: nothing past max_tokens / the model length
                 continue
-            num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget,
-                          self.max_model_len - request.num_computed_tokens)
+            num_new = min(
+                request.num_tokens + pending - request.num_computed_tokens,
+                budget,
+                self.max_model_len - request.num_computed_tokens,
+            )
             if num_new <= 0:
                 i += 1
                 continue
-            if request.spec_token_ids:  # drafts ride along with a decode, as far as the budget allows
+            if (
+                request.spec_token_ids
+            ):  # drafts ride along with a decode, as far as the budget allows
                 room = min(budget, self.max_model_len - request.num_computed_tokens) - num_new
-                request.spec_token_ids = request.spec_token_ids[:room] if num_new == 1 and room > 0 else []
+                request.spec_token_ids = (
+                    request.spec_token_ids[:room] if num_new == 1 and room > 0 else []
+                )
                 num_new += len(request.spec_token_ids)
             scheduled = True
             while self.kv.allocate_slots(request, num_new) is None:
@@ -200,8 +213,13 @@ class Scheduler:
         # 2. Waiting requests, FCFS; none are admitted in a step that had to preempt. A request
         # whose grammar is still compiling stays queued, in its place, and the ones behind it go on.
         compiling: list[Request] = []
-        while (self.waiting and budget > 0 and not out.preempted and not out.blocked
-               and len(self.running) < self.max_num_seqs):
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted
+            and not out.blocked
+            and len(self.running) < self.max_num_seqs
+        ):
             request = self.waiting[0]
             if request.structured is not None and request.structured.compiling:
                 compiling.append(self.waiting.popleft())
@@ -261,8 +279,9 @@ class Scheduler:
             self.num_preemptions -= 1  # not a preemption for lack of blocks
         return readmit
 
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[tuple[Request, int | None]]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[tuple[Request, int | None]]:
         """Advance progress; append sampled tokens; finish what stopped.
 
         Returns (request, new_token or None) for each request that produced a token.
@@ -292,8 +311,9 @@ class Scheduler:
         self.finish_request(request.request_id, status)
         return True
 
-    def update_from_async_output(self, out: SchedulerOutput,
-                                 sampled: dict[str, int]) -> list[tuple[Request, int]]:
+    def update_from_async_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[tuple[Request, int]]:
         """Apply an async step's sampled tokens (progress moved at schedule time): each fills its
         request's placeholder, with the usual stop checks. A request that ended meanwhile (abort,
         stop) gets nothing; one preempted since keeps its token (sampled from its complete KV) and

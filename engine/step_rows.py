@@ -30,9 +30,12 @@ class LogitsRows:
     ctx: np.ndarray
 
     @staticmethod
-    def of(indices: list[int], batch_rows: list[int], ctx: list[int]) -> "LogitsRows":
-        return LogitsRows(np.asarray(indices, dtype=np.int64), np.asarray(batch_rows, dtype=np.int64),
-                          np.asarray(ctx, dtype=np.int64))
+    def of(indices: list[int], batch_rows: list[int], ctx: list[int]) -> LogitsRows:
+        return LogitsRows(
+            np.asarray(indices, dtype=np.int64),
+            np.asarray(batch_rows, dtype=np.int64),
+            np.asarray(ctx, dtype=np.int64),
+        )
 
 
 @dataclass
@@ -69,7 +72,12 @@ class StepRows:
         parts = (self.sample, self.spec, self.prompt)
         if not self.spec.indices.size and not self.prompt.indices.size:
             return self.sample
-        return LogitsRows(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("indices", "batch_rows", "ctx")))
+        return LogitsRows(
+            *(
+                np.concatenate([getattr(p, f) for p in parts])
+                for f in ("indices", "batch_rows", "ctx")
+            )
+        )
 
     def seq_tables(self, ctx_lens: np.ndarray) -> np.ndarray:
         """The scheduled sequences' block tables, covering ``ctx_lens`` tokens each."""
@@ -91,8 +99,14 @@ class StepBuffers:
         return self._ids
 
 
-def build_step_rows(out: SchedulerOutput, kv: KVCacheManager, block_size: int, buffers: StepBuffers,
-                    batch: InputBatch, prev_rows: dict[str, int] | None = None) -> StepRows:
+def build_step_rows(
+    out: SchedulerOutput,
+    kv: KVCacheManager,
+    block_size: int,
+    buffers: StepBuffers,
+    batch: InputBatch,
+    prev_rows: dict[str, int] | None = None,
+) -> StepRows:
     """The step's rows. Async scheduling: a position past the request's known tokens is a
     placeholder for the token the previous step samples; its input id is left 0 here and
     filled on the device from that step's sampled ids (``fill_dst`` <- row ``fill_src`` of
@@ -126,19 +140,21 @@ def build_step_rows(out: SchedulerOutput, kv: KVCacheManager, block_size: int, b
         num_drafts = past if past > 0 and req.spec_token_ids else 0
         if past > 0 and not num_drafts:  # the last position is the previous step's token
             if past != 1 or prev_rows is None or rid not in prev_rows:
-                raise RuntimeError(f"request {rid}: {past} unknown input token(s) and no "
-                                   "previous step that samples them")
+                raise RuntimeError(
+                    f"request {rid}: {past} unknown input token(s) and no "
+                    "previous step that samples them"
+                )
             fill_dst.append(offset + n - 1)
             fill_src.append(prev_rows[rid])
         if n == 1:  # a decode row: one scalar
             ids_buf[offset] = req.all_token_ids[start] if start < known else 0
         elif num_drafts > 0:
             drafts = req.spec_token_ids[:num_drafts]
-            ids_buf[offset:offset + n] = req.all_token_ids[start:] + drafts
+            ids_buf[offset : offset + n] = req.all_token_ids[start:] + drafts
         elif past > 0:
-            ids_buf[offset:offset + n] = req.all_token_ids[start:] + [0] * past
+            ids_buf[offset : offset + n] = req.all_token_ids[start:] + [0] * past
         else:
-            ids_buf[offset:offset + n] = req.all_token_ids[start:start + n]
+            ids_buf[offset : offset + n] = req.all_token_ids[start : start + n]
         if num_drafts > 0:  # every position from the last verified token on gives logits
             spec_rows.append((req, drafts))
             verifies[i] = start == known - 1
@@ -173,7 +189,24 @@ def build_step_rows(out: SchedulerOutput, kv: KVCacheManager, block_size: int, b
     ss = np.asarray(sample_seqs, dtype=np.int64)
     sample = LogitsRows(qsl[1:][ss] - 1, seq_rows_a[ss], (starts_a + q_lens_a)[ss])
     # a copy of the buffer's first `offset` entries: a step's tensors never alias the next step's
-    return StepRows(list(reqs), ids_buf[:offset].copy(), positions.copy(), slots, batch, seq_rows_a, q_lens_a,
-                    starts_a, np.asarray(verifies, dtype=bool), qsl, sample,
-                    LogitsRows.of(spec_idx, spec_brows, spec_ctx), LogitsRows.of(prompt_idx, prompt_brows, prompt_ctx),
-                    sampling_requests, spec_rows, prompt_rows, fill_dst, fill_src, sample_positions)
+    return StepRows(
+        list(reqs),
+        ids_buf[:offset].copy(),
+        positions.copy(),
+        slots,
+        batch,
+        seq_rows_a,
+        q_lens_a,
+        starts_a,
+        np.asarray(verifies, dtype=bool),
+        qsl,
+        sample,
+        LogitsRows.of(spec_idx, spec_brows, spec_ctx),
+        LogitsRows.of(prompt_idx, prompt_brows, prompt_ctx),
+        sampling_requests,
+        spec_rows,
+        prompt_rows,
+        fill_dst,
+        fill_src,
+        sample_positions,
+    )

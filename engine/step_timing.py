@@ -28,7 +28,7 @@ PHASES = ("schedule", "prepare", "forward", "sample", "update", "output")
 class _TimedCall:
     """A callable object (the model, the sampler) timed on each call; attributes pass through."""
 
-    def __init__(self, inner: Any, timer: "StepTimer", phase: str):
+    def __init__(self, inner: Any, timer: StepTimer, phase: str):
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_timer", timer)
         object.__setattr__(self, "_phase", phase)
@@ -60,7 +60,7 @@ class StepTimer:
         self._num_seqs = 0
 
     @classmethod
-    def install(cls, core) -> "StepTimer":
+    def install(cls, core) -> StepTimer:
         timer = cls()
         timer._wrap_method(core.scheduler, "schedule", "schedule", watch_batch=True)
         timer._wrap_method(core.scheduler, "update_from_output", "update")

@@ -35,7 +35,11 @@ class ThreadPlan:
 
     def describe(self) -> str:
         pin = f", pinned to CPUs {_ranges(self.core_cpus)}" if self.core_cpus else ", not pinned"
-        front = f"; frontend keeps CPUs {_ranges(self.frontend_cpus)}" if self.frontend_cpus else "; frontend shares them"
+        front = (
+            f"; frontend keeps CPUs {_ranges(self.frontend_cpus)}"
+            if self.frontend_cpus
+            else "; frontend shares them"
+        )
         return f"engine core: {self.core_threads} torch threads{pin}{front}"
 
 
@@ -55,7 +59,9 @@ def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> float | None:
     affinity mask shows every CPU of the node; a pod limited to 2 of 16 that ran 16 OpenMP
     threads would be throttled at every barrier."""
     try:
-        quota, period = open(f"{root}/cpu.max").read().split()[:2]  # cgroup v2: "max 100000" / "200000 100000"
+        quota, period = (
+            open(f"{root}/cpu.max").read().split()[:2]
+        )  # cgroup v2: "max 100000" / "200000 100000"
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         pass
@@ -67,25 +73,35 @@ def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> float | None:
         return None
 
 
-def plan_threads(omp_threads: int | None = None, frontend_cores: int | str | None = "auto",
-                 cpus: list[int] | None = None, env: dict | None = None,
-                 cpu_limit: float | None = None) -> ThreadPlan:
+def plan_threads(
+    omp_threads: int | None = None,
+    frontend_cores: int | str | None = "auto",
+    cpus: list[int] | None = None,
+    env: dict | None = None,
+    cpu_limit: float | None = None,
+) -> ThreadPlan:
     if cpus is None:
         cpus = available_cpus()
         cpu_limit = cgroup_cpu_limit() if cpu_limit is None else cpu_limit
     cpus = list(cpus)
     if cpu_limit is not None and cpu_limit < len(cpus):
-        cpus = cpus[:max(1, int(cpu_limit))]  # the CPUs the quota pays for
+        cpus = cpus[: max(1, int(cpu_limit))]  # the CPUs the quota pays for
     env = os.environ if env is None else env
     if frontend_cores in (None, "auto"):
         reserve = 1 if len(cpus) >= AUTO_RESERVE_MIN_CPUS else 0
     else:
         reserve = int(frontend_cores)
         if not 0 <= reserve < len(cpus):
-            raise ValueError(f"--frontend-cores must be in [0, {len(cpus) - 1}] on {len(cpus)} CPUs, "
-                             f"got {frontend_cores}")
+            raise ValueError(
+                f"--frontend-cores must be in [0, {len(cpus) - 1}] on {len(cpus)} CPUs, "
+                f"got {frontend_cores}"
+            )
     core_cpus = cpus[reserve:] if reserve else None
-    if omp_threads is None and env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+    if (
+        omp_threads is None
+        and env.get("OMP_NUM_THREADS", "").isdigit()
+        and int(env["OMP_NUM_THREADS"]) > 0
+    ):
         omp_threads = int(env["OMP_NUM_THREADS"])
     if omp_threads is not None and omp_threads <= 0:
         raise ValueError(f"--omp-threads must be positive, got {omp_threads}")

@@ -13,8 +13,11 @@ from kvmesh.engine.models.llama import LlamaForCausalLM
 
 # HF name -> (our parameter, shard index among the fused parts, number of parts)
 _FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
@@ -41,7 +44,9 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, dtype: torch.dt
             raise KeyError(f"checkpoint tensor for unknown parameter {name}")
         target = params[name]
         if target.shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}"
+            )
         with torch.no_grad():
             target.copy_(tensor.to(dtype))
         loaded.add(name)

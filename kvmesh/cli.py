@@ -17,8 +17,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kvmesh.mesh.up", "run a local mesh: Redis, engines with sidecars, router"),
     "status": ("kvmesh.mesh.status", "show the replicas of a running mesh"),
     "operator": ("kvmesh.operator.cli", "run the Kubernetes operator"),
-    "convert": ("kvmesh.engine.cli_convert", "convert the built-in model (GGUF) to a Hugging Face directory"),
-    "build-kernels": ("kvmesh.engine.cli_build_kernels", "compile the engine's CPU kernels ahead of the first start"),
+    "convert": (
+        "kvmesh.engine.cli_convert",
+        "convert the built-in model (GGUF) to a Hugging Face directory",
+    ),
+    "build-kernels": (
+        "kvmesh.engine.cli_build_kernels",
+        "compile the engine's CPU kernels ahead of the first start",
+    ),
 }
 
 

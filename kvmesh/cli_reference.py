@@ -19,8 +19,8 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
 
 from kvmesh.cli import SUBCOMMANDS
 
@@ -74,8 +74,10 @@ then starting, then fewest cached blocks and requests). With `--min-replicas 0` 
 replica stops after `--scale-to-zero-idle` seconds with nothing running, waiting or held by
 the router; the router then holds new requests and sets the demand key, and `up` starts a
 replica at once (`--replicas 0` starts the mesh at zero).""",
-    "status": ("Prints the replicas of a mesh as it sees them in Redis: state, load, prefix-cache hit rate, "
-               "and the speculative-decoding acceptance rate of engines that speculate."),
+    "status": (
+        "Prints the replicas of a mesh as it sees them in Redis: state, load, prefix-cache hit rate, "
+        "and the speculative-decoding acceptance rate of engines that speculate."
+    ),
     "operator": "The kopf operator for `ModelDeployment` resources (docs/operator.md).",
     "convert": "Builds the built-in model's Hugging Face directory (from its GGUF file) in the cache now.",
     "build-kernels": """\
@@ -86,6 +88,7 @@ starting (a no-op once built). Exits 0 when they are ready, 1 when they cannot b
 process is resumed, never waited on; while another live process builds, it waits at most
 `--wait-timeout` seconds, logging whom it waits for.""",
 }
+
 
 class _EnvReads(dict):
     """An ``os.environ`` stand-in for building the parsers: every variable reads as unset (the
@@ -134,7 +137,9 @@ def build_parser(name: str) -> tuple[argparse.ArgumentParser, dict[int, list[str
     """``kvmesh NAME``'s parser, as kvmesh.cli builds it, and the environment its defaults read."""
     module, help_text = SUBCOMMANDS[name]
     mod = importlib.import_module(module)
-    mod.add_arguments(argparse.ArgumentParser())  # imports it does lazily happen outside the stand-in
+    mod.add_arguments(
+        argparse.ArgumentParser()
+    )  # imports it does lazily happen outside the stand-in
     parser = argparse.ArgumentParser(prog=f"kvmesh {name}", description=help_text)
     with _recording_env() as env:
         mod.add_arguments(parser)
@@ -149,8 +154,10 @@ def _metavar(a: argparse.Action) -> str:
     if a.choices is not None:
         return "{" + ",".join(map(str, a.choices)) + "}"
     if a.type in (int, float):
-        seconds = a.type is float and (re.search(r"(timeout|interval|after|window|period|idle|seconds)$", a.dest)
-                                       or "second" in (a.help or ""))
+        seconds = a.type is float and (
+            re.search(r"(timeout|interval|after|window|period|idle|seconds)$", a.dest)
+            or "second" in (a.help or "")
+        )
         return "SECONDS" if seconds else "N"
     if a.dest.endswith(("_url", "_endpoint")):
         return "URL"
@@ -190,7 +197,11 @@ def _rows(name: str, parser: argparse.ArgumentParser, env: dict[int, list[str]])
             continue
         flag, meaning = _flag(a), a.help or ""
         if not a.option_strings and a.choices is not None:
-            meaning = (meaning + "; " if meaning else "") + "one of " + ", ".join(f"`{c}`" for c in a.choices)
+            meaning = (
+                (meaning + "; " if meaning else "")
+                + "one of "
+                + ", ".join(f"`{c}`" for c in a.choices)
+            )
         names = [n for n in dict.fromkeys(env.get(id(a), [])) if n not in meaning]
         if names:
             flag += " (env " + ", ".join(f"`{n}`" for n in names) + ")"
@@ -203,8 +214,15 @@ def reference_markdown() -> str:
     unknown = set(PROSE) - set(SUBCOMMANDS)
     if unknown:
         raise ValueError(f"kvmesh.cli_reference names subcommands kvmesh lacks: {sorted(unknown)}")
-    lines = [HEADER, "", INTRO, "| command | what it runs |", "|---|---|",
-             *[f"| [`kvmesh {n}`](#kvmesh-{n}) | {_cell(h)} |" for n, (_, h) in SUBCOMMANDS.items()], ""]
+    lines = [
+        HEADER,
+        "",
+        INTRO,
+        "| command | what it runs |",
+        "|---|---|",
+        *[f"| [`kvmesh {n}`](#kvmesh-{n}) | {_cell(h)} |" for n, (_, h) in SUBCOMMANDS.items()],
+        "",
+    ]
     for name, (_, help_text) in SUBCOMMANDS.items():
         parser, env = build_parser(name)
         lines += [f"## `kvmesh {name}`", "", f"{help_text[0].upper()}{help_text[1:]}.", ""]
@@ -218,9 +236,15 @@ def reference_markdown() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="exit 1 if the file is stale; write nothing")
-    p.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent,
-                   help="the repository root (default: this checkout's)")
+    p.add_argument(
+        "--check", action="store_true", help="exit 1 if the file is stale; write nothing"
+    )
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=Path(__file__).resolve().parent.parent,
+        help="the repository root (default: this checkout's)",
+    )
     args = p.parse_args(argv)
     path, text = args.root / DOC, reference_markdown()
     if args.check:

@@ -49,7 +49,9 @@ RESOURCES: dict[str, tuple[str, str]] = {
 }
 
 MERGE_PATCH = "application/merge-patch+json"
-USER_AGENT = FIELD_MANAGER   # "kvmesh-operator": the tests tell the operator's requests by this prefix
+USER_AGENT = (
+    FIELD_MANAGER  # "kvmesh-operator": the tests tell the operator's requests by this prefix
+)
 
 
 class ApiError(Exception):
@@ -76,6 +78,7 @@ class ApplyConflict(ApiError):
 @dataclass
 class Connection:
     """Where the API server is and how to authenticate (a subset of kopf.ConnectionInfo)."""
+
     server: str
     token: str | None = None
     ca_path: str | None = None
@@ -85,16 +88,24 @@ class Connection:
     private_key_path: str | None = None
     certificate_data: bytes | str | None = None
     private_key_data: bytes | str | None = None
-    proxy_url: str | None = None       # kubeconfig's proxy-url
-    trust_env: bool = False            # kopf's settings.networking.trust_env: HTTPS_PROXY/NO_PROXY apply
+    proxy_url: str | None = None  # kubeconfig's proxy-url
+    trust_env: bool = False  # kopf's settings.networking.trust_env: HTTPS_PROXY/NO_PROXY apply
 
     @classmethod
-    def from_kopf(cls, info: Any) -> "Connection":
-        return cls(server=info.server, token=info.token, ca_path=info.ca_path, ca_data=info.ca_data,
-                   insecure=bool(info.insecure), certificate_path=info.certificate_path,
-                   private_key_path=info.private_key_path, certificate_data=info.certificate_data,
-                   private_key_data=info.private_key_data, proxy_url=getattr(info, "proxy_url", None),
-                   trust_env=bool(getattr(info, "trust_env", False)))
+    def from_kopf(cls, info: Any) -> Connection:
+        return cls(
+            server=info.server,
+            token=info.token,
+            ca_path=info.ca_path,
+            ca_data=info.ca_data,
+            insecure=bool(info.insecure),
+            certificate_path=info.certificate_path,
+            private_key_path=info.private_key_path,
+            certificate_data=info.certificate_data,
+            private_key_data=info.private_key_data,
+            proxy_url=getattr(info, "proxy_url", None),
+            trust_env=bool(getattr(info, "trust_env", False)),
+        )
 
     def configuration(self) -> tuple[k8s_client.Configuration, list[str]]:
         """The ``kubernetes`` client's configuration for this connection, and the temporary
@@ -114,12 +125,14 @@ class Connection:
             return temp[-1]
 
         cfg.ssl_ca_cert = pem(self.ca_path, self.ca_data)
-        if (self.certificate_path or self.certificate_data) and (self.private_key_path or self.private_key_data):
+        if (self.certificate_path or self.certificate_data) and (
+            self.private_key_path or self.private_key_data
+        ):
             cfg.cert_file = pem(self.certificate_path, self.certificate_data)
             cfg.key_file = pem(self.private_key_path, self.private_key_data)
-        cfg.retries = False          # KubeClient retries with backoff itself
+        cfg.retries = False  # KubeClient retries with backoff itself
         if self.proxy_url or not self.trust_env:
-            cfg.proxy = self.proxy_url   # as kopf: the environment's proxies only with trust_env
+            cfg.proxy = self.proxy_url  # as kopf: the environment's proxies only with trust_env
         return cfg, temp
 
 
@@ -130,7 +143,9 @@ def _tempfile(data: bytes | str) -> str:
     return f.name
 
 
-def object_path(kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
+def object_path(
+    kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None
+) -> str:
     prefix, plural = RESOURCES[kind]
     path = f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}"
     if name:
@@ -180,7 +195,7 @@ def _error(exc: BaseException) -> ApiError:
         except (TypeError, ValueError, AttributeError):
             pass
         return ApiError(int(exc.status), str(message))
-    if isinstance(exc, ApiException):    # status 0: TLS trouble, as the library reports it
+    if isinstance(exc, ApiException):  # status 0: TLS trouble, as the library reports it
         return ApiError(503, f"connection error: {exc.reason}")
     if isinstance(exc, (ResourceNotFoundError, ResourceNotUniqueError)):
         return ApiError(404, f"not served by the API server: {exc}")
@@ -191,17 +206,24 @@ class KubeClient:
     """The operator's API client. Every call is retried on transient errors
     (5xx, 429, 409, connection trouble) with exponential backoff."""
 
-    def __init__(self, conn: Connection, *, retries: int = 4, backoff: float = 0.2,
-                 timeout: float = 30.0, workers: int = 8) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        *,
+        retries: int = 4,
+        backoff: float = 0.2,
+        timeout: float = 30.0,
+        workers: int = 8,
+    ) -> None:
         self.conn = conn
         self.retries = retries
         self.backoff = backoff
         self.timeout = timeout
         self.workers = workers
-        self._lock = threading.Lock()          # discovery and set-up (the library's are not thread-safe)
+        self._lock = threading.Lock()  # discovery and set-up (the library's are not thread-safe)
         self._dynamic: _DynamicClient | None = None
         self._api_client: k8s_client.ApiClient | None = None
-        self._resources: dict[str, Any] = {}   # kind -> discovered kubernetes.dynamic.Resource
+        self._resources: dict[str, Any] = {}  # kind -> discovered kubernetes.dynamic.Resource
         self._temp_files: list[str] = []
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -224,11 +246,13 @@ class KubeClient:
             res = self._resources.get(kind)
             if res is None:
                 prefix, _ = RESOURCES[kind]
-                parts = prefix.strip("/").split("/")       # ["api", "v1"] or ["apis", group, version]
+                parts = prefix.strip("/").split("/")  # ["api", "v1"] or ["apis", group, version]
                 if parts[0] == "api":
                     res = dyn.resources.get(prefix="api", api_version=parts[1], kind=kind)
                 else:
-                    res = dyn.resources.get(prefix="apis", group=parts[1], api_version=parts[2], kind=kind)
+                    res = dyn.resources.get(
+                        prefix="apis", group=parts[1], api_version=parts[2], kind=kind
+                    )
                 self._resources[kind] = res
         if subresource is None:
             return res
@@ -239,7 +263,9 @@ class KubeClient:
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="kvmesh-kube")
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self.workers, thread_name_prefix="kvmesh-kube"
+            )
         return self._executor
 
     def _sync(self, call: Callable[[], Any]) -> Any:
@@ -247,8 +273,13 @@ class KubeClient:
             return call()
         except ApiError:
             raise
-        except (ApiException, ResourceNotFoundError, ResourceNotUniqueError, urllib3.exceptions.HTTPError,
-                OSError) as exc:
+        except (
+            ApiException,
+            ResourceNotFoundError,
+            ResourceNotUniqueError,
+            urllib3.exceptions.HTTPError,
+            OSError,
+        ) as exc:
             raise _error(exc) from None
 
     async def _call(self, call: Callable[[], Any], *, retry_conflicts: bool = True) -> Any:
@@ -259,7 +290,11 @@ class KubeClient:
                 return await loop.run_in_executor(self._pool(), self._sync, call)
             except ApiError as exc:
                 error = exc
-            if not error.transient or attempt == self.retries or (error.status == 409 and not retry_conflicts):
+            if (
+                not error.transient
+                or attempt == self.retries
+                or (error.status == 409 and not retry_conflicts)
+            ):
                 raise error
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
@@ -282,29 +317,55 @@ class KubeClient:
                 pass
 
     # -- the API ----------------------------------------------------------------
-    async def request(self, method: str, path: str, *, body: Any = None, content_type: str | None = None,
-                      params: dict[str, str] | None = None, retry_conflicts: bool = True) -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: str | None = None,
+        params: dict[str, str] | None = None,
+        retry_conflicts: bool = True,
+    ) -> Any:
         """A raw request to an API path (prefer the named methods below)."""
+
         def call() -> Any:
             extra = {"content_type": content_type or "application/json"} if body is not None else {}
-            result = self._client().request(method.upper(), path, body=body, serializer=_plain,
-                                            query_params=list((params or {}).items()), **extra)
+            result = self._client().request(
+                method.upper(),
+                path,
+                body=body,
+                serializer=_plain,
+                query_params=list((params or {}).items()),
+                **extra,
+            )
             return result if result != "" else None
+
         return await self._call(call, retry_conflicts=retry_conflicts)
 
     async def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:
-            return await self._call(lambda: self._client().get(self._resource(kind), name=name, namespace=namespace,
-                                                                serializer=_plain))
+            return await self._call(
+                lambda: self._client().get(
+                    self._resource(kind), name=name, namespace=namespace, serializer=_plain
+                )
+            )
         except ApiError as exc:
             if exc.status == 404:
                 return None
             raise
 
-    async def list(self, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict]:
-        result = await self._call(lambda: self._client().get(self._resource(kind), namespace=namespace,
-                                                             label_selector=label_selector or None,
-                                                             serializer=_plain))
+    async def list(
+        self, kind: str, namespace: str | None, label_selector: str | None = None
+    ) -> list[dict]:
+        result = await self._call(
+            lambda: self._client().get(
+                self._resource(kind),
+                namespace=namespace,
+                label_selector=label_selector or None,
+                serializer=_plain,
+            )
+        )
         return list((result or {}).get("items") or [])
 
     async def apply(self, obj: dict[str, Any], *, force: bool = True) -> dict[str, Any]:
@@ -315,8 +376,15 @@ class KubeClient:
 
         def call() -> Any:
             return self._client().server_side_apply(
-                self._resource(obj["kind"]), body=obj, name=meta["name"], namespace=meta.get("namespace"),
-                field_manager=FIELD_MANAGER, force_conflicts=force, serializer=_plain)
+                self._resource(obj["kind"]),
+                body=obj,
+                name=meta["name"],
+                namespace=meta.get("namespace"),
+                field_manager=FIELD_MANAGER,
+                force_conflicts=force,
+                serializer=_plain,
+            )
+
         try:
             return await self._call(call, retry_conflicts=force)
         except ApiError as exc:
@@ -327,27 +395,54 @@ class KubeClient:
     async def delete(self, kind: str, namespace: str | None, name: str) -> None:
         """Delete (background propagation: the garbage collector removes dependents); gone is fine."""
         try:
-            await self._call(lambda: self._client().delete(self._resource(kind), name=name, namespace=namespace,
-                                                           serializer=_plain))
+            await self._call(
+                lambda: self._client().delete(
+                    self._resource(kind), name=name, namespace=namespace, serializer=_plain
+                )
+            )
         except ApiError as exc:
             if exc.status != 404:
                 raise
 
-    async def patch(self, kind: str, namespace: str | None, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def patch(
+        self, kind: str, namespace: str | None, name: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
         """JSON merge patch of the main resource (e.g. annotations)."""
-        return await self._call(lambda: self._client().patch(self._resource(kind), body=body, name=name,
-                                                             namespace=namespace, content_type=MERGE_PATCH,
-                                                             serializer=_plain))
+        return await self._call(
+            lambda: self._client().patch(
+                self._resource(kind),
+                body=body,
+                name=name,
+                namespace=namespace,
+                content_type=MERGE_PATCH,
+                serializer=_plain,
+            )
+        )
 
-    async def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+    async def patch_status(
+        self, kind: str, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
         """JSON merge patch of the ``status`` subresource."""
-        return await self._call(lambda: self._client().patch(self._resource(kind, "status"), body={"status": status},
-                                                             name=name, namespace=namespace,
-                                                             content_type=MERGE_PATCH, serializer=_plain))
+        return await self._call(
+            lambda: self._client().patch(
+                self._resource(kind, "status"),
+                body={"status": status},
+                name=name,
+                namespace=namespace,
+                content_type=MERGE_PATCH,
+                serializer=_plain,
+            )
+        )
 
     async def scale(self, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         """Set ``spec.replicas`` through the ``scale`` subresource (as an HPA does)."""
-        return await self._call(lambda: self._client().patch(self._resource(kind, "scale"),
-                                                             body={"spec": {"replicas": replicas}}, name=name,
-                                                             namespace=namespace, content_type=MERGE_PATCH,
-                                                             serializer=_plain))
+        return await self._call(
+            lambda: self._client().patch(
+                self._resource(kind, "scale"),
+                body={"spec": {"replicas": replicas}},
+                name=name,
+                namespace=namespace,
+                content_type=MERGE_PATCH,
+                serializer=_plain,
+            )
+        )

@@ -17,7 +17,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvmesh.common import block_keys as _block_keys, model_lookup as _model_lookup
+from kvmesh.common import block_keys as _block_keys
+from kvmesh.common import model_lookup as _model_lookup
 from kvmesh.common import policy_names as _policies
 
 GROUP = "kvmesh.io"
@@ -33,8 +34,12 @@ API_VERSION = f"{GROUP}/{VERSION}"
 def object_ref(body: Any) -> dict[str, Any]:
     """The reference to one ModelDeployment that the Events about it carry."""
     meta = body["metadata"]
-    return {"apiVersion": API_VERSION, "kind": KIND,
-            "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]},
+    }
+
 
 # Engine defaults: the same as `kvmesh serve` (docs/cli.md); the model and block size are the
 # shared contracts' (kvmesh/common), the routing policies' names kvmesh/common/policy_names.py.
@@ -43,7 +48,7 @@ DEFAULT_BLOCK_SIZE = _block_keys.DEFAULT_BLOCK_SIZE
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_DRAIN_TIMEOUT = 30
 DEFAULT_GRACE_PERIOD = 60
-DEFAULT_PRESTOP_SLEEP = 5       # let heartbeats/endpoints drop the pod before SIGTERM
+DEFAULT_PRESTOP_SLEEP = 5  # let heartbeats/endpoints drop the pod before SIGTERM
 ENGINE_PORT = 8000
 ROUTER_PORT = 8000
 REDIS_PORT = 6379
@@ -70,21 +75,34 @@ def _obj(desc: str, props: dict[str, Any], **kw: Any) -> dict[str, Any]:
 
 
 def _secret_ref(desc: str, default_key: str) -> dict[str, Any]:
-    return _obj(desc, {
-        "name": _str("Secret name (same namespace).", minLength=1),
-        "key": _str("Key inside the Secret.", default=default_key),
-    }, required=["name"])
+    return _obj(
+        desc,
+        {
+            "name": _str("Secret name (same namespace).", minLength=1),
+            "key": _str("Key inside the Secret.", default=default_key),
+        },
+        required=["name"],
+    )
 
 
 _QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
 # A structural schema allows no value checks inside anyOf branches: the check is a CEL rule.
-_INT_OR_PERCENT = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
-                   "x-kubernetes-validations": [{
-                       "rule": "type(self) == int ? self >= 0 : self.matches('^[0-9]+%$')",
-                       "message": "must be a non-negative integer or a percentage such as 25%"}]}
+_INT_OR_PERCENT = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "x-kubernetes-int-or-string": True,
+    "x-kubernetes-validations": [
+        {
+            "rule": "type(self) == int ? self >= 0 : self.matches('^[0-9]+%$')",
+            "message": "must be a non-negative integer or a percentage such as 25%",
+        }
+    ],
+}
 # Kubernetes core types passed through to the pod template as the user wrote them
 # (the API server validates them when the operator applies the Deployment).
-_K8S_LIST = {"type": "array", "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
+_K8S_LIST = {
+    "type": "array",
+    "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+}
 _K8S_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 
 
@@ -97,21 +115,33 @@ def _k8s_object(desc: str) -> dict[str, Any]:
 
 
 def _probe(desc: str, period: int, failures: int, timeout: int = 1) -> dict[str, Any]:
-    return _obj(desc, {
-        "periodSeconds": _int("How often to probe.", default=period, minimum=1),
-        "failureThreshold": _int("Failures in a row before the probe fails.", default=failures, minimum=1),
-        "timeoutSeconds": _int("Probe timeout.", default=timeout, minimum=1),
-        "initialDelaySeconds": _int("Delay before the first probe.", default=0, minimum=0),
-    }, default={})
+    return _obj(
+        desc,
+        {
+            "periodSeconds": _int("How often to probe.", default=period, minimum=1),
+            "failureThreshold": _int(
+                "Failures in a row before the probe fails.", default=failures, minimum=1
+            ),
+            "timeoutSeconds": _int("Probe timeout.", default=timeout, minimum=1),
+            "initialDelaySeconds": _int("Delay before the first probe.", default=0, minimum=0),
+        },
+        default={},
+    )
 
 
-_TOLERATION = _obj("A toleration (core/v1 Toleration).", {
-    "key": _str("Taint key; empty with operator Exists matches every taint."),
-    "operator": _str("Exists or Equal.", enum=["Exists", "Equal"]),
-    "value": _str("Taint value (operator Equal)."),
-    "effect": _str("Taint effect; empty matches all.", enum=["", "NoSchedule", "PreferNoSchedule", "NoExecute"]),
-    "tolerationSeconds": _int("How long a NoExecute taint is tolerated."),
-})
+_TOLERATION = _obj(
+    "A toleration (core/v1 Toleration).",
+    {
+        "key": _str("Taint key; empty with operator Exists matches every taint."),
+        "operator": _str("Exists or Equal.", enum=["Exists", "Equal"]),
+        "value": _str("Taint value (operator Equal)."),
+        "effect": _str(
+            "Taint effect; empty matches all.",
+            enum=["", "NoSchedule", "PreferNoSchedule", "NoExecute"],
+        ),
+        "tolerationSeconds": _int("How long a NoExecute taint is tolerated."),
+    },
+)
 
 # (CEL rule, message) pairs. Each rule is mirrored in spec.py's Python checks and
 # evaluated by the tests with a CEL interpreter against the same examples.
@@ -119,239 +149,500 @@ _TOLERATION = _obj("A toleration (core/v1 Toleration).", {
 # own defaults (e.g. `engine: {}` before its nested defaults apply) against these rules.
 SPEC_RULES: list[dict[str, str]] = []
 MODEL_RULES = [
-    {"rule": "(has(self.builtin) ? 1 : 0) + (has(self.huggingFace) ? 1 : 0) + (has(self.pvc) ? 1 : 0) == 1",
-     "message": "set exactly one model source: builtin, huggingFace or pvc"},
+    {
+        "rule": "(has(self.builtin) ? 1 : 0) + (has(self.huggingFace) ? 1 : 0) + (has(self.pvc) ? 1 : 0) == 1",
+        "message": "set exactly one model source: builtin, huggingFace or pvc",
+    },
 ]
 ENGINE_RULES = [
-    {"rule": f"!has(self.drainTimeoutSeconds) || !has(self.terminationGracePeriodSeconds) || "
-             f"self.drainTimeoutSeconds + (has(self.preStopSleepSeconds) ? self.preStopSleepSeconds : "
-             f"{DEFAULT_PRESTOP_SLEEP}) < self.terminationGracePeriodSeconds",
-     "message": "drainTimeoutSeconds + preStopSleepSeconds must be less than terminationGracePeriodSeconds"},
+    {
+        "rule": f"!has(self.drainTimeoutSeconds) || !has(self.terminationGracePeriodSeconds) || "
+        f"self.drainTimeoutSeconds + (has(self.preStopSleepSeconds) ? self.preStopSleepSeconds : "
+        f"{DEFAULT_PRESTOP_SLEEP}) < self.terminationGracePeriodSeconds",
+        "message": "drainTimeoutSeconds + preStopSleepSeconds must be less than terminationGracePeriodSeconds",
+    },
 ]
 ROLLOUT_RULES = [
-    {"rule": "!has(self.maxSurge) || !has(self.maxUnavailable) || "
-             "!(string(self.maxSurge) in ['0', '0%'] && string(self.maxUnavailable) in ['0', '0%'])",
-     "message": "rollout.maxSurge and rollout.maxUnavailable cannot both be 0: the rollout could never progress"},
+    {
+        "rule": "!has(self.maxSurge) || !has(self.maxUnavailable) || "
+        "!(string(self.maxSurge) in ['0', '0%'] && string(self.maxUnavailable) in ['0', '0%'])",
+        "message": "rollout.maxSurge and rollout.maxUnavailable cannot both be 0: the rollout could never progress",
+    },
 ]
 AUTOSCALING_RULES = [
-    {"rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
-     "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas"},
+    {
+        "rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
+        "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+    },
 ]
 REDIS_RULES = [
-    {"rule": "!has(self.mode) || self.mode != 'external' || has(self.url) || has(self.secretRef)",
-     "message": "external Redis needs a url or a secretRef"},
-    {"rule": "!has(self.url) || !self.url.matches('^rediss?://[^/]*@')",
-     "message": "redis.url must not carry credentials: put the URL in a Secret and use redis.secretRef"},
+    {
+        "rule": "!has(self.mode) || self.mode != 'external' || has(self.url) || has(self.secretRef)",
+        "message": "external Redis needs a url or a secretRef",
+    },
+    {
+        "rule": "!has(self.url) || !self.url.matches('^rediss?://[^/]*@')",
+        "message": "redis.url must not carry credentials: put the URL in a Secret and use redis.secretRef",
+    },
 ]
 
-SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of a served model.", {
-    "model": _obj("Where the weights come from. Exactly one source.", {
-        "servedModelName": _str("Model name clients ask for (and the block-key identity). "
-                                "Default: the builtin name, the Hugging Face repo id, or the PVC path.",
-                                maxLength=253),
-        "builtin": _str(f"A model built into the engine image, e.g. {DEFAULT_MODEL}.", minLength=1),
-        "huggingFace": _obj("A Hugging Face repository, downloaded by an init container into a volume.", {
-            "repoId": _str("Repository id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct.", minLength=1),
-            "revision": _str("Branch, tag or commit.", default="main"),
-            "tokenSecretRef": _secret_ref("Secret holding a Hugging Face token (gated models).", "HF_TOKEN"),
-            "cacheSize": _str("Size of the download volume (emptyDir limit, or the shared cache's claim).",
-                              default="50Gi"),
-            "sharedCache": _obj("Download the model once into an operator-managed PersistentVolumeClaim "
-                                "(filled by a Job, mounted read-only by every engine), so scale-up does "
-                                "not download it again.", {
-                "enabled": _bool("Use the shared cache.", default=False),
-                "storageClassName": _str("StorageClass of the claim; empty means the cluster default."),
-                "accessMode": _str("Access mode of the claim: ReadWriteMany lets engines on any node mount it.",
-                                   enum=["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"],
-                                   default="ReadWriteMany"),
-            }, default={}),
-        }, required=["repoId"]),
-        "pvc": _obj("A Hugging Face directory on an existing PersistentVolumeClaim (mounted read-only).", {
-            "claimName": _str("PersistentVolumeClaim name.", minLength=1),
-            "path": _str("Directory inside the volume.", default=""),
-        }, required=["claimName"]),
-    }, **{"x-kubernetes-validations": MODEL_RULES}),
-    "engine": _obj("Engine container settings (flags of `kvmesh serve`).", {
-        "image": _str("Engine image; empty means the operator's default."),
-        "imagePullPolicy": _str("Image pull policy.", enum=["Always", "IfNotPresent", "Never"],
-                                default="IfNotPresent"),
-        "extraArgs": {"type": "array", "items": {"type": "string"},
-                      "description": "Extra `kvmesh serve` arguments, appended last."},
-        "blockSize": _int("Tokens per KV block (--block-size).", default=DEFAULT_BLOCK_SIZE,
-                          minimum=1, maximum=1024),
-        "maxNumBatchedTokens": _int("Token budget per engine step (--max-num-batched-tokens); default: "
-                                    "the engine's (2048 on a GPU, 512 on the CPU).", minimum=1),
-        "maxNumSeqs": _int("Most requests running at once (--max-num-seqs).",
-                           default=DEFAULT_MAX_NUM_SEQS, minimum=1),
-        "maxModelLen": _int("Longest prompt + output (--max-model-len); default: the model's.", minimum=1),
-        "enablePrefixCaching": _bool("Prefix caching (--enable-prefix-caching).", default=True),
-        "enableChunkedPrefill": _bool("Chunked prefill (--enable-chunked-prefill).", default=True),
-        "dtype": _str("Weights/activations dtype (--dtype).",
-                      enum=["auto", "float32", "bfloat16", "float16"], default="auto"),
-        "kvCacheMemory": _str("KV cache size in bytes, e.g. 2GiB (--kv-cache-memory)."),
-        "drainTimeoutSeconds": _int("On shutdown, how long in-flight requests may finish (--drain-timeout).",
-                                    default=DEFAULT_DRAIN_TIMEOUT, minimum=0),
-        "preStopSleepSeconds": _int("preStop sleep before SIGTERM, so routers and endpoints drop the pod first.",
-                                    default=DEFAULT_PRESTOP_SLEEP, minimum=0),
-        "terminationGracePeriodSeconds": _int("Pod grace period; must exceed drain timeout + preStop sleep.",
-                                              default=DEFAULT_GRACE_PERIOD, minimum=1),
-        "rollout": _obj("How a change of model, image or arguments replaces the engines.", {
-            "strategy": _str("RollingUpdate surges new pods before old ones go (the router serves from the "
-                             "old ones until the new are ready); Recreate stops all first (GPU-full clusters).",
-                             enum=["RollingUpdate", "Recreate"], default="RollingUpdate"),
-            "maxSurge": {**_INT_OR_PERCENT, "description": "RollingUpdate: extra pods during a rollout.",
-                         "default": 1},
-            "maxUnavailable": {**_INT_OR_PERCENT, "description": "RollingUpdate: pods that may be unavailable.",
-                               "default": 0},
-        }, default={}, **{"x-kubernetes-validations": ROLLOUT_RULES}),
-        "podDisruptionBudget": _obj("PodDisruptionBudget of the engines (voluntary evictions, node drains).", {
-            "enabled": _bool("Render the budget.", default=True),
-            "maxUnavailable": {**_INT_OR_PERCENT, "description": "Engines a drain may evict at once.",
-                               "default": 1},
-        }, default={}),
-        "probes": _obj("Probe timing; the startup probe covers model loading.", {
-            "startup": _probe("Startup probe on /health (period x failures = time allowed to load).", 5, 120),
-            "readiness": _probe("Readiness probe on /ready.", 2, 2),
-            "liveness": _probe("Liveness probe on /health.", 10, 3),
-        }, default={}),
-        "env": _k8s_list("Extra environment variables of the engine container (core/v1 EnvVar)."),
-        "envFrom": _k8s_list("Extra env sources of the engine container (core/v1 EnvFromSource)."),
-        "volumes": _k8s_list("Extra pod volumes (core/v1 Volume)."),
-        "volumeMounts": _k8s_list("Extra engine container volume mounts (core/v1 VolumeMount)."),
-        "imagePullSecrets": {"type": "array", "description": "Pull secrets of every pod the operator runs.",
-                             "items": _obj("A Secret reference.", {"name": _str("Secret name.", minLength=1)},
-                                           required=["name"])},
-        "affinity": _k8s_object("Engine pod affinity (core/v1 Affinity)."),
-        "topologySpreadConstraints": _k8s_list("Engine pod topology spread (core/v1 TopologySpreadConstraint)."),
-        "priorityClassName": _str("Engine pod priority class."),
-        "runtimeClassName": _str("Engine pod runtime class (e.g. nvidia)."),
-        "resources": _obj("Container resources, e.g. limits: {nvidia.com/gpu: 1}.", {
-            "requests": {"type": "object", "additionalProperties": _QUANTITY},
-            "limits": {"type": "object", "additionalProperties": _QUANTITY},
-        }),
-        "shmSize": _str("Size of the in-memory /dev/shm.", default="1Gi"),
-        "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
-        "tolerations": {"type": "array", "items": _TOLERATION, "description": "Engine pod tolerations."},
-        "heartbeatIntervalSeconds": _num("Sidecar heartbeat interval.", default=1, minimum=0.1),
-        "requireApiKey": _bool("Engines accept /v1 requests only with a generated key (Secret "
-                               "<name>-engine-api-key), which the router sends: nothing but the router "
-                               "can use the engines' API.", default=True),
-    }, default={}, **{"x-kubernetes-validations": ENGINE_RULES}),
-    "replicas": _int("Engine replicas: the scale subresource's target. Without autoscaling the user sets it; "
-                     "with autoscaling.mode builtin the operator's autoscaler writes it; with external an "
-                     "HPA or KEDA does. Kept within [minReplicas, maxReplicas] when autoscaling.",
-                     default=1, minimum=0),
-    "autoscaling": _obj("Scale engine replicas on KV-cache utilisation and queue depth.", {
-        "mode": _str("builtin: the operator's autoscaler sets spec.replicas; external: an HPA or KEDA "
-                     "ScaledObject pointed at this ModelDeployment's scale subresource does.",
-                     enum=["builtin", "external"], default="builtin"),
-        "minReplicas": _int("Lower bound; 0 allows scale to zero (the router holds requests and asks "
-                            "for a replica).", default=1, minimum=0),
-        "maxReplicas": _int("Upper bound.", minimum=1),
-        "targetKVUtilization": _num("Target mean KV utilisation of ready replicas (0..1].",
-                                    default=0.7, exclusiveMinimum=True, minimum=0, maximum=1),
-        "targetQueuePerReplica": _num("Target waiting requests per replica (0 disables the queue signal).",
-                                      default=4, minimum=0),
-        "tolerance": _num("No change while |utilisation/target - 1| <= tolerance.",
-                          default=0.1, minimum=0, maximum=1),
-        "scaleUpStabilizationSeconds": _int("Scale up to the lowest recommendation of this window.",
-                                            default=0, minimum=0),
-        "scaleDownStabilizationSeconds": _int("Scale down to the highest recommendation of this window.",
-                                              default=300, minimum=0),
-        "maxScaleDownStep": _int("Most replicas removed in one decision.", default=1, minimum=1),
-        "scaleUpPercent": _int("Scale-up cap per period, in percent of the current replicas "
-                               "(HPA's default policy: 100).", default=100, minimum=1),
-        "scaleUpPods": _int("Scale-up cap per period, in pods; the larger of the two caps applies "
-                            "(HPA's default policy: 4).", default=4, minimum=1),
-        "scaleUpPeriodSeconds": _int("Period of the scale-up caps.", default=15, minimum=1),
-        "startupTimeoutSeconds": _int("A replica not ready this long after its pod was created stops counting "
-                                      "as coming capacity (and is reported).", default=600, minimum=1),
-        "scaleToZeroIdleSeconds": _int("With minReplicas 0: scale to zero after this long with no request "
-                                       "running, waiting or held by a router.", default=300, minimum=0),
-        "intervalSeconds": _num("How often the autoscaler decides.", default=15, minimum=0.1),
-    }, required=["maxReplicas"], **{"x-kubernetes-validations": AUTOSCALING_RULES}),
-    "router": _obj("The prefix-aware router in front of the engines.", {
-        "replicas": _int("Router replicas.", default=1, minimum=0),
-        "image": _str("Router image; empty means the operator's default (also used for the sidecar)."),
-        "policy": _str("Routing policy (--policy).", enum=list(_policies.NAMES),
-                       default=_policies.DEFAULT),
-        "weights": _obj("Routing-score weights (--weights).", {
-            "prefix": _num("Weight of the prefix match.", default=1.0, minimum=0),
-            "kv": _num("Weight of the KV usage.", default=0.5, minimum=0),
-            "queue": _num("Weight of the queue share.", default=0.5, minimum=0),
-        }, default={}),
-        "apiKeySecretRef": _secret_ref("Secret with API keys, one per line.", "api-keys"),
-        "maxResumes": _int("Times a request whose engine failed mid-stream (or before answering) goes on with "
-                           "another replica from the tokens its client received (--max-resumes); 0: never.",
-                           default=2, minimum=0, maximum=16),
-        "resumeTimeoutSeconds": _num("How long such a request waits for a replica when none is routable, e.g. "
-                                     "the only engine restarting in place (--resume-timeout); 0: the error at "
-                                     "once.", default=60, minimum=0, maximum=3600),
-        "serviceType": _str("Router Service type.", enum=["ClusterIP", "NodePort", "LoadBalancer"],
-                            default="ClusterIP"),
-        "resources": _obj("Router container resources.", {
-            "requests": {"type": "object", "additionalProperties": _QUANTITY},
-            "limits": {"type": "object", "additionalProperties": _QUANTITY},
-        }),
-        "podDisruptionBudget": _obj("PodDisruptionBudget of the routers (rendered with 2 or more replicas).", {
-            "enabled": _bool("Render the budget.", default=True),
-            "maxUnavailable": {**_INT_OR_PERCENT, "description": "Routers a drain may evict at once.",
-                               "default": 1},
-        }, default={}),
-    }, default={}),
-    "redis": _obj("The Redis the sidecars write and the router reads.", {
-        "mode": _str("managed: the operator runs one; external: use url or secretRef.",
-                     enum=["managed", "external"], default="managed"),
-        "url": _str("redis:// URL of an external Redis without credentials (use secretRef for a URL "
-                    "with a password).", pattern=r"^rediss?://", maxLength=2048),
-        "secretRef": _secret_ref("Secret holding the external Redis URL.", "url"),
-        "image": _str("Managed Redis image; empty means the operator's default."),
-        "requirePassword": _bool("Managed Redis requires a generated password (Secret <name>-redis-auth, "
-                                 "keys password and url); only this deployment's pods and the operator "
-                                 "may connect (NetworkPolicy).", default=True),
-    }, default={}, **{"x-kubernetes-validations": REDIS_RULES}),
-}, required=["model"], **{"x-kubernetes-validations": SPEC_RULES})
+SPEC_SCHEMA: dict[str, Any] = _obj(
+    "Desired state of a served model.",
+    {
+        "model": _obj(
+            "Where the weights come from. Exactly one source.",
+            {
+                "servedModelName": _str(
+                    "Model name clients ask for (and the block-key identity). "
+                    "Default: the builtin name, the Hugging Face repo id, or the PVC path.",
+                    maxLength=253,
+                ),
+                "builtin": _str(
+                    f"A model built into the engine image, e.g. {DEFAULT_MODEL}.", minLength=1
+                ),
+                "huggingFace": _obj(
+                    "A Hugging Face repository, downloaded by an init container into a volume.",
+                    {
+                        "repoId": _str(
+                            "Repository id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct.", minLength=1
+                        ),
+                        "revision": _str("Branch, tag or commit.", default="main"),
+                        "tokenSecretRef": _secret_ref(
+                            "Secret holding a Hugging Face token (gated models).", "HF_TOKEN"
+                        ),
+                        "cacheSize": _str(
+                            "Size of the download volume (emptyDir limit, or the shared cache's claim).",
+                            default="50Gi",
+                        ),
+                        "sharedCache": _obj(
+                            "Download the model once into an operator-managed PersistentVolumeClaim "
+                            "(filled by a Job, mounted read-only by every engine), so scale-up does "
+                            "not download it again.",
+                            {
+                                "enabled": _bool("Use the shared cache.", default=False),
+                                "storageClassName": _str(
+                                    "StorageClass of the claim; empty means the cluster default."
+                                ),
+                                "accessMode": _str(
+                                    "Access mode of the claim: ReadWriteMany lets engines on any node mount it.",
+                                    enum=["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"],
+                                    default="ReadWriteMany",
+                                ),
+                            },
+                            default={},
+                        ),
+                    },
+                    required=["repoId"],
+                ),
+                "pvc": _obj(
+                    "A Hugging Face directory on an existing PersistentVolumeClaim (mounted read-only).",
+                    {
+                        "claimName": _str("PersistentVolumeClaim name.", minLength=1),
+                        "path": _str("Directory inside the volume.", default=""),
+                    },
+                    required=["claimName"],
+                ),
+            },
+            **{"x-kubernetes-validations": MODEL_RULES},
+        ),
+        "engine": _obj(
+            "Engine container settings (flags of `kvmesh serve`).",
+            {
+                "image": _str("Engine image; empty means the operator's default."),
+                "imagePullPolicy": _str(
+                    "Image pull policy.",
+                    enum=["Always", "IfNotPresent", "Never"],
+                    default="IfNotPresent",
+                ),
+                "extraArgs": {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "description": "Extra `kvmesh serve` arguments, appended last.",
+                },
+                "blockSize": _int(
+                    "Tokens per KV block (--block-size).",
+                    default=DEFAULT_BLOCK_SIZE,
+                    minimum=1,
+                    maximum=1024,
+                ),
+                "maxNumBatchedTokens": _int(
+                    "Token budget per engine step (--max-num-batched-tokens); default: "
+                    "the engine's (2048 on a GPU, 512 on the CPU).",
+                    minimum=1,
+                ),
+                "maxNumSeqs": _int(
+                    "Most requests running at once (--max-num-seqs).",
+                    default=DEFAULT_MAX_NUM_SEQS,
+                    minimum=1,
+                ),
+                "maxModelLen": _int(
+                    "Longest prompt + output (--max-model-len); default: the model's.", minimum=1
+                ),
+                "enablePrefixCaching": _bool(
+                    "Prefix caching (--enable-prefix-caching).", default=True
+                ),
+                "enableChunkedPrefill": _bool(
+                    "Chunked prefill (--enable-chunked-prefill).", default=True
+                ),
+                "dtype": _str(
+                    "Weights/activations dtype (--dtype).",
+                    enum=["auto", "float32", "bfloat16", "float16"],
+                    default="auto",
+                ),
+                "kvCacheMemory": _str("KV cache size in bytes, e.g. 2GiB (--kv-cache-memory)."),
+                "drainTimeoutSeconds": _int(
+                    "On shutdown, how long in-flight requests may finish (--drain-timeout).",
+                    default=DEFAULT_DRAIN_TIMEOUT,
+                    minimum=0,
+                ),
+                "preStopSleepSeconds": _int(
+                    "preStop sleep before SIGTERM, so routers and endpoints drop the pod first.",
+                    default=DEFAULT_PRESTOP_SLEEP,
+                    minimum=0,
+                ),
+                "terminationGracePeriodSeconds": _int(
+                    "Pod grace period; must exceed drain timeout + preStop sleep.",
+                    default=DEFAULT_GRACE_PERIOD,
+                    minimum=1,
+                ),
+                "rollout": _obj(
+                    "How a change of model, image or arguments replaces the engines.",
+                    {
+                        "strategy": _str(
+                            "RollingUpdate surges new pods before old ones go (the router serves from the "
+                            "old ones until the new are ready); Recreate stops all first (GPU-full clusters).",
+                            enum=["RollingUpdate", "Recreate"],
+                            default="RollingUpdate",
+                        ),
+                        "maxSurge": {
+                            **_INT_OR_PERCENT,
+                            "description": "RollingUpdate: extra pods during a rollout.",
+                            "default": 1,
+                        },
+                        "maxUnavailable": {
+                            **_INT_OR_PERCENT,
+                            "description": "RollingUpdate: pods that may be unavailable.",
+                            "default": 0,
+                        },
+                    },
+                    default={},
+                    **{"x-kubernetes-validations": ROLLOUT_RULES},
+                ),
+                "podDisruptionBudget": _obj(
+                    "PodDisruptionBudget of the engines (voluntary evictions, node drains).",
+                    {
+                        "enabled": _bool("Render the budget.", default=True),
+                        "maxUnavailable": {
+                            **_INT_OR_PERCENT,
+                            "description": "Engines a drain may evict at once.",
+                            "default": 1,
+                        },
+                    },
+                    default={},
+                ),
+                "probes": _obj(
+                    "Probe timing; the startup probe covers model loading.",
+                    {
+                        "startup": _probe(
+                            "Startup probe on /health (period x failures = time allowed to load).",
+                            5,
+                            120,
+                        ),
+                        "readiness": _probe("Readiness probe on /ready.", 2, 2),
+                        "liveness": _probe("Liveness probe on /health.", 10, 3),
+                    },
+                    default={},
+                ),
+                "env": _k8s_list(
+                    "Extra environment variables of the engine container (core/v1 EnvVar)."
+                ),
+                "envFrom": _k8s_list(
+                    "Extra env sources of the engine container (core/v1 EnvFromSource)."
+                ),
+                "volumes": _k8s_list("Extra pod volumes (core/v1 Volume)."),
+                "volumeMounts": _k8s_list(
+                    "Extra engine container volume mounts (core/v1 VolumeMount)."
+                ),
+                "imagePullSecrets": {
+                    "type": "array",
+                    "description": "Pull secrets of every pod the operator runs.",
+                    "items": _obj(
+                        "A Secret reference.",
+                        {"name": _str("Secret name.", minLength=1)},
+                        required=["name"],
+                    ),
+                },
+                "affinity": _k8s_object("Engine pod affinity (core/v1 Affinity)."),
+                "topologySpreadConstraints": _k8s_list(
+                    "Engine pod topology spread (core/v1 TopologySpreadConstraint)."
+                ),
+                "priorityClassName": _str("Engine pod priority class."),
+                "runtimeClassName": _str("Engine pod runtime class (e.g. nvidia)."),
+                "resources": _obj(
+                    "Container resources, e.g. limits: {nvidia.com/gpu: 1}.",
+                    {
+                        "requests": {"type": "object", "additionalProperties": _QUANTITY},
+                        "limits": {"type": "object", "additionalProperties": _QUANTITY},
+                    },
+                ),
+                "shmSize": _str("Size of the in-memory /dev/shm.", default="1Gi"),
+                "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+                "tolerations": {
+                    "type": "array",
+                    "items": _TOLERATION,
+                    "description": "Engine pod tolerations.",
+                },
+                "heartbeatIntervalSeconds": _num(
+                    "Sidecar heartbeat interval.", default=1, minimum=0.1
+                ),
+                "requireApiKey": _bool(
+                    "Engines accept /v1 requests only with a generated key (Secret "
+                    "<name>-engine-api-key), which the router sends: nothing but the router "
+                    "can use the engines' API.",
+                    default=True,
+                ),
+            },
+            default={},
+            **{"x-kubernetes-validations": ENGINE_RULES},
+        ),
+        "replicas": _int(
+            "Engine replicas: the scale subresource's target. Without autoscaling the user sets it; "
+            "with autoscaling.mode builtin the operator's autoscaler writes it; with external an "
+            "HPA or KEDA does. Kept within [minReplicas, maxReplicas] when autoscaling.",
+            default=1,
+            minimum=0,
+        ),
+        "autoscaling": _obj(
+            "Scale engine replicas on KV-cache utilisation and queue depth.",
+            {
+                "mode": _str(
+                    "builtin: the operator's autoscaler sets spec.replicas; external: an HPA or KEDA "
+                    "ScaledObject pointed at this ModelDeployment's scale subresource does.",
+                    enum=["builtin", "external"],
+                    default="builtin",
+                ),
+                "minReplicas": _int(
+                    "Lower bound; 0 allows scale to zero (the router holds requests and asks "
+                    "for a replica).",
+                    default=1,
+                    minimum=0,
+                ),
+                "maxReplicas": _int("Upper bound.", minimum=1),
+                "targetKVUtilization": _num(
+                    "Target mean KV utilisation of ready replicas (0..1].",
+                    default=0.7,
+                    exclusiveMinimum=True,
+                    minimum=0,
+                    maximum=1,
+                ),
+                "targetQueuePerReplica": _num(
+                    "Target waiting requests per replica (0 disables the queue signal).",
+                    default=4,
+                    minimum=0,
+                ),
+                "tolerance": _num(
+                    "No change while |utilisation/target - 1| <= tolerance.",
+                    default=0.1,
+                    minimum=0,
+                    maximum=1,
+                ),
+                "scaleUpStabilizationSeconds": _int(
+                    "Scale up to the lowest recommendation of this window.", default=0, minimum=0
+                ),
+                "scaleDownStabilizationSeconds": _int(
+                    "Scale down to the highest recommendation of this window.",
+                    default=300,
+                    minimum=0,
+                ),
+                "maxScaleDownStep": _int(
+                    "Most replicas removed in one decision.", default=1, minimum=1
+                ),
+                "scaleUpPercent": _int(
+                    "Scale-up cap per period, in percent of the current replicas "
+                    "(HPA's default policy: 100).",
+                    default=100,
+                    minimum=1,
+                ),
+                "scaleUpPods": _int(
+                    "Scale-up cap per period, in pods; the larger of the two caps applies "
+                    "(HPA's default policy: 4).",
+                    default=4,
+                    minimum=1,
+                ),
+                "scaleUpPeriodSeconds": _int("Period of the scale-up caps.", default=15, minimum=1),
+                "startupTimeoutSeconds": _int(
+                    "A replica not ready this long after its pod was created stops counting "
+                    "as coming capacity (and is reported).",
+                    default=600,
+                    minimum=1,
+                ),
+                "scaleToZeroIdleSeconds": _int(
+                    "With minReplicas 0: scale to zero after this long with no request "
+                    "running, waiting or held by a router.",
+                    default=300,
+                    minimum=0,
+                ),
+                "intervalSeconds": _num(
+                    "How often the autoscaler decides.", default=15, minimum=0.1
+                ),
+            },
+            required=["maxReplicas"],
+            **{"x-kubernetes-validations": AUTOSCALING_RULES},
+        ),
+        "router": _obj(
+            "The prefix-aware router in front of the engines.",
+            {
+                "replicas": _int("Router replicas.", default=1, minimum=0),
+                "image": _str(
+                    "Router image; empty means the operator's default (also used for the sidecar)."
+                ),
+                "policy": _str(
+                    "Routing policy (--policy).",
+                    enum=list(_policies.NAMES),
+                    default=_policies.DEFAULT,
+                ),
+                "weights": _obj(
+                    "Routing-score weights (--weights).",
+                    {
+                        "prefix": _num("Weight of the prefix match.", default=1.0, minimum=0),
+                        "kv": _num("Weight of the KV usage.", default=0.5, minimum=0),
+                        "queue": _num("Weight of the queue share.", default=0.5, minimum=0),
+                    },
+                    default={},
+                ),
+                "apiKeySecretRef": _secret_ref("Secret with API keys, one per line.", "api-keys"),
+                "maxResumes": _int(
+                    "Times a request whose engine failed mid-stream (or before answering) goes on with "
+                    "another replica from the tokens its client received (--max-resumes); 0: never.",
+                    default=2,
+                    minimum=0,
+                    maximum=16,
+                ),
+                "resumeTimeoutSeconds": _num(
+                    "How long such a request waits for a replica when none is routable, e.g. "
+                    "the only engine restarting in place (--resume-timeout); 0: the error at "
+                    "once.",
+                    default=60,
+                    minimum=0,
+                    maximum=3600,
+                ),
+                "serviceType": _str(
+                    "Router Service type.",
+                    enum=["ClusterIP", "NodePort", "LoadBalancer"],
+                    default="ClusterIP",
+                ),
+                "resources": _obj(
+                    "Router container resources.",
+                    {
+                        "requests": {"type": "object", "additionalProperties": _QUANTITY},
+                        "limits": {"type": "object", "additionalProperties": _QUANTITY},
+                    },
+                ),
+                "podDisruptionBudget": _obj(
+                    "PodDisruptionBudget of the routers (rendered with 2 or more replicas).",
+                    {
+                        "enabled": _bool("Render the budget.", default=True),
+                        "maxUnavailable": {
+                            **_INT_OR_PERCENT,
+                            "description": "Routers a drain may evict at once.",
+                            "default": 1,
+                        },
+                    },
+                    default={},
+                ),
+            },
+            default={},
+        ),
+        "redis": _obj(
+            "The Redis the sidecars write and the router reads.",
+            {
+                "mode": _str(
+                    "managed: the operator runs one; external: use url or secretRef.",
+                    enum=["managed", "external"],
+                    default="managed",
+                ),
+                "url": _str(
+                    "redis:// URL of an external Redis without credentials (use secretRef for a URL "
+                    "with a password).",
+                    pattern=r"^rediss?://",
+                    maxLength=2048,
+                ),
+                "secretRef": _secret_ref("Secret holding the external Redis URL.", "url"),
+                "image": _str("Managed Redis image; empty means the operator's default."),
+                "requirePassword": _bool(
+                    "Managed Redis requires a generated password (Secret <name>-redis-auth, "
+                    "keys password and url); only this deployment's pods and the operator "
+                    "may connect (NetworkPolicy).",
+                    default=True,
+                ),
+            },
+            default={},
+            **{"x-kubernetes-validations": REDIS_RULES},
+        ),
+    },
+    required=["model"],
+    **{"x-kubernetes-validations": SPEC_RULES},
+)
 
-_CONDITION = _obj("A condition.", {
-    "type": _str("Ready, Progressing or Degraded."),
-    "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
-    "reason": _str("CamelCase reason."),
-    "message": _str("Human-readable detail."),
-    "lastTransitionTime": _str("When the status last changed.", format="date-time"),
-    "observedGeneration": _int("Generation this condition reflects."),
-}, required=["type", "status"])
+_CONDITION = _obj(
+    "A condition.",
+    {
+        "type": _str("Ready, Progressing or Degraded."),
+        "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+        "reason": _str("CamelCase reason."),
+        "message": _str("Human-readable detail."),
+        "lastTransitionTime": _str("When the status last changed.", format="date-time"),
+        "observedGeneration": _int("Generation this condition reflects."),
+    },
+    required=["type", "status"],
+)
 
-_DECISION = _obj("An autoscaling decision.", {
-    "time": _str("When it was taken.", format="date-time"),
-    "action": _str("scale-up, scale-down, hold or none."),
-    "currentReplicas": _int("Replicas before."),
-    "desiredReplicas": _int("Replicas after."),
-    "recommendation": _int("Raw recommendation before stabilisation and bounds."),
-    "kvUtilization": _num("Mean KV utilisation of ready replicas, if known."),
-    "readyReplicas": _int("Replicas that served when it was taken."),
-    "waitingRequests": _int("Requests waiting on the replicas (the queue signal), if known."),
-    "runningRequests": _int("Requests running on the replicas."),
-    "stuckPods": {"type": "array", "items": {"type": "string"},
-                  "description": "Pods not Ready within startupTimeoutSeconds (not counted as coming capacity)."},
-    "demand": _bool("A router held requests for lack of a ready replica (scale from zero)."),
-    "reason": _str("Why."),
-})
+_DECISION = _obj(
+    "An autoscaling decision.",
+    {
+        "time": _str("When it was taken.", format="date-time"),
+        "action": _str("scale-up, scale-down, hold or none."),
+        "currentReplicas": _int("Replicas before."),
+        "desiredReplicas": _int("Replicas after."),
+        "recommendation": _int("Raw recommendation before stabilisation and bounds."),
+        "kvUtilization": _num("Mean KV utilisation of ready replicas, if known."),
+        "readyReplicas": _int("Replicas that served when it was taken."),
+        "waitingRequests": _int("Requests waiting on the replicas (the queue signal), if known."),
+        "runningRequests": _int("Requests running on the replicas."),
+        "stuckPods": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "Pods not Ready within startupTimeoutSeconds (not counted as coming capacity).",
+        },
+        "demand": _bool("A router held requests for lack of a ready replica (scale from zero)."),
+        "reason": _str("Why."),
+    },
+)
 
-STATUS_SCHEMA: dict[str, Any] = _obj("Observed state.", {
-    "observedGeneration": _int("The spec generation last reconciled."),
-    "conditions": {"type": "array", "items": _CONDITION,
-                   "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-    "model": _str("Served model name."),
-    "replicas": _int("Engine pods that exist."),
-    "readyReplicas": _int("Engine pods that are ready."),
-    "desiredReplicas": _int("Engine replicas the operator asks for (autoscaler output)."),
-    "selector": _str("Label selector of the engine pods (for the scale subresource)."),
-    "kvUtilization": _num("Mean KV utilisation of ready replicas (0..1), from heartbeats."),
-    "kvPercent": _int("kvUtilization in percent, for printing."),
-    "routerEndpoint": _str("In-cluster URL of the router."),
-    "lastScaleTime": _str("When the autoscaler last changed the replica count.", format="date-time"),
-    "lastDecision": _DECISION,
-})
+STATUS_SCHEMA: dict[str, Any] = _obj(
+    "Observed state.",
+    {
+        "observedGeneration": _int("The spec generation last reconciled."),
+        "conditions": {
+            "type": "array",
+            "items": _CONDITION,
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+        "model": _str("Served model name."),
+        "replicas": _int("Engine pods that exist."),
+        "readyReplicas": _int("Engine pods that are ready."),
+        "desiredReplicas": _int("Engine replicas the operator asks for (autoscaler output)."),
+        "selector": _str("Label selector of the engine pods (for the scale subresource)."),
+        "kvUtilization": _num("Mean KV utilisation of ready replicas (0..1), from heartbeats."),
+        "kvPercent": _int("kvUtilization in percent, for printing."),
+        "routerEndpoint": _str("In-cluster URL of the router."),
+        "lastScaleTime": _str(
+            "When the autoscaler last changed the replica count.", format="date-time"
+        ),
+        "lastDecision": _DECISION,
+    },
+)
 
 PRINTER_COLUMNS = [
     {"name": "Model", "type": "string", "jsonPath": ".status.model"},
@@ -364,17 +655,19 @@ PRINTER_COLUMNS = [
 
 def openapi_schema() -> dict[str, Any]:
     """The openAPIV3Schema of the custom resource (a fresh copy)."""
-    return copy.deepcopy({
-        "type": "object",
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": SPEC_SCHEMA,
-            "status": STATUS_SCHEMA,
-        },
-        "required": ["spec"],
-    })
+    return copy.deepcopy(
+        {
+            "type": "object",
+            "properties": {
+                "apiVersion": {"type": "string"},
+                "kind": {"type": "string"},
+                "metadata": {"type": "object"},
+                "spec": SPEC_SCHEMA,
+                "status": STATUS_SCHEMA,
+            },
+            "required": ["spec"],
+        }
+    )
 
 
 def crd_manifest() -> dict[str, Any]:
@@ -386,27 +679,41 @@ def crd_manifest() -> dict[str, Any]:
         "spec": {
             "group": GROUP,
             "scope": "Namespaced",
-            "names": {"kind": KIND, "plural": PLURAL, "singular": SINGULAR,
-                      "shortNames": list(SHORT_NAMES), "categories": ["kvmesh"]},
-            "versions": [{
-                "name": VERSION,
-                "served": True,
-                "storage": True,
-                "schema": {"openAPIV3Schema": openapi_schema()},
-                "subresources": {
-                    "status": {},
-                    "scale": {"specReplicasPath": ".spec.replicas",
-                              "statusReplicasPath": ".status.readyReplicas",
-                              "labelSelectorPath": ".status.selector"},
-                },
-                "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS),
-            }],
+            "names": {
+                "kind": KIND,
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["kvmesh"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": openapi_schema()},
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.readyReplicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS),
+                }
+            ],
         },
     }
 
 
 def all_cel_rules() -> list[tuple[str, dict[str, str]]]:
     """(JSON path of the schema node, rule) for every CEL rule, for tests and docs."""
-    return ([("spec", r) for r in SPEC_RULES] + [("spec.model", r) for r in MODEL_RULES]
-            + [("spec.engine", r) for r in ENGINE_RULES] + [("spec.engine.rollout", r) for r in ROLLOUT_RULES] + [("spec.autoscaling", r) for r in AUTOSCALING_RULES]
-            + [("spec.redis", r) for r in REDIS_RULES])
+    return (
+        [("spec", r) for r in SPEC_RULES]
+        + [("spec.model", r) for r in MODEL_RULES]
+        + [("spec.engine", r) for r in ENGINE_RULES]
+        + [("spec.engine.rollout", r) for r in ROLLOUT_RULES]
+        + [("spec.autoscaling", r) for r in AUTOSCALING_RULES]
+        + [("spec.redis", r) for r in REDIS_RULES]
+    )

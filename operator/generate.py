@@ -1,7 +1,7 @@
 """Write the generated install files from the Python sources of truth.
 
-    python -m kvmesh.operator.generate            # write
-    python -m kvmesh.operator.generate --check    # exit 1 if any file is stale
+python -m kvmesh.operator.generate            # write
+python -m kvmesh.operator.generate --check    # exit 1 if any file is stale
 """
 
 from __future__ import annotations
@@ -23,12 +23,18 @@ class _Dumper(yaml.SafeDumper):
     pass
 
 
-_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s,
-                                                            style='"' if s in ("", "*") else None))
+_Dumper.add_representer(
+    str,
+    lambda d, s: d.represent_scalar(
+        "tag:yaml.org,2002:str", s, style='"' if s in ("", "*") else None
+    ),
+)
 
 
 def dump(docs: list[dict[str, Any]], header: str = HEADER) -> str:
-    return header + "".join("---\n" + yaml.dump(d, Dumper=_Dumper, sort_keys=False, width=100) for d in docs)
+    return header + "".join(
+        "---\n" + yaml.dump(d, Dumper=_Dumper, sort_keys=False, width=100) for d in docs
+    )
 
 
 def _rows(schema: dict[str, Any], path: str) -> list[str]:
@@ -40,7 +46,11 @@ def _rows(schema: dict[str, Any], path: str) -> list[str]:
             typ += " (" + " \\| ".join(map(str, sub["enum"])) + ")"
         if typ == "array" and isinstance(sub.get("items"), dict) and sub["items"].get("type"):
             typ = f"[]{sub['items']['type']}"
-        default = "" if "default" not in sub or sub["default"] == {} else f"`{json.dumps(sub['default'])}`"
+        default = (
+            ""
+            if "default" not in sub or sub["default"] == {}
+            else f"`{json.dumps(sub['default'])}`"
+        )
         required = " (required)" if key in (schema.get("required") or []) else ""
         desc = (sub.get("description") or "").replace("|", "\\|") + required
         rows.append(f"| `{p}` | {typ} | {default} | {desc} |")
@@ -50,16 +60,33 @@ def _rows(schema: dict[str, Any], path: str) -> list[str]:
 
 def reference_markdown() -> str:
     """docs/operator-crd.md: the field reference, generated from crd.py."""
-    lines = [HEADER.replace("# ", "<!-- ", 1).rstrip() + " -->", "",
-             f"# `{crd.KIND}` reference (`{crd.API_VERSION}`, short name `{crd.SHORT_NAMES[0]}`)", "",
-             "## spec", "", "| field | type | default | description |", "|---|---|---|---|",
-             *_rows(crd.SPEC_SCHEMA, "spec"), "",
-             "## Validation rules (CEL, enforced at admission and again by the operator)", "",
-             "| where | rule | message |", "|---|---|---|",
-             *[f"| `{where}` | `{r['rule'].replace('|', chr(92) + '|')}` | {r['message']} |"
-               for where, r in crd.all_cel_rules()], "",
-             "## status", "", "| field | type | default | description |", "|---|---|---|---|",
-             *_rows(crd.STATUS_SCHEMA, "status"), ""]
+    lines = [
+        HEADER.replace("# ", "<!-- ", 1).rstrip() + " -->",
+        "",
+        f"# `{crd.KIND}` reference (`{crd.API_VERSION}`, short name `{crd.SHORT_NAMES[0]}`)",
+        "",
+        "## spec",
+        "",
+        "| field | type | default | description |",
+        "|---|---|---|---|",
+        *_rows(crd.SPEC_SCHEMA, "spec"),
+        "",
+        "## Validation rules (CEL, enforced at admission and again by the operator)",
+        "",
+        "| where | rule | message |",
+        "|---|---|---|",
+        *[
+            f"| `{where}` | `{r['rule'].replace('|', chr(92) + '|')}` | {r['message']} |"
+            for where, r in crd.all_cel_rules()
+        ],
+        "",
+        "## status",
+        "",
+        "| field | type | default | description |",
+        "|---|---|---|---|",
+        *_rows(crd.STATUS_SCHEMA, "status"),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -69,10 +96,12 @@ def outputs(root: Path) -> dict[Path, str]:
         root / "manifests" / "crd.yaml": crd_yaml,
         root / "manifests" / "rbac.yaml": dump(manifests.rbac()),
         root / "manifests" / "operator.yaml": dump(manifests.operator_deployment()),
-        root / "manifests" / "example-modeldeployment.yaml": dump([manifests.example_modeldeployment()]),
+        root / "manifests" / "example-modeldeployment.yaml": dump(
+            [manifests.example_modeldeployment()]
+        ),
         root / "charts" / "kvmesh" / "crds" / f"{crd.CRD_NAME}.yaml": crd_yaml,
-        root / "charts" / "kvmesh" / "files" / "clusterrole-rules.yaml":
-            HEADER + yaml.dump(manifests.RBAC_RULES, Dumper=_Dumper, sort_keys=False),
+        root / "charts" / "kvmesh" / "files" / "clusterrole-rules.yaml": HEADER
+        + yaml.dump(manifests.RBAC_RULES, Dumper=_Dumper, sort_keys=False),
         root / "docs" / "operator-crd.md": reference_markdown(),
     }
 

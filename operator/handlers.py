@@ -18,11 +18,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import kopf
 
-from kvmesh.operator import crd, render, scaling, spec as specs, status as st
+from kvmesh.operator import crd, render, scaling
+from kvmesh.operator import spec as specs
+from kvmesh.operator import status as st
 from kvmesh.operator.apply import ApiError, ApplyConflict, Connection, KubeClient
 from kvmesh.operator.generated_secrets import ensure_generated_secrets
 from kvmesh.operator.memo import Memo
@@ -30,22 +33,42 @@ from kvmesh.operator.status_write import refresh_status, write_status
 
 registry = kopf.OperatorRegistry()
 ANNOTATION_PREFIX = "kvmesh.io"
-PRUNED_KINDS = ("Deployment", "Service", "Secret", "NetworkPolicy", "PodDisruptionBudget", "Job",
-                "PersistentVolumeClaim")   # the router's ServiceAccount/Role/RoleBinding are always rendered
+PRUNED_KINDS = (
+    "Deployment",
+    "Service",
+    "Secret",
+    "NetworkPolicy",
+    "PodDisruptionBudget",
+    "Job",
+    "PersistentVolumeClaim",
+)  # the router's ServiceAccount/Role/RoleBinding are always rendered
 # The same kinds as kopf resource selectors: their changes trigger a reconcile of the owner.
-CHILD_RESOURCES = (("apps", "v1", "deployments"), ("v1", "services"), ("v1", "secrets"),
-                   ("networking.k8s.io", "v1", "networkpolicies"), ("policy", "v1", "poddisruptionbudgets"),
-                   ("v1", "persistentvolumeclaims"), ("batch", "v1", "jobs"), ("v1", "serviceaccounts"),
-                   ("rbac.authorization.k8s.io", "v1", "roles"), ("rbac.authorization.k8s.io", "v1", "rolebindings"))
+CHILD_RESOURCES = (
+    ("apps", "v1", "deployments"),
+    ("v1", "services"),
+    ("v1", "secrets"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("v1", "persistentvolumeclaims"),
+    ("batch", "v1", "jobs"),
+    ("v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+)
 
 
 @kopf.on.startup(registry=registry)
 async def configure(settings: kopf.OperatorSettings, memo: Memo, **_: Any) -> None:
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX
+    )
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
     settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/operator"
-    settings.posting.level = logging.WARNING      # our own Events are explicit (decisions, invalid specs)
+    settings.posting.level = (
+        logging.WARNING
+    )  # our own Events are explicit (decisions, invalid specs)
     settings.execution.max_workers = 4
     # No namespace/CRD watching: the operator serves a fixed namespace list (or all) and
     # its one CRD, so RBAC needs no cluster-wide list/watch of namespaces and CRDs.
@@ -66,17 +89,26 @@ async def configure(settings: kopf.OperatorSettings, memo: Memo, **_: Any) -> No
 async def login(memo: Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
     conn = memo.config.connection
     if conn is not None:
-        info = kopf.ConnectionInfo(server=conn.server, token=conn.token, ca_path=conn.ca_path, ca_data=conn.ca_data,
-                                   insecure=conn.insecure or None, certificate_path=conn.certificate_path,
-                                   certificate_data=conn.certificate_data, private_key_path=conn.private_key_path,
-                                   private_key_data=conn.private_key_data)
+        info = kopf.ConnectionInfo(
+            server=conn.server,
+            token=conn.token,
+            ca_path=conn.ca_path,
+            ca_data=conn.ca_data,
+            insecure=conn.insecure or None,
+            certificate_path=conn.certificate_path,
+            certificate_data=conn.certificate_data,
+            private_key_path=conn.private_key_path,
+            private_key_data=conn.private_key_data,
+        )
     else:
         info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
     if info is not None:
         # A re-login (e.g. after a 401 with a rotated token) replaces the client; the old
         # one's connections and threads are released.
-        old, memo.shared.client = memo.shared.client, KubeClient(Connection.from_kopf(info),
-                                                                  retries=memo.config.api_retries)
+        old, memo.shared.client = (
+            memo.shared.client,
+            KubeClient(Connection.from_kopf(info), retries=memo.config.api_retries),
+        )
         if old is not None:
             await old.close()
     return info
@@ -84,7 +116,7 @@ async def login(memo: Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.cleanup(registry=registry)
 async def cleanup(memo: Memo, **_: Any) -> None:
-    memo.shared.stopping = True   # daemons spawned late in a shutdown exit on their next wake-up
+    memo.shared.stopping = True  # daemons spawned late in a shutdown exit on their next wake-up
     for source in memo.redis.values():
         await source.close()
     if memo.client is not None:
@@ -96,19 +128,36 @@ def probe(memo: Memo, **_: Any) -> int:
     return len(memo.scalers)
 
 
-async def _mark_invalid(memo: Memo, md: dict[str, Any], errors: list[str], reason: str = "InvalidSpec") -> None:
+async def _mark_invalid(
+    memo: Memo, md: dict[str, Any], errors: list[str], reason: str = "InvalidSpec"
+) -> None:
     previous = (md.get("status") or {}).get("conditions")
     gen = md["metadata"].get("generation")
-    already = any(c.get("type") == "Ready" and c.get("reason") == reason and c.get("observedGeneration") == gen
-                  and c.get("message") == "; ".join(errors) for c in previous or [])
-    await write_status(memo, md, {"observedGeneration": gen,
-                                   "conditions": st.invalid_conditions(errors, gen, previous, st.now_iso(), reason)})
+    already = any(
+        c.get("type") == "Ready"
+        and c.get("reason") == reason
+        and c.get("observedGeneration") == gen
+        and c.get("message") == "; ".join(errors)
+        for c in previous or []
+    )
+    await write_status(
+        memo,
+        md,
+        {
+            "observedGeneration": gen,
+            "conditions": st.invalid_conditions(errors, gen, previous, st.now_iso(), reason),
+        },
+    )
     if not already:
         kopf.warn(crd.object_ref(md), reason=reason, message="; ".join(errors)[:1000])
 
 
-async def reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter,
-                    should_stop: Callable[[], bool] = lambda: False) -> None:
+async def reconcile(
+    memo: Memo,
+    md: dict[str, Any],
+    logger: logging.Logger | logging.LoggerAdapter,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> None:
     """Make the children match the spec (idempotent). ``should_stop`` is asked before each
     write, so a reconcile whose ModelDeployment is being deleted stops creating children.
 
@@ -124,15 +173,22 @@ async def reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | log
     async with lock:
         if waited:
             fresh = await memo.client.get(crd.KIND, meta["namespace"], meta["name"])
-            if (fresh is None or fresh["metadata"].get("deletionTimestamp")
-                    or fresh["metadata"].get("uid") != meta["uid"]):
+            if (
+                fresh is None
+                or fresh["metadata"].get("deletionTimestamp")
+                or fresh["metadata"].get("uid") != meta["uid"]
+            ):
                 return
             md = fresh
         await _reconcile(memo, md, logger, should_stop)
 
 
-async def _reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter,
-                     should_stop: Callable[[], bool]) -> None:
+async def _reconcile(
+    memo: Memo,
+    md: dict[str, Any],
+    logger: logging.Logger | logging.LoggerAdapter,
+    should_stop: Callable[[], bool],
+) -> None:
     assert memo.client is not None, "not logged in"
     meta = md["metadata"]
     spec = specs.apply_defaults(dict(md.get("spec") or {}))
@@ -160,7 +216,9 @@ async def _reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | lo
         if exc.transient:
             raise kopf.TemporaryError(f"applying children: {exc}", delay=5)
         # Rejected by the API server (e.g. a webhook or quota): report it, retry slowly (no hot loop).
-        await _mark_invalid(memo, md, [f"the API server rejected a child: {exc.message}"], "ApplyFailed")
+        await _mark_invalid(
+            memo, md, [f"the API server rejected a child: {exc.message}"], "ApplyFailed"
+        )
         raise kopf.TemporaryError(f"child rejected: {exc}", delay=memo.config.rejected_retry_delay)
     await refresh_status(memo, md, spec, observed=True)
     logger.info(f"reconciled {len(children)} children")
@@ -169,11 +227,16 @@ async def _reconcile(memo: Memo, md: dict[str, Any], logger: logging.Logger | lo
 def _shares_replicas(spec: dict[str, Any], child: dict[str, Any]) -> bool:
     """The engine Deployment's replica count under external autoscaling: an HPA or KEDA
     may legitimately own it, so the operator applies it without force."""
-    return (child["kind"] == "Deployment" and child["metadata"]["labels"].get(render.LABEL_COMPONENT) == render.ENGINE
-            and (spec.get("autoscaling") or {}).get("mode") == "external")
+    return (
+        child["kind"] == "Deployment"
+        and child["metadata"]["labels"].get(render.LABEL_COMPONENT) == render.ENGINE
+        and (spec.get("autoscaling") or {}).get("mode") == "external"
+    )
 
 
-async def _apply_child(memo: Memo, md: dict[str, Any], spec: dict[str, Any], child: dict[str, Any]) -> str | None:
+async def _apply_child(
+    memo: Memo, md: dict[str, Any], spec: dict[str, Any], child: dict[str, Any]
+) -> str | None:
     """Server-side apply one child. Every field the operator renders is re-asserted with
     force (hand edits are drift and are healed), except where another manager may own a
     field: there a conflict is reported (returned) and the field is left to its owner."""
@@ -194,7 +257,9 @@ async def _apply_child(memo: Memo, md: dict[str, Any], spec: dict[str, Any], chi
         return f"{child['kind']} {child['metadata']['name']}: {exc.message}"
 
 
-async def _prune(memo: Memo, md: dict[str, Any], children: list[dict[str, Any]], keep: list[str] = ()) -> None:
+async def _prune(
+    memo: Memo, md: dict[str, Any], children: list[dict[str, Any]], keep: list[str] = ()
+) -> None:
     """Delete children this ModelDeployment controls that are no longer rendered
     (e.g. the managed Redis after switching to an external one).
 
@@ -210,8 +275,10 @@ async def _prune(memo: Memo, md: dict[str, Any], children: list[dict[str, Any]],
     for kind in PRUNED_KINDS:
         for obj in await memo.client.list(kind, meta["namespace"], selector):
             ometa = obj.get("metadata") or {}
-            controlled = any(ref.get("controller") is True and ref.get("uid") == meta["uid"]
-                             for ref in ometa.get("ownerReferences") or [])
+            controlled = any(
+                ref.get("controller") is True and ref.get("uid") == meta["uid"]
+                for ref in ometa.get("ownerReferences") or []
+            )
             if controlled and (kind, ometa.get("name")) not in wanted:
                 doomed.append((kind, ometa["name"]))
     if not doomed:
@@ -230,21 +297,33 @@ async def _prune(memo: Memo, md: dict[str, Any], children: list[dict[str, Any]],
 @kopf.on.create(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry)
 @kopf.on.update(crd.GROUP, crd.VERSION, crd.PLURAL, field="spec", registry=registry)
 async def reconcile_handler(body: kopf.Body, memo: Memo, logger: Any, **_: Any) -> None:
-    md = await memo.client.get(crd.KIND, body.metadata.namespace, body.metadata.name) if memo.client else None
+    md = (
+        await memo.client.get(crd.KIND, body.metadata.namespace, body.metadata.name)
+        if memo.client
+        else None
+    )
     if md is None or md["metadata"].get("deletionTimestamp"):
         return
     await reconcile(memo, md, logger)
 
 
-@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry, cancellation_backoff=1.0,
-             cancellation_timeout=5.0)
-async def autoscaler_daemon(stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo, logger: Any,
-                            **_: Any) -> None:
+@kopf.daemon(
+    crd.GROUP,
+    crd.VERSION,
+    crd.PLURAL,
+    registry=registry,
+    cancellation_backoff=1.0,
+    cancellation_timeout=5.0,
+)
+async def autoscaler_daemon(
+    stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo, logger: Any, **_: Any
+) -> None:
     """One loop per ModelDeployment: status refresh and autoscaling (scaling.run_loop)."""
     await scaling.run_loop(stopped, meta, memo, logger)
 
 
 # --- Healing: children are reconciled continuously, not only on spec changes. ---
+
 
 def _fingerprint(body: Any) -> str:
     """What a change of a child means: everything but status and bookkeeping metadata."""
@@ -257,7 +336,10 @@ def _fingerprint(body: Any) -> str:
 def _owner(body: Any) -> tuple[str, str] | None:
     meta = body.get("metadata") or {}
     name = (meta.get("labels") or {}).get(render.LABEL_MD)
-    owned = any(ref.get("kind") == crd.KIND and ref.get("controller") for ref in meta.get("ownerReferences") or [])
+    owned = any(
+        ref.get("kind") == crd.KIND and ref.get("controller")
+        for ref in meta.get("ownerReferences") or []
+    )
     return (meta.get("namespace"), name) if name and owned else None
 
 
@@ -278,18 +360,31 @@ def _child_event(event: dict[str, Any], memo: Memo, **_: Any) -> None:
         first_sight = uid not in memo.shared.fingerprints
         memo.shared.fingerprints[uid] = fingerprint
         if first_sight and event.get("type") is None:
-            return   # the initial listing: the resume handler reconciles everything anyway
+            return  # the initial listing: the resume handler reconciles everything anyway
     memo.shared.dirty.setdefault(owner, asyncio.Event()).set()
 
 
 for _resource in CHILD_RESOURCES:
-    kopf.on.event(*_resource, registry=registry, labels={render.LABEL_MD: kopf.PRESENT},
-                  id=f"heal-{_resource[-1]}")(_child_event)
+    kopf.on.event(
+        *_resource,
+        registry=registry,
+        labels={render.LABEL_MD: kopf.PRESENT},
+        id=f"heal-{_resource[-1]}",
+    )(_child_event)
 
 
-@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry, id="healer", cancellation_backoff=3.0,
-             cancellation_timeout=5.0)
-async def healer_daemon(stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo, logger: Any, **_: Any) -> None:
+@kopf.daemon(
+    crd.GROUP,
+    crd.VERSION,
+    crd.PLURAL,
+    registry=registry,
+    id="healer",
+    cancellation_backoff=3.0,
+    cancellation_timeout=5.0,
+)
+async def healer_daemon(
+    stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo, logger: Any, **_: Any
+) -> None:
     """One loop per ModelDeployment: reconcile when a child drifted, and every resync interval."""
     key = (meta["namespace"], meta["name"])
     dirty = memo.shared.dirty.setdefault(key, asyncio.Event())
@@ -299,9 +394,11 @@ async def healer_daemon(stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo
         while not stopped and not memo.stopping:
             deadline = loop.time() + memo.config.resync_interval
             while not (stopped or memo.stopping or dirty.is_set()) and loop.time() < deadline:
-                try:   # short waits: a stopped daemon exits within a fraction of a second
-                    await asyncio.wait_for(dirty.wait(), timeout=min(0.25, max(deadline - loop.time(), 0.01)))
-                except asyncio.TimeoutError:
+                try:  # short waits: a stopped daemon exits within a fraction of a second
+                    await asyncio.wait_for(
+                        dirty.wait(), timeout=min(0.25, max(deadline - loop.time(), 0.01))
+                    )
+                except TimeoutError:
                     pass
             if dirty.is_set():
                 await asyncio.sleep(memo.config.heal_debounce)
@@ -312,12 +409,16 @@ async def healer_daemon(stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo
                 md = await memo.client.get(crd.KIND, *key) if memo.client else None
                 if md is None or md["metadata"].get("deletionTimestamp"):
                     break
-                await reconcile(memo, md, logger, should_stop=lambda: bool(stopped) or memo.stopping)
+                await reconcile(
+                    memo, md, logger, should_stop=lambda: bool(stopped) or memo.stopping
+                )
                 delay = 1.0
-            except (kopf.TemporaryError, ApiError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, kopf.TemporaryError, ApiError, OSError) as exc:
                 if memo.stopping:
                     break
-                wait = max(delay, float(getattr(exc, "delay", None) or 0))   # a rejected child: slow retry
+                wait = max(
+                    delay, float(getattr(exc, "delay", None) or 0)
+                )  # a rejected child: slow retry
                 logger.warning(f"healing reconcile failed, retrying in {wait:.0f}s: {exc}")
                 await stopped.wait(wait)
                 delay = min(delay * 2, 60.0)

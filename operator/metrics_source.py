@@ -15,12 +15,22 @@ Key layout (contract 3, owned by kvmesh/common/redis_layout.py, which also holds
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-from kvmesh.common.redis_layout import (HEARTBEAT_TTL_S, STATE_READY, Heartbeat, PodsSetCursor,  # noqa: F401
-                                       blocks_key, demand_key, heartbeat_key, pods_key, read_heartbeats,
-                                       reconnecting_retry)
+from kvmesh.common.redis_layout import (  # noqa: F401
+    HEARTBEAT_TTL_S,
+    STATE_READY,
+    Heartbeat,
+    PodsSetCursor,
+    blocks_key,
+    demand_key,
+    heartbeat_key,
+    pods_key,
+    read_heartbeats,
+    reconnecting_retry,
+)
 
 HEARTBEAT_STALE_SECONDS = float(HEARTBEAT_TTL_S)
 
@@ -62,8 +72,15 @@ class RedisHeartbeats:
     snapshot is a whole pass; with more live names under the prefix than ``TRACKED_PODS``, an
     unlisted replica counts in the snapshots after the sweep found it."""
 
-    def __init__(self, url: str, *, stale_after: float = HEARTBEAT_STALE_SECONDS, clock=time.time,
-                 sweep_pages: int = SWEEP_PAGES, tracked_pods: int = TRACKED_PODS) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        stale_after: float = HEARTBEAT_STALE_SECONDS,
+        clock=time.time,
+        sweep_pages: int = SWEEP_PAGES,
+        tracked_pods: int = TRACKED_PODS,
+    ) -> None:
         import redis.asyncio as aioredis  # the operator imports without Redis until it needs it
 
         self.url = url
@@ -71,17 +88,21 @@ class RedisHeartbeats:
         self.clock = clock
         self.sweep_pages = sweep_pages
         self.tracked_pods = tracked_pods
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5,
-                                              retry=reconnecting_retry())
+        self._redis = aioredis.Redis.from_url(
+            url, socket_timeout=5, socket_connect_timeout=5, retry=reconnecting_retry()
+        )
         self._sweeps: dict[tuple[str, str], tuple[PodsSetCursor, dict[str, None]]] = {}
 
     async def close(self) -> None:
         await self._redis.aclose()
 
-    async def snapshot(self, model: str, pod_prefix: str = "", pods: Iterable[str] = ()) -> Snapshot:
+    async def snapshot(
+        self, model: str, pod_prefix: str = "", pods: Iterable[str] = ()
+    ) -> Snapshot:
         """`pods`: names to read whatever the pods set holds (the engine pods the API lists)."""
-        cursor, tracked = self._sweeps.setdefault((model, pod_prefix),
-                                                  (PodsSetCursor(model, pod_prefix, SWEEP_PAGE), {}))
+        cursor, tracked = self._sweeps.setdefault(
+            (model, pod_prefix), (PodsSetCursor(model, pod_prefix, SWEEP_PAGE), {})
+        )
         for _ in range(self.sweep_pages):
             for name in await cursor.next_page(self._redis):
                 tracked.pop(name, None)
@@ -112,4 +133,4 @@ class RedisHeartbeats:
         try:
             return float(_s(raw))
         except ValueError:
-            return 0.0   # present but unreadable: still a demand
+            return 0.0  # present but unreadable: still a demand

@@ -26,38 +26,53 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_SCRAPER = "kvmesh.io/metrics-scraper"
 ENGINE, ROUTER, REDIS = "engine", "router", "redis"
 MODELS_DIR = "/models"
-ROUTER_PRESTOP_SLEEP_SECONDS = 5   # let the Service endpoints drop a router before it stops
+ROUTER_PRESTOP_SLEEP_SECONDS = 5  # let the Service endpoints drop a router before it stops
 KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5558
 SIDECAR_HEALTH_PORT = 8081
-METRICS_PORT = 8001          # /metrics alone (engine and router): the only engine port scrapers reach
+METRICS_PORT = 8001  # /metrics alone (engine and router): the only engine port scrapers reach
 RUN_AS_USER = 10001
-OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/component": "operator"}
+OPERATOR_POD_LABELS = {
+    "app.kubernetes.io/name": "kvmesh",
+    "app.kubernetes.io/component": "operator",
+}
 
 
 @dataclass(frozen=True)
 class Images:
     """Default images (overridable per ModelDeployment and by `kvmesh operator` flags)."""
+
     engine: str = f"ghcr.io/kvmesh/engine:{VERSION}"
-    router: str = f"ghcr.io/kvmesh/router:{VERSION}"      # also runs `kvmesh sidecar`
+    router: str = f"ghcr.io/kvmesh/router:{VERSION}"  # also runs `kvmesh sidecar`
     redis: str = "redis:7.4-alpine"
 
 
 MODEL_CACHE = "model-cache"
-MODEL_READY_MARKER = ".kvmesh-model-ready"   # written by the fetch Job when the download is complete
+MODEL_READY_MARKER = ".kvmesh-model-ready"  # written by the fetch Job when the download is complete
 
 
 def names(md_name: str) -> dict[str, str]:
     """Child object names."""
-    return {ENGINE: f"{md_name}-engine", ROUTER: f"{md_name}-router", REDIS: f"{md_name}-redis",
-            "redis-secret": f"{md_name}-redis-url", "netpol": f"{md_name}-engine",
-            MODEL_CACHE: f"{md_name}-model-cache", "engine-api-key": f"{md_name}-engine-api-key",
-            "redis-auth": f"{md_name}-redis-auth", "redis-netpol": f"{md_name}-redis"}
+    return {
+        ENGINE: f"{md_name}-engine",
+        ROUTER: f"{md_name}-router",
+        REDIS: f"{md_name}-redis",
+        "redis-secret": f"{md_name}-redis-url",
+        "netpol": f"{md_name}-engine",
+        MODEL_CACHE: f"{md_name}-model-cache",
+        "engine-api-key": f"{md_name}-engine-api-key",
+        "redis-auth": f"{md_name}-redis-auth",
+        "redis-netpol": f"{md_name}-redis",
+    }
 
 
 def labels(md_name: str, component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/instance": md_name,
-            LABEL_COMPONENT: component, "app.kubernetes.io/managed-by": FIELD_MANAGER,
-            LABEL_MD: md_name}
+    return {
+        "app.kubernetes.io/name": "kvmesh",
+        "app.kubernetes.io/instance": md_name,
+        LABEL_COMPONENT: component,
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        LABEL_MD: md_name,
+    }
 
 
 def selector(md_name: str, component: str) -> dict[str, str]:
@@ -88,6 +103,7 @@ def redis_secret_ref(md_name: str, spec: dict[str, Any]) -> tuple[str, str]:
 
 # --- Generated credentials: made once by the operator (random), never rendered. ---
 
+
 def generated_secret_names(md_name: str, spec: dict[str, Any]) -> list[str]:
     """The Secrets the operator generates for this spec (created once, kept, owned)."""
     out = []
@@ -98,7 +114,9 @@ def generated_secret_names(md_name: str, spec: dict[str, Any]) -> list[str]:
     return out
 
 
-def generated_secret(md: dict[str, Any], spec: dict[str, Any], name: str, token: str) -> dict[str, Any]:
+def generated_secret(
+    md: dict[str, Any], spec: dict[str, Any], name: str, token: str
+) -> dict[str, Any]:
     """One generated Secret around a random ``token`` (the caller draws it)."""
     md_name, ns = md["metadata"]["name"], md["metadata"]["namespace"]
     if name == names(md_name)["engine-api-key"]:
@@ -108,8 +126,13 @@ def generated_secret(md: dict[str, Any], spec: dict[str, Any], name: str, token:
         data, component = {"password": token, "url": url}, REDIS
     else:
         raise KeyError(name)
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(md, name, component), "type": "Opaque",
-            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(md, name, component),
+        "type": "Opaque",
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+    }
 
 
 def _annotations(annotations: dict[str, str]) -> dict[str, Any]:
@@ -140,9 +163,19 @@ def engine_replicas(spec: dict[str, Any], status: dict[str, Any] | None = None) 
 def _meta(md: dict[str, Any], name: str, component: str) -> dict[str, Any]:
     m = md["metadata"]
     return {
-        "name": name, "namespace": m["namespace"], "labels": labels(m["name"], component),
-        "ownerReferences": [{"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": m["name"],
-                             "uid": m["uid"], "controller": True, "blockOwnerDeletion": True}],
+        "name": name,
+        "namespace": m["namespace"],
+        "labels": labels(m["name"], component),
+        "ownerReferences": [
+            {
+                "apiVersion": crd.API_VERSION,
+                "kind": crd.KIND,
+                "name": m["name"],
+                "uid": m["uid"],
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
     }
 
 
@@ -153,17 +186,30 @@ def _image_pull_secrets(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _probe(kind: str, path: str, timing: dict[str, Any]) -> dict[str, Any]:
     del kind
-    return {"httpGet": {"path": path, "port": "http"}, **{k: int(v) for k, v in sorted(timing.items())}}
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        **{k: int(v) for k, v in sorted(timing.items())},
+    }
 
 
 def _container_security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def _pod_security(user: int = RUN_AS_USER) -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": user, "runAsGroup": user, "fsGroup": user,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": user,
+        "runAsGroup": user,
+        "fsGroup": user,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def _resources(res: dict[str, Any] | None) -> dict[str, Any]:
@@ -190,17 +236,41 @@ def _model_arg(spec: dict[str, Any]) -> str:
 def engine_args(spec: dict[str, Any]) -> list[str]:
     """The `kvmesh serve` command line of the engine container."""
     eng = spec["engine"]
-    args = ["kvmesh", "serve", "--model", _model_arg(spec), "--served-model-name", served_model_name(spec),
-            "--host", "0.0.0.0", "--port", str(crd.ENGINE_PORT),
-            "--block-size", str(eng["blockSize"]),
-            *(["--max-num-batched-tokens", str(eng["maxNumBatchedTokens"])] if "maxNumBatchedTokens" in eng else []),
-            "--max-num-seqs", str(eng["maxNumSeqs"]),
-            "--enable-prefix-caching" if eng["enablePrefixCaching"] else "--no-enable-prefix-caching",
-            "--enable-chunked-prefill" if eng["enableChunkedPrefill"] else "--no-enable-chunked-prefill",
-            "--dtype", eng["dtype"],
-            "--kv-events-endpoint", f"tcp://127.0.0.1:{KV_EVENTS_PORT}",   # in-pod only
-            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{KV_REPLAY_PORT}",
-            "--drain-timeout", str(eng["drainTimeoutSeconds"]), "--metrics-port", str(METRICS_PORT)]
+    args = [
+        "kvmesh",
+        "serve",
+        "--model",
+        _model_arg(spec),
+        "--served-model-name",
+        served_model_name(spec),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(crd.ENGINE_PORT),
+        "--block-size",
+        str(eng["blockSize"]),
+        *(
+            ["--max-num-batched-tokens", str(eng["maxNumBatchedTokens"])]
+            if "maxNumBatchedTokens" in eng
+            else []
+        ),
+        "--max-num-seqs",
+        str(eng["maxNumSeqs"]),
+        "--enable-prefix-caching" if eng["enablePrefixCaching"] else "--no-enable-prefix-caching",
+        "--enable-chunked-prefill"
+        if eng["enableChunkedPrefill"]
+        else "--no-enable-chunked-prefill",
+        "--dtype",
+        eng["dtype"],
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{KV_EVENTS_PORT}",  # in-pod only
+        "--kv-events-replay-endpoint",
+        f"tcp://127.0.0.1:{KV_REPLAY_PORT}",
+        "--drain-timeout",
+        str(eng["drainTimeoutSeconds"]),
+        "--metrics-port",
+        str(METRICS_PORT),
+    ]
     if eng.get("maxModelLen"):
         args += ["--max-model-len", str(eng["maxModelLen"])]
     if eng.get("kvCacheMemory"):
@@ -210,12 +280,24 @@ def engine_args(spec: dict[str, Any]) -> list[str]:
 
 def sidecar_args(spec: dict[str, Any]) -> list[str]:
     """The `kvmesh sidecar` command line (Redis URL, pod name and URL come from env)."""
-    return ["kvmesh", "sidecar", "--engine-url", f"http://127.0.0.1:{crd.ENGINE_PORT}",
-            "--kv-events-endpoint", f"tcp://127.0.0.1:{KV_EVENTS_PORT}",
-            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{KV_REPLAY_PORT}",
-            "--model", served_model_name(spec), "--block-size", str(spec["engine"]["blockSize"]),
-            "--heartbeat-interval", _num(spec["engine"]["heartbeatIntervalSeconds"]),
-            "--health-port", str(SIDECAR_HEALTH_PORT)]
+    return [
+        "kvmesh",
+        "sidecar",
+        "--engine-url",
+        f"http://127.0.0.1:{crd.ENGINE_PORT}",
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{KV_EVENTS_PORT}",
+        "--kv-events-replay-endpoint",
+        f"tcp://127.0.0.1:{KV_REPLAY_PORT}",
+        "--model",
+        served_model_name(spec),
+        "--block-size",
+        str(spec["engine"]["blockSize"]),
+        "--heartbeat-interval",
+        _num(spec["engine"]["heartbeatIntervalSeconds"]),
+        "--health-port",
+        str(SIDECAR_HEALTH_PORT),
+    ]
 
 
 def _num(x: float) -> str:
@@ -227,12 +309,30 @@ def router_args(spec: dict[str, Any], md_name: str) -> list[str]:
     from the platform (the engine Service's EndpointSlices), never from Redis."""
     router = spec["router"]
     w = router["weights"]
-    args = ["kvmesh", "router", "--model", served_model_name(spec), "--host", "0.0.0.0",
-            "--k8s-service", names(md_name)[ENGINE], "--metrics-port", str(METRICS_PORT),
-            "--port", str(crd.ROUTER_PORT), "--policy", router["policy"],
-            "--weights", f"prefix={_num(w['prefix'])},kv={_num(w['kv'])},queue={_num(w['queue'])}",
-            "--block-size", str(spec["engine"]["blockSize"]),
-            "--max-resumes", str(router["maxResumes"]), "--resume-timeout", _num(router["resumeTimeoutSeconds"])]
+    args = [
+        "kvmesh",
+        "router",
+        "--model",
+        served_model_name(spec),
+        "--host",
+        "0.0.0.0",
+        "--k8s-service",
+        names(md_name)[ENGINE],
+        "--metrics-port",
+        str(METRICS_PORT),
+        "--port",
+        str(crd.ROUTER_PORT),
+        "--policy",
+        router["policy"],
+        "--weights",
+        f"prefix={_num(w['prefix'])},kv={_num(w['kv'])},queue={_num(w['queue'])}",
+        "--block-size",
+        str(spec["engine"]["blockSize"]),
+        "--max-resumes",
+        str(router["maxResumes"]),
+        "--resume-timeout",
+        _num(router["resumeTimeoutSeconds"]),
+    ]
     model = spec["model"]
     if "huggingFace" in model:
         args += ["--tokenizer", model["huggingFace"]["repoId"]]
@@ -255,16 +355,36 @@ def _model_volumes(spec: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     """(volumes, engine volumeMounts) for the model source."""
     model = spec["model"]
     if uses_shared_cache(spec):
-        return ([{"name": "models", "persistentVolumeClaim": {"claimName": model_cache_claim(spec, "?"),
-                                                              "readOnly": True}}],
-                [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}])
+        return (
+            [
+                {
+                    "name": "models",
+                    "persistentVolumeClaim": {
+                        "claimName": model_cache_claim(spec, "?"),
+                        "readOnly": True,
+                    },
+                }
+            ],
+            [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}],
+        )
     if "huggingFace" in model:
-        return ([{"name": "models", "emptyDir": {"sizeLimit": model["huggingFace"]["cacheSize"]}}],
-                [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}])
+        return (
+            [{"name": "models", "emptyDir": {"sizeLimit": model["huggingFace"]["cacheSize"]}}],
+            [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}],
+        )
     if "pvc" in model:
-        return ([{"name": "models", "persistentVolumeClaim": {"claimName": model["pvc"]["claimName"],
-                                                              "readOnly": True}}],
-                [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}])
+        return (
+            [
+                {
+                    "name": "models",
+                    "persistentVolumeClaim": {
+                        "claimName": model["pvc"]["claimName"],
+                        "readOnly": True,
+                    },
+                }
+            ],
+            [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}],
+        )
     return [], []
 
 
@@ -294,31 +414,53 @@ def model_dir(spec: dict[str, Any]) -> str:
 
 def _download_script(spec: dict[str, Any], marker: bool) -> str:
     hf = spec["model"]["huggingFace"]
-    script = ("from huggingface_hub import snapshot_download; "
-              f"snapshot_download(repo_id={hf['repoId']!r}, revision={hf['revision']!r}, "
-              f"local_dir={model_dir(spec)!r})")
-    if marker:   # written last, so a reader never sees a half-downloaded model as ready
+    script = (
+        "from huggingface_hub import snapshot_download; "
+        f"snapshot_download(repo_id={hf['repoId']!r}, revision={hf['revision']!r}, "
+        f"local_dir={model_dir(spec)!r})"
+    )
+    if marker:  # written last, so a reader never sees a half-downloaded model as ready
         stamp = json.dumps(f"{hf['repoId']}@{hf['revision']}")
-        script += f"; open({posixpath.join(model_dir(spec), MODEL_READY_MARKER)!r}, 'w').write({stamp})"
+        script += (
+            f"; open({posixpath.join(model_dir(spec), MODEL_READY_MARKER)!r}, 'w').write({stamp})"
+        )
     return script
 
 
 def _download_init_container(spec: dict[str, Any], image: str, pull: str) -> dict[str, Any]:
     hf = spec["model"]["huggingFace"]
     script = _download_script(spec, marker=False)
-    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": "/tmp/hf"}, {"name": "HOME", "value": "/tmp"}]
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": "/tmp/hf"},
+        {"name": "HOME", "value": "/tmp"},
+    ]
     if hf.get("tokenSecretRef"):
         ref = hf["tokenSecretRef"]
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref["name"],
-                                                                         "key": ref.get("key", "HF_TOKEN")}}})
-    return {"name": "fetch-model", "image": image, "imagePullPolicy": pull,
-            "command": ["python", "-c", script], "env": env,
-            "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
-            "securityContext": _container_security()}
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {
+                    "secretKeyRef": {"name": ref["name"], "key": ref.get("key", "HF_TOKEN")}
+                },
+            }
+        )
+    return {
+        "name": "fetch-model",
+        "image": image,
+        "imagePullPolicy": pull,
+        "command": ["python", "-c", script],
+        "env": env,
+        "volumeMounts": [
+            {"name": "models", "mountPath": MODELS_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": _container_security(),
+    }
 
 
-def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: Images,
-                             credentials: str | None = None) -> dict[str, Any]:
+def render_engine_deployment(
+    md: dict[str, Any], spec: dict[str, Any], images: Images, credentials: str | None = None
+) -> dict[str, Any]:
     """The engine pods' Deployment (engine + sidecar). Kept whole: it reads as the manifest
     `kubectl get -o yaml` shows, each field next to the spec value it comes from."""
     name = md["metadata"]["name"]
@@ -333,25 +475,39 @@ def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
     grace = int(eng["terminationGracePeriodSeconds"])
     probes = eng["probes"]
     engine = {
-        "name": "engine", "image": image, "imagePullPolicy": pull, "command": engine_args(spec),
-        "ports": [{"name": "http", "containerPort": crd.ENGINE_PORT, "protocol": "TCP"}, _METRICS_CONTAINER_PORT],
+        "name": "engine",
+        "image": image,
+        "imagePullPolicy": pull,
+        "command": engine_args(spec),
+        "ports": [
+            {"name": "http", "containerPort": crd.ENGINE_PORT, "protocol": "TCP"},
+            _METRICS_CONTAINER_PORT,
+        ],
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
-               + ([_secret_env("KVMESH_API_KEY", names(name)["engine-api-key"], "api-key")]
-                  if eng["requireApiKey"] else [])
-               + list(eng.get("env") or []),
+        + (
+            [_secret_env("KVMESH_API_KEY", names(name)["engine-api-key"], "api-key")]
+            if eng["requireApiKey"]
+            else []
+        )
+        + list(eng.get("env") or []),
         "resources": _resources(eng.get("resources")),
         "startupProbe": _probe("startup", "/health", probes["startup"]),
         "readinessProbe": _probe("readiness", "/ready", probes["readiness"]),
         "livenessProbe": _probe("liveness", "/health", probes["liveness"]),
         "lifecycle": {"preStop": {"sleep": {"seconds": int(eng["preStopSleepSeconds"])}}},
-        "volumeMounts": common_mounts + [{"name": "dshm", "mountPath": "/dev/shm"}] + model_mounts
-                        + list(eng.get("volumeMounts") or []),
+        "volumeMounts": common_mounts
+        + [{"name": "dshm", "mountPath": "/dev/shm"}]
+        + model_mounts
+        + list(eng.get("volumeMounts") or []),
         "securityContext": _container_security(),
     }
     if eng.get("envFrom"):
         engine["envFrom"] = list(eng["envFrom"])
     sidecar = {
-        "name": "sidecar", "image": sidecar_image, "imagePullPolicy": pull, "command": sidecar_args(spec),
+        "name": "sidecar",
+        "image": sidecar_image,
+        "imagePullPolicy": pull,
+        "command": sidecar_args(spec),
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -359,11 +515,16 @@ def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
             _redis_env(name, spec),
             {"name": "HOME", "value": "/tmp"},
         ],
-        "ports": [{"name": "sidecar-health", "containerPort": SIDECAR_HEALTH_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "sidecar-health", "containerPort": SIDECAR_HEALTH_PORT, "protocol": "TCP"}
+        ],
         # A dead KV-event loop restarts the sidecar (a stale index is already withdrawn from
         # Redis, so the engine keeps serving by load: no readiness probe takes it out).
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "sidecar-health"}, "periodSeconds": 10,
-                          "failureThreshold": 3},
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "sidecar-health"},
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp", "subPath": "sidecar"}],
         "securityContext": _container_security(),
@@ -374,9 +535,12 @@ def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
         "automountServiceAccountToken": False,
         **_image_pull_secrets(spec),
         "containers": [engine, sidecar],
-        "volumes": [{"name": "tmp", "emptyDir": {}},
-                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": eng["shmSize"]}}] + model_vols
-                   + list(eng.get("volumes") or []),
+        "volumes": [
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": eng["shmSize"]}},
+        ]
+        + model_vols
+        + list(eng.get("volumes") or []),
     }
     if uses_shared_cache(spec):
         pod_spec["initContainers"] = [_wait_for_model_container(spec, image, pull)]
@@ -394,18 +558,26 @@ def render_engine_deployment(md: dict[str, Any], spec: dict[str, Any], images: I
         pod_spec["tolerations"] = list(eng["tolerations"])
     if GPU in (_resources(eng.get("resources")).get("limits") or {}):
         pod_spec.setdefault("tolerations", []).append(
-            {"key": GPU, "operator": "Exists", "effect": "NoSchedule"})
+            {"key": GPU, "operator": "Exists", "effect": "NoSchedule"}
+        )
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
         "metadata": _meta(md, names(name)[ENGINE], ENGINE),
         "spec": {
             "replicas": engine_replicas(spec, md.get("status")),
             "selector": {"matchLabels": selector(name, ENGINE)},
             "strategy": _strategy(eng["rollout"]),
-            "template": {"metadata": {"labels": labels(name, ENGINE),
-                                      "annotations": {"kvmesh.io/model": served_model_name(spec),
-                                                      **_credentials_annotation(credentials)}},
-                         "spec": pod_spec},
+            "template": {
+                "metadata": {
+                    "labels": labels(name, ENGINE),
+                    "annotations": {
+                        "kvmesh.io/model": served_model_name(spec),
+                        **_credentials_annotation(credentials),
+                    },
+                },
+                "spec": pod_spec,
+            },
         },
     }
 
@@ -414,24 +586,37 @@ def _strategy(rollout: dict[str, Any]) -> dict[str, Any]:
     """RollingUpdate (default: surge one pod, never take serving capacity away) or Recreate."""
     if rollout["strategy"] == "Recreate":
         return {"type": "Recreate"}
-    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": rollout["maxSurge"],
-                                                       "maxUnavailable": rollout["maxUnavailable"]}}
+    return {
+        "type": "RollingUpdate",
+        "rollingUpdate": {
+            "maxSurge": rollout["maxSurge"],
+            "maxUnavailable": rollout["maxUnavailable"],
+        },
+    }
 
 
 def _wait_for_model_container(spec: dict[str, Any], image: str, pull: str) -> dict[str, Any]:
     """Engines on the shared cache wait until the fetch Job has written its marker."""
     marker = posixpath.join(model_dir(spec), MODEL_READY_MARKER)
-    script = ("import os, sys, time\n"
-              f"print('waiting for the model-fetch Job to fill the shared cache ({marker})', flush=True)\n"
-              f"while not os.path.exists({marker!r}):\n    time.sleep(2)\n")
-    return {"name": "wait-for-model", "image": image, "imagePullPolicy": pull,
-            "command": ["python", "-c", script],
-            "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}],
-            "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
-            "securityContext": _container_security()}
+    script = (
+        "import os, sys, time\n"
+        f"print('waiting for the model-fetch Job to fill the shared cache ({marker})', flush=True)\n"
+        f"while not os.path.exists({marker!r}):\n    time.sleep(2)\n"
+    )
+    return {
+        "name": "wait-for-model",
+        "image": image,
+        "imagePullPolicy": pull,
+        "command": ["python", "-c", script],
+        "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}],
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
+        "securityContext": _container_security(),
+    }
 
 
-def render_model_cache(md: dict[str, Any], spec: dict[str, Any], images: Images) -> list[dict[str, Any]]:
+def render_model_cache(
+    md: dict[str, Any], spec: dict[str, Any], images: Images
+) -> list[dict[str, Any]]:
     """The shared model cache: a claim, and a Job that downloads the model into it once."""
     if not uses_shared_cache(spec):
         return []
@@ -440,27 +625,48 @@ def render_model_cache(md: dict[str, Any], spec: dict[str, Any], images: Images)
     cache = hf["sharedCache"]
     image = spec["engine"].get("image") or images.engine
     pull = spec["engine"]["imagePullPolicy"]
-    claim: dict[str, Any] = {"accessModes": [cache["accessMode"]],
-                             "resources": {"requests": {"storage": hf["cacheSize"]}}}
+    claim: dict[str, Any] = {
+        "accessModes": [cache["accessMode"]],
+        "resources": {"requests": {"storage": hf["cacheSize"]}},
+    }
     if cache.get("storageClassName"):
         claim["storageClassName"] = cache["storageClassName"]
     fetch = _download_init_container(spec, image, pull)
     fetch["command"] = ["python", "-c", _download_script(spec, marker=True)]
     fetch["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
-    template = {"metadata": {"labels": labels(name, MODEL_CACHE)}, "spec": {
-        "restartPolicy": "OnFailure", "securityContext": _pod_security(),
-        "automountServiceAccountToken": False, **_image_pull_secrets(spec),
-        "containers": [fetch],
-        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": model_cache_claim(spec, name)}},
-                    {"name": "tmp", "emptyDir": {}}]}}
+    template = {
+        "metadata": {"labels": labels(name, MODEL_CACHE)},
+        "spec": {
+            "restartPolicy": "OnFailure",
+            "securityContext": _pod_security(),
+            "automountServiceAccountToken": False,
+            **_image_pull_secrets(spec),
+            "containers": [fetch],
+            "volumes": [
+                {
+                    "name": "models",
+                    "persistentVolumeClaim": {"claimName": model_cache_claim(spec, name)},
+                },
+                {"name": "tmp", "emptyDir": {}},
+            ],
+        },
+    }
     # A Job's template is immutable: a new template (revision, image) is a new Job, and the
     # old one is pruned. The same template is the same Job, which never runs twice.
     digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:8]
     return [
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-         "metadata": _meta(md, model_cache_claim(spec, name), MODEL_CACHE), "spec": claim},
-        {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(md, f"{name}-fetch-{digest}", MODEL_CACHE),
-         "spec": {"backoffLimit": 6, "template": template}},
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": _meta(md, model_cache_claim(spec, name), MODEL_CACHE),
+            "spec": claim,
+        },
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": _meta(md, f"{name}-fetch-{digest}", MODEL_CACHE),
+            "spec": {"backoffLimit": 6, "template": template},
+        },
     ]
 
 
@@ -468,74 +674,136 @@ def render_pdbs(md: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]
     """PodDisruptionBudgets: node drains evict engines (and routers) a few at a time."""
     name = md["metadata"]["name"]
     out = []
-    for component, budget, present in ((ENGINE, spec["engine"]["podDisruptionBudget"], True),
-                                       (ROUTER, spec["router"]["podDisruptionBudget"],
-                                        int(spec["router"]["replicas"]) >= 2)):
+    for component, budget, present in (
+        (ENGINE, spec["engine"]["podDisruptionBudget"], True),
+        (ROUTER, spec["router"]["podDisruptionBudget"], int(spec["router"]["replicas"]) >= 2),
+    ):
         if budget["enabled"] and present:
-            out.append({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-                        "metadata": _meta(md, names(name)[component], component),
-                        "spec": {"maxUnavailable": budget["maxUnavailable"],
-                                 "selector": {"matchLabels": selector(name, component)}}})
+            out.append(
+                {
+                    "apiVersion": "policy/v1",
+                    "kind": "PodDisruptionBudget",
+                    "metadata": _meta(md, names(name)[component], component),
+                    "spec": {
+                        "maxUnavailable": budget["maxUnavailable"],
+                        "selector": {"matchLabels": selector(name, component)},
+                    },
+                }
+            )
     return out
 
 
 _METRICS_CONTAINER_PORT = {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}
-_METRICS_SERVICE_PORT = {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}
+_METRICS_SERVICE_PORT = {
+    "name": "metrics",
+    "port": METRICS_PORT,
+    "targetPort": "metrics",
+    "protocol": "TCP",
+}
 
 
 def render_engine_service(md: dict[str, Any]) -> dict[str, Any]:
     name = md["metadata"]["name"]
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(md, names(name)[ENGINE], ENGINE),
-            "spec": {"clusterIP": "None", "selector": selector(name, ENGINE), "publishNotReadyAddresses": False,
-                     "ports": [{"name": "http", "port": crd.ENGINE_PORT, "targetPort": "http",
-                                "protocol": "TCP"}, _METRICS_SERVICE_PORT]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(md, names(name)[ENGINE], ENGINE),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(name, ENGINE),
+            "publishNotReadyAddresses": False,
+            "ports": [
+                {"name": "http", "port": crd.ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
+                _METRICS_SERVICE_PORT,
+            ],
+        },
+    }
 
 
-def render_router_deployment(md: dict[str, Any], spec: dict[str, Any], images: Images,
-                             credentials: str | None = None) -> dict[str, Any]:
+def render_router_deployment(
+    md: dict[str, Any], spec: dict[str, Any], images: Images, credentials: str | None = None
+) -> dict[str, Any]:
     name = md["metadata"]["name"]
     router = spec["router"]
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     if router.get("apiKeySecretRef"):
         ref = router["apiKeySecretRef"]
-        volumes.append({"name": "api-keys", "secret": {"secretName": ref["name"], "items": [
-            {"key": ref.get("key", "api-keys"), "path": "keys"}]}})
+        volumes.append(
+            {
+                "name": "api-keys",
+                "secret": {
+                    "secretName": ref["name"],
+                    "items": [{"key": ref.get("key", "api-keys"), "path": "keys"}],
+                },
+            }
+        )
         mounts.append({"name": "api-keys", "mountPath": "/etc/kvmesh/api-keys", "readOnly": True})
     if "pvc" in spec["model"]:
         vols, model_mounts = _model_volumes(spec)
         volumes += vols
         mounts += model_mounts
     container = {
-        "name": "router", "image": router.get("image") or images.router,
-        "imagePullPolicy": spec["engine"]["imagePullPolicy"], "command": router_args(spec, name),
-        "ports": [{"name": "http", "containerPort": crd.ROUTER_PORT, "protocol": "TCP"}, _METRICS_CONTAINER_PORT],
-        "env": [_redis_env(name, spec), {"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
-               + ([_secret_env("KVMESH_UPSTREAM_API_KEY", names(name)["engine-api-key"], "api-key")]
-                  if spec["engine"]["requireApiKey"] else []),
-        "resources": _resources(router.get("resources")) or {"requests": {"cpu": "250m", "memory": "512Mi"},
-                                                             "limits": {"memory": "2Gi"}},
+        "name": "router",
+        "image": router.get("image") or images.router,
+        "imagePullPolicy": spec["engine"]["imagePullPolicy"],
+        "command": router_args(spec, name),
+        "ports": [
+            {"name": "http", "containerPort": crd.ROUTER_PORT, "protocol": "TCP"},
+            _METRICS_CONTAINER_PORT,
+        ],
+        "env": [
+            _redis_env(name, spec),
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "HF_HOME", "value": "/tmp/hf"},
+        ]
+        + (
+            [_secret_env("KVMESH_UPSTREAM_API_KEY", names(name)["engine-api-key"], "api-key")]
+            if spec["engine"]["requireApiKey"]
+            else []
+        ),
+        "resources": _resources(router.get("resources"))
+        or {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
         "lifecycle": {"preStop": {"sleep": {"seconds": ROUTER_PRESTOP_SLEEP_SECONDS}}},
-        "volumeMounts": mounts, "securityContext": _container_security(),
+        "volumeMounts": mounts,
+        "securityContext": _container_security(),
     }
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(md, names(name)[ROUTER], ROUTER),
-        "spec": {"replicas": int(router["replicas"]), "selector": {"matchLabels": selector(name, ROUTER)},
-                 "template": {"metadata": {"labels": labels(name, ROUTER),
-                                           **_annotations(_credentials_annotation(credentials))},
-                              # The router reads the engine Service's EndpointSlices with its own
-                              # ServiceAccount (a Role for exactly that).
-                              "spec": {"serviceAccountName": names(name)[ROUTER],
-                                       "automountServiceAccountToken": True,
-                                       "securityContext": _pod_security(), **_image_pull_secrets(spec),
-                                       "containers": [container], "volumes": volumes}}},
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(md, names(name)[ROUTER], ROUTER),
+        "spec": {
+            "replicas": int(router["replicas"]),
+            "selector": {"matchLabels": selector(name, ROUTER)},
+            "template": {
+                "metadata": {
+                    "labels": labels(name, ROUTER),
+                    **_annotations(_credentials_annotation(credentials)),
+                },
+                # The router reads the engine Service's EndpointSlices with its own
+                # ServiceAccount (a Role for exactly that).
+                "spec": {
+                    "serviceAccountName": names(name)[ROUTER],
+                    "automountServiceAccountToken": True,
+                    "securityContext": _pod_security(),
+                    **_image_pull_secrets(spec),
+                    "containers": [container],
+                    "volumes": volumes,
+                },
+            },
+        },
     }
 
 
-ROUTER_RULES = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                 "verbs": ["get", "list", "watch"]}]
+ROUTER_RULES = [
+    {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    }
+]
 
 
 def render_router_rbac(md: dict[str, Any]) -> list[dict[str, Any]]:
@@ -543,35 +811,65 @@ def render_router_rbac(md: dict[str, Any]) -> list[dict[str, Any]]:
     namespace, nothing else."""
     name = names(md["metadata"]["name"])[ROUTER]
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(md, name, ROUTER),
-         "automountServiceAccountToken": False},   # mounted by the router pod alone
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(md, name, ROUTER),
-         "rules": ROUTER_RULES},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(md, name, ROUTER),
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": md["metadata"]["namespace"]}]},
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": _meta(md, name, ROUTER),
+            "automountServiceAccountToken": False,
+        },  # mounted by the router pod alone
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(md, name, ROUTER),
+            "rules": ROUTER_RULES,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(md, name, ROUTER),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [
+                {"kind": "ServiceAccount", "name": name, "namespace": md["metadata"]["namespace"]}
+            ],
+        },
     ]
 
 
 def render_router_service(md: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     name = md["metadata"]["name"]
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(md, names(name)[ROUTER], ROUTER),
-            "spec": {"type": spec["router"]["serviceType"], "selector": selector(name, ROUTER),
-                     "ports": [{"name": "http", "port": crd.ROUTER_PORT, "targetPort": "http", "protocol": "TCP"},
-                               _METRICS_SERVICE_PORT]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(md, names(name)[ROUTER], ROUTER),
+        "spec": {
+            "type": spec["router"]["serviceType"],
+            "selector": selector(name, ROUTER),
+            "ports": [
+                {"name": "http", "port": crd.ROUTER_PORT, "targetPort": "http", "protocol": "TCP"},
+                _METRICS_SERVICE_PORT,
+            ],
+        },
+    }
 
 
-def render_redis(md: dict[str, Any], spec: dict[str, Any], images: Images,
-                 credentials: str | None = None) -> list[dict[str, Any]]:
+def render_redis(
+    md: dict[str, Any], spec: dict[str, Any], images: Images, credentials: str | None = None
+) -> list[dict[str, Any]]:
     name = md["metadata"]["name"]
     n = names(name)[REDIS]
     auth = spec["redis"]["requirePassword"]
     container = {
-        "name": "redis", "image": spec["redis"].get("image") or images.redis, "imagePullPolicy": "IfNotPresent",
+        "name": "redis",
+        "image": spec["redis"].get("image") or images.redis,
+        "imagePullPolicy": "IfNotPresent",
         # $(REDIS_PASSWORD) is expanded by the kubelet from the env below; it never appears in the spec.
         "args": ["--save", "", "--appendonly", "no", "--port", str(crd.REDIS_PORT)]
-                + (["--requirepass", "$(REDIS_PASSWORD)"] if auth else []),
-        **({"env": [_secret_env("REDIS_PASSWORD", names(name)["redis-auth"], "password")]} if auth else {}),
+        + (["--requirepass", "$(REDIS_PASSWORD)"] if auth else []),
+        **(
+            {"env": [_secret_env("REDIS_PASSWORD", names(name)["redis-auth"], "password")]}
+            if auth
+            else {}
+        ),
         "ports": [{"name": "redis", "containerPort": crd.REDIS_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
@@ -580,24 +878,67 @@ def render_redis(md: dict[str, Any], spec: dict[str, Any], images: Images,
         "securityContext": _container_security(),
     }
     return [
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(md, n, REDIS),
-         "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": selector(name, REDIS)},
-                  "template": {"metadata": {"labels": labels(name, REDIS),
-                                            **_annotations(_credentials_annotation(credentials))},
-                               "spec": {"securityContext": _pod_security(999), "automountServiceAccountToken": False,
-                                        **_image_pull_secrets(spec),
-                                        "containers": [container], "volumes": [{"name": "data", "emptyDir": {}}]}}}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": _meta(md, n, REDIS),
-         "spec": {"selector": selector(name, REDIS),
-                  "ports": [{"name": "redis", "port": crd.REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}]}},
-        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(md, names(name)["redis-netpol"], REDIS),
-         "spec": {
-             "podSelector": {"matchLabels": selector(name, REDIS)},
-             "policyTypes": ["Ingress"],
-             # This deployment's sidecars and routers, and the operator (any namespace) only.
-             "ingress": [{"from": [{"podSelector": {"matchLabels": {LABEL_MD: name}}},
-                                   {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}],
-                          "ports": [{"protocol": "TCP", "port": crd.REDIS_PORT}]}]}},
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _meta(md, n, REDIS),
+            "spec": {
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},
+                "selector": {"matchLabels": selector(name, REDIS)},
+                "template": {
+                    "metadata": {
+                        "labels": labels(name, REDIS),
+                        **_annotations(_credentials_annotation(credentials)),
+                    },
+                    "spec": {
+                        "securityContext": _pod_security(999),
+                        "automountServiceAccountToken": False,
+                        **_image_pull_secrets(spec),
+                        "containers": [container],
+                        "volumes": [{"name": "data", "emptyDir": {}}],
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(md, n, REDIS),
+            "spec": {
+                "selector": selector(name, REDIS),
+                "ports": [
+                    {
+                        "name": "redis",
+                        "port": crd.REDIS_PORT,
+                        "targetPort": "redis",
+                        "protocol": "TCP",
+                    }
+                ],
+            },
+        },
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _meta(md, names(name)["redis-netpol"], REDIS),
+            "spec": {
+                "podSelector": {"matchLabels": selector(name, REDIS)},
+                "policyTypes": ["Ingress"],
+                # This deployment's sidecars and routers, and the operator (any namespace) only.
+                "ingress": [
+                    {
+                        "from": [
+                            {"podSelector": {"matchLabels": {LABEL_MD: name}}},
+                            {
+                                "namespaceSelector": {},
+                                "podSelector": {"matchLabels": OPERATOR_POD_LABELS},
+                            },
+                        ],
+                        "ports": [{"protocol": "TCP", "port": crd.REDIS_PORT}],
+                    }
+                ],
+            },
+        },
     ]
 
 
@@ -614,8 +955,13 @@ def render_redis_secret(md: dict[str, Any], spec: dict[str, Any]) -> dict[str, A
         url = redis["url"]
     else:
         return None
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(md, names(name)["redis-secret"], "redis"),
-            "type": "Opaque", "data": {"url": base64.b64encode(url.encode()).decode()}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(md, names(name)["redis-secret"], "redis"),
+        "type": "Opaque",
+        "data": {"url": base64.b64encode(url.encode()).decode()},
+    }
 
 
 def render_network_policy(md: dict[str, Any]) -> dict[str, Any]:
@@ -624,31 +970,47 @@ def render_network_policy(md: dict[str, Any]) -> dict[str, Any]:
     name = md["metadata"]["name"]
     scraper = {LABEL_SCRAPER: "true"}
     return {
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
         "metadata": _meta(md, names(name)["netpol"], ENGINE),
         "spec": {
             "podSelector": {"matchLabels": selector(name, ENGINE)},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": {"matchLabels": selector(name, ROUTER)}}],
-                 "ports": [{"protocol": "TCP", "port": crd.ENGINE_PORT}]},
+                {
+                    "from": [{"podSelector": {"matchLabels": selector(name, ROUTER)}}],
+                    "ports": [{"protocol": "TCP", "port": crd.ENGINE_PORT}],
+                },
                 # Scrapers reach the metrics-only port, never the API.
-                {"from": [{"podSelector": {"matchLabels": scraper}},
-                          {"namespaceSelector": {"matchLabels": scraper}}],
-                 "ports": [{"protocol": "TCP", "port": METRICS_PORT}]},
+                {
+                    "from": [
+                        {"podSelector": {"matchLabels": scraper}},
+                        {"namespaceSelector": {"matchLabels": scraper}},
+                    ],
+                    "ports": [{"protocol": "TCP", "port": METRICS_PORT}],
+                },
             ],
         },
     }
 
 
-def render_children(md: dict[str, Any], spec: dict[str, Any], images: Images = Images(),
-                    credentials: str | None = None) -> list[dict[str, Any]]:
+def render_children(
+    md: dict[str, Any],
+    spec: dict[str, Any],
+    images: Images = Images(),
+    credentials: str | None = None,
+) -> list[dict[str, Any]]:
     """Every child of a ModelDeployment ``md`` with the defaulted, validated ``spec``.
     ``credentials`` identifies the generated Secrets' current versions (pods roll when it
     changes); the generated Secrets themselves are not rendered (see generated_secret)."""
-    children = [render_engine_deployment(md, spec, images, credentials), render_engine_service(md),
-                render_router_deployment(md, spec, images, credentials), render_router_service(md, spec),
-                *render_router_rbac(md), render_network_policy(md)]
+    children = [
+        render_engine_deployment(md, spec, images, credentials),
+        render_engine_service(md),
+        render_router_deployment(md, spec, images, credentials),
+        render_router_service(md, spec),
+        *render_router_rbac(md),
+        render_network_policy(md),
+    ]
     secret = render_redis_secret(md, spec)
     if secret is not None:
         children.append(secret)

@@ -30,10 +30,19 @@ from typing import Any
 import kopf
 
 from kvmesh.common.redis_layout import Heartbeat
-from kvmesh.operator import crd, render, spec as specs, status as st
+from kvmesh.operator import crd, render
+from kvmesh.operator import spec as specs
+from kvmesh.operator import status as st
 from kvmesh.operator.apply import ApiError
-from kvmesh.operator.autoscaler import (HOLD, NONE, Autoscaler, Decision, Observation, ScalingPolicy,
-                                        split_pending)
+from kvmesh.operator.autoscaler import (
+    HOLD,
+    NONE,
+    Autoscaler,
+    Decision,
+    Observation,
+    ScalingPolicy,
+    split_pending,
+)
 from kvmesh.operator.generated_secrets import ensure_generated_secrets
 from kvmesh.operator.memo import Memo
 from kvmesh.operator.metrics_source import RedisHeartbeats
@@ -53,22 +62,24 @@ COST_MAX = 2**31 - 1
 class EnginePod:
     name: str
     ready: bool
-    created: float                  # unix time of metadata.creationTimestamp
+    created: float  # unix time of metadata.creationTimestamp
     annotations: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
 class Load:
     """What the heartbeats and the demand key say; ``known`` is False when Redis could not be read."""
+
     known: bool = False
-    heartbeats: dict[str, Heartbeat] = field(default_factory=dict)   # live `ready` heartbeats by pod
-    busy: int = 0            # requests running or waiting on any live replica (draining ones too)
+    heartbeats: dict[str, Heartbeat] = field(default_factory=dict)  # live `ready` heartbeats by pod
+    busy: int = 0  # requests running or waiting on any live replica (draining ones too)
     demand: bool = False
 
 
 @dataclass
 class LoopState:
     """Per-ModelDeployment bookkeeping of the loop, kept in ``memo.scalers[uid]``."""
+
     scaler: Autoscaler
     last_action: str | None = None
     reported_stuck: tuple[str, ...] = ()
@@ -84,8 +95,9 @@ def _parse_time(value: str | None) -> float | None:
         return None
 
 
-async def engine_pods(memo: Memo, namespace: str, name: str, loop: LoopState | None = None,
-                      logger: Any = None) -> list[EnginePod] | None:
+async def engine_pods(
+    memo: Memo, namespace: str, name: str, loop: LoopState | None = None, logger: Any = None
+) -> list[EnginePod] | None:
     """This deployment's live engine pods from the API (terminating and finished pods
     left out); None when the operator may not list pods (an older ClusterRole)."""
     assert memo.client is not None
@@ -95,8 +107,10 @@ async def engine_pods(memo: Memo, namespace: str, name: str, loop: LoopState | N
         if exc.status not in (403, 404):
             raise
         if loop is not None and not loop.warned_pods and logger is not None:
-            logger.warning(f"cannot list engine pods ({exc}); counting replicas from heartbeats, without "
-                           "the startup deadline (grant pods list/patch: manifests/rbac.yaml)")
+            logger.warning(
+                f"cannot list engine pods ({exc}); counting replicas from heartbeats, without "
+                "the startup deadline (grant pods list/patch: manifests/rbac.yaml)"
+            )
             loop.warned_pods = True
         return None
     pods = []
@@ -104,14 +118,25 @@ async def engine_pods(memo: Memo, namespace: str, name: str, loop: LoopState | N
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
         if meta.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
             continue
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
         created = _parse_time(meta.get("creationTimestamp"))
-        pods.append(EnginePod(meta["name"], ready, created if created is not None else memo.config.clock(),
-                              dict(meta.get("annotations") or {})))
+        pods.append(
+            EnginePod(
+                meta["name"],
+                ready,
+                created if created is not None else memo.config.clock(),
+                dict(meta.get("annotations") or {}),
+            )
+        )
     return sorted(pods, key=lambda p: p.name)
 
 
-async def _redis_source(memo: Memo, md: dict[str, Any], spec: dict[str, Any]) -> RedisHeartbeats | None:
+async def _redis_source(
+    memo: Memo, md: dict[str, Any], spec: dict[str, Any]
+) -> RedisHeartbeats | None:
     """The heartbeat reader for this deployment's Redis."""
     ns, name = md["metadata"]["namespace"], md["metadata"]["name"]
     redis = spec["redis"]
@@ -133,8 +158,13 @@ async def _redis_source(memo: Memo, md: dict[str, Any], spec: dict[str, Any]) ->
     return memo.redis[url]
 
 
-async def read_load(memo: Memo, md: dict[str, Any], spec: dict[str, Any], logger: Any,
-                    pods: list[EnginePod] | None = None) -> Load:
+async def read_load(
+    memo: Memo,
+    md: dict[str, Any],
+    spec: dict[str, Any],
+    logger: Any,
+    pods: list[EnginePod] | None = None,
+) -> Load:
     name = md["metadata"]["name"]
     model = specs.served_model_name(spec)
     try:
@@ -142,13 +172,19 @@ async def read_load(memo: Memo, md: dict[str, Any], spec: dict[str, Any], logger
         if source is None:
             return Load()
         # The listed pods are read by name, whatever else the pods set holds.
-        snap = await source.snapshot(model, f"{render.names(name)[render.ENGINE]}-", [p.name for p in pods or ()])
+        snap = await source.snapshot(
+            model, f"{render.names(name)[render.ENGINE]}-", [p.name for p in pods or ()]
+        )
         demand = await source.demand(model)
     except Exception as exc:  # Redis down: missing metrics -> hold
         logger.warning(f"reading heartbeats failed: {exc!r}")
         return Load()
-    return Load(known=True, heartbeats={h.pod: h for h in snap.ready}, demand=demand is not None,
-                busy=sum(h.running + h.waiting for h in snap.ready + snap.draining))
+    return Load(
+        known=True,
+        heartbeats={h.pod: h for h in snap.ready},
+        demand=demand is not None,
+        busy=sum(h.running + h.waiting for h in snap.ready + snap.draining),
+    )
 
 
 def observe(now: float, current: int, pods: list[EnginePod] | None, load: Load) -> Observation:
@@ -167,9 +203,16 @@ def observe(now: float, current: int, pods: list[EnginePod] | None, load: Load) 
     # request on a draining or not yet listed replica still keeps it from going to zero.
     kv = sum(h.kv_usage for h in serving) / ready if serving and ready else None
     waiting = sum(h.waiting for h in beats)
-    return Observation(now=now, current_replicas=current, ready_replicas=ready, kv_utilization=kv,
-                       waiting=waiting if load.known else None, running=max(0, load.busy - waiting),
-                       pending=pending, demand=load.demand)
+    return Observation(
+        now=now,
+        current_replicas=current,
+        ready_replicas=ready,
+        kv_utilization=kv,
+        waiting=waiting if load.known else None,
+        running=max(0, load.busy - waiting),
+        pending=pending,
+        demand=load.demand,
+    )
 
 
 def deletion_costs(pods: list[EnginePod], load: Load, stuck: tuple[str, ...]) -> dict[str, int]:
@@ -185,41 +228,67 @@ def deletion_costs(pods: list[EnginePod], load: Load, stuck: tuple[str, ...]) ->
     return costs
 
 
-async def annotate_deletion_costs(memo: Memo, namespace: str, pods: list[EnginePod], costs: dict[str, int],
-                                  logger: Any) -> None:
+async def annotate_deletion_costs(
+    memo: Memo, namespace: str, pods: list[EnginePod], costs: dict[str, int], logger: Any
+) -> None:
     assert memo.client is not None
     for pod in pods:
         value = str(costs[pod.name])
         if pod.annotations.get(DELETION_COST) == value:
             continue
         try:
-            await memo.client.patch("Pod", namespace, pod.name, {"metadata": {"annotations": {DELETION_COST: value}}})
-        except ApiError as exc:   # gone meanwhile, or no permission: scale down anyway
+            await memo.client.patch(
+                "Pod", namespace, pod.name, {"metadata": {"annotations": {DELETION_COST: value}}}
+            )
+        except ApiError as exc:  # gone meanwhile, or no permission: scale down anyway
             if exc.status != 404:
                 logger.warning(f"annotating {pod.name} with its deletion cost failed: {exc}")
 
 
-async def _refresh(memo: Memo, md: dict[str, Any], spec: dict[str, Any], extra: dict[str, Any],
-                   stuck: tuple[str, ...], policy: ScalingPolicy, loop: LoopState) -> None:
+async def _refresh(
+    memo: Memo,
+    md: dict[str, Any],
+    spec: dict[str, Any],
+    extra: dict[str, Any],
+    stuck: tuple[str, ...],
+    policy: ScalingPolicy,
+    loop: LoopState,
+) -> None:
     """Status from the children, then the stuck pods in the Degraded condition."""
     patch = await refresh_status(memo, md, spec, extra=extra)
     if stuck != loop.reported_stuck:
         if stuck:
-            kopf.warn(crd.object_ref(md), reason=NOT_STARTING,
-                      message=f"not Ready within startupTimeoutSeconds ({policy.startup_timeout_s:g}s), no longer "
-                              f"counted as coming capacity: {', '.join(stuck)}")
+            kopf.warn(
+                crd.object_ref(md),
+                reason=NOT_STARTING,
+                message=f"not Ready within startupTimeoutSeconds ({policy.startup_timeout_s:g}s), no longer "
+                f"counted as coming capacity: {', '.join(stuck)}",
+            )
         loop.reported_stuck = stuck
     if not stuck or "conditions" not in patch:
-        return   # no stuck pod, or a sticky InvalidSpec/ApplyFailed condition stays as it is
-    message = (f"{len(stuck)} engine pod(s) not Ready within {policy.startup_timeout_s:g}s of their creation: "
-               f"{', '.join(stuck)}")
+        return  # no stuck pod, or a sticky InvalidSpec/ApplyFailed condition stays as it is
+    message = (
+        f"{len(stuck)} engine pod(s) not Ready within {policy.startup_timeout_s:g}s of their creation: "
+        f"{', '.join(stuck)}"
+    )
     conditions = []
     for c in patch["conditions"]:
         if c.get("type") == st.DEGRADED:
-            if c.get("status") == "True" and c.get("reason") not in (NOT_STARTING, None) and c.get("message"):
+            if (
+                c.get("status") == "True"
+                and c.get("reason") not in (NOT_STARTING, None)
+                and c.get("message")
+            ):
                 message += f"; {c['message']}"
-            c = st.condition(st.DEGRADED, True, NOT_STARTING, message, c.get("observedGeneration"),
-                             (md.get("status") or {}).get("conditions"), st.now_iso())
+            c = st.condition(
+                st.DEGRADED,
+                True,
+                NOT_STARTING,
+                message,
+                c.get("observedGeneration"),
+                (md.get("status") or {}).get("conditions"),
+                st.now_iso(),
+            )
         conditions.append(c)
     await write_status(memo, md, {"conditions": conditions})
 
@@ -255,28 +324,47 @@ async def tick(memo: Memo, namespace: str, name: str, logger: Any) -> float:
     now = memo.config.clock()
     external = auto.get("mode") == "external"
     # builtin: spec.replicas is ours (the /scale target); external: what the HPA/KEDA asked for.
-    current = int((engine.get("spec") or {}).get("replicas", 1)) if external else int(spec.get("replicas", 1))
+    current = (
+        int((engine.get("spec") or {}).get("replicas", 1))
+        if external
+        else int(spec.get("replicas", 1))
+    )
     obs = observe(now, current, pods, load)
     kv = obs.kv_utilization
-    extra: dict[str, Any] = {"kvUtilization": kv, "kvPercent": None if kv is None else round(kv * 100)}
+    extra: dict[str, Any] = {
+        "kvUtilization": kv,
+        "kvPercent": None if kv is None else round(kv * 100),
+    }
     if external:
-        loop.scaler = Autoscaler(policy)   # a switch back to builtin starts with a fresh window
+        loop.scaler = Autoscaler(policy)  # a switch back to builtin starts with a fresh window
         stuck, _ = split_pending(policy, obs)
         await _refresh(memo, md, spec, extra, stuck, policy, loop)
         return interval
 
     decision = loop.scaler.step(obs)
     extra["lastDecision"] = {
-        "time": st.now_iso(now), "action": decision.action, "currentReplicas": current,
-        "desiredReplicas": decision.desired_replicas, "recommendation": decision.recommendation,
-        "kvUtilization": kv, "readyReplicas": obs.ready_replicas, "waitingRequests": obs.waiting,
-        "runningRequests": obs.running, "stuckPods": list(decision.stuck), "demand": obs.demand,
-        "reason": decision.reason}
+        "time": st.now_iso(now),
+        "action": decision.action,
+        "currentReplicas": current,
+        "desiredReplicas": decision.desired_replicas,
+        "recommendation": decision.recommendation,
+        "kvUtilization": kv,
+        "readyReplicas": obs.ready_replicas,
+        "waitingRequests": obs.waiting,
+        "runningRequests": obs.running,
+        "stuckPods": list(decision.stuck),
+        "demand": obs.demand,
+        "reason": decision.reason,
+    }
     if decision.changed:
         await _scale(memo, md, spec, decision, pods, load, now, extra, logger)
     elif decision.action != loop.last_action and decision.action in (HOLD, NONE):
-        kopf.event(crd.object_ref(md), type="Normal", reason="AutoscalerHold" if decision.action == HOLD else
-                   "AutoscalerSteady", message=f"{current} replicas: {decision.reason}")
+        kopf.event(
+            crd.object_ref(md),
+            type="Normal",
+            reason="AutoscalerHold" if decision.action == HOLD else "AutoscalerSteady",
+            message=f"{current} replicas: {decision.reason}",
+        )
     loop.last_action = decision.action
     if decision.changed:
         md = dict(md, spec={**(md.get("spec") or {}), "replicas": decision.desired_replicas})
@@ -284,8 +372,17 @@ async def tick(memo: Memo, namespace: str, name: str, logger: Any) -> float:
     return interval
 
 
-async def _scale(memo: Memo, md: dict[str, Any], spec: dict[str, Any], decision: Decision,
-                 pods: list[EnginePod] | None, load: Load, now: float, extra: dict[str, Any], logger: Any) -> None:
+async def _scale(
+    memo: Memo,
+    md: dict[str, Any],
+    spec: dict[str, Any],
+    decision: Decision,
+    pods: list[EnginePod] | None,
+    load: Load,
+    now: float,
+    extra: dict[str, Any],
+    logger: Any,
+) -> None:
     """Act on a changed decision: status first, deletion costs, /scale, engine Deployment."""
     assert memo.client is not None
     ns, name = md["metadata"]["namespace"], md["metadata"]["name"]
@@ -293,19 +390,39 @@ async def _scale(memo: Memo, md: dict[str, Any], spec: dict[str, Any], decision:
     extra["desiredReplicas"] = desired
     extra["lastScaleTime"] = st.now_iso(now)
     # Record the decision before acting on it: a restart in between re-renders the same count.
-    await write_status(memo, md, {"desiredReplicas": desired, "lastScaleTime": extra["lastScaleTime"],
-                                   "lastDecision": extra["lastDecision"]})
+    await write_status(
+        memo,
+        md,
+        {
+            "desiredReplicas": desired,
+            "lastScaleTime": extra["lastScaleTime"],
+            "lastDecision": extra["lastDecision"],
+        },
+    )
     if pods and 0 < desired < current:
-        await annotate_deletion_costs(memo, ns, pods, deletion_costs(pods, load, decision.stuck), logger)
+        await annotate_deletion_costs(
+            memo, ns, pods, deletion_costs(pods, load, decision.stuck), logger
+        )
     await memo.client.scale(crd.KIND, ns, name, desired)
-    scaled = dict(md, spec={**(md.get("spec") or {}), "replicas": desired},
-                  status={**(md.get("status") or {}), "desiredReplicas": desired})
+    scaled = dict(
+        md,
+        spec={**(md.get("spec") or {}), "replicas": desired},
+        status={**(md.get("status") or {}), "desiredReplicas": desired},
+    )
     # The same Deployment a reconcile renders (credentials included), or the pods would roll.
     credentials = await ensure_generated_secrets(memo, scaled, spec)
-    await memo.client.apply(render.render_engine_deployment(scaled, dict(spec, replicas=desired),
-                                                            memo.config.images, credentials))
+    await memo.client.apply(
+        render.render_engine_deployment(
+            scaled, dict(spec, replicas=desired), memo.config.images, credentials
+        )
+    )
     verb = "ScaledUp" if desired > current else "ScaledDown"
-    kopf.event(crd.object_ref(md), type="Normal", reason=verb, message=f"{current} -> {desired} replicas: {decision.reason}")
+    kopf.event(
+        crd.object_ref(md),
+        type="Normal",
+        reason=verb,
+        message=f"{current} -> {desired} replicas: {decision.reason}",
+    )
     logger.info(f"autoscaler: {current} -> {desired}: {decision.reason}")
 
 
@@ -319,7 +436,7 @@ async def run_loop(stopped: Any, meta: Any, memo: Memo, logger: Any) -> None:
             delay = 1.0
         except Exception as exc:
             if memo.stopping:
-                break   # the operator is shutting down under a late-spawned daemon
+                break  # the operator is shutting down under a late-spawned daemon
             if not isinstance(exc, (ApiError, OSError, asyncio.TimeoutError)):
                 raise
             logger.warning(f"autoscaler tick failed, retrying in {delay:.0f}s: {exc}")

@@ -44,7 +44,9 @@ def _default(value: Any, schema: dict[str, Any]) -> Any:
 
 
 def _schema_errors(spec: dict[str, Any]) -> list[str]:
-    validator = jsonschema.Draft4Validator(crd.SPEC_SCHEMA)  # draft 4: boolean exclusiveMinimum, like OpenAPI v3
+    validator = jsonschema.Draft4Validator(
+        crd.SPEC_SCHEMA
+    )  # draft 4: boolean exclusiveMinimum, like OpenAPI v3
     errors = []
     for err in sorted(validator.iter_errors(spec), key=lambda e: list(e.absolute_path)):
         path = ".".join(str(p) for p in err.absolute_path)
@@ -59,12 +61,22 @@ def _rule_errors(spec: dict[str, Any]) -> list[str]:
     if sum(k in model for k in ("builtin", "huggingFace", "pvc")) != 1:
         errors.append(crd.MODEL_RULES[0]["message"])
     engine = spec.get("engine") or {}
-    if "drainTimeoutSeconds" in engine and "terminationGracePeriodSeconds" in engine and (
-            engine["drainTimeoutSeconds"] + engine.get("preStopSleepSeconds", crd.DEFAULT_PRESTOP_SLEEP)
-            >= engine["terminationGracePeriodSeconds"]):
+    if (
+        "drainTimeoutSeconds" in engine
+        and "terminationGracePeriodSeconds" in engine
+        and (
+            engine["drainTimeoutSeconds"]
+            + engine.get("preStopSleepSeconds", crd.DEFAULT_PRESTOP_SLEEP)
+            >= engine["terminationGracePeriodSeconds"]
+        )
+    ):
         errors.append(crd.ENGINE_RULES[0]["message"])
     auto = spec.get("autoscaling")
-    if auto is not None and "minReplicas" in auto and auto["minReplicas"] > auto.get("maxReplicas", 1):
+    if (
+        auto is not None
+        and "minReplicas" in auto
+        and auto["minReplicas"] > auto.get("maxReplicas", 1)
+    ):
         errors.append(crd.AUTOSCALING_RULES[0]["message"])
     redis = spec.get("redis") or {}
     if redis.get("mode") == "external" and "url" not in redis and "secretRef" not in redis:
@@ -72,20 +84,28 @@ def _rule_errors(spec: dict[str, Any]) -> list[str]:
     if re.match(r"^rediss?://[^/]*@", str(redis.get("url", ""))):
         errors.append(crd.REDIS_RULES[1]["message"])
     rollout = engine.get("rollout") or {}
-    if str(rollout.get("maxSurge", 1)) in ("0", "0%") and str(rollout.get("maxUnavailable", 1)) in ("0", "0%"):
+    if str(rollout.get("maxSurge", 1)) in ("0", "0%") and str(rollout.get("maxUnavailable", 1)) in (
+        "0",
+        "0%",
+    ):
         errors.append(crd.ROLLOUT_RULES[0]["message"])
     message = crd._INT_OR_PERCENT["x-kubernetes-validations"][0]["message"]
     for path, value in _int_or_percent_values(spec):
-        if not ((isinstance(value, int) and not isinstance(value, bool) and value >= 0)
-                or (isinstance(value, str) and re.fullmatch(r"[0-9]+%", value))):
+        if not (
+            (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+            or (isinstance(value, str) and re.fullmatch(r"[0-9]+%", value))
+        ):
             errors.append(f"{path}: {message}")
     return errors
 
 
 def _int_or_percent_values(spec: dict[str, Any]) -> list[tuple[str, Any]]:
     engine, router = spec.get("engine") or {}, spec.get("router") or {}
-    out = [(f"engine.rollout.{k}", (engine.get("rollout") or {})[k]) for k in ("maxSurge", "maxUnavailable")
-           if k in (engine.get("rollout") or {})]
+    out = [
+        (f"engine.rollout.{k}", (engine.get("rollout") or {})[k])
+        for k in ("maxSurge", "maxUnavailable")
+        if k in (engine.get("rollout") or {})
+    ]
     for where, obj in (("engine", engine), ("router", router)):
         pdb = obj.get("podDisruptionBudget") or {}
         if "maxUnavailable" in pdb:
@@ -97,12 +117,16 @@ def _semantic_errors(name: str, spec: dict[str, Any]) -> list[str]:
     """What passes the schema but cannot work."""
     errors = []
     if len(name) > MAX_NAME_LENGTH:
-        errors.append(f"metadata.name is {len(name)} characters; at most {MAX_NAME_LENGTH} leave room "
-                      "for the child object names")
+        errors.append(
+            f"metadata.name is {len(name)} characters; at most {MAX_NAME_LENGTH} leave room "
+            "for the child object names"
+        )
     resources = (spec.get("engine") or {}).get("resources") or {}
     req, lim = resources.get("requests") or {}, resources.get("limits") or {}
     if GPU in req and str(req[GPU]) != str(lim.get(GPU, req[GPU])):
-        errors.append(f"engine.resources: {GPU} requests must equal limits (extended resources cannot overcommit)")
+        errors.append(
+            f"engine.resources: {GPU} requests must equal limits (extended resources cannot overcommit)"
+        )
     pvc = (spec.get("model") or {}).get("pvc") or {}
     if ".." in posixpath.normpath(pvc.get("path", "") or ".").split("/"):
         errors.append("model.pvc.path must stay inside the volume (no '..')")

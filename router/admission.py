@@ -15,17 +15,23 @@ import uuid
 
 from kvmesh.common.json_body import load_json
 from kvmesh.router.auth import ApiKeys, RateLimiter
-from kvmesh.router.request_state import Call
 from kvmesh.router.metrics import RouterMetrics, route_label
 from kvmesh.router.request_checks import Refused, check_request, estimate_tokens, prompt_chars
+from kvmesh.router.request_state import Call
 
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 _RID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 class Admission:
-    def __init__(self, keys: ApiKeys, limiter: RateLimiter, metrics: RouterMetrics, max_body_bytes: int,
-                 vocab_size: int):
+    def __init__(
+        self,
+        keys: ApiKeys,
+        limiter: RateLimiter,
+        metrics: RouterMetrics,
+        max_body_bytes: int,
+        vocab_size: int,
+    ):
         self.keys = keys
         self.limiter = limiter
         self.metrics = metrics
@@ -40,10 +46,16 @@ class Admission:
         rid = headers.get("x-request-id")
         if not rid or not _RID_OK.match(rid):
             rid = uuid.uuid4().hex
-        return Call(t0=t0, path=path, route=route_label(path), headers=headers, rid=rid,
-                    extra=[(b"x-request-id", rid.encode())],
-                    client_id="ip:" + ((scope.get("client") or ("?",))[0]),
-                    query=scope.get("query_string") or b"")
+        return Call(
+            t0=t0,
+            path=path,
+            route=route_label(path),
+            headers=headers,
+            rid=rid,
+            extra=[(b"x-request-id", rid.encode())],
+            client_id="ip:" + ((scope.get("client") or ("?",))[0]),
+            query=scope.get("query_string") or b"",
+        )
 
     def authenticate(self, call: Call) -> None:
         """With API keys on: the key's limits and id (the rate-limit client); else a 401."""
@@ -52,7 +64,9 @@ class Admission:
         info = self.keys.check(call.headers.get("authorization"))
         if info is None:
             self.metrics.auth_failures.inc()
-            raise Refused(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+            raise Refused(
+                401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
+            )
         call.key_info, call.client_id = info, info.key_id
 
     async def read_body(self, call: Call, receive) -> bool:
@@ -63,8 +77,12 @@ class Admission:
         except ValueError:
             declared = 0
         if declared > limit:
-            raise Refused(413, f"request body is {declared} bytes; the limit is {limit}", "invalid_request_error",
-                          code="body_too_large")
+            raise Refused(
+                413,
+                f"request body is {declared} bytes; the limit is {limit}",
+                "invalid_request_error",
+                code="body_too_large",
+            )
         chunks = []
         size = 0
         while True:
@@ -74,8 +92,12 @@ class Admission:
             part = msg.get("body", b"")
             size += len(part)
             if size > limit:
-                raise Refused(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error",
-                              code="body_too_large")
+                raise Refused(
+                    413,
+                    f"request body exceeds the limit of {limit} bytes",
+                    "invalid_request_error",
+                    code="body_too_large",
+                )
             chunks.append(part)
             if not msg.get("more_body"):
                 break
@@ -87,8 +109,12 @@ class Admission:
         try:
             req = load_json(call.body)
         except (ValueError, RecursionError) as exc:  # RecursionError: absurdly nested JSON
-            raise Refused(400, f"request body is not valid JSON: {str(exc)[:200]}", "invalid_request_error",
-                          code="invalid_json") from None
+            raise Refused(
+                400,
+                f"request body is not valid JSON: {str(exc)[:200]}",
+                "invalid_request_error",
+                code="invalid_json",
+            ) from None
         if not isinstance(req, dict):
             raise Refused(400, "request body must be a JSON object", "invalid_request_error")
         call.req = req
@@ -102,19 +128,30 @@ class Admission:
         req, info = call.req, call.key_info
         call.chars = prompt_chars(call.path, req) if call.generate else 0
         ok, retry_after, which, charged = self.limiter.admit_charge(
-            call.client_id, estimate_tokens(call.path, req, call.chars // 4 + 1) if call.generate else 0,
-            info.rpm if info else None, call.tpm)
+            call.client_id,
+            estimate_tokens(call.path, req, call.chars // 4 + 1) if call.generate else 0,
+            info.rpm if info else None,
+            call.tpm,
+        )
         if not ok:
             self.metrics.rate_limited.labels(which).inc()
-            raise Refused(429, f"rate limit exceeded ({which} per minute)", "rate_limit_error",
-                          code="rate_limit_exceeded", headers=[(b"retry-after", str(retry_after).encode())])
+            raise Refused(
+                429,
+                f"rate limit exceeded ({which} per minute)",
+                "rate_limit_error",
+                code="rate_limit_exceeded",
+                headers=[(b"retry-after", str(retry_after).encode())],
+            )
         call.charged = charged
 
     def correct(self, call: Call) -> None:
         """The charge corrected with the real prompt length, once tokenized."""
         if call.tokens and call.charged:
-            call.charged += self.limiter.adjust(call.client_id,
-                                                estimate_tokens(call.path, call.req, len(call.tokens)) - call.charged, call.tpm)
+            call.charged += self.limiter.adjust(
+                call.client_id,
+                estimate_tokens(call.path, call.req, len(call.tokens)) - call.charged,
+                call.tpm,
+            )
 
     def refund(self, call: Call) -> None:
         """No engine ran the request: its charge goes back."""

@@ -43,9 +43,17 @@ log = logging.getLogger("kvmesh.router")
 
 POLICIES = policies.NAMES  # the registry's names (router/policies)
 _GET = ("GET", "HEAD")
-_METHODS = {"/v1/completions": ("POST",), "/v1/chat/completions": ("POST",), "/tokenize": ("POST",),
-            "/detokenize": ("POST",), "/v1/models": _GET, "/health": _GET, "/ready": _GET, "/metrics": _GET,
-            "/openapi.json": _GET}  # the routes the router documents, and their methods
+_METHODS = {
+    "/v1/completions": ("POST",),
+    "/v1/chat/completions": ("POST",),
+    "/tokenize": ("POST",),
+    "/detokenize": ("POST",),
+    "/v1/models": _GET,
+    "/health": _GET,
+    "/ready": _GET,
+    "/metrics": _GET,
+    "/openapi.json": _GET,
+}  # the routes the router documents, and their methods
 KEEPALIVE_S = 3.0  # below the engines' 5 s keep-alive: a pooled connection is never one they closed
 SHUTDOWN_STEP_S = 2.0
 
@@ -53,8 +61,9 @@ SHUTDOWN_STEP_S = 2.0
 class Router:
     def __init__(self, cfg: RouterConfig, encoder=None):
         self.cfg = cfg
-        self.policy = policies.create(cfg.policy, PolicySettings(cfg.weights, cfg.hot_ratio, cfg.hot_min,
-                                                                 cfg.session_header))
+        self.policy = policies.create(
+            cfg.policy, PolicySettings(cfg.weights, cfg.hot_ratio, cfg.hot_min, cfg.session_header)
+        )
         self.metrics = RouterMetrics()
         vocab = cfg.vocab_size
         if encoder is None:
@@ -67,7 +76,9 @@ class Router:
             vocab = vocab or _config_vocab(model_dir)
         self.encoder = encoder
         # The engine refuses token ids outside its model's vocabulary; so does the router.
-        self.vocab_size = vocab or getattr(getattr(encoder, "tok", None), "vocab_size", None) or (1 << 32)
+        self.vocab_size = (
+            vocab or getattr(getattr(encoder, "tok", None), "vocab_size", None) or (1 << 32)
+        )
         self.keys = ApiKeys(cfg.api_keys)
         self.limiter = RateLimiter(cfg.rate_limit_rpm, cfg.rate_limit_tpm)
         self.traffic = PodTraffic(Breaker(cfg.eject_after, cfg.eject_seconds, self.metrics))
@@ -75,18 +86,46 @@ class Router:
         self.redis = None
         self.discovery: Discovery | None = None
         self.session: aiohttp.ClientSession | None = None
-        self.prompt_tokens = PromptTokens(encoder, cfg.model, cfg.block_size, TOOL_PROMPTS[cfg.tool_call_parser])
-        self.hold_queue = HoldQueue(cfg.model, cfg.max_pending_requests, cfg.scale_from_zero_timeout, self.metrics,
-                                    self.drain)
+        self.prompt_tokens = PromptTokens(
+            encoder, cfg.model, cfg.block_size, TOOL_PROMPTS[cfg.tool_call_parser]
+        )
+        self.hold_queue = HoldQueue(
+            cfg.model,
+            cfg.max_pending_requests,
+            cfg.scale_from_zero_timeout,
+            self.metrics,
+            self.drain,
+        )
         self.prefix_match = PrefixMatch(cfg.model, self.metrics, cfg.redis_retry_after)
-        self.admission = Admission(self.keys, self.limiter, self.metrics, cfg.max_body_bytes, self.vocab_size)
-        self.routing = Routing(self.policy, cfg.policy, cfg.block_size, self.prompt_tokens, self.prefix_match,
-                               self.hold_queue, self.traffic, self.admission, self.metrics)
+        self.admission = Admission(
+            self.keys, self.limiter, self.metrics, cfg.max_body_bytes, self.vocab_size
+        )
+        self.routing = Routing(
+            self.policy,
+            cfg.policy,
+            cfg.block_size,
+            self.prompt_tokens,
+            self.prefix_match,
+            self.hold_queue,
+            self.traffic,
+            self.admission,
+            self.metrics,
+        )
         self.routing.holds = cfg.holds
         self.proxy = Proxy(cfg, not self.keys.enabled, self.metrics, self.traffic, self.drain)
-        self.pipeline = Pipeline(self.admission, self.routing, self.proxy, self.limiter, self.metrics, self.drain,
-                                 cfg.policy, cfg.holds, cfg.scale_from_zero_timeout, cfg.max_resumes,
-                                 cfg.resume_timeout)
+        self.pipeline = Pipeline(
+            self.admission,
+            self.routing,
+            self.proxy,
+            self.limiter,
+            self.metrics,
+            self.drain,
+            cfg.policy,
+            cfg.holds,
+            cfg.scale_from_zero_timeout,
+            cfg.max_resumes,
+            cfg.resume_timeout,
+        )
         self._started = False
         self._openapi: bytes | None = None
 
@@ -110,13 +149,27 @@ class Router:
 
             # A connection error is retried once (a restarted Redis leaves the pool's connections
             # dead; each would otherwise fail one lookup and pause the block sets for a second).
-            self.redis = aioredis.Redis.from_url(cfg.redis_url, socket_timeout=cfg.redis_timeout,
-                                                 socket_connect_timeout=cfg.redis_timeout,
-                                                 retry=rl.reconnecting_retry())
-        slices = EndpointSlices(cfg.k8s_service, cfg.k8s_namespace, cfg.k8s_api_url) if cfg.k8s_service else None
-        self.discovery = Discovery(cfg.model, self.redis, self.metrics, cfg.static_backends,
-                                   cfg.refresh_interval, slices, backends_file=cfg.backends_file,
-                                   redis_stale_after=cfg.redis_stale_after)
+            self.redis = aioredis.Redis.from_url(
+                cfg.redis_url,
+                socket_timeout=cfg.redis_timeout,
+                socket_connect_timeout=cfg.redis_timeout,
+                retry=rl.reconnecting_retry(),
+            )
+        slices = (
+            EndpointSlices(cfg.k8s_service, cfg.k8s_namespace, cfg.k8s_api_url)
+            if cfg.k8s_service
+            else None
+        )
+        self.discovery = Discovery(
+            cfg.model,
+            self.redis,
+            self.metrics,
+            cfg.static_backends,
+            cfg.refresh_interval,
+            slices,
+            backends_file=cfg.backends_file,
+            redis_stale_after=cfg.redis_stale_after,
+        )
         self.prefix_match.attach(self.discovery, self.redis)
         self.hold_queue.attach(self.discovery, self.redis)
         self.routing.discovery = self.discovery
@@ -124,16 +177,21 @@ class Router:
         self.discovery.start()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S)
         self.session = self.proxy.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
-            trace_configs=[body_sent_trace()] if self.cfg.holds else None)
+            connector=connector,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+            trace_configs=[body_sent_trace()] if self.cfg.holds else None,
+        )
 
     async def shutdown(self) -> None:
         """Each step gets at most SHUTDOWN_STEP_S: a clean-up that hangs (a Redis or engine
         connection in a bad state) is logged by name and left behind, never holding the exit."""
         self.hold_queue.stop()
-        steps = [("discovery", self.discovery.stop() if self.discovery is not None else None),
-                 ("engine connections", self.session.close() if self.session is not None else None),
-                 ("redis", self.redis.aclose() if self.redis is not None else None)]
+        steps = [
+            ("discovery", self.discovery.stop() if self.discovery is not None else None),
+            ("engine connections", self.session.close() if self.session is not None else None),
+            ("redis", self.redis.aclose() if self.redis is not None else None),
+        ]
         for name, coro in steps:
             if coro is None:
                 continue
@@ -141,7 +199,9 @@ class Router:
             done, _ = await asyncio.wait({task}, timeout=SHUTDOWN_STEP_S)
             if not done:
                 task.cancel()
-                log.warning("shutdown: closing the %s took over %.0fs; left behind", name, SHUTDOWN_STEP_S)
+                log.warning(
+                    "shutdown: closing the %s took over %.0fs; left behind", name, SHUTDOWN_STEP_S
+                )
             elif not task.cancelled() and task.exception() is not None:
                 log.warning("shutdown: closing the %s failed: %s", name, task.exception())
 
@@ -173,7 +233,9 @@ class Router:
             nonlocal started
             if msg["type"] == "http.response.start":
                 started = True
-                if self.drain.draining:  # the server honours it: this connection ends with this response
+                if (
+                    self.drain.draining
+                ):  # the server honours it: this connection ends with this response
                     msg = {**msg, "headers": [*msg.get("headers", ()), (b"connection", b"close")]}
             await send(msg)
 
@@ -189,7 +251,9 @@ class Router:
             log.debug("client connection error on %s: %s", scope.get("path"), exc)
         except Exception:  # noqa: BLE001
             self.metrics.internal_errors.inc()
-            log.exception("unexpected error on %s %s", scope.get("method"), route_label(scope.get("path", "")))
+            log.exception(
+                "unexpected error on %s %s", scope.get("method"), route_label(scope.get("path", ""))
+            )
             if not started:
                 try:
                     await send_error(tracked, 500, "internal router error", "server_error")
@@ -201,11 +265,18 @@ class Router:
     async def _http(self, scope, receive, send):
         path, method = scope["path"], scope["method"]
         allowed = _METHODS.get(path)
-        if allowed is not None and method not in allowed:  # a route of ours, another method: 405 + Allow
+        if (
+            allowed is not None and method not in allowed
+        ):  # a route of ours, another method: 405 + Allow
             self.metrics.requests.labels(route_label(path), "405").inc()
-            return await send_error(send, 405, f"{method} is not allowed on {path}; use {' or '.join(allowed)}",
-                                    "invalid_request_error", [(b"allow", ", ".join(allowed).encode())],
-                                    code="method_not_allowed")
+            return await send_error(
+                send,
+                405,
+                f"{method} is not allowed on {path}; use {' or '.join(allowed)}",
+                "invalid_request_error",
+                [(b"allow", ", ".join(allowed).encode())],
+                code="method_not_allowed",
+            )
         if method == "POST" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
             return await self.pipeline.handle(scope, receive, send)
         if path == "/health":
@@ -213,7 +284,9 @@ class Router:
         if path == "/ready":
             return await self.ready(send)
         if path == "/metrics":
-            return await send_body(send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
+            return await send_body(
+                send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8"
+            )
         if path == "/openapi.json":
             return await send_body(send, 200, self.openapi())
         if path == "/v1/models":
@@ -225,10 +298,23 @@ class Router:
         if self.keys.enabled and self.keys.check(header(scope, b"authorization")) is None:
             self.metrics.auth_failures.inc()
             self.metrics.requests.labels("/v1/models", "401").inc()
-            return await send_error(send, 401, "invalid or missing API key", "authentication_error",
-                                    code="invalid_api_key")
-        return await send_json(send, 200, {"object": "list", "data": [
-            {"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "kvmesh"}]})
+            return await send_error(
+                send,
+                401,
+                "invalid or missing API key",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+        return await send_json(
+            send,
+            200,
+            {
+                "object": "list",
+                "data": [
+                    {"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "kvmesh"}
+                ],
+            },
+        )
 
     async def ready(self, send):
         """200 while the router can accept requests: a routable pod, or none but requests are held
@@ -244,19 +330,28 @@ class Router:
             status = "ready: no routable engine, requests are held until one is (scale from zero)"
         else:
             status = "no ready engines"
-        return await send_json(send, 200 if ok else 503, {
-            "status": status, "pods": n, "redis": bool(self.discovery and self.discovery.redis_ok),
-            "discovery": self.discovery.detail() if self.discovery else None,
-            "block_sets": self.prefix_match.state() if self.discovery else "off",
-            "held_requests": len(self.hold_queue),
-            "max_pending_requests": self.cfg.max_pending_requests if self.cfg.holds else 0})
+        return await send_json(
+            send,
+            200 if ok else 503,
+            {
+                "status": status,
+                "pods": n,
+                "redis": bool(self.discovery and self.discovery.redis_ok),
+                "discovery": self.discovery.detail() if self.discovery else None,
+                "block_sets": self.prefix_match.state() if self.discovery else "off",
+                "held_requests": len(self.hold_queue),
+                "max_pending_requests": self.cfg.max_pending_requests if self.cfg.holds else 0,
+            },
+        )
 
     def openapi(self) -> bytes:
         """The OpenAPI document of the router's surface (kvmesh.common.openapi): the engines'
         request and response schemas, the router's own statuses, its probes."""
         if self._openapi is None:
             vocab = self.vocab_size if self.vocab_size < (1 << 32) else None
-            self._openapi = json.dumps(oa.router_document(self.cfg.model, vocab, auth=self.keys.enabled)).encode()
+            self._openapi = json.dumps(
+                oa.router_document(self.cfg.model, vocab, auth=self.keys.enabled)
+            ).encode()
         return self._openapi
 
 

@@ -37,7 +37,9 @@ def _parse_line(line: str, where: str) -> tuple[str, KeyInfo]:
     m = _LINE.match(line)
     key, opts = m.group(1).strip(), m.group(2).split()
     digest = key[7:].lower() if key.startswith("sha256:") else hash_key(key)
-    if key.startswith("sha256:") and (len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest)):
+    if key.startswith("sha256:") and (
+        len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest)
+    ):
         raise KeyFileError(f"{where}: sha256: must be followed by 64 hex digits")
     info = KeyInfo(key_id=digest[:12], name=digest[:12])
     for opt in opts:
@@ -138,7 +140,9 @@ class TokenBucket:
     def wait_for(self, amount: float, now: float) -> float:
         """Seconds until `amount` is available (0 if it is now)."""
         self._refill(now)
-        amount = min(amount, self.capacity)  # a request larger than a minute's budget waits for a full bucket
+        amount = min(
+            amount, self.capacity
+        )  # a request larger than a minute's budget waits for a full bucket
         if self.tokens >= amount:
             return 0.0
         return (amount - self.tokens) / self.rate
@@ -182,14 +186,24 @@ class RateLimiter:
         for k in [k for k, b in self._buckets.items() if b.full(now)]:
             del self._buckets[k]
 
-    def admit(self, client: str, tokens: int = 0, rpm: float | None = None, tpm: float | None = None,
-              ) -> tuple[bool, int, str]:
+    def admit(
+        self,
+        client: str,
+        tokens: int = 0,
+        rpm: float | None = None,
+        tpm: float | None = None,
+    ) -> tuple[bool, int, str]:
         """Check and charge one request of `tokens`. Returns (ok, retry_after_seconds, which_limit)."""
         ok, retry, which, _ = self.admit_charge(client, tokens, rpm, tpm)
         return ok, retry, which
 
-    def admit_charge(self, client: str, tokens: int = 0, rpm: float | None = None, tpm: float | None = None,
-                     ) -> tuple[bool, int, str, int]:
+    def admit_charge(
+        self,
+        client: str,
+        tokens: int = 0,
+        rpm: float | None = None,
+        tpm: float | None = None,
+    ) -> tuple[bool, int, str, int]:
         """admit(), also returning the tokens charged (the estimate, capped at one minute's budget)."""
         tokens = max(0, int(tokens))
         rb = self._bucket(client, "rpm", rpm if rpm is not None else self.rpm)

@@ -31,11 +31,17 @@ class ClientStream:
         self.n = n  # choices per prompt: choice i is of prompt i // n
         self.started = False  # the status line went out
         self.events_out = 0  # events the client has received
-        self.ids: dict[int, list[int]] = {}  # per choice index: its generated ids, as the client has received them
+        self.ids: dict[
+            int, list[int]
+        ] = {}  # per choice index: its generated ids, as the client has received them
         self.finish_reasons: dict[int, str] = {}  # per choice index that finished: its reason
-        self.prompt_tokens: dict[int, int] = {}  # per prompt index: its token count (from prompt_token_ids)
+        self.prompt_tokens: dict[
+            int, int
+        ] = {}  # per prompt index: its token count (from prompt_token_ids)
         self.usage_offset = (0, 0)  # (prompt, completion) tokens a continuation's usage leaves out
-        self.engine_sends_ids = False  # the engine sent token ids: a continuation can go on from them
+        self.engine_sends_ids = (
+            False  # the engine sent token ids: a continuation can go on from them
+        )
         self.id: str | None = None  # the original's id and created, kept by every continuation
         self.created: int | None = None
         self.model: str | None = None
@@ -43,7 +49,9 @@ class ClientStream:
         self.done = False  # [DONE] went out
         self.usage: dict | None = None
         self.resumed_at: float | None = None  # set while a continuation's first event is awaited
-        self.on_resumed = None  # called with the seconds from the break to the continuation's first event
+        self.on_resumed = (
+            None  # called with the seconds from the break to the continuation's first event
+        )
         self._restart = False  # passing through a restart from nothing after the client had events
         self._buf = b""
 
@@ -83,14 +91,20 @@ class ClientStream:
         choices of several, each with its ids (none yet is fine)."""
         if self.num_choices == 1:
             return {"output_token_ids": self.ids.get(0, [])}
-        return {"choices": [{"index": i, "output_token_ids": self.ids.get(i, [])} for i in self.running()]}
+        return {
+            "choices": [
+                {"index": i, "output_token_ids": self.ids.get(i, [])} for i in self.running()
+            ]
+        }
 
     def resume_tokens(self, fallback_prompt_tokens: int) -> int:
         """The tokens a continuation prefills again: each running choice's prompt (its own
         sequence in the engine) and the ids the client has of it. `fallback_prompt_tokens` for a
         prompt whose token count the engine has not sent."""
-        return sum(self.prompt_tokens.get(i // self.n, fallback_prompt_tokens) + len(self.ids.get(i, ()))
-                   for i in self.running())
+        return sum(
+            self.prompt_tokens.get(i // self.n, fallback_prompt_tokens) + len(self.ids.get(i, ()))
+            for i in self.running()
+        )
 
     def whole_usage(self, fallback_prompt_tokens: int) -> dict:
         """The whole request's usage from what the client received (the router ends the stream)."""
@@ -125,15 +139,22 @@ class ClientStream:
                     self.on_resumed(time.perf_counter() - self.resumed_at)
                 self.resumed_at = None
             self.events_out += len(out)
-            await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+            await self.send(
+                {"type": "http.response.body", "body": b"".join(out), "more_body": True}
+            )
         return broken
 
     async def keep_alive(self) -> None:
         """An SSE comment while no replica can go on with the stream yet: the client, and any proxy
         between, sees the stream alive and what it waits for (SSE clients skip comments)."""
         if self.started:
-            await self.send({"type": "http.response.body", "more_body": True,
-                             "body": b": waiting for a replica to go on with this stream\n\n"})
+            await self.send(
+                {
+                    "type": "http.response.body",
+                    "more_body": True,
+                    "body": b": waiting for a replica to go on with this stream\n\n",
+                }
+            )
 
     async def end(self) -> None:
         """The stream is complete: what is left of it, then the end of the body."""
@@ -144,16 +165,24 @@ class ClientStream:
 
     async def fail(self, event: dict) -> None:
         """End the client's stream with an error event and [DONE] (nothing is silently truncated)."""
-        await self.send({"type": "http.response.body", "more_body": True,
-                         "body": b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"})
+        await self.send(
+            {
+                "type": "http.response.body",
+                "more_body": True,
+                "body": b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n",
+            }
+        )
         await self.send({"type": "http.response.body", "body": b""})
 
     async def close_choices(self, reasons: dict[int, str]) -> None:
         """End these choices here, as the engine would have: each one's last chunk (no text)."""
         events = []
         for i, reason in reasons.items():
-            choice = ({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason} if self.chat else
-                      {"index": i, "text": "", "logprobs": None, "finish_reason": reason})
+            choice = (
+                {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
+                if self.chat
+                else {"index": i, "text": "", "logprobs": None, "finish_reason": reason}
+            )
             events.append(self._chunk([choice]))
             self.finish_reasons[i] = reason
         if events:
@@ -164,7 +193,9 @@ class ClientStream:
         the usage chunk if the client asked for one, then [DONE]."""
         await self.close_choices(reasons)
         events = [{**self._chunk([]), "usage": usage}] if usage is not None else []
-        await self.send({"type": "http.response.body", "body": _sse(events) + DONE + b"\n\n", "more_body": True})
+        await self.send(
+            {"type": "http.response.body", "body": _sse(events) + DONE + b"\n\n", "more_body": True}
+        )
         await self.send({"type": "http.response.body", "body": b""})
 
     @property
@@ -206,7 +237,9 @@ class ClientStream:
             return None, broken
         if not changed:
             return raw, broken
-        return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode(), broken
+        return b"data: " + json.dumps(
+            obj, separators=(",", ":"), ensure_ascii=False
+        ).encode(), broken
 
     def _identity(self, obj: dict) -> bool:
         """The first event sets the stream's id and created; later ones (a continuation's) keep them."""
@@ -257,21 +290,37 @@ class ClientStream:
         if not self.chat or len(choices) != 1:
             return False
         delta = choices[0].get("delta") or {}
-        return "role" in delta and not delta.get("content") and not choices[0].get("token_ids") \
+        return (
+            "role" in delta
+            and not delta.get("content")
+            and not choices[0].get("token_ids")
             and not choices[0].get("finish_reason")
+        )
 
     @staticmethod
     def _has_content(obj: dict) -> bool:
         for choice in obj.get("choices") or ():
             delta = choice.get("delta") or {}
-            if choice.get("text") or delta.get("content") or delta.get("tool_calls") or choice.get("token_ids"):
+            if (
+                choice.get("text")
+                or delta.get("content")
+                or delta.get("tool_calls")
+                or choice.get("token_ids")
+            ):
                 return True
         return False
 
     def _chunk(self, choices: list) -> dict:
-        return {"id": self.id, "object": self.object or ("chat.completion.chunk" if self.chat else "text_completion"),
-                "created": self.created, "model": self.model, "choices": choices}
+        return {
+            "id": self.id,
+            "object": self.object or ("chat.completion.chunk" if self.chat else "text_completion"),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
 
 def _sse(events: list[dict]) -> bytes:
-    return b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events)
+    return b"".join(
+        b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events
+    )

@@ -47,9 +47,15 @@ class RouterConfig:
     max_pending_requests: int = 256
     scale_from_zero_timeout: float = 300.0
     vocab_size: int | None = None  # token ids must be below it (default: the model's config.json)
-    max_resumes: int = 2  # times a request whose engine failed goes on with another replica (0: never)
-    tool_call_parser: str = "hermes"  # the engines' tool format, for templates that do not read tools
-    resume_timeout: float = 60.0  # how long it waits for one when none is routable (an engine restarting)
+    max_resumes: int = (
+        2  # times a request whose engine failed goes on with another replica (0: never)
+    )
+    tool_call_parser: str = (
+        "hermes"  # the engines' tool format, for templates that do not read tools
+    )
+    resume_timeout: float = (
+        60.0  # how long it waits for one when none is routable (an engine restarting)
+    )
 
     @property
     def holds(self) -> bool:

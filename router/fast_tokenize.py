@@ -52,7 +52,7 @@ def safe_chunks(text: str, size: int) -> list[str]:
         m = _CUT.search(text, start + size)
         if m is None:
             break
-        out.append(text[start:m.start()])
+        out.append(text[start : m.start()])
         start = m.start()
     out.append(text[start:])
     return out
@@ -80,10 +80,19 @@ class FastEncoder:
         model = spec.get("model") or {}
         if spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("dropout"):
             return False
-        if pre.get("type") != "ByteLevel" or not pre.get("use_regex", True) or pre.get("add_prefix_space"):
+        if (
+            pre.get("type") != "ByteLevel"
+            or not pre.get("use_regex", True)
+            or pre.get("add_prefix_space")
+        ):
             return False
         for added in spec.get("added_tokens") or []:
-            if added.get("normalized") or added.get("lstrip") or added.get("rstrip") or added.get("single_word"):
+            if (
+                added.get("normalized")
+                or added.get("lstrip")
+                or added.get("rstrip")
+                or added.get("single_word")
+            ):
                 return False
             if not added["content"].isascii():
                 return False
@@ -91,7 +100,10 @@ class FastEncoder:
         # The post-processor must not add tokens (the engine's encode(add_special_tokens=True)
         # would then differ); check it by behaviour.
         t = self.tok.tokenizer
-        if t.encode("a b", add_special_tokens=True).ids != t.encode("a b", add_special_tokens=False).ids:
+        if (
+            t.encode("a b", add_special_tokens=True).ids
+            != t.encode("a b", add_special_tokens=False).ids
+        ):
             return False
         self._special_cuttable = any(_CUT.search(s) for s in self._special_ids)
         if self._special_ids:
@@ -141,8 +153,11 @@ class FastEncoder:
         out: list[int] = []
         if self._special_cuttable:  # a special token could straddle a cut: split them out first
             parts = self._special_re.split(text)
-            chunks = [(i % 2 == 1, c) for i, part in enumerate(parts)
-                      for c in ([part] if i % 2 else safe_chunks(part, LARGE_CHUNK))]
+            chunks = [
+                (i % 2 == 1, c)
+                for i, part in enumerate(parts)
+                for c in ([part] if i % 2 else safe_chunks(part, LARGE_CHUNK))
+            ]
         else:
             chunks = [(False, c) for c in safe_chunks(text, LARGE_CHUNK)]
         for special, chunk in chunks:
@@ -153,7 +168,9 @@ class FastEncoder:
             elif chunk.isascii():
                 self._encode_ascii(chunk, out)
             else:  # tokenizers splits the added tokens itself, and runs without the GIL
-                out.extend(self.tok.tokenizer.encode_batch([chunk], add_special_tokens=False)[0].ids)
+                out.extend(
+                    self.tok.tokenizer.encode_batch([chunk], add_special_tokens=False)[0].ids
+                )
         return out
 
     def _encode_ascii(self, text: str, out: list[int]) -> None:
@@ -166,9 +183,16 @@ class FastEncoder:
             elif part:
                 self._encode_pieces(_ASCII_PIECES.findall(part), out)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-                    large: bool = False) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+        large: bool = False,
+    ) -> list[int]:
         """`large`: the conversation is long and this runs in a worker thread (see encode_large)."""
-        text = self.tok.render_chat(messages, add_generation_prompt, continue_final_message, template_kwargs)
+        text = self.tok.render_chat(
+            messages, add_generation_prompt, continue_final_message, template_kwargs
+        )
         return (self.encode_large if large else self.encode)(text, add_special_tokens=False)

@@ -41,6 +41,7 @@ def body_sent_trace() -> aiohttp.TraceConfig:
     signals the chunk just before its synchronous write, and the callback only sets an event, so
     whoever waits on it runs after the bytes are on their way: a held request is released once
     the one before it has reached the engine's socket, and the engine sees them in arrival order."""
+
     async def chunk_sent(_session, ctx, _params) -> None:
         on_sent = (ctx.trace_request_ctx or {}).get("on_sent")
         if on_sent is not None:
@@ -52,8 +53,9 @@ def body_sent_trace() -> aiohttp.TraceConfig:
 
 
 class HoldQueue:
-
-    def __init__(self, model: str, max_pending: int, timeout: float, metrics: RouterMetrics, drain: Drain):
+    def __init__(
+        self, model: str, max_pending: int, timeout: float, metrics: RouterMetrics, drain: Drain
+    ):
         self.model = model
         self.max_pending = max_pending
         self.timeout = timeout
@@ -88,7 +90,9 @@ class HoldQueue:
             self._task = asyncio.ensure_future(self._release_loop())
         t = time.monotonic()
         try:
-            await asyncio.wait({h.go, watcher}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {h.go, watcher}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             if not h.go.done():  # timed out, client gone, or cancelled: leave the queue
                 h.go.cancel()
@@ -115,15 +119,29 @@ class HoldQueue:
     def refusal(self, outcome: str) -> Refused:
         """The 503 a held request gets when it was not dispatched."""
         if outcome == "queue_full":
-            return Refused(503, f"no engine is ready and {self.max_pending} requests already wait "
-                           "for one (scale from zero); retry later", "service_unavailable",
-                           code="no_ready_engine", headers=[(b"retry-after", b"5")])
+            return Refused(
+                503,
+                f"no engine is ready and {self.max_pending} requests already wait "
+                "for one (scale from zero); retry later",
+                "service_unavailable",
+                code="no_ready_engine",
+                headers=[(b"retry-after", b"5")],
+            )
         if outcome == "shutdown":
-            return Refused(503, SHUTDOWN_REFUSED_MSG, "service_unavailable", code="router_shutdown",
-                           headers=[SHUTDOWN_RETRY_AFTER])
-        return Refused(503, f"no engine became ready within {self.timeout:g} s "
-                       "(scale from zero); retry later", "service_unavailable", code="no_ready_engine",
-                       headers=[(b"retry-after", b"10")])
+            return Refused(
+                503,
+                SHUTDOWN_REFUSED_MSG,
+                "service_unavailable",
+                code="router_shutdown",
+                headers=[SHUTDOWN_RETRY_AFTER],
+            )
+        return Refused(
+            503,
+            f"no engine became ready within {self.timeout:g} s (scale from zero); retry later",
+            "service_unavailable",
+            code="no_ready_engine",
+            headers=[(b"retry-after", b"10")],
+        )
 
     def cancel_all(self) -> None:
         """The drain timed out: every held request gets a 503 now."""
@@ -152,7 +170,7 @@ class HoldQueue:
                         h.go.set_result(True)
                         try:  # the next one goes once this one is on its way
                             await asyncio.wait_for(h.sent.wait(), 2.0)
-                        except asyncio.TimeoutError:
+                        except TimeoutError:
                             pass
                     continue
                 await asyncio.sleep(0.05)
@@ -164,11 +182,16 @@ class HoldQueue:
         if self.redis is None:
             return
         try:
-            await self.redis.set(rl.demand_key(self.model), f"{time.time():.3f}", ex=rl.DEMAND_TTL_S)
+            await self.redis.set(
+                rl.demand_key(self.model), f"{time.time():.3f}", ex=rl.DEMAND_TTL_S
+            )
             self.metrics.demand_signals.inc()
         except Exception as exc:  # noqa: BLE001 - the request still waits; the next second tries again
             self.metrics.redis_errors.labels("demand").inc()
             now = time.monotonic()
             if now - self._demand_warned > 30:  # once per 30 s, not every second
                 self._demand_warned = now
-                log.warning("could not signal demand in Redis (requests are held for lack of an engine): %s", exc)
+                log.warning(
+                    "could not signal demand in Redis (requests are held for lack of an engine): %s",
+                    exc,
+                )

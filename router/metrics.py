@@ -8,14 +8,44 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-LAT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LAT_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+)
 WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 
 # The `route` label: these templates, anything else is "other".
-ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/embeddings", "/tokenize",
-                    "/detokenize", "/health", "/ready", "/metrics"})
+ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/embeddings",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/ready",
+        "/metrics",
+    }
+)
 # The `status` label: these codes as they are, any other as its class ("2xx" ... "5xx").
-STATUSES = frozenset({200, 400, 401, 403, 404, 405, 408, 409, 413, 422, 429, 499, 500, 501, 502, 503, 504})
+STATUSES = frozenset(
+    {200, 400, 401, 403, 404, 405, 408, 409, 413, 422, 429, 499, 500, 501, 502, 503, 504}
+)
 
 
 def route_label(path: str) -> str:
@@ -26,79 +56,166 @@ def status_label(status: int) -> str:
     if status in STATUSES:
         return str(status)
     return f"{status // 100}xx" if 100 <= status < 600 else "other"
+
+
 ERR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
 
 
 class RouterMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("kvmesh_router_requests", "Requests by route and status", ["route", "status"],
-                                registry=r)
-        self.decisions = Counter("kvmesh_router_decisions", "Routing decisions by policy and reason",
-                                 ["policy", "reason"], registry=r)
-        self.routed = Counter("kvmesh_router_routed", "Requests sent to each pod", ["pod"], registry=r)
-        self.prompt_tokens = Counter("kvmesh_router_prompt_tokens", "Prompt tokens routed", registry=r)
-        self.predicted_cached = Counter("kvmesh_router_predicted_cached_tokens",
-                                        "Prefix tokens the router predicted cached on the chosen pod", registry=r)
-        self.engine_cached = Counter("kvmesh_router_engine_cached_tokens",
-                                     "usage.prompt_tokens_details.cached_tokens reported by the engines", registry=r)
-        self.prediction_error = Histogram("kvmesh_router_prediction_error_tokens",
-                                          "Predicted minus engine-reported cached tokens", buckets=ERR_BUCKETS,
-                                          registry=r)
-        self.overhead = Histogram("kvmesh_router_overhead_seconds",
-                                  "Router time from request received to upstream request sent",
-                                  buckets=LAT_BUCKETS, registry=r)
-        self.ttfb = Histogram("kvmesh_router_upstream_ttfb_seconds", "Upstream time to response headers",
-                              buckets=LAT_BUCKETS, registry=r)
-        self.duration = Histogram("kvmesh_router_request_duration_seconds", "Whole request through the router",
-                                  buckets=LAT_BUCKETS, registry=r)
-        self.retries = Counter("kvmesh_router_retries", "Retries on another pod", ["reason"], registry=r)
-        self.ejections = Counter("kvmesh_router_ejections", "Pods ejected by the circuit breaker", ["pod"],
-                                 registry=r)
-        self.redis_errors = Counter("kvmesh_router_redis_errors", "Redis operations that failed", ["op"],
-                                    registry=r)
-        self.rate_limited = Counter("kvmesh_router_rate_limited", "Requests refused with 429", ["limit"],
-                                    registry=r)
-        self.auth_failures = Counter("kvmesh_router_auth_failures", "Requests refused with 401", registry=r)
-        self.client_disconnects = Counter("kvmesh_router_client_disconnects",
-                                          "Client disconnects that cancelled the upstream request", registry=r)
-        self.pods = Gauge("kvmesh_router_pods", "Pods known to the router by state", ["state"], registry=r)
-        self.redis_up = Gauge("kvmesh_router_redis_up", "1 if the last Redis operation succeeded", registry=r)
-        self.upstream_failures = Counter("kvmesh_router_upstream_failures",
-                                         "Engine failures by phase: connect (not sent, retried), before_response "
-                                         "(sent, no answer: 502), body (502), mid_stream (SSE error event)",
-                                         ["phase"], registry=r)
-        self.internal_errors = Counter("kvmesh_router_internal_errors",
-                                       "Unexpected exceptions caught at the ASGI boundary", registry=r)
-        self.tokenize = Histogram("kvmesh_router_tokenize_seconds", "Prompt tokenization and block keys",
-                                  buckets=LAT_BUCKETS, registry=r)
+        self.requests = Counter(
+            "kvmesh_router_requests",
+            "Requests by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "kvmesh_router_decisions",
+            "Routing decisions by policy and reason",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.routed = Counter(
+            "kvmesh_router_routed", "Requests sent to each pod", ["pod"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "kvmesh_router_prompt_tokens", "Prompt tokens routed", registry=r
+        )
+        self.predicted_cached = Counter(
+            "kvmesh_router_predicted_cached_tokens",
+            "Prefix tokens the router predicted cached on the chosen pod",
+            registry=r,
+        )
+        self.engine_cached = Counter(
+            "kvmesh_router_engine_cached_tokens",
+            "usage.prompt_tokens_details.cached_tokens reported by the engines",
+            registry=r,
+        )
+        self.prediction_error = Histogram(
+            "kvmesh_router_prediction_error_tokens",
+            "Predicted minus engine-reported cached tokens",
+            buckets=ERR_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "kvmesh_router_overhead_seconds",
+            "Router time from request received to upstream request sent",
+            buckets=LAT_BUCKETS,
+            registry=r,
+        )
+        self.ttfb = Histogram(
+            "kvmesh_router_upstream_ttfb_seconds",
+            "Upstream time to response headers",
+            buckets=LAT_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "kvmesh_router_request_duration_seconds",
+            "Whole request through the router",
+            buckets=LAT_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvmesh_router_retries", "Retries on another pod", ["reason"], registry=r
+        )
+        self.ejections = Counter(
+            "kvmesh_router_ejections", "Pods ejected by the circuit breaker", ["pod"], registry=r
+        )
+        self.redis_errors = Counter(
+            "kvmesh_router_redis_errors", "Redis operations that failed", ["op"], registry=r
+        )
+        self.rate_limited = Counter(
+            "kvmesh_router_rate_limited", "Requests refused with 429", ["limit"], registry=r
+        )
+        self.auth_failures = Counter(
+            "kvmesh_router_auth_failures", "Requests refused with 401", registry=r
+        )
+        self.client_disconnects = Counter(
+            "kvmesh_router_client_disconnects",
+            "Client disconnects that cancelled the upstream request",
+            registry=r,
+        )
+        self.pods = Gauge(
+            "kvmesh_router_pods", "Pods known to the router by state", ["state"], registry=r
+        )
+        self.redis_up = Gauge(
+            "kvmesh_router_redis_up", "1 if the last Redis operation succeeded", registry=r
+        )
+        self.upstream_failures = Counter(
+            "kvmesh_router_upstream_failures",
+            "Engine failures by phase: connect (not sent, retried), before_response "
+            "(sent, no answer: 502), body (502), mid_stream (SSE error event)",
+            ["phase"],
+            registry=r,
+        )
+        self.internal_errors = Counter(
+            "kvmesh_router_internal_errors",
+            "Unexpected exceptions caught at the ASGI boundary",
+            registry=r,
+        )
+        self.tokenize = Histogram(
+            "kvmesh_router_tokenize_seconds",
+            "Prompt tokenization and block keys",
+            buckets=LAT_BUCKETS,
+            registry=r,
+        )
         # streams that survive their replica (router/resume.py)
-        self.resumed = Counter("kvmesh_router_resumed_requests",
-                               "Requests sent on to another replica after their engine failed, by where it failed: "
-                               "mid_stream, before_response (sent, no answer), body", ["phase"], registry=r)
-        self.resume_seconds = Histogram("kvmesh_router_resume_seconds",
-                                        "From an engine's failure to the continuation's first event (a stream) "
-                                        "or its answer", buckets=LAT_BUCKETS, registry=r)
-        self.resumed_tokens = Counter("kvmesh_router_resumed_tokens",
-                                      "Tokens continuations re-prefill: the prompt and the ids already generated",
-                                      registry=r)
-        self.resume_waiting = Gauge("kvmesh_router_resume_waiting_requests",
-                                    "Requests whose engine failed, waiting for a replica to go on with "
-                                    "(none routable: an engine restarting)", registry=r)
-        self.resume_given_up = Counter("kvmesh_router_resume_given_up",
-                                       "Engine failures not resumed, by reason: limit, no_replica, refused, "
-                                       "no_token_ids, shutdown", ["reason"], registry=r)
+        self.resumed = Counter(
+            "kvmesh_router_resumed_requests",
+            "Requests sent on to another replica after their engine failed, by where it failed: "
+            "mid_stream, before_response (sent, no answer), body",
+            ["phase"],
+            registry=r,
+        )
+        self.resume_seconds = Histogram(
+            "kvmesh_router_resume_seconds",
+            "From an engine's failure to the continuation's first event (a stream) or its answer",
+            buckets=LAT_BUCKETS,
+            registry=r,
+        )
+        self.resumed_tokens = Counter(
+            "kvmesh_router_resumed_tokens",
+            "Tokens continuations re-prefill: the prompt and the ids already generated",
+            registry=r,
+        )
+        self.resume_waiting = Gauge(
+            "kvmesh_router_resume_waiting_requests",
+            "Requests whose engine failed, waiting for a replica to go on with "
+            "(none routable: an engine restarting)",
+            registry=r,
+        )
+        self.resume_given_up = Counter(
+            "kvmesh_router_resume_given_up",
+            "Engine failures not resumed, by reason: limit, no_replica, refused, "
+            "no_token_ids, shutdown",
+            ["reason"],
+            registry=r,
+        )
         # scale from zero
-        self.held = Gauge("kvmesh_router_held_requests",
-                          "Requests held because no replica is routable (scale from zero)", registry=r)
-        self.held_wait = Histogram("kvmesh_router_scale_from_zero_wait_seconds",
-                                   "How long held requests waited, by outcome", ["outcome"],
-                                   buckets=WAIT_BUCKETS, registry=r)
-        self.held_outcomes = Counter("kvmesh_router_scale_from_zero",
-                                     "Held requests by outcome: dispatched, timeout, queue_full, disconnect, shutdown",
-                                     ["outcome"], registry=r)
-        self.demand_signals = Counter("kvmesh_router_demand_signals",
-                                      "Writes of the scale-from-zero demand key to Redis", registry=r)
+        self.held = Gauge(
+            "kvmesh_router_held_requests",
+            "Requests held because no replica is routable (scale from zero)",
+            registry=r,
+        )
+        self.held_wait = Histogram(
+            "kvmesh_router_scale_from_zero_wait_seconds",
+            "How long held requests waited, by outcome",
+            ["outcome"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.held_outcomes = Counter(
+            "kvmesh_router_scale_from_zero",
+            "Held requests by outcome: dispatched, timeout, queue_full, disconnect, shutdown",
+            ["outcome"],
+            registry=r,
+        )
+        self.demand_signals = Counter(
+            "kvmesh_router_demand_signals",
+            "Writes of the scale-from-zero demand key to Redis",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

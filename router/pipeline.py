@@ -28,9 +28,20 @@ from kvmesh.router.settle import settle
 
 
 class Pipeline:
-    def __init__(self, admission: Admission, routing: Routing, proxy: Proxy, limiter: RateLimiter,
-                 metrics: RouterMetrics, drain: Drain, policy: str, holds: bool, hold_bound_s: float,
-                 max_resumes: int, resume_timeout: float):
+    def __init__(
+        self,
+        admission: Admission,
+        routing: Routing,
+        proxy: Proxy,
+        limiter: RateLimiter,
+        metrics: RouterMetrics,
+        drain: Drain,
+        policy: str,
+        holds: bool,
+        hold_bound_s: float,
+        max_resumes: int,
+        resume_timeout: float,
+    ):
         self.admission = admission
         self.routing = routing
         self.proxy = proxy
@@ -39,9 +50,13 @@ class Pipeline:
         self.drain = drain
         self.policy = policy
         self.holds = holds  # scale from zero is on
-        self.hold_bound_s = hold_bound_s  # how long a request that reached no engine is routed again
+        self.hold_bound_s = (
+            hold_bound_s  # how long a request that reached no engine is routed again
+        )
         self.max_resumes = max_resumes
-        self.resume_timeout = resume_timeout  # how long a failed request waits for a replica to go on with
+        self.resume_timeout = (
+            resume_timeout  # how long a failed request waits for a replica to go on with
+        )
 
     async def handle(self, scope, receive, send) -> None:
         call = self.admission.begin(scope)
@@ -49,7 +64,9 @@ class Pipeline:
             self.admission.authenticate(call)
             if not await self.admission.read_body(call, receive):
                 return  # the client went away while sending its body
-            if len(call.body) >= OFF_LOOP_BODY_BYTES:  # a large body's JSON and checks: off the loop
+            if (
+                len(call.body) >= OFF_LOOP_BODY_BYTES
+            ):  # a large body's JSON and checks: off the loop
                 await off_loop(self.admission.parse, call)
             else:
                 self.admission.parse(call)
@@ -88,7 +105,9 @@ class Pipeline:
         deadline = time.monotonic() + self.hold_bound_s
         pause = 0.1
         while True:
-            last_chance = not self.holds or time.monotonic() + pause >= deadline or self.drain.cutting
+            last_chance = (
+                not self.holds or time.monotonic() + pause >= deadline or self.drain.cutting
+            )
             out = await self._proxy(call, send, watcher, answer_unreached=last_chance)
             if out.error != UNREACHED or last_chance:
                 return out
@@ -96,7 +115,7 @@ class Pipeline:
             await asyncio.wait({watcher}, timeout=pause)
             if watcher.done():
                 self.metrics.client_disconnects.inc()
-                return Outcome(499, out.pod)   # settle counts it
+                return Outcome(499, out.pod)  # settle counts it
             pause = min(pause * 2, 2.0)
             try:
                 pods = await self.routing.routable_pods(call, watcher)
@@ -111,11 +130,18 @@ class Pipeline:
         call.resumable = resume.resumable(call, self.max_resumes)
         if call.resumable and call.req.get("stream") is True:
             num_choices, n = resume.choices(call)
-            call.stream = ClientStream(send, resume.wants_ids(call.req), call.path == "/v1/chat/completions",
-                                       num_choices, n)
+            call.stream = ClientStream(
+                send,
+                resume.wants_ids(call.req),
+                call.path == "/v1/chat/completions",
+                num_choices,
+                n,
+            )
             call.stream.on_resumed = self.metrics.resume_seconds.observe
 
-    async def _resume(self, call: Call, send, watcher: asyncio.Future, out: Outcome) -> Outcome | None:
+    async def _resume(
+        self, call: Call, send, watcher: asyncio.Future, out: Outcome
+    ) -> Outcome | None:
         """While the engine failed after the request reached it: go on with another replica (the
         policy's order, minus the pods that failed it), at most max_resumes times. Then, or with
         no replica left (none came back within resume_timeout), the client gets the failure as it
@@ -141,7 +167,9 @@ class Pipeline:
                 return await self.proxy.answer_broken(send, out, call.stream)
             await self.routing.order(call, pods)
             new = await self._continue(call, send, watcher, out, t_fail)
-            if new.error == UNREACHED:  # no pod took the connection: the same failure, those pods out too
+            if (
+                new.error == UNREACHED
+            ):  # no pod took the connection: the same failure, those pods out too
                 failed.update(c.name for c in call.ordered)
                 out.attempts = new.attempts + out.attempts
                 continue
@@ -159,7 +187,9 @@ class Pipeline:
         if call.resumes >= self.max_resumes:
             return "limit"
         if stream is not None and stream.events_out and not stream.engine_sends_ids:
-            return "no_token_ids"  # the engine does not say what it generated: nothing to go on from
+            return (
+                "no_token_ids"  # the engine does not say what it generated: nothing to go on from
+            )
         return None
 
     async def _ended_already(self, call: Call, out: Outcome) -> Outcome | None:
@@ -184,31 +214,50 @@ class Pipeline:
         keep_alive = stream.keep_alive if stream is not None else _nothing
         self.metrics.resume_waiting.inc()
         try:
-            return await self.routing.resume_pods_waiting(failed, watcher, self.resume_timeout,
-                                                          lambda: self.drain.cutting, keep_alive, self.proxy.ready)
+            return await self.routing.resume_pods_waiting(
+                failed,
+                watcher,
+                self.resume_timeout,
+                lambda: self.drain.cutting,
+                keep_alive,
+                self.proxy.ready,
+            )
         finally:
             self.metrics.resume_waiting.dec()
 
-    async def _continue(self, call: Call, send, watcher: asyncio.Future, out: Outcome, t_fail: float) -> Outcome:
+    async def _continue(
+        self, call: Call, send, watcher: asyncio.Future, out: Outcome, t_fail: float
+    ) -> Outcome:
         """The request sent on to call.ordered: a stream from the ids its client has received, or
         (nothing generated yet, or not a stream) the request again from the start."""
         stream = call.stream
         call.resumes += 1
         ids = stream.output_ids if stream is not None else []
         self.metrics.resumed.labels(out.broken.phase).inc()
-        self.metrics.resumed_tokens.inc(len(call.tokens) if stream is None else stream.resume_tokens(len(call.tokens)))
+        self.metrics.resumed_tokens.inc(
+            len(call.tokens) if stream is None else stream.resume_tokens(len(call.tokens))
+        )
         # nothing received yet (no id, no choice finished): the request again from the start
         restart = stream is None or not (ids or stream.finish_reasons)
         body = None if restart else resume.continuation_body(call.req, stream.continuation())
         if stream is not None:
             stream.resuming(restart=restart, since=t_fail)
-        new = await self._proxy(call, send, watcher, answer_unreached=False, body=body, continuation=True)
+        new = await self._proxy(
+            call, send, watcher, answer_unreached=False, body=body, continuation=True
+        )
         if stream is None and new.broken is None and new.status < 500:
             self.metrics.resume_seconds.observe(time.perf_counter() - t_fail)
         return new
 
-    async def _proxy(self, call: Call, send, watcher: asyncio.Future, answer_unreached: bool,
-                     body: bytes | None = None, continuation: bool = False) -> Outcome:
+    async def _proxy(
+        self,
+        call: Call,
+        send,
+        watcher: asyncio.Future,
+        answer_unreached: bool,
+        body: bytes | None = None,
+        continuation: bool = False,
+    ) -> Outcome:
         """The proxy to the ordered pods; a client that goes away cancels the upstream request."""
         on_sent = call.held.sent.set if call.held is not None and not continuation else None
         req = self.proxy.request(call, on_sent, answer_unreached, body, continuation)

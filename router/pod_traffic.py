@@ -31,7 +31,12 @@ class Breaker:
         if n >= self.eject_after and not self.ejected(name, now):
             self.until[name] = now + self.eject_seconds
             self.metrics.ejections.labels(name).inc()
-            log.warning("ejecting pod %s for %.0fs after %d consecutive failures", name, self.eject_seconds, n)
+            log.warning(
+                "ejecting pod %s for %.0fs after %d consecutive failures",
+                name,
+                self.eject_seconds,
+                n,
+            )
 
     def success(self, name: str) -> None:
         if self.failures.get(name):

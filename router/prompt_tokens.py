@@ -13,7 +13,13 @@ log = logging.getLogger("kvmesh.router")
 
 
 class PromptTokens:
-    def __init__(self, encoder, model: str, block_size: int, tool_format: type[ToolPrompt] = DEFAULT_TOOL_PROMPT):
+    def __init__(
+        self,
+        encoder,
+        model: str,
+        block_size: int,
+        tool_format: type[ToolPrompt] = DEFAULT_TOOL_PROMPT,
+    ):
         """``tool_format``: how the engines describe tools to a template that does not read them (their
         ``--tool-call-parser``'s format; Hermes, the engine's default)."""
         self.encoder = encoder
@@ -21,13 +27,17 @@ class PromptTokens:
         self.block_size = block_size
         self.tool_format = tool_format
 
-    def tokens_and_keys(self, path: str, req: dict[str, Any], scores_prompt: bool,
-                        large: bool) -> tuple[list[int], list[int]]:
+    def tokens_and_keys(
+        self, path: str, req: dict[str, Any], scores_prompt: bool, large: bool
+    ) -> tuple[list[int], list[int]]:
         tokens = self.tokens(path, req, large)
         # A request scoring its prompt (prompt logprobs, or echo with logprobs) computes every
         # position and reads nothing from the cache: no prefix to match, it goes by load.
-        keys = (block_keys(tokens, self.model, self.block_size, cache_salt=req.get("cache_salt"))
-                if tokens and not scores_prompt else [])
+        keys = (
+            block_keys(tokens, self.model, self.block_size, cache_salt=req.get("cache_salt"))
+            if tokens and not scores_prompt
+            else []
+        )
         return tokens, keys
 
     def tokens(self, path: str, req: dict[str, Any], large: bool = False) -> list[int]:
@@ -46,15 +56,23 @@ class PromptTokens:
         # decoded, and the tools (the engine's default format for a template that does not read them)
         messages, template_vars = chat_request_prompt(req, self.chat_template, self.tool_format)
         kw = {"large": True} if large else {}
-        return self.encoder.encode_chat(messages, add_generation_prompt=req.get("add_generation_prompt", True),
-                                        continue_final_message=bool(req.get("continue_final_message")),
-                                        template_kwargs=template_vars, **kw)
+        return self.encoder.encode_chat(
+            messages,
+            add_generation_prompt=req.get("add_generation_prompt", True),
+            continue_final_message=bool(req.get("continue_final_message")),
+            template_kwargs=template_vars,
+            **kw,
+        )
 
     @property
     def chat_template(self) -> str | None:
         """The encoder's chat template (a FastEncoder's is its tokenizer's)."""
         template = getattr(self.encoder, "chat_template", None)
-        return template if template is not None else getattr(getattr(self.encoder, "tok", None), "chat_template", None)
+        return (
+            template
+            if template is not None
+            else getattr(getattr(self.encoder, "tok", None), "chat_template", None)
+        )
 
     def _completion(self, req: dict[str, Any], large: bool) -> list[int]:
         prompt = prompt_batch(req.get("prompt"))[0]  # a batch routes on its first prompt

@@ -15,21 +15,21 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import aiohttp
 
 from kvmesh.common.logging_setup import redact_url
 from kvmesh.router import upstream_failure as uf
-from kvmesh.router.request_state import Call
 from kvmesh.router.client_stream import ClientStream
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.drain import Drain
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.pod_traffic import PodTraffic
-from kvmesh.router.resume import stream_body
+from kvmesh.router.request_state import Call
 from kvmesh.router.responses import SHUTDOWN_MSG, refuse_shutdown, send_error
+from kvmesh.router.resume import stream_body
 from kvmesh.router.scoring import Candidate
 
 log = logging.getLogger("kvmesh.router")
@@ -39,6 +39,7 @@ UNREACHED = "unreached"  # Outcome.error: no engine accepted the connection; not
 
 
 READY_PROBE_TIMEOUT_S = 1.0  # an engine asked whether it is back answers /ready at once, or is not
+
 
 @dataclass(frozen=True)
 class Broken:
@@ -79,10 +80,18 @@ class ProxyRequest:
     t0: float  # when the router received the request (the overhead metric)
     extra: list  # headers on every answer to the client
     on_sent: Callable[[], None] | None = None  # called as the body goes to the engine's socket
-    answer_unreached: bool = True  # when no pod took the connection: answer 502 (else leave it to the caller)
-    resumable: bool = False  # an engine's failure after sending is left to the caller (Outcome.broken)
-    stream: ClientStream | None = None  # a resumable stream's client side (its events pass through it)
-    continuation: bool = False  # sent again after an engine failed (not counted in the overhead metric)
+    answer_unreached: bool = (
+        True  # when no pod took the connection: answer 502 (else leave it to the caller)
+    )
+    resumable: bool = (
+        False  # an engine's failure after sending is left to the caller (Outcome.broken)
+    )
+    stream: ClientStream | None = (
+        None  # a resumable stream's client side (its events pass through it)
+    )
+    continuation: bool = (
+        False  # sent again after an engine failed (not counted in the overhead metric)
+    )
 
 
 @dataclass
@@ -97,31 +106,51 @@ class _Tries:
 class Proxy:
     """`session` is set by the router's startup."""
 
-    def __init__(self, cfg: RouterConfig, pass_client_auth: bool, metrics: RouterMetrics, traffic: PodTraffic,
-                 drain: Drain):
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        pass_client_auth: bool,
+        metrics: RouterMetrics,
+        traffic: PodTraffic,
+        drain: Drain,
+    ):
         self.cfg = cfg
-        self.pass_client_auth = pass_client_auth  # no API keys of our own: the client's goes to the engine
+        self.pass_client_auth = (
+            pass_client_auth  # no API keys of our own: the client's goes to the engine
+        )
         self.metrics = metrics
         self.traffic = traffic
         self.drain = drain
         self.session: aiohttp.ClientSession | None = None
-        self.timeout = aiohttp.ClientTimeout(total=cfg.request_timeout, sock_connect=cfg.connect_timeout,
-                                             sock_read=cfg.read_timeout)
-        self._upstream: set[aiohttp.ClientResponse] = set()  # engines' responses being passed through
+        self.timeout = aiohttp.ClientTimeout(
+            total=cfg.request_timeout, sock_connect=cfg.connect_timeout, sock_read=cfg.read_timeout
+        )
+        self._upstream: set[aiohttp.ClientResponse] = (
+            set()
+        )  # engines' responses being passed through
         # Tasks waiting for an engine's status line (a non-streamed answer being generated), and
         # those of them that cut() cancelled: they answer a 503, not the client's disconnect.
         self._awaiting: set[asyncio.Task] = set()
         self._cut: set[asyncio.Task] = set()
 
-    def request(self, call: Call, on_sent=None, answer_unreached: bool = True, body: bytes | None = None,
-                continuation: bool = False) -> ProxyRequest:
+    def request(
+        self,
+        call: Call,
+        on_sent=None,
+        answer_unreached: bool = True,
+        body: bytes | None = None,
+        continuation: bool = False,
+    ) -> ProxyRequest:
         """`body`: a continuation's (default: the client's, with the token ids asked for when the
         stream may be resumed)."""
         if body is None:
             body = stream_body(call.body, call.req) if call.stream is not None else call.body
         headers = call.headers
-        fwd = {"Content-Type": headers.get("content-type", "application/json"), "X-Request-Id": call.rid,
-               "Accept-Encoding": "identity"}
+        fwd = {
+            "Content-Type": headers.get("content-type", "application/json"),
+            "X-Request-Id": call.rid,
+            "Accept-Encoding": "identity",
+        }
         if "accept" in headers:
             fwd["Accept"] = headers["accept"]
         if self.cfg.upstream_api_key:
@@ -129,18 +158,37 @@ class Proxy:
         elif self.pass_client_auth and "authorization" in headers:
             fwd["Authorization"] = headers["authorization"]
         target = call.path + ("?" + call.query.decode("latin-1") if call.query else "")
-        return ProxyRequest(target, body, fwd, call.rid, call.ordered, call.t0, call.extra, on_sent,
-                            answer_unreached, call.resumable, call.stream, continuation)
+        return ProxyRequest(
+            target,
+            body,
+            fwd,
+            call.rid,
+            call.ordered,
+            call.t0,
+            call.extra,
+            on_sent,
+            answer_unreached,
+            call.resumable,
+            call.stream,
+            continuation,
+        )
 
     async def ready(self, pod) -> bool:
         """Whether the pod's engine answers /ready with 200 now (a replica that failed a request,
         asked whether it is back)."""
-        headers = {"Authorization": f"Bearer {self.cfg.upstream_api_key}"} if self.cfg.upstream_api_key else None
+        headers = (
+            {"Authorization": f"Bearer {self.cfg.upstream_api_key}"}
+            if self.cfg.upstream_api_key
+            else None
+        )
         try:
-            async with self.session.get(pod.url + "/ready", headers=headers,
-                                        timeout=aiohttp.ClientTimeout(total=READY_PROBE_TIMEOUT_S)) as resp:
+            async with self.session.get(
+                pod.url + "/ready",
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=READY_PROBE_TIMEOUT_S),
+            ) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     def cut(self) -> None:
@@ -172,11 +220,19 @@ class Proxy:
         last = req.ordered[-1].name if req.ordered else ""
         if tries.last_err == "connect" and tries.all_unreached and not req.answer_unreached:
             return Outcome(502, last, None, tries.tried, UNREACHED)
-        await send_error(send, 502, f"no engine could take the request ({tries.last_err})", "upstream_error",
-                         req.extra, code="no_engine_reachable")
+        await send_error(
+            send,
+            502,
+            f"no engine could take the request ({tries.last_err})",
+            "upstream_error",
+            req.extra,
+            code="no_engine_reachable",
+        )
         return Outcome(502, last, None, tries.tried, tries.last_err)
 
-    async def _attempt(self, send, req: ProxyRequest, cand: Candidate, tries: _Tries) -> Outcome | None:
+    async def _attempt(
+        self, send, req: ProxyRequest, cand: Candidate, tries: _Tries
+    ) -> Outcome | None:
         """One try on one pod: its Outcome, or None to try the next (tries.last_err says why)."""
         name = cand.name
         headers = req.extra + [(b"x-kvmesh-pod", name.encode())]
@@ -200,17 +256,22 @@ class Proxy:
                 self._upstream.discard(resp)
                 resp.close()  # a half-read response closes its connection (cancels the engine's work)
 
-    async def _post(self, send, req: ProxyRequest, cand: Candidate, tries: _Tries,
-                    headers: list) -> tuple[aiohttp.ClientResponse | None, Outcome | None]:
+    async def _post(
+        self, send, req: ProxyRequest, cand: Candidate, tries: _Tries, headers: list
+    ) -> tuple[aiohttp.ClientResponse | None, Outcome | None]:
         """The request to one pod: (its response, None); or (None, the Outcome already answered);
         or (None, None): no connection was made, the next pod may take it."""
         me = asyncio.current_task()
         t_send = time.perf_counter()
         self._awaiting.add(me)
         try:
-            resp = await self.session.post(cand.url + req.target, data=req.body, headers=req.headers,
-                                           timeout=self.timeout,
-                                           trace_request_ctx={"on_sent": req.on_sent} if req.on_sent else None)
+            resp = await self.session.post(
+                cand.url + req.target,
+                data=req.body,
+                headers=req.headers,
+                timeout=self.timeout,
+                trace_request_ctx={"on_sent": req.on_sent} if req.on_sent else None,
+            )
         except asyncio.CancelledError:
             if me not in self._cut:  # the client went away, or the server is cancelling us
                 raise
@@ -222,18 +283,27 @@ class Proxy:
             self.traffic.breaker.failure(cand.name)
             self.metrics.upstream_failures.labels("connect").inc()
             tries.last_err = "connect"
-            log.info("could not connect to %s: %s", redact_url(cand.name), exc,
-                     extra={"fields": {"request_id": req.rid}})
+            log.info(
+                "could not connect to %s: %s",
+                redact_url(cand.name),
+                exc,
+                extra={"fields": {"request_id": req.rid}},
+            )
             return None, None
-        except asyncio.TimeoutError as exc:  # sent, no answer in time: the engine may still run it
-            return None, await self.upstream_failed(send, uf.TIMEOUT, exc, cand.name, req.rid, tries.tried, headers)
+        except TimeoutError as exc:  # sent, no answer in time: the engine may still run it
+            return None, await self.upstream_failed(
+                send, uf.TIMEOUT, exc, cand.name, req.rid, tries.tried, headers
+            )
         except (aiohttp.ClientError, OSError) as exc:
             # Sent, then the connection failed: the engine may be running it. Never twice, unless
             # resumable: then the caller may send it on (the connection's end cancelled the work).
             if req.resumable:
-                return None, self._broken(uf.DISCONNECTED, exc, cand.name, req, tries.tried, headers)
-            return None, await self.upstream_failed(send, uf.DISCONNECTED, exc, cand.name, req.rid, tries.tried,
-                                                    headers)
+                return None, self._broken(
+                    uf.DISCONNECTED, exc, cand.name, req, tries.tried, headers
+                )
+            return None, await self.upstream_failed(
+                send, uf.DISCONNECTED, exc, cand.name, req.rid, tries.tried, headers
+            )
         finally:
             self._awaiting.discard(me)
         tries.all_unreached = False
@@ -262,13 +332,23 @@ class Proxy:
             return True
         return False
 
-    async def _answer(self, send, resp: aiohttp.ClientResponse, req: ProxyRequest, pod: str, tried: int,
-                      headers: list) -> Outcome:
+    async def _answer(
+        self,
+        send,
+        resp: aiohttp.ClientResponse,
+        req: ProxyRequest,
+        pod: str,
+        tried: int,
+        headers: list,
+    ) -> Outcome:
         """Pass the engine's answer through: a body whole, a stream event by event."""
         self.metrics.routed.labels(pod).inc()
         st = resp.status
-        out_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()
-                       if k.lower() in _PASS_HEADERS]
+        out_headers = [
+            (k.lower().encode("latin-1"), v.encode("latin-1"))
+            for k, v in resp.headers.items()
+            if k.lower() in _PASS_HEADERS
+        ]
         start = {"type": "http.response.start", "status": st, "headers": out_headers + headers}
         streamed = "event-stream" in resp.headers.get("content-type", "")
         if req.stream is not None and req.stream.started and (st != 200 or not streamed):
@@ -281,7 +361,7 @@ class Proxy:
             return await self._stream(send, resp, start, pod, req.rid, tried, headers)
         try:
             data = await resp.read()
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             if req.resumable and not self.drain.cutting:
                 return self._broken(uf.BODY, exc, pod, req, tried, headers)
             return await self.upstream_failed(send, uf.BODY, exc, pod, req.rid, tried, headers)
@@ -289,8 +369,16 @@ class Proxy:
         await send({"type": "http.response.body", "body": data})
         return Outcome(st, pod, usage_of(data, False) if st == 200 else None, tried)
 
-    async def upstream_failed(self, send, failure: uf.UpstreamFailure, exc: BaseException, pod: str, rid: str,
-                              tried: int, headers: list) -> Outcome:
+    async def upstream_failed(
+        self,
+        send,
+        failure: uf.UpstreamFailure,
+        exc: BaseException,
+        pod: str,
+        rid: str,
+        tried: int,
+        headers: list,
+    ) -> Outcome:
         """Answer an engine's failure before anything reached the client (see router/upstream_failure.py)."""
         if failure.shutdown_first and self.drain.cutting:  # our own drain timed out, not the engine
             await refuse_shutdown(send, headers)
@@ -299,21 +387,36 @@ class Proxy:
         uf.log_failure(failure, pod, exc, rid)
         return await self._answer_failure(send, failure, pod, tried, headers)
 
-    async def _answer_failure(self, send, failure: uf.UpstreamFailure, pod: str, tried: int,
-                              headers: list) -> Outcome:
-        await send_error(send, failure.status, failure.message, failure.etype, headers, code=failure.code)
+    async def _answer_failure(
+        self, send, failure: uf.UpstreamFailure, pod: str, tried: int, headers: list
+    ) -> Outcome:
+        await send_error(
+            send, failure.status, failure.message, failure.etype, headers, code=failure.code
+        )
         return Outcome(failure.status, pod, None, tried, failure.error)
 
-    def _broken(self, failure: uf.UpstreamFailure | None, exc, pod: str, req: ProxyRequest, tried: int,
-                headers: list, hopeless: bool = False) -> Outcome:
+    def _broken(
+        self,
+        failure: uf.UpstreamFailure | None,
+        exc,
+        pod: str,
+        req: ProxyRequest,
+        tried: int,
+        headers: list,
+        hopeless: bool = False,
+    ) -> Outcome:
         """An engine's failure after sending, counted and logged, left unanswered for the caller."""
         broken = Broken(failure, exc, pod, headers, req.rid, hopeless)
         self.metrics.upstream_failures.labels(broken.phase).inc()
         if failure is not None:
             uf.log_failure(failure, pod, exc, req.rid)
         else:
-            log.warning("%s failed mid-stream: %s", redact_url(pod), exc or type(exc).__name__,
-                        extra={"fields": {"request_id": req.rid}})
+            log.warning(
+                "%s failed mid-stream: %s",
+                redact_url(pod),
+                exc or type(exc).__name__,
+                extra={"fields": {"request_id": req.rid}},
+            )
         return Outcome(502, pod, None, tried, broken.phase, broken)
 
     async def answer_broken(self, send, out: Outcome, stream: ClientStream | None) -> Outcome:
@@ -328,7 +431,9 @@ class Proxy:
         await stream.fail(MID_STREAM_EVENT)
         return Outcome(200, b.pod, None, out.attempts, "mid_stream")
 
-    async def _relay(self, resp, start, pod: str, req: ProxyRequest, tried: int, headers: list) -> Outcome:
+    async def _relay(
+        self, resp, start, pod: str, req: ProxyRequest, tried: int, headers: list
+    ) -> Outcome:
         """A resumable stream, event by event through its ClientStream. The status line waits for
         the first event; the engine's failure before or after it comes back unanswered (Broken),
         except during the router's own cut (then the client's answer is given here)."""
@@ -338,11 +443,13 @@ class Proxy:
             chunk = await it.__anext__()
         except StopAsyncIteration:
             chunk = b""
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             if stream.started:
                 return await self._stream_cut(stream, pod, req, tried, headers, exc)
             if self.drain.cutting:
-                return await self.upstream_failed(stream.send, uf.FIRST_EVENT, exc, pod, req.rid, tried, headers)
+                return await self.upstream_failed(
+                    stream.send, uf.FIRST_EVENT, exc, pod, req.rid, tried, headers
+                )
             return self._broken(uf.FIRST_EVENT, exc, pod, req, tried, headers)
         await stream.start(start)
         while chunk:
@@ -353,16 +460,25 @@ class Proxy:
                 chunk = await it.__anext__()
             except StopAsyncIteration:
                 break
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 return await self._stream_cut(stream, pod, req, tried, headers, exc)
-        if not stream.done and stream.engine_sends_ids and not stream.finished:  # ended short of its end
+        if (
+            not stream.done and stream.engine_sends_ids and not stream.finished
+        ):  # ended short of its end
             return self._broken(None, "the stream ended before [DONE]", pod, req, tried, headers)
         await stream.end()
         status = start["status"]
         return Outcome(status, pod, stream.usage if status == 200 else None, tried)
 
-    async def _stream_cut(self, stream: ClientStream, pod: str, req: ProxyRequest, tried: int, headers: list,
-                          exc: BaseException) -> Outcome:
+    async def _stream_cut(
+        self,
+        stream: ClientStream,
+        pod: str,
+        req: ProxyRequest,
+        tried: int,
+        headers: list,
+        exc: BaseException,
+    ) -> Outcome:
         """A resumable stream broke after it started: Broken, or our own drain's error event."""
         if not self.drain.cutting:
             return self._broken(None, exc, pod, req, tried, headers)
@@ -381,8 +497,10 @@ class Proxy:
             first = await it.__anext__()
         except StopAsyncIteration:
             first = b""
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            return await self.upstream_failed(send, uf.FIRST_EVENT, exc, pod, rid, tried, err_headers)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return await self.upstream_failed(
+                send, uf.FIRST_EVENT, exc, pod, rid, tried, err_headers
+            )
         await send(start)
         chunk = first
         while chunk:
@@ -392,11 +510,19 @@ class Proxy:
                 chunk = await it.__anext__()
             except StopAsyncIteration:
                 break
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 error, event = self._mid_stream_error(pod, rid, exc)
                 lead = b"" if not keep or keep.endswith(b"\n\n") else b"\n\n"
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": lead + b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "more_body": True,
+                        "body": lead
+                        + b"data: "
+                        + json.dumps(event).encode()
+                        + b"\n\ndata: [DONE]\n\n",
+                    }
+                )
                 break
         await send({"type": "http.response.body", "body": b""})
         usage = usage_of(keep, True) if start["status"] == 200 and error is None else None
@@ -405,17 +531,33 @@ class Proxy:
     def _mid_stream_error(self, pod: str, rid: str, exc: BaseException) -> tuple[str, dict]:
         """The Outcome's error and the error event a stream that broke after its first event ends with."""
         if self.drain.cutting:  # our own drain timed out, not the engine
-            return "router_shutdown", {"error": {"message": SHUTDOWN_MSG, "type": "service_unavailable",
-                                                 "param": None, "code": "router_shutdown"}}
+            return "router_shutdown", {
+                "error": {
+                    "message": SHUTDOWN_MSG,
+                    "type": "service_unavailable",
+                    "param": None,
+                    "code": "router_shutdown",
+                }
+            }
         self.metrics.upstream_failures.labels("mid_stream").inc()
-        log.warning("%s failed mid-stream: %s", redact_url(pod), exc or type(exc).__name__,
-                    extra={"fields": {"request_id": rid}})
+        log.warning(
+            "%s failed mid-stream: %s",
+            redact_url(pod),
+            exc or type(exc).__name__,
+            extra={"fields": {"request_id": rid}},
+        )
         return "mid_stream", MID_STREAM_EVENT
 
 
 # What a client's stream ends with when its engine failed and no replica went on with it.
-MID_STREAM_EVENT = {"error": {"message": "the engine failed mid-stream; the response is incomplete",
-                              "type": "upstream_error", "param": None, "code": "upstream_failed"}}
+MID_STREAM_EVENT = {
+    "error": {
+        "message": "the engine failed mid-stream; the response is incomplete",
+        "type": "upstream_error",
+        "param": None,
+        "code": "upstream_failed",
+    }
+}
 
 
 async def drain_body(resp: aiohttp.ClientResponse) -> None:
@@ -423,7 +565,7 @@ async def drain_body(resp: aiohttp.ClientResponse) -> None:
     fails to arrive does not matter: the next pod is tried all the same."""
     try:
         await resp.read()
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError, OSError):
         pass
 
 
@@ -445,6 +587,6 @@ def usage_of(data: bytes, stream: bool) -> dict | None:
             return None
         start = data.rfind(b"data: ", 0, at)
         end = data.find(b"\n", at)
-        return json.loads(data[start + 6: end if end >= 0 else None]).get("usage")
+        return json.loads(data[start + 6 : end if end >= 0 else None]).get("usage")
     except Exception:  # noqa: BLE001
         return None

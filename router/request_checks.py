@@ -23,8 +23,15 @@ from kvmesh.common.request_limits import MAX_N, MAX_PROMPTS, MAX_TOKENS_ESTIMATE
 class Refused(Exception):
     """A request the router answers itself: `status` with an OpenAI error body (and `headers`)."""
 
-    def __init__(self, status: int, message: str, etype: str, param: str | None = None, code: str | None = None,
-                 headers=()):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        etype: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers=(),
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -37,7 +44,9 @@ class Refused(Exception):
 class BadRequest(Refused):
     """A request the router refuses itself: 400 (or `status`) with an OpenAI error naming `param`."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ):
         super().__init__(status, message, "invalid_request_error", param, code)
 
 
@@ -52,10 +61,13 @@ def _bounds(model: type[BaseModel], name: str) -> tuple[int, int | None]:
 
 
 # The integer fields the router reads, by endpoint: name -> the request model's bounds.
-_READS = {"/v1/completions": (protocol.CompletionRequest, ("n", "max_tokens")),
-          CHAT: (protocol.ChatCompletionRequest, ("n", "max_tokens", "max_completion_tokens"))}
+_READS = {
+    "/v1/completions": (protocol.CompletionRequest, ("n", "max_tokens")),
+    CHAT: (protocol.ChatCompletionRequest, ("n", "max_tokens", "max_completion_tokens")),
+}
 INT_FIELDS: dict[str, dict[str, tuple[int, int | None]]] = {
-    path: {name: _bounds(model, name) for name in names} for path, (model, names) in _READS.items()}
+    path: {name: _bounds(model, name) for name in names} for path, (model, names) in _READS.items()
+}
 
 
 def estimate_tokens(path: str, req: dict[str, Any], prompt_tokens: int) -> int:
@@ -82,8 +94,11 @@ def prompt_chars(path: str, req: dict[str, Any]) -> int:
             if isinstance(content, str):
                 total += len(content)
             elif isinstance(content, list):
-                total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict)
-                             and isinstance(p.get("text"), str))
+                total += sum(
+                    len(p.get("text") or "")
+                    for p in content
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
             total += 16  # role and template markup
         return total + tools_chars(req.get("tools"))  # the tools are rendered into the prompt too
     first = prompt_batch(req.get("prompt"))[0]
@@ -112,8 +127,12 @@ def _int_param(req: dict[str, Any], name: str, lo: int, hi: int | None = None) -
     elif not isinstance(v, int):
         raise BadRequest(f"{name} must be an integer, got {type(v).__name__}", name)
     if v < lo or (hi is not None and v > hi):
-        raise BadRequest(f"{name} must be between {lo} and {hi}, got {v}" if hi is not None
-                         else f"{name} must be at least {lo}, got {v}", name)
+        raise BadRequest(
+            f"{name} must be between {lo} and {hi}, got {v}"
+            if hi is not None
+            else f"{name} must be at least {lo}, got {v}",
+            name,
+        )
 
 
 def _token_ids(ids: list, vocab: int) -> None:
@@ -121,11 +140,17 @@ def _token_ids(ids: list, vocab: int) -> None:
         return  # all fine, found at C speed (a 4 MB prompt has a million ids); else find the culprit
     for t in ids:
         if type(t) is not int:
-            if isinstance(t, bool) or not (isinstance(t, (int, float)) and math.isfinite(t) and float(t).is_integer()):
-                raise BadRequest(f"prompt: token ids must be integers, got {str(t)[:50]!r}", "prompt")
+            if isinstance(t, bool) or not (
+                isinstance(t, (int, float)) and math.isfinite(t) and float(t).is_integer()
+            ):
+                raise BadRequest(
+                    f"prompt: token ids must be integers, got {str(t)[:50]!r}", "prompt"
+                )
             t = int(t)
         if not 0 <= t < vocab:
-            raise BadRequest(f"token id {t} is outside the vocabulary [0, {vocab})", "prompt")  # as the engine
+            raise BadRequest(
+                f"token id {t} is outside the vocabulary [0, {vocab})", "prompt"
+            )  # as the engine
 
 
 def check_request(path: str, req: dict[str, Any], vocab: int) -> None:
@@ -144,7 +169,9 @@ def check_request(path: str, req: dict[str, Any], vocab: int) -> None:
             raise BadRequest("messages must be a non-empty list of messages", "messages")
         for i, msg in enumerate(msgs):
             if not isinstance(msg, dict):
-                raise BadRequest(f"messages.{i} must be an object with a role and a content", f"messages.{i}")
+                raise BadRequest(
+                    f"messages.{i} must be an object with a role and a content", f"messages.{i}"
+                )
         return
     prompt = req.get("prompt")
     if prompt is None:
@@ -152,7 +179,9 @@ def check_request(path: str, req: dict[str, Any], vocab: int) -> None:
     if isinstance(prompt, str):
         return
     if not isinstance(prompt, list):
-        raise BadRequest("prompt must be a string, a list of token ids, or a list of either", "prompt")
+        raise BadRequest(
+            "prompt must be a string, a list of token ids, or a list of either", "prompt"
+        )
     if not prompt:
         raise BadRequest("prompt is empty: it must contain at least one token", "prompt")
     batch = prompt_batch(prompt)
@@ -165,5 +194,7 @@ def check_request(path: str, req: dict[str, Any], vocab: int) -> None:
         if isinstance(one, str):
             continue
         if not isinstance(one, list) or not one:
-            raise BadRequest("each prompt of a batch must be a string or a non-empty list of token ids", "prompt")
+            raise BadRequest(
+                "each prompt of a batch must be a string or a non-empty list of token ids", "prompt"
+            )
         _token_ids(one, vocab)

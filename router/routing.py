@@ -23,13 +23,24 @@ from kvmesh.router.scoring import Candidate
 
 RESUME_POLL_S = 0.25  # how often a request waiting for a replica to resume on looks again
 RESUME_PROBE_S = 1.0  # how often it asks the engines that failed it whether they are back
-RESUME_KEEPALIVE_S = 5.0  # an SSE comment this often to a stream that waits (clients ignore comments)
+RESUME_KEEPALIVE_S = (
+    5.0  # an SSE comment this often to a stream that waits (clients ignore comments)
+)
 
 
 class Routing:
-    def __init__(self, policy: RoutingPolicy, policy_name: str, block_size: int, prompt_tokens: PromptTokens,
-                 prefix_match: PrefixMatch, hold_queue: HoldQueue, traffic: PodTraffic, admission: Admission,
-                 metrics: RouterMetrics):
+    def __init__(
+        self,
+        policy: RoutingPolicy,
+        policy_name: str,
+        block_size: int,
+        prompt_tokens: PromptTokens,
+        prefix_match: PrefixMatch,
+        hold_queue: HoldQueue,
+        traffic: PodTraffic,
+        admission: Admission,
+        metrics: RouterMetrics,
+    ):
         self.policy = policy
         self.policy_name = policy_name
         self.block_size = block_size
@@ -62,20 +73,26 @@ class Routing:
     async def tokenize(self, call: Call) -> None:
         """Tokenize like the engine (long prompts off the event loop) and compute the block keys."""
         req = call.req
-        call.scores_prompt = req.get("prompt_logprobs") is not None or (bool(req.get("echo"))
-                                                                        and req.get("logprobs") is not None)
+        call.scores_prompt = req.get("prompt_logprobs") is not None or (
+            bool(req.get("echo")) and req.get("logprobs") is not None
+        )
         if not call.generate:
             return
         t_tok = time.perf_counter()
         if call.chars >= OFF_LOOP_CHARS:
-            call.tokens, call.keys = await off_loop(self.prompt_tokens.tokens_and_keys, call.path, req,
-                                                    call.scores_prompt, True)
+            call.tokens, call.keys = await off_loop(
+                self.prompt_tokens.tokens_and_keys, call.path, req, call.scores_prompt, True
+            )
         else:
-            call.tokens, call.keys = self.prompt_tokens.tokens_and_keys(call.path, req, call.scores_prompt, False)
+            call.tokens, call.keys = self.prompt_tokens.tokens_and_keys(
+                call.path, req, call.scores_prompt, False
+            )
         self.metrics.tokenize.observe(time.perf_counter() - t_tok)
         self.admission.correct(call)
 
-    async def routable_pods(self, call: Call, watcher: asyncio.Future, exclude=()) -> list[Pod] | None:
+    async def routable_pods(
+        self, call: Call, watcher: asyncio.Future, exclude=()
+    ) -> list[Pod] | None:
         """The pods to choose from (ejected ones only if nothing else; `exclude`d ones never);
         none routable: the request is held until one is (scale from zero). None if the client
         left while held."""
@@ -92,8 +109,13 @@ class Routing:
         now = time.monotonic()
         usable = [p for p in pods if not self.traffic.breaker.ejected(p.name, now)] or pods
         if not usable:
-            raise Refused(503, "no ready engine for this model", "service_unavailable", code="no_ready_engine",
-                          headers=[(b"retry-after", b"1")])
+            raise Refused(
+                503,
+                "no ready engine for this model",
+                "service_unavailable",
+                code="no_ready_engine",
+                headers=[(b"retry-after", b"1")],
+            )
         return usable
 
     def resume_pods(self, exclude) -> list[Pod]:
@@ -103,8 +125,9 @@ class Routing:
         now = time.monotonic()
         return [p for p in pods if not self.traffic.breaker.ejected(p.name, now)] or pods
 
-    async def resume_pods_waiting(self, failed: set[str], watcher: asyncio.Future, timeout: float,
-                                  stopped, keep_alive, ready) -> list[Pod] | None:
+    async def resume_pods_waiting(
+        self, failed: set[str], watcher: asyncio.Future, timeout: float, stopped, keep_alive, ready
+    ) -> list[Pod] | None:
         """No replica to go on with: wait up to `timeout` s for one. A new pod qualifies, and so
         does one that failed this request once it is back: seen unroutable since and routable
         again, or its engine answering `await ready(pod)` (its engine restarted in place, as a
@@ -155,13 +178,17 @@ class Routing:
         call.predicted = min(ordered[0].matched_blocks, max(len(call.tokens) - 1, 0) // bs) * bs
         call.ordered, call.reason = ordered, reason
 
-    async def decide(self, pods: list[Pod], keys: list[int], headers: dict[str, str],
-                     body: bytes) -> tuple[list[Candidate], str]:
+    async def decide(
+        self, pods: list[Pod], keys: list[int], headers: dict[str, str], body: bytes
+    ) -> tuple[list[Candidate], str]:
         """The routing policy's order of `pods` (best first) and its reason (router/policies)."""
         inflight = self.traffic.inflight
-        cands = [Candidate(p.name, p.url, p.kv_usage, max(p.load, inflight.get(p.name, 0))) for p in pods]
+        cands = [
+            Candidate(p.name, p.url, p.kv_usage, max(p.load, inflight.get(p.name, 0))) for p in pods
+        ]
         # Ties break on the prompt's last full block: prompts that share only a system prompt
         # spread over the pods, and every router still picks the same pod for the same prompt.
         tie = keys[-1].to_bytes(8, "little") if keys else body[:512]
-        return await self.policy.order(RouteRequest(cands, keys, headers, tie,
-                                                    lambda: self.prefix_match.match(pods, keys)))
+        return await self.policy.order(
+            RouteRequest(cands, keys, headers, tie, lambda: self.prefix_match.match(pods, keys))
+        )

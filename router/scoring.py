@@ -24,7 +24,7 @@ class Weights:
     queue: float = 0.5
 
     @classmethod
-    def parse(cls, text: str | None) -> "Weights":
+    def parse(cls, text: str | None) -> Weights:
         w = cls()
         for part in (text or "").split(","):
             if not part.strip():
@@ -50,7 +50,9 @@ class Candidate:
 
 
 def rendezvous(tie_key: bytes, name: str) -> int:
-    return int.from_bytes(hashlib.blake2b(tie_key + b"\0" + name.encode(), digest_size=8).digest(), "big")
+    return int.from_bytes(
+        hashlib.blake2b(tie_key + b"\0" + name.encode(), digest_size=8).digest(), "big"
+    )
 
 
 def check_hotspot_params(hot_ratio: float, hot_min: int) -> None:
@@ -80,8 +82,14 @@ def mark_hot(cands: list[Candidate], hot_ratio: float, hot_min: int) -> None:
         c.hot = c.load > hot_ratio * others_mean + hot_min
 
 
-def rank(cands: list[Candidate], total_blocks: int, weights: Weights, tie_key: bytes,
-         hot_ratio: float = 2.0, hot_min: int = 2) -> list[Candidate]:
+def rank(
+    cands: list[Candidate],
+    total_blocks: int,
+    weights: Weights,
+    tie_key: bytes,
+    hot_ratio: float = 2.0,
+    hot_min: int = 2,
+) -> list[Candidate]:
     """Best first. Hot pods go last (they stay as retry candidates)."""
     total_load = sum(c.load for c in cands)
     for c in cands:

@@ -50,13 +50,21 @@ class DrainingServer(uvicorn.Server):
             sock.close()
         for conn in list(self.server_state.connections):
             conn.shutdown()  # idle: closed now; busy: closed after its response
-        log.info("draining: %d requests in flight, %d connections open (up to %.0fs)",
-                 len(router.drain.active), len(self.server_state.connections), self.drain_timeout)
+        log.info(
+            "draining: %d requests in flight, %d connections open (up to %.0fs)",
+            len(router.drain.active),
+            len(self.server_state.connections),
+            self.drain_timeout,
+        )
         if await router.drain.wait_drained(self.drain_timeout, lambda: self.force_exit):
             log.info("drained: every request finished")
         elif not self.force_exit:
-            log.warning("drain timeout (%.0fs): %d requests still in flight are cut: %s", self.drain_timeout,
-                        len(router.drain.active), router.drain.describe_active())
+            log.warning(
+                "drain timeout (%.0fs): %d requests still in flight are cut: %s",
+                self.drain_timeout,
+                len(router.drain.active),
+                router.drain.describe_active(),
+            )
             router.cut()  # each stream ends with an error event and [DONE]
             await router.drain.wait_drained(CUT_GRACE_S, lambda: self.force_exit)
         # Then uvicorn's own shutdown: what is left (a client that stopped reading) gets
@@ -64,9 +72,24 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def make_server(router, host: str, port: int, drain_timeout: float, log_level: str = "warning",
-                watchdog: bool = False) -> DrainingServer:
+def make_server(
+    router,
+    host: str,
+    port: int,
+    drain_timeout: float,
+    log_level: str = "warning",
+    watchdog: bool = False,
+) -> DrainingServer:
     """`watchdog`: the router is the whole process (the CLI), which may be ended by force."""
-    config = uvicorn.Config(router, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=CUT_GRACE_S, loop="auto", http="auto")
+    config = uvicorn.Config(
+        router,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=CUT_GRACE_S,
+        loop="auto",
+        http="auto",
+    )
     return DrainingServer(config, router, drain_timeout, watchdog)

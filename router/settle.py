@@ -7,14 +7,16 @@ import time
 
 from kvmesh.common.logging_setup import redact_url
 from kvmesh.router.auth import RateLimiter
-from kvmesh.router.request_state import Call
 from kvmesh.router.metrics import RouterMetrics, status_label
 from kvmesh.router.proxy import Outcome
+from kvmesh.router.request_state import Call
 
 access_log = logging.getLogger("kvmesh.router.access")
 
 
-def settle(call: Call, out: Outcome, metrics: RouterMetrics, limiter: RateLimiter, policy: str) -> None:
+def settle(
+    call: Call, out: Outcome, metrics: RouterMetrics, limiter: RateLimiter, policy: str
+) -> None:
     m = metrics
     status = out.status
     dur = time.perf_counter() - call.t0
@@ -26,7 +28,7 @@ def settle(call: Call, out: Outcome, metrics: RouterMetrics, limiter: RateLimite
         m.predicted_cached.inc(call.predicted)
         usage = out.usage
         if usage:
-            cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             if isinstance(cached, int):
                 m.engine_cached.inc(cached)
                 m.prediction_error.observe(call.predicted - cached)
@@ -34,12 +36,30 @@ def settle(call: Call, out: Outcome, metrics: RouterMetrics, limiter: RateLimite
             if isinstance(real, int) and real >= 0 and call.charged:
                 limiter.adjust(call.client_id, real - call.charged, call.tpm)
     elif status >= 400 and status not in (499, 504) and call.charged:
-        limiter.adjust(call.client_id, -call.charged, call.tpm)  # refused, or never reached an engine
+        limiter.adjust(
+            call.client_id, -call.charged, call.tpm
+        )  # refused, or never reached an engine
     if access_log.isEnabledFor(logging.INFO):
-        access_log.info("request", extra={"fields": {
-            "request_id": call.rid, "route": call.route, "status": status, "pod": redact_url(out.pod),
-            "policy": policy, "reason": call.reason, "attempts": out.attempts,
-            "prompt_tokens": len(call.tokens), "predicted_cached_tokens": call.predicted,
-            "cached_tokens": cached, "stream": bool(call.req.get("stream")),
-            "held_s": round(call.held_s, 3) if call.held_s is not None else None, "error": out.error,
-            "duration_ms": round(dur * 1000, 2), "client": call.client_id, "resumes": call.resumes}})
+        access_log.info(
+            "request",
+            extra={
+                "fields": {
+                    "request_id": call.rid,
+                    "route": call.route,
+                    "status": status,
+                    "pod": redact_url(out.pod),
+                    "policy": policy,
+                    "reason": call.reason,
+                    "attempts": out.attempts,
+                    "prompt_tokens": len(call.tokens),
+                    "predicted_cached_tokens": call.predicted,
+                    "cached_tokens": cached,
+                    "stream": bool(call.req.get("stream")),
+                    "held_s": round(call.held_s, 3) if call.held_s is not None else None,
+                    "error": out.error,
+                    "duration_ms": round(dur * 1000, 2),
+                    "client": call.client_id,
+                    "resumes": call.resumes,
+                }
+            },
+        )

@@ -26,15 +26,46 @@ class UpstreamFailure:
     shutdown_first: bool  # while the router's drain is cutting requests, this failure is ours: answer "shutting down"
 
 
-TIMEOUT = UpstreamFailure("before_response", 504, "upstream engine timed out", "timeout_error", None, "timeout",
-                          "%s did not answer in time (%r)", False)
-DISCONNECTED = UpstreamFailure("before_response", 502, "the engine closed the connection before answering",
-                               "upstream_error", "upstream_disconnected", "disconnected",
-                               "%s closed the connection before answering: %s", False)
-BODY = UpstreamFailure("body", 502, "the engine failed while sending its answer", "upstream_error",
-                       "upstream_failed", "body", "%s failed while sending its answer: %s", True)
-FIRST_EVENT = UpstreamFailure("before_response", 502, "the engine failed before its first event", "upstream_error",
-                              "upstream_failed", "before_first_event", "%s failed before its first event: %s", True)
+TIMEOUT = UpstreamFailure(
+    "before_response",
+    504,
+    "upstream engine timed out",
+    "timeout_error",
+    None,
+    "timeout",
+    "%s did not answer in time (%r)",
+    False,
+)
+DISCONNECTED = UpstreamFailure(
+    "before_response",
+    502,
+    "the engine closed the connection before answering",
+    "upstream_error",
+    "upstream_disconnected",
+    "disconnected",
+    "%s closed the connection before answering: %s",
+    False,
+)
+BODY = UpstreamFailure(
+    "body",
+    502,
+    "the engine failed while sending its answer",
+    "upstream_error",
+    "upstream_failed",
+    "body",
+    "%s failed while sending its answer: %s",
+    True,
+)
+FIRST_EVENT = UpstreamFailure(
+    "before_response",
+    502,
+    "the engine failed before its first event",
+    "upstream_error",
+    "upstream_failed",
+    "before_first_event",
+    "%s failed before its first event: %s",
+    True,
+)
 
 
 def log_failure(failure: UpstreamFailure, pod: str, exc: BaseException, rid: str) -> None:

@@ -25,8 +25,12 @@ class SidecarConfig:
     engine_down_after: int = 2  # failed polls before the heartbeat is withdrawn
     max_backoff: float = 5.0
     health_host: str = "0.0.0.0"
-    health_port: int | None = None  # /health, /ready, /metrics; None: no health server (0: any free port)
-    events_stale_after: float = 20.0  # an events loop without a completed iteration this long is stale
+    health_port: int | None = (
+        None  # /health, /ready, /metrics; None: no health server (0: any free port)
+    )
+    events_stale_after: float = (
+        20.0  # an events loop without a completed iteration this long is stale
+    )
 
 
 def default_pod_url() -> str:

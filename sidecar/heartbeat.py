@@ -118,13 +118,24 @@ class Heartbeat:
         problem = self.events.problem()
         if problem is not None:
             self.writer.withdraw(problem, self.redis)
-        hb = rl.Heartbeat(pod=self.cfg.pod_name, url=self.cfg.pod_url, model=self.cfg.model, state=self.state,
-                          num_keys=self.writer.num_keys)
+        hb = rl.Heartbeat(
+            pod=self.cfg.pod_name,
+            url=self.cfg.pod_url,
+            model=self.cfg.model,
+            state=self.state,
+            num_keys=self.writer.num_keys,
+        )
         if load:
             hb.kv_usage, hb.running, hb.waiting = load.kv_usage, load.running, load.waiting
             hb.total_blocks = load.total_blocks
-            hb.prefix_cache_queries, hb.prefix_cache_hits = load.prefix_cache_queries, load.prefix_cache_hits
-            hb.spec_draft_tokens, hb.spec_accepted_tokens = load.spec_draft_tokens, load.spec_accepted_tokens
+            hb.prefix_cache_queries, hb.prefix_cache_hits = (
+                load.prefix_cache_queries,
+                load.prefix_cache_hits,
+            )
+            hb.spec_draft_tokens, hb.spec_accepted_tokens = (
+                load.spec_draft_tokens,
+                load.spec_accepted_tokens,
+            )
         mapping = hb.to_mapping()
         mapping[rl.F_BLOCK_SIZE] = str(self.cfg.block_size)
         mapping[F_INDEX] = self.writer.index_state
@@ -157,7 +168,9 @@ class Heartbeat:
         if self.engine_failures >= self.cfg.engine_down_after:
             self._engine_restarted("engine came back after being unreachable")
         elif start and self.engine_start and start != self.engine_start:
-            self._engine_restarted(f"engine process start time changed ({self.engine_start} -> {start})")
+            self._engine_restarted(
+                f"engine process start time changed ({self.engine_start} -> {start})"
+            )
         if start:
             self.engine_start = start
 

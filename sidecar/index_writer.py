@@ -19,13 +19,21 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 import redis
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import block_keys, key_hex, root_key
-from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Delivery, EventBatch
+from kvmesh.common.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    Delivery,
+    EventBatch,
+)
 from kvmesh.sidecar.config import SidecarConfig
 
 log = logging.getLogger("kvmesh.sidecar")
@@ -60,8 +68,11 @@ class BlockIndex:
         if self.cfg.engine_format == "vllm":
             if ev.block_size != self.cfg.block_size and not self._warned_block_size:
                 self._warned_block_size = True
-                log.warning("engine block size %d != --block-size %d: keys will not match the router's",
-                            ev.block_size, self.cfg.block_size)
+                log.warning(
+                    "engine block size %d != --block-size %d: keys will not match the router's",
+                    ev.block_size,
+                    self.cfg.block_size,
+                )
             if ev.parent_block_hash is None:
                 parent = self._root
             else:
@@ -103,11 +114,17 @@ def validate_kvmesh_batch(batch: EventBatch) -> None:
     """``--engine-format kvmesh``: every hash is a contract key, a uint64 int."""
     for ev in batch.events:
         hashes = ev.block_hashes if isinstance(ev, (BlockStored, BlockRemoved)) else []
-        parent = [ev.parent_block_hash] if isinstance(ev, BlockStored) and ev.parent_block_hash is not None else []
+        parent = (
+            [ev.parent_block_hash]
+            if isinstance(ev, BlockStored) and ev.parent_block_hash is not None
+            else []
+        )
         for h in (*hashes, *parent):
             if type(h) is not int or not 0 <= h <= MAX_U64:
-                raise DecodeError(f"block hash {h!r:.40} is not a uint64 contract key "
-                                  "(an engine with its own hashes needs --engine-format vllm)")
+                raise DecodeError(
+                    f"block hash {h!r:.40} is not a uint64 contract key "
+                    "(an engine with its own hashes needs --engine-format vllm)"
+                )
 
 
 class IndexWriter:
@@ -124,7 +141,9 @@ class IndexWriter:
         self.dirty = True  # the first write is a full rewrite (drops a previous incarnation's set)
         self.retry_at = 0.0
         self.backoff = 0.1
-        self.withdrawn = False  # the block set was removed from Redis because the index is not trusted
+        self.withdrawn = (
+            False  # the block set was removed from Redis because the index is not trusted
+        )
         self._indexed_seq: int | None = None  # the subscriber's next_seq after the last write
 
     def close(self) -> None:
@@ -213,7 +232,7 @@ class IndexWriter:
             pipe = self.redis.pipeline(transaction=True)
             pipe.delete(tmp)
             for i in range(0, len(keys), 10_000):
-                pipe.sadd(tmp, *keys[i:i + 10_000])
+                pipe.sadd(tmp, *keys[i : i + 10_000])
             if keys:
                 pipe.rename(tmp, self.blocks_key)
             else:
@@ -278,8 +297,12 @@ class IndexWriter:
                 return
             in_redis = client.scard(self.blocks_key)
             if in_redis != len(self.index.refs):
-                log.warning("the block set in Redis has %d keys, the index %d (Redis restarted or lost data); "
-                            "rewriting it", in_redis, len(self.index.refs))
+                log.warning(
+                    "the block set in Redis has %d keys, the index %d (Redis restarted or lost data); "
+                    "rewriting it",
+                    in_redis,
+                    len(self.index.refs),
+                )
                 self.stats["block_set_repairs"] += 1
                 self.dirty = True
                 self.retry_at = 0.0

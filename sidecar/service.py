@@ -32,13 +32,19 @@ class Sidecar:
         self.health_server: HealthServer | None = None
         self.health_port: int | None = None
 
-    def start(self) -> "Sidecar":
+    def start(self) -> Sidecar:
         self.events.start()
         self.heartbeat.start()
         if self.cfg.health_port is not None:
-            self.health_server = HealthServer(self, self.cfg.health_host, self.cfg.health_port).start()
+            self.health_server = HealthServer(
+                self, self.cfg.health_host, self.cfg.health_port
+            ).start()
             self.health_port = self.health_server.port
-            log.info("health on %s:%d (/health, /ready, /metrics)", self.cfg.health_host, self.health_port)
+            log.info(
+                "health on %s:%d (/health, /ready, /metrics)",
+                self.cfg.health_host,
+                self.health_port,
+            )
         return self
 
     def stop(self, clean: bool = True) -> None:

@@ -40,8 +40,9 @@ class EventsLoop:
 
     def start(self) -> None:
         validate = validate_kvmesh_batch if self.cfg.engine_format == "kvmesh" else None
-        self.subscriber = KVEventSubscriber(self.cfg.kv_events_endpoint, self.cfg.kv_events_replay_endpoint,
-                                            validate=validate)
+        self.subscriber = KVEventSubscriber(
+            self.cfg.kv_events_endpoint, self.cfg.kv_events_replay_endpoint, validate=validate
+        )
         self.thread = threading.Thread(target=self._run, name="sidecar-events", daemon=True)
         self.thread.start()
 
@@ -103,5 +104,7 @@ class EventsLoop:
                 self.last_ok = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - e.g. SystemExit from a library: say why the loop is gone
             self.error = f"{type(exc).__name__}: {exc}"[:300]
-            log.critical("KV-event loop ended: %s; /health and /ready now fail, the block set is withdrawn",
-                         self.error)
+            log.critical(
+                "KV-event loop ended: %s; /health and /ready now fail, the block set is withdrawn",
+                self.error,
+            )

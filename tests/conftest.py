@@ -21,7 +21,6 @@ from kvmesh.common.ports import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
 def wait_until(cond, timeout: float = 10.0, interval: float = 0.05, msg: str = "condition"):
     deadline = time.time() + timeout
     last = None
@@ -60,10 +59,27 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(lambda: redis.Redis(port=self.port, socket_timeout=0.5).ping(), 10, msg="redis up")
+            [
+                self.exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+                "--protected-mode",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_until(
+            lambda: redis.Redis(port=self.port, socket_timeout=0.5).ping(), 10, msg="redis up"
+        )
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -120,16 +136,20 @@ class StubProc:
     def replay_endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.replay_port}"
 
-    def start(self, wait: bool = True) -> "StubProc":
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvmesh.mesh.stub_engine", *self.args],
-                                     env=child_env(), cwd=ROOT)
+    def start(self, wait: bool = True) -> StubProc:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.mesh.stub_engine", *self.args], env=child_env(), cwd=ROOT
+        )
         if wait:
             self.wait_ready()
         return self
 
     def wait_ready(self, timeout: float = 20.0) -> None:
-        wait_until(lambda: httpx.get(self.url + "/health", timeout=0.5).status_code == 200, timeout,
-                   msg=f"stub engine on {self.port}")
+        wait_until(
+            lambda: httpx.get(self.url + "/health", timeout=0.5).status_code == 200,
+            timeout,
+            msg=f"stub engine on {self.port}",
+        )
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -145,10 +165,22 @@ class StubProc:
 
 def make_stub(model: str, *extra: str, events: bool = True) -> StubProc:
     port, ep, rp = free_port(), free_port(), free_port()
-    args = ["--port", str(port), "--served-model-name", model, "--model", "smollm2-135m-instruct", *extra]
+    args = [
+        "--port",
+        str(port),
+        "--served-model-name",
+        model,
+        "--model",
+        "smollm2-135m-instruct",
+        *extra,
+    ]
     if events:
-        args += ["--kv-events-endpoint", f"tcp://127.0.0.1:{ep}", "--kv-events-replay-endpoint",
-                 f"tcp://127.0.0.1:{rp}"]
+        args += [
+            "--kv-events-endpoint",
+            f"tcp://127.0.0.1:{ep}",
+            "--kv-events-replay-endpoint",
+            f"tcp://127.0.0.1:{rp}",
+        ]
     return StubProc(port, ep, rp, args)
 
 
@@ -255,16 +287,26 @@ def mesh(redis_server, stub_factory, router_factory, model_name, mesh_backends):
         server = redis or redis_server
         stubs = stub_factory(model_name, n, *stub_args)
         for i, s in enumerate(stubs):
-            cfg = SidecarConfig(pod_name=f"pod-{i}", pod_url=s.url, model=model_name, engine_url=s.url,
-                                kv_events_endpoint=s.events_endpoint, kv_events_replay_endpoint=s.replay_endpoint,
-                                redis_url=server.url, heartbeat_interval=0.2)
+            cfg = SidecarConfig(
+                pod_name=f"pod-{i}",
+                pod_url=s.url,
+                model=model_name,
+                engine_url=s.url,
+                kv_events_endpoint=s.events_endpoint,
+                kv_events_replay_endpoint=s.replay_endpoint,
+                redis_url=server.url,
+                heartbeat_interval=0.2,
+            )
             sidecars.append(Sidecar(cfg).start())
             mesh_backends.append(f"pod-{i}={s.url}")
         r = server.client()
         from kvmesh.common import redis_layout as rl
 
-        wait_until(lambda: all(r.exists(rl.heartbeat_key(model_name, f"pod-{i}")) for i in range(n)), 10,
-                   msg="heartbeats")
+        wait_until(
+            lambda: all(r.exists(rl.heartbeat_key(model_name, f"pod-{i}")) for i in range(n)),
+            10,
+            msg="heartbeats",
+        )
         return stubs, sidecars[-n:]
 
     yield start

@@ -21,34 +21,51 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, ignored_auth, response_headers_conformance,
-                                               response_schema_conformance, status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    ignored_auth,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 # Small and fixed: `make test` runs this on a busy 2-core machine, so a few dozen cases per
 # operation; derandomized so a failure reproduces (its exact input becomes a regression test).
 # KVMESH_FUZZ_EXAMPLES=500 KVMESH_FUZZ_SEED=7 explores further (random, off `make test`).
 MAX_EXAMPLES = int(os.environ.get("KVMESH_FUZZ_EXAMPLES", "12"))
 SEED = os.environ.get("KVMESH_FUZZ_SEED")
-FUZZ_SETTINGS = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=SEED is None, database=None,
-                         suppress_health_check=list(HealthCheck), print_blob=True)
+FUZZ_SETTINGS = settings(
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    derandomize=SEED is None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
 REQUEST_TIMEOUT = 30.0  # a hang fails the case instead of the whole run
 
 
 def config() -> schemathesis.Config:
     """Fuzzing only (no coverage phase: its boundary sweep of ~30 body fields is hundreds of
     requests per operation); the same cases on every run."""
-    return schemathesis.Config.from_dict({
-        "seed": 20240601,
-        "phases": {"coverage": {"enabled": False}, "examples": {"enabled": False},
-                   "stateful": {"enabled": False}},
-        "generation": {"max-examples": MAX_EXAMPLES},
-        "max-stream-events": 100000,  # read every stream to its end (the default stops at 20 events)
-    })
+    return schemathesis.Config.from_dict(
+        {
+            "seed": 20240601,
+            "phases": {
+                "coverage": {"enabled": False},
+                "examples": {"enabled": False},
+                "stateful": {"enabled": False},
+            },
+            "generation": {"max-examples": MAX_EXAMPLES},
+            "max-stream-events": 100000,  # read every stream to its end (the default stops at 20 events)
+        }
+    )
 
 
 def _strict_loads(text: str | bytes) -> Any:
     def refuse(name: str):
         raise ValueError(f"{name} is not JSON")
+
     return json.loads(text, parse_constant=refuse)
 
 
@@ -60,10 +77,16 @@ def strict_json(ctx, response, case) -> bool | None:
         try:
             _strict_loads(response.content)
         except ValueError as exc:
-            raise AssertionError(f"the body is not strict JSON: {exc}: {response.content[:300]!r}") from None
+            raise AssertionError(
+                f"the body is not strict JSON: {exc}: {response.content[:300]!r}"
+            ) from None
     elif "text/event-stream" in ctype:
         assert not response.stream_cut_short, "the stream was cut short (raise max-stream-events)"
-        events = [line[len("data: "):] for line in response.content.decode().split("\n\n") if line.strip()]
+        events = [
+            line[len("data: ") :]
+            for line in response.content.decode().split("\n\n")
+            if line.strip()
+        ]
         assert events, "an empty event stream"
         assert all(isinstance(e, str) for e in events)
         assert events[-1] == "[DONE]", f"the stream does not end with [DONE]: {events[-1][:300]!r}"
@@ -72,14 +95,23 @@ def strict_json(ctx, response, case) -> bool | None:
             try:
                 obj = _strict_loads(event)
             except ValueError as exc:
-                raise AssertionError(f"event {i} is not strict JSON: {exc}: {event[:300]!r}") from None
+                raise AssertionError(
+                    f"event {i} is not strict JSON: {exc}: {event[:300]!r}"
+                ) from None
             if "error" in obj:
                 assert i == len(events) - 2, "an error event that is not the last before [DONE]"
     return None
 
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          response_headers_conformance, ignored_auth, strict_json]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    response_headers_conformance,
+    ignored_auth,
+    strict_json,
+]
 
 
 def call_and_check(case, headers: dict[str, str] | None = None):
@@ -101,16 +133,23 @@ def _with_stream(drawn):
     return case
 
 
-def fuzz(schema, method: str, path: str, headers: dict[str, str] | None = None,
-         max_examples: int = MAX_EXAMPLES) -> None:
+def fuzz(
+    schema,
+    method: str,
+    path: str,
+    headers: dict[str, str] | None = None,
+    max_examples: int = MAX_EXAMPLES,
+) -> None:
     """Fuzz one operation: bodies valid by its schema and bodies that break it (negative mode:
     wrong types, missing fields, out-of-range values), each sent and checked.
 
     (Hypothesis' own @given over ``operation.as_strategy``: schemathesis' pytest plugin,
     ``schema.parametrize``, needs pytest internals pytest 9 removed.)"""
     operation = schema[path][method.upper()]
-    strategy = st.one_of(operation.as_strategy(GenerationMode.POSITIVE),
-                         operation.as_strategy(GenerationMode.NEGATIVE))
+    strategy = st.one_of(
+        operation.as_strategy(GenerationMode.POSITIVE),
+        operation.as_strategy(GenerationMode.NEGATIVE),
+    )
     if path in GENERATE:
         # `stream` is one optional field of ~30, so few generated bodies would stream: half do.
         strategy = st.tuples(strategy, st.sampled_from([None, False, True])).map(_with_stream)
@@ -159,5 +198,10 @@ def check_unsupported_methods(base_url: str, schema, headers: dict[str, str] | N
                 assert r.status_code == 405, (method, path, r.status_code, r.text)
                 allow = {m.strip() for m in r.headers.get("allow", "").split(",")}
                 assert documented <= allow, (method, path, r.headers.get("allow"))
-                assert set(_strict_loads(r.content)["error"]) == {"message", "type", "param", "code"}
+                assert set(_strict_loads(r.content)["error"]) == {
+                    "message",
+                    "type",
+                    "param",
+                    "code",
+                }
     return sent

@@ -20,15 +20,18 @@ def big_bodies() -> list[tuple[str, bytes]]:
     text = ("The quick brown fox jumps over the lazy dog. " * (MB4 // 45 + 1))[:MB4]
     return [
         ("/v1/completions", json.dumps({"prompt": text, "max_tokens": 1}).encode()),
-        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": text}],
-                                             "max_tokens": 1}).encode()),
+        (
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 1}).encode(),
+        ),
         ("/v1/completions", json.dumps({"prompt": [5] * (MB4 // 3), "max_tokens": 1}).encode()),
         ("/tokenize", json.dumps({"prompt": text}).encode()),
     ]
 
 
-def probe_during(url: str, probes: tuple[str, ...], bodies: list[tuple[str, bytes]]
-                 ) -> tuple[list[float], list[str], list[tuple[str, int, str]]]:
+def probe_during(
+    url: str, probes: tuple[str, ...], bodies: list[tuple[str, bytes]]
+) -> tuple[list[float], list[str], list[tuple[str, int, str]]]:
     """Send ``bodies`` at once while GETting ``probes`` in turn (10 ms apart). Returns the probe
     latencies (sorted), the probes that did not answer 200, and (path, status, text) per body."""
     latencies: list[float] = []
@@ -50,7 +53,9 @@ def probe_during(url: str, probes: tuple[str, ...], bodies: list[tuple[str, byte
                 time.sleep(0.01)
 
     def send(path: str, body: bytes) -> None:
-        r = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=300)
+        r = httpx.post(
+            url + path, content=body, headers={"content-type": "application/json"}, timeout=300
+        )
         answers.append((path, r.status_code, r.text[:200]))
 
     prober = threading.Thread(target=probe)
@@ -69,9 +74,13 @@ def probe_during(url: str, probes: tuple[str, ...], bodies: list[tuple[str, byte
 
 def check_latencies(latencies: list[float]) -> None:
     p99 = latencies[int(0.99 * (len(latencies) - 1))]
-    print(f"probes {len(latencies)}: p50 {latencies[len(latencies) // 2] * 1000:.1f} ms, "
-          f"p99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms")
-    assert p99 < P99_LIMIT_S, f"p99 {p99 * 1000:.0f} ms, max {latencies[-1] * 1000:.0f} ms over {len(latencies)} probes"
+    print(
+        f"probes {len(latencies)}: p50 {latencies[len(latencies) // 2] * 1000:.1f} ms, "
+        f"p99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms"
+    )
+    assert p99 < P99_LIMIT_S, (
+        f"p99 {p99 * 1000:.0f} ms, max {latencies[-1] * 1000:.0f} ms over {len(latencies)} probes"
+    )
     # probed throughout: the load lasts ~0.5-1 s here, each probe ~17 ms (10 ms apart); a faster
     # server shortens the window, so the floor is what shows probes ran while the load did
     assert len(latencies) >= 20, latencies

@@ -20,7 +20,8 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. A KV cache keeps keys and values of past tokens.",
@@ -43,13 +44,24 @@ def trained_tokenizer_dir(path: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1200,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_CORPUS * 20, trainer)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
-        "unk_token": "<|endoftext|>"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|im_end|>",
+                "unk_token": "<|endoftext|>",
+            }
+        )
+    )
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return path
 
@@ -72,8 +84,11 @@ def tokenizer_source(tmp: Path) -> Path:
 def build_seam_model(tmp: Path) -> str:
     from tests.tiny_models import build_tiny_model
 
-    return str(build_tiny_model(tmp / "tiny-llama-plain", "tiny-llama-plain",
-                                tokenizer_source=tokenizer_source(tmp)))
+    return str(
+        build_tiny_model(
+            tmp / "tiny-llama-plain", "tiny-llama-plain", tokenizer_source=tokenizer_source(tmp)
+        )
+    )
 
 
 def check_tokenizer_is_not_naive(model_dir: str) -> None:
@@ -103,8 +118,10 @@ def chain_errors(events, model: str, block_size: int, cache_salt: str | None = N
         parent = root if ev.parent_block_hash is None else ev.parent_block_hash
         keys = []
         for i in range(len(ev.block_hashes)):
-            parent = block_key(parent, ev.token_ids[i * block_size:(i + 1) * block_size])
+            parent = block_key(parent, ev.token_ids[i * block_size : (i + 1) * block_size])
             keys.append(parent)
         if keys != list(ev.block_hashes):
-            bad.append(f"BlockStored parent={ev.parent_block_hash} hashes={ev.block_hashes}: recomputed {keys}")
+            bad.append(
+                f"BlockStored parent={ev.parent_block_hash} hashes={ev.block_hashes}: recomputed {keys}"
+            )
     return bad

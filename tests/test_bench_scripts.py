@@ -27,10 +27,16 @@ def kvmesh_imports(path: Path) -> list[tuple[str, str | None]]:
     wherever they sit in the script (most import inside functions)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "kvmesh":
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "kvmesh"
+        ):
             found += [(node.module, alias.name) for alias in node.names]
         elif isinstance(node, ast.Import):
-            found += [(alias.name, None) for alias in node.names if alias.name.split(".")[0] == "kvmesh"]
+            found += [
+                (alias.name, None) for alias in node.names if alias.name.split(".")[0] == "kvmesh"
+            ]
     return found
 
 
@@ -60,8 +66,9 @@ def test_every_kvmesh_import_of_a_bench_script_resolves(script):
 def test_every_file_a_shell_driver_runs_exists(driver):
     root = BENCH.parent
     referenced = set(re.findall(r"\b((?:bench|tests)/[\w/]+\.py)\b", driver.read_text()))
-    assert all((root / r).is_file() for r in referenced), \
+    assert all((root / r).is_file() for r in referenced), (
         f"{driver.name} runs files that are not there: {[r for r in referenced if not (root / r).is_file()]}"
+    )
 
 
 @pytest.fixture
@@ -101,7 +108,9 @@ def test_a_paused_server_and_its_children_take_no_cpu_until_resumed(tmp_path, se
         srv.pause()
     finally:
         srv.stop()  # resumes first: a stopped process would hold the SIGTERM
-        with contextlib.suppress(ProcessLookupError):  # the grandchild, which SIGTERM to the parent leaves
+        with contextlib.suppress(
+            ProcessLookupError
+        ):  # the grandchild, which SIGTERM to the parent leaves
             os.killpg(srv.proc.pid, signal.SIGKILL)
     assert srv.proc.returncode is not None
 
@@ -169,19 +178,29 @@ def test_gpu_serve_pairs_each_concurrency_with_its_request_count(bench_module):
 
 def test_gpu_figures_reads_the_logs_of_the_steps_that_print_their_figures(bench_module, tmp_path):
     figures = bench_module("gpu_figures")
-    assert figures.kernel_counts("....\n15 passed, 2 skipped, 1 warning in 31.2s\n") == {"passed": 15, "skipped": 2}
+    assert figures.kernel_counts("....\n15 passed, 2 skipped, 1 warning in 31.2s\n") == {
+        "passed": 15,
+        "skipped": 2,
+    }
     assert figures.kernel_counts("E   ImportError\n1 error in 0.5s") == {"error": 1}
-    offline = ("system         time s  output tok/s  total tok/s\n"
-               "kvmesh          2.1        3901.2      21000.5\n"
-               "hf-static      10.4         790.0       4250.0\n"
-               "ratio kvmesh / hf-static: output 4.94x, total 4.94x (target >= 3.0x total)\n")
+    offline = (
+        "system         time s  output tok/s  total tok/s\n"
+        "kvmesh          2.1        3901.2      21000.5\n"
+        "hf-static      10.4         790.0       4250.0\n"
+        "ratio kvmesh / hf-static: output 4.94x, total 4.94x (target >= 3.0x total)\n"
+    )
     assert figures.offline_rates(offline) == {
         "kvmesh": {"seconds": 2.1, "output_tok_s": 3901.2, "total_tok_s": 21000.5},
-        "hf-static": {"seconds": 10.4, "output_tok_s": 790.0, "total_tok_s": 4250.0}, "ratio_total": 4.94}
+        "hf-static": {"seconds": 10.4, "output_tok_s": 790.0, "total_tok_s": 4250.0},
+        "ratio_total": 4.94,
+    }
     (tmp_path / "serve.json").write_text('{"levels": {"256": {"total_tok_s": 9.5}}}')
     (tmp_path / "kernels.log").write_text("15 passed in 3s")
     (tmp_path / "profile.json").write_text("{not json")
-    out = figures.collect(tmp_path, ["kernels PASS 30", "serve PASS 120", "profile FAIL(timeout) 80", "offline SKIP 0"])
+    out = figures.collect(
+        tmp_path,
+        ["kernels PASS 30", "serve PASS 120", "profile FAIL(timeout) 80", "offline SKIP 0"],
+    )
     steps = out["steps"]
     assert steps["kernels"] == {"result": "PASS", "seconds": 30, "figures": {"passed": 15}}
     assert steps["serve"]["figures"]["levels"]["256"]["total_tok_s"] == 9.5
@@ -197,12 +216,21 @@ def test_gpu_profile_counts_overlapping_device_intervals_once(bench_module):
     DeviceType = SimpleNamespace(CUDA=cuda)
 
     def ev(name, device, start, end):
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
+        )
 
-    prof = SimpleNamespace(events=lambda: [
-        ev("gemm", cuda, 0, 1000), ev("copy", cuda, 500, 1500),  # overlapping: 1.5 ms together
-        ev("norm", cuda, 3000, 3500), ev("empty", cuda, 4000, 4000),  # apart: 0.5 ms; empty: nothing
-        ev("cudaLaunchKernel", cpu, 0, 10), ev("cudaGraphLaunch", cpu, 20, 30), ev("aten::mm", cpu, 0, 50)])
+    prof = SimpleNamespace(
+        events=lambda: [
+            ev("gemm", cuda, 0, 1000),
+            ev("copy", cuda, 500, 1500),  # overlapping: 1.5 ms together
+            ev("norm", cuda, 3000, 3500),
+            ev("empty", cuda, 4000, 4000),  # apart: 0.5 ms; empty: nothing
+            ev("cudaLaunchKernel", cpu, 0, 10),
+            ev("cudaGraphLaunch", cpu, 20, 30),
+            ev("aten::mm", cpu, 0, 50),
+        ]
+    )
     assert gpu_profile.busy_ms(prof, DeviceType) == (2.0, 2)
 
 
@@ -212,7 +240,15 @@ def test_gpu_check_pins_one_wheel_per_package_and_the_random_1b_shape_is_1_07b()
     names = [p.split("==")[0] for p in pins]
     assert all("==" in p for p in pins) and len(set(names)) == len(names)
     # the engine core's messages and the server's framework: what a bare GPU image lacks
-    assert {"pyzmq", "msgspec", "fastapi", "uvicorn", "pydantic", "starlette", "opentelemetry_api"} <= set(names)
+    assert {
+        "pyzmq",
+        "msgspec",
+        "fastapi",
+        "uvicorn",
+        "pydantic",
+        "starlette",
+        "opentelemetry_api",
+    } <= set(names)
     assert 1.06e9 < preset_parameters("llama-1.07b") < 1.08e9
 
 
@@ -236,10 +272,15 @@ def preset_parameters(name: str, vocab: int = 49152) -> int:
 
 def test_gpu_decode_sorts_kernels_by_kind_per_step(bench_module, capsys):
     gpu_decode = bench_module("gpu_decode")
-    rows = [("sm90_xmma_gemm_bf16bf16_bf16f32", 800.0, 8), ("_decode_kernel", 100.0, 4),
-            ("_decode_reduce_kernel", 20.0, 4), ("_fused_add_rms_norm_kernel", 40.0, 8),
-            ("_rotary_store_kernel", 30.0, 4), ("Memcpy HtoD (Pinned -> Device)", 10.0, 4),
-            ("void at::native::argmax_kernel", 50.0, 4)]
+    rows = [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", 800.0, 8),
+        ("_decode_kernel", 100.0, 4),
+        ("_decode_reduce_kernel", 20.0, 4),
+        ("_fused_add_rms_norm_kernel", 40.0, 8),
+        ("_rotary_store_kernel", 30.0, 4),
+        ("Memcpy HtoD (Pinned -> Device)", 10.0, 4),
+        ("void at::native::argmax_kernel", 50.0, 4),
+    ]
     kinds = gpu_decode.kernel_breakdown(rows, steps=4)
     assert list(kinds)[0] == "gemm" and kinds["gemm"] == (0.2, 2.0)
     assert kinds["attention"] == (0.03, 2.0)
@@ -252,7 +293,9 @@ def test_gpu_decode_sorts_kernels_by_kind_per_step(bench_module, capsys):
     assert "0.263 ms, 9 kernels per step" in line
 
 
-def test_structured_online_counts_valid_cut_invalid_and_refused_replies(bench_module, tmp_path, capsys):
+def test_structured_online_counts_valid_cut_invalid_and_refused_replies(
+    bench_module, tmp_path, capsys
+):
     """bench/structured_online.py against a scripted OpenAI-style server: per schema, the
     constrained reply is valid, refused (400), cut by max_tokens, invalid or valid; every
     unconstrained reply is fenced JSON (not a bare document). Two names for the server give the
@@ -269,24 +312,35 @@ def test_structured_online_counts_valid_cut_invalid_and_refused_replies(bench_mo
         "nested": (400, "", None),
         "anyof_ref": (200, '{"v": "ab", "items": [', "length"),
         "order": (200, '{"order_id": 0}', "stop"),
-        "event": (200, '{"title": "t", "day": "mon", "attendees": ["a", "b"], "online": true}', "stop"),
+        "event": (
+            200,
+            '{"title": "t", "day": "mon", "attendees": ["a", "b"], "online": true}',
+            "stop",
+        ),
     }
     assert set(constrained_replies) == set(so.SCHEMAS)
 
     async def chat(request):
         body = await request.json()
         spec = body.get("response_format")
-        status, text, finish = (constrained_replies[spec["json_schema"]["name"]] if spec
-                                else (200, '```json\n{"name": "a"}\n```', "stop"))
+        status, text, finish = (
+            constrained_replies[spec["json_schema"]["name"]]
+            if spec
+            else (200, '```json\n{"name": "a"}\n```', "stop")
+        )
         if status != 200:
             return web.json_response({"error": {"message": "unsupported schema"}}, status=status)
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         for piece, reason in ((text[:5], None), (text[5:], finish)):
-            chunk = {"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": reason}]}
+            chunk = {
+                "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": reason}]
+            }
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         usage = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}
-        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        await resp.write(
+            f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode()
+        )
         return resp
 
     async def models(_):
@@ -306,8 +360,20 @@ def test_structured_online_counts_valid_cut_invalid_and_refused_replies(bench_mo
     results = tmp_path / "runs.json"
     url = f"http://127.0.0.1:{port}"
     try:
-        args = ["--url", f"a={url}", "--url", f"b={url}/", "--model", "m", "--requests", "10", "--warmup", "1",
-                "--results", str(results)]
+        args = [
+            "--url",
+            f"a={url}",
+            "--url",
+            f"b={url}/",
+            "--model",
+            "m",
+            "--requests",
+            "10",
+            "--warmup",
+            "1",
+            "--results",
+            str(results),
+        ]
         assert so.main(args) == 0
         out = capsys.readouterr().out
         with pytest.raises(SystemExit):

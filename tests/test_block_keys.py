@@ -23,7 +23,9 @@ VECTORS = [
 
 @pytest.mark.parametrize("tokens,model,bs,salt,expected", VECTORS)
 def test_vectors(tokens, model, bs, salt, expected):
-    assert [key_hex(k) for k in block_keys(tokens, model, block_size=bs, cache_salt=salt)] == expected
+    assert [
+        key_hex(k) for k in block_keys(tokens, model, block_size=bs, cache_salt=salt)
+    ] == expected
 
 
 def test_roots():
@@ -40,10 +42,14 @@ def test_block_key_extremes():
 
 def test_matches_the_documented_encoding():
     """H = first 8 bytes of SHA-256, little-endian; parent as u64 LE, tokens as u32 LE."""
-    root = int.from_bytes(hashlib.sha256(b"kvmesh-block-key-v1\0" + MODEL.encode() + b"\0").digest()[:8], "little")
+    root = int.from_bytes(
+        hashlib.sha256(b"kvmesh-block-key-v1\0" + MODEL.encode() + b"\0").digest()[:8], "little"
+    )
     assert root == root_key(MODEL)
     tokens = list(range(100, 116))
-    expected = int.from_bytes(hashlib.sha256(struct.pack("<Q16I", root, *tokens)).digest()[:8], "little")
+    expected = int.from_bytes(
+        hashlib.sha256(struct.pack("<Q16I", root, *tokens)).digest()[:8], "little"
+    )
     assert block_keys(tokens, MODEL) == [expected]
 
 

@@ -40,22 +40,36 @@ def test_every_flag_of_every_subcommand_is_documented_with_its_default():
             if isinstance(action, argparse._HelpAction):
                 continue
             first = action.option_strings[0] if action.option_strings else action.dest.upper()
-            row = next((line for line in section.splitlines()
-                        if re.match(rf"\| `{re.escape(first)}[ `]", line)), None)
+            row = next(
+                (
+                    line
+                    for line in section.splitlines()
+                    if re.match(rf"\| `{re.escape(first)}[ `]", line)
+                ),
+                None,
+            )
             assert row is not None, (name, action.option_strings or action.dest)
-            assert all(f"`{o}" in row.split(" | ")[0] for o in action.option_strings), row  # --no-... too
+            assert all(f"`{o}" in row.split(" | ")[0] for o in action.option_strings), (
+                row
+            )  # --no-... too
             default = row.split(" | ")[1]
             assert default == cli_reference._default(action), (name, row)
             if action.help:
                 assert " ".join(action.help.split()) in row.replace("\\|", "|"), (name, row)
         documented = set(re.findall(r"^\| `(--[a-z0-9-]+)", section, re.M))
-        assert documented == {a.option_strings[0] for a in parser._actions
-                              if a.option_strings and not isinstance(a, argparse._HelpAction)}, name
+        assert documented == {
+            a.option_strings[0]
+            for a in parser._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction)
+        }, name
 
 
 def test_env_defaults_name_their_variable():
     text = (ROOT / cli_reference.DOC).read_text()
-    assert "| `--redis-url URL` (env `KVMESH_REDIS_URL`) | `redis://127.0.0.1:6379/0` |" in _section(text, "router")
+    assert (
+        "| `--redis-url URL` (env `KVMESH_REDIS_URL`) | `redis://127.0.0.1:6379/0` |"
+        in _section(text, "router")
+    )
     assert "(env `KVMESH_POD_URL`)" in _section(text, "sidecar")
     assert "(env `COLUMNS`" not in text  # argparse's own reads are not the flag's
 
@@ -72,11 +86,14 @@ def test_stale_file_is_reported_with_the_command(tmp_path, capsys):
 
 def test_the_cli_still_imports_one_subcommand_only():
     # The generator imports every subcommand; `kvmesh router` must still start without torch.
-    code = _NO_TORCH + """
+    code = (
+        _NO_TORCH
+        + """
 import kvmesh.cli as c
 c._load("router")
 assert "kvmesh.cli_reference" not in sys.modules and "kvmesh.engine.server.cli" not in sys.modules
 print("ok")
 """
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

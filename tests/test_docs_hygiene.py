@@ -54,36 +54,47 @@ def findings(text: str) -> list[tuple[int, str, str]]:
     return out
 
 
-@pytest.mark.parametrize("line, what", [
-    ("Measured in session 22 on the Zen 5.", "work session"),
-    ("as sessions 14 and 15 found", "work session"),
-    ("the workloads of issue 14", "tracker issue"),
-    ("fixed in #123", "tracker number"),
-    ("see /work/shared/bench/vllm_anchor.sh", "machine path"),
-    ("cd /home/alice/kvmesh", "machine path"),
-])
+@pytest.mark.parametrize(
+    "line, what",
+    [
+        ("Measured in session 22 on the Zen 5.", "work session"),
+        ("as sessions 14 and 15 found", "work session"),
+        ("the workloads of issue 14", "tracker issue"),
+        ("fixed in #123", "tracker number"),
+        ("see /work/shared/bench/vllm_anchor.sh", "machine path"),
+        ("cd /home/alice/kvmesh", "machine path"),
+    ],
+)
 def test_each_pattern_catches_what_it_names(line, what):
     assert [w for _, w, _ in findings(line)] == [what]
 
 
-@pytest.mark.parametrize("line", [
-    "an aiohttp session reuses connections",
-    "the engine's HTTP session 'id'",
-    "see [the table](#speculative-decoding)",
-    "&#160; is a space",
-    "https://example.com/page#12",
-    "useradd --home-dir /home/ in a container is not scanned here",
-    "relative/work/folder",
-    "~/.cache/kvmesh/models/",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "an aiohttp session reuses connections",
+        "the engine's HTTP session 'id'",
+        "see [the table](#speculative-decoding)",
+        "&#160; is a space",
+        "https://example.com/page#12",
+        "useradd --home-dir /home/ in a container is not scanned here",
+        "relative/work/folder",
+        "~/.cache/kvmesh/models/",
+    ],
+)
 def test_patterns_leave_ordinary_text_alone(line):
     assert findings(line) == []
 
 
 def test_the_scan_covers_docs_readme_and_sources():
     names = {p.relative_to(ROOT).as_posix() for p in scanned_files()}
-    assert {"README.md", "docs/engine.md", "engine/scheduler.py", "router/app.py",
-            "tests/test_docs_hygiene.py"} <= names
+    assert {
+        "README.md",
+        "docs/engine.md",
+        "engine/scheduler.py",
+        "router/app.py",
+        "tests/test_docs_hygiene.py",
+    } <= names
     assert not any("__pycache__" in n for n in names)
 
 

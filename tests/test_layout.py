@@ -27,8 +27,16 @@ def test_child_processes_see_the_stdlib_operator():
     # A child started from the repository root (cwd on sys.path) imports the stdlib's module
     # and the component under its kvmesh name.
     out = subprocess.run(
-        [sys.executable, "-c", "import operator, kvmesh.operator as k; print(operator.__file__, k.__file__)"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-c",
+            "import operator, kvmesh.operator as k; print(operator.__file__, k.__file__)",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     stdlib, component = out.stdout.split()
     assert Path(stdlib).name == "operator.py"
@@ -36,8 +44,12 @@ def test_child_processes_see_the_stdlib_operator():
 
 
 def test_components_live_at_the_repository_root():
-    for module, folder in ((kvmesh.engine, "engine"), (kvmesh.router, "router"),
-                           (kvmesh.sidecar, "sidecar"), (kvmesh.operator, "operator")):
+    for module, folder in (
+        (kvmesh.engine, "engine"),
+        (kvmesh.router, "router"),
+        (kvmesh.sidecar, "sidecar"),
+        (kvmesh.operator, "operator"),
+    ):
         assert Path(module.__file__).resolve().parent == ROOT / folder
 
 
@@ -73,7 +85,12 @@ def test_dev_distribution_lists_every_package():
 def test_the_shipped_package_holds_no_test_support():
     # kvmesh/ is the CLI and what the components share; test support lives in tests/support/
     assert sorted(p.name for p in (ROOT / "kvmesh").iterdir() if p.name != "__pycache__") == [
-        "__init__.py", "cli.py", "cli_reference.py", "common", "mesh"]
+        "__init__.py",
+        "cli.py",
+        "cli_reference.py",
+        "common",
+        "mesh",
+    ]
 
 
 # torch (and transformers) are the engine's: the router, the sidecar, the operator, the local
@@ -88,17 +105,35 @@ class NoTorch:
 
 sys.meta_path.insert(0, NoTorch())
 """
-WITHOUT_TORCH = ["kvmesh.common.block_keys", "kvmesh.common.kv_events", "kvmesh.common.logging_setup",
-                 "kvmesh.common.model_lookup", "kvmesh.common.openapi", "kvmesh.common.protocol", "kvmesh.common.redis_layout",
-                 "kvmesh.common.worker_pool",
-                 "kvmesh.common.tokenizer", "kvmesh.router.app", "kvmesh.router.cli", "kvmesh.router.policies",
-                 "kvmesh.sidecar.service", "kvmesh.sidecar.cli", "kvmesh.operator.handlers",
-                 "kvmesh.operator.scaling", "kvmesh.operator.cli", "kvmesh.operator.generate", "kvmesh.mesh.up",
-                 "kvmesh.mesh.status", "kvmesh.mesh.stub_engine"]
+WITHOUT_TORCH = [
+    "kvmesh.common.block_keys",
+    "kvmesh.common.kv_events",
+    "kvmesh.common.logging_setup",
+    "kvmesh.common.model_lookup",
+    "kvmesh.common.openapi",
+    "kvmesh.common.protocol",
+    "kvmesh.common.redis_layout",
+    "kvmesh.common.worker_pool",
+    "kvmesh.common.tokenizer",
+    "kvmesh.router.app",
+    "kvmesh.router.cli",
+    "kvmesh.router.policies",
+    "kvmesh.sidecar.service",
+    "kvmesh.sidecar.cli",
+    "kvmesh.operator.handlers",
+    "kvmesh.operator.scaling",
+    "kvmesh.operator.cli",
+    "kvmesh.operator.generate",
+    "kvmesh.mesh.up",
+    "kvmesh.mesh.status",
+    "kvmesh.mesh.stub_engine",
+]
 
 
 def test_components_import_without_torch():
-    code = _NO_TORCH + f"""
+    code = (
+        _NO_TORCH
+        + f"""
 import importlib
 for name in {WITHOUT_TORCH!r}:
     importlib.import_module(name)
@@ -108,14 +143,19 @@ assert router.encoder.encode("hello world")
 assert not {{"torch", "transformers"}} & {{m.split(".")[0] for m in sys.modules}}
 print("ok")
 """
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def test_the_torch_blocker_blocks():
     # the check above proves something only if importing torch under the blocker fails
-    out = subprocess.run([sys.executable, "-c", _NO_TORCH + "import kvmesh.engine.config"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH + "import kvmesh.engine.config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0 and "torch is blocked" in out.stderr
 
 
@@ -130,7 +170,6 @@ def test_a_bare_python_in_the_root_is_safe_only_with_dash_P():
     assert out.returncode == 0, out.stderr
     makefile = (ROOT / "Makefile").read_text()
     assert "PY := $(VENV)/bin/python -P" in makefile and "$(PYTHON) -P -m venv" in makefile
-
 
 
 # Test support (tests/support/, the kvmesh_testing distribution) never runs inside production
@@ -149,10 +188,14 @@ def _testing_references(path: Path) -> tuple[list[str], list[str]]:
     import ast
 
     tree = ast.parse(path.read_text(), str(path))
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                  and node.body and isinstance(node.body[0], ast.Expr)
-                  and isinstance(node.body[0].value, ast.Constant)}
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
     imports, strings = [], []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -160,8 +203,12 @@ def _testing_references(path: Path) -> tuple[list[str], list[str]]:
         elif isinstance(node, ast.ImportFrom) and not node.level:  # relative imports stay in kvmesh
             if _is_testing(node.module or ""):
                 imports.append(f"line {node.lineno}: {node.module}")
-        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-              and TESTING in node.value):
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+            and TESTING in node.value
+        ):
             strings.append(f"line {node.lineno}: {node.value[:60]!r}")
     return imports, strings
 
@@ -177,16 +224,24 @@ def test_no_production_module_imports_test_support():
             if found_strings:
                 strings[rel] = found_strings
     assert not imports, f"production modules import kvmesh_testing: {imports}"
-    assert not strings, f"production code names kvmesh_testing modules (a run-time import?): {strings}"
+    assert not strings, (
+        f"production code names kvmesh_testing modules (a run-time import?): {strings}"
+    )
 
 
 def test_the_test_support_check_finds_what_it_looks_for(tmp_path):
     # the check above proves something only if it sees each form of the reference
     src = tmp_path / "m.py"
-    src.write_text('"""Docs may mention kvmesh_testing."""\nimport os, kvmesh_testing.chaos\n'
-                   "from kvmesh_testing.core_hooks import restore\nfrom kvmesh_testing import cluster, node\n"
-                   "from . import testing as here\nimport kvmesh_testing as t\nPREFIX = 'kvmesh_testing.'\n")
+    src.write_text(
+        '"""Docs may mention kvmesh_testing."""\nimport os, kvmesh_testing.chaos\n'
+        "from kvmesh_testing.core_hooks import restore\nfrom kvmesh_testing import cluster, node\n"
+        "from . import testing as here\nimport kvmesh_testing as t\nPREFIX = 'kvmesh_testing.'\n"
+    )
     imports, strings = _testing_references(src)
-    assert imports == ["line 2: kvmesh_testing.chaos", "line 3: kvmesh_testing.core_hooks",
-                       "line 4: kvmesh_testing", "line 6: kvmesh_testing"]
+    assert imports == [
+        "line 2: kvmesh_testing.chaos",
+        "line 3: kvmesh_testing.core_hooks",
+        "line 4: kvmesh_testing",
+        "line 6: kvmesh_testing",
+    ]
     assert strings == ["line 7: 'kvmesh_testing.'"]

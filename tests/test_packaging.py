@@ -32,7 +32,9 @@ def _copied(dockerfile: Path) -> set[str]:
 @pytest.mark.parametrize("name", ["engine", "router", "operator"])
 def test_dockerfiles_copy_every_package_folder(name):
     copied = _copied(ROOT / "docker" / f"{name}.Dockerfile")
-    assert {"pyproject.toml", *SOURCE_DIRS} <= copied, sorted({"pyproject.toml", *SOURCE_DIRS} - copied)
+    assert {"pyproject.toml", *SOURCE_DIRS} <= copied, sorted(
+        {"pyproject.toml", *SOURCE_DIRS} - copied
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +45,26 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, ctx / name)
     for folder in SOURCE_DIRS:
-        shutil.copytree(ROOT / folder, ctx / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(out), str(ctx)], check=True, capture_output=True, timeout=300)
+        shutil.copytree(
+            ROOT / folder, ctx / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(ctx),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (whl,) = out.glob("kvmesh-*.whl")
     return zipfile.ZipFile(whl)
 
@@ -60,7 +79,9 @@ def test_wheel_holds_every_package(wheel):
         for py in (ROOT / folder).rglob("*.py"):
             rel = py.relative_to(ROOT / folder).as_posix()
             assert f"{mapping.get(folder, folder)}/{rel}" in names, py
-    assert not any(n.startswith(("engine/", "router/", "sidecar/", "operator/", "tests/")) for n in names)
+    assert not any(
+        n.startswith(("engine/", "router/", "sidecar/", "operator/", "tests/")) for n in names
+    )
 
 
 def test_wheel_holds_no_test_support(wheel):
@@ -74,7 +95,9 @@ def test_wheel_holds_no_test_support(wheel):
 def test_wheel_holds_the_kernel_sources(wheel):
     # the engine compiles its CPU kernels from these at first start: package data, not modules
     names = set(wheel.namelist())
-    sources = sorted(p.name for p in (ROOT / "engine" / "kernels").iterdir() if p.suffix in (".cpp", ".h"))
+    sources = sorted(
+        p.name for p in (ROOT / "engine" / "kernels").iterdir() if p.suffix in (".cpp", ".h")
+    )
     assert sources and any(s.endswith(".h") for s in sources)
     for source in sources:
         assert f"kvmesh/engine/kernels/{source}" in names, source

@@ -23,8 +23,12 @@ from kvmesh.router.request_checks import INT_FIELDS, BadRequest, check_request
 VOCAB = 100
 MODEL = "m"
 PATHS = {"CompletionRequest": "/v1/completions", "ChatCompletionRequest": "/v1/chat/completions"}
-BASE = {"CompletionRequest": {"prompt": "hi"}, "ChatCompletionRequest": {"messages": [{"role": "user", "content": "hi"}]},
-        "TokenizeRequest": {"prompt": "hi"}, "DetokenizeRequest": {"tokens": [1]}}
+BASE = {
+    "CompletionRequest": {"prompt": "hi"},
+    "ChatCompletionRequest": {"messages": [{"role": "user", "content": "hi"}]},
+    "TokenizeRequest": {"prompt": "hi"},
+    "DetokenizeRequest": {"tokens": [1]},
+}
 TOOL = {"type": "function", "function": {"name": "f"}}
 MESSAGES = [{"role": "user", "content": "hi"}]
 NO = "maybe"  # not a boolean, even to pydantic's lax mode
@@ -108,7 +112,9 @@ FIELDS = {
         "tokens": ([1, 2], [[-1], 5, ["a"]]),
     },
 }
-WITH = {("ChatCompletionRequest", "top_logprobs"): {"logprobs": True}}  # a field valid only with another
+WITH = {
+    ("ChatCompletionRequest", "top_logprobs"): {"logprobs": True}
+}  # a field valid only with another
 
 
 def _body(name: str, field: str, value) -> dict:
@@ -145,7 +151,9 @@ def engine_refusal(name: str, body: dict) -> str | None:
 
 def schema_accepts(name: str, body: dict) -> bool:
     schemas = request_schemas(MODEL, VOCAB)
-    validator = jsonschema.Draft202012Validator({**schemas[name], "components": {"schemas": schemas}})
+    validator = jsonschema.Draft202012Validator(
+        {**schemas[name], "components": {"schemas": schemas}}
+    )
     return validator.is_valid(body)
 
 
@@ -163,7 +171,11 @@ def router_reads(name: str) -> set[str]:
     path = PATHS.get(name)
     if path is None:
         return set()
-    return {"cache_salt", "messages" if name == "ChatCompletionRequest" else "prompt", *INT_FIELDS[path]}
+    return {
+        "cache_salt",
+        "messages" if name == "ChatCompletionRequest" else "prompt",
+        *INT_FIELDS[path],
+    }
 
 
 def _names(field: str, param: str | None) -> bool:
@@ -204,8 +216,11 @@ def test_an_invalid_value_is_refused_naming_the_field(name, field):
 
 def test_the_router_reads_the_models_bounds():
     assert INT_FIELDS["/v1/completions"] == {"n": (1, 128), "max_tokens": (0, 2**63 - 1)}
-    assert INT_FIELDS["/v1/chat/completions"] == {"n": (1, 128), "max_tokens": (1, 2**63 - 1),
-                                                  "max_completion_tokens": (1, 2**63 - 1)}
+    assert INT_FIELDS["/v1/chat/completions"] == {
+        "n": (1, 128),
+        "max_tokens": (1, 2**63 - 1),
+        "max_completion_tokens": (1, 2**63 - 1),
+    }
 
 
 def test_max_completion_tokens_is_chat_only():

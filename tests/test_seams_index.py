@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import httpx
 import pytest
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import block_keys, key_hex
-from kvmesh.common.kv_events import BlockRemoved, BlockStored, KVEventPublisher, decode_batch
+from kvmesh.common.kv_events import BlockRemoved, BlockStored, KVEventPublisher
 from kvmesh.common.ports import free_port
 from kvmesh.engine.block_pool import BlockPool
 from tests.conftest import RedisServer, wait_until
@@ -47,10 +46,18 @@ class Pods:
         self.redis = redis_server.client()
         self.sidecars = {}
         for pod, fmt in (("pod-k", "kvmesh"), ("pod-v", "vllm")):
-            cfg = SidecarConfig(pod_name=pod, pod_url=engine_url, model=MODEL, engine_url=engine_url,
-                                kv_events_endpoint=events, kv_events_replay_endpoint=replay,
-                                redis_url=redis_server.url, block_size=BS, heartbeat_interval=0.5,
-                                engine_format=fmt)
+            cfg = SidecarConfig(
+                pod_name=pod,
+                pod_url=engine_url,
+                model=MODEL,
+                engine_url=engine_url,
+                kv_events_endpoint=events,
+                kv_events_replay_endpoint=replay,
+                redis_url=redis_server.url,
+                block_size=BS,
+                heartbeat_interval=0.5,
+                engine_format=fmt,
+            )
             self.sidecars[pod] = Sidecar(cfg).start()
 
     def caught_up(self, next_seq: int) -> bool:
@@ -61,12 +68,16 @@ class Pods:
         return self.redis.smembers(rl.blocks_key(MODEL, pod))
 
     def assert_mirror(self, cached_keys, next_seq: int) -> None:
-        wait_until(lambda: self.caught_up(next_seq), 15, msg="sidecars caught up with the engine's events")
+        wait_until(
+            lambda: self.caught_up(next_seq), 15, msg="sidecars caught up with the engine's events"
+        )
         expected = {key_hex(k) for k in cached_keys}
         for pod in self.sidecars:
             got = self.block_set(pod)
-            assert got == expected, (f"{pod}: {len(got - expected)} keys the engine does not hold, "
-                                     f"{len(expected - got)} cached keys missing")
+            assert got == expected, (
+                f"{pod}: {len(got - expected)} keys the engine does not hold, "
+                f"{len(expected - got)} cached keys missing"
+            )
 
     def stop(self) -> None:
         for sc in self.sidecars.values():
@@ -75,6 +86,7 @@ class Pods:
 
 # -- the block pool alone ------------------------------------------------------------------------
 
+
 def test_a_block_already_cached_mid_run_splits_the_event_into_chains():
     """cache_blocks over [new, already cached, new, new]: the cached block is not stored again, and
     each BlockStored is one chain (a vLLM-format consumer recomputes keys from token ids)."""
@@ -82,25 +94,33 @@ def test_a_block_already_cached_mid_run_splits_the_event_into_chains():
     keys = block_keys(tokens, MODEL, BS)
     pool = BlockPool(8, enable_events=True)
     other = pool.allocate(2)  # the same first two blocks computed by another request first...
-    pool.cache_blocks(other, keys[:2], None, tokens[:2 * BS], BS)
+    pool.cache_blocks(other, keys[:2], None, tokens[: 2 * BS], BS)
     pool.uncache(other[:1])  # ...whose first block then left the cache (a failed step, an eviction)
     pool.take_events()
     blocks = pool.allocate(4)
     pool.cache_blocks(blocks, keys, None, tokens, BS)
     events = pool.take_events()
-    assert [(e.block_hashes, e.parent_block_hash) for e in events] == [([keys[0]], None),
-                                                                        ([keys[2], keys[3]], keys[1])]
+    assert [(e.block_hashes, e.parent_block_hash) for e in events] == [
+        ([keys[0]], None),
+        ([keys[2], keys[3]], keys[1]),
+    ]
     assert chain_errors(events, MODEL, BS) == []
-    assert events[1].token_ids == tokens[2 * BS:]
-    assert pool.cached[keys[1]] is other[1] and blocks[1].key is None  # the first copy stays the cached one
+    assert events[1].token_ids == tokens[2 * BS :]
+    assert (
+        pool.cached[keys[1]] is other[1] and blocks[1].key is None
+    )  # the first copy stays the cached one
     # A leading and a trailing cached block: one event, chained from the last cached key before it.
     pool2 = BlockPool(8, enable_events=True)
     first = pool2.allocate(1)
     pool2.cache_blocks(first, keys[:1], None, tokens[:BS], BS)
     pool2.take_events()
-    pool2.cache_blocks(pool2.allocate(3), keys[:3], None, tokens[:3 * BS], BS)
+    pool2.cache_blocks(pool2.allocate(3), keys[:3], None, tokens[: 3 * BS], BS)
     (ev,) = pool2.take_events()
-    assert (ev.block_hashes, ev.parent_block_hash, ev.token_ids) == (keys[1:3], keys[0], tokens[BS:3 * BS])
+    assert (ev.block_hashes, ev.parent_block_hash, ev.token_ids) == (
+        keys[1:3],
+        keys[0],
+        tokens[BS : 3 * BS],
+    )
 
 
 def test_a_block_whose_parent_left_the_cache_is_not_stored():
@@ -111,18 +131,26 @@ def test_a_block_whose_parent_left_the_cache_is_not_stored():
     keys = block_keys(tokens, MODEL, BS)
     pool = BlockPool(12, enable_events=True)
     first = pool.allocate(4)
-    pool.cache_blocks(first, keys[:4], None, tokens[:4 * BS], BS)
+    pool.cache_blocks(first, keys[:4], None, tokens[: 4 * BS], BS)
     pool.uncache(first[1:3])  # blocks 1 and 2 leave the cache, block 3 stays
     pool.take_events()
     blocks = pool.allocate(3)
-    pool.cache_blocks(blocks, keys[2:5], keys[1], tokens[2 * BS:], BS)  # parent keys[1]: not cached
+    pool.cache_blocks(
+        blocks, keys[2:5], keys[1], tokens[2 * BS :], BS
+    )  # parent keys[1]: not cached
     (ev,) = pool.take_events()
-    assert (ev.block_hashes, ev.parent_block_hash) == ([keys[4]], keys[3])  # resumed after cached block 3
-    assert blocks[0].key is None and keys[2] not in pool.cached and pool.cached[keys[4]] is blocks[2]
+    assert (ev.block_hashes, ev.parent_block_hash) == (
+        [keys[4]],
+        keys[3],
+    )  # resumed after cached block 3
+    assert (
+        blocks[0].key is None and keys[2] not in pool.cached and pool.cached[keys[4]] is blocks[2]
+    )
     assert chain_errors([ev], MODEL, BS) == []
 
 
 # -- the engine core, stepped by hand --------------------------------------------------------------
+
 
 class SteppedEngine:
     """A real EngineCore (tiny model) stepped by the test, publishing each step's KV events as the
@@ -132,8 +160,11 @@ class SteppedEngine:
         from kvmesh.engine.config import EngineArgs
         from kvmesh.engine.engine_core import EngineCore
 
-        self.core = EngineCore(EngineArgs(model=model_dir, served_model_name=MODEL, enable_kv_events=True,
-                                          device="cpu", **kw))
+        self.core = EngineCore(
+            EngineArgs(
+                model=model_dir, served_model_name=MODEL, enable_kv_events=True, device="cpu", **kw
+            )
+        )
         self.events_endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.pub = KVEventPublisher(self.events_endpoint, self.replay_endpoint)
@@ -144,8 +175,12 @@ class SteppedEngine:
     def add(self, rid: str, prompt: list[int], max_tokens: int, salt: str | None = None) -> None:
         from kvmesh.engine.sampling_params import SamplingParams
 
-        self.core.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                              salt)
+        self.core.add_request(
+            rid,
+            prompt,
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            salt,
+        )
         self.outputs[rid] = []
 
     def step(self) -> set[str]:
@@ -178,7 +213,9 @@ class SteppedEngine:
         self.pub.close()
 
 
-def test_a_block_computed_twice_then_a_middle_hit_keeps_every_pods_index_exact(model_dir, redis_server):
+def test_a_block_computed_twice_then_a_middle_hit_keeps_every_pods_index_exact(
+    model_dir, redis_server
+):
     """The engine's own path to a block cached in the middle of a run:
 
     1. R1 (2 blocks + 10 tokens) decodes; R2, its prompt plus R1's future output (known from a probe),
@@ -204,7 +241,9 @@ def test_a_block_computed_twice_then_a_middle_hit_keeps_every_pods_index_exact(m
         eng.step()
         assert eng.cached_tokens["r2"] == 2 * BS  # a and b hit; c, d, e computed by R2
         eng.run()
-        assert eng.outputs["r1"] == out, "greedy output changed with the batch (the scenario needs it)"
+        assert eng.outputs["r1"] == out, (
+            "greedy output changed with the batch (the scenario needs it)"
+        )
         full = prompt + out[:72]  # 114 tokens: seven full blocks
         keys = block_keys(full, MODEL, BS)
         assert all(k in eng.pool.cached for k in keys)
@@ -224,9 +263,14 @@ def test_a_block_computed_twice_then_a_middle_hit_keeps_every_pods_index_exact(m
         eng.run()
         assert eng.cached_tokens["r4"] == 2 * BS
         assert set(keys) <= set(eng.pool.cached)
-        pods.assert_mirror(eng.pool.cached, eng.pub.next_seq)  # pod-v: g's key recomputed from g's real parent
+        pods.assert_mirror(
+            eng.pool.cached, eng.pub.next_seq
+        )  # pod-v: g's key recomputed from g's real parent
         stored = [e for e in eng.published[mark:] if isinstance(e, BlockStored)]
-        assert [(e.block_hashes, e.parent_block_hash) for e in stored] == [([kc, kd, ke], kb), ([kg], kf)]
+        assert [(e.block_hashes, e.parent_block_hash) for e in stored] == [
+            ([kc, kd, ke], kb),
+            ([kg], kf),
+        ]
         assert chain_errors(eng.published, MODEL, BS) == []
     finally:
         pods.stop()
@@ -235,7 +279,10 @@ def test_a_block_computed_twice_then_a_middle_hit_keeps_every_pods_index_exact(m
 
 # -- the server under churn -------------------------------------------------------------------------
 
-def _record_events(endpoint: str, replay: str, stop: threading.Event, into: list) -> threading.Thread:
+
+def _record_events(
+    endpoint: str, replay: str, stop: threading.Event, into: list
+) -> threading.Thread:
     """A third subscriber that keeps every event (replays from 0, so nothing is missed)."""
     from kvmesh.common.kv_events import KVEventSubscriber
 
@@ -263,10 +310,28 @@ def test_index_equals_the_prefix_cache_after_churn(model_dir, redis_server):
     from tests.engine.server.conftest import ThreadServer
 
     events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    srv = ThreadServer(["--model", model_dir, "--served-model-name", MODEL, "--num-kv-blocks", "40",
-                        "--engine-mode", "thread",  # the test reads the core's prefix cache in place
-                        "--max-model-len", "320", "--max-num-batched-tokens", "256", "--max-num-seqs", "8",
-                        "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay]).start()
+    srv = ThreadServer(
+        [
+            "--model",
+            model_dir,
+            "--served-model-name",
+            MODEL,
+            "--num-kv-blocks",
+            "40",
+            "--engine-mode",
+            "thread",  # the test reads the core's prefix cache in place
+            "--max-model-len",
+            "320",
+            "--max-num-batched-tokens",
+            "256",
+            "--max-num-seqs",
+            "8",
+            "--kv-events-endpoint",
+            events,
+            "--kv-events-replay-endpoint",
+            replay,
+        ]
+    ).start()
     pods = Pods(redis_server, events, replay, srv.url)
     recorded: list = []
     stop = threading.Event()
@@ -288,10 +353,21 @@ def test_index_equals_the_prefix_cache_after_churn(model_dir, redis_server):
         r = random.Random(w)
         with httpx.Client(base_url=srv.url, timeout=120) as http:
             for i in range(6):
-                prompt = r.choice(systems) + [r.randrange(3, 40000) for _ in range(r.randrange(1, 90))]
-                if i == 0:  # every worker starts with a long decode at once: the cache runs out (preemption)
-                    resp = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 140,
-                                                              "temperature": 0, "ignore_eos": True})
+                prompt = r.choice(systems) + [
+                    r.randrange(3, 40000) for _ in range(r.randrange(1, 90))
+                ]
+                if (
+                    i == 0
+                ):  # every worker starts with a long decode at once: the cache runs out (preemption)
+                    resp = http.post(
+                        "/v1/completions",
+                        json={
+                            "prompt": prompt,
+                            "max_tokens": 140,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                        },
+                    )
                     assert resp.status_code == 200, resp.text
                     with lock:
                         prompts.append(prompt)
@@ -301,11 +377,18 @@ def test_index_equals_the_prefix_cache_after_churn(model_dir, redis_server):
                         prompt = list(r.choice(prompts))
                 with lock:
                     prompts.append(prompt)
-                body = {"prompt": prompt, "max_tokens": r.choice([1, 8, 24, 40, 120]), "temperature": 0,
-                        "ignore_eos": True}
+                body = {
+                    "prompt": prompt,
+                    "max_tokens": r.choice([1, 8, 24, 40, 120]),
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
                 if r.random() < 0.25:  # a stream the client drops after a few tokens: an abort
-                    with http.stream("POST", "/v1/completions", json={**body, "stream": True,
-                                                                       "max_tokens": 320 - len(prompt)}) as resp:
+                    with http.stream(
+                        "POST",
+                        "/v1/completions",
+                        json={**body, "stream": True, "max_tokens": 320 - len(prompt)},
+                    ) as resp:
                         assert resp.status_code == 200
                         for n, _ in enumerate(resp.iter_lines()):
                             if n >= 3:
@@ -324,8 +407,15 @@ def test_index_equals_the_prefix_cache_after_churn(model_dir, redis_server):
         engine = srv.state.engine
         core = engine.engine.core
         # idle: nothing running or waiting, no block held (the last step's events are published)
-        wait_until(lambda: engine.stats.num_running == 0 and engine.stats.num_waiting == 0
-                   and core.kv.pool.num_free_blocks == core.kv.num_blocks, 30, msg="engine idle")
+        wait_until(
+            lambda: (
+                engine.stats.num_running == 0
+                and engine.stats.num_waiting == 0
+                and core.kv.pool.num_free_blocks == core.kv.num_blocks
+            ),
+            30,
+            msg="engine idle",
+        )
         pods.assert_mirror(list(core.kv.pool.cached), engine.kv_publisher.next_seq)
         stop.set()
         recorder.join(10)
@@ -334,9 +424,11 @@ def test_index_equals_the_prefix_cache_after_churn(model_dir, redis_server):
         stored = [h for e in recorded if isinstance(e, BlockStored) for h in e.block_hashes]
         prompt_keys = {k for p in prompts for k in block_keys(p, MODEL, BS)}
         decoded = set(stored) - prompt_keys  # blocks filled by decoding
-        print(f"churn: {len(prompts)} requests, {core.scheduler.num_preemptions} preemptions, "
-              f"{core.kv.prefix_hits} prefix-hit tokens, {len(stored)} blocks stored, {removed} evicted, "
-              f"{len(decoded)} decode-filled")
+        print(
+            f"churn: {len(prompts)} requests, {core.scheduler.num_preemptions} preemptions, "
+            f"{core.kv.prefix_hits} prefix-hit tokens, {len(stored)} blocks stored, {removed} evicted, "
+            f"{len(decoded)} decode-filled"
+        )
         assert decoded
         assert core.scheduler.num_preemptions > 0
         assert core.kv.prefix_hits > 0
@@ -389,7 +481,9 @@ def test_a_decode_filled_block_after_its_parents_copy_was_evicted(model_dir, red
         pods.assert_mirror(eng.pool.cached, eng.pub.next_seq)
         assert chain_errors(eng.published, MODEL, BS) == []
         live: set[int] = set()
-        for e in eng.published:  # every stored event's parent is a block the cache holds at that point
+        for (
+            e
+        ) in eng.published:  # every stored event's parent is a block the cache holds at that point
             if isinstance(e, BlockStored):
                 assert e.parent_block_hash is None or e.parent_block_hash in live, e
                 live.update(e.block_hashes)

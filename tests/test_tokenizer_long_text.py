@@ -19,4 +19,6 @@ def test_long_text_ids_equal_the_direct_encode(tok, size, special):
     ids = tok.encode(text, add_special_tokens=special)
     assert ids == tok.tokenizer.encode(text, add_special_tokens=special).ids
     assert tok.decode(ids) == tok.tokenizer.decode(ids, skip_special_tokens=True)
-    assert tok.decode(ids, skip_special_tokens=False) == tok.tokenizer.decode(ids, skip_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == tok.tokenizer.decode(
+        ids, skip_special_tokens=False
+    )

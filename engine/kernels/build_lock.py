@@ -21,8 +21,8 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 try:
     import fcntl
@@ -52,8 +52,9 @@ def describe_holder(lock_path: Path) -> str:
 
 
 @contextlib.contextmanager
-def exclusive_build(build_dir: str | Path, timeout: float, poll_s: float = 0.2,
-                    log_every_s: float = 10.0) -> Iterator[None]:
+def exclusive_build(
+    build_dir: str | Path, timeout: float, poll_s: float = 0.2, log_every_s: float = 10.0
+) -> Iterator[None]:
     """Hold the build directory for a build: wait (at most ``timeout`` seconds, logging whom for)
     while a live process builds there, then clear a lock file that a dead builder left."""
     build_dir = Path(build_dir)
@@ -76,20 +77,35 @@ def exclusive_build(build_dir: str | Path, timeout: float, poll_s: float = 0.2,
                 if waited >= timeout:
                     raise BuildLockTimeout(
                         f"waited {waited:.0f}s for {holder} to build in {build_dir} (lock {lock_path}); "
-                        f"giving up after {timeout:.0f}s") from None
+                        f"giving up after {timeout:.0f}s"
+                    ) from None
                 if time.monotonic() >= next_log:
-                    log.info("waiting for %s, which builds the CPU kernels in %s (lock %s); waited %.0fs of at "
-                             "most %.0fs", holder, build_dir, lock_path, waited, timeout)
+                    log.info(
+                        "waiting for %s, which builds the CPU kernels in %s (lock %s); waited %.0fs of at "
+                        "most %.0fs",
+                        holder,
+                        build_dir,
+                        lock_path,
+                        waited,
+                        timeout,
+                    )
                     next_log = time.monotonic() + log_every_s
                 time.sleep(poll_s)
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "started": time.time()}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+            ).encode(),
+        )
         torch_lock = build_dir / TORCH_LOCK_NAME
         if torch_lock.exists():
             # We hold the flock, so no live kvmesh builder owns this file: its builder died.
-            log.warning("removing %s: a build that did not finish left it (its builder is gone), and torch "
-                        "would wait on it forever", torch_lock)
+            log.warning(
+                "removing %s: a build that did not finish left it (its builder is gone), and torch "
+                "would wait on it forever",
+                torch_lock,
+            )
             torch_lock.unlink(missing_ok=True)
         yield
     finally:

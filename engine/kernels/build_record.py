@@ -51,6 +51,10 @@ def load_finished(directory: Path, name: str) -> Any | None:
     try:
         return cpp_extension._import_module_from_library(name, str(directory), True)
     except (ImportError, OSError) as exc:  # damaged since: built again
-        log.warning("the CPU kernels recorded as built in %s do not load (%s): building them again", directory, exc)
+        log.warning(
+            "the CPU kernels recorded as built in %s do not load (%s): building them again",
+            directory,
+            exc,
+        )
         (directory / RECORD_NAME).unlink(missing_ok=True)
         return None

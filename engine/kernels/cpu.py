@@ -24,10 +24,22 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
-_SOURCE_FILES = ("bindings_cpu.cpp", "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "fused_ops_cpu.cpp",
-                 "panel_linear_cpu.cpp", "decode_stack_cpu.cpp")
-_HEADERS = ("avx512_math.h", "avx2_math.h", "decode_attention_avx2.h", "prefill_attention_avx2.h", "work_queue.h",
-            "cpu_ops.h")
+_SOURCE_FILES = (
+    "bindings_cpu.cpp",
+    "paged_attention_cpu.cpp",
+    "prefill_attention_cpu.cpp",
+    "fused_ops_cpu.cpp",
+    "panel_linear_cpu.cpp",
+    "decode_stack_cpu.cpp",
+)
+_HEADERS = (
+    "avx512_math.h",
+    "avx2_math.h",
+    "decode_attention_avx2.h",
+    "prefill_attention_avx2.h",
+    "work_queue.h",
+    "cpu_ops.h",
+)
 _SOURCES = [Path(__file__).with_name(n) for n in _SOURCE_FILES]
 _module = None
 _failed = False
@@ -55,8 +67,12 @@ def _build_inputs(flags: list[str]) -> dict[str, Any]:
     digest = hashlib.sha256()
     for name in _SOURCE_FILES + _HEADERS:
         digest.update(Path(__file__).with_name(name).read_bytes())
-    return {"sources": digest.hexdigest(), "flags": flags, "torch": torch.__version__,
-            "python": sysconfig.get_config_var("EXT_SUFFIX")}
+    return {
+        "sources": digest.hexdigest(),
+        "flags": flags,
+        "torch": torch.__version__,
+        "python": sysconfig.get_config_var("EXT_SUFFIX"),
+    }
 
 
 def _build_name(flags: list[str]) -> str:
@@ -97,10 +113,19 @@ def build(timeout: float | None = None):
         module = build_record.load_finished(directory, name)
         if module is not None:
             return module
-        log.info("building the CPU kernels in %s (once; cached by torch; `kvmesh build-kernels` does it "
-                 "ahead of time)", directory)
-        module = load_extension(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=flags,
-                                extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+        log.info(
+            "building the CPU kernels in %s (once; cached by torch; `kvmesh build-kernels` does it "
+            "ahead of time)",
+            directory,
+        )
+        module = load_extension(
+            name=name,
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=False,
+        )
         build_record.record(directory, name, _build_inputs(flags))
         return module
 
@@ -115,7 +140,9 @@ def load():
         return None
     try:
         _module = build()
-    except Exception as exc:  # no compiler, no ninja, a build that never ends: keep serving with torch
+    except (
+        Exception
+    ) as exc:  # no compiler, no ninja, a build that never ends: keep serving with torch
         log.warning("CPU kernels unavailable, using plain torch ops (slower): %s", exc)
         _failed = True
     return _module

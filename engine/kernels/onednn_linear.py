@@ -37,7 +37,9 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     # reorder raises, and bf16 stays on F.linear.
     if dtype == torch.bfloat16 and not _bf16_supported():
         return False
-    return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
 
 
 def _bf16_supported() -> bool:
@@ -57,21 +59,31 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
 
 
 class OneDNNLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int, panel_ops=None):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int, panel_ops=None
+    ):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.packed = pack_weight(weight, batch_hint)
         self.bias = None if bias is None else bias.detach().clone()
         # The compiled CPU ops' panel kernel and this weight's panels (decode-size inputs).
-        self.panel_ops = panel_ops if panel_ops is not None and panels_enabled(weight.dtype) else None
-        self.panels = self.panel_ops.pack_panels(weight.detach()) if self.panel_ops is not None else None
+        self.panel_ops = (
+            panel_ops if panel_ops is not None and panels_enabled(weight.dtype) else None
+        )
+        self.panels = (
+            self.panel_ops.pack_panels(weight.detach()) if self.panel_ops is not None else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.panels is not None and x2.shape[0] <= PANEL_MAX_ROWS and x2.dtype == torch.float32:
-            out = self.panel_ops.panel_linear(x2 if x2.stride(1) == 1 else x2.contiguous(), self.panels,
-                                              self.out_features, self.bias)
+            out = self.panel_ops.panel_linear(
+                x2 if x2.stride(1) == 1 else x2.contiguous(),
+                self.panels,
+                self.out_features,
+                self.bias,
+            )
         else:
             out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return out.view(*shape[:-1], self.out_features)

@@ -30,8 +30,21 @@ ROWS = 16 if INTERPRET else 1
 
 
 @triton.jit
-def _rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, num_rows, n, stride_o, stride_x, stride_r, eps,
-                     ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _rms_norm_kernel(
+    out_ptr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    num_rows,
+    n,
+    stride_o,
+    stride_x,
+    stride_r,
+    eps,
+    ADD_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = (r[:, None] < num_rows) & (cols[None, :] < n)
@@ -45,33 +58,79 @@ def _rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, num_rows, n, stride_o, stri
         x = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 1, _add) / n + eps)
     y = (x * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
-    tl.store(out_ptr + r[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + r[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     rows, n = x.shape
     if rows == 0:
         return
-    _rms_norm_kernel[(triton.cdiv(rows, ROWS),)](out, x, x, weight, rows, n, out.stride(0), x.stride(0),
-                                                 x.stride(0), eps, ADD_RESIDUAL=False, BLOCK=next_pow2(n),
-                                                 ROWS=ROWS)
+    _rms_norm_kernel[(triton.cdiv(rows, ROWS),)](
+        out,
+        x,
+        x,
+        weight,
+        rows,
+        n,
+        out.stride(0),
+        x.stride(0),
+        x.stride(0),
+        eps,
+        ADD_RESIDUAL=False,
+        BLOCK=next_pow2(n),
+        ROWS=ROWS,
+    )
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
     rows, n = x.shape
     if rows == 0:
         return
-    _rms_norm_kernel[(triton.cdiv(rows, ROWS),)](x, x, residual, weight, rows, n, x.stride(0), x.stride(0),
-                                                 residual.stride(0), eps, ADD_RESIDUAL=True,
-                                                 BLOCK=next_pow2(n), ROWS=ROWS)
+    _rms_norm_kernel[(triton.cdiv(rows, ROWS),)](
+        x,
+        x,
+        residual,
+        weight,
+        rows,
+        n,
+        x.stride(0),
+        x.stride(0),
+        residual.stride(0),
+        eps,
+        ADD_RESIDUAL=True,
+        BLOCK=next_pow2(n),
+        ROWS=ROWS,
+    )
 
 
 @triton.jit
-def _rotary_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache, v_cache, slots_ptr, num_rows,
-                         stride_t, stride_tab, stride_ch, stride_cs,
-                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                         KV_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
-                         DIM_PAD: tl.constexpr, STORE: tl.constexpr, ROWS: tl.constexpr):
+def _rotary_store_kernel(
+    qkv_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_cache,
+    v_cache,
+    slots_ptr,
+    num_rows,
+    stride_t,
+    stride_tab,
+    stride_ch,
+    stride_cs,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    KV_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    STORE: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     HALF: tl.constexpr = HEAD_DIM // 2
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     rmask = r < num_rows
@@ -98,40 +157,80 @@ def _rotary_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache, v_cache, s
         keep = slot >= 0  # a negative slot (CUDA-graph padding) is not stored
         # The rotated k heads go to the cache from registers; v is copied as is.
         k_mask = mask & keep[:, None] & (h >= NUM_HEADS)[None, :]
-        k_dst = (h - NUM_HEADS).to(tl.int64)[None, :] * stride_ch + slot[:, None] * stride_cs + i[None, :]
+        k_dst = (
+            (h - NUM_HEADS).to(tl.int64)[None, :] * stride_ch
+            + slot[:, None] * stride_cs
+            + i[None, :]
+        )
         tl.store(k_cache + k_dst, y1.to(k_cache.dtype.element_ty), mask=k_mask)
         tl.store(k_cache + k_dst + HALF, y2.to(k_cache.dtype.element_ty), mask=k_mask)
         jv = tl.arange(0, KV_PAD * DIM_PAD)
         kh = jv // DIM_PAD
         d = jv % DIM_PAD
         v_mask = (rmask & keep)[:, None] & ((kh < NUM_KV_HEADS) & (d < HEAD_DIM))[None, :]
-        v = tl.load(qkv_ptr + r[:, None] * stride_t + ((NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kh * HEAD_DIM + d)[None, :],
-                    mask=v_mask)
-        tl.store(v_cache + (kh.to(tl.int64) * stride_ch + d)[None, :] + slot[:, None] * stride_cs, v, mask=v_mask)
+        v = tl.load(
+            qkv_ptr
+            + r[:, None] * stride_t
+            + ((NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kh * HEAD_DIM + d)[None, :],
+            mask=v_mask,
+        )
+        tl.store(
+            v_cache + (kh.to(tl.int64) * stride_ch + d)[None, :] + slot[:, None] * stride_cs,
+            v,
+            mask=v_mask,
+        )
 
 
-def rotary_qk_store_kv_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor | None,
-                        v_cache: torch.Tensor | None, slots: torch.Tensor | None) -> None:
+def rotary_qk_store_kv_(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    slots: torch.Tensor | None,
+) -> None:
     """In place on qkv [T, (H + 2 Hkv) * D]; stores k/v when caches are given (negative slot: skip)."""
     rows = qkv.shape[0]
     if rows == 0:
         return
     store = k_cache is not None
-    if store and (k_cache.stride(3) != 1 or k_cache.stride(1) != k_cache.shape[2] * k_cache.stride(2)):
+    if store and (
+        k_cache.stride(3) != 1 or k_cache.stride(1) != k_cache.shape[2] * k_cache.stride(2)
+    ):
         raise ValueError("rotary_qk_store_kv_: cache [Hkv, NB, B, D] with whole blocks contiguous")
     _rotary_store_kernel[(triton.cdiv(rows, ROWS),)](
-        qkv, positions, cos, sin, k_cache if store else qkv, v_cache if store else qkv,
-        slots if store else positions, rows, qkv.stride(0), cos.stride(0),
-        k_cache.stride(0) if store else 0, k_cache.stride(2) if store else 0,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=next_pow2(num_heads + num_kv_heads),
-        KV_PAD=next_pow2(num_kv_heads), HEAD_DIM=head_dim, HALF_PAD=next_pow2(head_dim // 2),
-        DIM_PAD=next_pow2(head_dim), STORE=store, ROWS=ROWS)
+        qkv,
+        positions,
+        cos,
+        sin,
+        k_cache if store else qkv,
+        v_cache if store else qkv,
+        slots if store else positions,
+        rows,
+        qkv.stride(0),
+        cos.stride(0),
+        k_cache.stride(0) if store else 0,
+        k_cache.stride(2) if store else 0,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=next_pow2(num_heads + num_kv_heads),
+        KV_PAD=next_pow2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        HALF_PAD=next_pow2(head_dim // 2),
+        DIM_PAD=next_pow2(head_dim),
+        STORE=store,
+        ROWS=ROWS,
+    )
 
 
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, num_rows, n, stride_o, stride_x,
-                         BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _silu_and_mul_kernel(
+    out_ptr, x_ptr, num_rows, n, stride_o, stride_x, BLOCK: tl.constexpr, ROWS: tl.constexpr
+):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (r[:, None] < num_rows) & (cols[None, :] < n)
@@ -139,7 +238,12 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, num_rows, n, stride_o, stride_x,
     g = tl.load(at, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(at + n, mask=mask, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + r[:, None] * stride_o + cols[None, :], (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + r[:, None] * stride_o + cols[None, :],
+        (silu * u).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
@@ -149,5 +253,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, next_pow2(n))
     _silu_and_mul_kernel[(triton.cdiv(rows, ROWS), triton.cdiv(n, block))](
-        out, gate_up, rows, n, out.stride(0), gate_up.stride(0), BLOCK=block, ROWS=ROWS)
+        out, gate_up, rows, n, out.stride(0), gate_up.stride(0), BLOCK=block, ROWS=ROWS
+    )
     return out

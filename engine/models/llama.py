@@ -52,7 +52,9 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for the config's RoPE variant."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     scaling = config.rope_scaling
     if not scaling:
         return inv_freq, 1.0
@@ -83,7 +85,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for the step's positions, [T, 1, head_dim]: looked up once per step, not per layer."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
@@ -92,7 +96,9 @@ class StepRope:
     """The step's RoPE inputs, built once per step: positions for the fused CPU op, or the
     looked-up cos/sin rows for the torch path."""
 
-    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, fused: bool):
+    def __init__(
+        self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, fused: bool
+    ):
         self.rope, self.positions = rope, positions
         self.cos_sin = None if fused else rope(positions, dtype)
 
@@ -111,9 +117,15 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias and config.model_type != "qwen2")
-        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(
+            self.q_size,
+            config.hidden_size,
+            bias=config.attention_bias and config.model_type != "qwen2",
+        )
+        self.scale = self.head_dim**-0.5
         self.ops = None
         self.attend = paged_attention  # the attention backend's forward (use_attention_backend)
 
@@ -123,8 +135,18 @@ class Attention(nn.Module):
         fused = step_rope.cos_sin is None
         if fused:  # rotate the q and k heads inside qkv in place, storing K/V in the same pass
             rope = step_rope.rope
-            self.ops.rotary_qk_store_kv_(qkv, step_rope.positions, rope.cos, rope.sin, self.num_heads,
-                                         self.num_kv_heads, self.head_dim, k_cache, v_cache, meta.slots)
+            self.ops.rotary_qk_store_kv_(
+                qkv,
+                step_rope.positions,
+                rope.cos,
+                rope.sin,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                k_cache,
+                v_cache,
+                meta.slots,
+            )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -140,8 +162,12 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
         self.ops = None
 
     def forward(self, x):
@@ -203,8 +229,11 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config, max_positions)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         self.packed_lm_head: nn.Module | None = None  # set by use_onednn()
         self.fused_ops = None  # set by use_fused_ops()
         self.decode_stack = None  # set by use_decode_stack()
@@ -239,36 +268,70 @@ class LlamaForCausalLM(nn.Module):
         between them. Only where it computes exactly what the layers do: fp32, every projection
         on panels (use_onednn with panel_ops), fused ops and attention from these ops.
         ``KVMESH_DECODE_STACK=0`` keeps the Python layers."""
-        linears = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if (os.environ.get("KVMESH_DECODE_STACK", "1") == "0" or ops is None or not hasattr(ops, "DecodeStack")
-                or self.fused_ops is not ops or any(getattr(m, "panels", None) is None for m in linears)
-                or any(layer.self_attn.attend is not paged_attention for layer in self.layers)):
+        linears = [
+            m
+            for layer in self.layers
+            for m in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        ]
+        if (
+            os.environ.get("KVMESH_DECODE_STACK", "1") == "0"
+            or ops is None
+            or not hasattr(ops, "DecodeStack")
+            or self.fused_ops is not ops
+            or any(getattr(m, "panels", None) is None for m in linears)
+            or any(layer.self_attn.attend is not paged_attention for layer in self.layers)
+        ):
             self.decode_stack = None
             return False
         c = self.config
-        stack = ops.DecodeStack(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                self.layers[0].self_attn.scale, self.norm.eps, self.norm.weight,
-                                self.rope.cos, self.rope.sin)
+        stack = ops.DecodeStack(
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            self.layers[0].self_attn.scale,
+            self.norm.eps,
+            self.norm.weight,
+            self.rope.cos,
+            self.rope.sin,
+        )
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            stack.add_layer(layer.input_layernorm.weight, *_panel_args(attn.qkv_proj), *_panel_args(attn.o_proj),
-                            layer.post_attention_layernorm.weight, *_panel_args(mlp.gate_up_proj),
-                            *_panel_args(mlp.down_proj))
+            stack.add_layer(
+                layer.input_layernorm.weight,
+                *_panel_args(attn.qkv_proj),
+                *_panel_args(attn.o_proj),
+                layer.post_attention_layernorm.weight,
+                *_panel_args(mlp.gate_up_proj),
+                *_panel_args(mlp.down_proj),
+            )
         self.decode_stack, self._stack_caches = stack, None
         return True
 
     def _decode_stack_covers(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        return (self.decode_stack is not None and meta.all_decode and meta.cpu_ops is not None
-                and x.dtype == torch.float32 and 0 < x.shape[0] <= PANEL_MAX_ROWS)
+        return (
+            self.decode_stack is not None
+            and meta.all_decode
+            and meta.cpu_ops is not None
+            and x.dtype == torch.float32
+            and 0 < x.shape[0] <= PANEL_MAX_ROWS
+        )
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
         x = self.embed_tokens(input_ids)
         if self._decode_stack_covers(x, meta):
             if self._stack_caches is not kv_caches:
-                self.decode_stack.set_kv_caches([k for k, _ in kv_caches], [v for _, v in kv_caches])
+                self.decode_stack.set_kv_caches(
+                    [k for k, _ in kv_caches], [v for _, v in kv_caches]
+                )
                 self._stack_caches = kv_caches
-            x = self.decode_stack.forward(x, positions, meta.slots, meta.decode_block_tables, meta.decode_ctx_lens)
+            x = self.decode_stack.forward(
+                x, positions, meta.slots, meta.decode_block_tables, meta.decode_ctx_lens
+            )
             return self.packed_lm_head(x).float()
         step_rope = StepRope(self.rope, positions, x.dtype, fused=self.fused_ops is not None)
         residual = None
@@ -276,8 +339,15 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             # The last layer's attention output, o_proj and MLP are only needed for the rows
             # that sample: for a prefill that is one row in hundreds.
-            x, residual = layer(x, residual, step_rope, k_cache, v_cache, meta,
-                                logits_indices if i == last else None)
+            x, residual = layer(
+                x,
+                residual,
+                step_rope,
+                k_cache,
+                v_cache,
+                meta,
+                logits_indices if i == last else None,
+            )
         return self.compute_logits(self.final_norm(x, residual))
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

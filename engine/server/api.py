@@ -61,8 +61,11 @@ def _openapi_document(app: FastAPI, state: ServerState) -> None:
         from fastapi.openapi.utils import get_openapi
 
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        doc["components"] = oa.components(state.config.served_model_name, state.engine.vocab_size or None,
-                                          bool(state.config.api_key))
+        doc["components"] = oa.components(
+            state.config.served_model_name,
+            state.engine.vocab_size or None,
+            bool(state.config.api_key),
+        )
         if state.engine.loaded.is_set():  # final: the vocabulary is known
             app.openapi_schema = doc
         return doc
@@ -72,12 +75,15 @@ def _openapi_document(app: FastAPI, state: ServerState) -> None:
 
 def _error_handlers(app: FastAPI) -> None:
     """Every error in OpenAI's shape."""
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         if "x-request-id" in request.headers:
             exc.headers.setdefault("X-Request-Id", request.headers["x-request-id"])
         if exc.status >= 500:
-            log.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+            log.warning(
+                "%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message
+            )
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
@@ -87,12 +93,16 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         # its headers too: a 405 must say which methods the route allows (Allow)
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                            headers=exc.headers)
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
 
 
 def _openai_routes(app: FastAPI, state: ServerState) -> None:
     """/v1/* and vLLM's /tokenize, /detokenize: each hands its request to its handler."""
+
     async def guard(request: Request) -> None:
         """Every /v1 route: the API key, then readiness. Like vLLM, nothing under /v1 answers before
         the model is loaded (503 with Retry-After), /v1/models included: a client that polls it
@@ -113,10 +123,20 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
     @v1.get("/models", openapi_extra=_api(state, "get", "/v1/models"))
     async def models(request: Request):
         eng = state.engine
-        return {"object": "list", "data": [{
-            "id": state.config.served_model_name, "object": "model", "created": int(state.started),
-            "owned_by": "kvmesh", "root": str(eng.engine_args.model), "parent": None,
-            "max_model_len": eng.max_model_len or None}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.config.served_model_name,
+                    "object": "model",
+                    "created": int(state.started),
+                    "owned_by": "kvmesh",
+                    "root": str(eng.engine_args.model),
+                    "parent": None,
+                    "max_model_len": eng.max_model_len or None,
+                }
+            ],
+        }
 
     app.include_router(v1)
 
@@ -134,35 +154,79 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
 
 def _operations_routes(app: FastAPI, state: ServerState) -> None:
     """Liveness, readiness, the load figures and the metrics: answered from the server state."""
-    @app.get("/health", openapi_extra=oa.simple_get("liveness: 500 once the engine failed to load, 503 once its "
-                                                    "core process (or thread) exited", [200, 500, 503],
-                                                    status_body=True))
+
+    @app.get(
+        "/health",
+        openapi_extra=oa.simple_get(
+            "liveness: 500 once the engine failed to load, 503 once its "
+            "core process (or thread) exited",
+            [200, 500, 503],
+            status_body=True,
+        ),
+    )
     async def health():
         if state.engine.load_error is not None:
-            return JSONResponse({"status": "error", "error": str(state.engine.load_error)}, status_code=500)
+            return JSONResponse(
+                {"status": "error", "error": str(state.engine.load_error)}, status_code=500
+            )
         if state.engine.loaded.is_set() and not state.engine.alive:
-            return JSONResponse({"status": "error", "error": f"engine core ({state.engine.mode}) exited"},
-                                status_code=503)
+            return JSONResponse(
+                {"status": "error", "error": f"engine core ({state.engine.mode}) exited"},
+                status_code=503,
+            )
         return {"status": "ok"}
 
-    @app.get("/ready", openapi_extra=oa.simple_get("readiness: 503 while loading, draining or with the engine "
-                                                   "down", [200, 503], status_body=True))
+    @app.get(
+        "/ready",
+        openapi_extra=oa.simple_get(
+            "readiness: 503 while loading, draining or with the engine down",
+            [200, 503],
+            status_body=True,
+        ),
+    )
     async def ready():
         if state.ready:
             return {"status": "ready"}
-        reason = "draining" if state.draining else "loading" if not state.engine.loaded.is_set() else "engine down"
+        reason = (
+            "draining"
+            if state.draining
+            else "loading"
+            if not state.engine.loaded.is_set()
+            else "engine down"
+        )
         return JSONResponse({"status": reason}, status_code=503)
 
-    @app.get("/load", openapi_extra=oa.simple_get("load figures the router and autoscalers read", [200],
-                                                  {"application/json": {"schema": oa.LOAD}}))
+    @app.get(
+        "/load",
+        openapi_extra=oa.simple_get(
+            "load figures the router and autoscalers read",
+            [200],
+            {"application/json": {"schema": oa.LOAD}},
+        ),
+    )
     async def load():
         snap = state.engine.snapshot()
-        return {"model": state.config.served_model_name, "kv_cache_usage": snap["kv_cache_usage"],
-                "num_running": snap["num_running"], "num_waiting": snap["num_waiting"],
-                "num_total_blocks": snap["num_total_blocks"], "num_in_flight": state.engine.num_in_flight,
-                "draining": state.draining, "ready": state.ready, "timestamp": time.time()}
+        return {
+            "model": state.config.served_model_name,
+            "kv_cache_usage": snap["kv_cache_usage"],
+            "num_running": snap["num_running"],
+            "num_waiting": snap["num_waiting"],
+            "num_total_blocks": snap["num_total_blocks"],
+            "num_in_flight": state.engine.num_in_flight,
+            "draining": state.draining,
+            "ready": state.ready,
+            "timestamp": time.time(),
+        }
 
-    @app.get("/metrics", openapi_extra=oa.simple_get("Prometheus metrics (vLLM's names)", [200],
-                                                     {"text/plain": {"schema": {"type": "string"}}}))
+    @app.get(
+        "/metrics",
+        openapi_extra=oa.simple_get(
+            "Prometheus metrics (vLLM's names)",
+            [200],
+            {"text/plain": {"schema": {"type": "string"}}},
+        ),
+    )
     async def metrics():
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )

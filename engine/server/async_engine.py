@@ -91,7 +91,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._core_loop: CoreLoop | None = None
-        self.core_loop: type[CoreLoop] = CoreLoop  # the loop body; a subclass may add utility calls (tests)
+        self.core_loop: type[CoreLoop] = (
+            CoreLoop  # the loop body; a subclass may add utility calls (tests)
+        )
         self.step_timing: dict[str, float] = {}  # StepTimer.snapshot(), refreshed with the stats
         self.on_dead: list = []  # callbacks (on the event loop) once the engine died after loading
         self.mode = "thread"
@@ -133,8 +135,12 @@ class AsyncEngine:
             i += 1
         return rid
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 resumed_token_ids: list[int] | None = None) -> None:
+    def validate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        resumed_token_ids: list[int] | None = None,
+    ) -> None:
         """Checks that need the model (thread-safe: reads immutable config only)."""
         self.limits.validate_prompt(prompt_token_ids)
         self.limits.validate_params(params)
@@ -153,9 +159,15 @@ class AsyncEngine:
         backend = backend_for(self.model_dir, self.limits.vocab_size)
         await off_loop(0, backend.check, params.structured_outputs, threshold=0)
 
-    def add(self, request_id: str, prompt: str | list[int], prompt_token_ids: list[int],
-            params: SamplingParams, cache_salt: str | None = None,
-            resumed_token_ids: list[int] | None = None) -> RequestStream:
+    def add(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        resumed_token_ids: list[int] | None = None,
+    ) -> RequestStream:
         """``resumed_token_ids``: a continuation's output so far (LLMEngine.add_request)."""
         if not self.alive:
             raise EngineDeadError("the engine thread is not running")
@@ -163,8 +175,15 @@ class AsyncEngine:
         self._streams[request_id] = stream
         # The text side (detokenizer, stop strings) lives on this thread, not the engine's.
         self.engine.create_state(prompt, params, request_id, prompt_token_ids, resumed_token_ids)
-        self._submit(AddRequest(request_id, prompt_token_ids, params, cache_salt,
-                                resumed_token_ids=list(resumed_token_ids or ())))
+        self._submit(
+            AddRequest(
+                request_id,
+                prompt_token_ids,
+                params,
+                cache_salt,
+                resumed_token_ids=list(resumed_token_ids or ()),
+            )
+        )
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -200,7 +219,9 @@ class AsyncEngine:
 
     def call_utility(self, name: str, *args, timeout: float = 60.0):
         """``utility`` from another thread (a test): blocks until the core answered."""
-        return asyncio.run_coroutine_threadsafe(self.utility(name, *args), self._loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(self.utility(name, *args), self._loop).result(
+            timeout
+        )
 
     def _fail_streams(self, exc: BaseException) -> None:
         """End every in-flight stream with ``exc`` (on the event loop)."""
@@ -227,7 +248,9 @@ class AsyncEngine:
                     self.engine.states.pop(rid, None)
                     self._submit(AbortRequests([rid]))
                     self._count_frontend_failure()
-                    item = EngineStepError(f"processing this request's output failed: {type(exc).__name__}: {exc}")
+                    item = EngineStepError(
+                        f"processing this request's output failed: {type(exc).__name__}: {exc}"
+                    )
                     by_stop_string = False
                 if item is None:
                     continue
@@ -336,8 +359,16 @@ class AsyncEngine:
     def snapshot(self) -> dict[str, Any]:
         s = self.stats
         if s is None:
-            return {"kv_cache_usage": 0.0, "num_running": 0, "num_waiting": 0, "num_total_blocks": 0}
-        return {"kv_cache_usage": s.kv_cache_usage, "num_running": s.num_running,
-                "num_waiting": s.num_waiting, "num_total_blocks": s.num_total_blocks,
-                "num_free_blocks": s.num_free_blocks}
-
+            return {
+                "kv_cache_usage": 0.0,
+                "num_running": 0,
+                "num_waiting": 0,
+                "num_total_blocks": 0,
+            }
+        return {
+            "kv_cache_usage": s.kv_cache_usage,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_total_blocks": s.num_total_blocks,
+            "num_free_blocks": s.num_free_blocks,
+        }

@@ -33,40 +33,83 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
-    parser.add_argument("--max-waiting", type=int, default=1024,
-                        help="waiting-queue bound; over it requests get 429")
-    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
-                        help="largest accepted request body; larger ones get 413")
-    parser.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
-                        help="required on every /v1 route when set (env KVMESH_API_KEY)")
-    parser.add_argument("--kv-events-endpoint", default=None,
-                        help="ZMQ PUB bind address for KV events, e.g. tcp://*:5557 (off by default)")
-    parser.add_argument("--kv-events-replay-endpoint", default=None,
-                        help="ZMQ ROUTER bind address for KV-event replay, e.g. tcp://*:5558")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="on SIGTERM: how long in-flight requests may finish (seconds)")
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="waiting-queue bound; over it requests get 429",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest accepted request body; larger ones get 413",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("KVMESH_API_KEY"),
+        help="required on every /v1 route when set (env KVMESH_API_KEY)",
+    )
+    parser.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="ZMQ PUB bind address for KV events, e.g. tcp://*:5557 (off by default)",
+    )
+    parser.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="ZMQ ROUTER bind address for KV-event replay, e.g. tcp://*:5558",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: how long in-flight requests may finish (seconds)",
+    )
     parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", "info"))
-    parser.add_argument("--engine-mode", choices=["process", "thread"],
-                        default=os.environ.get("KVMESH_ENGINE_MODE", "process"),
-                        help="process: the engine core (scheduler + model) runs in its own process, the "
-                             "API process keeps HTTP, tokenisation and streaming (the default); thread: "
-                             "the core runs in a thread of the API process (env KVMESH_ENGINE_MODE)")
-    parser.add_argument("--omp-threads", type=int, default=None,
-                        help="torch/OpenMP threads of the engine core (default: OMP_NUM_THREADS if set, "
-                             "else every CPU not left to the frontend); process mode")
-    parser.add_argument("--frontend-cores", default="auto", metavar="K",
-                        help="CPUs left to the API process; the core is pinned to the others (auto: 1 "
-                             "on 4 or more CPUs, 0 below: shared); process mode")
-    parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='tool_choice "auto": the model decides whether to call tools, and '
-                             "--tool-call-parser reads its calls (without it, auto is a 400, as in vLLM)")
-    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                        help="the format a model writes its tool calls in: hermes (JSON in tool_call tags; Hermes, "
-                             "Qwen 2.5) or llama3_json (Llama 3.1/3.2 JSON); also the default tool prompt's "
-                             "format for a chat template without tool support")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="also serve /metrics (only) on this port, so a NetworkPolicy can admit "
-                             "scrapers there without exposing the API")
+    parser.add_argument(
+        "--engine-mode",
+        choices=["process", "thread"],
+        default=os.environ.get("KVMESH_ENGINE_MODE", "process"),
+        help="process: the engine core (scheduler + model) runs in its own process, the "
+        "API process keeps HTTP, tokenisation and streaming (the default); thread: "
+        "the core runs in a thread of the API process (env KVMESH_ENGINE_MODE)",
+    )
+    parser.add_argument(
+        "--omp-threads",
+        type=int,
+        default=None,
+        help="torch/OpenMP threads of the engine core (default: OMP_NUM_THREADS if set, "
+        "else every CPU not left to the frontend); process mode",
+    )
+    parser.add_argument(
+        "--frontend-cores",
+        default="auto",
+        metavar="K",
+        help="CPUs left to the API process; the core is pinned to the others (auto: 1 "
+        "on 4 or more CPUs, 0 below: shared); process mode",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": the model decides whether to call tools, and '
+        "--tool-call-parser reads its calls (without it, auto is a 400, as in vLLM)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the format a model writes its tool calls in: hermes (JSON in tool_call tags; Hermes, "
+        "Qwen 2.5) or llama3_json (Llama 3.1/3.2 JSON); also the default tool prompt's "
+        "format for a chat template without tool support",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="also serve /metrics (only) on this port, so a NetworkPolicy can admit "
+        "scrapers there without exposing the API",
+    )
 
 
 def build_state(args: argparse.Namespace):
@@ -75,7 +118,9 @@ def build_state(args: argparse.Namespace):
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-    engine_args = engine_args_from(args, server=True, enable_kv_events=bool(args.kv_events_endpoint))
+    engine_args = engine_args_from(
+        args, server=True, enable_kv_events=bool(args.kv_events_endpoint)
+    )
     engine_args.validate()
     publisher = None
     if args.kv_events_endpoint:
@@ -91,10 +136,15 @@ def build_state(args: argparse.Namespace):
         engine = ProcAsyncEngine(engine_args, publisher, threads, args.log_level)
     else:
         engine = AsyncEngine(engine_args, publisher)
-    config = ServerConfig(served_model_name=args.served_model_name or args.model, api_key=args.api_key or None,
-                          max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
-                          max_body_bytes=args.max_body_bytes,
-                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+    config = ServerConfig(
+        served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key or None,
+        max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+    )
     return ServerState(engine, config)
 
 
@@ -109,12 +159,22 @@ def _make_server(app, host: str, port: int, log_level: str):
         def install_signal_handlers(self) -> None:  # older uvicorn
             pass
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=2, timeout_keep_alive=5, access_log=False)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=5,
+        access_log=False,
+    )
     return _Server(config)
 
 
-DRAIN_ABORT_GRACE_S = 2.0  # after the drain timeout: the aborted responses get this long to be written
+DRAIN_ABORT_GRACE_S = (
+    2.0  # after the drain timeout: the aborted responses get this long to be written
+)
 
 
 async def drain_then_exit(state, server, drain_timeout: float) -> bool:
@@ -128,13 +188,20 @@ async def drain_then_exit(state, server, drain_timeout: float) -> bool:
         log.info("drained: all in-flight requests finished")
     else:
         aborted = state.engine.abort_all()
-        log.warning("drain timeout (%.0fs): %d requests still in flight are cut (aborted)",
-                    drain_timeout, len(aborted))
+        log.warning(
+            "drain timeout (%.0fs): %d requests still in flight are cut (aborted)",
+            drain_timeout,
+            len(aborted),
+        )
         finished = await state.wait_drained(DRAIN_ABORT_GRACE_S)
         snap = state.engine.snapshot()
-        log.info("after the drain timeout: %s; kv cache usage %.1f%%",
-                 "every response ended" if finished else f"{state.engine.num_in_flight} requests still in flight",
-                 100 * snap["kv_cache_usage"])
+        log.info(
+            "after the drain timeout: %s; kv cache usage %.1f%%",
+            "every response ended"
+            if finished
+            else f"{state.engine.num_in_flight} requests still in flight",
+            100 * snap["kv_cache_usage"],
+        )
     server.should_exit = True
     return drained
 
@@ -199,12 +266,17 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("text", args.log_level)
     try:
         state = build_state(args)
-    except (ValueError, FileNotFoundError, OSError) as exc:  # incl. a bad --omp-threads/--frontend-cores
+    except (
+        ValueError,
+        FileNotFoundError,
+        OSError,
+    ) as exc:  # incl. a bad --omp-threads/--frontend-cores
         log.error("cannot start: %s", exc)
         return 2
     if args.metrics_port is not None:
         from kvmesh.common.metrics_port import serve_metrics_only
 
         serve_metrics_only(state.metrics.registry, args.host, args.metrics_port)
-    return asyncio.run(serve(state, args.host, args.port, args.drain_timeout, args.log_level.lower()))
-
+    return asyncio.run(
+        serve(state, args.host, args.port, args.drain_timeout, args.log_level.lower())
+    )

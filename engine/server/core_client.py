@@ -20,9 +20,9 @@ import itertools
 import logging
 import os
 import pickle
+import shutil
 import subprocess
 import sys
-import shutil
 import tempfile
 import threading
 from typing import Any
@@ -33,12 +33,25 @@ import zmq.asyncio
 
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.engine.config import EngineArgs
-from kvmesh.engine.core_proc import (ABORT, ADD, LOAD_FAILED, OUTPUTS, READY, SHUTDOWN, UTILITY,
-                                     UTILITY_RESULT, CoreProcConfig, CoreReady, StepOutputs,
-                                     UtilityCall, UtilityResult, failure_exception)
 from kvmesh.engine.core_messages import AbortRequests, AddRequest
-from kvmesh.engine.model_limits import EngineLimits
+from kvmesh.engine.core_proc import (
+    ABORT,
+    ADD,
+    LOAD_FAILED,
+    OUTPUTS,
+    READY,
+    SHUTDOWN,
+    UTILITY,
+    UTILITY_RESULT,
+    CoreProcConfig,
+    CoreReady,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+    failure_exception,
+)
 from kvmesh.engine.llm_engine import TextEngine
+from kvmesh.engine.model_limits import EngineLimits
 from kvmesh.engine.server.async_engine import AsyncEngine, EngineDeadError
 from kvmesh.engine.threads import ThreadPlan, core_environment
 
@@ -58,7 +71,11 @@ class FrontendEngine(TextEngine):
         return self.limits.max_model_len
 
 
-_EVENT_KINDS = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
+_EVENT_KINDS = {
+    "BlockStored": BlockStored,
+    "BlockRemoved": BlockRemoved,
+    "AllBlocksCleared": AllBlocksCleared,
+}
 
 
 def events_from_wire(wire: list[list[Any]]) -> list:
@@ -78,7 +95,11 @@ class CoreProcess:
         try:
             self._popen = subprocess.Popen(
                 [sys.executable, "-P", "-c", "from kvmesh.engine.core_proc import main; main()"],
-                stdin=subprocess.PIPE, pass_fds=(write_fd,), close_fds=True, env=core_environment(cfg.threads))
+                stdin=subprocess.PIPE,
+                pass_fds=(write_fd,),
+                close_fds=True,
+                env=core_environment(cfg.threads),
+            )
         except BaseException:
             os.close(read_fd)
             raise
@@ -118,8 +139,13 @@ class CoreProcess:
 class ProcAsyncEngine(AsyncEngine):
     """AsyncEngine with the core in its own process (the server's default)."""
 
-    def __init__(self, engine_args: EngineArgs, kv_publisher: Any = None, threads: ThreadPlan | None = None,
-                 log_level: str = "info"):
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        kv_publisher: Any = None,
+        threads: ThreadPlan | None = None,
+        log_level: str = "info",
+    ):
         super().__init__(engine_args, kv_publisher)
         self.mode = "process"
         self.threads = threads
@@ -155,11 +181,18 @@ class ProcAsyncEngine(AsyncEngine):
         self._out.setsockopt(zmq.RCVHWM, 0)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(out_addr)
-        cfg = CoreProcConfig(self.engine_args, in_addr, out_addr, os.getpid(), self.threads, self.log_level,
-                             self.core_loop)
+        cfg = CoreProcConfig(
+            self.engine_args,
+            in_addr,
+            out_addr,
+            os.getpid(),
+            self.threads,
+            self.log_level,
+            self.core_loop,
+        )
         self._tasks.append(loop.create_task(self._startup(cfg)))
 
-    def _spawn(self, cfg: CoreProcConfig) -> "CoreProcess":
+    def _spawn(self, cfg: CoreProcConfig) -> CoreProcess:
         return CoreProcess(cfg)
 
     async def _startup(self, cfg: CoreProcConfig) -> None:
@@ -170,12 +203,16 @@ class ProcAsyncEngine(AsyncEngine):
             log.info("engine core process %d started", self.process.pid)
             kind, payload = await self._out.recv_multipart()
             if kind == LOAD_FAILED:
-                raise EngineDeadError(f"the engine core failed to load: {msgspec.msgpack.decode(payload)}")
+                raise EngineDeadError(
+                    f"the engine core failed to load: {msgspec.msgpack.decode(payload)}"
+                )
             if kind != READY:
                 raise EngineDeadError(f"the engine core sent {kind!r} before it was ready")
             ready = msgspec.msgpack.decode(payload, type=CoreReady)
             # The text side: the tokenizer loads off the loop (other routes keep answering).
-            self.engine = await asyncio.to_thread(FrontendEngine, self.engine_args, ready.model_dir, ready)
+            self.engine = await asyncio.to_thread(
+                FrontendEngine, self.engine_args, ready.model_dir, ready
+            )
             self.tokenizer = self.engine.tokenizer
             self.limits = self.engine.limits
             self.model_dir = ready.model_dir
@@ -185,7 +222,11 @@ class ProcAsyncEngine(AsyncEngine):
             self.stats = ready.stats
             self._tasks.append(loop.create_task(self._output_loop()))
             self.loaded.set()
-            log.info("engine core process %d ready%s", ready.pid, f" ({ready.threads})" if ready.threads else "")
+            log.info(
+                "engine core process %d ready%s",
+                ready.pid,
+                f" ({ready.threads})" if ready.threads else "",
+            )
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - reported through /health, the logs and the exit code
@@ -247,14 +288,16 @@ class ProcAsyncEngine(AsyncEngine):
         if not self.loaded.is_set():
             if self.load_error is None:
                 self.load_error = EngineDeadError(
-                    f"the engine core process exited with code {proc.exitcode} while loading")
+                    f"the engine core process exited with code {proc.exitcode} while loading"
+                )
                 log.error("%s", self.load_error)
             for task in self._tasks:
                 task.cancel()
             return
         self.dead.set()
-        err = EngineDeadError(f"the engine core process died (exit code {proc.exitcode}); "
-                              "this replica is restarting")
+        err = EngineDeadError(
+            f"the engine core process died (exit code {proc.exitcode}); this replica is restarting"
+        )
         log.error("%s: ending %d in-flight requests", err, len(self._streams))
         self._fail_streams(err)
         for fut in self._calls.values():
@@ -286,7 +329,9 @@ class ProcAsyncEngine(AsyncEngine):
         call_id = next(self._call_ids)
         fut = self._loop.create_future()
         self._calls[call_id] = fut
-        self._in.send_multipart([UTILITY, self._encoder.encode(UtilityCall(call_id, name, list(args)))])
+        self._in.send_multipart(
+            [UTILITY, self._encoder.encode(UtilityCall(call_id, name, list(args)))]
+        )
         try:
             return await fut
         finally:
@@ -321,7 +366,9 @@ class ProcAsyncEngine(AsyncEngine):
             self.kv_publisher.publish(events_from_wire(msg.kv_events))
         stats = msg.stats
         if self._frontend_failures:
-            stats.step_failures["request"] = stats.step_failures.get("request", 0) + self._frontend_failures
+            stats.step_failures["request"] = (
+                stats.step_failures.get("request", 0) + self._frontend_failures
+            )
         self.stats = stats
         self.step_timing = msg.timing
         items: list[tuple[str, Any]] = [(f.request_id, failure_exception(f)) for f in msg.failures]

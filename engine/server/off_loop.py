@@ -12,14 +12,15 @@ milliseconds. Small requests stay on the loop: a thread hop would cost them more
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from kvmesh.common.worker_pool import WorkerPool
 
 T = TypeVar("T")
 
-LARGE_CHARS = 8192           # a text or token list this long (or longer) goes to the pool
+LARGE_CHARS = 8192  # a text or token list this long (or longer) goes to the pool
 LARGE_BODY_BYTES = 64 * 1024  # a request body this large is decoded and validated there
 
 # Two workers: one huge prompt does not queue the next one behind it, and the CPUs stay with the

@@ -6,8 +6,9 @@ Responses are plain dicts built in ``api.py``; their shapes follow OpenAI's API 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -32,17 +33,26 @@ class _Generation:
         if self.functions:
             raise InvalidParameter("functions", "functions (function calling) are not supported")
         if self.function_call not in (None, "none"):
-            raise InvalidParameter("function_call", "function_call requires functions, which are not supported")
+            raise InvalidParameter(
+                "function_call", "function_call requires functions, which are not supported"
+            )
 
     def check_tool_fields(self) -> None:
         """Tools are a chat feature (ChatCompletionRequest reads them): a completion refuses them."""
         if self.tools:
             raise InvalidParameter("tools", "tools (function calling) are for /v1/chat/completions")
         if self.tool_choice not in (None, "none"):
-            raise InvalidParameter("tool_choice", "tool_choice is for /v1/chat/completions, with tools")
+            raise InvalidParameter(
+                "tool_choice", "tool_choice is for /v1/chat/completions, with tools"
+            )
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         defaults: Mapping[str, Any], prompt_logprobs: int | None = None) -> SamplingParams:
+    def _sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: Mapping[str, Any],
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
         """``defaults``: the model's generation-config values for what the request leaves out."""
         self.check_supported()
         try:
@@ -55,7 +65,9 @@ class _Generation:
             try:
                 logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except ValueError:
-                raise InvalidParameter("logit_bias", "logit_bias keys must be token ids (integers)") from None
+                raise InvalidParameter(
+                    "logit_bias", "logit_bias keys must be token ids (integers)"
+                ) from None
 
         def pick(value, name: str, openai_default):
             return value if value is not None else defaults.get(name, openai_default)
@@ -71,7 +83,9 @@ class _Generation:
             frequency_penalty=pick(self.frequency_penalty, "frequency_penalty", 0.0),
             repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
             logit_bias=logit_bias,
-            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs
+            if prompt_logprobs is not None
+            else self.prompt_logprobs,
             seed=self.seed,
             min_tokens=self.min_tokens,
             stop=self.stop,
@@ -81,8 +95,10 @@ class _Generation:
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured_outputs_of(
-                self.response_format, self.structured_outputs,
-                {name: getattr(self, name) for name in GUIDED_FIELDS}),
+                self.response_format,
+                self.structured_outputs,
+                {name: getattr(self, name) for name in GUIDED_FIELDS},
+            ),
         )
 
     def request_param(self, param: str) -> str:
@@ -95,11 +111,17 @@ class _Generation:
             return None
         ids = self.resume.get("output_token_ids") if isinstance(self.resume, dict) else None
         if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
-            raise InvalidParameter(RESUME_PARAM, f"{RESUME_PARAM} must be a non-empty list of token ids "
-                                                 "(resume: {\"output_token_ids\": [...]})")
+            raise InvalidParameter(
+                RESUME_PARAM,
+                f"{RESUME_PARAM} must be a non-empty list of token ids "
+                '(resume: {"output_token_ids": [...]})',
+            )
         if self.n != 1:
-            raise InvalidParameter("n", "a continuation (resume) continues one choice: n must be 1; "
-                                        "several go on with resume.choices")
+            raise InvalidParameter(
+                "n",
+                "a continuation (resume) continues one choice: n must be 1; "
+                "several go on with resume.choices",
+            )
         return ids
 
     def resume_choices(self, num_choices: int) -> dict[int, list[int]] | None:
@@ -109,26 +131,39 @@ class _Generation:
         if not isinstance(self.resume, dict) or "choices" not in self.resume:
             return None
         if "output_token_ids" in self.resume:
-            raise InvalidParameter("resume", "resume holds either output_token_ids (one choice) or choices")
+            raise InvalidParameter(
+                "resume", "resume holds either output_token_ids (one choice) or choices"
+            )
         listed = self.resume["choices"]
         if not isinstance(listed, list) or not listed:
-            raise InvalidParameter("resume.choices", "resume.choices must be a non-empty list of "
-                                                     "{\"index\": i, \"output_token_ids\": [...]}")
+            raise InvalidParameter(
+                "resume.choices",
+                "resume.choices must be a non-empty list of "
+                '{"index": i, "output_token_ids": [...]}',
+            )
         plan: dict[int, list[int]] = {}
         for k, item in enumerate(listed):
             where = f"resume.choices.{k}"
             if not isinstance(item, dict):
-                raise InvalidParameter(where, f"{where} must be an object {{\"index\": i, \"output_token_ids\": [...]}}")
+                raise InvalidParameter(
+                    where, f'{where} must be an object {{"index": i, "output_token_ids": [...]}}'
+                )
             index = item.get("index")
             if type(index) is not int or not 0 <= index < num_choices:
-                raise InvalidParameter(f"{where}.index", f"{where}.index must be a choice index, 0 to "
-                                                         f"{num_choices - 1} (prompts x n)")
+                raise InvalidParameter(
+                    f"{where}.index",
+                    f"{where}.index must be a choice index, 0 to {num_choices - 1} (prompts x n)",
+                )
             if index in plan:
-                raise InvalidParameter(f"{where}.index", f"{where}.index: choice {index} is listed twice")
+                raise InvalidParameter(
+                    f"{where}.index", f"{where}.index: choice {index} is listed twice"
+                )
             ids = item.get("output_token_ids")
             if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-                raise InvalidParameter(f"{where}.output_token_ids",
-                                       f"{where}.output_token_ids must be a list of token ids")
+                raise InvalidParameter(
+                    f"{where}.output_token_ids",
+                    f"{where}.output_token_ids must be a list of token ids",
+                )
             plan[index] = ids
         return plan
 
@@ -159,10 +194,14 @@ class CompletionRequest(_Generation, fields.CompletionRequest):
         """The prompts: one text or token-id list, or a batch of them (OpenAI's prompt array)."""
         batch = prompt_batch(self.prompt)
         if len(batch) > MAX_PROMPTS:
-            raise InvalidParameter("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}")
+            raise InvalidParameter(
+                "prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}"
+            )
         for one in batch:
             if isinstance(one, list) and not one:
-                raise InvalidParameter("prompt", "prompt is empty: it must contain at least one token")
+                raise InvalidParameter(
+                    "prompt", "prompt is empty: it must contain at least one token"
+                )
         return batch
 
     def sampling_params(self, defaults: Mapping[str, Any] = {}) -> SamplingParams:  # noqa: B006 - read only
@@ -189,29 +228,38 @@ def template_message(message: fields.ChatMessage, index: int | None = None) -> d
     """A message for the chat template; ``index``: its place in ``messages`` (errors name
     the part, e.g. ``messages.0.content.1.type``)."""
     d = message.model_dump(exclude_none=True)
-    if message.role == "assistant" and d.get("tool_calls") is not None:  # earlier calls, arguments decoded
-        d["tool_calls"] = decoded_tool_calls(d["tool_calls"], "messages" if index is None
-                                             else f"messages.{index}.tool_calls")
+    if (
+        message.role == "assistant" and d.get("tool_calls") is not None
+    ):  # earlier calls, arguments decoded
+        d["tool_calls"] = decoded_tool_calls(
+            d["tool_calls"], "messages" if index is None else f"messages.{index}.tool_calls"
+        )
     content = message.content
     if isinstance(content, list):  # content parts: only text is supported
         texts = []
         for j, part in enumerate(content):
             where = "messages" if index is None else f"messages.{index}.content.{j}"
             if part.get("type") != "text":
-                raise InvalidParameter(where if index is None else f"{where}.type",
-                                       f"unsupported content part type {str(part.get('type'))[:40]!r}: "
-                                       "only 'text' parts are supported")
+                raise InvalidParameter(
+                    where if index is None else f"{where}.type",
+                    f"unsupported content part type {str(part.get('type'))[:40]!r}: "
+                    "only 'text' parts are supported",
+                )
             text = part.get("text", "")
             if not isinstance(text, str):
-                raise InvalidParameter(where if index is None else f"{where}.text",
-                                       "a text content part's text must be a string")
+                raise InvalidParameter(
+                    where if index is None else f"{where}.text",
+                    "a text content part's text must be a string",
+                )
             texts.append(text)
         content = "".join(texts)
     d["content"] = content or ""
     return d
 
 
-def tool_plan_of(tools: list[fields.ToolDefinition] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan | None:
+def tool_plan_of(
+    tools: list[fields.ToolDefinition] | None, tool_choice: Any, parallel: bool | None
+) -> ToolPlan | None:
     """A request's tools planned (the tools as the template gets them: their definitions without nulls)."""
     listed = [t.model_dump(exclude_none=True) for t in tools] if tools is not None else None
     return plan_tools(listed, tool_choice, parallel)
@@ -235,9 +283,14 @@ class ChatCompletionRequest(_Generation, fields.ChatCompletionRequest):
         if schema is None:
             return params
         if params.structured_outputs is not None:
-            raise InvalidParameter("tool_choice", f"tool_choice {plan.mode!r} constrains the output to the tools' "
-                                                  "schemas: it cannot be combined with a structured output")
-        return replace(params, structured_outputs=StructuredOutputsParams(json=schema, field_name="tools"))
+            raise InvalidParameter(
+                "tool_choice",
+                f"tool_choice {plan.mode!r} constrains the output to the tools' "
+                "schemas: it cannot be combined with a structured output",
+            )
+        return replace(
+            params, structured_outputs=StructuredOutputsParams(json=schema, field_name="tools")
+        )
 
     def sampling_params(self, defaults: Mapping[str, Any] = {}) -> SamplingParams:  # noqa: B006 - read only
         if self.echo:
@@ -245,7 +298,9 @@ class ChatCompletionRequest(_Generation, fields.ChatCompletionRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
         n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._with_tool_schema(self._sampling_params(self.requested_max_tokens(), n_logprobs, defaults))
+        return self._with_tool_schema(
+            self._sampling_params(self.requested_max_tokens(), n_logprobs, defaults)
+        )
 
     def request_param(self, param: str) -> str:
         if param == "prompt":
@@ -257,7 +312,11 @@ class ChatCompletionRequest(_Generation, fields.ChatCompletionRequest):
         return param
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
 
 # A lone surrogate can only come from a \\uD800-\\uDFFF escape or from UTF-8-encoded surrogate bytes
@@ -280,7 +339,9 @@ def invalid_text_field(body: bytes, data: Any) -> str | None:
         except UnicodeEncodeError:
             return True
 
-    stack: list[tuple[Any, list[str]]] = [(data, [])]  # depth-first, in document order; no recursion
+    stack: list[tuple[Any, list[str]]] = [
+        (data, [])
+    ]  # depth-first, in document order; no recursion
     while stack:
         value, path = stack.pop()
         if isinstance(value, str):
@@ -292,14 +353,25 @@ def invalid_text_field(body: bytes, data: Any) -> str | None:
                     return ".".join(path + [key.encode("utf-8", "backslashreplace").decode()])
             stack.extend((item, path + [key]) for key, item in reversed(value.items()))
         elif isinstance(value, list):
-            stack.extend((item, path + [str(i)]) for i, item in reversed(list(enumerate(value)))
-                         if isinstance(item, (str, dict, list)))
+            stack.extend(
+                (item, path + [str(i)])
+                for i, item in reversed(list(enumerate(value)))
+                if isinstance(item, (str, dict, list))
+            )
     return None
 
 
 # pydantic's error types for a value of the right type outside a field's bounds
-_BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "string_too_short",
-                 "string_too_long", "too_short", "too_long"}
+_BOUND_ERRORS = {
+    "greater_than",
+    "greater_than_equal",
+    "less_than",
+    "less_than_equal",
+    "string_too_short",
+    "string_too_long",
+    "too_short",
+    "too_long",
+}
 
 # an item that should have been an object (messages: ["hi"]) keeps its index: messages.0
 _OBJECT_ERRORS = {"model_type", "model_attributes_type", "dict_type"}
@@ -317,24 +389,32 @@ def first_error_param(exc: ValidationError, model_cls: type | None = None) -> tu
     err = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
     # pydantic puts union members' tags into loc ("str", "list[int]", "constrained-str"): drop them
     parts = [x for x in err.get("loc", ()) if not _is_union_tag(x)]
-    if (len(parts) > 1 and all(isinstance(x, int) for x in parts[1:])
-            and err.get("type") not in _OBJECT_ERRORS):
+    if (
+        len(parts) > 1
+        and all(isinstance(x, int) for x in parts[1:])
+        and err.get("type") not in _OBJECT_ERRORS
+    ):
         parts = parts[:1]  # an item of a list of values (stop: [1]) names the list
     loc = [str(x) for x in parts]
     if "[key]" in loc:  # a bad dict key (logit_bias.abc.[key]): name the dict, not the client's key
-        loc = loc[:max(loc.index("[key]") - 1, 0)]
+        loc = loc[: max(loc.index("[key]") - 1, 0)]
     if err.get("type") in _BOUND_ERRORS and loc:
         loc = loc[:1]
         bounds = _field_bounds(model_cls, loc[0])
         if bounds is not None:
-            return loc[0], f"{loc[0]} must be between {bounds[0]} and {bounds[1]}, got {err.get('input')}"
+            return loc[
+                0
+            ], f"{loc[0]} must be between {bounds[0]} and {bounds[1]}, got {err.get('input')}"
     param = ".".join(loc) or "body"
     return param, f"{param}: {err.get('msg', 'invalid value')}"
 
 
 def _is_union_tag(part: Any) -> bool:
-    return isinstance(part, str) and (part.startswith(("function-", "union[")) or part in (
-        "str", "int", "list[int]", "list[str]", "list[list[int]]") or "constrained-" in part)
+    return isinstance(part, str) and (
+        part.startswith(("function-", "union["))
+        or part in ("str", "int", "list[int]", "list[str]", "list[list[int]]")
+        or "constrained-" in part
+    )
 
 
 def _field_bounds(model_cls: type | None, name: str) -> tuple[Any, Any] | None:

@@ -32,8 +32,11 @@ def decode_body(raw: bytes, model_cls: type[BaseModel]):
             raise bad_request(str(exc), param=exc.param, code=exc.code) from None
     bad_text = invalid_text_field(raw, data)
     if bad_text is not None:  # every string field: prompt, messages, stop, model, ...
-        raise bad_request(f"{bad_text} is not valid Unicode text (a lone surrogate such as \\ud800)",
-                          param=bad_text, code="invalid_text")
+        raise bad_request(
+            f"{bad_text} is not valid Unicode text (a lone surrogate such as \\ud800)",
+            param=bad_text,
+            code="invalid_text",
+        )
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
@@ -57,15 +60,21 @@ class RequestHandler:
         length = self.request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
             self.state.metrics.reject("body_too_large")
-            raise APIError(413, f"request body is {length} bytes; the limit is {cfg.max_body_bytes}",
-                           code="body_too_large")
+            raise APIError(
+                413,
+                f"request body is {length} bytes; the limit is {cfg.max_body_bytes}",
+                code="body_too_large",
+            )
         chunks, size = [], 0
         async for chunk in self.request.stream():
             size += len(chunk)
             if size > cfg.max_body_bytes:
                 self.state.metrics.reject("body_too_large")
-                raise APIError(413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes",
-                               code="body_too_large")
+                raise APIError(
+                    413,
+                    f"request body exceeds the limit of {cfg.max_body_bytes} bytes",
+                    code="body_too_large",
+                )
             chunks.append(chunk)
         raw = b"".join(chunks)
         # a large body is decoded and validated in the request pool: the loop keeps answering
@@ -74,8 +83,12 @@ class RequestHandler:
     def check_model(self, model: str | None) -> None:
         name = self.state.config.served_model_name
         if model is not None and model != name:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves `{name}`.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. This server serves `{name}`.",
+                param="model",
+                code="model_not_found",
+            )
 
     async def read_body(self, model_cls: type[BaseModel]):
         """The validated body, for the served model."""

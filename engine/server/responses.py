@@ -13,9 +13,12 @@ from kvmesh.engine.server.choices import Choice
 
 
 def usage_field(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def sse(obj: Any) -> str:
@@ -42,16 +45,31 @@ class ResponseAssembly:
             if lp is None:
                 field_.append(None)
                 continue
-            entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank,
-                                        "decoded_token": self.token_text(lp.token_id)}}
+            entry = {
+                str(lp.token_id): {
+                    "logprob": lp.logprob,
+                    "rank": lp.rank,
+                    "decoded_token": self.token_text(lp.token_id),
+                }
+            }
             for rank, (tid, value) in enumerate(lp.top, 1):
-                entry.setdefault(str(tid), {"logprob": value, "rank": rank, "decoded_token": self.token_text(tid)})
+                entry.setdefault(
+                    str(tid),
+                    {"logprob": value, "rank": rank, "decoded_token": self.token_text(tid)},
+                )
             field_.append(entry)
         return field_
 
-    def chunk(self, choices: list[dict[str, Any]], usage=None, include_usage=False) -> dict[str, Any]:
-        obj = {"id": self.response_id, "object": self.chunk_object, "created": self.created,
-               "model": self.state.config.served_model_name, "choices": choices}
+    def chunk(
+        self, choices: list[dict[str, Any]], usage=None, include_usage=False
+    ) -> dict[str, Any]:
+        obj = {
+            "id": self.response_id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.state.config.served_model_name,
+            "choices": choices,
+        }
         if include_usage:
             obj["usage"] = usage
         return obj
@@ -60,17 +78,28 @@ class ResponseAssembly:
     def response_id(self) -> str:
         return self.id_prefix + self.request_id
 
-    def usage(self, choices: list[Choice], completion_tokens: list[int], cached: list[int]) -> dict[str, Any]:
+    def usage(
+        self, choices: list[Choice], completion_tokens: list[int], cached: list[int]
+    ) -> dict[str, Any]:
         """Prompt and cached tokens once per prompt (its first choice), completion tokens of all."""
         first: dict[int, Choice] = {}
         for c in choices:
             first.setdefault(c.prompt_index, c)
         # a continuation's cache hit may reach into its resumed ids: only the prompt's part counts
-        return usage_field(sum(len(c.ids) for c in first.values()), sum(completion_tokens),
-                           sum(min(cached[c.index], len(c.ids)) for c in first.values()))
+        return usage_field(
+            sum(len(c.ids) for c in first.values()),
+            sum(completion_tokens),
+            sum(min(cached[c.index], len(c.ids)) for c in first.values()),
+        )
 
-    def with_token_ids(self, choice: dict[str, Any], c: Choice, token_ids: list[int], first: bool,
-                       obj: dict[str, Any] | None = None) -> dict[str, Any]:
+    def with_token_ids(
+        self,
+        choice: dict[str, Any],
+        c: Choice,
+        token_ids: list[int],
+        first: bool,
+        obj: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """return_token_ids (vLLM's): the choice's ``token_ids``, and the prompt's ids with the first
         output (on the choice for completions, on ``obj`` - the response or chunk - for chat);
         never on a continuation, whose client has them already."""
@@ -85,19 +114,32 @@ class ResponseAssembly:
 
     def full_response(self, choices: list[Choice], outs: list[RequestOutput]) -> dict[str, Any]:
         items, generated = [], []
-        response = {"id": self.response_id, "object": self.response_object,
-                    "created": self.created, "model": self.state.config.served_model_name, "choices": items}
+        response = {
+            "id": self.response_id,
+            "object": self.response_object,
+            "created": self.created,
+            "model": self.state.config.served_model_name,
+            "choices": items,
+        }
         for c, out in zip(choices, outs):
             comp, want_lp = out.outputs[0], c.params.logprobs is not None
-            text, lps, finish, ids = comp.text, comp.logprobs or [], comp.finish_reason, comp.token_ids
+            text, lps, finish, ids = (
+                comp.text,
+                comp.logprobs or [],
+                comp.finish_reason,
+                comp.token_ids,
+            )
             if self.echo_only:  # the prompt alone: the one token generated is dropped
                 text, lps, finish, ids = "", [], "length", []
             generated.append(0 if self.echo_only else len(comp.token_ids) + len(c.resumed))
             item = self.full_choice(c, out, text, lps, finish, want_lp)
             if self.with_prompt_logprobs:
                 item["prompt_logprobs"] = self.prompt_logprobs_field(out)
-            items.append(self.with_token_ids(item, c, ids, first=c.index == 0 or self.prompt_ids_per_choice,
-                                             obj=response))
+            items.append(
+                self.with_token_ids(
+                    item, c, ids, first=c.index == 0 or self.prompt_ids_per_choice, obj=response
+                )
+            )
         cached = [0] * (choices[-1].index + 1)  # by choice index, as usage() reads it
         for c, out in zip(choices, outs):
             cached[c.index] = out.num_cached_tokens
@@ -108,7 +150,9 @@ class ResponseAssembly:
         """About how many token entries full_response builds: tokens times their top-N logprobs."""
         size = 0
         for c, out in zip(choices, outs):
-            tokens = len(out.outputs[0].token_ids) + (len(c.ids) if self.echo or self.with_prompt_logprobs else 0)
+            tokens = len(out.outputs[0].token_ids) + (
+                len(c.ids) if self.echo or self.with_prompt_logprobs else 0
+            )
             size += tokens * (1 + (c.params.logprobs or 0) + (c.params.prompt_logprobs or 0))
         return size
 

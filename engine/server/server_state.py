@@ -27,7 +27,7 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     retry_after_s: int = 1
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
-    tool_call_parser: str | None = None    # a name in tool_parsers.TOOL_PARSERS
+    tool_call_parser: str | None = None  # a name in tool_parsers.TOOL_PARSERS
 
     @property
     def capacity(self) -> int:
@@ -45,7 +45,9 @@ class ServerState:
     metrics: ServerMetrics | None = None
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.engine, self.config.served_model_name, lambda: self.draining)
+        self.metrics = ServerMetrics(
+            self.engine, self.config.served_model_name, lambda: self.draining
+        )
 
     @property
     def ready(self) -> bool:
@@ -81,7 +83,9 @@ class ServerState:
 def check_ready(state: ServerState) -> None:
     if state.draining:
         state.metrics.reject("draining")
-        raise APIError(503, "the server is draining and admits no new requests", headers={"Retry-After": "1"})
+        raise APIError(
+            503, "the server is draining and admits no new requests", headers={"Retry-After": "1"}
+        )
     if not state.engine.loaded.is_set():
         raise APIError(503, "the model is still loading", headers={"Retry-After": "1"})
     if not state.engine.alive:
@@ -95,5 +99,9 @@ def check_auth(state: ServerState, request: Request) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise APIError(
+            401,
+            "invalid or missing API key (send `Authorization: Bearer <key>`)",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )

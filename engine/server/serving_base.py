@@ -10,8 +10,9 @@ text or a message, their logprobs); ``serving_tokenization`` reuses the body che
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any, AsyncIterator, ClassVar
+from typing import Any, ClassVar
 
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
@@ -38,10 +39,10 @@ class GenerationHandler(RequestHandler, OutputStreaming):
     """
 
     request_model: ClassVar[type[BaseModel]]
-    prompt_param: ClassVar[str]       # the field a context-length error names
-    id_prefix: ClassVar[str]          # the response id: prefix + request id
-    response_object: ClassVar[str]    # "object" of a whole response
-    chunk_object: ClassVar[str]       # "object" of a stream chunk
+    prompt_param: ClassVar[str]  # the field a context-length error names
+    id_prefix: ClassVar[str]  # the response id: prefix + request id
+    response_object: ClassVar[str]  # "object" of a whole response
+    chunk_object: ClassVar[str]  # "object" of a stream chunk
     # where return_token_ids puts the prompt's ids: each choice (completions) or the response (chat)
     prompt_ids_per_choice: ClassVar[bool] = False
     streaming = False
@@ -67,17 +68,29 @@ class GenerationHandler(RequestHandler, OutputStreaming):
         """Choices sent, one chunk each, before any output (chat: the assistant role)."""
         return []
 
-    def stream_prefix(self, c: Choice, out: RequestOutput, first: bool) -> tuple[str, list[tuple[int, Any]]]:
+    def stream_prefix(
+        self, c: Choice, out: RequestOutput, first: bool
+    ) -> tuple[str, list[tuple[int, Any]]]:
         """Text sent before a choice's first output, and its prompt's logprob entries (echo)."""
         return "", []
 
-    def stream_choice(self, c: Choice, out: RequestOutput, prefix: str, prompt_entries: list[tuple[int, Any]],
-                      delta_text: str, delta_lps: list, finish: str | None, want_lp: bool) -> dict[str, Any] | None:
+    def stream_choice(
+        self,
+        c: Choice,
+        out: RequestOutput,
+        prefix: str,
+        prompt_entries: list[tuple[int, Any]],
+        delta_text: str,
+        delta_lps: list,
+        finish: str | None,
+        want_lp: bool,
+    ) -> dict[str, Any] | None:
         """One choice of a stream chunk (None: no chunk for this output)."""
         raise NotImplementedError
 
-    def full_choice(self, c: Choice, out: RequestOutput, text: str, lps: list, finish: str | None,
-                    want_lp: bool) -> dict[str, Any]:
+    def full_choice(
+        self, c: Choice, out: RequestOutput, text: str, lps: list, finish: str | None, want_lp: bool
+    ) -> dict[str, Any]:
         """One choice of a whole response."""
         raise NotImplementedError
 
@@ -88,15 +101,20 @@ class GenerationHandler(RequestHandler, OutputStreaming):
         engine = self.engine
         try:
             params = body.sampling_params(engine.sampling_defaults)
-            await engine.check_structured(params)  # a spec the backend refuses: a 400 before anything runs
+            await engine.check_structured(
+                params
+            )  # a spec the backend refuses: a 400 before anything runs
             n = body.num_choices()
             resumed = body.resume_token_ids()
             prompts = self.prompts(body)
             plan = body.resume_choices(len(prompts) * n)
             if resumed is not None:
                 if len(prompts) != 1:
-                    raise InvalidParameter(self.prompt_param, "a continuation (resume) continues one prompt; "
-                                                              "several go on with resume.choices")
+                    raise InvalidParameter(
+                        self.prompt_param,
+                        "a continuation (resume) continues one prompt; "
+                        "several go on with resume.choices",
+                    )
                 plan = {0: resumed}
             if plan is not None:
                 # the client had the prompt's echo and logprobs from the original stream
@@ -117,11 +135,17 @@ class GenerationHandler(RequestHandler, OutputStreaming):
                     sample = fitted.sample(j)
                     so_far = plan[index] if plan is not None else []
                     if so_far:  # every id against the vocabulary, and room left to generate
-                        where = None if resumed is not None else f"resume.choices.{list(plan).index(index)}"
+                        where = (
+                            None
+                            if resumed is not None
+                            else f"resume.choices.{list(plan).index(index)}"
+                        )
                         await validate_resume(engine, ids, sample, so_far, where)
                     choices.append(Choice(index, p_index, prompt, ids, sample, resumed=so_far))
         except ResumeTooLong as exc:
-            raise bad_request(str(exc), param=exc.param, code="context_length_exceeded" if exc.context else None)
+            raise bad_request(
+                str(exc), param=exc.param, code="context_length_exceeded" if exc.context else None
+            )
         except InvalidParameter as exc:
             exc = body.renamed(exc)
             raise bad_request(str(exc), param=exc.param)
@@ -131,29 +155,48 @@ class GenerationHandler(RequestHandler, OutputStreaming):
         state = self.state
         if self.engine.num_in_flight + requests > state.config.capacity:
             state.metrics.reject("queue_full")
-            raise APIError(429, f"the server is at capacity ({state.config.capacity} requests admitted: "
-                           f"{state.config.max_num_seqs} running + {state.config.max_waiting} waiting); "
-                           "retry later", code="queue_full",
-                           headers={"Retry-After": str(state.config.retry_after_s)})
+            raise APIError(
+                429,
+                f"the server is at capacity ({state.config.capacity} requests admitted: "
+                f"{state.config.max_num_seqs} running + {state.config.max_waiting} waiting); "
+                "retry later",
+                code="queue_full",
+                headers={"Retry-After": str(state.config.retry_after_s)},
+            )
 
     def admit(self, choices: list[Choice], cache_salt: str | None) -> None:
         state = self.state
         if state.draining:
             state.metrics.reject("draining")
-            raise APIError(503, "the server is draining and admits no new requests",
-                           headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                "the server is draining and admits no new requests",
+                headers={"Retry-After": "1"},
+            )
         if len(choices) > state.config.capacity:  # could never be admitted: retrying is no use
             per_prompt = len(choices) // (choices[-1].prompt_index + 1)
-            raise bad_request(f"{len(choices)} choices (prompts x n) exceed the {state.config.capacity} requests "
-                              "this server admits at once", param="n" if per_prompt > 1 else "prompt")
+            raise bad_request(
+                f"{len(choices)} choices (prompts x n) exceed the {state.config.capacity} requests "
+                "this server admits at once",
+                param="n" if per_prompt > 1 else "prompt",
+            )
         self.check_capacity(len(choices))
         try:
             for c in choices:
-                rid = self.engine.unique_id(self.request_id if len(choices) == 1 else f"{self.request_id}-{c.index}")
-                c.stream = self.engine.add(rid, c.prompt, c.ids, c.params, cache_salt, c.resumed or None)
-                log.info("request %s admitted: %d prompt tokens, max_tokens=%s, stream=%s%s", rid,
-                         len(c.ids), c.params.max_tokens, self.streaming,
-                         f", resumed after {len(c.resumed)} tokens" if c.resumed else "")
+                rid = self.engine.unique_id(
+                    self.request_id if len(choices) == 1 else f"{self.request_id}-{c.index}"
+                )
+                c.stream = self.engine.add(
+                    rid, c.prompt, c.ids, c.params, cache_salt, c.resumed or None
+                )
+                log.info(
+                    "request %s admitted: %d prompt tokens, max_tokens=%s, stream=%s%s",
+                    rid,
+                    len(c.ids),
+                    c.params.max_tokens,
+                    self.streaming,
+                    f", resumed after {len(c.resumed)} tokens" if c.resumed else "",
+                )
         except BaseException as exc:
             for c in choices:  # all or nothing
                 if c.stream is not None:
@@ -178,10 +221,13 @@ class GenerationHandler(RequestHandler, OutputStreaming):
         self.admit(choices, body.cache_salt)
         self.state.active += 1
         if body.stream:
-            return StreamingResponse(self._counted(self.stream_response(choices, body.include_usage,
-                                                                        body.continuous_usage)),
-                                     media_type="text/event-stream",
-                                     headers={**self.headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                self._counted(
+                    self.stream_response(choices, body.include_usage, body.continuous_usage)
+                ),
+                media_type="text/event-stream",
+                headers={**self.headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         try:
             outs = await self.collect(choices)
         except APIError:

@@ -34,20 +34,28 @@ class ChatHandler(GenerationHandler):
     def __init__(self, state, request):
         super().__init__(state, request)
         self.tool_plan: ToolPlan | None = None
-        self.auto_parser: type[ToolParser] | None = None  # the server's parser, for tool_choice auto
+        self.auto_parser: type[ToolParser] | None = (
+            None  # the server's parser, for tool_choice auto
+        )
         self._parsers: dict[int, ToolParser | None] = {}  # per choice index
-        self._chunked: set[int] = set()  # choices that sent an output chunk (the first carries prompt logprobs)
+        self._chunked: set[int] = (
+            set()
+        )  # choices that sent an output chunk (the first carries prompt logprobs)
 
     async def read_body(self, model_cls):
         body = await super().read_body(model_cls)
         cfg = self.state.config
         try:
             self.tool_plan = body.tool_plan()
-            self.auto_parser = auto_parser(self.tool_plan, cfg.enable_auto_tool_choice, cfg.tool_call_parser)
+            self.auto_parser = auto_parser(
+                self.tool_plan, cfg.enable_auto_tool_choice, cfg.tool_call_parser
+            )
         except InvalidParameter as exc:
             raise bad_request(str(exc), param=exc.param)
         if self.auto_parser is not None and self.auto_parser.skip_special_tokens is False:
-            body.skip_special_tokens = False  # the call markup is special tokens (vLLM's adjust_request)
+            body.skip_special_tokens = (
+                False  # the call markup is special tokens (vLLM's adjust_request)
+            )
         return body
 
     def prompts(self, body: ChatCompletionRequest) -> list[None]:
@@ -56,11 +64,23 @@ class ChatHandler(GenerationHandler):
     async def tokenize_prompt(self, body: ChatCompletionRequest, prompt: None):
         tokenizer = self.engine.tokenizer
         try:
-            messages, kwargs = chat_prompt_inputs(tokenizer.chat_template, body.template_messages(), self.tool_plan,
-                                                  self.state.config.tool_call_parser, body.chat_template_kwargs)
-            ids = await off_loop(prompt_size(messages, self.tool_plan),
-                                 partial(tokenizer.encode_chat, messages, body.add_generation_prompt,
-                                         body.continue_final_message, kwargs))
+            messages, kwargs = chat_prompt_inputs(
+                tokenizer.chat_template,
+                body.template_messages(),
+                self.tool_plan,
+                self.state.config.tool_call_parser,
+                body.chat_template_kwargs,
+            )
+            ids = await off_loop(
+                prompt_size(messages, self.tool_plan),
+                partial(
+                    tokenizer.encode_chat,
+                    messages,
+                    body.add_generation_prompt,
+                    body.continue_final_message,
+                    kwargs,
+                ),
+            )
         except TemplateError as exc:
             raise InvalidParameter("messages", str(exc))
         return ids, ids
@@ -69,9 +89,21 @@ class ChatHandler(GenerationHandler):
         content = []
         for lp in lps:
             text = self.token_text(lp.token_id)
-            content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": (t := self.token_text(tid)), "logprob": v,
-                                              "bytes": list(t.encode())} for tid, v in lp.top]})
+            content.append(
+                {
+                    "token": text,
+                    "logprob": lp.logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": (t := self.token_text(tid)),
+                            "logprob": v,
+                            "bytes": list(t.encode()),
+                        }
+                        for tid, v in lp.top
+                    ],
+                }
+            )
         return {"content": content}
 
     # -- tool calls ---------------------------------------------------------------------------
@@ -80,8 +112,14 @@ class ChatHandler(GenerationHandler):
         if c.index not in self._parsers:
             plan = self.tool_plan
             parser = plan.parser(self.auto_parser) if plan is not None else None
-            if parser is not None and c.resumed:  # a continuation: first read what the client has, silently
-                parser.feed(self.engine.tokenizer.decode(c.resumed, skip_special_tokens=c.params.skip_special_tokens))
+            if (
+                parser is not None and c.resumed
+            ):  # a continuation: first read what the client has, silently
+                parser.feed(
+                    self.engine.tokenizer.decode(
+                        c.resumed, skip_special_tokens=c.params.skip_special_tokens
+                    )
+                )
             self._parsers[c.index] = parser
         return self._parsers[c.index]
 
@@ -89,12 +127,23 @@ class ChatHandler(GenerationHandler):
     def tool_finish(parser: ToolParser, finish: str | None, called: bool) -> str | None:
         """``tool_calls`` for an output that stopped after calling tools (auto, required; a named
         function keeps ``stop``, as vLLM and OpenAI answer)."""
-        return "tool_calls" if finish == "stop" and called and parser.finishes_with_tool_calls else finish
+        return (
+            "tool_calls"
+            if finish == "stop" and called and parser.finishes_with_tool_calls
+            else finish
+        )
 
     # -- choices -------------------------------------------------------------------------------
     def stream_preamble(self, choices: list[Choice]) -> list[dict[str, Any]]:
-        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for c in choices]
+        return [
+            {
+                "index": c.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for c in choices
+        ]
 
     def stream_choice(self, c, out, prefix, prompt_entries, delta_text, delta_lps, finish, want_lp):
         parser = self.parser(c)
@@ -109,13 +158,21 @@ class ChatHandler(GenerationHandler):
                 delta["tool_calls"] = [call.as_dict() for call in read.calls]
             finish = self.tool_finish(parser, finish, parser.num_calls > 0)
             # nothing to send yet: no chunk, unless it carries what the client asked for anyway
-            if not (delta or finish or want_lp or self.return_token_ids
-                    or (self.with_prompt_logprobs and c.index not in self._chunked)):
+            if not (
+                delta
+                or finish
+                or want_lp
+                or self.return_token_ids
+                or (self.with_prompt_logprobs and c.index not in self._chunked)
+            ):
                 return None
         self._chunked.add(c.index)
-        choice = {"index": c.index, "delta": delta,
-                  "logprobs": self.chat_logprobs(delta_lps) if want_lp else None,
-                  "finish_reason": finish}
+        choice = {
+            "index": c.index,
+            "delta": delta,
+            "logprobs": self.chat_logprobs(delta_lps) if want_lp else None,
+            "finish_reason": finish,
+        }
         if finish:
             choice["stop_reason"] = out.outputs[0].stop_reason
         return choice
@@ -128,6 +185,10 @@ class ChatHandler(GenerationHandler):
             message["content"] = parsed.content
             message["tool_calls"] = [call.as_dict() for call in parsed.tool_calls]
             finish = self.tool_finish(parser, finish, bool(parsed.tool_calls))
-        return {"index": c.index, "message": message,
-                "logprobs": self.chat_logprobs(lps) if want_lp else None,
-                "finish_reason": finish, "stop_reason": out.outputs[0].stop_reason}
+        return {
+            "index": c.index,
+            "message": message,
+            "logprobs": self.chat_logprobs(lps) if want_lp else None,
+            "finish_reason": finish,
+            "stop_reason": out.outputs[0].stop_reason,
+        }

@@ -29,15 +29,20 @@ class CompletionHandler(GenerationHandler):
         return body.prompt_inputs()
 
     async def tokenize_prompt(self, body: CompletionRequest, prompt: str | list[int]):
-        ids = (await off_loop(len(prompt), self.engine.tokenizer.encode, prompt)
-               if isinstance(prompt, str) else list(prompt))
+        ids = (
+            await off_loop(len(prompt), self.engine.tokenizer.encode, prompt)
+            if isinstance(prompt, str)
+            else list(prompt)
+        )
         return prompt, ids
 
     def read_options(self, body: CompletionRequest) -> None:
         self.echo = body.echo
         self.echo_only = body.echo_only
 
-    def completion_logprobs(self, lps, offset: int, prompt: list[tuple[int, Any]] = ()) -> dict[str, Any]:
+    def completion_logprobs(
+        self, lps, offset: int, prompt: list[tuple[int, Any]] = ()
+    ) -> dict[str, Any]:
         """OpenAI's completion logprobs; with echo, the prompt's (token id, logprob or None) first."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, lp in [*prompt, *((lp.token_id, lp) for lp in lps)]:
@@ -47,12 +52,22 @@ class CompletionHandler(GenerationHandler):
             tops.append({self.token_text(t): v for t, v in lp.top} if lp is not None else None)
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
     def echo_prefix(self, c: Choice, out: RequestOutput) -> tuple[str, list[tuple[int, Any]]]:
         """The prompt's text and its (token id, logprob) entries, for echo."""
-        text = c.prompt if isinstance(c.prompt, str) else self.engine.tokenizer.decode(
-            c.ids, skip_special_tokens=c.params.skip_special_tokens)
+        text = (
+            c.prompt
+            if isinstance(c.prompt, str)
+            else self.engine.tokenizer.decode(
+                c.ids, skip_special_tokens=c.params.skip_special_tokens
+            )
+        )
         lps = out.prompt_logprobs or [None] * len(c.ids)
         return text, list(zip(c.ids, lps))
 
@@ -61,17 +76,32 @@ class CompletionHandler(GenerationHandler):
 
     def stream_choice(self, c, out, prefix, prompt_entries, delta_text, delta_lps, finish, want_lp):
         i = c.index
-        offset = self.text_offsets.get(i, out.outputs[0].text_offset)  # a continuation's: after the resumed text
+        offset = self.text_offsets.get(
+            i, out.outputs[0].text_offset
+        )  # a continuation's: after the resumed text
         text = prefix + delta_text
-        choice = {"index": i, "text": text,
-                  "logprobs": self.completion_logprobs(delta_lps, offset, prompt_entries) if want_lp else None,
-                  "finish_reason": finish, "stop_reason": out.outputs[0].stop_reason if finish else None}
+        choice = {
+            "index": i,
+            "text": text,
+            "logprobs": self.completion_logprobs(delta_lps, offset, prompt_entries)
+            if want_lp
+            else None,
+            "finish_reason": finish,
+            "stop_reason": out.outputs[0].stop_reason if finish else None,
+        }
         self.text_offsets[i] = offset + len(text)
         return choice
 
     def full_choice(self, c, out, text, lps, finish, want_lp):
         prefix, prompt_entries = self.echo_prefix(c, out) if self.echo else ("", [])
-        return {"index": c.index, "text": prefix + text,
-                "logprobs": (self.completion_logprobs(lps, out.outputs[0].text_offset, prompt_entries)
-                             if want_lp else None),
-                "finish_reason": finish, "stop_reason": out.outputs[0].stop_reason}
+        return {
+            "index": c.index,
+            "text": prefix + text,
+            "logprobs": (
+                self.completion_logprobs(lps, out.outputs[0].text_offset, prompt_entries)
+                if want_lp
+                else None
+            ),
+            "finish_reason": finish,
+            "stop_reason": out.outputs[0].stop_reason,
+        }

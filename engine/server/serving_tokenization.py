@@ -36,20 +36,40 @@ class TokenizationHandler(RequestHandler):
             body.check()
             if body.messages is not None:  # rendered as the chat handler renders it, tools included
                 plan = body.tool_plan()
-                messages, kwargs = chat_prompt_inputs(tok.chat_template,
-                                                      [template_message(m, i) for i, m in enumerate(body.messages)],
-                                                      plan, self.state.config.tool_call_parser,
-                                                      body.chat_template_kwargs)
-                ids = await off_loop(prompt_size(messages, plan), tok.encode_chat, messages,
-                                     body.add_generation_prompt, body.continue_final_message, kwargs)
+                messages, kwargs = chat_prompt_inputs(
+                    tok.chat_template,
+                    [template_message(m, i) for i, m in enumerate(body.messages)],
+                    plan,
+                    self.state.config.tool_call_parser,
+                    body.chat_template_kwargs,
+                )
+                ids = await off_loop(
+                    prompt_size(messages, plan),
+                    tok.encode_chat,
+                    messages,
+                    body.add_generation_prompt,
+                    body.continue_final_message,
+                    kwargs,
+                )
             else:
-                ids = await off_loop(len(body.prompt), tok.encode, body.prompt, body.add_special_tokens)
+                ids = await off_loop(
+                    len(body.prompt), tok.encode, body.prompt, body.add_special_tokens
+                )
         except InvalidParameter as exc:
             raise bad_request(str(exc), param=exc.param)
         except TemplateError as exc:
             raise bad_request(str(exc), param="messages")
-        strs = await off_loop(len(ids), tok.convert_ids_to_tokens, ids) if body.return_token_strs else None
-        answer = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+        strs = (
+            await off_loop(len(ids), tok.convert_ids_to_tokens, ids)
+            if body.return_token_strs
+            else None
+        )
+        answer = {
+            "count": len(ids),
+            "max_model_len": engine.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
         return await off_loop(len(ids), json_response, answer)
 
     async def detokenize(self) -> Response:

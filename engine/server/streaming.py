@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.server.async_engine import RequestStream
@@ -45,16 +46,22 @@ class OutputStreaming(ResponseAssembly):
                     finished = True
                     m.e2e.observe(now - stream.arrival)
                     m.request_finished(out.finish_reason)
-                    log.info("request %s finished: %s, %d tokens, %d cached prompt tokens", self.request_id,
-                             out.finish_reason, len(out.token_ids), out.num_cached_tokens)
+                    log.info(
+                        "request %s finished: %s, %d tokens, %d cached prompt tokens",
+                        self.request_id,
+                        out.finish_reason,
+                        len(out.token_ids),
+                        out.num_cached_tokens,
+                    )
                 yield out
         finally:
             if not finished:
                 m.request_finished("abort")
                 log.info("request %s aborted before it finished", self.request_id)
 
-    async def stream_response(self, choices: list[Choice], include_usage: bool,
-                              continuous_usage: bool = False) -> AsyncIterator[str]:
+    async def stream_response(
+        self, choices: list[Choice], include_usage: bool, continuous_usage: bool = False
+    ) -> AsyncIterator[str]:
         want_lp = choices[0].params.logprobs is not None
         # by choice index (a continuation runs only some of the request's choices, under their own indices)
         size = choices[-1].index + 1
@@ -95,23 +102,37 @@ class OutputStreaming(ResponseAssembly):
                 # a continuation's usage counts the resumed ids too: the whole request, once
                 n_out[i] = 0 if self.echo_only else len(out.token_ids) + len(c.resumed)
                 cached[i] = out.num_cached_tokens
-                delta_text, delta_lps = ("", []) if self.echo_only else (out.delta_text, out.delta_logprobs)
+                delta_text, delta_lps = (
+                    ("", []) if self.echo_only else (out.delta_text, out.delta_logprobs)
+                )
                 delta_ids = [] if self.echo_only else out.delta_token_ids
                 prefix, prompt_entries = self.stream_prefix(c, out, first)
                 with_plp = first and self.with_prompt_logprobs
                 # with return_token_ids every id is sent as it comes, text or not (a resume needs them all)
-                if not (prefix or delta_text or out.finished or (want_lp and delta_lps) or with_plp
-                        or (self.return_token_ids and delta_ids)):
+                if not (
+                    prefix
+                    or delta_text
+                    or out.finished
+                    or (want_lp and delta_lps)
+                    or with_plp
+                    or (self.return_token_ids and delta_ids)
+                ):
                     continue
                 finish = out.finish_reason if out.finished else None
                 if self.echo_only and finish:
                     finish = "length"
-                choice = self.stream_choice(c, out, prefix, prompt_entries, delta_text, delta_lps, finish, want_lp)
-                if choice is None:  # nothing to send yet (chat: a tool parser holds back what may be markup)
+                choice = self.stream_choice(
+                    c, out, prefix, prompt_entries, delta_text, delta_lps, finish, want_lp
+                )
+                if (
+                    choice is None
+                ):  # nothing to send yet (chat: a tool parser holds back what may be markup)
                     continue
                 if with_plp:
                     choice["prompt_logprobs"] = self.prompt_logprobs_field(out)
-                self.with_token_ids(choice, c, delta_ids, first=first and self.prompt_ids_per_choice)
+                self.with_token_ids(
+                    choice, c, delta_ids, first=first and self.prompt_ids_per_choice
+                )
                 yield sse(self.chunk([choice], so_far(), include_usage))
             if include_usage:
                 yield sse(self.chunk([], self.usage(choices, n_out, cached), True))
@@ -138,7 +159,9 @@ class OutputStreaming(ResponseAssembly):
         tasks = [asyncio.ensure_future(consume(c)) for c in choices]
         try:
             while True:
-                done, pending = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+                done, pending = await asyncio.wait(
+                    tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION
+                )
                 for task in done:
                     task.result()  # re-raises a choice's failure
                 if not pending:

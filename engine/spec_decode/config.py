@@ -44,7 +44,9 @@ class SpeculativeConfig:
     reprobe_interval: int = 16
 
     @classmethod
-    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
+    def parse(
+        cls, value: SpeculativeConfig | dict[str, Any] | str | None
+    ) -> SpeculativeConfig | None:
         """A config from a dict, a JSON object string, or a config; None stays None."""
         if value is None or isinstance(value, SpeculativeConfig):
             if value is not None:
@@ -54,26 +56,39 @@ class SpeculativeConfig:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise SpeculativeConfigError("speculative_config", f"not valid JSON: {exc.msg}") from None
+                raise SpeculativeConfigError(
+                    "speculative_config", f"not valid JSON: {exc.msg}"
+                ) from None
         if not isinstance(value, dict):
-            raise SpeculativeConfigError("speculative_config",
-                                         f"must be a JSON object (a dict), got {type(value).__name__}")
+            raise SpeculativeConfigError(
+                "speculative_config", f"must be a JSON object (a dict), got {type(value).__name__}"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise SpeculativeConfigError(f"speculative_config.{unknown[0]}",
-                                         f"unknown key (known: {', '.join(sorted(known))})")
+            raise SpeculativeConfigError(
+                f"speculative_config.{unknown[0]}",
+                f"unknown key (known: {', '.join(sorted(known))})",
+            )
         if "num_speculative_tokens" not in value:
-            raise SpeculativeConfigError("speculative_config.num_speculative_tokens",
-                                         "is required (how many tokens each draft proposes)")
+            raise SpeculativeConfigError(
+                "speculative_config.num_speculative_tokens",
+                "is required (how many tokens each draft proposes)",
+            )
         value = dict(value)
         # vLLM: giving only one of the two lookup bounds sets both.
         if "prompt_lookup_max" in value and "prompt_lookup_min" not in value:
-            value["prompt_lookup_min"] = min(value["prompt_lookup_max"], cls.prompt_lookup_min) \
-                if _is_int(value["prompt_lookup_max"]) else value["prompt_lookup_max"]
+            value["prompt_lookup_min"] = (
+                min(value["prompt_lookup_max"], cls.prompt_lookup_min)
+                if _is_int(value["prompt_lookup_max"])
+                else value["prompt_lookup_max"]
+            )
         if "prompt_lookup_min" in value and "prompt_lookup_max" not in value:
-            value["prompt_lookup_max"] = max(value["prompt_lookup_min"], cls.prompt_lookup_max) \
-                if _is_int(value["prompt_lookup_min"]) else value["prompt_lookup_min"]
+            value["prompt_lookup_max"] = (
+                max(value["prompt_lookup_min"], cls.prompt_lookup_max)
+                if _is_int(value["prompt_lookup_min"])
+                else value["prompt_lookup_min"]
+            )
         config = cls(**value)
         config.validate()
         return config
@@ -84,15 +99,22 @@ class SpeculativeConfig:
 
         if self.method not in METHODS:
             bad("method", f"must be one of {', '.join(METHODS)}, got {self.method!r}")
-        for name, low, high in (("num_speculative_tokens", 1, 32), ("prompt_lookup_max", 1, 64),
-                                ("prompt_lookup_min", 1, 64), ("acceptance_min_drafts", 1, 1 << 20),
-                                ("reprobe_interval", 1, 1 << 20)):
+        for name, low, high in (
+            ("num_speculative_tokens", 1, 32),
+            ("prompt_lookup_max", 1, 64),
+            ("prompt_lookup_min", 1, 64),
+            ("acceptance_min_drafts", 1, 1 << 20),
+            ("reprobe_interval", 1, 1 << 20),
+        ):
             v = getattr(self, name)
             if not _is_int(v) or not low <= v <= high:
                 bad(name, f"must be an integer in [{low}, {high}], got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            bad("prompt_lookup_min", f"must be at most prompt_lookup_max ({self.prompt_lookup_max}), "
-                                     f"got {self.prompt_lookup_min}")
+            bad(
+                "prompt_lookup_min",
+                f"must be at most prompt_lookup_max ({self.prompt_lookup_max}), "
+                f"got {self.prompt_lookup_min}",
+            )
         d = self.disable_by_batch_size
         if d is not None and (not _is_int(d) or d < 1):
             bad("disable_by_batch_size", f"must be a positive integer or null (never), got {d!r}")

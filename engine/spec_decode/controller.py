@@ -53,8 +53,9 @@ class SpecDecoder:
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
-                                      config.prompt_lookup_min)
+        self.proposer = NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min
+        )
         self._acceptance: dict[str, _Acceptance] = {}
         self.step = 0
         self.num_drafts = 0
@@ -91,14 +92,17 @@ class SpecDecoder:
             if r.num_computed_tokens != r.num_tokens - 1 or self._paused(r.request_id):
                 continue  # still in its prompt (or preempted and recomputing), or paused
             # k drafts emit up to k + 1 tokens, and the last draft sits at position num_tokens - 1 + k.
-            room = min(r.max_output_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
+            room = min(
+                r.max_output_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens
+            )
             if room > 0:
                 candidates.append(r)
                 limits.append(room)
         if not candidates:
             return
-        drafts = self.proposer.propose([r.request_id for r in candidates], [r.all_token_ids for r in candidates],
-                                       limits)
+        drafts = self.proposer.propose(
+            [r.request_id for r in candidates], [r.all_token_ids for r in candidates], limits
+        )
         for r, d in zip(candidates, drafts):
             if d:
                 r.spec_token_ids = d
@@ -116,7 +120,11 @@ class SpecDecoder:
         rate = num_accepted / num_drafts
         st = self._acceptance.setdefault(request_id, _Acceptance())
         st.verifications += 1
-        st.ema = rate if st.ema is None else (1.0 - cfg.acceptance_ema) * st.ema + cfg.acceptance_ema * rate
+        st.ema = (
+            rate
+            if st.ema is None
+            else (1.0 - cfg.acceptance_ema) * st.ema + cfg.acceptance_ema * rate
+        )
         if st.probing:
             st.probing = False
             if rate >= cfg.acceptance_threshold:
@@ -128,10 +136,17 @@ class SpecDecoder:
             self._pause(st)
 
     def _pause(self, st: _Acceptance) -> None:
-        st.resume_step = self.step + 1 + self.config.reprobe_interval * st.backoff  # steps with no drafts
+        st.resume_step = (
+            self.step + 1 + self.config.reprobe_interval * st.backoff
+        )  # steps with no drafts
         st.probing = True
 
     def stats(self) -> SpecDecodeStats:
-        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                               list(self.accepted_per_pos), self.num_steps_disabled_by_batch,
-                               sum(1 for st in self._acceptance.values() if self.step < st.resume_step))
+        return SpecDecodeStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_pos),
+            self.num_steps_disabled_by_batch,
+            sum(1 for st in self._acceptance.values() if self.step < st.resume_step),
+        )

@@ -47,8 +47,9 @@ class NgramProposer:
         self._hist[request_id] = (buf, total)
         return buf[:total]
 
-    def propose(self, request_ids: list[str], token_ids: list[list[int]], max_drafts: list[int]
-                ) -> list[list[int]]:
+    def propose(
+        self, request_ids: list[str], token_ids: list[list[int]], max_drafts: list[int]
+    ) -> list[list[int]]:
         """Drafts per request (possibly empty); at most ``min(k, max_drafts[i])`` tokens each.
 
         ``token_ids[i]`` is the request's whole history (its lists are only read)."""
@@ -58,18 +59,23 @@ class NgramProposer:
         return propose_batch(hists, self.k, self.max_n, self.min_n, max_drafts)
 
 
-def propose_batch(hists: list[np.ndarray], k: int, max_n: int, min_n: int, max_drafts: list[int] | None = None
-                  ) -> list[list[int]]:
+def propose_batch(
+    hists: list[np.ndarray], k: int, max_n: int, min_n: int, max_drafts: list[int] | None = None
+) -> list[list[int]]:
     """The lookup itself, over histories given as int arrays (see the module docstring)."""
     b = len(hists)
     lens = np.fromiter((len(h) for h in hists), dtype=np.int64, count=b)
     width = int(lens.max())
-    limit = np.full(b, k, dtype=np.int64) if max_drafts is None else np.minimum(np.asarray(max_drafts), k)
+    limit = (
+        np.full(b, k, dtype=np.int64)
+        if max_drafts is None
+        else np.minimum(np.asarray(max_drafts), k)
+    )
     if width <= min_n:
         return [[] for _ in range(b)]
     grid = np.full((b, width + max_n), _PAD, dtype=np.int64)  # max_n pads on the left: j - o >= 0
     for i, h in enumerate(hists):
-        grid[i, max_n:max_n + len(h)] = h
+        grid[i, max_n : max_n + len(h)] = h
     rows = np.arange(b)
     # suffix[:, o] = the o-th token from the end (PAD where the history is shorter).
     back = lens[:, None] - 1 - np.arange(max_n)[None, :]
@@ -79,7 +85,7 @@ def propose_batch(hists: list[np.ndarray], k: int, max_n: int, min_n: int, max_d
     match_len = np.zeros((b, width - 1), dtype=np.int64)
     alive = np.ones((b, width - 1), dtype=bool)
     for o in range(max_n):
-        alive &= grid[:, max_n + ends - o] == suffix[:, o:o + 1]
+        alive &= grid[:, max_n + ends - o] == suffix[:, o : o + 1]
         match_len += alive
     match_len[ends[None, :] > (lens - 2)[:, None]] = 0  # past this row's own history
     best = match_len.max(axis=1)

@@ -25,16 +25,29 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.engine.request import Request
 from kvmesh.engine.penalties import to_device
-from kvmesh.engine.sampler import Sampler, TokenLogprobs, greedy_tokens, sample_by_inversion, token_logprobs
+from kvmesh.engine.request import Request
+from kvmesh.engine.sampler import (
+    Sampler,
+    TokenLogprobs,
+    greedy_tokens,
+    sample_by_inversion,
+    token_logprobs,
+)
 
 
 class _RowView:
     """A request as the sampler sees it at draft position j: its output extended by d_1..d_j."""
 
-    __slots__ = ("_req", "_drafts", "request_id", "sampling_params", "eos_token_ids", "stop_token_ids",
-                 "num_output_tokens")
+    __slots__ = (
+        "_req",
+        "_drafts",
+        "request_id",
+        "sampling_params",
+        "eos_token_ids",
+        "stop_token_ids",
+        "num_output_tokens",
+    )
 
     def __init__(self, req: Request, drafts: list[int]):
         self._req, self._drafts = req, drafts
@@ -64,8 +77,9 @@ class Verified:
         return len(self.tokens) - 1
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]
-           ) -> list[Verified]:
+def verify(
+    sampler: Sampler, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]
+) -> list[Verified]:
     """``logits``: ``len(drafts[i]) + 1`` rows per request, in order. One ``Verified`` each."""
     views: list[_RowView] = []
     offsets: list[int] = []
@@ -77,20 +91,34 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], draf
     target = greedy_tokens(logits).tolist()
 
     random_reqs = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-    sampled: dict[int, tuple[int, int]] = {}  # request index -> (accepted drafts m, the token after them)
+    sampled: dict[
+        int, tuple[int, int]
+    ] = {}  # request index -> (accepted drafts m, the token after them)
     if random_reqs:
         rows = [offsets[i] + j for i in random_reqs for j in range(len(drafts[i]) + 1)]
         probs = sampler.probs(logits[rows], [views[r] for r in rows])  # type: ignore[arg-type]
-        draft_tok = torch.tensor([drafts[i][j] if j < len(drafts[i]) else 0
-                                  for i in random_reqs for j in range(len(drafts[i]) + 1)], device=probs.device)
-        is_draft = torch.tensor([j < len(drafts[i]) for i in random_reqs for j in range(len(drafts[i]) + 1)],
-                                device=probs.device)
+        draft_tok = torch.tensor(
+            [
+                drafts[i][j] if j < len(drafts[i]) else 0
+                for i in random_reqs
+                for j in range(len(drafts[i]) + 1)
+            ],
+            device=probs.device,
+        )
+        is_draft = torch.tensor(
+            [j < len(drafts[i]) for i in random_reqs for j in range(len(drafts[i]) + 1)],
+            device=probs.device,
+        )
         p_draft = probs.gather(1, draft_tok[:, None])[:, 0]
         # k + 1 uniforms per request to accept or reject by: row j's at output position
         # num_output_tokens + j (spec decoding steps are synchronous: the output is all known)
         row_views = [views[r] for r in rows]
-        uniform = sampler.uniforms(row_views, probs.device,  # type: ignore[arg-type]
-                                   positions=[v.num_output_tokens for v in row_views], stream=1)
+        uniform = sampler.uniforms(
+            row_views,
+            probs.device,  # type: ignore[arg-type]
+            positions=[v.num_output_tokens for v in row_views],
+            stream=1,
+        )
         accept_list = ((uniform < p_draft) & is_draft).tolist()
         # Each request's first rejected row (or its bonus row), and that row's residual: the
         # draft's own probability zeroed (the bonus row keeps its distribution).
@@ -104,12 +132,22 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], draf
             first_rejected.append(at + m)
             at += n
         picked = to_device(first_rejected, torch.long, probs.device)
-        residual = probs[picked].scatter_(1, draft_tok[picked][:, None],
-                                          torch.where(is_draft[picked], 0.0, p_draft[picked])[:, None])
+        residual = probs[picked].scatter_(
+            1,
+            draft_tok[picked][:, None],
+            torch.where(is_draft[picked], 0.0, p_draft[picked])[:, None],
+        )
         # Then one more uniform per request, for the token after the accepted drafts (at its position).
-        chosen = sample_by_inversion(residual, sampler.uniforms(
-            [requests[i] for i in random_reqs], probs.device,
-            positions=[requests[i].num_output_tokens + m for i, m in zip(random_reqs, accepted)])).tolist()
+        chosen = sample_by_inversion(
+            residual,
+            sampler.uniforms(
+                [requests[i] for i in random_reqs],
+                probs.device,
+                positions=[
+                    requests[i].num_output_tokens + m for i, m in zip(random_reqs, accepted)
+                ],
+            ),
+        ).tolist()
         for i, m, c in zip(random_reqs, accepted, chosen):
             sampled[i] = (m, c)
 
@@ -138,6 +176,6 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request], draf
         found = token_logprobs(raw[wanted_rows], wanted_tokens, wanted_num)
         at = 0
         for i, n in wanted_at:
-            results[i].logprobs = found[at:at + n]
+            results[i].logprobs = found[at : at + n]
             at += n
     return results

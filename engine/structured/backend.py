@@ -18,11 +18,11 @@ log = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 30.0  # a grammar still compiling after this fails its request (alone)
 
-_backends: dict[tuple[str, int], "StructuredBackend"] = {}
+_backends: dict[tuple[str, int], StructuredBackend] = {}
 _backends_lock = threading.Lock()
 
 
-def backend_for(model_dir: str | Path, vocab_size: int) -> "StructuredBackend":
+def backend_for(model_dir: str | Path, vocab_size: int) -> StructuredBackend:
     """The process's backend for this model's tokenizer and logits width."""
     key = (str(Path(model_dir).resolve()), vocab_size)
     with _backends_lock:
@@ -33,7 +33,9 @@ def backend_for(model_dir: str | Path, vocab_size: int) -> "StructuredBackend":
 
 
 class StructuredBackend:
-    def __init__(self, model_dir: str | Path, vocab_size: int, timeout_s: float = COMPILE_TIMEOUT_S):
+    def __init__(
+        self, model_dir: str | Path, vocab_size: int, timeout_s: float = COMPILE_TIMEOUT_S
+    ):
         self.model_dir = Path(model_dir)
         self.vocab_size = vocab_size  # the logits' width: the bitmask covers every column
         self.timeout_s = timeout_s
@@ -48,8 +50,12 @@ class StructuredBackend:
                 import xgrammar as xgr
                 from transformers import PreTrainedTokenizerFast
 
-                tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(self.model_dir / "tokenizer.json"))
-                with warnings.catch_warnings():  # "stop_token_ids ... detected": each matcher sets its own
+                tokenizer = PreTrainedTokenizerFast(
+                    tokenizer_file=str(self.model_dir / "tokenizer.json")
+                )
+                with (
+                    warnings.catch_warnings()
+                ):  # "stop_token_ids ... detected": each matcher sets its own
                     warnings.simplefilter("ignore", UserWarning)
                     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
                 self._cache = GrammarCache(info, timeout_s=self.timeout_s)
@@ -64,7 +70,7 @@ class StructuredBackend:
         except GrammarTimeout as exc:
             raise InvalidParameter(params.param, str(exc)) from None
 
-    def start(self, params: StructuredOutputsParams, stop_token_ids: set[int]) -> "RequestGrammar":
+    def start(self, params: StructuredOutputsParams, stop_token_ids: set[int]) -> RequestGrammar:
         """A request's grammar, compiling off the step loop (the scheduler holds the request back
         until it is ready)."""
         return RequestGrammar(self.cache.submit(params), sorted(stop_token_ids))

@@ -48,7 +48,9 @@ def apply_numpy(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], wi
     """The CPU apply: the rows' bits unpacked in one call, then one masked copy per row; about 7x
     faster than xgrammar's CPU kernel at a 49k vocabulary (docs/structured-outputs.md). Token t is
     bit t % 32 of word t // 32, so on a little-endian host it is bit t % 8 of byte t // 8."""
-    bits = np.unpackbits(bitmask.numpy()[rows].view(np.uint8), axis=-1, count=width, bitorder="little")
+    bits = np.unpackbits(
+        bitmask.numpy()[rows].view(np.uint8), axis=-1, count=width, bitorder="little"
+    )
     out = logits.numpy()
     for i, row in enumerate(rows):
         np.copyto(out[row, :width], _NEG_INF, where=bits[i] == 0)
@@ -57,7 +59,9 @@ def apply_numpy(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], wi
 _NEG_INF = np.float32(-np.inf)
 
 
-def for_step(plain: list, spec_rows: list, vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
+def for_step(
+    plain: list, spec_rows: list, vocab_size: int
+) -> tuple[torch.Tensor, list[int]] | None:
     """The bitmask of a step's sampling rows, in the model's logits order: one row per plain
     sampling request, then ``k + 1`` rows per request verifying ``k`` drafts (row j: after drafts
     ``1..j``, walked on the matcher and rolled back). ``(bitmask, constrained rows)``, or None

@@ -23,7 +23,9 @@ class GrammarTimeout(RuntimeError):
     """A grammar took longer than the compile deadline."""
 
 
-def compile_spec(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+def compile_spec(
+    compiler: xgr.GrammarCompiler, params: StructuredOutputsParams
+) -> xgr.CompiledGrammar:
     """The compiled grammar of one spec; a spec xgrammar refuses (a bad regex, EBNF or an unsupported
     schema feature) raises InvalidParameter naming the request field."""
     kind, spec = params.key
@@ -33,25 +35,35 @@ def compile_spec(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams)
         if kind == "json":
             return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
         if kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            return compiler.compile_json_schema(
+                '{"type": "object"}', any_whitespace=False, strict_mode=False
+            )
         if kind == "regex":
             return compiler.compile_regex(spec)
         if kind == "choice":
             # Each choice a quoted EBNF literal: JSON string escaping is what GBNF literals take, with
             # non-ASCII characters as they are (a \ud83d\ude00 surrogate pair is not one GBNF character).
             return compiler.compile_grammar(
-                "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice))
+                "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+            )
         return compiler.compile_grammar(spec)
     except Exception as exc:  # noqa: BLE001 - whatever the backend raises, the client's spec is at fault
         text = str(exc).strip()
         # xgrammar prefixes "[hh:mm:ss] file.cc:line: " to its messages: the client needs the rest.
-        reason = re.sub(r"^\[[^\]]*\]\s+\S+:\d+:\s*", "", text.splitlines()[0]) if text else type(exc).__name__
-        raise InvalidParameter(params.param, f"{params.param} cannot be compiled: {reason}") from None
+        reason = (
+            re.sub(r"^\[[^\]]*\]\s+\S+:\d+:\s*", "", text.splitlines()[0])
+            if text
+            else type(exc).__name__
+        )
+        raise InvalidParameter(
+            params.param, f"{params.param} cannot be compiled: {reason}"
+        ) from None
 
 
 @dataclass
 class GrammarHandle:
     """A grammar on its way: the step loop polls ready() and never blocks on it."""
+
     future: Future
     deadline: float
 
@@ -66,8 +78,13 @@ class GrammarHandle:
 
 
 class GrammarCache:
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo, max_entries: int = 256, max_threads: int = 2,
-                 timeout_s: float = 30.0):
+    def __init__(
+        self,
+        tokenizer_info: xgr.TokenizerInfo,
+        max_entries: int = 256,
+        max_threads: int = 2,
+        timeout_s: float = 30.0,
+    ):
         self.tokenizer_info = tokenizer_info
         # xgrammar's own cache is off: ours is bounded by entries and shared with the futures.
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
@@ -92,7 +109,9 @@ class GrammarCache:
         if new:
             # A failed compile is not cached: the next request with that spec tries again. Added
             # outside the lock: on a future already done the callback runs here, and takes the lock.
-            future.add_done_callback(lambda f, k=key: f.exception() is not None and self._drop(k, f))
+            future.add_done_callback(
+                lambda f, k=key: f.exception() is not None and self._drop(k, f)
+            )
         return GrammarHandle(future, time.monotonic() + self.timeout_s)
 
     def _drop(self, key, future) -> None:
@@ -100,15 +119,19 @@ class GrammarCache:
             if self._entries.get(key) is future:
                 del self._entries[key]
 
-    def compile_now(self, params: StructuredOutputsParams, timeout_s: float | None = None) -> xgr.CompiledGrammar:
+    def compile_now(
+        self, params: StructuredOutputsParams, timeout_s: float | None = None
+    ) -> xgr.CompiledGrammar:
         """Compile (or find) the grammar and wait for it: the server's check before a request runs,
         so a bad spec is a 400 rather than a failed stream."""
         handle = self.submit(params)
         try:
             return handle.future.result(timeout=self.timeout_s if timeout_s is None else timeout_s)
         except TimeoutError:
-            raise GrammarTimeout(f"{params.param}: grammar compilation exceeded "
-                                 f"{self.timeout_s if timeout_s is None else timeout_s:g} s") from None
+            raise GrammarTimeout(
+                f"{params.param}: grammar compilation exceeded "
+                f"{self.timeout_s if timeout_s is None else timeout_s:g} s"
+            ) from None
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -27,8 +27,11 @@ class StructuredOutputsParams:
 
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
-            raise InvalidParameter(self.field_name, f"{self.field_name} must set exactly one of "
-                                                    f"{', '.join(KINDS)}; got {set_kinds or 'none'}")
+            raise InvalidParameter(
+                self.field_name,
+                f"{self.field_name} must set exactly one of "
+                f"{', '.join(KINDS)}; got {set_kinds or 'none'}",
+            )
         kind = set_kinds[0]
         where = self.param
         if kind == "json":
@@ -46,9 +49,14 @@ class StructuredOutputsParams:
             if not isinstance(value, str) or not value:
                 raise InvalidParameter(where, f"{where} must be a non-empty string")
         elif kind == "choice":
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) and c for c in self.choice)):
-                raise InvalidParameter(where, f"{where} must be a non-empty list of non-empty strings")
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise InvalidParameter(
+                    where, f"{where} must be a non-empty list of non-empty strings"
+                )
             object.__setattr__(self, "choice", tuple(self.choice))
         elif self.json_object is not True:
             raise InvalidParameter(where, f"{where} must be true")
@@ -60,7 +68,11 @@ class StructuredOutputsParams:
     @property
     def param(self) -> str:
         """The request field a 400 about this spec names, e.g. ``structured_outputs.regex``."""
-        return f"{self.field_name}.{self.kind}" if self.field_name == "structured_outputs" else self.field_name
+        return (
+            f"{self.field_name}.{self.kind}"
+            if self.field_name == "structured_outputs"
+            else self.field_name
+        )
 
     @property
     def spec(self) -> str:

@@ -30,11 +30,15 @@ def check_cache_salt(value: object) -> str | None:
     if not value:
         raise InvalidCacheSalt("cache_salt must be a non-empty string")
     if len(value) > MAX_CACHE_SALT_CHARS:
-        raise InvalidCacheSalt(f"cache_salt is {len(value)} characters long; at most "
-                               f"{MAX_CACHE_SALT_CHARS} are allowed")
+        raise InvalidCacheSalt(
+            f"cache_salt is {len(value)} characters long; at most "
+            f"{MAX_CACHE_SALT_CHARS} are allowed"
+        )
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidCacheSalt("cache_salt is not valid Unicode text (a lone surrogate such as \\ud800)",
-                               code="invalid_text") from None
+        raise InvalidCacheSalt(
+            "cache_salt is not valid Unicode text (a lone surrogate such as \\ud800)",
+            code="invalid_text",
+        ) from None
     return value

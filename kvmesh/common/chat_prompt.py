@@ -33,6 +33,7 @@ class ChatPromptError(ValueError):
 
 # -- the tool formats: how a template without tool support is told about tools ------------------
 
+
 class ToolPrompt:
     """A tool-call format's prompt side (the engine's parsers read the other side)."""
 
@@ -56,12 +57,14 @@ class HermesPrompt(ToolPrompt):
     @classmethod
     def default_prompt(cls, tools: list[dict[str, Any]]) -> str:
         listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                "You are provided with function signatures within <tools></tools> XML tags:\n"
-                f"<tools>\n{listed}\n</tools>\n\n"
-                "For each function call, return a json object with function name and arguments within "
-                "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listed}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        )
 
     @classmethod
     def render_call(cls, name: str, arguments: Any) -> str:
@@ -73,10 +76,12 @@ class Llama3JsonPrompt(ToolPrompt):
     @classmethod
     def default_prompt(cls, tools: list[dict[str, Any]]) -> str:
         listed = "\n\n".join(json.dumps(t, indent=4, ensure_ascii=False) for t in tools)
-        return ("Given the following functions, please respond with a JSON for a function call with its "
-                "proper arguments that best answers the given prompt.\n\n"
-                'Respond in the format {"name": function name, "parameters": dictionary of argument name '
-                "and its value}. Do not use variables.\n\n" + listed)
+        return (
+            "Given the following functions, please respond with a JSON for a function call with its "
+            "proper arguments that best answers the given prompt.\n\n"
+            'Respond in the format {"name": function name, "parameters": dictionary of argument name '
+            "and its value}. Do not use variables.\n\n" + listed
+        )
 
     @classmethod
     def render_call(cls, name: str, arguments: Any) -> str:
@@ -84,7 +89,10 @@ class Llama3JsonPrompt(ToolPrompt):
 
 
 # the engine's --tool-call-parser names; no parser: Hermes
-TOOL_PROMPTS: dict[str, type[ToolPrompt]] = {"hermes": HermesPrompt, "llama3_json": Llama3JsonPrompt}
+TOOL_PROMPTS: dict[str, type[ToolPrompt]] = {
+    "hermes": HermesPrompt,
+    "llama3_json": Llama3JsonPrompt,
+}
 DEFAULT_TOOL_PROMPT = HermesPrompt
 
 
@@ -101,6 +109,7 @@ def tool_call_parser_in(argv: list[str]) -> str | None:
 
 
 # -- the messages and the tools, into the template ------------------------------------------------
+
 
 @lru_cache(maxsize=8)
 def template_reads_tools(template: str | None) -> bool:
@@ -125,24 +134,40 @@ def decoded_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
         at = f"{where}.{j}"
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict):
-            raise ChatPromptError(f"{at}.function", f"{at}.function must be an object with a name and arguments")
+            raise ChatPromptError(
+                f"{at}.function", f"{at}.function must be an object with a name and arguments"
+            )
         if not isinstance(function.get("name"), str) or not function["name"]:
-            raise ChatPromptError(f"{at}.function.name", f"{at}.function.name must be a non-empty string")
+            raise ChatPromptError(
+                f"{at}.function.name", f"{at}.function.name must be a non-empty string"
+            )
         arguments = function.get("arguments")
         if isinstance(arguments, str) and arguments.strip():
             try:
                 arguments = json.loads(arguments)
             except ValueError:
-                raise ChatPromptError(f"{at}.function.arguments", f"{at}.function.arguments is not valid JSON") from None
+                raise ChatPromptError(
+                    f"{at}.function.arguments", f"{at}.function.arguments is not valid JSON"
+                ) from None
         elif not isinstance(arguments, dict):
             arguments = {}
-        calls.append({**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}})
+        calls.append(
+            {
+                **call,
+                "type": call.get("type", "function"),
+                "function": {**function, "arguments": arguments},
+            }
+        )
     return calls
 
 
-def tool_template_inputs(template: str | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                         describe_tools: bool, fmt: type[ToolPrompt] | None = None
-                         ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def tool_template_inputs(
+    template: str | None,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    describe_tools: bool,
+    fmt: type[ToolPrompt] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(messages, extra template variables) for the request's ``tools`` (None or [] : none).
     ``describe_tools``: whether a template without tool support gets the tools' prompt (not for
     ``tool_choice: none``); ``fmt``: the format it is written in (the server's parser's)."""
@@ -153,14 +178,18 @@ def tool_template_inputs(template: str | None, messages: list[dict[str, Any]], t
     if tools and describe_tools:
         prompt = fmt.default_prompt(tools)
         if rendered and rendered[0].get("role") == "system":
-            rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{prompt}".lstrip()}
+            rendered[0] = {
+                **rendered[0],
+                "content": f"{rendered[0]['content']}\n\n{prompt}".lstrip(),
+            }
         else:
             rendered.insert(0, {"role": "system", "content": prompt})
     return rendered, {}
 
 
-def template_variables(tool_vars: dict[str, Any], chat_template_kwargs: dict[str, Any] | None
-                       ) -> dict[str, Any] | None:
+def template_variables(
+    tool_vars: dict[str, Any], chat_template_kwargs: dict[str, Any] | None
+) -> dict[str, Any] | None:
     """The template's extra variables: ``chat_template_kwargs`` may override ``tools``, as in vLLM."""
     return {**tool_vars, **(chat_template_kwargs or {})} or None
 
@@ -171,7 +200,9 @@ def _flattened(message: dict[str, Any], fmt: type[ToolPrompt]) -> dict[str, Any]
         return {"role": "user", "content": fmt.render_result(message.get("content") or "")}
     calls = message.get("tool_calls")
     if message.get("role") == "assistant" and calls:
-        text = "\n".join(fmt.render_call(c["function"]["name"], c["function"]["arguments"]) for c in calls)
+        text = "\n".join(
+            fmt.render_call(c["function"]["name"], c["function"]["arguments"]) for c in calls
+        )
         content = message.get("content") or ""
         flat = {k: v for k, v in message.items() if k != "tool_calls"}
         return {**flat, "content": f"{content}\n{text}" if content else text}
@@ -180,8 +211,10 @@ def _flattened(message: dict[str, Any], fmt: type[ToolPrompt]) -> dict[str, Any]
 
 # -- a request body as JSON (the router): the same inputs the engine's validated request gives ----
 
-def chat_request_prompt(req: dict[str, Any], template: str | None, fmt: type[ToolPrompt] | None = None
-                        ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+
+def chat_request_prompt(
+    req: dict[str, Any], template: str | None, fmt: type[ToolPrompt] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """(messages, template variables) of a chat request body, exactly what the engine's chat handler
     hands its tokenizer's ``encode_chat`` (``fmt``: the engine's tool format, Hermes by default).
     ValueError (ChatPromptError naming the field, where one is to blame) for a body the engine refuses."""
@@ -190,12 +223,18 @@ def chat_request_prompt(req: dict[str, Any], template: str | None, fmt: type[Too
     kwargs = req.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ChatPromptError("chat_template_kwargs", "chat_template_kwargs must be an object")
-    messages, tool_vars = tool_template_inputs(template, messages, tools, describes_tools(tools, req.get("tool_choice")),
-                                               fmt)
+    messages, tool_vars = tool_template_inputs(
+        template, messages, tools, describes_tools(tools, req.get("tool_choice")), fmt
+    )
     return messages, template_variables(tool_vars, kwargs)
 
 
-_MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id")  # the engine's ChatMessage, in order
+_MESSAGE_FIELDS = (
+    "role",
+    "content",
+    "tool_calls",
+    "tool_call_id",
+)  # the engine's ChatMessage, in order
 
 
 def chat_template_messages(messages: Any) -> list[dict[str, Any]]:
@@ -218,8 +257,15 @@ def chat_template_messages(messages: Any) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text", ""), str):
-                    raise ChatPromptError(f"messages.{i}.content", f"messages.{i}: only text content parts are supported")
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text", ""), str)
+                ):
+                    raise ChatPromptError(
+                        f"messages.{i}.content",
+                        f"messages.{i}: only text content parts are supported",
+                    )
                 texts.append(part.get("text", ""))
             content = "".join(texts)
         d["content"] = content or ""
@@ -244,15 +290,23 @@ def request_tools(tools: Any) -> list[dict[str, Any]] | None:
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
             raise ChatPromptError(f"tools.{i}", "a tool must be an object of type function")
         function = tool.get("function")
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise ChatPromptError(f"tools.{i}.function.name", "a tool's function needs a non-empty name")
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not function["name"]
+        ):
+            raise ChatPromptError(
+                f"tools.{i}.function.name", "a tool's function needs a non-empty name"
+            )
         normal = {"name": function["name"]}
         for field, kind in _FUNCTION_FIELDS:
             value = function.get(field)
             if value is None:
                 continue
             if not isinstance(value, kind):
-                raise ChatPromptError(f"tools.{i}.function.{field}", f"{field} must be a {kind.__name__}")
+                raise ChatPromptError(
+                    f"tools.{i}.function.{field}", f"{field} must be a {kind.__name__}"
+                )
             normal[field] = value
         out.append({"type": "function", "function": normal})
     return out

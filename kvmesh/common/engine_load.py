@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)')
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -53,14 +53,27 @@ def engine_load(text: str) -> EngineLoad:
             load.running += int(value)
         elif name == "vllm:num_requests_waiting":
             load.waiting += int(value)
-        elif name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries",
-                      "vllm:gpu_prefix_cache_queries_total"):
+        elif name in (
+            "vllm:prefix_cache_queries_total",
+            "vllm:prefix_cache_queries",
+            "vllm:gpu_prefix_cache_queries_total",
+        ):
             load.prefix_cache_queries += value
-        elif name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits_total"):
+        elif name in (
+            "vllm:prefix_cache_hits_total",
+            "vllm:prefix_cache_hits",
+            "vllm:gpu_prefix_cache_hits_total",
+        ):
             load.prefix_cache_hits += value
-        elif name in ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens"):
+        elif name in (
+            "vllm:spec_decode_num_draft_tokens_total",
+            "vllm:spec_decode_num_draft_tokens",
+        ):
             load.spec_draft_tokens += value
-        elif name in ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens"):
+        elif name in (
+            "vllm:spec_decode_num_accepted_tokens_total",
+            "vllm:spec_decode_num_accepted_tokens",
+        ):
             load.spec_accepted_tokens += value
         elif name == "vllm:cache_config_info" and labels.get("num_gpu_blocks", "").isdigit():
             load.total_blocks += int(labels["num_gpu_blocks"])

@@ -38,15 +38,16 @@ import threading
 import time
 from array import array
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Union
+from typing import Any
 
 import msgpack
 import zmq
 
 log = logging.getLogger("kvmesh.kv_events")
 
-BlockHash = Union[int, bytes]
+BlockHash = int | bytes
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # Asked for as the start seq: a snapshot of the block set instead of the buffered batches (a kvmesh
 # extension; vLLM's publisher answers it with the end marker alone, as for any seq it does not hold).
@@ -63,8 +64,15 @@ class BlockStored:
     medium: str | None = None
 
     def to_wire(self) -> list[Any]:
-        return ["BlockStored", list(self.block_hashes), self.parent_block_hash, list(self.token_ids),
-                self.block_size, self.lora_id, self.medium]
+        return [
+            "BlockStored",
+            list(self.block_hashes),
+            self.parent_block_hash,
+            list(self.token_ids),
+            self.block_size,
+            self.lora_id,
+            self.medium,
+        ]
 
 
 @dataclass
@@ -82,7 +90,7 @@ class AllBlocksCleared:
         return ["AllBlocksCleared"]
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass
@@ -102,10 +110,15 @@ class DecodeError(ValueError):
     all-or-nothing: a consumer never sees half of a bad batch."""
 
 
-def encode_batch(events: Iterable[KVEvent], ts: float | None = None,
-                 data_parallel_rank: int | None = None) -> bytes:
+def encode_batch(
+    events: Iterable[KVEvent], ts: float | None = None, data_parallel_rank: int | None = None
+) -> bytes:
     """msgpack bytes of an EventBatch, byte-identical to vLLM's msgspec encoding."""
-    wire = [time.time() if ts is None else float(ts), [e.to_wire() for e in events], data_parallel_rank]
+    wire = [
+        time.time() if ts is None else float(ts),
+        [e.to_wire() for e in events],
+        data_parallel_rank,
+    ]
     return msgpack.packb(wire, use_bin_type=True)
 
 
@@ -179,15 +192,24 @@ def _decode_event(item: Any) -> KVEvent:
             raise DecodeError(f"BlockStored needs 4 fields, got {len(item) - 1}")
         block_size = item[4]
         if not _is_int(block_size) or block_size <= 0:
-            raise DecodeError(f"BlockStored.block_size must be a positive int, got {_short(block_size)}")
-        return BlockStored(_hashes(item[1], "BlockStored.block_hashes"),
-                           _opt_hash(item[2], "BlockStored.parent_block_hash"), _token_ids(item[3]), block_size,
-                           _opt_int(_opt(item, 5), "BlockStored.lora_id"), _opt_str(_opt(item, 6), "BlockStored.medium"))
+            raise DecodeError(
+                f"BlockStored.block_size must be a positive int, got {_short(block_size)}"
+            )
+        return BlockStored(
+            _hashes(item[1], "BlockStored.block_hashes"),
+            _opt_hash(item[2], "BlockStored.parent_block_hash"),
+            _token_ids(item[3]),
+            block_size,
+            _opt_int(_opt(item, 5), "BlockStored.lora_id"),
+            _opt_str(_opt(item, 6), "BlockStored.medium"),
+        )
     if tag == "BlockRemoved":
         if len(item) < 2:
             raise DecodeError("BlockRemoved needs block_hashes")
-        return BlockRemoved(_hashes(item[1], "BlockRemoved.block_hashes"),
-                            _opt_str(_opt(item, 2), "BlockRemoved.medium"))
+        return BlockRemoved(
+            _hashes(item[1], "BlockRemoved.block_hashes"),
+            _opt_str(_opt(item, 2), "BlockRemoved.medium"),
+        )
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     # An event this decoder does not know may change the engine's cache in a way the index
@@ -202,7 +224,9 @@ def decode_batch(payload: bytes) -> EventBatch:
     except Exception as exc:  # noqa: BLE001 - msgpack raises several types (and TypeError, ValueError...)
         raise DecodeError(f"not msgpack: {type(exc).__name__}: {_short(str(exc))}") from None
     if not isinstance(raw, list) or len(raw) < 2:
-        raise DecodeError(f"EventBatch must be an array [ts, events, ...], got {type(raw).__name__}")
+        raise DecodeError(
+            f"EventBatch must be an array [ts, events, ...], got {type(raw).__name__}"
+        )
     ts = raw[0]
     if not (_is_int(ts) or type(ts) is float):
         raise DecodeError(f"EventBatch.ts must be a number, got {type(ts).__name__}")
@@ -213,7 +237,11 @@ def decode_batch(payload: bytes) -> EventBatch:
     if not isinstance(raw[1], list):
         raise DecodeError(f"EventBatch.events must be an array, got {type(raw[1]).__name__}")
     events = [_decode_event(x) for x in raw[1]]
-    return EventBatch(ts=ts, events=events, data_parallel_rank=_opt_int(_opt(raw, 2), "EventBatch.data_parallel_rank"))
+    return EventBatch(
+        ts=ts,
+        events=events,
+        data_parallel_rank=_opt_int(_opt(raw, 2), "EventBatch.data_parallel_rank"),
+    )
 
 
 class PublishedBlockSet:
@@ -227,8 +255,9 @@ class PublishedBlockSet:
 
     def __init__(self):
         # (hash, medium) -> (parent hash, the event's tokens, this block's offset in them, block size, lora id)
-        self.blocks: dict[tuple[BlockHash, str | None],
-                          tuple[BlockHash | None, array, int, int, int | None]] = {}
+        self.blocks: dict[
+            tuple[BlockHash, str | None], tuple[BlockHash | None, array, int, int, int | None]
+        ] = {}
 
     def apply(self, events: Iterable[KVEvent]) -> None:
         for ev in events:
@@ -265,7 +294,11 @@ class PublishedBlockSet:
                 k = None if parent is None else (parent, k[1])
             for h, medium in reversed(chain):
                 parent, tokens, offset, bs, lora_id = blocks[(h, medium)]
-                events.append(BlockStored([h], parent, tokens[offset:offset + bs].tolist(), bs, lora_id, medium))
+                events.append(
+                    BlockStored(
+                        [h], parent, tokens[offset : offset + bs].tolist(), bs, lora_id, medium
+                    )
+                )
         return events
 
 
@@ -286,9 +319,16 @@ class KVEventPublisher:
     marker. A vLLM publisher answers that request with the end marker alone.
     """
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 buffer_steps: int = 10_000, hwm: int = 100_000, snapshots: bool = True,
-                 replay_send_timeout_s: float = 10.0):
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        snapshots: bool = True,
+        replay_send_timeout_s: float = 10.0,
+    ):
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
@@ -324,7 +364,9 @@ class KVEventPublisher:
                 self._pub.close(0)
                 raise
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._thread = threading.Thread(target=self._serve_replay, name="kv-events-replay", daemon=True)
+            self._thread = threading.Thread(
+                target=self._serve_replay, name="kv-events-replay", daemon=True
+            )
             self._thread.start()
 
     @property
@@ -382,7 +424,9 @@ class KVEventPublisher:
                 for seq, payload in items:
                     self._send_to(client_id, seq.to_bytes(8, "big"), payload)
                 self._send_to(client_id, END_SEQ, b"")
-            except zmq.ZMQError as exc:  # the client is gone (EHOSTUNREACH) or stopped reading (EAGAIN)
+            except (
+                zmq.ZMQError
+            ) as exc:  # the client is gone (EHOSTUNREACH) or stopped reading (EAGAIN)
                 self.stats["replays_abandoned"] += 1
                 if not self._closed.is_set():
                     log.warning("replay answer of %d messages abandoned: %s", len(items), exc)
@@ -448,9 +492,16 @@ class KVEventSubscriber:
     ``poll()`` raises only for a closed socket: nothing in a message can make it raise.
     """
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 replay_timeout_s: float = 1.0, validate=None, max_replay_attempts: int = 3,
-                 resync_backoff_max_s: float = 30.0):
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        replay_timeout_s: float = 1.0,
+        validate=None,
+        max_replay_attempts: int = 3,
+        resync_backoff_max_s: float = 30.0,
+    ):
         self._ctx = zmq.Context.instance()
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -478,8 +529,18 @@ class KVEventSubscriber:
         self._resync_reason: str | None = None
         self.caught_up = False  # the first catch-up (replay from 0) has run
         self.last_decode_error: str | None = None
-        self.stats = {"batches": 0, "gaps": 0, "gap_batches": 0, "replays": 0, "snapshots": 0, "gap_resets": 0,
-                      "replay_failures": 0, "resets": 0, "decode_errors": 0, "lost_batches": 0}
+        self.stats = {
+            "batches": 0,
+            "gaps": 0,
+            "gap_batches": 0,
+            "replays": 0,
+            "snapshots": 0,
+            "gap_resets": 0,
+            "replay_failures": 0,
+            "resets": 0,
+            "decode_errors": 0,
+            "lost_batches": 0,
+        }
 
     # -- replay ---------------------------------------------------------------------------
     def _ask(self, request: bytes) -> tuple[list[tuple[int, bytes]], bool] | None:
@@ -557,7 +618,9 @@ class KVEventSubscriber:
     def _gap(self, missing_from: int, got: int, where: str) -> None:
         self.stats["gaps"] += 1
         self.stats["gap_batches"] += got - missing_from
-        log.warning("KV-event gap in the %s: seq %d..%d missing; healing", where, missing_from, got - 1)
+        log.warning(
+            "KV-event gap in the %s: seq %d..%d missing; healing", where, missing_from, got - 1
+        )
 
     def _heal_from_snapshot(self, missing_from: int, out: list[Delivery]) -> bool:
         snap = self._snapshot()
@@ -565,8 +628,12 @@ class KVEventSubscriber:
             return False
         next_seq, batch = snap
         self.stats["snapshots"] += 1
-        out.append(self._reset(f"seq {missing_from} is no longer buffered: rebuilding from the publisher's "
-                               f"block-set snapshot (every batch before seq {next_seq})"))
+        out.append(
+            self._reset(
+                f"seq {missing_from} is no longer buffered: rebuilding from the publisher's "
+                f"block-set snapshot (every batch before seq {next_seq})"
+            )
+        )
         out.append(Delivery(seq=next_seq - 1, batch=batch))
         self.next_seq = next_seq
         return True
@@ -602,8 +669,12 @@ class KVEventSubscriber:
                 # or no longer buffered, and delivered a reset before what followed.
                 return
         self.stats["lost_batches"] += 1
-        out.append(self._reset(f"KV-event batch seq {seq} is undecodable ({got}); "
-                               "rebuilding the index from the batches after it"))
+        out.append(
+            self._reset(
+                f"KV-event batch seq {seq} is undecodable ({got}); "
+                "rebuilding the index from the batches after it"
+            )
+        )
         self.next_seq = seq + 1
 
     def _catch_up(self, start: int, out: list[Delivery]) -> bool:
@@ -629,7 +700,9 @@ class KVEventSubscriber:
                     continue
                 self._gap(want, seq, "replay answer")
                 if not first:
-                    hole = True  # dropped on the way (the publisher had sent what follows): ask again
+                    hole = (
+                        True  # dropped on the way (the publisher had sent what follows): ask again
+                    )
                     break
                 first = False
                 # The answer starts after `want`: the publisher no longer buffers it.
@@ -656,8 +729,12 @@ class KVEventSubscriber:
             self.stats["replay_failures"] += 1
             # A sidecar that starts before its engine sees this once or twice: not worth a warning.
             level = logging.WARNING if self._catch_up_backoff >= 4 else logging.INFO
-            log.log(level, "the KV-event replay socket %s did not answer; a full resync again in %.0fs",
-                    self.replay_endpoint, self._catch_up_backoff)
+            log.log(
+                level,
+                "the KV-event replay socket %s did not answer; a full resync again in %.0fs",
+                self.replay_endpoint,
+                self._catch_up_backoff,
+            )
             self._schedule_full_resync()
         self.caught_up = True
 
@@ -671,7 +748,9 @@ class KVEventSubscriber:
                 self._was_disconnected = True
             elif event == zmq.EVENT_CONNECTED and self._was_disconnected:
                 self._was_disconnected = False
-                self.request_resync("reconnected to the engine's KV-event socket (engine restarted?)")
+                self.request_resync(
+                    "reconnected to the engine's KV-event socket (engine restarted?)"
+                )
 
     def poll(self, timeout_ms: int = 100, max_messages: int = 1000) -> list[Delivery]:
         out: list[Delivery] = []
@@ -697,8 +776,10 @@ class KVEventSubscriber:
             if len(frames) != 3 or len(frames[1]) != 8:
                 # A truncated or foreign message: its seq is unknown, so fetch whatever the
                 # publisher buffers after the last batch delivered (once per poll).
-                self._bad_frame(f"{len(frames)} frames" + (f", seq frame of {len(frames[1])} bytes"
-                                                           if len(frames) == 3 else ""))
+                self._bad_frame(
+                    f"{len(frames)} frames"
+                    + (f", seq frame of {len(frames[1])} bytes" if len(frames) == 3 else "")
+                )
                 if not replayed_for_bad_frame and self.next_seq is not None:
                     replayed_for_bad_frame = True
                     if not self._catch_up(self.next_seq, out):
@@ -724,7 +805,11 @@ class KVEventSubscriber:
             else:
                 missing_from = self.next_seq
                 self._gap(missing_from, seq, "live stream")
-                if not self._catch_up(missing_from, out) and self.next_seq is not None and self.next_seq < seq:
+                if (
+                    not self._catch_up(missing_from, out)
+                    and self.next_seq is not None
+                    and self.next_seq < seq
+                ):
                     # Nothing filled it now: what follows goes onto a reset index, and a full
                     # resync is retried until the replay socket answers.
                     self._lose(self.next_seq, seq, out)

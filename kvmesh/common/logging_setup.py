@@ -15,8 +15,9 @@ import time
 # whitespace or quote (a password may itself hold "@", "/", ":" or "#"), redacted whole.
 _URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^\s\"'<>]*@")
 # secrets passed as query parameters (redis://host/0?password=...)
-_URL_QUERY_SECRET = re.compile(r"([?&](?:password|passwd|pwd|token|key|secret|api_key)=)[^&\s\"'<>]*",
-                               re.IGNORECASE)
+_URL_QUERY_SECRET = re.compile(
+    r"([?&](?:password|passwd|pwd|token|key|secret|api_key)=)[^&\s\"'<>]*", re.IGNORECASE
+)
 
 
 def redact_url(url: str) -> str:
@@ -43,8 +44,12 @@ class _Redacting(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(time.time(), 3), "level": record.levelname.lower(), "logger": record.name,
-               "msg": record.getMessage()}
+        out = {
+            "ts": round(time.time(), 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         extra = getattr(record, "fields", None)
         if extra:
             out.update(extra)
@@ -58,7 +63,9 @@ def setup_logging(fmt: str = "json", level: str = "INFO") -> None:
     if fmt == "json":
         handler.setFormatter(_Redacting(JsonFormatter()))
     else:
-        handler.setFormatter(_Redacting(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")))
+        handler.setFormatter(
+            _Redacting(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

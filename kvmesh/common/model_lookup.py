@@ -35,7 +35,9 @@ class ModelNotConverted(FileNotFoundError):
     """A built-in model whose converted directory is not in the cache yet."""
 
     def __init__(self, model: BuiltinModel, target: Path):
-        super().__init__(f"built-in model {model.name!r} is not converted yet (run `kvmesh convert`)")
+        super().__init__(
+            f"built-in model {model.name!r} is not converted yet (run `kvmesh convert`)"
+        )
         self.model = model
         self.target = target
 

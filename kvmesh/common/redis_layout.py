@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 PREFIX = "kvmesh:v1:"
 HEARTBEAT_TTL_S = 10
@@ -119,12 +120,14 @@ class Heartbeat:
         return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
-    def from_mapping(cls, pod: str, data: Mapping[Any, Any]) -> "Heartbeat | None":
+    def from_mapping(cls, pod: str, data: Mapping[Any, Any]) -> Heartbeat | None:
         """Parse a heartbeat hash (bytes or str keys); None if it is empty or has no URL."""
         if not data:
             return None
-        d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-             for k, v in data.items()}
+        d = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in data.items()
+        }
         if not d.get(F_URL):
             return None
 
@@ -158,7 +161,9 @@ class Heartbeat:
     @property
     def cached_blocks(self) -> int:
         """Blocks this pod holds: its block-set size, else the used share of its KV cache."""
-        return self.num_keys if self.num_keys is not None else round(self.kv_usage * self.total_blocks)
+        return (
+            self.num_keys if self.num_keys is not None else round(self.kv_usage * self.total_blocks)
+        )
 
     def fresh(self, now: float, max_age: float = HEARTBEAT_TTL_S) -> bool:
         """Written at most `max_age` seconds before `now` (unix time)."""
@@ -199,7 +204,9 @@ class PodsSetCursor:
         return self._take(client.sscan(self.key, self.cursor, match=self.match, count=self.page))
 
     async def _next_page_async(self, client: Any) -> list[str]:
-        return self._take(await client.sscan(self.key, self.cursor, match=self.match, count=self.page))
+        return self._take(
+            await client.sscan(self.key, self.cursor, match=self.match, count=self.page)
+        )
 
     def _take(self, reply: Any) -> list[str]:
         cursor, names = reply
@@ -209,8 +216,14 @@ class PodsSetCursor:
         return _pod_names(names, self.prefix, False)
 
 
-def read_heartbeats(client: Any, model: str, pods: Iterable[str] | None = None, *, prefix: str = "",
-                    limit: int | None = None):
+def read_heartbeats(
+    client: Any,
+    model: str,
+    pods: Iterable[str] | None = None,
+    *,
+    prefix: str = "",
+    limit: int | None = None,
+):
     """The heartbeats of `model`'s pods: pod name -> :class:`Heartbeat`, or None for a pod whose
     hash is gone (expired: the pod is dead or hung) or has no URL.
 
@@ -236,14 +249,15 @@ def read_heartbeats(client: Any, model: str, pods: Iterable[str] | None = None, 
     out: dict[str, Heartbeat | None] = {}
     for i in range(0, len(names), READ_BATCH):
         pipe = client.pipeline(transaction=False)
-        for name in names[i:i + READ_BATCH]:
+        for name in names[i : i + READ_BATCH]:
             pipe.hgetall(heartbeat_key(model, name))
-        out.update(_parse_heartbeats(names[i:i + READ_BATCH], pipe.execute()))
+        out.update(_parse_heartbeats(names[i : i + READ_BATCH], pipe.execute()))
     return out
 
 
-async def _read_heartbeats_async(client: Any, model: str, pods: Iterable[str] | None, prefix: str,
-                                 limit: int | None) -> dict[str, Heartbeat | None]:
+async def _read_heartbeats_async(
+    client: Any, model: str, pods: Iterable[str] | None, prefix: str, limit: int | None
+) -> dict[str, Heartbeat | None]:
     if pods is None:
         cursor, found = PodsSetCursor(model, prefix), set()
         while True:
@@ -256,9 +270,9 @@ async def _read_heartbeats_async(client: Any, model: str, pods: Iterable[str] | 
     out: dict[str, Heartbeat | None] = {}
     for i in range(0, len(names), READ_BATCH):
         pipe = client.pipeline(transaction=False)
-        for name in names[i:i + READ_BATCH]:
+        for name in names[i : i + READ_BATCH]:
             pipe.hgetall(heartbeat_key(model, name))
-        out.update(_parse_heartbeats(names[i:i + READ_BATCH], await pipe.execute()))
+        out.update(_parse_heartbeats(names[i : i + READ_BATCH], await pipe.execute()))
     return out
 
 

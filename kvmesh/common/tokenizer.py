@@ -87,7 +87,9 @@ class KVMeshTokenizer:
         return min(self.eos_token_ids) if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) >= LONG_TEXT_CHARS:  # the batch API runs without the GIL: other threads keep running
+        if (
+            len(text) >= LONG_TEXT_CHARS
+        ):  # the batch API runs without the GIL: other threads keep running
             return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -99,25 +101,36 @@ class KVMeshTokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.id_to_token(i) or "" for i in ids]
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The chat template applied. ``continue_final_message`` (vLLM's) leaves the final message
         open, so the model continues it; ``template_kwargs`` reach the template as variables."""
         template_kwargs = template_kwargs or {}
         if continue_final_message and add_generation_prompt:
-            raise TemplateError("continue_final_message and add_generation_prompt cannot both be true")
+            raise TemplateError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
         clash = sorted(_RESERVED_TEMPLATE_VARS & template_kwargs.keys())
         if clash:
             raise TemplateError(f"chat_template_kwargs may not set {', '.join(clash)}")
         if not self.chat_template:
-            raise TemplateError("this model has no chat template; use /v1/completions with a plain prompt")
+            raise TemplateError(
+                "this model has no chat template; use /v1/completions with a plain prompt"
+            )
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-                x, indent=indent, ensure_ascii=ensure_ascii)
+                x, indent=indent, ensure_ascii=ensure_ascii
+            )
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
@@ -132,14 +145,24 @@ class KVMeshTokenizer:
             last = messages[-1].get("content") if messages else None
             at = text.rfind(last) if isinstance(last, str) and last else -1
             if at < 0:
-                raise TemplateError("continue_final_message: the final message's content is not in the "
-                                    "rendered prompt (is it empty?)")
-            text = text[:at + len(last)]
+                raise TemplateError(
+                    "continue_final_message: the final message's content is not in the "
+                    "rendered prompt (is it empty?)"
+                )
+            text = text[: at + len(last)]
         return text
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None
-                    ) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         # The template already contains the special tokens it wants.
-        return self.encode(self.render_chat(messages, add_generation_prompt, continue_final_message,
-                                            template_kwargs), add_special_tokens=False)
+        return self.encode(
+            self.render_chat(
+                messages, add_generation_prompt, continue_final_message, template_kwargs
+            ),
+            add_special_tokens=False,
+        )

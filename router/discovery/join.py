@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.router.discovery.sources import Endpoint, normalize_url
@@ -84,8 +84,14 @@ class Joined:
     notes: list[Note]
 
 
-def join(known: list[Endpoint], synced: bool, view: RedisView | None, claims: Mapping[Endpoint, str],
-         previous: JoinState, now: float) -> Joined:
+def join(
+    known: list[Endpoint],
+    synced: bool,
+    view: RedisView | None,
+    claims: Mapping[Endpoint, str],
+    previous: JoinState,
+    now: float,
+) -> Joined:
     """The pods from the known endpoints (`synced`: every source has answered) and the Redis view
     (None without Redis); `claims` maps an unnamed static backend to the pod whose heartbeat names
     its URL. The URL is always the platform's; a heartbeat only adds load, state and a block set."""
@@ -101,8 +107,11 @@ def join(known: list[Endpoint], synced: bool, view: RedisView | None, claims: Ma
             ignored[(name, "url_mismatch")] = mismatch
         if name not in pods:
             pods[name] = _pod(name, ep, hb, hbs is None)
-    notes += [IgnoredHeartbeat(pod, reason, url) for (pod, reason), url in ignored.items()
-              if (pod, reason) not in previous.ignored]
+    notes += [
+        IgnoredHeartbeat(pod, reason, url)
+        for (pod, reason), url in ignored.items()
+        if (pod, reason) not in previous.ignored
+    ]
     return Joined(pods, JoinState(fallback, ignored), hbs, notes)
 
 
@@ -114,8 +123,9 @@ def state_counts(pods: Mapping[str, Pod]) -> dict[str, int]:
     return counts
 
 
-def _fallback(view: RedisView | None, previous: str | None, known: int,
-              now: float) -> tuple[str | None, Mapping[str, rl.Heartbeat] | None, list[Note]]:
+def _fallback(
+    view: RedisView | None, previous: str | None, known: int, now: float
+) -> tuple[str | None, Mapping[str, rl.Heartbeat] | None, list[Note]]:
     """(the fallback, the heartbeats to use, notes). An expired view is dropped: its load and
     block sets are older than a heartbeat's TTL."""
     if view is None:
@@ -126,8 +136,12 @@ def _fallback(view: RedisView | None, previous: str | None, known: int,
     return None, view.heartbeats, [FallbackEnded()] if previous is not None else []
 
 
-def _match(ep: Endpoint, hbs: Mapping[str, rl.Heartbeat] | None, claims: Mapping[Endpoint, str],
-           named: Mapping[str, Endpoint]) -> tuple[str, rl.Heartbeat | None, str | None]:
+def _match(
+    ep: Endpoint,
+    hbs: Mapping[str, rl.Heartbeat] | None,
+    claims: Mapping[Endpoint, str],
+    named: Mapping[str, Endpoint],
+) -> tuple[str, rl.Heartbeat | None, str | None]:
     """(the pod's name, its heartbeat, the URL of a named pod's heartbeat that names another)."""
     if ep.name:
         hb = (hbs or {}).get(ep.name)
@@ -146,11 +160,20 @@ def _pod(name: str, ep: Endpoint, hb: rl.Heartbeat | None, no_view: bool) -> Pod
         state = hb.state if hb.state in (rl.STATE_READY, rl.STATE_DRAINING) else STATE_UNKNOWN
         # Numbers from Redis are clamped: a NaN or a negative load must not upset the ranking.
         kv = hb.kv_usage if math.isfinite(hb.kv_usage) else 1.0
-        return Pod(name=name, url=ep.url, kv_usage=min(max(kv, 0.0), 1.0), running=max(0, hb.running),
-                   waiting=max(0, hb.waiting), state=state if ep.ready else STATE_NOT_READY, has_blocks=True,
-                   ts=hb.ts)
+        return Pod(
+            name=name,
+            url=ep.url,
+            kv_usage=min(max(kv, 0.0), 1.0),
+            running=max(0, hb.running),
+            waiting=max(0, hb.waiting),
+            state=state if ep.ready else STATE_NOT_READY,
+            has_blocks=True,
+            ts=hb.ts,
+        )
     if not ep.ready:
         return Pod(name=name, url=ep.url, state=STATE_NOT_READY, has_blocks=False)
-    if no_view or not ep.name:  # no Redis (or an expired view), or an unnamed static backend: by load only
+    if (
+        no_view or not ep.name
+    ):  # no Redis (or an expired view), or an unnamed static backend: by load only
         return Pod(name=name, url=ep.url, has_blocks=False)
     return Pod(name=name, url=ep.url, state=STATE_NO_HEARTBEAT, has_blocks=False)

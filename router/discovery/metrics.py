@@ -11,7 +11,9 @@ from kvmesh.router.metrics import RouterMetrics
 log = logging.getLogger("kvmesh.router.discovery")
 
 IGNORE_REASONS = ("unknown_pod", "url_mismatch", "duplicate_url")
-IGNORED_TRACKED = 10_000  # ignored heartbeats remembered (for the counter and /ready); more are only counted
+IGNORED_TRACKED = (
+    10_000  # ignored heartbeats remembered (for the counter and /ready); more are only counted
+)
 IGNORED_LOGGED = 20  # new ignored heartbeats logged one by one per pass over the pods set
 
 
@@ -20,23 +22,44 @@ class DiscoveryMetrics:
 
     def __init__(self, metrics: RouterMetrics):
         r = metrics.registry
-        self.ignored = Counter("kvmesh_router_ignored_heartbeats",
-                               "Heartbeats ignored because they name a pod or URL the platform does not know "
-                               "(counted once each time one appears)", ["reason"], registry=r)
-        self.ignored_now = Gauge("kvmesh_router_ignored_heartbeats_current",
-                                 "Heartbeats ignored now (the last pass over the pods set)", ["reason"], registry=r)
-        self.known = Gauge("kvmesh_router_known_pods", "Pods known from the endpoint sources (platform)",
-                           registry=r)
-        self.fallback = Gauge("kvmesh_router_discovery_fallback",
-                              "1 while routing to the platform's pods by load only because the Redis view "
-                              "expired", registry=r)
-        self.view_age = Gauge("kvmesh_router_redis_view_age_seconds",
-                              "Seconds since heartbeats were last read from Redis (-1: never)", registry=r)
-        self.orphans = Counter("kvmesh_router_orphans_removed",
-                               "Pod names without a heartbeat removed from the pods set (with their block sets)",
-                               registry=r)
-        self.sweep_passes = Counter("kvmesh_router_pods_set_passes",
-                                    "Full passes over the pods set (one page per refresh)", registry=r)
+        self.ignored = Counter(
+            "kvmesh_router_ignored_heartbeats",
+            "Heartbeats ignored because they name a pod or URL the platform does not know "
+            "(counted once each time one appears)",
+            ["reason"],
+            registry=r,
+        )
+        self.ignored_now = Gauge(
+            "kvmesh_router_ignored_heartbeats_current",
+            "Heartbeats ignored now (the last pass over the pods set)",
+            ["reason"],
+            registry=r,
+        )
+        self.known = Gauge(
+            "kvmesh_router_known_pods",
+            "Pods known from the endpoint sources (platform)",
+            registry=r,
+        )
+        self.fallback = Gauge(
+            "kvmesh_router_discovery_fallback",
+            "1 while routing to the platform's pods by load only because the Redis view expired",
+            registry=r,
+        )
+        self.view_age = Gauge(
+            "kvmesh_router_redis_view_age_seconds",
+            "Seconds since heartbeats were last read from Redis (-1: never)",
+            registry=r,
+        )
+        self.orphans = Counter(
+            "kvmesh_router_orphans_removed",
+            "Pod names without a heartbeat removed from the pods set (with their block sets)",
+            registry=r,
+        )
+        self.sweep_passes = Counter(
+            "kvmesh_router_pods_set_passes",
+            "Full passes over the pods set (one page per refresh)",
+            registry=r,
+        )
         for reason in IGNORE_REASONS:
             self.ignored.labels(reason)
             self.ignored_now.labels(reason).set(0)
@@ -59,7 +82,9 @@ class SweptIgnored:
         self.dm = dm
         self.items: dict[tuple[str, str], str] = {}  # (pod, reason) -> the URL its heartbeat named
         self.by_reason = {reason: 0 for reason in IGNORE_REASONS}
-        self.last_pass: dict[str, int] | None = None  # reason -> heartbeats ignored in the last full pass
+        self.last_pass: dict[str, int] | None = (
+            None  # reason -> heartbeats ignored in the last full pass
+        )
         self._this_pass: set[tuple[str, str]] = set()
         self._counts = {reason: 0 for reason in IGNORE_REASONS}
         self._logged = 0
@@ -84,8 +109,14 @@ class SweptIgnored:
             self._not_logged += 1
             return
         self._logged += 1
-        log.warning("ignoring the heartbeat of pod %r (%s): it names %r, which is not a pod this router "
-                    "knows from %s", key[0][:100], key[1], url[:200], where)
+        log.warning(
+            "ignoring the heartbeat of pod %r (%s): it names %r, which is not a pod this router "
+            "knows from %s",
+            key[0][:100],
+            key[1],
+            url[:200],
+            where,
+        )
 
     def end_pass(self) -> None:
         """Forget what this pass did not see again (the heartbeat is gone, or the pod is known now)."""
@@ -93,9 +124,10 @@ class SweptIgnored:
             del self.items[key]
             self.by_reason[key[1]] -= 1
         if self._not_logged:
-            log.warning("ignoring %d more heartbeats of pods this router does not know (not logged one by one)",
-                        self._not_logged)
+            log.warning(
+                "ignoring %d more heartbeats of pods this router does not know (not logged one by one)",
+                self._not_logged,
+            )
         self.last_pass = self._counts
         self._this_pass, self._logged, self._not_logged = set(), 0, 0
         self._counts = {reason: 0 for reason in IGNORE_REASONS}
-

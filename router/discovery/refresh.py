@@ -5,15 +5,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from kvmesh.common import redis_layout as rl
-from kvmesh.router.discovery.join import (FallbackEnded, FallbackStarted, JoinState, Note, Pod, RedisView, join,
-                                          state_counts)
+from kvmesh.router.discovery.join import (
+    FallbackEnded,
+    FallbackStarted,
+    JoinState,
+    Note,
+    Pod,
+    RedisView,
+    join,
+    state_counts,
+)
 from kvmesh.router.discovery.metrics import IGNORE_REASONS, SweptIgnored, discovery_metrics
 from kvmesh.router.discovery.slice_watch import EndpointSlices
 from kvmesh.router.discovery.sources import Endpoint, FileEndpoints, StaticEndpoints, normalize_url
@@ -25,10 +34,18 @@ SWEEP_PAGE = rl.SCAN_PAGE  # names of the pods set examined per refresh
 
 
 class Discovery:
-    def __init__(self, model: str, redis_client: aioredis.Redis | None, metrics: RouterMetrics,
-                 static_backends: list[str] | None = None, refresh_interval: float = 0.5,
-                 endpoint_slices: EndpointSlices | None = None, backends_file: str | None = None,
-                 redis_stale_after: float = float(rl.HEARTBEAT_TTL_S), sweep_page: int = SWEEP_PAGE):
+    def __init__(
+        self,
+        model: str,
+        redis_client: aioredis.Redis | None,
+        metrics: RouterMetrics,
+        static_backends: list[str] | None = None,
+        refresh_interval: float = 0.5,
+        endpoint_slices: EndpointSlices | None = None,
+        backends_file: str | None = None,
+        redis_stale_after: float = float(rl.HEARTBEAT_TTL_S),
+        sweep_page: int = SWEEP_PAGE,
+    ):
         self.model = model
         self.redis = redis_client
         self.metrics = metrics
@@ -43,19 +60,27 @@ class Discovery:
             self.sources.append(FileEndpoints(backends_file))
         if endpoint_slices is not None:
             self.sources.append(endpoint_slices)
-        self.static = [e.url for src in self.sources if isinstance(src, StaticEndpoints) for e in src.items]
+        self.static = [
+            e.url for src in self.sources if isinstance(src, StaticEndpoints) for e in src.items
+        ]
         self.pods: dict[str, Pod] = {}
         self.redis_ok = False
         self.last_refresh = 0.0
         self.known: list[Endpoint] = []
         self.sweep = rl.PodsSetCursor(model, page=sweep_page)
-        self._claims: dict[Endpoint, str] = {}  # unnamed static backend -> the pod whose heartbeat names its URL
+        self._claims: dict[
+            Endpoint, str
+        ] = {}  # unnamed static backend -> the pod whose heartbeat names its URL
         self._swept = SweptIgnored(self.dm)
         self._state = JoinState()  # the fallback, and known pods whose heartbeat names another URL
-        self._heartbeats: Mapping[str, rl.Heartbeat] | None = None  # the last good Redis view (known pods only)
+        self._heartbeats: Mapping[str, rl.Heartbeat] | None = (
+            None  # the last good Redis view (known pods only)
+        )
         self._redis_read_at: float | None = None
         self._pods_key = rl.pods_key(model)
-        self._page_script = redis_client.register_script(rl.POD_PAGE_LUA) if redis_client is not None else None
+        self._page_script = (
+            redis_client.register_script(rl.POD_PAGE_LUA) if redis_client is not None else None
+        )
         self._task: asyncio.Task | None = None
         self._compose(*self._known_endpoints())
 
@@ -86,7 +111,11 @@ class Discovery:
 
     def detail(self) -> dict[str, Any]:
         """For the router's /ready: where pods come from and how fresh the Redis view is."""
-        age = None if self._redis_read_at is None else round(time.monotonic() - self._redis_read_at, 3)
+        age = (
+            None
+            if self._redis_read_at is None
+            else round(time.monotonic() - self._redis_read_at, 3)
+        )
         return {
             "sources": [s.describe() for s in self.sources],
             "known_pods": len(self.known),
@@ -119,14 +148,20 @@ class Discovery:
         now = time.monotonic()
         if self.redis is not None and self._redis_read_at is not None:
             self.dm.view_age.set(round(now - self._redis_read_at, 3))
-        view = None if self.redis is None else RedisView(self._heartbeats, self._redis_read_at, self.redis_stale_after)
+        view = (
+            None
+            if self.redis is None
+            else RedisView(self._heartbeats, self._redis_read_at, self.redis_stale_after)
+        )
         joined = join(known, synced, view, self._claims, self._state, now)
         self._heartbeats, self._state = joined.heartbeats, joined.state
         for note in joined.notes:
             self._publish_note(note)
         self.dm.fallback.set(1 if self.fallback else 0)
         for reason in IGNORE_REASONS:
-            n = self._swept.current()[reason] + sum(1 for k in self._state.ignored if k[1] == reason)
+            n = self._swept.current()[reason] + sum(
+                1 for k in self._state.ignored if k[1] == reason
+            )
             self.dm.ignored_now.labels(reason).set(n)
         self.known = known
         self.pods = joined.pods
@@ -136,14 +171,23 @@ class Discovery:
 
     def _publish_note(self, note: Note) -> None:
         if isinstance(note, FallbackStarted):
-            log.warning("no Redis view for %.1fs: routing to the %d known pods by load only", note.view_age_s,
-                        note.known)
+            log.warning(
+                "no Redis view for %.1fs: routing to the %d known pods by load only",
+                note.view_age_s,
+                note.known,
+            )
         elif isinstance(note, FallbackEnded):
             log.info("Redis view restored: routing on heartbeats and block sets again")
         else:
             self.dm.ignored.labels(note.reason).inc()
-            log.warning("ignoring the heartbeat of pod %r (%s): it names %r, which is not a pod this router "
-                        "knows from %s", note.pod[:100], note.reason, note.url[:200], self._sources_kind())
+            log.warning(
+                "ignoring the heartbeat of pod %r (%s): it names %r, which is not a pod this router "
+                "knows from %s",
+                note.pod[:100],
+                note.reason,
+                note.url[:200],
+                self._sources_kind(),
+            )
 
     async def refresh(self) -> None:
         known, synced = self._known_endpoints()
@@ -176,7 +220,9 @@ class Discovery:
         for ep, name in list(self._claims.items()):
             hb = found.get(name)
             if hb is None or normalize_url(hb.url) != normalize_url(ep.url):
-                del self._claims[ep]  # gone, or it names another URL now: the sweep finds the next claim
+                del self._claims[
+                    ep
+                ]  # gone, or it names another URL now: the sweep finds the next claim
         if self.sweep.pass_done:
             self._swept.end_pass()
             self.dm.sweep_passes.inc()
@@ -198,8 +244,11 @@ class Discovery:
                 urls = await self._page_script(keys=keys, args=names)
             except ResponseError as exc:  # Redis answered: scripts are refused (or failed) here
                 if any(w in str(exc).lower() for w in ("unknown command", "noscript", "noperm")):
-                    log.warning("scripts are disabled on this Redis (%s): pod names without a heartbeat are "
-                                "no longer removed from the pods set", exc)
+                    log.warning(
+                        "scripts are disabled on this Redis (%s): pod names without a heartbeat are "
+                        "no longer removed from the pods set",
+                        exc,
+                    )
                     self._page_script = None
             else:
                 self.dm.orphans.inc(sum(1 for u in urls if u == 0))
@@ -209,8 +258,14 @@ class Discovery:
             pipe.hget(rl.heartbeat_key(self.model, name), rl.F_URL)
         return await pipe.execute()
 
-    def _classify(self, names: list[str], urls: list[Any], named: set[str], unnamed: dict[Any, Endpoint],
-                  synced: bool) -> None:
+    def _classify(
+        self,
+        names: list[str],
+        urls: list[Any],
+        named: set[str],
+        unnamed: dict[Any, Endpoint],
+        synced: bool,
+    ) -> None:
         """Sort one page's names by their heartbeat's URL: known pods (read by name anyway),
         orphans (gone), claims on unnamed static backends, and the ignored rest."""
         where = self._sources_kind()
@@ -221,7 +276,9 @@ class Discovery:
             ep = unnamed.get(normalize_url(url)) if unnamed else None
             if ep is not None:
                 holder = self._claims.get(ep)
-                if holder is None or name <= holder:  # the smallest name wins, whatever the page order
+                if (
+                    holder is None or name <= holder
+                ):  # the smallest name wins, whatever the page order
                     if holder is not None and holder != name and synced:
                         self._swept.add((holder, "duplicate_url"), url, where)
                     self._claims[ep] = name
@@ -247,8 +304,11 @@ class Discovery:
             self.endpoint_slices.start()
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, self.endpoint_slices._task if self.endpoint_slices else None) if t]
+        tasks = [
+            t
+            for t in (self._task, self.endpoint_slices._task if self.endpoint_slices else None)
+            if t
+        ]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # let them close their HTTP sessions
-

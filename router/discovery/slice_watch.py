@@ -28,23 +28,41 @@ class EndpointSlices:
     RBAC: `get`, `list` and `watch` on `endpointslices` in API group `discovery.k8s.io`,
     in the Service's namespace."""
 
-    def __init__(self, service: str, namespace: str | None = None, api_url: str | None = None,
-                 token: str | None = None, ca_file: str | None = None, interval: float = 5.0,
-                 port_name: str = "http", watch: bool = True, watch_timeout: int = 300):
+    def __init__(
+        self,
+        service: str,
+        namespace: str | None = None,
+        api_url: str | None = None,
+        token: str | None = None,
+        ca_file: str | None = None,
+        interval: float = 5.0,
+        port_name: str = "http",
+        watch: bool = True,
+        watch_timeout: int = 300,
+    ):
         self.service = service
         self.namespace = namespace or _read(f"{SA_DIR}/namespace") or "default"
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        host, port = (
+            os.environ.get("KUBERNETES_SERVICE_HOST"),
+            os.environ.get("KUBERNETES_SERVICE_PORT", "443"),
+        )
         if host and ":" in host:
             host = f"[{host}]"
-        self.api_url = (api_url or (f"https://{host}:{port}" if host else "https://kubernetes.default.svc")).rstrip("/")
+        self.api_url = (
+            api_url or (f"https://{host}:{port}" if host else "https://kubernetes.default.svc")
+        ).rstrip("/")
         self.token = token
         self.token_file = None if token is not None else f"{SA_DIR}/token"
-        self.ca_file = ca_file or (f"{SA_DIR}/ca.crt" if os.path.exists(f"{SA_DIR}/ca.crt") else None)
+        self.ca_file = ca_file or (
+            f"{SA_DIR}/ca.crt" if os.path.exists(f"{SA_DIR}/ca.crt") else None
+        )
         self.interval = interval
         self.port_name = port_name
         self.watch = watch
         self.watch_timeout = watch_timeout
-        self.slices: dict[str, tuple[list[Endpoint], set[str]]] = {}  # name -> (endpoints, ready addresses)
+        self.slices: dict[
+            str, tuple[list[Endpoint], set[str]]
+        ] = {}  # name -> (endpoints, ready addresses)
         self.synced = False
         self.last_error: str | None = None
         self.lists = 0
@@ -64,8 +82,14 @@ class EndpointSlices:
         return self._hosts
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "k8s", "service": self.service, "namespace": self.namespace, "synced": self.synced,
-                "endpoints": len(self._endpoints or []), "error": self.last_error}
+        return {
+            "kind": "k8s",
+            "service": self.service,
+            "namespace": self.namespace,
+            "synced": self.synced,
+            "endpoints": len(self._endpoints or []),
+            "error": self.last_error,
+        }
 
     def _publish(self) -> None:
         seen: dict[str, Endpoint] = {}
@@ -83,7 +107,11 @@ class EndpointSlices:
         The port is the slice's port named `port_name` (`http`), else its first port."""
         if not isinstance(item, dict):
             return [], set()
-        ports = [p for p in item.get("ports") or [] if isinstance(p, dict) and isinstance(p.get("port"), int)]
+        ports = [
+            p
+            for p in item.get("ports") or []
+            if isinstance(p, dict) and isinstance(p.get("port"), int)
+        ]
         port = next((p["port"] for p in ports if p.get("name") == self.port_name), None)
         if port is None and ports:
             port = ports[0]["port"]
@@ -93,7 +121,9 @@ class EndpointSlices:
             if not isinstance(ep, dict):
                 continue
             cond = ep.get("conditions") or {}
-            ready = isinstance(cond, dict) and cond.get("ready") is not False  # nil means ready (the API's rule)
+            ready = (
+                isinstance(cond, dict) and cond.get("ready") is not False
+            )  # nil means ready (the API's rule)
             addrs = [a for a in ep.get("addresses") or [] if isinstance(a, str) and a]
             if not addrs:
                 continue
@@ -103,18 +133,28 @@ class EndpointSlices:
                 continue  # a Service without ports: nothing to send requests to
             host = f"[{addrs[0]}]" if ipv6 or ":" in addrs[0] else addrs[0]
             ref = ep.get("targetRef") if isinstance(ep.get("targetRef"), dict) else {}
-            name = ref.get("name") if ref.get("kind", "Pod") == "Pod" and isinstance(ref.get("name"), str) else None
+            name = (
+                ref.get("name")
+                if ref.get("kind", "Pod") == "Pod" and isinstance(ref.get("name"), str)
+                else None
+            )
             out.append(Endpoint(name, f"http://{host}:{port}", ready))
         return out, hosts
 
     # -- the Kubernetes API -------------------------------------------------------------------------
     def _url(self, **params: str) -> str:
-        query = "&".join([f"labelSelector={quote('kubernetes.io/service-name=' + self.service)}"] +
-                         [f"{k}={quote(str(v))}" for k, v in params.items()])
+        query = "&".join(
+            [f"labelSelector={quote('kubernetes.io/service-name=' + self.service)}"]
+            + [f"{k}={quote(str(v))}" for k, v in params.items()]
+        )
         return f"{self.api_url}/apis/discovery.k8s.io/v1/namespaces/{quote(self.namespace)}/endpointslices?{query}"
 
     def _headers(self) -> dict[str, str]:
-        token = self.token if self.token is not None else (_read(self.token_file) if self.token_file else None)
+        token = (
+            self.token
+            if self.token is not None
+            else (_read(self.token_file) if self.token_file else None)
+        )
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     def _ssl(self, url: str):
@@ -124,8 +164,12 @@ class EndpointSlices:
         import aiohttp
 
         url = self._url()
-        async with session.get(url, headers=self._headers(), ssl=self._ssl(url),
-                               timeout=aiohttp.ClientTimeout(total=10)) as r:
+        async with session.get(
+            url,
+            headers=self._headers(),
+            ssl=self._ssl(url),
+            timeout=aiohttp.ClientTimeout(total=10),
+        ) as r:
             r.raise_for_status()
             data = await r.json(content_type=None)
         self.slices = {}
@@ -143,12 +187,20 @@ class EndpointSlices:
         from, or None to re-list (410 Gone, or an ERROR event)."""
         import aiohttp
 
-        params = {"watch": "1", "allowWatchBookmarks": "true", "timeoutSeconds": str(self.watch_timeout)}
+        params = {
+            "watch": "1",
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(self.watch_timeout),
+        }
         if rv:
             params["resourceVersion"] = rv
         url = self._url(**params)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.watch_timeout + 30)
-        async with session.get(url, headers=self._headers(), ssl=self._ssl(url), timeout=timeout) as r:
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=10, sock_read=self.watch_timeout + 30
+        )
+        async with session.get(
+            url, headers=self._headers(), ssl=self._ssl(url), timeout=timeout
+        ) as r:
             if r.status == 410:
                 return None
             r.raise_for_status()
@@ -170,7 +222,11 @@ class EndpointSlices:
         obj = event.get("object") or {}
         meta = obj.get("metadata") or {}
         if kind == "ERROR":
-            log.info("EndpointSlices watch: %s (code %s); re-listing", obj.get("message"), obj.get("code"))
+            log.info(
+                "EndpointSlices watch: %s (code %s); re-listing",
+                obj.get("message"),
+                obj.get("code"),
+            )
             return None
         self.watch_events += 1
         name = meta.get("name")
@@ -204,8 +260,12 @@ class EndpointSlices:
                     raise
                 except Exception as exc:  # noqa: BLE001 - keep the last good answer, retry
                     self.last_error = f"{type(exc).__name__}: {exc}"[:300]
-                    log.warning("EndpointSlices of %s/%s: %s (keeping the last good list)", self.namespace,
-                                self.service, self.last_error)
+                    log.warning(
+                        "EndpointSlices of %s/%s: %s (keeping the last good list)",
+                        self.namespace,
+                        self.service,
+                        self.last_error,
+                    )
                     await asyncio.sleep(self.interval)
 
     def start(self) -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 log = logging.getLogger("kvmesh.router.discovery")
-
 
 
 @dataclass(frozen=True)
@@ -89,5 +89,9 @@ class FileEndpoints:
         return self.items
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "file", "path": self.path, "endpoints": len(self.items or []), "error": self.error}
-
+        return {
+            "kind": "file",
+            "path": self.path,
+            "endpoints": len(self.items or []),
+            "error": self.error,
+        }

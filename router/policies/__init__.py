@@ -20,7 +20,8 @@ from kvmesh.router.policies.round_robin import RoundRobinPolicy
 from kvmesh.router.policies.session import SessionPolicy
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
-    cls.name: cls for cls in (PrefixPolicy, LeastLoadPolicy, RoundRobinPolicy, SessionPolicy)}
+    cls.name: cls for cls in (PrefixPolicy, LeastLoadPolicy, RoundRobinPolicy, SessionPolicy)
+}
 NAMES: tuple[str, ...] = policy_names.NAMES
 DEFAULT = policy_names.DEFAULT
 
@@ -33,4 +34,12 @@ def create(name: str, settings: PolicySettings | None = None) -> RoutingPolicy:
     return cls(settings)
 
 
-__all__ = ["DEFAULT", "NAMES", "POLICIES", "PolicySettings", "RouteRequest", "RoutingPolicy", "create"]
+__all__ = [
+    "DEFAULT",
+    "NAMES",
+    "POLICIES",
+    "PolicySettings",
+    "RouteRequest",
+    "RoutingPolicy",
+    "create",
+]

@@ -11,8 +11,9 @@ heavier than :mod:`kvmesh.router.scoring`: the registry's names are read by the 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, ClassVar
+from typing import ClassVar
 
 from kvmesh.router.scoring import Candidate, Weights
 
@@ -34,8 +35,12 @@ class PolicySettings:
 class RouteRequest:
     """One request as a policy sees it."""
 
-    candidates: list[Candidate]  # routable pods; load = max(heartbeat load, requests in flight here)
-    keys: list[int]  # the prompt's block keys (contract 1); empty: too short, or it scores its prompt
+    candidates: list[
+        Candidate
+    ]  # routable pods; load = max(heartbeat load, requests in flight here)
+    keys: list[
+        int
+    ]  # the prompt's block keys (contract 1); empty: too short, or it scores its prompt
     headers: dict[str, str]  # request headers, names lower-cased
     tie: bytes  # tie-break key: the last block key (or the body's start), the same on every router
     match: Matcher  # one Redis round trip: how many leading blocks each pod holds

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -37,8 +37,9 @@ def require_cluster() -> None:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     require_cluster()
     # A short crash back-off cap keeps the restart tests quick (the kubelet's is 10 s doubling to 5 min).
-    with LocalCluster(tmp_path_factory.mktemp("cluster"), images=IMAGES, backoff_initial=1.0,
-                      backoff_cap=2.0) as c:
+    with LocalCluster(
+        tmp_path_factory.mktemp("cluster"), images=IMAGES, backoff_initial=1.0, backoff_cap=2.0
+    ) as c:
         yield c
 
 
@@ -59,17 +60,27 @@ def wait_for(check: Callable[[], Any], timeout: float = 30.0, message: str = "co
 def namespace(cluster: LocalCluster, name: str) -> str:
     cluster.api.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
     # the ServiceAccount admission needs the namespace's "default" ServiceAccount
-    wait_for(lambda: cluster.api.get("ServiceAccount", name, "default"), message=f"{name}/default ServiceAccount")
+    wait_for(
+        lambda: cluster.api.get("ServiceAccount", name, "default"),
+        message=f"{name}/default ServiceAccount",
+    )
     return name
 
 
 def pod(name: str, ns: str, containers: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns, "labels": {"test": name}},
-            "spec": {"terminationGracePeriodSeconds": 5, "containers": containers, **spec}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "labels": {"test": name}},
+        "spec": {"terminationGracePeriodSeconds": 5, "containers": containers, **spec},
+    }
 
 
 def condition(p: dict[str, Any], kind: str) -> str | None:
-    return next((c["status"] for c in (p.get("status") or {}).get("conditions") or [] if c["type"] == kind), None)
+    return next(
+        (c["status"] for c in (p.get("status") or {}).get("conditions") or [] if c["type"] == kind),
+        None,
+    )
 
 
 def container_status(p: dict[str, Any], name: str, init: bool = False) -> dict[str, Any]:
@@ -80,10 +91,18 @@ def container_status(p: dict[str, Any], name: str, init: bool = False) -> dict[s
     return found
 
 
-def wait_pod(cluster: LocalCluster, ns: str, name: str, predicate: Callable[[dict[str, Any]], Any],
-             timeout: float = 30.0, message: str = "") -> dict[str, Any]:
+def wait_pod(
+    cluster: LocalCluster,
+    ns: str,
+    name: str,
+    predicate: Callable[[dict[str, Any]], Any],
+    timeout: float = 30.0,
+    message: str = "",
+) -> dict[str, Any]:
     """The pod once ``predicate(pod)`` holds."""
+
     def check() -> dict[str, Any] | None:
         p = cluster.pod(ns, name)
         return p if predicate(p) else None
+
     return wait_for(check, timeout=timeout, message=message or f"pod {ns}/{name}")

@@ -47,7 +47,12 @@ class Handler(BaseHTTPRequestHandler):
                     state[key] = q[key] == "1"
             self.reply(200, json.dumps(state))
         elif url.path == "/whoami":
-            self.reply(200, json.dumps({"hostname": socket.gethostname(), "pod_ip": os.environ.get("POD_IP", "")}))
+            self.reply(
+                200,
+                json.dumps(
+                    {"hostname": socket.gethostname(), "pod_ip": os.environ.get("POD_IP", "")}
+                ),
+            )
         elif url.path == "/file":
             try:
                 with open(q["path"]) as f:

@@ -37,7 +37,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     if why:
         pytest.skip(f"no real control plane: {why}")
     # Not under /tmp: every engine pod mounts its own emptyDir there.
-    images = engine_image_with_prebuilt_kernels(Path.home() / ".cache" / "kvmesh" / "e2e-torch-extensions")
+    images = engine_image_with_prebuilt_kernels(
+        Path.home() / ".cache" / "kvmesh" / "e2e-torch-extensions"
+    )
     with LocalCluster(tmp_path_factory.mktemp("cluster"), images=images) as local:
         yield local
 
@@ -54,10 +56,14 @@ def cluster_state(cluster) -> str:
     out = ["", "---- cluster state ----"]
     for pod in cluster.api.list("Pod"):
         meta, status = pod["metadata"], pod.get("status") or {}
-        containers = {s["name"]: (s.get("ready"), s.get("restartCount"), list(s.get("state") or {}))
-                      for s in status.get("containerStatuses") or []}
-        out.append(f"{meta['namespace']}/{meta['name']} {status.get('phase')} "
-                   f"deleting={bool(meta.get('deletionTimestamp'))} {json.dumps(containers)}")
+        containers = {
+            s["name"]: (s.get("ready"), s.get("restartCount"), list(s.get("state") or {}))
+            for s in status.get("containerStatuses") or []
+        }
+        out.append(
+            f"{meta['namespace']}/{meta['name']} {status.get('phase')} "
+            f"deleting={bool(meta.get('deletionTimestamp'))} {json.dumps(containers)}"
+        )
         for c in pod["spec"]["containers"]:
             log = cluster.pod_log(meta["namespace"], meta["name"], c["name"]).splitlines()[-8:]
             out += [f"    {c['name']}| {line[:300]}" for line in log]
@@ -92,12 +98,24 @@ def engine_image_with_prebuilt_kernels(root: Path) -> dict[str, dict]:
     env = dict(image.env)
     # The pods' PATH: torch runs the first `ninja` on it, and a build log written by another ninja
     # version (the system's, say) makes the next build start from scratch.
-    built = subprocess.run([f"{VENV_BIN}/python", "-P", "-c", _PREPARE_KERNELS, str(root)], capture_output=True,
-                           text=True, timeout=900, env={**os.environ, "PATH": base_path(image)})
-    if built.returncode == 0:   # else (no compiler) the engines run on plain torch ops
+    built = subprocess.run(
+        [f"{VENV_BIN}/python", "-P", "-c", _PREPARE_KERNELS, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PATH": base_path(image)},
+    )
+    if built.returncode == 0:  # else (no compiler) the engines run on plain torch ops
         env["TORCH_EXTENSIONS_DIR"] = built.stdout.strip().splitlines()[-1]
-    return {pattern: {"entrypoint": list(image.entrypoint), "cmd": list(image.cmd), "workingDir": image.working_dir,
-                      "path": list(image.path), "env": env}}
+    return {
+        pattern: {
+            "entrypoint": list(image.entrypoint),
+            "cmd": list(image.cmd),
+            "workingDir": image.working_dir,
+            "path": list(image.path),
+            "env": env,
+        }
+    }
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -48,6 +48,7 @@ pytestmark = pytest.mark.slow
 
 # --- waiting and reading -----------------------------------------------------------------------
 
+
 def eventually(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
     """Poll ``check()`` until it returns a truthy value; fail naming ``what`` and the last value."""
     deadline = time.monotonic() + timeout
@@ -85,7 +86,10 @@ def is_ready(pod: dict[str, Any]) -> bool:
 
 
 def engine_pods(cluster) -> list[dict[str, Any]]:
-    return sorted(cluster.api.list("Pod", NS, ENGINE_SELECTOR), key=lambda p: p["metadata"]["creationTimestamp"])
+    return sorted(
+        cluster.api.list("Pod", NS, ENGINE_SELECTOR),
+        key=lambda p: p["metadata"]["creationTimestamp"],
+    )
 
 
 def ready_engines(cluster) -> list[str]:
@@ -94,9 +98,11 @@ def ready_engines(cluster) -> list[str]:
 
 def one_ready_engine(cluster) -> str:
     """The single engine pod of the one-replica state, ready and alone."""
+
     def single():
         pods = engine_pods(cluster)
         return pods[0]["metadata"]["name"] if len(pods) == 1 and is_ready(pods[0]) else None
+
     return eventually(single, 180, "one ready engine pod and no other")
 
 
@@ -130,8 +136,9 @@ def redis_client(cluster) -> redis.Redis:
     secret = cluster.api.get("Secret", NS, render.names(MD)["redis-auth"])
     password = base64.b64decode(secret["data"]["password"]).decode()
     url = urlsplit(cluster.service_url(NS, render.names(MD)[render.REDIS], crd.REDIS_PORT))
-    return redis.Redis(host=url.hostname, port=url.port, password=password, socket_timeout=2,
-                       decode_responses=True)
+    return redis.Redis(
+        host=url.hostname, port=url.port, password=password, socket_timeout=2, decode_responses=True
+    )
 
 
 def kubectl_get_md(cluster) -> dict[str, str]:
@@ -151,7 +158,9 @@ def engine_command(pod: dict[str, Any]) -> list[str]:
 def manifest_files() -> list[Path]:
     """manifests/ as a user applies it, less the example ModelDeployment (its engine asks for a
     GPU and the default 4 GiB KV cache; the scenario deploys its own)."""
-    return [p for p in sorted((ROOT / "manifests").glob("*.yaml")) if not p.name.startswith("example-")]
+    return [
+        p for p in sorted((ROOT / "manifests").glob("*.yaml")) if not p.name.startswith("example-")
+    ]
 
 
 def kubectl(cluster, *args: str) -> str:
@@ -170,19 +179,32 @@ def kubectl_apply(cluster, *files: Path) -> None:
 
 # --- the scenario ------------------------------------------------------------------------------
 
-@pytest.mark.timeout(1500)   # includes starting the cluster (and building the CPU kernels if they are stale)
+
+@pytest.mark.timeout(
+    1500
+)  # includes starting the cluster (and building the CPU kernels if they are stale)
 def test_operator_pod_reconciles_a_modeldeployment_to_ready(cluster) -> None:
     kubectl_apply(cluster, *manifest_files())
-    op = eventually(lambda: [p for p in cluster.api.list("Pod", OPERATOR_NS, "app.kubernetes.io/component=operator")
-                             if is_ready(p)], 120, "the operator pod ready")[0]
+    op = eventually(
+        lambda: [
+            p
+            for p in cluster.api.list("Pod", OPERATOR_NS, "app.kubernetes.io/component=operator")
+            if is_ready(p)
+        ],
+        120,
+        "the operator pod ready",
+    )[0]
     # In-cluster config: the pod runs as its ServiceAccount, with the token the kubelet mounts.
     assert op["spec"]["serviceAccountName"] == "kvmesh-operator"
     assert any(v.get("projected") for v in op["spec"]["volumes"]), op["spec"]["volumes"]
 
     t0 = time.monotonic()
     kubectl_apply(cluster, MD_FILE)
-    ready = eventually(lambda: condition(md(cluster), "Ready").get("status") == "True" and md(cluster),
-                       300, "the ModelDeployment Ready=True")
+    ready = eventually(
+        lambda: condition(md(cluster), "Ready").get("status") == "True" and md(cluster),
+        300,
+        "the ModelDeployment Ready=True",
+    )
     report.record("apply -> Ready=True", report.seconds(time.monotonic() - t0))
     assert ready["status"]["readyReplicas"] == 1 and ready["status"]["replicas"] == 1
     # The operator did this from its pod: its log shows the reconcile.
@@ -190,9 +212,15 @@ def test_operator_pod_reconciles_a_modeldeployment_to_ready(cluster) -> None:
     assert "reconciled" in log and "Creation is processed: 1 succeeded" in log, log[-2000:]
 
     # `kubectl get md`: the printer columns are filled once a heartbeat has come in.
-    row = eventually(lambda: (r := kubectl_get_md(cluster)).get("KV%", "") not in ("", "<none>")
-                     and r.get("MODEL", "") not in ("", "<none>") and r, 60,
-                     "kubectl get md with its MODEL and KV% columns")
+    row = eventually(
+        lambda: (
+            (r := kubectl_get_md(cluster)).get("KV%", "") not in ("", "<none>")
+            and r.get("MODEL", "") not in ("", "<none>")
+            and r
+        ),
+        60,
+        "kubectl get md with its MODEL and KV% columns",
+    )
     assert row["NAME"] == MD and row["MODEL"] == MODEL, row
     assert row["READY"] == "1" and row["REPLICAS"] == "1", row
     assert 0 <= int(row["KV%"]) <= 100, row
@@ -202,19 +230,32 @@ def test_openai_client_through_the_router_and_the_prefix_cache(cluster) -> None:
     from openai import OpenAI
 
     pod = one_ready_engine(cluster)
-    client = OpenAI(base_url=router_url(cluster) + "/v1", api_key="unused", max_retries=0, timeout=120)
-    system = "You are a terse assistant. " + " ".join(f"Rule {i}: answer in one line." for i in range(30))
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What is a KV cache?"}]
+    client = OpenAI(
+        base_url=router_url(cluster) + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    system = "You are a terse assistant. " + " ".join(
+        f"Rule {i}: answer in one line." for i in range(30)
+    )
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What is a KV cache?"},
+    ]
 
-    first = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=16)
+    first = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=16
+    )
     answer = first.parse()
     assert answer.choices[0].message.content and answer.usage.completion_tokens > 0
     assert first.headers["x-kvmesh-pod"] == pod
 
-    again = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=16)
+    again = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=16
+    )
     cached = again.parse().usage.prompt_tokens_details.cached_tokens
     assert again.headers["x-kvmesh-pod"] == pod and cached > 0, (again.headers, again.parse().usage)
-    report.record("prefix repeated: cached tokens", f"{cached} of {again.parse().usage.prompt_tokens}")
+    report.record(
+        "prefix repeated: cached tokens", f"{cached} of {again.parse().usage.prompt_tokens}"
+    )
 
 
 class DeletionWatch:
@@ -234,7 +275,7 @@ class DeletionWatch:
             except Exception:  # noqa: BLE001 - a failed poll is retried
                 pass
 
-    def __enter__(self) -> "DeletionWatch":
+    def __enter__(self) -> DeletionWatch:
         self._thread.start()
         return self
 
@@ -266,51 +307,84 @@ def test_kv_pressure_scales_up_through_scale_and_idle_scales_back_down(cluster) 
     with DeletionWatch(cluster) as watch, light_stops(light):
         t0 = time.monotonic()
         with heavy:
-            eventually(lambda: md(cluster)["spec"].get("replicas") == 2, 120, "the autoscaler asking for 2 replicas")
+            eventually(
+                lambda: md(cluster)["spec"].get("replicas") == 2,
+                120,
+                "the autoscaler asking for 2 replicas",
+            )
             t_up = time.monotonic() - t0
-            scaled_by = [f for f in md(cluster)["metadata"]["managedFields"] if f.get("subresource") == "scale"]
-            assert scaled_by and scaled_by[0]["manager"].startswith("kvmesh"), md(cluster)["metadata"]["managedFields"]
-            second = eventually(lambda: [n for n in ready_engines(cluster) if n != first], 180,
-                                "the second engine ready")[0]
+            scaled_by = [
+                f
+                for f in md(cluster)["metadata"]["managedFields"]
+                if f.get("subresource") == "scale"
+            ]
+            assert scaled_by and scaled_by[0]["manager"].startswith("kvmesh"), md(cluster)[
+                "metadata"
+            ]["managedFields"]
+            second = eventually(
+                lambda: [n for n in ready_engines(cluster) if n != first],
+                180,
+                "the second engine ready",
+            )[0]
             t_ready = time.monotonic() - t0
             since = time.time()
             # Takes traffic: the router sends it new streams (a 200-token stream under this load
             # may take minutes to end; the end of the test checks that every stream ended well).
-            eventually(lambda: heavy.streaming_on(second, since) > 0, 120, "a request routed to the new pod")
+            eventually(
+                lambda: heavy.streaming_on(second, since) > 0,
+                120,
+                "a request routed to the new pod",
+            )
             heavy.stop_sending()
             # Two pods (the streams still in flight keep the utilisation up): a repeated prefix
             # goes back to the pod that holds it.
-            with_prefix = [{"role": "user", "content": "Remember this list: " + " ".join(f"item{i}" for i in range(80))}]
+            with_prefix = [
+                {
+                    "role": "user",
+                    "content": "Remember this list: " + " ".join(f"item{i}" for i in range(80)),
+                }
+            ]
             with httpx.Client(timeout=120, trust_env=False) as http:
                 a = stream_chat(http, router_url(cluster), MODEL, with_prefix, 8)
                 b = stream_chat(http, router_url(cluster), MODEL, with_prefix, 8)
             assert len(engine_pods(cluster)) == 2
             assert a.outcome == OK and b.outcome == OK, (a, b)
             assert b.pod == a.pod and b.cached_tokens > 0, (a, b)
-            light.start()   # a light stream stays while the load goes
-        report.record("scale-up 1 -> 2: replicas=2 / new pod Ready", f"{t_up:.1f} s / {t_ready:.1f} s "
-                      f"(under load; {summary(heavy.finished())})")
+            light.start()  # a light stream stays while the load goes
+        report.record(
+            "scale-up 1 -> 2: replicas=2 / new pod Ready",
+            f"{t_up:.1f} s / {t_ready:.1f} s (under load; {summary(heavy.finished())})",
+        )
         t1 = time.monotonic()
         # Back to one replica after the 15 s window; the pod that goes drains what it serves.
-        eventually(lambda: md(cluster)["spec"].get("replicas") == 1 and len(engine_pods(cluster)) == 1, 180,
-                   "back to one engine pod")
+        eventually(
+            lambda: md(cluster)["spec"].get("replicas") == 1 and len(engine_pods(cluster)) == 1,
+            180,
+            "back to one engine pod",
+        )
         t_down = time.monotonic() - t1
         light.stop()
     streams = heavy.finished() + light.finished()
     assert not failures(streams), [str(s) for s in failures(streams)]
     assert len(watch.deleted_at) == 1 and set(watch.deleted_at) <= {first, second}, watch.deleted_at
-    (gone, at), = watch.deleted_at.items()
+    ((gone, at),) = watch.deleted_at.items()
     drained = [s for s in streams if s.pod == gone and s.in_flight_at(at)]
-    report.record("scale-down 2 -> 1 (15 s window)", f"{t_down:.1f} s after the load stopped "
-                  f"({summary(light.finished())}; {len(drained)} drained by the removed pod)")
+    report.record(
+        "scale-down 2 -> 1 (15 s window)",
+        f"{t_down:.1f} s after the load stopped "
+        f"({summary(light.finished())}; {len(drained)} drained by the removed pod)",
+    )
 
 
 def router_metric(cluster, name: str) -> float:
     """A router metric's value, every label summed."""
     with httpx.Client(timeout=10, trust_env=False) as http:
         text = http.get(router_url(cluster) + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
 
 
 def test_sigkilled_engine_restarts_in_place_and_its_streams_go_on(cluster) -> None:
@@ -320,24 +394,46 @@ def test_sigkilled_engine_restarts_in_place_and_its_streams_go_on(cluster) -> No
         pid = cluster.processes(NS, pod)["engine"]
         # Killed once a stream on it is seen mid-flight with at least half its tokens to come (far
         # more than the moment to the kill), not at a fixed time that may fall between two streams.
-        mid = eventually(lambda: load.mid_stream_on(pod, most_tokens=64), 60, "a stream mid-flight on the engine",
-                         interval=0.02)
+        mid = eventually(
+            lambda: load.mid_stream_on(pod, most_tokens=64),
+            60,
+            "a stream mid-flight on the engine",
+            interval=0.02,
+        )
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
-        eventually(lambda: restart_count(cluster.pod(NS, pod), "engine") == 1, 60, "the engine restarted (count 1)")
+        eventually(
+            lambda: restart_count(cluster.pod(NS, pod), "engine") == 1,
+            60,
+            "the engine restarted (count 1)",
+        )
         # Routable again within a bounded time: a restarted engine's sidecar must report it ready.
-        eventually(lambda: load.count_ok_on(pod, since=killed_at) > 0, 90, "a request served after the restart")
+        eventually(
+            lambda: load.count_ok_on(pod, since=killed_at) > 0,
+            90,
+            "a request served after the restart",
+        )
         routable_after = time.time() - killed_at
     streams = load.finished()
     # The only replica's streams wait for its engine to come back (the router asks it), and go on
     # from the tokens their clients had: nothing fails.
     assert not failures(streams), [str(s) for s in failures(streams)]
     on_it = [s for s in streams if s.pod == pod and s.in_flight_at(killed_at)]
-    assert on_it and {s.id for s in mid} <= {s.id for s in on_it}, "no stream was in flight on the killed engine"
-    assert router_metric(cluster, "kvmesh_router_resumed_requests_total") - resumed_before >= len(on_it)
-    assert restart_count(cluster.pod(NS, pod), "engine") == 1 and cluster.pod(NS, pod)["metadata"]["name"] == pod
-    report.record("engine SIGKILL: restarted, routed again", f"{routable_after:.1f} s ({summary(streams)}; "
-                  f"{len(on_it)} in flight on it went on after the restart)")
+    assert on_it and {s.id for s in mid} <= {s.id for s in on_it}, (
+        "no stream was in flight on the killed engine"
+    )
+    assert router_metric(cluster, "kvmesh_router_resumed_requests_total") - resumed_before >= len(
+        on_it
+    )
+    assert (
+        restart_count(cluster.pod(NS, pod), "engine") == 1
+        and cluster.pod(NS, pod)["metadata"]["name"] == pod
+    )
+    report.record(
+        "engine SIGKILL: restarted, routed again",
+        f"{routable_after:.1f} s ({summary(streams)}; "
+        f"{len(on_it)} in flight on it went on after the restart)",
+    )
 
 
 def test_deleted_engine_pod_is_replaced_and_routed(cluster) -> None:
@@ -345,34 +441,63 @@ def test_deleted_engine_pod_is_replaced_and_routed(cluster) -> None:
     with flowing_traffic(cluster, pod, max_tokens=64) as load:
         t0 = time.time()
         kubectl(cluster, "delete", "pod", "-n", NS, pod, "--wait=false")
-        replacement = eventually(lambda: [n for n in ready_engines(cluster) if n != pod], 180,
-                                 "a replacement engine ready")[0]
-        eventually(lambda: load.count_ok_on(replacement, since=t0) > 0, 60, "a request served by the replacement")
+        replacement = eventually(
+            lambda: [n for n in ready_engines(cluster) if n != pod],
+            180,
+            "a replacement engine ready",
+        )[0]
+        eventually(
+            lambda: load.count_ok_on(replacement, since=t0) > 0,
+            60,
+            "a request served by the replacement",
+        )
         routed_after = time.time() - t0
     eventually(lambda: cluster.api.get("Pod", NS, pod) is None, 60, "the deleted pod gone")
     streams = load.finished()
     # A deleted pod is drained, not killed: no request is lost.
     assert not failures(streams), [str(s) for s in failures(streams)]
-    report.record("engine pod deleted: replaced, routed", f"{routed_after:.1f} s ({summary(streams)})")
+    report.record(
+        "engine pod deleted: replaced, routed", f"{routed_after:.1f} s ({summary(streams)})"
+    )
 
 
 def test_redis_pod_killed_requests_continue_and_the_index_is_rebuilt(cluster) -> None:
     pod = one_ready_engine(cluster)
-    redis_pod = cluster.api.list("Pod", NS, render.selector_string(MD, render.REDIS))[0]["metadata"]["name"]
+    redis_pod = cluster.api.list("Pod", NS, render.selector_string(MD, render.REDIS))[0][
+        "metadata"
+    ]["name"]
     blocks = rl.blocks_key(MODEL, pod)
-    eventually(lambda: redis_client(cluster).scard(blocks) > 0, 30, "the engine's block set in Redis")
+    eventually(
+        lambda: redis_client(cluster).scard(blocks) > 0, 30, "the engine's block set in Redis"
+    )
     with flowing_traffic(cluster, pod, max_tokens=48) as load:
         t0 = time.time()
         kubectl(cluster, "delete", "pod", "-n", NS, redis_pod, "--grace-period=0", "--force")
-        eventually(lambda: [p for p in cluster.api.list("Pod", NS, render.selector_string(MD, render.REDIS))
-                            if p["metadata"]["name"] != redis_pod and is_ready(p)], 90, "a new Redis pod ready")
+        eventually(
+            lambda: [
+                p
+                for p in cluster.api.list("Pod", NS, render.selector_string(MD, render.REDIS))
+                if p["metadata"]["name"] != redis_pod and is_ready(p)
+            ],
+            90,
+            "a new Redis pod ready",
+        )
         # The sidecar rewrites its set into the new, empty Redis; the heartbeat comes back.
-        eventually(lambda: redis_client(cluster).scard(blocks) > 0
-                   and redis_client(cluster).exists(rl.heartbeat_key(MODEL, pod)), 60,
-                   "the block set and heartbeat rebuilt")
+        eventually(
+            lambda: (
+                redis_client(cluster).scard(blocks) > 0
+                and redis_client(cluster).exists(rl.heartbeat_key(MODEL, pod))
+            ),
+            60,
+            "the block set and heartbeat rebuilt",
+        )
         rebuilt_after = time.time() - t0
         rebuilt_at = time.time()
-        eventually(lambda: load.count_ok_on(pod, since=rebuilt_at) > 0, 60, "requests served after the rebuild")
+        eventually(
+            lambda: load.count_ok_on(pod, since=rebuilt_at) > 0,
+            60,
+            "requests served after the rebuild",
+        )
     streams = load.finished()
     # Without Redis the router routes by load alone: no request fails.
     assert not failures(streams), [str(s) for s in failures(streams)]
@@ -383,40 +508,85 @@ def test_redis_pod_killed_requests_continue_and_the_index_is_rebuilt(cluster) ->
 def test_kubectl_scale(cluster) -> None:
     one_ready_engine(cluster)
     # The builtin autoscaler owns spec.replicas; with mode external, /scale is the user's (or an HPA's).
-    kubectl(cluster, "patch", "md", MD, "-n", NS, "--type", "merge", "-p",
-                    json.dumps({"spec": {"autoscaling": {"mode": "external"}}}))
+    kubectl(
+        cluster,
+        "patch",
+        "md",
+        MD,
+        "-n",
+        NS,
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"spec": {"autoscaling": {"mode": "external"}}}),
+    )
     t0 = time.monotonic()
     kubectl(cluster, "scale", "md", MD, "-n", NS, "--replicas=2")
     eventually(lambda: len(ready_engines(cluster)) == 2, 180, "two ready engines")
-    row = eventually(lambda: (r := kubectl_get_md(cluster))["READY"] == "2" and r, 60, "kubectl get md: READY 2")
+    row = eventually(
+        lambda: (r := kubectl_get_md(cluster))["READY"] == "2" and r, 60, "kubectl get md: READY 2"
+    )
     assert row["REPLICAS"] == "2", row
     t_up = time.monotonic() - t0
     kubectl(cluster, "scale", "md", MD, "-n", NS, "--replicas=1")
     one_ready_engine(cluster)
-    report.record("kubectl scale md 1 -> 2 (both Ready) -> 1", f"{t_up:.1f} s / {time.monotonic() - t0 - t_up:.1f} s")
+    report.record(
+        "kubectl scale md 1 -> 2 (both Ready) -> 1",
+        f"{t_up:.1f} s / {time.monotonic() - t0 - t_up:.1f} s",
+    )
 
 
 def test_edit_rolls_the_engines_without_a_failed_request(cluster) -> None:
     old = one_ready_engine(cluster)
     with flowing_traffic(cluster, old, max_tokens=48) as load:
         t0 = time.monotonic()
-        kubectl(cluster, "patch", "md", MD, "-n", NS, "--type", "merge", "-p",
-                        json.dumps({"spec": {"engine": {"extraArgs": ["--max-num-batched-tokens", "384"]}}}))
-        new = eventually(lambda: (pods := engine_pods(cluster)) and len(pods) == 1 and is_ready(pods[0])
-                         and pods[0]["metadata"]["name"] != old and pods[0], 240, "the rolled engine alone")
-        eventually(lambda: load.count_ok_on(new["metadata"]["name"]) > 0, 60, "a request served by the new pod")
+        kubectl(
+            cluster,
+            "patch",
+            "md",
+            MD,
+            "-n",
+            NS,
+            "--type",
+            "merge",
+            "-p",
+            json.dumps({"spec": {"engine": {"extraArgs": ["--max-num-batched-tokens", "384"]}}}),
+        )
+        new = eventually(
+            lambda: (
+                (pods := engine_pods(cluster))
+                and len(pods) == 1
+                and is_ready(pods[0])
+                and pods[0]["metadata"]["name"] != old
+                and pods[0]
+            ),
+            240,
+            "the rolled engine alone",
+        )
+        eventually(
+            lambda: load.count_ok_on(new["metadata"]["name"]) > 0,
+            60,
+            "a request served by the new pod",
+        )
         rolled = time.monotonic() - t0
     assert engine_command(new)[-2:] == ["--max-num-batched-tokens", "384"]
     streams = load.finished()
     assert not failures(streams), [str(s) for s in failures(streams)]
-    eventually(lambda: condition(md(cluster), "Ready").get("status") == "True"
-               and md(cluster)["status"].get("observedGeneration") == md(cluster)["metadata"]["generation"], 60,
-               "Ready for the edited generation")
+    eventually(
+        lambda: (
+            condition(md(cluster), "Ready").get("status") == "True"
+            and md(cluster)["status"].get("observedGeneration")
+            == md(cluster)["metadata"]["generation"]
+        ),
+        60,
+        "Ready for the edited generation",
+    )
     report.record("edit (engine args): rolled", f"{rolled:.1f} s ({summary(streams)})")
 
 
-def helm_install_over_the_manifests_crd(cluster, chart: Path, release: str, namespace: str,
-                                        values: dict[str, Any]) -> None:
+def helm_install_over_the_manifests_crd(
+    cluster, chart: Path, release: str, namespace: str, values: dict[str, Any]
+) -> None:
     """`helm install --skip-crds` into an existing namespace, as a user who applied manifests/crd.yaml
     does: Helm 4 server-side-applies a chart's crds/ and conflicts with the CRD kubectl already
     owns (docs/operator.md, "With Helm"). The SDK's install() has no skip_crds keyword; its native call takes the
@@ -426,48 +596,103 @@ def helm_install_over_the_manifests_crd(cluster, chart: Path, release: str, name
 
     kubectl(cluster, "create", "namespace", namespace)
     cfg = Config(kubeconfig_path=str(cluster.kubeconfig), namespace=namespace)
-    options = {"namespace": namespace, "timeout_seconds": 120, "skip_crds": True, "disable_openapi_validation": True}
-    _native.call_string("helm_install", cfg._raw(), _native.HANDLE(0), _native.HANDLE(0), str(chart), release,
-                        json.dumps(values), json.dumps(options))
+    options = {
+        "namespace": namespace,
+        "timeout_seconds": 120,
+        "skip_crds": True,
+        "disable_openapi_validation": True,
+    }
+    _native.call_string(
+        "helm_install",
+        cfg._raw(),
+        _native.HANDLE(0),
+        _native.HANDLE(0),
+        str(chart),
+        release,
+        json.dumps(values),
+        json.dumps(options),
+    )
 
 
 def helm_uninstall(cluster, release: str, namespace: str) -> None:
     import helm_python as helm
 
     helm.Config(kubeconfig_path=str(cluster.kubeconfig), namespace=namespace).uninstall(
-        release, ignore_not_found=True, timeout=60)
+        release, ignore_not_found=True, timeout=60
+    )
 
 
 def test_helm_chart_operator_reconciles_the_same_modeldeployment(cluster) -> None:
     one_ready_engine(cluster)
     # Hand the ModelDeployment over: the manifests' operator goes, the chart's comes.
-    kubectl(cluster, "delete", "-f", str(ROOT / "manifests/operator.yaml"), "-f", str(ROOT / "manifests/rbac.yaml"),
-                    "--wait=false")
-    eventually(lambda: not cluster.api.list("Pod", OPERATOR_NS, "app.kubernetes.io/component=operator"), 120,
-               "the manifests' operator pod gone")
+    kubectl(
+        cluster,
+        "delete",
+        "-f",
+        str(ROOT / "manifests/operator.yaml"),
+        "-f",
+        str(ROOT / "manifests/rbac.yaml"),
+        "--wait=false",
+    )
+    eventually(
+        lambda: not cluster.api.list("Pod", OPERATOR_NS, "app.kubernetes.io/component=operator"),
+        120,
+        "the manifests' operator pod gone",
+    )
     try:
         t0 = time.monotonic()
-        helm_install_over_the_manifests_crd(cluster, ROOT / "charts/kvmesh", HELM_RELEASE, HELM_NS,
-                                            {"statusInterval": 2})
-        eventually(lambda: [p for p in cluster.api.list("Pod", HELM_NS, "app.kubernetes.io/component=operator")
-                            if is_ready(p)], 120, "the chart's operator pod ready")
+        helm_install_over_the_manifests_crd(
+            cluster, ROOT / "charts/kvmesh", HELM_RELEASE, HELM_NS, {"statusInterval": 2}
+        )
+        eventually(
+            lambda: [
+                p
+                for p in cluster.api.list("Pod", HELM_NS, "app.kubernetes.io/component=operator")
+                if is_ready(p)
+            ],
+            120,
+            "the chart's operator pod ready",
+        )
         # The chart's operator picks the ModelDeployment up: an edit of the router reaches its pod.
-        kubectl(cluster, "patch", "md", MD, "-n", NS, "--type", "merge", "-p",
-                        json.dumps({"spec": {"router": {"policy": "least-load"}}}))
+        kubectl(
+            cluster,
+            "patch",
+            "md",
+            MD,
+            "-n",
+            NS,
+            "--type",
+            "merge",
+            "-p",
+            json.dumps({"spec": {"router": {"policy": "least-load"}}}),
+        )
         router_sel = render.selector_string(MD, render.ROUTER)
 
         def routed_by_new_policy() -> bool:
             pods = [p for p in cluster.api.list("Pod", NS, router_sel) if is_ready(p)]
             cmd = pods[0]["spec"]["containers"][0]["command"] if len(pods) == 1 else []
             return "least-load" in cmd
+
         eventually(routed_by_new_policy, 180, "a router with the new policy")
-        eventually(lambda: condition(md(cluster), "Ready").get("status") == "True"
-                   and md(cluster)["status"].get("observedGeneration") == md(cluster)["metadata"]["generation"], 60,
-                   "Ready for the edited generation")
+        eventually(
+            lambda: (
+                condition(md(cluster), "Ready").get("status") == "True"
+                and md(cluster)["status"].get("observedGeneration")
+                == md(cluster)["metadata"]["generation"]
+            ),
+            60,
+            "Ready for the edited generation",
+        )
         with traffic(cluster, concurrency=1, max_tokens=16) as load:
-            eventually(lambda: [s for s in load.finished() if s.outcome == OK], 60, "a request through the new router")
+            eventually(
+                lambda: [s for s in load.finished() if s.outcome == OK],
+                60,
+                "a request through the new router",
+            )
         assert not failures(load.finished())
-        report.record("Helm chart's operator: takes over, reconciles", report.seconds(time.monotonic() - t0))
+        report.record(
+            "Helm chart's operator: takes over, reconciles", report.seconds(time.monotonic() - t0)
+        )
     except BaseException:
         helm_uninstall(cluster, HELM_RELEASE, HELM_NS)
         raise
@@ -479,13 +704,30 @@ def test_kubectl_delete_collects_every_child_and_stops_every_process(cluster) ->
     assert pods and all(pids.values()), pids
     t0 = time.monotonic()
     kubectl(cluster, "delete", "md", MD, "-n", NS, "--wait=false")
-    kinds = ("Deployment", "ReplicaSet", "Pod", "Service", "Secret", "ServiceAccount", "Role", "RoleBinding",
-             "NetworkPolicy", "PodDisruptionBudget")
+    kinds = (
+        "Deployment",
+        "ReplicaSet",
+        "Pod",
+        "Service",
+        "Secret",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+    )
 
     def children() -> list[str]:
-        return [f"{k}/{o['metadata']['name']}" for k in kinds for o in cluster.api.list(k, NS, CHILD_SELECTOR)]
+        return [
+            f"{k}/{o['metadata']['name']}"
+            for k in kinds
+            for o in cluster.api.list(k, NS, CHILD_SELECTOR)
+        ]
+
     eventually(lambda: not children(), 180, "every child garbage-collected")
-    report.record("kubectl delete md: children and processes gone", report.seconds(time.monotonic() - t0))
+    report.record(
+        "kubectl delete md: children and processes gone", report.seconds(time.monotonic() - t0)
+    )
     assert cluster.api.get(crd.KIND, NS, MD) is None
 
     def alive(pid: int) -> bool:
@@ -494,7 +736,11 @@ def test_kubectl_delete_collects_every_child_and_stops_every_process(cluster) ->
         except ProcessLookupError:
             return False
         return True
-    eventually(lambda: not [p for ps in pids.values() for p in ps.values() if alive(p)], 60,
-               "every container process stopped")
+
+    eventually(
+        lambda: not [p for ps in pids.values() for p in ps.values() if alive(p)],
+        60,
+        "every container process stopped",
+    )
     # The chart's release goes too (the scenario's last step).
     helm_uninstall(cluster, HELM_RELEASE, HELM_NS)

@@ -36,17 +36,32 @@ class Stream:
         return self.started <= t <= (self.ended or float("inf"))
 
     def __str__(self) -> str:
-        return (f"#{self.id} {self.outcome} pod={self.pod} status={self.status} tokens={self.tokens} "
-                f"{self.started:.2f}..{self.ended:.2f} {self.detail[:200]}")
+        return (
+            f"#{self.id} {self.outcome} pod={self.pod} status={self.status} tokens={self.tokens} "
+            f"{self.started:.2f}..{self.ended:.2f} {self.detail[:200]}"
+        )
 
 
-def stream_chat(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int,
-                stream_id: int = 0, on_routed: Callable[[Stream], None] | None = None) -> Stream:
+def stream_chat(
+    client: httpx.Client,
+    url: str,
+    model: str,
+    messages: list[dict],
+    max_tokens: int,
+    stream_id: int = 0,
+    on_routed: Callable[[Stream], None] | None = None,
+) -> Stream:
     """One streamed chat completion, recorded; ``on_routed`` sees it once the router has answered
     (its pod known), long before a long stream ends."""
     rec = Stream(id=stream_id, started=time.time())
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     finished = done = False
     try:
         with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
@@ -72,8 +87,9 @@ def stream_chat(client: httpx.Client, url: str, model: str, messages: list[dict]
                         rec.tokens += 1
                     finished = finished or bool(choice.get("finish_reason"))
                 usage = event.get("usage") or {}
-                rec.cached_tokens = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or
-                                     rec.cached_tokens)
+                rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens"
+                ) or rec.cached_tokens
     except httpx.HTTPError as exc:
         rec.outcome, rec.detail = ERROR, f"{type(exc).__name__}: {exc}"
     finally:
@@ -87,12 +103,15 @@ def stream_chat(client: httpx.Client, url: str, model: str, messages: list[dict]
 
 def prompt(n: int, words: int = 60) -> list[dict]:
     """A distinct conversation per n (no shared prefix beyond the chat template)."""
-    return [{"role": "user", "content": f"Request {n}. " + " ".join(f"w{n}x{i}" for i in range(words))}]
+    return [
+        {"role": "user", "content": f"Request {n}. " + " ".join(f"w{n}x{i}" for i in range(words))}
+    ]
 
 
 @dataclass
 class Traffic:
     """``concurrency`` workers sending streamed requests back to back until stopped."""
+
     url: str
     model: str
     concurrency: int = 2
@@ -108,7 +127,7 @@ class Traffic:
         self._threads: list[threading.Thread] = []
         self._in_flight: dict[int, Stream] = {}
 
-    def __enter__(self) -> "Traffic":
+    def __enter__(self) -> Traffic:
         self.start()
         return self
 
@@ -126,8 +145,15 @@ class Traffic:
         with httpx.Client(timeout=httpx.Timeout(10.0, read=180.0), trust_env=False) as client:
             while not self._stop.is_set():
                 n = next(self._ids)
-                rec = stream_chat(client, self.url, self.model, self.messages(n), self.max_tokens, n,
-                                  on_routed=self._routed)
+                rec = stream_chat(
+                    client,
+                    self.url,
+                    self.model,
+                    self.messages(n),
+                    self.max_tokens,
+                    n,
+                    on_routed=self._routed,
+                )
                 with self._lock:
                     self._in_flight.pop(rec.id, None)
                     self.streams.append(rec)
@@ -166,11 +192,16 @@ class Traffic:
         rest of each is still to come."""
         with self._lock:
             running = list(self._in_flight.values())
-        return [s for s in running if s.pod == pod and s.status == 200 and 0 < s.tokens <= most_tokens
-                and not s.ended]
+        return [
+            s
+            for s in running
+            if s.pod == pod and s.status == 200 and 0 < s.tokens <= most_tokens and not s.ended
+        ]
 
     def count_ok_on(self, pod: str, since: float = 0.0) -> int:
-        return sum(1 for s in self.finished() if s.pod == pod and s.outcome == OK and s.started >= since)
+        return sum(
+            1 for s in self.finished() if s.pod == pod and s.outcome == OK and s.started >= since
+        )
 
 
 def failures(streams: list[Stream]) -> list[Stream]:

@@ -16,8 +16,8 @@ import pytest
 
 from kvmesh.common.kv_events import BlockStored
 from kvmesh.engine import LLM, SamplingParams
-from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.config import EngineArgs
+from kvmesh.engine.llm_engine import LLMEngine
 from kvmesh.engine.request import RequestStatus
 from tests.engine.conftest import hf_greedy, random_prompts
 
@@ -38,7 +38,9 @@ def make_llm(model_dir: str, **kw) -> LLM:
 
 def assert_hf(model_dir, prompts, outs, max_new=MAX_NEW):
     for i, (p, o) in enumerate(zip(prompts, outs)):
-        assert o.outputs[0].token_ids == hf_greedy(model_dir, p, max_new, True), f"prompt {i} diverged"
+        assert o.outputs[0].token_ids == hf_greedy(model_dir, p, max_new, True), (
+            f"prompt {i} diverged"
+        )
 
 
 @pytest.fixture(params=["tiny-llama", "tiny-qwen2"])
@@ -66,7 +68,9 @@ def test_batched_mixed_lengths_match_transformers(model_dir):
     assert_hf(model_dir, PROMPTS, outs)
     core = llm.engine.core
     assert core.num_async_steps == core.num_steps > 0 and core.num_sync_steps == 0
-    assert llm.stats().kv_cache_usage == 0.0 and not core._in_flight and not core.scheduler.in_flight
+    assert (
+        llm.stats().kv_cache_usage == 0.0 and not core._in_flight and not core.scheduler.in_flight
+    )
 
 
 def test_chunked_prefill(model_dir):
@@ -107,18 +111,33 @@ def test_stops_mid_batch_and_max_tokens(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir)
     eos = full[0][4]
     llm.engine.core.eos_token_ids.add(eos)  # an EOS id this model produces
-    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.0),  # stops at eos
-              greedy(stop_token_ids=[full[1][6]]), greedy(1), greedy(3), greedy(MAX_NEW - 1), greedy()]
+    params = [
+        SamplingParams(max_tokens=MAX_NEW, temperature=0.0),  # stops at eos
+        greedy(stop_token_ids=[full[1][6]]),
+        greedy(1),
+        greedy(3),
+        greedy(MAX_NEW - 1),
+        greedy(),
+    ]
     outs = llm.generate(prompts, params)
 
     def cut(tokens, stops):
         at = [i for i, t in enumerate(tokens) if t in stops]
-        return tokens[:at[0] + 1] if at else tokens
+        return tokens[: at[0] + 1] if at else tokens
 
-    expected = [cut(full[0], llm.engine.core.eos_token_ids), cut(full[1], {full[1][6]}), full[2][:1], full[3][:3], full[4][:-1], full[5]]
+    expected = [
+        cut(full[0], llm.engine.core.eos_token_ids),
+        cut(full[1], {full[1][6]}),
+        full[2][:1],
+        full[3][:3],
+        full[4][:-1],
+        full[5],
+    ]
     for i, (o, e) in enumerate(zip(outs, expected)):
         assert o.outputs[0].token_ids == e, i
-    assert outs[0].outputs[0].finish_reason == "stop" and outs[1].outputs[0].stop_reason == full[1][6]
+    assert (
+        outs[0].outputs[0].finish_reason == "stop" and outs[1].outputs[0].stop_reason == full[1][6]
+    )
     assert [o.outputs[0].finish_reason for o in outs[2:]] == ["length"] * 4
     assert llm.stats().kv_cache_usage == 0.0 and not llm.engine.core.scheduler._deferred_free
 
@@ -158,8 +177,14 @@ def test_pipeline_overlaps_and_never_schedules_past_max_tokens(tiny_llama_dir):
     steps = [n for k, n in log if k == "schedule"]
     assert sorted(n for k, n in log if k == "apply") == steps  # each applied once
     where = {entry: i for i, entry in enumerate(log)}
-    overlapped = [n for n in steps if any(k == "schedule" and where[("schedule", n)] < i < where[("apply", n)]
-                                          for i, (k, _) in enumerate(log))]
+    overlapped = [
+        n
+        for n in steps
+        if any(
+            k == "schedule" and where[("schedule", n)] < i < where[("apply", n)]
+            for i, (k, _) in enumerate(log)
+        )
+    ]
     assert len(steps) == 9 and overlapped == steps[:-1]
 
 
@@ -184,7 +209,9 @@ def test_abort_while_in_flight(tiny_llama_dir):
             held = core.kv.block_table("r1")
             assert held  # not freed while the step in flight writes them
     assert finish == {"r0": "length", "r1": "abort", "r2": "length"}
-    assert tokens["r1"] == hf_greedy(tiny_llama_dir, prompts[1], MAX_NEW, True)[:3]  # nothing after the abort
+    assert (
+        tokens["r1"] == hf_greedy(tiny_llama_dir, prompts[1], MAX_NEW, True)[:3]
+    )  # nothing after the abort
     for rid, p in (("r0", prompts[0]), ("r2", prompts[2])):
         assert tokens[rid] == hf_greedy(tiny_llama_dir, p, MAX_NEW, True)
     assert core.kv.usage == 0.0 and not core.kv.block_table("r1")
@@ -206,7 +233,9 @@ def test_an_aborted_id_reused_while_its_step_is_in_flight(tiny_llama_dir):
     assert "a" in core.scheduler.in_flight and core.kv.block_table("a")
     core.abort_requests(["a"])
     core.add_request("a", PROMPTS[2], greedy())
-    assert not core._in_flight  # drained: the old "a" released its blocks before the new one holds any
+    assert (
+        not core._in_flight
+    )  # drained: the old "a" released its blocks before the new one holds any
     got["a"] = []
     while core.has_unfinished_requests():
         for out in core.step():
@@ -235,19 +264,28 @@ def test_stop_strings_through_llm_engine(tiny_llama_dir):
     got = make_llm(tiny_llama_dir).generate(prompts, params)
     assert got[1].outputs[0].finish_reason == "stop" and got[1].outputs[0].stop_reason == stop
     for w, g in zip(want, got):
-        assert (g.outputs[0].text, g.outputs[0].token_ids, g.outputs[0].finish_reason) == \
-               (w.outputs[0].text, w.outputs[0].token_ids, w.outputs[0].finish_reason)
+        assert (g.outputs[0].text, g.outputs[0].token_ids, g.outputs[0].finish_reason) == (
+            w.outputs[0].text,
+            w.outputs[0].token_ids,
+            w.outputs[0].finish_reason,
+        )
 
 
 def test_penalties_and_min_tokens_take_sync_steps(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir)
     core = llm.engine.core
     prompts = PROMPTS[:3]
-    params = [greedy(), SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True,
-                                       repetition_penalty=1.5), greedy()]
+    params = [
+        greedy(),
+        SamplingParams(
+            max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, repetition_penalty=1.5
+        ),
+        greedy(),
+    ]
     outs = llm.generate(prompts, params)
-    assert outs[1].outputs[0].token_ids == hf_greedy(tiny_llama_dir, prompts[1], MAX_NEW, True,
-                                                     repetition_penalty=1.5)
+    assert outs[1].outputs[0].token_ids == hf_greedy(
+        tiny_llama_dir, prompts[1], MAX_NEW, True, repetition_penalty=1.5
+    )
     assert_hf(tiny_llama_dir, [prompts[0], prompts[2]], [outs[0], outs[2]])
     assert core.num_sync_steps > 0
     # min_tokens (EOS banned until reached): synchronous until reached, async after.
@@ -267,8 +305,14 @@ def test_speculative_decoding_runs_synchronously(tmp_path):
     from tests.tiny_models import build_tiny_model
 
     model_dir = str(build_tiny_model(tmp_path / "m", "tiny-llama-v256"))
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-            "acceptance_threshold": 0.0, "disable_by_batch_size": None}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        "acceptance_threshold": 0.0,
+        "disable_by_batch_size": None,
+    }
     prompts = random_prompts(3, 10, 40, seed=4, vocab=256)
     llm = make_llm(model_dir, speculative_config=spec)
     outs = llm.generate(prompts, greedy(24))
@@ -280,8 +324,11 @@ def test_speculative_decoding_runs_synchronously(tmp_path):
 
 # -- the prefix cache and KV events ---------------------------------------------------------------
 def _stored(llm) -> Counter:
-    return Counter((tuple(e.block_hashes), tuple(e.token_ids)) for e in llm.engine.core.take_kv_events()
-                   if isinstance(e, BlockStored))
+    return Counter(
+        (tuple(e.block_hashes), tuple(e.token_ids))
+        for e in llm.engine.core.take_kv_events()
+        if isinstance(e, BlockStored)
+    )
 
 
 def test_no_placeholder_is_cached_or_published(tiny_llama_dir):
@@ -292,8 +339,13 @@ def test_no_placeholder_is_cached_or_published(tiny_llama_dir):
     params = [greedy(40), greedy(33), greedy(17), greedy(48), greedy(8), greedy(30), greedy(47)]
     runs = {}
     for mode in (False, True):
-        llm = LLM(tiny_llama_dir, num_kv_blocks=256, enable_kv_events=True, async_scheduling=mode,
-                  max_num_batched_tokens=48)
+        llm = LLM(
+            tiny_llama_dir,
+            num_kv_blocks=256,
+            enable_kv_events=True,
+            async_scheduling=mode,
+            max_num_batched_tokens=48,
+        )
         outs = llm.generate(prompts, params)
         runs[mode] = (_stored(llm), [o.outputs[0].token_ids for o in outs])
     assert runs[True][1] == runs[False][1]
@@ -336,7 +388,9 @@ def test_a_failing_request_fails_alone_under_async(tiny_llama_dir, monkeypatch):
     core = llm.engine.core
     reverted = []
     real_revert = core._revert
-    monkeypatch.setattr(core, "_revert", lambda batch: (reverted.append(len(batch.request_ids)), real_revert(batch)))
+    monkeypatch.setattr(
+        core, "_revert", lambda batch: (reverted.append(len(batch.request_ids)), real_revert(batch))
+    )
     outs = llm.generate(prompts, params)
     assert max(faults) == 5
     assert reverted == [5]  # the step dispatched after the failed one was undone
@@ -396,7 +450,15 @@ def test_scheduler_pipeline_under_random_load(seed):
     reqs = {}
     for i in range(12):
         sp = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True, stop_token_ids=[0])
-        r = Request(f"r{i}", [rng.randrange(1, 5) for _ in range(rng.randint(1, 20))], sp, set(), "m", bs, max_len)
+        r = Request(
+            f"r{i}",
+            [rng.randrange(1, 5) for _ in range(rng.randint(1, 20))],
+            sp,
+            set(),
+            "m",
+            bs,
+            max_len,
+        )
         sched.add_request(r)
         reqs[r.request_id] = r
     in_flight = []
@@ -422,8 +484,11 @@ def test_scheduler_pipeline_under_random_load(seed):
             while in_flight:
                 apply(in_flight.pop(0))
             s = sched.schedule()
-            tokens = {r.request_id: rng.randrange(0, 9) for r in s.requests
-                      if r.num_computed_tokens + s.num_scheduled_tokens[r.request_id] == r.num_tokens}
+            tokens = {
+                r.request_id: rng.randrange(0, 9)
+                for r in s.requests
+                if r.num_computed_tokens + s.num_scheduled_tokens[r.request_id] == r.num_tokens
+            }
             sched.update_from_output(s, tokens)
         if rng.random() < 0.05 and sched.requests:
             rid = rng.choice(sorted(sched.requests))
@@ -437,7 +502,9 @@ def test_scheduler_pipeline_under_random_load(seed):
             assert len(out) == r.max_output_tokens, rid
         if 0 in out:
             assert out.index(0) == len(out) - 1  # nothing after the stop
-    assert kv.pool.num_free_blocks == num_blocks and not sched.in_flight and not sched._deferred_free
+    assert (
+        kv.pool.num_free_blocks == num_blocks and not sched.in_flight and not sched._deferred_free
+    )
 
 
 def test_core_loop_last_resort_with_steps_in_flight(tiny_llama_dir, monkeypatch):
@@ -456,10 +523,17 @@ def test_core_loop_last_resort_with_steps_in_flight(tiny_llama_dir, monkeypatch)
     loop.step()
     assert core._in_flight
     real = core.scheduler.update_from_async_output
-    monkeypatch.setattr(core.scheduler, "update_from_async_output",
-                        lambda *a: (_ for _ in ()).throw(RuntimeError("bookkeeping fault")))
+    monkeypatch.setattr(
+        core.scheduler,
+        "update_from_async_output",
+        lambda *a: (_ for _ in ()).throw(RuntimeError("bookkeeping fault")),
+    )
     items = loop.step()
-    assert sorted(rid for rid, item in items if isinstance(item, EngineStepError)) == ["r0", "r1", "r2"]
+    assert sorted(rid for rid, item in items if isinstance(item, EngineStepError)) == [
+        "r0",
+        "r1",
+        "r2",
+    ]
     assert not core._in_flight and not core.scheduler.in_flight and core.kv.usage == 0.0
     monkeypatch.setattr(core.scheduler, "update_from_async_output", real)
     assert loop.add(AddRequest("again", PROMPTS[3], greedy())) is None

@@ -42,8 +42,12 @@ def test_lru_evicts_least_recent_first_and_tail_blocks_first():
     c = make_request("c", list(range(300, 304)) * 4)  # needs 4 blocks: all 4 free cached blocks go
     assert kv.allocate_slots(c, 16) is not None
     # 4 plain free blocks are used first, then none of the cached ones.
-    assert kv.pool.take_events() == [BlockStored(c.block_keys(4), None, c.all_token_ids, BS, medium="GPU")]
-    d = make_request("d", list(range(400, 404)) * 2)  # 2 more blocks: evicts a's tail, then a's head
+    assert kv.pool.take_events() == [
+        BlockStored(c.block_keys(4), None, c.all_token_ids, BS, medium="GPU")
+    ]
+    d = make_request(
+        "d", list(range(400, 404)) * 2
+    )  # 2 more blocks: evicts a's tail, then a's head
     assert kv.allocate_slots(d, 8) is not None
     removed = [e.block_hashes[0] for e in kv.pool.take_events() if isinstance(e, BlockRemoved)]
     assert removed == [a_keys[1], a_keys[0]]
@@ -89,7 +93,9 @@ def test_a_decoding_request_grows_into_the_block_after_its_last_once_the_pool_ha
             r.append_token(token)
         assert kv.allocate_slots(r, BS) is not None
     assert kv.block_table("r") == [2, 3, 4, 5]
-    removed = [key for e in kv.pool.take_events() if isinstance(e, BlockRemoved) for key in e.block_hashes]
+    removed = [
+        key for e in kv.pool.take_events() if isinstance(e, BlockRemoved) for key in e.block_hashes
+    ]
     assert b_keys[0] in removed and b_keys[1] in removed
 
 

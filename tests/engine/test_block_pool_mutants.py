@@ -27,13 +27,16 @@ def free_ids(pool: BlockPool) -> list[int]:
 
 # -- FreeBlockQueue and KVBlock ---------------------------------------------------------------
 
+
 def test_free_queue_order_counts_and_errors():
     blocks = [KVBlock(i) for i in range(3)]
     q = FreeBlockQueue(blocks)
     assert [b.block_id for b in q] == [0, 1, 2] and q.num_free == 3
     q.remove(blocks[1])
     assert blocks[1].prev_free is None and blocks[1].next_free is None
-    with pytest.raises(RuntimeError, match=r"KVBlock\(id=1, ref=0, key=None\) is not in the free queue"):
+    with pytest.raises(
+        RuntimeError, match=r"KVBlock\(id=1, ref=0, key=None\) is not in the free queue"
+    ):
         q.remove(blocks[1])
     q.append(blocks[1])
     assert [b.block_id for b in q] == [0, 2, 1] and q.num_free == 3
@@ -41,7 +44,9 @@ def test_free_queue_order_counts_and_errors():
     assert list(q) == []
     with pytest.raises(RuntimeError, match="^no free KV blocks$"):
         q.popleft()
-    with pytest.raises(RuntimeError, match=r"^KVBlock\(id=9, ref=0, key=None\) is not in the free queue$"):
+    with pytest.raises(
+        RuntimeError, match=r"^KVBlock\(id=9, ref=0, key=None\) is not in the free queue$"
+    ):
         q.remove(KVBlock(9))  # a block never queued
     q.appendleft(blocks[2])
     q.appendleft(blocks[0])
@@ -55,6 +60,7 @@ def test_block_repr():
 
 
 # -- BlockPool -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n", [0, -3])
 def test_a_pool_needs_a_block(n):
@@ -157,8 +163,10 @@ def test_content_computed_twice_splits_the_event_chain_at_the_duplicate():
     tokens = list(range(200, 216))
     # Keys 10 and 12/13 are new, 11 is already held by `first`.
     pool.cache_blocks(blocks, [10, 11, 12, 13], None, tokens, BS)
-    assert pool.take_events() == [BlockStored([10], None, tokens[0:4], BS, medium="GPU"),
-                                  BlockStored([12, 13], 11, tokens[8:16], BS, medium="GPU")]
+    assert pool.take_events() == [
+        BlockStored([10], None, tokens[0:4], BS, medium="GPU"),
+        BlockStored([12, 13], 11, tokens[8:16], BS, medium="GPU"),
+    ]
     assert blocks[1].key is None and pool.lookup(11) is first  # the first copy is kept
     assert [b.parent_key for b in blocks] == [None, None, 11, 12]
 
@@ -171,7 +179,9 @@ def test_a_duplicate_first_block_starts_the_chain_from_it_and_a_trailing_one_end
     blocks = pool.allocate(3)
     pool.cache_blocks(blocks, [1, 2, 3], None, list(range(12)), BS)
     assert pool.take_events() == [BlockStored([2], 1, [4, 5, 6, 7], BS, medium="GPU")]
-    pool.cache_blocks(pool.allocate(2), [1, 3], None, list(range(8)), BS)  # all duplicates: no event
+    pool.cache_blocks(
+        pool.allocate(2), [1, 3], None, list(range(8)), BS
+    )  # all duplicates: no event
     assert pool.take_events() == []
 
 
@@ -229,13 +239,16 @@ def test_reset_prefix_cache_forgets_every_key():
 
 # -- KVCacheManager --------------------------------------------------------------------------
 
+
 def test_cdiv():
     assert [cdiv(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
 
 
 def test_manager_defaults_and_block_table():
     kv = KVCacheManager(num_blocks=6, block_size=BS)
-    assert kv.enable_caching is True and kv.num_blocks == 6 and kv.usage == 0.0 and kv.block_size == BS
+    assert (
+        kv.enable_caching is True and kv.num_blocks == 6 and kv.usage == 0.0 and kv.block_size == BS
+    )
     assert kv.pool.enable_events is False
     r = make_request("a", list(range(9)))
     new = kv.allocate_slots(r, 9)
@@ -260,8 +273,14 @@ def test_allocate_slots_grows_one_block_at_a_time_and_refuses_when_full():
     assert kv.allocate_slots(r, 1) == []  # token 6 fits in block 2
     other = make_request("b", list(range(50, 59)))
     assert kv.allocate_slots(other, 9) is None  # needs 3 blocks, 1 free: nothing changes
-    assert kv.pool.num_free_blocks == 1 and kv.block_table("b") == [] and "b" not in kv.num_cached_blocks
-    assert len(kv.allocate_slots(make_request("c", [1, 2, 3]), 3)) == 1  # exactly the last free block
+    assert (
+        kv.pool.num_free_blocks == 1
+        and kv.block_table("b") == []
+        and "b" not in kv.num_cached_blocks
+    )
+    assert (
+        len(kv.allocate_slots(make_request("c", [1, 2, 3]), 3)) == 1
+    )  # exactly the last free block
 
 
 def test_a_hit_on_a_free_cached_block_counts_against_the_free_blocks():
@@ -285,7 +304,9 @@ def test_prefix_hits_stop_at_the_first_miss_and_keep_the_last_token():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     a = make_request("a", list(range(12)))
     kv.allocate_slots(a, 12)
-    hits, n = kv.get_computed_blocks(make_request("b", list(range(4)) + [99] * 4 + list(range(8, 13))))
+    hits, n = kv.get_computed_blocks(
+        make_request("b", list(range(4)) + [99] * 4 + list(range(8, 13)))
+    )
     assert n == 4 and len(hits) == 1  # the second block differs: later equal blocks are not hits
     hits, n = kv.get_computed_blocks(make_request("c", list(range(13))))
     assert n == 12 and [h.block_id for h in hits] == [0, 1, 2]
@@ -298,7 +319,10 @@ def test_no_prefix_hits_with_caching_off_or_prompt_logprobs():
     kv = KVCacheManager(num_blocks=8, block_size=BS, enable_caching=False)
     a = make_request("a", list(range(12)))
     kv.allocate_slots(a, 12)
-    assert kv.pool.cached == {} and kv.get_computed_blocks(make_request("b", list(range(13)))) == ([], 0)
+    assert kv.pool.cached == {} and kv.get_computed_blocks(make_request("b", list(range(13)))) == (
+        [],
+        0,
+    )
     assert kv.prefix_queries == 0  # no lookup was made, so none is counted
     kv2 = KVCacheManager(num_blocks=8, block_size=BS)
     kv2.allocate_slots(make_request("a", list(range(12))), 12)
@@ -315,10 +339,14 @@ def test_chunks_register_their_full_blocks_chained_from_the_previous_chunk():
     assert kv.take_events() == [] and kv.num_cached_blocks["a"] == 0
     r.num_computed_tokens = 3
     kv.allocate_slots(r, 3)  # tokens 3..5: block 0 is full
-    assert kv.take_events() == [BlockStored([keys[0]], None, list(range(100, 104)), BS, medium="GPU")]
+    assert kv.take_events() == [
+        BlockStored([keys[0]], None, list(range(100, 104)), BS, medium="GPU")
+    ]
     r.num_computed_tokens = 6
     kv.allocate_slots(r, 5)  # the rest: block 1 is full, chained from block 0
-    assert kv.take_events() == [BlockStored([keys[1]], keys[0], list(range(104, 108)), BS, medium="GPU")]
+    assert kv.take_events() == [
+        BlockStored([keys[1]], keys[0], list(range(104, 108)), BS, medium="GPU")
+    ]
     assert kv.num_cached_blocks["a"] == 2
 
 
@@ -332,14 +360,18 @@ def test_a_prefix_hit_registers_only_the_new_blocks_chained_from_the_hit():
     assert n == 8
     kv.allocate_slots(b, 5, hits)
     keys = b.block_keys(3)
-    assert kv.take_events() == [BlockStored([keys[2]], keys[1], list(range(8, 12)), BS, medium="GPU")]
+    assert kv.take_events() == [
+        BlockStored([keys[2]], keys[1], list(range(8, 12)), BS, medium="GPU")
+    ]
     assert kv.num_cached_blocks["b"] == 3
 
 
 def test_scheduled_tokens_beyond_the_request_register_nothing_more():
     kv = KVCacheManager(num_blocks=8, block_size=BS, enable_events=True)
     r = make_request("a", list(range(6)))
-    kv.allocate_slots(r, 10)  # more slots than tokens (lookahead): only block 0 is full of real tokens
+    kv.allocate_slots(
+        r, 10
+    )  # more slots than tokens (lookahead): only block 0 is full of real tokens
     (ev,) = kv.take_events()
     assert ev.block_hashes == r.block_keys(1) and kv.num_cached_blocks["a"] == 1
 

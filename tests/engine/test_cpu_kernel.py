@@ -13,7 +13,9 @@ from kvmesh.engine.kernels import cpu
 def native_kernel():
     module = cpu.load()
     if module is None:
-        pytest.fail("the CPU kernel failed to build (a C++ compiler and ninja are part of the engine extra)")
+        pytest.fail(
+            "the CPU kernel failed to build (a C++ compiler and ninja are part of the engine extra)"
+        )
     return module
 
 
@@ -37,9 +39,14 @@ def avx2_kernel(tmp_path_factory):
     if " avx512f " not in flags and not cpu.portable():
         pytest.skip("this CPU has no AVX-512: the native build is the AVX2 build")
     d = tmp_path_factory.mktemp("kernels_avx2")
-    return load(name="kvmesh_cpu_ops_avx2_test", sources=[str(s) for s in cpu._SOURCES],
-                extra_cflags=["-O3", "-fopenmp", "-ffast-math", "-march=x86-64-v3"],
-                extra_ldflags=["-fopenmp"], build_directory=str(d), verbose=False)
+    return load(
+        name="kvmesh_cpu_ops_avx2_test",
+        sources=[str(s) for s in cpu._SOURCES],
+        extra_cflags=["-O3", "-fopenmp", "-ffast-math", "-march=x86-64-v3"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(d),
+        verbose=False,
+    )
 
 
 @pytest.fixture(params=["native", "avx2"])
@@ -50,7 +57,9 @@ def kernel(request):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 2), (8, 1)])
-@pytest.mark.parametrize("dim, bs", [(32, 4), (64, 16), (64, 32), (128, 8)])  # 64: the AVX-512 path; 128: templated
+@pytest.mark.parametrize(
+    "dim, bs", [(32, 4), (64, 16), (64, 32), (128, 8)]
+)  # 64: the AVX-512 path; 128: templated
 def test_kernel_matches_torch_gather_path(kernel, dtype, tol, heads, kv_heads, dim, bs):
     torch.manual_seed(0)
     blocks = 64
@@ -61,16 +70,28 @@ def test_kernel_matches_torch_gather_path(kernel, dtype, tol, heads, kv_heads, d
     width = int((lens.max() + bs - 1) // bs)
     tables = torch.stack([torch.randperm(blocks)[:width] for _ in lens])
     # q as a view into a fused qkv row, as the model passes it (rows farther apart than H * D).
-    q = torch.randn(len(lens), (heads + 2 * kv_heads) * dim).to(dtype)[:, :heads * dim].view(len(lens), heads, dim)
+    q = (
+        torch.randn(len(lens), (heads + 2 * kv_heads) * dim)
+        .to(dtype)[:, : heads * dim]
+        .view(len(lens), heads, dim)
+    )
     k_new = torch.randn(len(lens), kv_heads, dim).to(dtype)
     mask = torch.where(torch.arange(width * bs)[None, :] < lens[:, None], 0.0, float("-inf"))
-    common = dict(slots=None, decode_indices=torch.arange(len(lens)),
-                  decode_block_tables=tables, prefills=[])
-    ref = paged_attention(q, k_new, k_new, k_cache, v_cache,
-                          AttentionMetadata(decode_mask=mask, **common), dim ** -0.5)
-    got = paged_attention(q, k_new, k_new, k_cache, v_cache,
-                          AttentionMetadata(decode_mask=None, decode_ctx_lens=lens, cpu_ops=kernel, **common),
-                          dim ** -0.5)
+    common = dict(
+        slots=None, decode_indices=torch.arange(len(lens)), decode_block_tables=tables, prefills=[]
+    )
+    ref = paged_attention(
+        q, k_new, k_new, k_cache, v_cache, AttentionMetadata(decode_mask=mask, **common), dim**-0.5
+    )
+    got = paged_attention(
+        q,
+        k_new,
+        k_new,
+        k_cache,
+        v_cache,
+        AttentionMetadata(decode_mask=None, decode_ctx_lens=lens, cpu_ops=kernel, **common),
+        dim**-0.5,
+    )
     assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
@@ -81,7 +102,9 @@ def test_prefill_kernel_matches_torch_path(kernel, heads, kv_heads, dim, bs):
     """One kernel call for a mix of fresh prefills, chunks after cached context and one-row tails;
     every key is read from the paged cache (unwritten slots hold NaN: they must never be read)."""
     if not kernel.prefill_attention_supported(torch.float32, dim, bs):
-        pytest.skip("the kernels were built without AVX2 (KVMESH_CPU_KERNELS_PORTABLE=1 or an older CPU)")
+        pytest.skip(
+            "the kernels were built without AVX2 (KVMESH_CPU_KERNELS_PORTABLE=1 or an older CPU)"
+        )
     torch.manual_seed(0)
     blocks = 64
     k_cache = torch.full((kv_heads, blocks, bs, dim), float("nan"))
@@ -90,7 +113,7 @@ def test_prefill_kernel_matches_torch_path(kernel, heads, kv_heads, dim, bs):
     specs = [(1, 0), (5, 0), (17, 3), (16, 16), (33, 47), (2, 100), (70, 0), (40, 9)]
     num_tokens = sum(n for n, _ in specs)
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim)
-    q = qkv[:, :heads * dim].view(num_tokens, heads, dim)  # a strided view, as in the model
+    q = qkv[:, : heads * dim].view(num_tokens, heads, dim)  # a strided view, as in the model
     k = torch.randn(num_tokens, kv_heads, dim)
     v = torch.randn(num_tokens, kv_heads, dim)
     free = torch.randperm(blocks).tolist()
@@ -101,8 +124,10 @@ def test_prefill_kernel_matches_torch_path(kernel, heads, kv_heads, dim, bs):
         blk, off = torch.tensor(table)[slots // bs], slots % bs
         k_cache[:, blk[:ctx], off[:ctx]] = torch.randn(kv_heads, ctx, dim)  # the cached prefix
         v_cache[:, blk[:ctx], off[:ctx]] = torch.randn(kv_heads, ctx, dim)
-        k_cache[:, blk[ctx:], off[ctx:]] = k[offset:offset + n].transpose(0, 1)  # this step's rows
-        v_cache[:, blk[ctx:], off[ctx:]] = v[offset:offset + n].transpose(0, 1)
+        k_cache[:, blk[ctx:], off[ctx:]] = k[offset : offset + n].transpose(
+            0, 1
+        )  # this step's rows
+        v_cache[:, blk[ctx:], off[ctx:]] = v[offset : offset + n].transpose(0, 1)
         rows.append((offset, n, ctx))
         tables.append(table)
         prefills.append(PrefillSeq(offset, n, ctx, torch.tensor(table) if ctx else None))
@@ -110,10 +135,24 @@ def test_prefill_kernel_matches_torch_path(kernel, heads, kv_heads, dim, bs):
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     common = dict(slots=None, decode_indices=None, decode_block_tables=None, decode_mask=None)
-    ref = paged_attention(q, k, v, k_cache, v_cache, AttentionMetadata(prefills=prefills, **common), dim ** -0.5)
-    got = paged_attention(q, k, v, k_cache, v_cache,
-                          AttentionMetadata(prefills=[], cpu_ops=kernel, prefill_seqs=torch.tensor(rows),
-                                            prefill_block_tables=padded, **common), dim ** -0.5)
+    ref = paged_attention(
+        q, k, v, k_cache, v_cache, AttentionMetadata(prefills=prefills, **common), dim**-0.5
+    )
+    got = paged_attention(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        AttentionMetadata(
+            prefills=[],
+            cpu_ops=kernel,
+            prefill_seqs=torch.tensor(rows),
+            prefill_block_tables=padded,
+            **common,
+        ),
+        dim**-0.5,
+    )
     assert not got.isnan().any()
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
 
@@ -125,25 +164,39 @@ def test_prefill_kernel_row_does_not_depend_on_its_tile(kernel, heads, kv_heads,
     in a 16-row tile (the same sequence fed as 16-row chunks after their cached context), so a
     request's numbers do not depend on how a step's budget cut its prompt."""
     if not kernel.prefill_attention_supported(torch.float32, dim, 16):
-        pytest.skip("the kernels were built without AVX2 (KVMESH_CPU_KERNELS_PORTABLE=1 or an older CPU)")
+        pytest.skip(
+            "the kernels were built without AVX2 (KVMESH_CPU_KERNELS_PORTABLE=1 or an older CPU)"
+        )
     torch.manual_seed(1)
-    bs, blocks, cached, new = 16, 16, 9, 75  # 75 rows: tiles of 32, 32 and 11; the chunks: 16 x 4 + 11
+    bs, blocks, cached, new = (
+        16,
+        16,
+        9,
+        75,
+    )  # 75 rows: tiles of 32, 32 and 11; the chunks: 16 x 4 + 11
     k_cache = torch.randn(kv_heads, blocks, bs, dim)
     v_cache = torch.randn(kv_heads, blocks, bs, dim)
-    table = torch.randperm(blocks)[:(cached + new + bs - 1) // bs][None, :]
+    table = torch.randperm(blocks)[: (cached + new + bs - 1) // bs][None, :]
     q = torch.randn(new, heads, dim)
     whole, chunked = torch.empty_like(q), torch.empty_like(q)
-    kernel.paged_prefill_attention(whole, q, k_cache, v_cache, torch.tensor([[0, new, cached]]), table, dim ** -0.5)
+    kernel.paged_prefill_attention(
+        whole, q, k_cache, v_cache, torch.tensor([[0, new, cached]]), table, dim**-0.5
+    )
     chunks = torch.tensor([[r, min(16, new - r), cached + r] for r in range(0, new, 16)])
-    kernel.paged_prefill_attention(chunked, q, k_cache, v_cache, chunks, table.expand(len(chunks), -1).contiguous(),
-                                   dim ** -0.5)
+    kernel.paged_prefill_attention(
+        chunked, q, k_cache, v_cache, chunks, table.expand(len(chunks), -1).contiguous(), dim**-0.5
+    )
     assert torch.equal(whole, chunked)
 
 
 def test_prefill_kernel_declines_what_it_does_not_cover(kernel):
-    assert not kernel.prefill_attention_supported(torch.bfloat16, 64, 16)  # the torch path serves it
+    assert not kernel.prefill_attention_supported(
+        torch.bfloat16, 64, 16
+    )  # the torch path serves it
     assert not kernel.prefill_attention_supported(torch.float32, 80, 16)
-    assert not kernel.prefill_attention_supported(torch.float32, 64, 4)  # AVX-512 takes 16k, AVX2 8k
+    assert not kernel.prefill_attention_supported(
+        torch.float32, 64, 4
+    )  # AVX-512 takes 16k, AVX2 8k
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -174,11 +227,25 @@ def test_fused_rotary_and_silu_match_torch(kernel, dtype, tol):
 
     torch.manual_seed(0)
     heads, kv_heads, dim = 6, 2, 16
-    config = ModelConfig(model_type="llama", vocab_size=32, hidden_size=heads * dim, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         head_dim=dim, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-                         max_position_embeddings=128, tie_word_embeddings=True, attention_bias=False,
-                         mlp_bias=False, hidden_act="silu", torch_dtype=None)
+    config = ModelConfig(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=heads * dim,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=dim,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        torch_dtype=None,
+    )
     rope = RotaryEmbedding(config, 128)
     positions = torch.tensor([0, 1, 5, 17, 100, 127])
     qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * dim).to(dtype)
@@ -193,13 +260,19 @@ def test_fused_rotary_and_silu_match_torch(kernel, dtype, tol):
     v_cache = torch.zeros(kv_heads, blocks, bs, dim).to(dtype)
     slots = torch.tensor([7, 0, 19, 4, 12, 3])
     got = qkv.clone()
-    kernel.rotary_qk_store_kv_(got, positions, rope.cos, rope.sin, heads, kv_heads, dim, k_cache, v_cache, slots)
+    kernel.rotary_qk_store_kv_(
+        got, positions, rope.cos, rope.sin, heads, kv_heads, dim, k_cache, v_cache, slots
+    )
     gq, gk, gv = got.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     assert torch.allclose(gq.float(), ref_q.float(), atol=tol, rtol=tol)
     assert torch.allclose(gk.float(), ref_k.float(), atol=tol, rtol=tol)
     assert torch.equal(gv, ref_v)  # v is left alone
-    assert torch.equal(k_cache.view(kv_heads, -1, dim)[:, slots], gk.view(-1, kv_heads, dim).transpose(0, 1))
-    assert torch.equal(v_cache.view(kv_heads, -1, dim)[:, slots], gv.reshape(-1, kv_heads, dim).transpose(0, 1))
+    assert torch.equal(
+        k_cache.view(kv_heads, -1, dim)[:, slots], gk.view(-1, kv_heads, dim).transpose(0, 1)
+    )
+    assert torch.equal(
+        v_cache.view(kv_heads, -1, dim)[:, slots], gv.reshape(-1, kv_heads, dim).transpose(0, 1)
+    )
     untouched = torch.ones(blocks * bs, dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache.view(kv_heads, -1, dim)[:, untouched].any()
@@ -207,7 +280,9 @@ def test_fused_rotary_and_silu_match_torch(kernel, dtype, tol):
     gate_up = torch.randn(9, 2 * 40).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, -30.0, 30.0])  # exp over- and underflow
     gate, up = gate_up.split(40, dim=-1)
-    assert torch.allclose(kernel.silu_and_mul(gate_up).float(), (F.silu(gate) * up).float(), atol=tol, rtol=tol)
+    assert torch.allclose(
+        kernel.silu_and_mul(gate_up).float(), (F.silu(gate) * up).float(), atol=tol, rtol=tol
+    )
 
 
 PANEL_SHAPES = [(960, 576), (37, 19), (16, 1), (5, 64)]  # panel tails, a 1-wide input
@@ -224,7 +299,10 @@ def _check_panel_linear(ops, n, k, bias):
         ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
         got = ops.panel_linear(x, panels, n, b)
         assert got.shape == (m, n)
-        assert torch.allclose(got.double(), ref, atol=1e-4 * k ** 0.5, rtol=1e-5), (m, (got.double() - ref).abs().max())
+        assert torch.allclose(got.double(), ref, atol=1e-4 * k**0.5, rtol=1e-5), (
+            m,
+            (got.double() - ref).abs().max(),
+        )
 
 
 @pytest.mark.parametrize("n, k", PANEL_SHAPES)
@@ -245,8 +323,15 @@ def test_onednn_linear_sends_decode_sizes_to_panels_and_prefill_to_onednn(kernel
     layer = onednn_linear.OneDNNLinear(w, b, 16, kernel)
     calls = []
     real = kernel.panel_linear
-    monkeypatch.setattr(layer, "panel_ops", type("Ops", (), {"panel_linear": staticmethod(
-        lambda *a: calls.append(a[0].shape[0]) or real(*a))})())
+    monkeypatch.setattr(
+        layer,
+        "panel_ops",
+        type(
+            "Ops",
+            (),
+            {"panel_linear": staticmethod(lambda *a: calls.append(a[0].shape[0]) or real(*a))},
+        )(),
+    )
     for m in (1, onednn_linear.PANEL_MAX_ROWS, onednn_linear.PANEL_MAX_ROWS + 1, 100):
         x = torch.randn(2, m, 64)[1]
         assert torch.allclose(layer(x), torch.nn.functional.linear(x, w, b), atol=1e-4)

@@ -52,12 +52,16 @@ def _run_both_ways(engine: LLMEngine, num_requests: int, vocab: int) -> tuple[li
     model.forward = both
     try:
         for i, prompt in enumerate(random_prompts(num_requests, 5, 60, seed=11, vocab=vocab)):
-            engine.add_request(prompt, SamplingParams(max_tokens=3 + i, temperature=0.0, ignore_eos=True))
+            engine.add_request(
+                prompt, SamplingParams(max_tokens=3 + i, temperature=0.0, ignore_eos=True)
+            )
         while engine.has_unfinished_requests():
             engine.step()
     finally:
         model.forward = forward
-    assert not mismatched, f"the decode stack differs from the layers at these row counts: {mismatched}"
+    assert not mismatched, (
+        f"the decode stack differs from the layers at these row counts: {mismatched}"
+    )
     return stacked, declined
 
 
@@ -66,8 +70,11 @@ def test_decode_stack_equals_the_layers_bit_for_bit(variant, request):
     engine = _engine(request.getfixturevalue(variant))
     # transformers initialises biases to zero, where a dropped bias would not show: make them count
     # (in place: the stack holds the same tensors).
-    biases = [m.bias for m in engine.core.runner.model.modules() if getattr(m, "panels", None) is not None
-              and m.bias is not None]
+    biases = [
+        m.bias
+        for m in engine.core.runner.model.modules()
+        if getattr(m, "panels", None) is not None and m.bias is not None
+    ]
     assert bool(biases) == (variant == "tiny_qwen2_dir")  # Qwen2's q/k/v projections have biases
     torch.manual_seed(0)
     for b in biases:

@@ -18,7 +18,13 @@ from kvmesh.engine import LLM, SamplingParams  # noqa: E402
 from kvmesh.engine import attention_backends as ab  # noqa: E402
 from kvmesh.engine.config import EngineArgs  # noqa: E402
 from kvmesh.engine.cuda_graphs import CUDAGraphRunner, capture_sizes  # noqa: E402
-from kvmesh.engine.kv_memory import KVSizing, MemoryQuery, blocks_from_memory, log_capacity, size_kv_cache  # noqa: E402
+from kvmesh.engine.kv_memory import (  # noqa: E402
+    KVSizing,
+    MemoryQuery,
+    blocks_from_memory,
+    log_capacity,
+    size_kv_cache,
+)
 from tests.engine.conftest import hf_greedy, random_prompts  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not ab.triton_available(), reason="triton is not installed")
@@ -56,12 +62,23 @@ def test_engine_args_and_flags():
             EngineArgs(gpu_memory_utilization=bad).validate()
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    args = engine_args_from(parser.parse_args(
-        ["--attention-backend", "triton", "--enforce-eager", "--gpu-memory-utilization", "0.5"]))
-    assert (args.attention_backend, args.enforce_eager, args.gpu_memory_utilization) == ("triton", True, 0.5)
+    args = engine_args_from(
+        parser.parse_args(
+            ["--attention-backend", "triton", "--enforce-eager", "--gpu-memory-utilization", "0.5"]
+        )
+    )
+    assert (args.attention_backend, args.enforce_eager, args.gpu_memory_utilization) == (
+        "triton",
+        True,
+        0.5,
+    )
     default = engine_args_from(parser.parse_args([]))
-    assert (default.attention_backend, default.enforce_eager, default.gpu_memory_utilization,
-            default.kv_cache_memory) == ("auto", False, 0.9, None)
+    assert (
+        default.attention_backend,
+        default.enforce_eager,
+        default.gpu_memory_utilization,
+        default.kv_cache_memory,
+    ) == ("auto", False, 0.9, None)
 
 
 def test_auto_dtype_serves_fp32_checkpoints_in_bf16_on_a_gpu(tiny_llama_dir):
@@ -80,7 +97,9 @@ def test_auto_dtype_serves_fp32_checkpoints_in_bf16_on_a_gpu(tiny_llama_dir):
 def test_torch_backend_forced_on_cpu(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, attention_backend="torch", num_kv_blocks=64)
     runner = llm.engine.core.runner
-    assert runner.backend.name == "torch" and runner.cpu_ops is None and runner.model.fused_ops is None
+    assert (
+        runner.backend.name == "torch" and runner.cpu_ops is None and runner.model.fused_ops is None
+    )
     prompt = random_prompts(1, 20, 20, seed=3)[0]
     out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert out[0].outputs[0].token_ids == hf_greedy(tiny_llama_dir, prompt, 4, True)
@@ -90,13 +109,17 @@ def test_torch_backend_forced_on_cpu(tiny_llama_dir):
 def test_split_kv_ranges_fill_the_device_in_powers_of_two():
     from types import SimpleNamespace
 
-    backend = ab.TritonBackend(SimpleNamespace(num_attention_heads=8, num_key_value_heads=2), 16, CPU)
+    backend = ab.TritonBackend(
+        SimpleNamespace(num_attention_heads=8, num_key_value_heads=2), 16, CPU
+    )
     backend.target_programs = 264  # 2 x the SMs of an H100/H200
     tile = backend.kernels.TILE_N
     assert backend.num_splits(1, 4096) == 16  # one row: as many ranges as allowed
     assert backend.num_splits(64, 4096) == 2  # 128 programs: 3 ranges would fill it, rounded down
     assert backend.num_splits(200, 4096) == 1  # the batch fills the device alone
-    assert backend.num_splits(1, tile) == 1 and backend.num_splits(1, 3 * tile) == 2  # >= one tile each
+    assert (
+        backend.num_splits(1, tile) == 1 and backend.num_splits(1, 3 * tile) == 2
+    )  # >= one tile each
     assert backend.num_splits(0, 0) == 1
 
 
@@ -136,8 +159,9 @@ class RecordingModel:
 
     def __call__(self, input_ids, positions, kv_caches, meta, logits_indices):
         self.calls.append((input_ids, meta))
-        return torch.stack([input_ids.float(), positions.float(), meta.slots.float(),
-                            meta.seq_lens.float()], 1)[logits_indices]
+        return torch.stack(
+            [input_ids.float(), positions.float(), meta.slots.float(), meta.seq_lens.float()], 1
+        )[logits_indices]
 
 
 class StubBackend:
@@ -154,23 +178,47 @@ def test_capture_sizes():
 
 def _decode_meta(n, ctx, width=3):
     lens = torch.tensor(ctx, dtype=torch.int32)
-    return ab.TritonMetadata(slots=torch.arange(100, 100 + n), query_start_loc=torch.arange(n + 1, dtype=torch.int32),
-                             seq_lens=lens, block_tables=torch.arange(n * width, dtype=torch.int32).view(n, width),
-                             decode_seqs=torch.arange(n, dtype=torch.int32), num_decodes=n, num_splits=1,
-                             decode_only=True)
+    return ab.TritonMetadata(
+        slots=torch.arange(100, 100 + n),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=lens,
+        block_tables=torch.arange(n * width, dtype=torch.int32).view(n, width),
+        decode_seqs=torch.arange(n, dtype=torch.int32),
+        num_decodes=n,
+        num_splits=1,
+        decode_only=True,
+    )
 
 
 def test_graph_runner_pads_replays_and_reuses_buffers():
     api, model = FakeGraphAPI(), RecordingModel()
-    runner = CUDAGraphRunner(model, StubBackend(), [], max_num_seqs=6, max_model_len=64, block_size=16,
-                             device=CPU, api=api)
+    runner = CUDAGraphRunner(
+        model,
+        StubBackend(),
+        [],
+        max_num_seqs=6,
+        max_model_len=64,
+        block_size=16,
+        device=CPU,
+        api=api,
+    )
     runner.capture()
     assert api.captured == [6, 4, 2, 1]  # largest first
     assert runner.metas[1].num_splits == 4 and runner.metas[6].num_splits == 4
     assert all(m.sample_meta is m for m in runner.metas.values())
-    buffers = [t.data_ptr() for t in (runner.input_ids, runner.positions, runner.slots, runner.seq_lens,
-                                      runner.block_tables)]
-    assert runner.padded_size(3) == 4 and runner.padded_size(5) == 6 and runner.padded_size(7) is None
+    buffers = [
+        t.data_ptr()
+        for t in (
+            runner.input_ids,
+            runner.positions,
+            runner.slots,
+            runner.seq_lens,
+            runner.block_tables,
+        )
+    ]
+    assert (
+        runner.padded_size(3) == 4 and runner.padded_size(5) == 6 and runner.padded_size(7) is None
+    )
 
     # Four rows, then three: the fourth row of the size-4 graph becomes padding again.
     for n in (4, 3):
@@ -185,15 +233,33 @@ def test_graph_runner_pads_replays_and_reuses_buffers():
     assert runner.slots[3].item() == ab.PAD_SLOT and runner.seq_lens[3].item() == 0
     assert runner.input_ids[3].item() == 0
     seen_ids, seen_meta = model.calls[-1]
-    assert seen_ids.shape[0] == 4 and seen_meta is runner.metas[4]  # the graph ran at its padded size
-    assert [t.data_ptr() for t in (runner.input_ids, runner.positions, runner.slots, runner.seq_lens,
-                                   runner.block_tables)] == buffers
+    assert (
+        seen_ids.shape[0] == 4 and seen_meta is runner.metas[4]
+    )  # the graph ran at its padded size
+    assert [
+        t.data_ptr()
+        for t in (
+            runner.input_ids,
+            runner.positions,
+            runner.slots,
+            runner.seq_lens,
+            runner.block_tables,
+        )
+    ] == buffers
     assert runner.num_replays == 2
 
 
 def test_graph_runner_replays_only_decode_only_steps():
-    runner = CUDAGraphRunner(RecordingModel(), StubBackend(), [], max_num_seqs=4, max_model_len=64,
-                             block_size=16, device=CPU, api=FakeGraphAPI())
+    runner = CUDAGraphRunner(
+        RecordingModel(),
+        StubBackend(),
+        [],
+        max_num_seqs=4,
+        max_model_len=64,
+        block_size=16,
+        device=CPU,
+        api=FakeGraphAPI(),
+    )
     meta = _decode_meta(3, [4, 4, 4])
     assert runner.can_replay(meta, 3)
     assert not runner.can_replay(meta, 5)  # larger than every graph
@@ -215,14 +281,21 @@ def test_engine_replays_decode_steps_with_the_same_tokens(tiny_llama_dir):
     outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(tiny_llama_dir, p, 3, True)
-    assert runner.graphs.num_replays == 2  # tokens 2 and 3 of the 3 requests: decode steps of 3 rows
+    assert (
+        runner.graphs.num_replays == 2
+    )  # tokens 2 and 3 of the 3 requests: decode steps of 3 rows
 
 
 # -- KV sizing from memory -----------------------------------------------------------------
 def test_blocks_from_memory_arithmetic():
     gib = 2**30
-    blocks, kv = blocks_from_memory(total=80 * gib, in_use=10 * gib, peak_activation=2 * gib, utilization=0.9,
-                                    bytes_per_block=gib // 64)
+    blocks, kv = blocks_from_memory(
+        total=80 * gib,
+        in_use=10 * gib,
+        peak_activation=2 * gib,
+        utilization=0.9,
+        bytes_per_block=gib // 64,
+    )
     assert kv == int(80 * gib * 0.9) - 12 * gib and blocks == kv // (gib // 64)
     assert blocks_from_memory(10 * gib, 9 * gib, gib, 0.9, 1024) == (0, 0)
 
@@ -246,12 +319,24 @@ def test_size_kv_cache_profiles_one_step_with_the_query_stubbed(tiny_llama_dir, 
     def reset_peak():
         counters["peak"] = counters["allocated"] + gib // 2  # the step's activations: 0.5 GiB
 
-    query = MemoryQuery(mem_get_info=lambda: (14 * gib, 16 * gib), reset_peak=reset_peak,
-                        max_allocated=lambda: counters["peak"], allocated=lambda: counters["allocated"],
-                        synchronize=lambda: None, empty_cache=lambda: None)
+    query = MemoryQuery(
+        mem_get_info=lambda: (14 * gib, 16 * gib),
+        reset_peak=reset_peak,
+        max_allocated=lambda: counters["peak"],
+        allocated=lambda: counters["allocated"],
+        synchronize=lambda: None,
+        empty_cache=lambda: None,
+    )
     per_block = 2**20
-    sizing = size_kv_cache(runner, max_num_batched_tokens=40, max_num_seqs=3, max_model_len=16,
-                           utilization=0.5, bytes_per_block=per_block, query=query)
+    sizing = size_kv_cache(
+        runner,
+        max_num_batched_tokens=40,
+        max_num_seqs=3,
+        max_model_len=16,
+        utilization=0.5,
+        bytes_per_block=per_block,
+        query=query,
+    )
     # 40 tokens over 3 sequences would be 14 each; the model length caps a sequence at 15 tokens.
     assert sum(calls[0].values()) == 40 and len(calls[0]) == 3 and max(calls[0].values()) <= 15
     assert sizing.in_use == 2 * gib and sizing.peak_activation == gib // 2
@@ -272,10 +357,14 @@ def test_sampler_reads_device_values_once_per_step(monkeypatch):
     from kvmesh.engine.request import Request
     from kvmesh.engine.sampler import Sampler
 
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=5),
-              SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=7),
-              SamplingParams(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5,
-                             logit_bias={3: 2.0})]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=7),
+        SamplingParams(
+            temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5, logit_bias={3: 2.0}
+        ),
+    ]
     requests = [Request(f"r{i}", [1, 2, 3], p, set(), "m", 16, 64) for i, p in enumerate(params)]
     logits = torch.randn(len(requests), 50)
     counts = {"tolist": 0}
@@ -305,7 +394,9 @@ def test_triton_backend_greedy_matches_transformers(model, request):
     """Batched, chunked (a 24-token step budget) and with prefix-cache hits (a shared prefix)."""
     model_dir = request.getfixturevalue(model.replace("-", "_") + "_dir")
     prefix = random_prompts(1, 40, 40, seed=11)[0]
-    prompts = random_prompts(3, 5, 50, seed=1) + [prefix + s for s in random_prompts(2, 3, 9, seed=12)]
+    prompts = random_prompts(3, 5, 50, seed=1) + [
+        prefix + s for s in random_prompts(2, 3, 9, seed=12)
+    ]
     llm = LLM(model_dir, attention_backend="triton", num_kv_blocks=128, max_num_batched_tokens=24)
     assert llm.engine.core.runner.backend.name == "triton"
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -322,9 +413,15 @@ def test_triton_backend_prompt_logprobs_match_transformers(tiny_llama_dir):
     from tests.engine.test_prompt_logprobs import assert_matches_hf
 
     prompt = random_prompts(1, 30, 30, seed=21)[0]
-    llm = LLM(tiny_llama_dir, attention_backend="triton", num_kv_blocks=64, max_num_batched_tokens=16)
-    out = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
-                                                prompt_logprobs=2, logprobs=1))[0]
+    llm = LLM(
+        tiny_llama_dir, attention_backend="triton", num_kv_blocks=64, max_num_batched_tokens=16
+    )
+    out = llm.generate(
+        [prompt],
+        SamplingParams(
+            max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2, logprobs=1
+        ),
+    )[0]
     assert_matches_hf(tiny_llama_dir, prompt, out.prompt_logprobs, 2)
     assert out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, prompt, 2, True)
 
@@ -336,9 +433,13 @@ def test_triton_backend_builtin_model_matches_transformers(smollm2_dir):
     from kvmesh.common.tokenizer import KVMeshTokenizer
 
     tok = KVMeshTokenizer(smollm2_dir)
-    prompts = [tok.encode_chat([{"role": "user", "content": q}])
-               for q in ("What is the capital of France?", "List three fruits.")]
-    llm = LLM("smollm2-135m-instruct", attention_backend="triton", num_kv_blocks=64, dtype="float32")
+    prompts = [
+        tok.encode_chat([{"role": "user", "content": q}])
+        for q in ("What is the capital of France?", "List three fruits.")
+    ]
+    llm = LLM(
+        "smollm2-135m-instruct", attention_backend="triton", num_kv_blocks=64, dtype="float32"
+    )
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(smollm2_dir, p, 8, False)

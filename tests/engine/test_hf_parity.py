@@ -14,27 +14,48 @@ from kvmesh.engine import LLM, SamplingParams
 from tests.engine.conftest import hf_greedy, random_prompts
 
 QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
-    "List three fruits.", "How do I boil an egg?", "What is 12 times 7?", "Name a famous painter.",
-    "Why is the sky blue?", "Give me a tip for learning Python.", "What does a KV cache store?",
-    "Describe a cat in one sentence.", "What is the boiling point of water?",
-    "Suggest a name for a dog.", "What is photosynthesis?", "Translate 'hello' to Spanish.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity to a child.",
+    "List three fruits.",
+    "How do I boil an egg?",
+    "What is 12 times 7?",
+    "Name a famous painter.",
+    "Why is the sky blue?",
+    "Give me a tip for learning Python.",
+    "What does a KV cache store?",
+    "Describe a cat in one sentence.",
+    "What is the boiling point of water?",
+    "Suggest a name for a dog.",
+    "What is photosynthesis?",
+    "Translate 'hello' to Spanish.",
     "Tell me a fun fact about octopuses.",
 ]
-LONG_SYSTEM = ("You are a careful assistant for a platform team that serves language models on "
-               "Kubernetes. Answer briefly, prefer concrete commands, and never invent flags that "
-               "do not exist. If a question is ambiguous, say what you assume before answering.")
+LONG_SYSTEM = (
+    "You are a careful assistant for a platform team that serves language models on "
+    "Kubernetes. Answer briefly, prefer concrete commands, and never invent flags that "
+    "do not exist. If a question is ambiguous, say what you assume before answering."
+)
 
 
 class Case:
-    def __init__(self, name: str, model_dir: str, prompts: list[list[int]], shared: list[list[int]],
-                 max_new_tokens: int, ignore_eos: bool):
+    def __init__(
+        self,
+        name: str,
+        model_dir: str,
+        prompts: list[list[int]],
+        shared: list[list[int]],
+        max_new_tokens: int,
+        ignore_eos: bool,
+    ):
         self.name, self.model_dir, self.prompts, self.shared = name, model_dir, prompts, shared
         self.max_new_tokens, self.ignore_eos = max_new_tokens, ignore_eos
 
     @property
     def params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_new_tokens, temperature=0.0, ignore_eos=self.ignore_eos)
+        return SamplingParams(
+            max_tokens=self.max_new_tokens, temperature=0.0, ignore_eos=self.ignore_eos
+        )
 
     def expected(self, prompt: list[int]) -> list[int]:
         return hf_greedy(self.model_dir, prompt, self.max_new_tokens, self.ignore_eos)
@@ -56,10 +77,16 @@ def case(request) -> Case:
         model_dir = request.getfixturevalue("smollm2_dir")
         tok = KVMeshTokenizer(model_dir)
         # Mixed lengths: some questions carry a preamble of growing size.
-        contents = [q if i % 3 == 0 else f"{LONG_SYSTEM[:18 * i]}\n{q}" for i, q in enumerate(QUESTIONS)]
+        contents = [
+            q if i % 3 == 0 else f"{LONG_SYSTEM[: 18 * i]}\n{q}" for i, q in enumerate(QUESTIONS)
+        ]
         prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in contents]
-        shared = [tok.encode_chat([{"role": "system", "content": LONG_SYSTEM},
-                                   {"role": "user", "content": q}]) for q in QUESTIONS[:6]]
+        shared = [
+            tok.encode_chat(
+                [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": q}]
+            )
+            for q in QUESTIONS[:6]
+        ]
         return Case("smollm2", model_dir, prompts, shared, 32, ignore_eos=False)
     model_dir = request.getfixturevalue(request.param.replace("-", "_") + "_dir")
     prompts = random_prompts(16, 5, 200, seed=1)
@@ -69,7 +96,9 @@ def case(request) -> Case:
 def _assert_same(case: Case, prompts, outputs) -> None:
     assert len(outputs) == len(prompts)
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        assert out.token_ids == case.expected(prompt), f"{case.name}: prompt {i} diverged from transformers"
+        assert out.token_ids == case.expected(prompt), (
+            f"{case.name}: prompt {i} diverged from transformers"
+        )
 
 
 def test_single_request(case):
@@ -104,7 +133,10 @@ def test_prefix_cache_hits(case):
     outs = llm.generate(rest, case.params)
     _assert_same(case, rest, outs)
     for prompt, out in zip(rest, outs):
-        common = next((i for i, (a, b) in enumerate(zip(first, prompt)) if a != b), min(len(first), len(prompt)))
+        common = next(
+            (i for i, (a, b) in enumerate(zip(first, prompt)) if a != b),
+            min(len(first), len(prompt)),
+        )
         expected_hit = min(common // 16, (len(prompt) - 1) // 16) * 16
         assert expected_hit >= 16
         assert out.num_cached_tokens == expected_hit

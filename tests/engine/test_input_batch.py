@@ -19,18 +19,22 @@ BS = 4
 
 
 def make_request(rid: str, n: int) -> Request:
-    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=10_000), set(), "m", BS, 100_000)
+    return Request(
+        rid, list(range(1, n + 1)), SamplingParams(max_tokens=10_000), set(), "m", BS, 100_000
+    )
 
 
 def assert_mirrors(batch: InputBatch, kv: KVCacheManager, req: Request, r: int) -> None:
     table = kv.block_table(req.request_id)
-    assert batch.tables[r, :len(table)].tolist() == table
+    assert batch.tables[r, : len(table)].tolist() == table
 
 
 def test_rows_follow_the_kv_manager_through_growth_lookahead_preemption_and_reuse():
     rng = random.Random(0)
     kv = KVCacheManager(4096, BS, enable_caching=False)
-    batch = InputBatch(BS, max_rows=4, max_blocks=2)  # small: rows and width must grow, rows be reclaimed
+    batch = InputBatch(
+        BS, max_rows=4, max_blocks=2
+    )  # small: rows and width must grow, rows be reclaimed
     live: dict[str, Request] = {}
     serial = 0
     for _ in range(400):
@@ -74,7 +78,9 @@ def test_step_rows_slots_and_positions_over_mixed_prefill_and_decode():
     batch = InputBatch(BS, max_rows=2)
     reqs = [make_request(f"r{i}", n) for i, n in enumerate([9, 1, 14, 5])]
     out = SchedulerOutput()
-    for req, (done, n) in zip(reqs, [(8, 1), (0, 1), (3, 11), (0, 3)]):  # decode, decode, chunk, chunk
+    for req, (done, n) in zip(
+        reqs, [(8, 1), (0, 1), (3, 11), (0, 3)]
+    ):  # decode, decode, chunk, chunk
         assert kv.allocate_slots(req, done + n) is not None
         req.num_computed_tokens = done
         out.requests.append(req)
@@ -84,7 +90,9 @@ def test_step_rows_slots_and_positions_over_mixed_prefill_and_decode():
     assert rows.positions.tolist() == expect_pos
     owners = [0, 1] + [2] * 11 + [3] * 3
     tables = [kv.block_table(r.request_id) for r in reqs]
-    assert rows.slots.tolist() == [tables[o][p // BS] * BS + p % BS for o, p in zip(owners, expect_pos)]
+    assert rows.slots.tolist() == [
+        tables[o][p // BS] * BS + p % BS for o, p in zip(owners, expect_pos)
+    ]
     assert rows.ids.tolist() == [reqs[o].all_token_ids[p] for o, p in zip(owners, expect_pos)]
     # the rows that sample: the two decodes and the chunk that ends its prompt
     assert rows.sample.indices.tolist() == [0, 1, 12]

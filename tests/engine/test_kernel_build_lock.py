@@ -45,7 +45,9 @@ def build_dir(tmp_path, monkeypatch, torch_builds) -> Path:
     def fake_load(name, sources, build_directory, **kwargs):
         baton = FileBaton(os.path.join(build_directory, "lock"))
         if not baton.try_acquire():  # torch would call baton.wait(): forever, on a stale file
-            raise AssertionError("torch's lock file is still there: the real build would wait forever")
+            raise AssertionError(
+                "torch's lock file is still there: the real build would wait forever"
+            )
         baton.release()
         torch_builds.append(name)
         build_record.library(Path(build_directory), name).touch()  # what a build leaves
@@ -64,23 +66,35 @@ def dead_pid() -> int:
 def test_a_lock_left_by_a_dead_builder_is_removed_and_the_build_goes_on(build_dir, caplog):
     build_dir.mkdir(parents=True, exist_ok=True)  # torch makes it when asked where it is
     (build_dir / "lock").touch()  # what a builder killed mid-build leaves
-    (build_dir / build_lock.LOCK_NAME).write_text(f'{{"pid": {dead_pid()}, "host": "h", "started": 0}}')
+    (build_dir / build_lock.LOCK_NAME).write_text(
+        f'{{"pid": {dead_pid()}, "host": "h", "started": 0}}'
+    )
     with caplog.at_level(logging.INFO):
         assert cpu.load() == f"module {cpu.build_name()}"
     assert not (build_dir / "lock").exists()
-    assert any("removing" in r.getMessage() and "builder is gone" in r.getMessage() for r in caplog.records)
+    assert any(
+        "removing" in r.getMessage() and "builder is gone" in r.getMessage() for r in caplog.records
+    )
 
 
 @pytest.fixture()
 def live_builder(build_dir):
     """Another process that holds the build lock until the test lets it go."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys\n"
-         "from kvmesh.engine.kernels.build_lock import exclusive_build\n"
-         f"with exclusive_build({str(build_dir)!r}, 5):\n"
-         "    print('holding', flush=True)\n"
-         "    sys.stdin.readline()\n"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        [
+            sys.executable,
+            "-c",
+            "import sys\n"
+            "from kvmesh.engine.kernels.build_lock import exclusive_build\n"
+            f"with exclusive_build({str(build_dir)!r}, 5):\n"
+            "    print('holding', flush=True)\n"
+            "    sys.stdin.readline()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.stdout.readline().strip() == "holding"
     yield proc
     if proc.poll() is None:
@@ -89,9 +103,13 @@ def live_builder(build_dir):
     proc.wait(10)
 
 
-def test_a_live_builder_is_waited_for_with_a_bound_and_named(build_dir, live_builder, caplog, monkeypatch):
-    with caplog.at_level(logging.INFO), pytest.raises(build_lock.BuildLockTimeout,
-                                                      match=f"pid {live_builder.pid} on host"):
+def test_a_live_builder_is_waited_for_with_a_bound_and_named(
+    build_dir, live_builder, caplog, monkeypatch
+):
+    with (
+        caplog.at_level(logging.INFO),
+        pytest.raises(build_lock.BuildLockTimeout, match=f"pid {live_builder.pid} on host"),
+    ):
         with build_lock.exclusive_build(build_dir, timeout=0.5, poll_s=0.05, log_every_s=0.1):
             pytest.fail("acquired a lock that a live process holds")
     waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for")]
@@ -100,8 +118,10 @@ def test_a_live_builder_is_waited_for_with_a_bound_and_named(build_dir, live_bui
     monkeypatch.setenv("KVMESH_CPU_KERNELS_WAIT_S", "0.3")
     with caplog.at_level(logging.WARNING):
         assert cpu.load() is None
-    assert any("CPU kernels unavailable" in r.getMessage() and f"pid {live_builder.pid}" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "CPU kernels unavailable" in r.getMessage() and f"pid {live_builder.pid}" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_the_next_builder_goes_on_once_the_live_one_is_done(build_dir, live_builder):
@@ -119,11 +139,19 @@ def test_build_kernels_resumes_a_real_build_left_with_a_stale_lock(tmp_path):
     if not (built / f"{name}.so").exists():
         pytest.skip("the CPU kernels are not built on this machine (the engine tests build them)")
     copy = tmp_path / name
-    shutil.copytree(built, copy, symlinks=True, ignore=shutil.ignore_patterns("lock", build_lock.LOCK_NAME))
+    shutil.copytree(
+        built, copy, symlinks=True, ignore=shutil.ignore_patterns("lock", build_lock.LOCK_NAME)
+    )
     (copy / "lock").touch()
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-m", "kvmesh.cli", "build-kernels", "--wait-timeout", "60"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "build-kernels", "--wait-timeout", "60"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     assert "ready in" in done.stdout and "removing" in done.stderr
     assert not (copy / "lock").exists()
@@ -163,8 +191,11 @@ def test_a_build_without_its_record_is_built_again(build_dir, torch_builds, impo
 def test_a_recorded_library_that_does_not_load_is_built_again(build_dir, torch_builds, monkeypatch):
     name = cpu.build_name()
     cpu.build()
-    monkeypatch.setattr(cpp_extension, "_import_module_from_library",
-                        lambda *a: (_ for _ in ()).throw(ImportError("undefined symbol")))
+    monkeypatch.setattr(
+        cpp_extension,
+        "_import_module_from_library",
+        lambda *a: (_ for _ in ()).throw(ImportError("undefined symbol")),
+    )
     assert cpu.build() == f"module {name}" and torch_builds == [name, name]
 
 
@@ -177,8 +208,11 @@ def test_the_build_directory_is_named_after_what_the_library_depends_on(monkeypa
     other_torch = cpu.build_name()
     monkeypatch.undo()
     ext_suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    monkeypatch.setattr(sysconfig, "get_config_var",
-                        lambda key: ".cpython-312-x86_64-linux-gnu.so" if key == "EXT_SUFFIX" else None)
+    monkeypatch.setattr(
+        sysconfig,
+        "get_config_var",
+        lambda key: ".cpython-312-x86_64-linux-gnu.so" if key == "EXT_SUFFIX" else None,
+    )
     other_python = cpu.build_name()
     monkeypatch.undo()
     assert sysconfig.get_config_var("EXT_SUFFIX") == ext_suffix
@@ -195,16 +229,31 @@ def test_a_start_with_another_ninja_loads_the_real_build_without_running_it(tmp_
     built = cpu.build_directory(name)
     if not build_record.finished(built, name):
         pytest.skip("the CPU kernels are not built on this machine (the engine tests build them)")
-    shutil.copytree(built, tmp_path / name, symlinks=True,
-                    ignore=shutil.ignore_patterns("lock", build_lock.LOCK_NAME))
+    shutil.copytree(
+        built,
+        tmp_path / name,
+        symlinks=True,
+        ignore=shutil.ignore_patterns("lock", build_lock.LOCK_NAME),
+    )
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     ninja = bin_dir / "ninja"
-    ninja.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo 1.11.1 && exit 0\ntouch {tmp_path}/ninja-ran\nexit 1\n')
+    ninja.write_text(
+        f'#!/bin/sh\n[ "$1" = --version ] && echo 1.11.1 && exit 0\ntouch {tmp_path}/ninja-ran\nexit 1\n'
+    )
     ninja.chmod(0o755)
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), PATH=f"{bin_dir}:{os.environ['PATH']}")
+    env = dict(
+        os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), PATH=f"{bin_dir}:{os.environ['PATH']}"
+    )
     code = "from kvmesh.engine.kernels import cpu\nprint(cpu.build().__name__)"
-    done = subprocess.run([sys.executable, "-P", "-c", code], env=env, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", code],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == name and not (tmp_path / "ninja-ran").exists()

@@ -33,11 +33,14 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 def piecewise_llm(model_dir: str, decode_graphs: bool = False, sizes=SIZES, **kw):
     """An engine on the Triton backend with piecewise graphs captured through the stub."""
-    llm = LLM(model_dir, attention_backend="triton", **{"num_kv_blocks": 64, "max_num_seqs": 4, **kw})
+    llm = LLM(
+        model_dir, attention_backend="triton", **{"num_kv_blocks": 64, "max_num_seqs": 4, **kw}
+    )
     runner = llm.engine.core.runner
     api = FakeGraphAPI()
-    runner.capture_cuda_graphs(4, llm.engine.core.max_model_len, api=api, decode=decode_graphs,
-                               piecewise_sizes=sizes)
+    runner.capture_cuda_graphs(
+        4, llm.engine.core.max_model_len, api=api, decode=decode_graphs, piecewise_sizes=sizes
+    )
     return llm, runner, api
 
 
@@ -57,20 +60,29 @@ def test_piecewise_sizes_ladder():
 
 def test_compilation_config_parses_vllm_spelling_and_names_bad_fields():
     assert CompilationConfig.parse(None).cudagraph_mode == "FULL_AND_PIECEWISE"
-    c = CompilationConfig.parse('{"cudagraph_mode": "piecewise", "max_cudagraph_capture_size": 256}')
+    c = CompilationConfig.parse(
+        '{"cudagraph_mode": "piecewise", "max_cudagraph_capture_size": 256}'
+    )
     assert c.cudagraph_mode == "PIECEWISE" and not c.full_decode
     assert c.piecewise_token_sizes(2048) == piecewise_sizes(256)
-    assert CompilationConfig.parse({"cudagraph_mode": "FULL_DECODE_ONLY"}).piecewise_token_sizes(2048) == []
+    assert (
+        CompilationConfig.parse({"cudagraph_mode": "FULL_DECODE_ONLY"}).piecewise_token_sizes(2048)
+        == []
+    )
     assert CompilationConfig.parse({"cudagraph_mode": "NONE"}).full_decode is False
     default = CompilationConfig.parse({})
     assert default.full_decode and default.piecewise_token_sizes(512) == piecewise_sizes(512)
     assert default.piecewise_token_sizes(8192)[-1] == 2048  # the default top
     explicit = CompilationConfig.parse({"cudagraph_capture_sizes": [64, 16, 16, 512]})
     assert explicit.piecewise_token_sizes(256) == [16, 64]
-    for bad, field in [('{"cudagraph_mode": "FULL"}', "FULL_DECODE_ONLY"), ("[1]", "JSON object"),
-                       ('{"level": 3}', "unknown field"), ("{", "not JSON"),
-                       ('{"cudagraph_capture_sizes": [0]}', "cudagraph_capture_sizes"),
-                       ('{"max_cudagraph_capture_size": true}', "max_cudagraph_capture_size")]:
+    for bad, field in [
+        ('{"cudagraph_mode": "FULL"}', "FULL_DECODE_ONLY"),
+        ("[1]", "JSON object"),
+        ('{"level": 3}', "unknown field"),
+        ("{", "not JSON"),
+        ('{"cudagraph_capture_sizes": [0]}', "cudagraph_capture_sizes"),
+        ('{"max_cudagraph_capture_size": true}', "max_cudagraph_capture_size"),
+    ]:
         with pytest.raises(ValueError, match=field):
             CompilationConfig.parse(bad)
     args = EngineArgs(compilation_config='{"cudagraph_mode": "NONE"}')
@@ -85,7 +97,9 @@ def test_cli_flag_parses_and_rejects():
 
     ap = argparse.ArgumentParser()
     add_engine_arguments(ap)
-    args = ap.parse_args(["--model", "m", "--compilation-config", '{"cudagraph_mode": "PIECEWISE"}'])
+    args = ap.parse_args(
+        ["--model", "m", "--compilation-config", '{"cudagraph_mode": "PIECEWISE"}']
+    )
     assert engine_args_from(args).compilation_config.cudagraph_mode == "PIECEWISE"
     with pytest.raises(SystemExit):
         ap.parse_args(["--model", "m", "--compilation-config", '{"cudagraph_mode": "FAST"}'])
@@ -110,8 +124,13 @@ def test_greedy_tokens_match_transformers(tiny_llama_dir, mode):
     """Prefills (padded to the ladder), chunks beside decodes (mixed steps), prefix-cache hits
     (a chunk after cached context) and recompute after preemption, with the full decode graphs
     for decode-only steps: transformers' tokens throughout."""
-    kw = {"batched": {}, "chunked": dict(max_num_batched_tokens=24), "async": dict(async_scheduling=True),
-          "prefix": dict(max_num_batched_tokens=32), "preempt": dict(num_kv_blocks=6)}[mode]
+    kw = {
+        "batched": {},
+        "chunked": dict(max_num_batched_tokens=24),
+        "async": dict(async_scheduling=True),
+        "prefix": dict(max_num_batched_tokens=32),
+        "preempt": dict(num_kv_blocks=6),
+    }[mode]
     n = 16 if mode == "preempt" else 6
     llm, runner, _ = piecewise_llm(tiny_llama_dir, decode_graphs=True, sizes=SIZES + [128], **kw)
     prompts = random_prompts(6, 5, 40, seed=11)  # 6 requests, 4 at a time: the last join decodes
@@ -148,7 +167,9 @@ def test_steps_beyond_the_ladder_run_eagerly(tiny_llama_dir):
     prompt = random_prompts(1, 30, 30, seed=2)[0]
     out = llm.generate([prompt], greedy(3))[0]
     assert out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, prompt, 3, True)
-    assert runner.piecewise.num_replays == 2  # the 30-token prefill ran eagerly; two decodes replayed
+    assert (
+        runner.piecewise.num_replays == 2
+    )  # the 30-token prefill ran eagerly; two decodes replayed
 
 
 @needs_triton

@@ -16,7 +16,9 @@ from tests.engine.conftest import _hf_model, hf_greedy, random_prompts
 @functools.lru_cache(maxsize=64)
 def hf_prompt_logprobs(model_dir: str, prompt: tuple[int, ...]) -> torch.Tensor:
     with torch.inference_mode():
-        return torch.log_softmax(_hf_model(model_dir)(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        return torch.log_softmax(
+            _hf_model(model_dir)(torch.tensor([prompt])).logits[0].float(), dim=-1
+        )
 
 
 def assert_matches_hf(model_dir: str, prompt: list[int], got, k: int, atol: float = 2e-4) -> None:
@@ -27,7 +29,9 @@ def assert_matches_hf(model_dir: str, prompt: list[int], got, k: int, atol: floa
         assert entry.token_id == prompt[pos]
         assert entry.logprob == pytest.approx(float(row[prompt[pos]]), abs=atol)
         chosen = row[prompt[pos]]  # rank: 1 + tokens more likely, up to ties within float noise
-        assert int((row > chosen + atol).sum()) + 1 <= entry.rank <= int((row >= chosen - atol).sum())
+        assert (
+            int((row > chosen + atol).sum()) + 1 <= entry.rank <= int((row >= chosen - atol).sum())
+        )
         top_ids = [t for t, _ in entry.top]
         assert len(top_ids) == k
         if k:
@@ -38,7 +42,9 @@ PARAMS = dict(max_tokens=4, temperature=0, ignore_eos=True)
 
 
 def test_prompt_logprobs_match_transformers_under_chunking_and_batching(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=16)  # 40-token prompts: 3+ chunks
+    llm = LLM(
+        tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=16
+    )  # 40-token prompts: 3+ chunks
     prompts = random_prompts(4, 20, 45, seed=5, vocab=256)
     params = [SamplingParams(prompt_logprobs=2, **PARAMS), SamplingParams(**PARAMS)] * 2
     outs = llm.generate(prompts, params)
@@ -61,7 +67,9 @@ def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_preemption(tiny_lla
     assert_matches_hf(tiny_llama_dir, prompt, scored.prompt_logprobs, 0)
     # 12 blocks of 16 cannot hold four 40-token prompts with 40 new tokens each: preemption
     prompts = random_prompts(4, 38, 42, seed=13, vocab=256)
-    outs = llm.generate(prompts, SamplingParams(prompt_logprobs=1, max_tokens=40, temperature=0, ignore_eos=True))
+    outs = llm.generate(
+        prompts, SamplingParams(prompt_logprobs=1, max_tokens=40, temperature=0, ignore_eos=True)
+    )
     assert llm.stats().num_preemptions > 0
     for p, o in zip(prompts, outs):
         assert_matches_hf(tiny_llama_dir, p, o.prompt_logprobs, 1)

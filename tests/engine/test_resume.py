@@ -24,7 +24,9 @@ def llm(tiny_llama_dir):
     return LLM(tiny_llama_dir, num_kv_blocks=128)
 
 
-def run(llm: LLM, params: SamplingParams, resume: list[int] | None = None, prompt: list[int] = PROMPT):
+def run(
+    llm: LLM, params: SamplingParams, resume: list[int] | None = None, prompt: list[int] = PROMPT
+):
     """The request's final output and its text deltas, one per step (as a stream sends them)."""
     rid = llm.engine.add_request(prompt, params, resume_token_ids=resume)
     deltas, final = [], None
@@ -50,8 +52,9 @@ def streamed_text(deltas, k: int) -> str:
 PARAMS = {
     "greedy": dict(temperature=0.0),
     "seeded": dict(temperature=1.0, seed=1234),
-    "seeded-top-p-penalties": dict(temperature=0.9, top_p=0.9, seed=7, frequency_penalty=0.5,
-                                   repetition_penalty=1.2),
+    "seeded-top-p-penalties": dict(
+        temperature=0.9, top_p=0.9, seed=7, frequency_penalty=0.5, repetition_penalty=1.2
+    ),
 }
 
 
@@ -65,7 +68,9 @@ def test_a_continuation_from_any_point_equals_the_uninterrupted_run(llm, kind):
         cont, cont_deltas = run(llm, params, resume=ids[:k])
         assert ids[:k] + cont.token_ids == ids, (kind, k)
         # no duplicated or missing text at the seam: the stream before + the continuation's
-        assert streamed_text(deltas, k) + "".join(d for _, d in cont_deltas) == streamed_text(deltas, MAX_TOKENS)
+        assert streamed_text(deltas, k) + "".join(d for _, d in cont_deltas) == streamed_text(
+            deltas, MAX_TOKENS
+        )
         assert cont.text == "".join(d for _, d in cont_deltas)
         assert cont.finish_reason == "length"
         # logprobs of the new tokens only, as the uninterrupted run scored them
@@ -91,18 +96,29 @@ def test_a_stop_string_straddling_the_seam_stops_the_continuation(llm):
     plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     _, deltas = run(llm, plain)
     # a stop string made of the end of one token's text and the start of the next's
-    at = next(i for i in range(3, len(deltas) - 1) if deltas[i][1].strip() and deltas[i + 1][1].strip())
+    at = next(
+        i for i in range(3, len(deltas) - 1) if deltas[i][1].strip() and deltas[i + 1][1].strip()
+    )
     stop = deltas[at][1][-1] + deltas[at + 1][1][0]
     for include in (False, True):
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop=[stop],
-                                include_stop_str_in_output=include)
+        params = SamplingParams(
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=include,
+        )
         whole, whole_deltas = run(llm, params)
         assert whole.finish_reason == "stop" and whole.outputs[0].stop_reason == stop
         ids = whole.token_ids
         k = len(ids) - 1  # the break falls inside the stop string: its last token is still to come
         seen = streamed_text(whole_deltas, k)
-        assert llm.tokenizer.decode(ids[:k]).endswith(stop[0])  # the stop string begins before the seam
-        assert seen.endswith(stop[0]) == include  # ... held back from the client unless it is output
+        assert llm.tokenizer.decode(ids[:k]).endswith(
+            stop[0]
+        )  # the stop string begins before the seam
+        assert (
+            seen.endswith(stop[0]) == include
+        )  # ... held back from the client unless it is output
         cont, cont_deltas = run(llm, params, resume=ids[:k])
         assert cont.token_ids == ids[k:]
         assert cont.finish_reason == "stop" and cont.outputs[0].stop_reason == stop
@@ -116,7 +132,9 @@ def test_the_detokenizer_resumes_at_any_id_without_duplicating_or_losing_text(ll
     before the break; the continuation sends it, once. A stop string may start before the seam."""
     tok = llm.tokenizer
     prompt, ids = tok.encode("Say:"), tok.encode("naïve café ☕ done, ok")
-    assert any(tok.decode(ids[:k]).endswith("\ufffd") for k in range(1, len(ids)))  # a split character
+    assert any(
+        tok.decode(ids[:k]).endswith("\ufffd") for k in range(1, len(ids))
+    )  # a split character
 
     def feed(detok, rest):
         out = []
@@ -130,7 +148,9 @@ def test_the_detokenizer_resumes_at_any_id_without_duplicating_or_losing_text(ll
     whole = feed(IncrementalDetokenizer(tok, prompt, stop), ids)
     for k in range(1, len(whole)):
         resumed = IncrementalDetokenizer(tok, prompt, stop, emitted_token_ids=ids[:k])
-        assert resumed.num_sent == len("".join(whole[:k]))  # what the client had, from the ids alone
+        assert resumed.num_sent == len(
+            "".join(whole[:k])
+        )  # what the client had, from the ids alone
         assert "".join(whole[:k]) + "".join(feed(resumed, ids[k:])) == "".join(whole), k
 
 
@@ -143,20 +163,29 @@ def test_seeded_draws_are_a_function_of_seed_and_position():
     assert sum(u < 0.1 for u in draws) == pytest.approx(200, abs=45)
     assert draws[:50] != [seeded_uniform(6, p) for p in range(50)]
     assert seeded_uniform(5, 3, stream=1) != seeded_uniform(5, 3)
-    assert 0.0 <= seeded_uniform(-(2**63), 0) < 1.0 and 0.0 <= seeded_uniform(2**64 - 1, 10**9) < 1.0
+    assert (
+        0.0 <= seeded_uniform(-(2**63), 0) < 1.0 and 0.0 <= seeded_uniform(2**64 - 1, 10**9) < 1.0
+    )
 
 
-@pytest.mark.parametrize("resume, max_tokens, param, words", [
-    ([], 8, RESUME_PARAM, "at least one"),
-    ([10**9], 8, RESUME_PARAM, "outside the vocabulary"),
-    ([5] * 8, 8, RESUME_PARAM, "nothing is left"),
-    ("fill", None, RESUME_PARAM, "context length"),
-    ([5], dict(n=2), "n", "n must be 1"),
-])
+@pytest.mark.parametrize(
+    "resume, max_tokens, param, words",
+    [
+        ([], 8, RESUME_PARAM, "at least one"),
+        ([10**9], 8, RESUME_PARAM, "outside the vocabulary"),
+        ([5] * 8, 8, RESUME_PARAM, "nothing is left"),
+        ("fill", None, RESUME_PARAM, "context length"),
+        ([5], dict(n=2), "n", "n must be 1"),
+    ],
+)
 def test_bad_continuations_are_refused_naming_the_field(llm, resume, max_tokens, param, words):
     if resume == "fill":  # prompt + resumed ids fill the context
         resume = [5] * (llm.engine.max_model_len - len(PROMPT))
-    params = SamplingParams(**max_tokens) if isinstance(max_tokens, dict) else SamplingParams(max_tokens=max_tokens)
+    params = (
+        SamplingParams(**max_tokens)
+        if isinstance(max_tokens, dict)
+        else SamplingParams(max_tokens=max_tokens)
+    )
     with pytest.raises(InvalidParameter) as err:
         llm.engine.core.limits.validate_resume(PROMPT, resume, params)
     assert err.value.param == param and words in str(err.value)
@@ -185,8 +214,11 @@ def test_a_constrained_request_resumes_under_its_grammar(llm, sampling):
     the output), so the output goes on under the grammar exactly as uninterrupted."""
     from kvmesh.engine.structured.params import StructuredOutputsParams
 
-    params = SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(regex="(ab|cd)[a-z]{6,9}!"),
-                            **sampling)
+    params = SamplingParams(
+        max_tokens=20,
+        structured_outputs=StructuredOutputsParams(regex="(ab|cd)[a-z]{6,9}!"),
+        **sampling,
+    )
     whole, _ = run(llm, params)
     ids = whole.token_ids
     assert whole.finish_reason == "stop" and whole.text.endswith("!") and len(ids) >= 4
@@ -201,7 +233,9 @@ def test_a_step_scheduled_ahead_carries_the_output_positions_it_samples(tiny_lla
     output length is behind at that point; the rows carry the position each draw is for."""
     ahead = LLM(tiny_llama_dir, num_kv_blocks=128, async_scheduling=True)
     core = ahead.engine.core
-    ahead.engine.add_request(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=2, ignore_eos=True))
+    ahead.engine.add_request(
+        PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=2, ignore_eos=True)
+    )
     seen = []
     for _ in range(3):
         core.step()
@@ -229,10 +263,14 @@ def real(smollm2_dir):
     return LLM(smollm2_dir, num_kv_blocks=64)
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=17)])
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=17)]
+)
 def test_the_builtin_model_resumes_a_chat_answer(real, sampling):
     """The real tokenizer and weights: a chat answer continued from any point is the same answer."""
-    prompt = real.engine.apply_chat_template([{"role": "user", "content": "Name three fruits, then say ¡adiós!"}])
+    prompt = real.engine.apply_chat_template(
+        [{"role": "user", "content": "Name three fruits, then say ¡adiós!"}]
+    )
     params = SamplingParams(max_tokens=12, ignore_eos=True, stop=["\n\n\n"], **sampling)
     whole, deltas = run(real, params, prompt=prompt)
     ids = whole.token_ids

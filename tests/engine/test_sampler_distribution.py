@@ -15,12 +15,24 @@ from tests.engine.test_spec_units import _chi2, _chi2_critical
 
 
 def _requests(n: int, **params) -> list[Request]:
-    return [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=10, ignore_eos=True, **params), set(), "m", 4, 64)
-            for i in range(n)]
+    return [
+        Request(
+            f"r{i}",
+            [1, 2],
+            SamplingParams(max_tokens=10, ignore_eos=True, **params),
+            set(),
+            "m",
+            4,
+            64,
+        )
+        for i in range(n)
+    ]
 
 
 def test_inversion_picks_the_first_token_whose_cumulative_mass_exceeds_the_uniform():
-    probs = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0, 0.0]] * 6)  # unnormalised, zeros inside and at the ends
+    probs = torch.tensor(
+        [[0.0, 2.0, 0.0, 1.0, 1.0, 0.0]] * 6
+    )  # unnormalised, zeros inside and at the ends
     uniform = torch.tensor([0.0, 0.49, 0.5, 0.74, 0.75, float(np.nextafter(np.float32(1), 0))])
     assert sample_by_inversion(probs, uniform).tolist() == [1, 1, 3, 3, 4, 4]
 
@@ -34,8 +46,15 @@ def test_inversion_never_picks_a_zero_probability_token():
         assert bool((probs.gather(1, tokens[:, None]) > 0).all())
 
 
-@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=5),
-                                    dict(temperature=1.2, top_p=0.8), dict(temperature=1.0, min_p=0.1)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=5),
+        dict(temperature=1.2, top_p=0.8),
+        dict(temperature=1.0, min_p=0.1),
+    ],
+)
 def test_sampled_tokens_follow_the_filtered_distribution(params):
     vocab, n = 12, 20000
     row = torch.randn(vocab, generator=torch.Generator().manual_seed(5)) * 1.5

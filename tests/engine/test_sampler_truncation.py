@@ -19,18 +19,43 @@ from kvmesh.engine.sampling_params import SamplingParams
 # The model's logits reach the sampler in float32 (engine/models: lm_head(...).float()).
 F32_TINY = float(np.finfo(np.float32).smallest_subnormal)  # 1.4e-45
 F32_NORMAL = float(np.finfo(np.float32).tiny)  # 1.2e-38
-EXTREMES = [5e-324, 1e-323, 1e-310, 2.2250738585072014e-308, 1e-300, 1e-100, 1e-46, F32_TINY / 2, F32_TINY, 2 * F32_TINY,
-            1e-44, F32_NORMAL / 3, F32_NORMAL, 1e-30, 1e-12, 1e-6, 0.5, float(np.nextafter(1.0, 0.0)), 1.0]
+EXTREMES = [
+    5e-324,
+    1e-323,
+    1e-310,
+    2.2250738585072014e-308,
+    1e-300,
+    1e-100,
+    1e-46,
+    F32_TINY / 2,
+    F32_TINY,
+    2 * F32_TINY,
+    1e-44,
+    F32_NORMAL / 3,
+    F32_NORMAL,
+    1e-30,
+    1e-12,
+    1e-6,
+    0.5,
+    float(np.nextafter(1.0, 0.0)),
+    1.0,
+]
 
-TOP_P = st.one_of(st.sampled_from(EXTREMES), st.floats(min_value=5e-324, max_value=1.0, exclude_min=False))
+TOP_P = st.one_of(
+    st.sampled_from(EXTREMES), st.floats(min_value=5e-324, max_value=1.0, exclude_min=False)
+)
 MIN_P = st.one_of(st.just(0.0), st.sampled_from(EXTREMES), st.floats(min_value=0.0, max_value=1.0))
-LOGIT = st.one_of(st.sampled_from([0.0, 1.0, -1.0, 30.0, -30.0, float("-inf")]),
-                  st.floats(min_value=-50, max_value=50, allow_nan=False))
+LOGIT = st.one_of(
+    st.sampled_from([0.0, 1.0, -1.0, 30.0, -30.0, float("-inf")]),
+    st.floats(min_value=-50, max_value=50, allow_nan=False),
+)
 
 
 def row_of(vocab: int):
     """A logits row with at least one finite entry (a row banned everywhere has nothing to keep)."""
-    return st.lists(LOGIT, min_size=vocab, max_size=vocab).filter(lambda r: any(v != float("-inf") for v in r))
+    return st.lists(LOGIT, min_size=vocab, max_size=vocab).filter(
+        lambda r: any(v != float("-inf") for v in r)
+    )
 
 
 @st.composite
@@ -40,14 +65,24 @@ def batches(draw, max_rows: int = 4):
     vocab = draw(st.integers(1, 40))
     n = draw(st.integers(1, max_rows))
     rows = [draw(row_of(vocab)) for _ in range(n)]
-    params = [dict(top_p=draw(TOP_P), min_p=draw(MIN_P), temperature=draw(st.sampled_from([1.0, 0.5, 2.0, 1e-4])))
-              for _ in range(n)]
+    params = [
+        dict(
+            top_p=draw(TOP_P),
+            min_p=draw(MIN_P),
+            temperature=draw(st.sampled_from([1.0, 0.5, 2.0, 1e-4])),
+        )
+        for _ in range(n)
+    ]
     return rows, params
 
 
 def _requests(params: list[dict]) -> list[Request]:
-    return [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=4, ignore_eos=True, **p), set(), "m", 4, 64)
-            for i, p in enumerate(params)]
+    return [
+        Request(
+            f"r{i}", [1, 2], SamplingParams(max_tokens=4, ignore_eos=True, **p), set(), "m", 4, 64
+        )
+        for i, p in enumerate(params)
+    ]
 
 
 def _probs(rows: list[list[float]], params: list[dict]) -> torch.Tensor:
@@ -68,7 +103,11 @@ def test_the_top_token_is_always_kept(batch):
         top = torch.tensor(row)
         assert bool(keep[int(top.argmax())]), (row, p, keep)  # the greedy token
         assert bool(keep[top == top.max()].all()), (row, p, keep)  # and every token tied with it
-        assert not bool(keep[top == float("-inf")].any()), (row, p, keep)  # a banned token stays banned
+        assert not bool(keep[top == float("-inf")].any()), (
+            row,
+            p,
+            keep,
+        )  # a banned token stays banned
 
 
 @settings(max_examples=300, deadline=None)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import hypothesis.strategies as st
-import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -25,13 +24,18 @@ def new_scheduler(budget=16, max_seqs=4, chunked=True, caching=True):
 
 
 def make_request(rid, tokens, max_tokens):
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), set(), "m", BS, MAX_LEN)
+    return Request(
+        rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), set(), "m", BS, MAX_LEN
+    )
 
 
 def fake_step(sched: Scheduler, rng: random.Random):
     out = sched.schedule()
-    sampled = {r.request_id: rng.randrange(3) for r in out.requests
-               if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens}
+    sampled = {
+        r.request_id: rng.randrange(3)
+        for r in out.requests
+        if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
+    }
     return out, sched.update_from_output(out, sampled)
 
 
@@ -78,7 +82,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def add(self, length, max_tokens, token):
         rid = f"r{self.n}"
         self.n += 1
-        tokens = [token] * (length // 2) + [self.rng.randrange(3) for _ in range(length - length // 2)]
+        tokens = [token] * (length // 2) + [
+            self.rng.randrange(3) for _ in range(length - length // 2)
+        ]
         self.sched.add_request(make_request(rid, tokens, min(max_tokens, MAX_LEN - length)))
         self.submitted.add(rid)
 

@@ -18,20 +18,32 @@ BS = 4
 
 
 def sched(num_blocks=16, budget=16, max_seqs=4, max_len=64, chunked=True) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, BS), budget, max_seqs, max_len, enable_chunked_prefill=chunked)
+    return Scheduler(
+        KVCacheManager(num_blocks, BS), budget, max_seqs, max_len, enable_chunked_prefill=chunked
+    )
 
 
 def req(rid, n, max_tokens=8, tokens=None, max_len=64, **sp) -> Request:
     tokens = tokens if tokens is not None else [1000 * sum(map(ord, rid)) + i for i in range(n)]
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sp), set(), "m", BS,
-                   max_len)
+    return Request(
+        rid,
+        tokens,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sp),
+        set(),
+        "m",
+        BS,
+        max_len,
+    )
 
 
 def step(s: Scheduler, token=1) -> SchedulerOutput:
     """One step; every request whose scheduled tokens reach its end samples `token`."""
     out = s.schedule()
-    sampled = {r.request_id: token for r in out.requests
-               if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens}
+    sampled = {
+        r.request_id: token
+        for r in out.requests
+        if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
+    }
     s.update_from_output(out, sampled)
     return out
 
@@ -62,7 +74,9 @@ def test_admission_is_fcfs_and_fills_the_budget_exactly():
     for rid, n in (("a", 4), ("b", 6), ("c", 3)):
         s.add_request(req(rid, n))
     out = s.schedule()
-    assert out.num_scheduled_tokens == {"a": 4, "b": 6} and [r.request_id for r in out.requests] == ["a", "b"]
+    assert out.num_scheduled_tokens == {"a": 4, "b": 6} and [
+        r.request_id for r in out.requests
+    ] == ["a", "b"]
     assert out.total_tokens == 10 and [r.request_id for r in s.running] == ["a", "b"]
     assert s.num_waiting == 1 and s.waiting[0].request_id == "c"
     assert all(r.status == RequestStatus.RUNNING for r in s.running)
@@ -96,7 +110,9 @@ def test_a_running_prefill_takes_at_most_the_budget():
     s.add_request(req("a", 10))
     assert step(s).num_scheduled_tokens == {"a": 4}
     assert step(s).num_scheduled_tokens == {"a": 4}
-    assert step(s).num_scheduled_tokens == {"a": 2}  # the rest of the prompt, and a token is sampled
+    assert step(s).num_scheduled_tokens == {
+        "a": 2
+    }  # the rest of the prompt, and a token is sampled
     assert s.requests["a"].num_output_tokens == 1
 
 
@@ -151,7 +167,11 @@ def test_preemption_takes_the_newest_and_admits_nobody_that_step():
     out = step(s)  # a needs a 3rd block: b (newest) is preempted; c is not admitted
     assert out.preempted == ["b"] and out.num_scheduled_tokens == {"a": 1}
     b = s.requests["b"]
-    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert (
+        b.status == RequestStatus.PREEMPTED
+        and b.num_computed_tokens == 0
+        and b.num_preemptions == 1
+    )
     assert s.num_preemptions == 1 and [r.request_id for r in s.waiting] == ["b", "c"]
     assert s.kv.block_table("b") == [] and s.num_running == 1
 
@@ -179,7 +199,11 @@ def test_cached_tokens_are_counted_once_at_first_admission():
     s.requeue(b)  # recompute from scratch: the cached count stays what the client was told
     b.num_cached_tokens = 5
     out = s.schedule()
-    assert b.num_cached_tokens == 5 and b.num_computed_tokens == 8 and out.num_scheduled_tokens == {"b": 2}
+    assert (
+        b.num_cached_tokens == 5
+        and b.num_computed_tokens == 8
+        and out.num_scheduled_tokens == {"b": 2}
+    )
 
 
 def test_an_uncached_first_admission_counts_zero_cached_tokens():
@@ -234,9 +258,13 @@ def test_finish_request_wherever_it_is():
     step(s)
     assert s.finish_request("nobody", RequestStatus.FINISHED_ABORTED) is None
     w = s.finish_request("wait", RequestStatus.FINISHED_ABORTED)
-    assert w.request_id == "wait" and w.status == RequestStatus.FINISHED_ABORTED and s.num_waiting == 0
+    assert (
+        w.request_id == "wait" and w.status == RequestStatus.FINISHED_ABORTED and s.num_waiting == 0
+    )
     r = s.finish_request("run", RequestStatus.FINISHED_STOPPED)
-    assert r.status == RequestStatus.FINISHED_STOPPED and s.num_running == 0 and not s.has_unfinished()
+    assert (
+        r.status == RequestStatus.FINISHED_STOPPED and s.num_running == 0 and not s.has_unfinished()
+    )
     assert s.kv.pool.num_free_blocks == 16 and s.kv.block_table("run") == []
     assert s.finish_request("run", RequestStatus.FINISHED_ABORTED) is None
 
@@ -259,7 +287,9 @@ def test_requeue_sends_the_request_to_the_front_to_recompute():
     step(s)
     a = s.requests["a"]
     s.requeue(a)
-    assert [r.request_id for r in s.waiting] == ["a", "c"] and [r.request_id for r in s.running] == ["b"]
+    assert [r.request_id for r in s.waiting] == ["a", "c"] and [
+        r.request_id for r in s.running
+    ] == ["b"]
     assert a.num_computed_tokens == 0 and a.num_preemptions == 1 and s.num_preemptions == 1
     assert s.kv.block_table("a") == []
     out = s.schedule()  # b decodes; a comes back first (its first block is a prefix hit), c waits

@@ -28,8 +28,14 @@ from kvmesh.engine import LLM, SamplingParams  # noqa: E402
 from tests.engine.conftest import hf_greedy  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-        "acceptance_threshold": 0.0, "disable_by_batch_size": None}  # always draft: the paths get traffic
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+    "acceptance_threshold": 0.0,
+    "disable_by_batch_size": None,
+}  # always draft: the paths get traffic
 # Tiny random models rarely repeat a 2-gram: look up single tokens so drafts are proposed often.
 SPEC_TINY = dict(SPEC, prompt_lookup_min=1, prompt_lookup_max=3)
 
@@ -43,10 +49,16 @@ PASSAGES = [
     "The river rises in the northern hills, flows past three old mills and a stone bridge, and reaches the "
     "sea at a wide estuary where herons fish in the shallow water at low tide.",
 ]
-EDITS = ["changing every 'the' to 'a'", "in the past tense", "adding the word 'quietly' once",
-         "without any change"]
-SYSTEM = ("You are a precise copy editor. You repeat the text you are given with only the edit asked for, "
-          "and you never add comments before or after it.")
+EDITS = [
+    "changing every 'the' to 'a'",
+    "in the past tense",
+    "adding the word 'quietly' once",
+    "without any change",
+]
+SYSTEM = (
+    "You are a precise copy editor. You repeat the text you are given with only the edit asked for, "
+    "and you never add comments before or after it."
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +66,24 @@ def smollm2_copy(smollm2_dir):
     from kvmesh.common.tokenizer import KVMeshTokenizer
 
     tok = KVMeshTokenizer(smollm2_dir)
-    prompts = [tok.encode_chat([{"role": "system", "content": SYSTEM},
-                                {"role": "user", "content": f"Repeat this text {edit}:\n\n{p}"}])
-               for p, edit in zip(PASSAGES, EDITS)]
+    prompts = [
+        tok.encode_chat(
+            [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Repeat this text {edit}:\n\n{p}"},
+            ]
+        )
+        for p, edit in zip(PASSAGES, EDITS)
+    ]
     return smollm2_dir, prompts
 
 
 @pytest.fixture(scope="module")
 def tiny_v256(tmp_path_factory):
-    return {v: str(build_tiny_model(tmp_path_factory.mktemp(v), v)) for v in ("tiny-llama-v256", "tiny-qwen2-v256")}
+    return {
+        v: str(build_tiny_model(tmp_path_factory.mktemp(v), v))
+        for v in ("tiny-llama-v256", "tiny-qwen2-v256")
+    }
 
 
 def tiny_prompts(n: int, seed: int, lo: int = 5, hi: int = 150) -> list[list[int]]:
@@ -76,7 +97,9 @@ def greedy(max_tokens: int, ignore_eos: bool = True, **kw) -> SamplingParams:
 
 def assert_hf(model_dir, prompts, outs, max_tokens, ignore_eos=True):
     for i, (p, o) in enumerate(zip(prompts, outs)):
-        assert o.token_ids == hf_greedy(model_dir, p, max_tokens, ignore_eos), f"prompt {i} diverged"
+        assert o.token_ids == hf_greedy(model_dir, p, max_tokens, ignore_eos), (
+            f"prompt {i} diverged"
+        )
 
 
 def spec_stats(llm: LLM):
@@ -89,9 +112,12 @@ def spec_stats(llm: LLM):
 def test_tiny_greedy_parity(tiny_v256, variant, mode):
     model_dir = tiny_v256[variant]
     prompts = tiny_prompts(12, seed=3)
-    kw = {"batched": dict(num_kv_blocks=512), "chunked": dict(num_kv_blocks=512, max_num_batched_tokens=24),
-          "prefix": dict(num_kv_blocks=512, max_num_batched_tokens=64),
-          "preempt": dict(num_kv_blocks=20, max_num_batched_tokens=256)}[mode]
+    kw = {
+        "batched": dict(num_kv_blocks=512),
+        "chunked": dict(num_kv_blocks=512, max_num_batched_tokens=24),
+        "prefix": dict(num_kv_blocks=512, max_num_batched_tokens=64),
+        "preempt": dict(num_kv_blocks=20, max_num_batched_tokens=256),
+    }[mode]
     if mode == "prefix":
         head = tiny_prompts(1, seed=9, lo=70, hi=70)[0]
         prompts = [head + p[:20] for p in prompts[:6]]
@@ -125,8 +151,13 @@ def test_tiny_greedy_parity_on_every_attention_backend(tiny_v256, backend):
     model_dir = tiny_v256["tiny-llama-v256"]
     head = tiny_prompts(1, seed=9, lo=40, hi=40)[0]
     prompts = [head + p[:20] for p in tiny_prompts(6, seed=3)]
-    llm = LLM(model_dir, speculative_config=SPEC_TINY, attention_backend=backend, num_kv_blocks=256,
-              max_num_batched_tokens=32)
+    llm = LLM(
+        model_dir,
+        speculative_config=SPEC_TINY,
+        attention_backend=backend,
+        num_kv_blocks=256,
+        max_num_batched_tokens=32,
+    )
     assert llm.engine.core.runner.backend.name == backend
     assert_hf(model_dir, prompts[:1], llm.generate(prompts[:1], greedy(40)), 40)
     assert_hf(model_dir, prompts[1:], llm.generate(prompts[1:], greedy(40)), 40)
@@ -138,8 +169,12 @@ def test_tiny_greedy_parity_on_every_attention_backend(tiny_v256, backend):
 @pytest.mark.parametrize("mode", ["batched", "chunked", "prefix", "preempt"])
 def test_smollm2_copy_parity(smollm2_copy, mode):
     model_dir, prompts = smollm2_copy
-    kw = {"batched": dict(num_kv_blocks=512), "chunked": dict(num_kv_blocks=512, max_num_batched_tokens=32),
-          "prefix": dict(num_kv_blocks=512), "preempt": dict(num_kv_blocks=24, max_model_len=384)}[mode]
+    kw = {
+        "batched": dict(num_kv_blocks=512),
+        "chunked": dict(num_kv_blocks=512, max_num_batched_tokens=32),
+        "prefix": dict(num_kv_blocks=512),
+        "preempt": dict(num_kv_blocks=24, max_model_len=384),
+    }[mode]
     llm = LLM(model_dir, speculative_config=SPEC, **kw)
     if mode == "prefix":  # the system prompt's blocks are hits for the later requests
         assert_hf(model_dir, prompts[:1], llm.generate(prompts[:1], greedy(48, False)), 48, False)
@@ -150,7 +185,9 @@ def test_smollm2_copy_parity(smollm2_copy, mode):
         outs = llm.generate(prompts, greedy(48, False))
         assert_hf(model_dir, prompts, outs, 48, False)
     s = spec_stats(llm)
-    assert s.num_accepted_tokens > 0.5 * s.num_draft_tokens > 0  # a real model copies: most are accepted
+    assert (
+        s.num_accepted_tokens > 0.5 * s.num_draft_tokens > 0
+    )  # a real model copies: most are accepted
     assert s.accepted_per_pos[3] > 0  # whole drafts (4 tokens + a bonus) went through
     if mode == "preempt":
         assert llm.stats().num_preemptions > 0
@@ -162,7 +199,11 @@ def test_smollm2_copy_parity(smollm2_copy, mode):
 @pytest.fixture(scope="module")
 def pair(smollm2_copy):
     model_dir, prompts = smollm2_copy
-    return (LLM(model_dir, num_kv_blocks=512), LLM(model_dir, num_kv_blocks=512, speculative_config=SPEC), prompts)
+    return (
+        LLM(model_dir, num_kv_blocks=512),
+        LLM(model_dir, num_kv_blocks=512, speculative_config=SPEC),
+        prompts,
+    )
 
 
 def _same(pair, params: SamplingParams, prompts=None):
@@ -172,7 +213,10 @@ def _same(pair, params: SamplingParams, prompts=None):
     a, b = plain.generate(prompts, params), spec.generate(prompts, params)
     for x, y in zip(a, b):
         assert y.token_ids == x.token_ids and y.text == x.text
-        assert (y.finish_reason, y.outputs[0].stop_reason) == (x.finish_reason, x.outputs[0].stop_reason)
+        assert (y.finish_reason, y.outputs[0].stop_reason) == (
+            x.finish_reason,
+            x.outputs[0].stop_reason,
+        )
     assert spec_stats(spec).num_accepted_tokens > before  # speculation was really at work
     return a, b
 
@@ -198,7 +242,7 @@ def test_stop_string(pair):
     plain, _, prompts = pair
     ref = plain.generate(prompts, greedy(40))
     for prompt, out in zip(prompts, ref):
-        word = out.text[len(out.text) // 2:].split()[1]  # a word from the middle of the copy
+        word = out.text[len(out.text) // 2 :].split()[1]  # a word from the middle of the copy
         a, _ = _same(pair, greedy(40, stop=[word]), [prompt])
         assert a[0].finish_reason == "stop" and word not in a[0].text
 
@@ -225,8 +269,10 @@ def test_logprobs(pair):
             assert math.isclose(p.logprob, q.logprob, abs_tol=1e-3)
 
 
-@pytest.mark.parametrize("penalty", [dict(repetition_penalty=1.05), dict(frequency_penalty=0.2),
-                                     dict(presence_penalty=0.3)])
+@pytest.mark.parametrize(
+    "penalty",
+    [dict(repetition_penalty=1.05), dict(frequency_penalty=0.2), dict(presence_penalty=0.3)],
+)
 def test_penalties(pair, penalty):
     # Penalties fight copying, so drafts are rejected more often; the outputs must still agree.
     _same(pair, greedy(32, **penalty))
@@ -249,8 +295,9 @@ def test_kv_events_and_prefix_cache_never_see_unverified_tokens(smollm2_copy):
             n = core.kv.num_cached_blocks[req.request_id]
             assert n * 16 <= req.num_tokens
             blocks = core.kv.req_blocks[req.request_id][:n]
-            assert [b.key for b in blocks if b.key is not None] == \
-                [k for b, k in zip(blocks, req.block_keys(n)) if b.key is not None]
+            assert [b.key for b in blocks if b.key is not None] == [
+                k for b, k in zip(blocks, req.block_keys(n)) if b.key is not None
+            ]
             finals[req.request_id] = req.all_token_ids
     assert spec_stats(llm).num_draft_tokens > spec_stats(llm).num_accepted_tokens > 0
     assert not [e for e in events if isinstance(e, BlockRemoved)]  # nothing stored was taken back
@@ -261,11 +308,11 @@ def test_kv_events_and_prefix_cache_never_see_unverified_tokens(smollm2_copy):
     chains = {}
     for toks in finals.values():
         for k, key in enumerate(_keys(core, toks)):
-            chains[key] = toks[k * 16:(k + 1) * 16]
+            chains[key] = toks[k * 16 : (k + 1) * 16]
     for e in stored:
         parent = e.parent_block_hash
         for i, key in enumerate(e.block_hashes):
-            toks = e.token_ids[i * 16:(i + 1) * 16]
+            toks = e.token_ids[i * 16 : (i + 1) * 16]
             assert chains.get(key) == toks
             assert block_key(parent if parent is not None else _root(core), toks) == key
             parent = key
@@ -281,7 +328,7 @@ def _root(core):
 def _keys(core, toks):
     keys, parent = [], _root(core)
     for k in range(len(toks) // 16):
-        parent = block_key(parent, toks[k * 16:(k + 1) * 16])
+        parent = block_key(parent, toks[k * 16 : (k + 1) * 16])
         keys.append(parent)
     return keys
 
@@ -305,8 +352,13 @@ def test_low_acceptance_turns_speculation_off_per_request(tiny_v256):
     model_dir = tiny_v256["tiny-llama-v256"]
     prompts = tiny_prompts(4, seed=11, lo=100, hi=150)
     always = LLM(model_dir, num_kv_blocks=512, speculative_config=SPEC_TINY)
-    ruled = LLM(model_dir, num_kv_blocks=512, speculative_config=dict(
-        SPEC_TINY, acceptance_threshold=0.3, acceptance_min_drafts=3, reprobe_interval=8))
+    ruled = LLM(
+        model_dir,
+        num_kv_blocks=512,
+        speculative_config=dict(
+            SPEC_TINY, acceptance_threshold=0.3, acceptance_min_drafts=3, reprobe_interval=8
+        ),
+    )
     a = always.generate(prompts, greedy(96))
     b = ruled.generate(prompts, greedy(96))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
@@ -344,11 +396,15 @@ def test_sampling_distribution_on_the_tiny_model(tmp_path_factory):
     plain = LLM(model_dir, num_kv_blocks=2048, max_num_seqs=600, seed=1)
     prompt = [7] + plain.generate([[7]], greedy(60))[0].token_ids
     params = SamplingParams(n=600, max_tokens=5, temperature=1.0, top_k=4, ignore_eos=True)
-    spec = LLM(model_dir, num_kv_blocks=2048, max_num_seqs=600, seed=2, speculative_config=SPEC_TINY)
+    spec = LLM(
+        model_dir, num_kv_blocks=2048, max_num_seqs=600, seed=2, speculative_config=SPEC_TINY
+    )
     a = plain.generate([prompt], params)[0].outputs
     b = spec.generate([prompt], params)[0].outputs
     s = spec_stats(spec)
     assert 0.9 * s.num_draft_tokens > s.num_accepted_tokens > 200, s
     for pos in range(1, 5):  # position 0 comes from the prompt's step: no drafts there
-        stat, df = _chi2_two_sample(Counter(o.token_ids[pos] for o in a), Counter(o.token_ids[pos] for o in b))
+        stat, df = _chi2_two_sample(
+            Counter(o.token_ids[pos] for o in a), Counter(o.token_ids[pos] for o in b)
+        )
         assert stat < _chi2_critical(df), (pos, stat, df)

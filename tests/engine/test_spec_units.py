@@ -29,20 +29,26 @@ def reference(hist: list[int], k: int, max_n: int, min_n: int, limit: int) -> li
     its most recent occurrence, the k tokens after it (continuing the cycle past the end)."""
     L = len(hist)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
-        suffix = hist[L - n:]
+        suffix = hist[L - n :]
         for end in range(L - 2, n - 2, -1):  # an occurrence ending at `end` < L - 1
-            if hist[end - n + 1:end + 1] == suffix:
+            if hist[end - n + 1 : end + 1] == suffix:
                 start, period = end + 1, L - end - 1
                 return [hist[start + i % period] for i in range(min(k, limit))]
     return []
 
 
 def test_proposer_examples():
-    h = [np.array(x) for x in ([1, 2, 3, 4, 5, 1, 2, 3],   # "1 2 3" recurs: draft what followed
-                               [9, 8, 7, 6],               # nothing recurs
-                               [1, 2, 1, 2, 1, 2],         # a loop: the draft continues it
-                               [5, 6, 7, 5, 6, 7, 8, 5, 6, 7],  # the most recent occurrence wins
-                               [3], [1, 1])]
+    h = [
+        np.array(x)
+        for x in (
+            [1, 2, 3, 4, 5, 1, 2, 3],  # "1 2 3" recurs: draft what followed
+            [9, 8, 7, 6],  # nothing recurs
+            [1, 2, 1, 2, 1, 2],  # a loop: the draft continues it
+            [5, 6, 7, 5, 6, 7, 8, 5, 6, 7],  # the most recent occurrence wins
+            [3],
+            [1, 1],
+        )
+    ]
     assert propose_batch(h, 4, 4, 2) == [[4, 5, 1, 2], [], [1, 2, 1, 2], [8, 5, 6, 7], [], []]
     # prompt_lookup_min=1: a single repeated token is enough.
     assert propose_batch(h, 4, 4, 1)[5] == [1, 1, 1, 1]
@@ -60,7 +66,10 @@ def test_proposer_matches_the_reference_on_random_batches():
         vocab = rng.choice([3, 5, 20])
         k, max_n = rng.randint(1, 5), rng.randint(1, 5)
         min_n = rng.randint(1, max_n)
-        hists = [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(rng.randint(1, 7))]
+        hists = [
+            [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+            for _ in range(rng.randint(1, 7))
+        ]
         limits = [rng.randint(0, 6) for _ in hists]
         got = propose_batch([np.array(h) for h in hists], k, max_n, min_n, limits)
         want = [reference(h, k, max_n, min_n, lim) for h, lim in zip(hists, limits)]
@@ -80,20 +89,34 @@ def test_proposer_keeps_histories_incrementally():
 
 
 # -- config -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("value, field", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method"),
-    ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
-    ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
-    ({"num_speculative_tokens": "3"}, "speculative_config.num_speculative_tokens"),
-    ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "speculative_config.prompt_lookup_max"),
-    ({"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
-     "speculative_config.prompt_lookup_min"),
-    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
-    ({"num_speculative_tokens": 2, "acceptance_threshold": 1.5}, "speculative_config.acceptance_threshold"),
-    ({"num_speculative_tokens": 2, "draft_model": "x"}, "speculative_config.draft_model"),
-    ("{not json", "speculative_config"),
-    ("[1, 2]", "speculative_config"),
-])
+@pytest.mark.parametrize(
+    "value, field",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method"),
+        ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
+        ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+        ({"num_speculative_tokens": "3"}, "speculative_config.num_speculative_tokens"),
+        (
+            {"num_speculative_tokens": 2, "prompt_lookup_max": 0},
+            "speculative_config.prompt_lookup_max",
+        ),
+        (
+            {"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
+            "speculative_config.prompt_lookup_min",
+        ),
+        (
+            {"num_speculative_tokens": 2, "disable_by_batch_size": 0},
+            "speculative_config.disable_by_batch_size",
+        ),
+        (
+            {"num_speculative_tokens": 2, "acceptance_threshold": 1.5},
+            "speculative_config.acceptance_threshold",
+        ),
+        ({"num_speculative_tokens": 2, "draft_model": "x"}, "speculative_config.draft_model"),
+        ("{not json", "speculative_config"),
+        ("[1, 2]", "speculative_config"),
+    ],
+)
 def test_bad_config_names_the_field(value, field):
     with pytest.raises(SpeculativeConfigError) as err:
         SpeculativeConfig.parse(value)
@@ -101,19 +124,27 @@ def test_bad_config_names_the_field(value, field):
 
 
 def test_config_parse_and_defaults():
-    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
+    c = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
+    )
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (3, 5, 2)
     c = SpeculativeConfig.parse({"num_speculative_tokens": 3, "prompt_lookup_min": 6})
     assert (c.prompt_lookup_max, c.prompt_lookup_min) == (6, 6)
     assert SpeculativeConfig.parse(None) is None
-    assert SpeculativeConfig.parse({"num_speculative_tokens": 1, "disable_by_batch_size": None}
-                                   ).disable_by_batch_size is None
+    assert (
+        SpeculativeConfig.parse(
+            {"num_speculative_tokens": 1, "disable_by_batch_size": None}
+        ).disable_by_batch_size
+        is None
+    )
 
 
 # -- the per-request rule and the batch-size rule -----------------------------------------------------
 def _req(rid: str, tokens: list[int], max_tokens: int = 100, **params) -> Request:
     params.setdefault("ignore_eos", True)
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, **params), set(), "m", BS, 256)
+    return Request(
+        rid, tokens, SamplingParams(max_tokens=max_tokens, **params), set(), "m", BS, 256
+    )
 
 
 def _decoding(rid: str, tokens: list[int], **kw) -> Request:
@@ -123,8 +154,14 @@ def _decoding(rid: str, tokens: list[int], **kw) -> Request:
 
 
 def test_low_acceptance_pauses_drafting_then_reprobes():
-    cfg = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, acceptance_threshold=0.5,
-                            acceptance_min_drafts=3, acceptance_ema=0.5, reprobe_interval=4)
+    cfg = SpeculativeConfig(
+        num_speculative_tokens=2,
+        prompt_lookup_min=1,
+        acceptance_threshold=0.5,
+        acceptance_min_drafts=3,
+        acceptance_ema=0.5,
+        reprobe_interval=4,
+    )
     spec = SpecDecoder(cfg, 256)
     r = _decoding("a", [1, 2, 1, 2, 1])
 
@@ -144,7 +181,12 @@ def test_low_acceptance_pauses_drafting_then_reprobes():
     spec.record("a", 2, 2)  # the probe pays: drafting resumes at once
     assert all(drafts_now() for _ in range(5))
     s = spec.stats()
-    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.accepted_per_pos) == (5, 10, 2, [1, 1])
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.accepted_per_pos) == (
+        5,
+        10,
+        2,
+        [1, 1],
+    )
 
 
 def test_good_acceptance_never_pauses():
@@ -158,7 +200,10 @@ def test_good_acceptance_never_pauses():
 
 
 def test_batch_size_rule_and_per_request_room():
-    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, disable_by_batch_size=3), 256)
+    spec = SpecDecoder(
+        SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, disable_by_batch_size=3),
+        256,
+    )
     rs = [_decoding(f"r{i}", [1, 2, 1, 2, 1]) for i in range(3)]
     spec.propose(rs)
     assert all(r.spec_token_ids == [] for r in rs) and spec.num_steps_disabled_by_batch == 1
@@ -178,7 +223,9 @@ def test_batch_size_rule_and_per_request_room():
 
 # -- scheduler and KV manager ------------------------------------------------------------------------
 def _sched(num_blocks: int = 16, budget: int = 32) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, BS, enable_caching=True, enable_events=True), budget, 8, 256)
+    return Scheduler(
+        KVCacheManager(num_blocks, BS, enable_caching=True, enable_events=True), budget, 8, 256
+    )
 
 
 def _prefilled(s: Scheduler, rid: str, prompt: list[int], **kw) -> Request:
@@ -286,8 +333,10 @@ def _chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
     return float(((observed - expected) ** 2 / expected).sum()), len(expected) - 1
 
 
-@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.3, top_k=5),
-                                    dict(temperature=1.0, top_p=0.8)])
+@pytest.mark.parametrize(
+    "params",
+    [dict(temperature=0.8), dict(temperature=1.3, top_k=5), dict(temperature=1.0, top_p=0.8)],
+)
 def test_rejection_sampling_preserves_the_target_distribution(params):
     """Many requests, one verify call: the first emitted token follows p_0, the second (given the
     first draft was accepted) follows p_1, whatever the drafts were."""
@@ -295,8 +344,18 @@ def test_rejection_sampling_preserves_the_target_distribution(params):
     gen = torch.Generator().manual_seed(3)
     row_logits = torch.randn(3, vocab, generator=gen) * 1.5
     sampler = Sampler(seed=11)
-    reqs = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=10, ignore_eos=True, **params), set(), "m", BS, 64)
-            for i in range(n)]
+    reqs = [
+        Request(
+            f"r{i}",
+            [1, 2],
+            SamplingParams(max_tokens=10, ignore_eos=True, **params),
+            set(),
+            "m",
+            BS,
+            64,
+        )
+        for i in range(n)
+    ]
     # Drafts: a likely token, an unlikely one, and one outside top-k/top-p, cycling.
     order = row_logits[0].argsort(descending=True).tolist()
     firsts = [order[0], order[3], order[-1]]
@@ -327,7 +386,15 @@ def test_greedy_verification_is_the_longest_matching_prefix():
     logits = torch.full((4, 10), -5.0)
     for row, tok in enumerate([3, 4, 5, 6]):
         logits[row, tok] = 5.0
-    r = Request("g", [1], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), set(), "m", BS, 64)
+    r = Request(
+        "g",
+        [1],
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        set(),
+        "m",
+        BS,
+        64,
+    )
     assert verify(sampler, logits, [r], [[3, 4, 5]])[0].tokens == [3, 4, 5, 6]  # all + bonus
     assert verify(sampler, logits, [r], [[3, 9, 5]])[0].tokens == [3, 4]  # first mismatch corrected
     assert verify(sampler, logits[:2], [r], [[7]])[0].tokens == [3]
@@ -341,10 +408,16 @@ def test_greedy_verification_equals_step_by_step_sampling_with_penalties_and_min
     vocab = 12
     for trial in range(200):
         params = SamplingParams(
-            max_tokens=50, temperature=0.0, ignore_eos=False, stop_token_ids=[rng.randrange(vocab)],
-            min_tokens=rng.randint(0, 6), repetition_penalty=rng.choice([1.0, 1.5]),
-            frequency_penalty=rng.choice([0.0, 0.7]), presence_penalty=rng.choice([0.0, 0.9]),
-            logit_bias={rng.randrange(vocab): 1.0} if rng.random() < 0.3 else None)
+            max_tokens=50,
+            temperature=0.0,
+            ignore_eos=False,
+            stop_token_ids=[rng.randrange(vocab)],
+            min_tokens=rng.randint(0, 6),
+            repetition_penalty=rng.choice([1.0, 1.5]),
+            frequency_penalty=rng.choice([0.0, 0.7]),
+            presence_penalty=rng.choice([0.0, 0.9]),
+            logit_bias={rng.randrange(vocab): 1.0} if rng.random() < 0.3 else None,
+        )
         prompt = [rng.randrange(vocab) for _ in range(5)]
         req = Request("r", prompt, params, {rng.randrange(vocab)}, "m", BS, 64)
         for _ in range(rng.randint(0, 3)):
@@ -355,10 +428,10 @@ def test_greedy_verification_equals_step_by_step_sampling_with_penalties_and_min
         truth, shadow = [], Request("s", prompt, params, req.eos_token_ids, "m", BS, 64)
         shadow.all_token_ids = list(req.all_token_ids)
         for j in range(k + 1):
-            tok = Sampler()(logits[j:j + 1], [shadow])[0][0]
+            tok = Sampler()(logits[j : j + 1], [shadow])[0][0]
             truth.append(tok)
             shadow.append_token(tok)
         cut = rng.randint(0, k)
         drafts = truth[:cut] + [(t + 1) % vocab for t in truth[cut:k]]
         got = verify(Sampler(), logits, [req], [drafts])[0].tokens
-        assert got == truth[:cut + 1], (trial, drafts, truth)
+        assert got == truth[: cut + 1], (trial, drafts, truth)

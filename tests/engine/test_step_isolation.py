@@ -77,7 +77,9 @@ def test_kv_the_failed_request_never_wrote_is_not_served_from_the_cache(llm, mon
     # the prefix cache.
     prompt = random_prompts(1, 40, 40, seed=5)[0]
     sp = SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=666, ignore_eos=True)
-    expected_667 = clean(llm, [prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=667, ignore_eos=True))
+    expected_667 = clean(
+        llm, [prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=667, ignore_eos=True)
+    )
     batches = inject_fault(monkeypatch, llm, lambda r: r.sampling_params.seed == 666, before=True)
 
     out = llm.generate([prompt], sp)[0]
@@ -86,7 +88,9 @@ def test_kv_the_failed_request_never_wrote_is_not_served_from_the_cache(llm, mon
     assert out.outputs[0].finish_reason == "error"
     assert out.outputs[1].finish_reason == "length" and out.outputs[1].token_ids == expected_667[0]
     assert llm.stats().num_preemptions >= 1  # sample 1 was sent back to recompute
-    again = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=667, ignore_eos=True))[0]
+    again = llm.generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=667, ignore_eos=True)
+    )[0]
     assert again.token_ids == expected_667[0]
     assert llm.stats().kv_cache_usage == 0.0
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (triton.jit reads it)
+os.environ.setdefault(
+    "TRITON_INTERPRET", "1"
+)  # before the kernels are imported (triton.jit reads it)
 
 import math  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
@@ -20,15 +22,19 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-triton = pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
+triton = pytest.importorskip(
+    "triton", reason="triton is not installed (the test extra installs it)"
+)
 
 from kvmesh.engine.attention_backends import PAD_SLOT, TritonBackend, TritonMetadata  # noqa: E402
 from kvmesh.engine.kernels import triton_attention, triton_ops  # noqa: E402
 
 # Interpreted on the CPU, or compiled on a GPU when TRITON_INTERPRET=0 was set before the import.
 DEV = "cpu" if triton_attention.INTERPRET else "cuda"
-pytestmark = pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(),
-                                reason="the kernels were imported without TRITON_INTERPRET=1 and there is no GPU")
+pytestmark = pytest.mark.skipif(
+    DEV == "cuda" and not torch.cuda.is_available(),
+    reason="the kernels were imported without TRITON_INTERPRET=1 and there is no GPU",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -54,13 +60,15 @@ def _reference(q, k_cache, v_cache, rows, tables, scale):
     for (n, ctx), table in zip(rows, tables):
         total = ctx + n
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(total)])
-        keys = k_cache.float().reshape(kv_heads, -1, dim)[:, slots].repeat_interleave(group, 0)  # [H, L, D]
+        keys = (
+            k_cache.float().reshape(kv_heads, -1, dim)[:, slots].repeat_interleave(group, 0)
+        )  # [H, L, D]
         values = v_cache.float().reshape(kv_heads, -1, dim)[:, slots].repeat_interleave(group, 0)
-        qs = q[at:at + n].float().transpose(0, 1)  # [H, n, D]
+        qs = q[at : at + n].float().transpose(0, 1)  # [H, n, D]
         scores = qs @ keys.transpose(1, 2) * scale
         q_pos = torch.arange(ctx, total)[:, None]
         scores = scores.masked_fill(torch.arange(total)[None, :] > q_pos, float("-inf"))
-        out[at:at + n] = (scores.softmax(-1) @ values).transpose(0, 1)
+        out[at : at + n] = (scores.softmax(-1) @ values).transpose(0, 1)
         at += n
     return out
 
@@ -83,11 +91,15 @@ def _mixed_case(bs, dim, group, dtype, specs, seed=0):
     tables, at = [], 0
     for n, c in specs:
         used = -(-(n + c) // bs)
-        tables.append(perm[at:at + used])
+        tables.append(perm[at : at + used])
         at += used
     num_tokens = sum(n for n, _ in specs)
     # q as a strided view into a fused qkv row, as the model passes it.
-    q = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim).to(dtype)[:, :heads * dim].view(num_tokens, heads, dim)
+    q = (
+        torch.randn(num_tokens, (heads + 2 * kv_heads) * dim)
+        .to(dtype)[:, : heads * dim]
+        .view(num_tokens, heads, dim)
+    )
     return q, k_cache, v_cache, tables, heads, kv_heads
 
 
@@ -114,12 +126,15 @@ def step_metadata(backend: TritonBackend, rows: list[tuple[int, int, list[int]]]
 MIXED = [(1, 0), (1, 15), (1, 40), (5, 0), (16, 0), (19, 13), (3, 32), (1, 70), (37, 0)]
 
 
-@pytest.mark.parametrize("bs, dim, group, dtype", [
-    (16, 64, 1, torch.float32),
-    (32, 128, 4, torch.float32),
-    (16, 128, 8, torch.bfloat16),
-    (32, 64, 4, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "bs, dim, group, dtype",
+    [
+        (16, 64, 1, torch.float32),
+        (32, 128, 4, torch.float32),
+        (16, 128, 8, torch.bfloat16),
+        (32, 64, 4, torch.bfloat16),
+    ],
+)
 def test_mixed_batch_matches_reference(bs, dim, group, dtype):
     """One step through the backend's own metadata: decode rows (split-KV) and prefill tiles."""
     q, k_cache, v_cache, tables, heads, kv_heads = _mixed_case(bs, dim, group, dtype, MIXED)
@@ -132,7 +147,7 @@ def test_mixed_batch_matches_reference(bs, dim, group, dtype):
     # depends on the key tile (larger when compiled for a GPU): force two ranges where it does not.
     meta.num_splits = max(meta.num_splits, 2)
     assert meta.num_tiles == sum(-(-n // backend.block_q) for n, _ in MIXED if n > 1)
-    scale = dim ** -0.5
+    scale = dim**-0.5
     got = backend.forward(q, None, None, k_cache, v_cache, meta, scale)
     ref = _reference(q, k_cache, v_cache, MIXED, tables, scale)
     tol = TOL[dtype]
@@ -143,7 +158,9 @@ def test_mixed_batch_matches_reference(bs, dim, group, dtype):
 def test_decode_split_kv_reduction(num_splits):
     """The same decode rows with 1, 3 and 8 key ranges (8 leaves some ranges empty for the short rows)."""
     specs = [(1, 0), (1, 31), (1, 32), (1, 100)]
-    q, k_cache, v_cache, tables, heads, kv_heads = _mixed_case(16, 64, 4, torch.float32, specs, seed=1)
+    q, k_cache, v_cache, tables, heads, kv_heads = _mixed_case(
+        16, 64, 4, torch.float32, specs, seed=1
+    )
     backend = TritonBackend(_config(heads, kv_heads), 16, torch.device(DEV))
     meta = step_metadata(backend, [(n, c, t) for (n, c), t in zip(specs, tables)])
     meta.num_splits = num_splits
@@ -155,7 +172,9 @@ def test_decode_split_kv_reduction(num_splits):
 def test_decode_padding_rows_give_zeros_and_read_nothing():
     """A context of length 0 (a CUDA-graph padding row, block table all zeros) yields zeros, not NaN."""
     specs = [(1, 20), (1, 0)]
-    q, k_cache, v_cache, tables, heads, kv_heads = _mixed_case(16, 64, 1, torch.float32, specs, seed=2)
+    q, k_cache, v_cache, tables, heads, kv_heads = _mixed_case(
+        16, 64, 1, torch.float32, specs, seed=2
+    )
     backend = TritonBackend(_config(heads, kv_heads), 16, torch.device(DEV))
     lens = np.array([21, 0])
     meta = backend.decode_metadata(padded_tables([tables[0], [0]], lens, 16), lens)
@@ -208,19 +227,32 @@ def test_rotary_store_matches_torch_path(dtype):
     ref_qkv = qkv.clone()
     k_cache = torch.zeros(kv_heads, blocks, bs, dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    triton_ops.rotary_qk_store_kv_(qkv, positions, cos, sin, heads, kv_heads, dim, k_cache, v_cache, slots)
+    triton_ops.rotary_qk_store_kv_(
+        qkv, positions, cos, sin, heads, kv_heads, dim, k_cache, v_cache, slots
+    )
 
     q, k, v = ref_qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]  # fp32 tables, rotated in fp32
     q_ref = _rotate(q.view(-1, heads, dim).float(), c, s).to(dtype)
     k_ref = _rotate(k.view(-1, kv_heads, dim).float(), c, s).to(dtype)
     ref_k_cache, ref_v_cache = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    write_kv(ref_k_cache, ref_v_cache, k_ref, v.view(-1, kv_heads, dim),
-             AttentionMetadata(slots=slots, decode_indices=None, decode_block_tables=None, decode_mask=None,
-                               prefills=[]))
+    write_kv(
+        ref_k_cache,
+        ref_v_cache,
+        k_ref,
+        v.view(-1, kv_heads, dim),
+        AttentionMetadata(
+            slots=slots,
+            decode_indices=None,
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=[],
+        ),
+    )
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: within an ulp (see BF16_NOTE)
-    assert torch.allclose(qkv[:, :heads * dim].float(), q_ref.reshape(len(positions), -1).float(),
-                          atol=tol, rtol=tol)
+    assert torch.allclose(
+        qkv[:, : heads * dim].float(), q_ref.reshape(len(positions), -1).float(), atol=tol, rtol=tol
+    )
     assert torch.allclose(k_cache.float(), ref_k_cache.float(), atol=tol, rtol=tol)
     assert torch.equal(v_cache, ref_v_cache)
 
@@ -258,15 +290,17 @@ def test_prefill_tile_reads_only_its_causal_keys():
     """Slots past the last query's position hold NaN: a tile that read them would return NaN."""
     bs, dim = 16, 64
     specs = [(20, 5)]
-    q, k_cache, v_cache, tables, heads, kv_heads = _mixed_case(bs, dim, 1, torch.float32, specs, seed=3)
+    q, k_cache, v_cache, tables, heads, kv_heads = _mixed_case(
+        bs, dim, 1, torch.float32, specs, seed=3
+    )
     flat_k = k_cache.view(kv_heads, -1, dim)
     table = tables[0]
     backend = TritonBackend(_config(heads, kv_heads), bs, torch.device(DEV))
     meta = step_metadata(backend, [(20, 5, table)])
-    ref = _reference(q, k_cache, v_cache, specs, tables, dim ** -0.5)
+    ref = _reference(q, k_cache, v_cache, specs, tables, dim**-0.5)
     # Rows past the context (slot 25 .. end of its last block) are never part of any query's keys.
     for p in range(25, len(table) * bs):
         flat_k[:, table[p // bs] * bs + p % bs] = float("nan")
-    got = backend.forward(q, None, None, k_cache, v_cache, meta, dim ** -0.5)
+    got = backend.forward(q, None, None, k_cache, v_cache, meta, dim**-0.5)
     assert not math.isnan(got.sum().item())
     assert torch.allclose(got, ref, atol=2e-5)

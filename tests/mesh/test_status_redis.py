@@ -9,7 +9,9 @@ from kvmesh.common import redis_layout as rl
 from kvmesh.mesh import status
 
 
-def test_status_reads_in_batches_and_stops_at_its_limit(redis_server, model_name, capsys, monkeypatch):
+def test_status_reads_in_batches_and_stops_at_its_limit(
+    redis_server, model_name, capsys, monkeypatch
+):
     r = redis_server.client()
     hb = rl.Heartbeat(pod="pod-a", url="http://10.0.0.1:8000", model=model_name)
     r.hset(rl.heartbeat_key(model_name, "pod-a"), mapping=hb.to_mapping())
@@ -25,7 +27,9 @@ def test_status_reads_in_batches_and_stops_at_its_limit(redis_server, model_name
     monkeypatch.setattr(redis.client.Pipeline, "execute", counting_execute)
     rows = status.collect(redis_server.url, model_name)
     assert len(rows) == 1501 and round_trips and max(round_trips) <= rl.READ_BATCH
-    assert len(round_trips) <= 2 * -(-1501 // rl.READ_BATCH)  # heartbeats, then block-set sizes, per batch
+    assert len(round_trips) <= 2 * -(
+        -1501 // rl.READ_BATCH
+    )  # heartbeats, then block-set sizes, per batch
     row = next(x for x in rows if x["pod"] == "pod-a")
     assert (row["state"], row["blocks_indexed"]) == ("ready", 2)
     assert {x["state"] for x in rows if x["pod"] != "pod-a"} == {"gone"}

@@ -30,8 +30,11 @@ def test_exit_status_names_the_signal():
 
 
 def test_a_crashing_child_is_restarted_after_a_growing_backoff_then_given_up(capsys):
-    child = Child("worker", _exits(3), policy=RestartPolicy(backoff=1.0, backoff_max=2.0, stable_after=60,
-                                                            max_restarts=3)).start()
+    child = Child(
+        "worker",
+        _exits(3),
+        policy=RestartPolicy(backoff=1.0, backoff_max=2.0, stable_after=60, max_restarts=3),
+    ).start()
     try:
         delays = []
         for _ in range(3):
@@ -53,15 +56,21 @@ def test_a_crashing_child_is_restarted_after_a_growing_backoff_then_given_up(cap
         child.terminate()
         child.wait(5)
     out = capsys.readouterr().out
-    assert "[up] worker exited (exit code 3) after 0.1s; restarting it in 1s (restart 1 in a row)" in out
+    assert (
+        "[up] worker exited (exit code 3) after 0.1s; restarting it in 1s (restart 1 in a row)"
+        in out
+    )
     assert "restarting it in 2s (restart 2 in a row)" in out
     assert "restarting it in 2s (restart 3 in a row)" in out
     assert "restarted 3 times in a row: giving up on it" in out
 
 
 def test_a_stable_run_starts_the_backoff_over(capsys):
-    child = Child("worker", _exits(1), policy=RestartPolicy(backoff=1.0, backoff_max=30, stable_after=5,
-                                                            max_restarts=2)).start()
+    child = Child(
+        "worker",
+        _exits(1),
+        policy=RestartPolicy(backoff=1.0, backoff_max=30, stable_after=5, max_restarts=2),
+    ).start()
     try:
         for _ in range(4):  # more exits than max_restarts, each after a stable run: never given up
             _exited(child)

@@ -24,8 +24,23 @@ class UpProcess:
         self.state = tmp_path / "up.json"
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(self.port), "--state-file", str(self.state),
-             *extra], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "kvmesh.cli",
+                "up",
+                "--port",
+                str(self.port),
+                "--state-file",
+                str(self.state),
+                *extra,
+            ],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self):
@@ -37,8 +52,13 @@ class UpProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_up(self, timeout: float):
-        wait_until(lambda: any("kvmesh is up" in line for line in self.lines) or self.proc.poll() is not None,
-                   timeout, msg="kvmesh up")
+        wait_until(
+            lambda: (
+                any("kvmesh is up" in line for line in self.lines) or self.proc.poll() is not None
+            ),
+            timeout,
+            msg="kvmesh up",
+        )
         assert self.proc.poll() is None, "\n".join(self.lines[-50:])
 
     def stop(self) -> int:
@@ -54,17 +74,36 @@ def test_up_with_stub_engines_serves_reports_status_and_shuts_down(tmp_path):
         from openai import OpenAI
 
         client = OpenAI(base_url=up.url + "/v1", api_key="unused")
-        msgs = [{"role": "system", "content": "You are a helpful assistant. " * 10}, {"role": "user", "content": "Hi"}]
+        msgs = [
+            {"role": "system", "content": "You are a helpful assistant. " * 10},
+            {"role": "user", "content": "Hi"},
+        ]
         first = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs)
         assert first.choices[0].message.content
-        wait_until(lambda: json.loads(_status(up, "--json"))["replicas"][0]["blocks_indexed"] +
-                   json.loads(_status(up, "--json"))["replicas"][1]["blocks_indexed"] > 0, 10, msg="indexed")
+        wait_until(
+            lambda: (
+                json.loads(_status(up, "--json"))["replicas"][0]["blocks_indexed"]
+                + json.loads(_status(up, "--json"))["replicas"][1]["blocks_indexed"]
+                > 0
+            ),
+            10,
+            msg="indexed",
+        )
         second = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs)
-        assert second.usage.prompt_tokens_details.cached_tokens > 0  # routed to the replica holding the prefix
+        assert (
+            second.usage.prompt_tokens_details.cached_tokens > 0
+        )  # routed to the replica holding the prefix
         table = _status(up)
         assert "replica-0" in table and "replica-1" in table and "HIT RATE" in table
-        rows = wait_until(lambda: [r for r in [json.loads(_status(up, "--json"))["replicas"]]
-                                   if any((x["prefix_hit_rate"] or 0) > 0 for x in r)], 5, msg="hit rate")[0]
+        rows = wait_until(
+            lambda: [
+                r
+                for r in [json.loads(_status(up, "--json"))["replicas"]]
+                if any((x["prefix_hit_rate"] or 0) > 0 for x in r)
+            ],
+            5,
+            msg="hit rate",
+        )[0]
         assert {r["state"] for r in rows} == {"ready"}
         prefixes = {line.split("]")[0] + "]" for line in up.lines if line.startswith("[")}
         assert {"[up]", "[router]", "[engine-0]", "[sidecar-1]"} <= prefixes
@@ -86,8 +125,16 @@ def test_up_restarts_a_crashed_engine(tmp_path):
 
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: any("engine-0 exited" in line for line in up.lines), 10)
-        wait_until(lambda: httpx.post(up.url + "/v1/completions", json={"prompt": "hello"}, timeout=5).status_code
-                   == 200, 30, msg="served again after restart")
+        wait_until(
+            lambda: (
+                httpx.post(
+                    up.url + "/v1/completions", json={"prompt": "hello"}, timeout=5
+                ).status_code
+                == 200
+            ),
+            30,
+            msg="served again after restart",
+        )
     finally:
         assert up.stop() == 0
 
@@ -98,14 +145,22 @@ def _engine_url(up, i):
 
 
 def _status(up, *extra) -> str:
-    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "status", "--state-file", str(up.state), *extra],
-                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "status", "--state-file", str(up.state), *extra],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _engine_importable(), reason="the engine server (kvmesh.engine.server) is not available yet")
+@pytest.mark.skipif(
+    not _engine_importable(), reason="the engine server (kvmesh.engine.server) is not available yet"
+)
 def test_up_with_the_real_engine(tmp_path):
     """The real thing: two `kvmesh serve` replicas of the built-in model behind the router."""
     up = UpProcess(tmp_path, "--replicas", "2")
@@ -114,15 +169,32 @@ def test_up_with_the_real_engine(tmp_path):
         from openai import OpenAI
 
         client = OpenAI(base_url=up.url + "/v1", api_key="unused")
-        msgs = [{"role": "system", "content": "You are a concise assistant who answers in one sentence. " * 6},
-                {"role": "user", "content": "What is a KV cache?"}]
-        first = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=8)
+        msgs = [
+            {
+                "role": "system",
+                "content": "You are a concise assistant who answers in one sentence. " * 6,
+            },
+            {"role": "user", "content": "What is a KV cache?"},
+        ]
+        first = client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=msgs, max_tokens=8
+        )
         assert first.choices[0].message.content is not None
-        wait_until(lambda: sum(r["blocks_indexed"] for r in json.loads(_status(up, "--json"))["replicas"]) > 0, 20)
-        second = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=8)
+        wait_until(
+            lambda: (
+                sum(r["blocks_indexed"] for r in json.loads(_status(up, "--json"))["replicas"]) > 0
+            ),
+            20,
+        )
+        second = client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=msgs, max_tokens=8
+        )
         assert second.usage.prompt_tokens_details.cached_tokens > 0
-        chunks = list(client.completions.create(model="smollm2-135m-instruct", prompt="Once upon a time",
-                                                max_tokens=8, stream=True))
+        chunks = list(
+            client.completions.create(
+                model="smollm2-135m-instruct", prompt="Once upon a time", max_tokens=8, stream=True
+            )
+        )
         assert chunks
         # The router's figures are values only a real prefix hit produces (the metrics themselves are
         # registered at start-up): the engine's reported cached tokens, summed, and the router's
@@ -134,7 +206,10 @@ def test_up_with_the_real_engine(tmp_path):
         for name, labels, value in parse_prometheus(httpx.get(up.url + "/metrics", timeout=5).text):
             key = name + (f"{{reason={labels['reason']}}}" if "reason" in labels else "")
             totals[key] = totals.get(key, 0.0) + value
-        cached = first.usage.prompt_tokens_details.cached_tokens + second.usage.prompt_tokens_details.cached_tokens
+        cached = (
+            first.usage.prompt_tokens_details.cached_tokens
+            + second.usage.prompt_tokens_details.cached_tokens
+        )
         assert cached > 0
         assert totals["kvmesh_router_engine_cached_tokens_total"] == cached
         assert totals["kvmesh_router_predicted_cached_tokens_total"] == cached
@@ -144,13 +219,39 @@ def test_up_with_the_real_engine(tmp_path):
 
 
 def test_up_autoscale_adds_a_replica_under_kv_pressure(tmp_path):
-    up = UpProcess(tmp_path, "--replicas", "1", "--engine-command", "stub", "--engine-args", "--num-blocks 8",
-                   "--autoscale", "--min-replicas", "1", "--max-replicas", "2", "--target-kv-usage", "0.5",
-                   "--scale-interval", "0.5", "--scale-up-window", "0.5")
+    up = UpProcess(
+        tmp_path,
+        "--replicas",
+        "1",
+        "--engine-command",
+        "stub",
+        "--engine-args",
+        "--num-blocks 8",
+        "--autoscale",
+        "--min-replicas",
+        "1",
+        "--max-replicas",
+        "2",
+        "--target-kv-usage",
+        "0.5",
+        "--scale-interval",
+        "0.5",
+        "--scale-up-window",
+        "0.5",
+    )
     try:
         up.wait_up(60)
-        assert httpx.post(up.url + "/v1/completions", json={"prompt": "word " * 200}, timeout=10).status_code == 200
+        assert (
+            httpx.post(
+                up.url + "/v1/completions", json={"prompt": "word " * 200}, timeout=10
+            ).status_code
+            == 200
+        )
         wait_until(lambda: any("adding a replica" in line for line in up.lines), 20, msg="scale up")
-        wait_until(lambda: len(json.loads(_status(up, "--json"))["replicas"]) == 2, 30, msg="second replica")
+        wait_until(
+            lambda: len(json.loads(_status(up, "--json"))["replicas"]) == 2,
+            30,
+            msg="second replica",
+        )
     finally:
         assert up.stop() == 0

@@ -62,11 +62,18 @@ class SharedMesh:
 def shared(tmp_path_factory):
     model = build_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "m", "tiny-llama-plain")
     cfg = UpRestartConfig(
-        workers=3, requests_after=6, back_timeout=ENGINE_BACK_S,
-        mesh=UpConfig(replicas=2, engine_model=str(model), model="tiny",
-                      engine_args=["--num-kv-blocks", "16384"],  # 128 MiB: no evictions
-                      # plain torch ops: a restart never waits for a build of the CPU kernels
-                      env={"KVMESH_CPU_KERNELS": "0"}))
+        workers=3,
+        requests_after=6,
+        back_timeout=ENGINE_BACK_S,
+        mesh=UpConfig(
+            replicas=2,
+            engine_model=str(model),
+            model="tiny",
+            engine_args=["--num-kv-blocks", "16384"],  # 128 MiB: no evictions
+            # plain torch ops: a restart never waits for a build of the CPU kernels
+            env={"KVMESH_CPU_KERNELS": "0"},
+        ),
+    )
     s = SharedMesh(cfg)
     yield s
     s.close()
@@ -82,15 +89,21 @@ def _assert_no_failure_beyond_own(rep: UpRestart) -> None:
 def _router_resumed(shared) -> float:
     """The router's kvmesh_router_resumed_requests_total, every phase summed."""
     text = shared.run(shared.get().http.get(shared.get().url + "/metrics")).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("kvmesh_router_resumed_requests_total"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvmesh_router_resumed_requests_total")
+    )
 
 
 def test_engine_sigkill_loses_nothing_its_streams_go_on_elsewhere_and_it_is_routable_again(shared):
     resumed_before = _router_resumed(shared)
     rep = shared.restart("engine SIGKILL", "engine-0", signal.SIGKILL)
     _assert_no_failure_beyond_own(rep)
-    assert "engine-0 exited (killed by SIGKILL)" in rep.exit_logged and "restarting it in" in rep.exit_logged
+    assert (
+        "engine-0 exited (killed by SIGKILL)" in rep.exit_logged
+        and "restarting it in" in rep.exit_logged
+    )
     assert rep.back_after_s is not None and rep.back_after_s < ENGINE_BACK_S, rep.line()
     mid = [r for r in rep.in_flight_at_kill if r.tokens >= 1]
     assert mid, "no stream was mid-way on the killed engine: the fault tested nothing"
@@ -98,7 +111,9 @@ def test_engine_sigkill_loses_nothing_its_streams_go_on_elsewhere_and_it_is_rout
     # ids its client received): nothing fails, not even the killed engine's own streams.
     assert [r.short() for r in rep.failed] == [], rep.line()
     assert all(r.ok for r in mid), [r.short() for r in mid]
-    assert _router_resumed(shared) - resumed_before >= len(mid), "the streams completed without a resume"
+    assert _router_resumed(shared) - resumed_before >= len(mid), (
+        "the streams completed without a resume"
+    )
 
 
 def test_engine_sigterm_drains_loses_nothing_and_is_routable_again(shared):
@@ -127,7 +142,9 @@ def test_router_sigkill_fails_only_its_in_flight_requests_and_comes_back(shared)
     assert rep.in_flight_at_kill, "no request was in flight on the killed router"
     # Every request after the new router listens succeeds (failed_beyond covers them): only
     # those it held when it died, or that found no router listening, failed.
-    assert all(r.kind in ("truncated", "reset", "refused") for r in rep.own), [r.short() for r in rep.own]
+    assert all(r.kind in ("truncated", "reset", "refused") for r in rep.own), [
+        r.short() for r in rep.own
+    ]
 
 
 def test_redis_sigkill_fails_nothing_and_the_sidecars_restore_the_index(shared):

@@ -28,15 +28,30 @@ def _gone(pid: int) -> bool:
 
 
 def test_ctrl_c_stops_the_mesh_at_once_while_the_router_waits_out_its_backoff(tmp_path):
-    up = UpProcess(tmp_path, "--replicas", "1", "--engine-command", "stub", "--restart-backoff", "60",
-                   "--restart-backoff-max", "60")
+    up = UpProcess(
+        tmp_path,
+        "--replicas",
+        "1",
+        "--engine-command",
+        "stub",
+        "--restart-backoff",
+        "60",
+        "--restart-backoff-max",
+        "60",
+    )
     try:
         up.wait_up(60)
         pids = _processes(up)
         assert set(pids) == {"redis", "router", "engine-0", "sidecar-0"}
         os.kill(pids["router"], signal.SIGKILL)
-        wait_until(lambda: any("[up] router exited (killed by SIGKILL)" in line and "restarting it in 60s" in line
-                               for line in up.lines), 10, msg="the router's exit and back-off logged")
+        wait_until(
+            lambda: any(
+                "[up] router exited (killed by SIGKILL)" in line and "restarting it in 60s" in line
+                for line in up.lines
+            ),
+            10,
+            msg="the router's exit and back-off logged",
+        )
         assert up.proc.poll() is None  # the mesh does not stop because its router died
         t0 = time.monotonic()
         up.proc.send_signal(signal.SIGINT)
@@ -53,8 +68,18 @@ def test_ctrl_c_stops_the_mesh_at_once_while_the_router_waits_out_its_backoff(tm
 
 
 def test_a_router_that_keeps_crashing_stops_the_mesh(tmp_path):
-    up = UpProcess(tmp_path, "--replicas", "1", "--engine-command", "stub", "--router-args=--no-such-flag",
-                   "--restart-backoff", "0.1", "--max-restarts", "2")
+    up = UpProcess(
+        tmp_path,
+        "--replicas",
+        "1",
+        "--engine-command",
+        "stub",
+        "--router-args=--no-such-flag",
+        "--restart-backoff",
+        "0.1",
+        "--max-restarts",
+        "2",
+    )
     try:
         rc = up.proc.wait(120)
     finally:
@@ -72,11 +97,30 @@ def test_a_router_that_keeps_crashing_stops_the_mesh(tmp_path):
 
 
 def test_up_rejects_bad_restart_settings(tmp_path):
-    for flags, message in ((["--restart-backoff", "2", "--restart-backoff-max", "1"],
-                            "--restart-backoff-max must be >= --restart-backoff"),
-                           (["--max-restarts", "-1"], "--max-restarts must be >= 0")):
-        out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "up", "--engine-command", "stub", *flags,
-                              "--state-file", str(tmp_path / "up.json")],
-                             cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60)
+    for flags, message in (
+        (
+            ["--restart-backoff", "2", "--restart-backoff-max", "1"],
+            "--restart-backoff-max must be >= --restart-backoff",
+        ),
+        (["--max-restarts", "-1"], "--max-restarts must be >= 0"),
+    ):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvmesh.cli",
+                "up",
+                "--engine-command",
+                "stub",
+                *flags,
+                "--state-file",
+                str(tmp_path / "up.json"),
+            ],
+            cwd=ROOT,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode != 0 and message in out.stdout + out.stderr
         assert not (tmp_path / "up.json").exists()

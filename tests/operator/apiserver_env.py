@@ -11,8 +11,20 @@ import threading
 from typing import Any
 
 from kvmesh_testing.controlplane import (  # noqa: F401 - re-exported for the operator's suites
-    ADMIN_USER, ASSETS_ENV, DEFAULT_ASSETS_ROOT, KINDS, Assets, ControlPlane, Proc, find_assets, find_environment,
-    make_pki, path, register_kind, wait_for)
+    ADMIN_USER,
+    ASSETS_ENV,
+    DEFAULT_ASSETS_ROOT,
+    KINDS,
+    Assets,
+    ControlPlane,
+    Proc,
+    find_assets,
+    find_environment,
+    make_pki,
+    path,
+    register_kind,
+    wait_for,
+)
 
 
 class LogCapture(logging.Handler):
@@ -30,9 +42,13 @@ class LogCapture(logging.Handler):
 
     def messages(self, level: int = logging.WARNING) -> list[str]:
         with self._lock2:
-            return [f"{r.name} {r.levelname}: {r.getMessage()}" for r in self.records if r.levelno >= level]
+            return [
+                f"{r.name} {r.levelname}: {r.getMessage()}"
+                for r in self.records
+                if r.levelno >= level
+            ]
 
-    def __enter__(self) -> "LogCapture":
+    def __enter__(self) -> LogCapture:
         for name in self.names:
             logging.getLogger(name).addHandler(self)
         return self
@@ -61,14 +77,24 @@ class OperatorThread:
 
         def main() -> None:
             try:
-                asyncio.run(run_operator(self.config, namespaces=self.namespaces, stop_flag=self.stop_flag,
-                                         ready_flag=ready))
+                asyncio.run(
+                    run_operator(
+                        self.config,
+                        namespaces=self.namespaces,
+                        stop_flag=self.stop_flag,
+                        ready_flag=ready,
+                    )
+                )
             except BaseException as exc:  # surfaced by start()/stop()
                 self.error = exc
 
         self.thread = threading.Thread(target=main, name="kopf-operator", daemon=True)
         self.thread.start()
-        wait_for(lambda: ready.is_set() or self.error is not None, timeout=timeout, message="operator ready")
+        wait_for(
+            lambda: ready.is_set() or self.error is not None,
+            timeout=timeout,
+            message="operator ready",
+        )
         if self.error is not None:
             raise self.error
 

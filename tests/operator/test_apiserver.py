@@ -21,9 +21,17 @@ from typing import Any
 import httpx
 import pytest
 
-from kvmesh.operator import crd, render, spec as specs
-from tests.operator.apiserver_env import (ControlPlane, LogCapture, OperatorThread, find_environment, path,
-                                          register_kind, wait_for)
+from kvmesh.operator import crd, render
+from kvmesh.operator import spec as specs
+from tests.operator.apiserver_env import (
+    ControlPlane,
+    LogCapture,
+    OperatorThread,
+    find_environment,
+    path,
+    register_kind,
+    wait_for,
+)
 from tests.operator.test_render import CASES as RENDER_CASES
 
 ASSETS, SKIP_REASON = find_environment()
@@ -33,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NS = "kvmesh-e2e"
 OPERATOR_NS, OPERATOR_SA = "kvmesh-system", "kvmesh-operator"
 MD = crd.KIND
-HEAL_TIMEOUT = 15.0      # "within seconds": a watch on the children, or the periodic resync
+HEAL_TIMEOUT = 15.0  # "within seconds": a watch on the children, or the periodic resync
 GC_TIMEOUT = 30.0
 
 register_kind(MD, crd.API_VERSION, crd.PLURAL)
@@ -47,10 +55,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     cp = ControlPlane(ASSETS, tmp_path_factory.mktemp("apiserver"))
     try:
         cp.start()
-        cp.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NS}}).raise_for_status()
+        cp.apply(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NS}}
+        ).raise_for_status()
         # The engine and router pods must pass the "restricted" Pod Security level.
-        cp.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {
-            "name": NS, "labels": {"pod-security.kubernetes.io/enforce": "restricted"}}}).raise_for_status()
+        cp.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {
+                    "name": NS,
+                    "labels": {"pod-security.kubernetes.io/enforce": "restricted"},
+                },
+            }
+        ).raise_for_status()
         cp.apply_file(ROOT / "manifests" / "crd.yaml")
         cp.apply_file(ROOT / "manifests" / "rbac.yaml")
         wait_for(lambda: _established(cp), timeout=30, message="CRD Established")
@@ -73,16 +91,22 @@ def operator_logs() -> Iterator[LogCapture]:
 
 
 @pytest.fixture(scope="module")
-def operator(cluster: ControlPlane, redis_url: str, operator_logs: LogCapture) -> Iterator[OperatorThread]:
+def operator(
+    cluster: ControlPlane, redis_url: str, operator_logs: LogCapture
+) -> Iterator[OperatorThread]:
     """The real operator, cluster-wide, authenticated with a TokenRequest token of the
     kvmesh-operator ServiceAccount: only the ClusterRole of manifests/rbac.yaml applies."""
     from kvmesh.operator.apply import Connection
     from kvmesh.operator.memo import OperatorConfig
 
     token = cluster.request_token(OPERATOR_NS, OPERATOR_SA)
-    config = OperatorConfig(connection=Connection(server=cluster.server, token=token, ca_path=cluster.ca_path),
-                            status_interval=1.0, managed_redis_url=redis_url, api_retries=3,
-                            rejected_retry_delay=5.0)
+    config = OperatorConfig(
+        connection=Connection(server=cluster.server, token=token, ca_path=cluster.ca_path),
+        status_interval=1.0,
+        managed_redis_url=redis_url,
+        api_retries=3,
+        rejected_retry_delay=5.0,
+    )
     runner = OperatorThread(config)
     runner.start()
     try:
@@ -98,8 +122,12 @@ def api(cluster: ControlPlane) -> httpx.Client:
 
 
 def md_body(name: str, **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": crd.API_VERSION, "kind": MD, "metadata": {"name": name, "namespace": NS},
-            "spec": {"model": {"builtin": "smollm2-135m-instruct"}, **spec}}
+    return {
+        "apiVersion": crd.API_VERSION,
+        "kind": MD,
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"model": {"builtin": "smollm2-135m-instruct"}, **spec},
+    }
 
 
 def create_md(api: httpx.Client, name: str, **spec: Any) -> dict[str, Any]:
@@ -112,16 +140,21 @@ def expected_children(md: dict[str, Any]) -> list[tuple[str, str]]:
     """(kind, name) of every child the operator makes for the server's (defaulted) object:
     the rendered ones and the generated credential Secrets."""
     spec = specs.apply_defaults(dict(md["spec"]))
-    return ([(c["kind"], c["metadata"]["name"]) for c in render.render_children(md, spec)]
-            + [("Secret", n) for n in render.generated_secret_names(md["metadata"]["name"], spec)])
+    return [(c["kind"], c["metadata"]["name"]) for c in render.render_children(md, spec)] + [
+        ("Secret", n) for n in render.generated_secret_names(md["metadata"]["name"], spec)
+    ]
 
 
 def redis_url_secret(md: dict[str, Any]) -> str:
     """The Secret holding the Redis URL the pods use."""
-    return render.redis_secret_ref(md["metadata"]["name"], specs.apply_defaults(dict(md["spec"])))[0]
+    return render.redis_secret_ref(md["metadata"]["name"], specs.apply_defaults(dict(md["spec"])))[
+        0
+    ]
 
 
-def wait_children(cluster: ControlPlane, md: dict[str, Any], timeout: float = 20.0) -> dict[tuple[str, str], dict]:
+def wait_children(
+    cluster: ControlPlane, md: dict[str, Any], timeout: float = 20.0
+) -> dict[tuple[str, str], dict]:
     wanted = expected_children(md)
 
     def check() -> dict[tuple[str, str], dict] | None:
@@ -139,6 +172,7 @@ def md_conditions(cluster: ControlPlane, name: str) -> dict[str, dict[str, Any]]
 
 
 # --- the CRD itself ---------------------------------------------------------------------------
+
 
 def test_crd_is_established_with_a_structural_schema(cluster: ControlPlane) -> None:
     obj = cluster.get("CustomResourceDefinition", None, crd.CRD_NAME)
@@ -164,27 +198,55 @@ def test_server_defaults_a_minimal_spec(api: httpx.Client) -> None:
 
 
 REJECTED = [
-    pytest.param({"engine": {"drainTimeoutSeconds": 50, "preStopSleepSeconds": 10,
-                             "terminationGracePeriodSeconds": 60}},
-                 "spec.engine", "drainTimeoutSeconds + preStopSleepSeconds must be less than "
-                                "terminationGracePeriodSeconds", id="drain-plus-prestop-reaches-grace"),
-    pytest.param({"engine": {"drainTimeoutSeconds": 58, "terminationGracePeriodSeconds": 60}},
-                 "spec.engine", "drainTimeoutSeconds + preStopSleepSeconds must be less than "
-                                "terminationGracePeriodSeconds", id="drain-plus-default-prestop"),
-    pytest.param({"autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
-                 "spec.autoscaling", "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
-                 id="min-above-max"),
-    pytest.param({"redis": {"mode": "external"}}, "spec.redis", "external Redis needs a url or a secretRef",
-                 id="external-redis-without-url"),
-    pytest.param({"redis": {"mode": "external", "url": "redis://:hunter2@redis.example:6379/0"}},
-                 "spec.redis", "redis.url must not carry credentials", id="redis-url-with-password"),
-    pytest.param({"model": {"builtin": "smollm2-135m-instruct", "huggingFace": {"repoId": "a/b"}}},
-                 "spec.model", "set exactly one model source", id="two-model-sources"),
+    pytest.param(
+        {
+            "engine": {
+                "drainTimeoutSeconds": 50,
+                "preStopSleepSeconds": 10,
+                "terminationGracePeriodSeconds": 60,
+            }
+        },
+        "spec.engine",
+        "drainTimeoutSeconds + preStopSleepSeconds must be less than terminationGracePeriodSeconds",
+        id="drain-plus-prestop-reaches-grace",
+    ),
+    pytest.param(
+        {"engine": {"drainTimeoutSeconds": 58, "terminationGracePeriodSeconds": 60}},
+        "spec.engine",
+        "drainTimeoutSeconds + preStopSleepSeconds must be less than terminationGracePeriodSeconds",
+        id="drain-plus-default-prestop",
+    ),
+    pytest.param(
+        {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
+        "spec.autoscaling",
+        "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+        id="min-above-max",
+    ),
+    pytest.param(
+        {"redis": {"mode": "external"}},
+        "spec.redis",
+        "external Redis needs a url or a secretRef",
+        id="external-redis-without-url",
+    ),
+    pytest.param(
+        {"redis": {"mode": "external", "url": "redis://:hunter2@redis.example:6379/0"}},
+        "spec.redis",
+        "redis.url must not carry credentials",
+        id="redis-url-with-password",
+    ),
+    pytest.param(
+        {"model": {"builtin": "smollm2-135m-instruct", "huggingFace": {"repoId": "a/b"}}},
+        "spec.model",
+        "set exactly one model source",
+        id="two-model-sources",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("spec", "field", "message"), REJECTED)
-def test_cel_rules_are_enforced_by_the_server(api: httpx.Client, spec: dict, field: str, message: str) -> None:
+def test_cel_rules_are_enforced_by_the_server(
+    api: httpx.Client, spec: dict, field: str, message: str
+) -> None:
     body = md_body("rejected")
     body["spec"].update(spec)
     resp = api.post(path(MD, NS), json=body, params={"dryRun": "All"})
@@ -197,18 +259,26 @@ def test_cel_rules_are_enforced_by_the_server(api: httpx.Client, spec: dict, fie
 
 
 def test_cel_rules_accept_the_limit_cases(api: httpx.Client) -> None:
-    body = md_body("edge", engine={"drainTimeoutSeconds": 54, "preStopSleepSeconds": 5,
-                                   "terminationGracePeriodSeconds": 60},
-                   autoscaling={"minReplicas": 0, "maxReplicas": 1},
-                   redis={"mode": "external", "url": "redis://redis.example:6379/0"})
+    body = md_body(
+        "edge",
+        engine={
+            "drainTimeoutSeconds": 54,
+            "preStopSleepSeconds": 5,
+            "terminationGracePeriodSeconds": 60,
+        },
+        autoscaling={"minReplicas": 0, "maxReplicas": 1},
+        redis={"mode": "external", "url": "redis://redis.example:6379/0"},
+    )
     resp = api.post(path(MD, NS), json=body, params={"dryRun": "All"})
     assert resp.status_code == 201, resp.text
 
 
 # --- the operator against it ------------------------------------------------------------------
 
-def test_create_renders_owned_children_by_server_side_apply(cluster: ControlPlane, api: httpx.Client,
-                                                            operator: OperatorThread) -> None:
+
+def test_create_renders_owned_children_by_server_side_apply(
+    cluster: ControlPlane, api: httpx.Client, operator: OperatorThread
+) -> None:
     md = create_md(api, "demo")
     children = wait_children(cluster, md)
     kinds = {k for k, _ in children}
@@ -216,8 +286,16 @@ def test_create_renders_owned_children_by_server_side_apply(cluster: ControlPlan
     assert {"Deployment", "Service", "Secret", "NetworkPolicy"} <= kinds
     for (kind, name), obj in children.items():
         refs = obj["metadata"].get("ownerReferences") or []
-        assert refs == [{"apiVersion": crd.API_VERSION, "kind": MD, "name": "demo", "uid": md["metadata"]["uid"],
-                         "controller": True, "blockOwnerDeletion": True}], (kind, name, refs)
+        assert refs == [
+            {
+                "apiVersion": crd.API_VERSION,
+                "kind": MD,
+                "name": "demo",
+                "uid": md["metadata"]["uid"],
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ], (kind, name, refs)
         managers = {(m["manager"], m["operation"]) for m in obj["metadata"]["managedFields"]}
         # Rendered children by server-side apply; generated credentials are created once (POST).
         operation = "Update" if name in generated else "Apply"
@@ -227,18 +305,24 @@ def test_create_renders_owned_children_by_server_side_apply(cluster: ControlPlan
     # Secrets under server-side apply carry `data` (base64), and the URL points at the managed Redis.
     secret = children[("Secret", redis_url_secret(md))]
     url = base64.b64decode(secret["data"]["url"]).decode()
-    assert url.startswith("redis://") and f"@{render.names('demo')[render.REDIS]}.{NS}.svc:" in url, url
+    assert (
+        url.startswith("redis://") and f"@{render.names('demo')[render.REDIS]}.{NS}.svc:" in url
+    ), url
 
 
 @pytest.mark.parametrize("case", sorted(RENDER_CASES))
-def test_the_server_accepts_every_rendered_variant(cluster: ControlPlane, api: httpx.Client,
-                                                   operator: OperatorThread, case: str) -> None:
+def test_the_server_accepts_every_rendered_variant(
+    cluster: ControlPlane, api: httpx.Client, operator: OperatorThread, case: str
+) -> None:
     """The specs of the golden render cases (test_render.py): admitted, and every child they
     render (PDBs, the shared cache's claim and Job, Recreate rollouts, pod template
     passthrough...) is accepted by the server's own validation."""
     md = create_md(api, case, **RENDER_CASES[case])
     children = wait_children(cluster, md)
-    assert all(o["metadata"]["ownerReferences"][0]["uid"] == md["metadata"]["uid"] for o in children.values())
+    assert all(
+        o["metadata"]["ownerReferences"][0]["uid"] == md["metadata"]["uid"]
+        for o in children.values()
+    )
 
     def reconciled() -> dict[str, Any]:
         conds = md_conditions(cluster, case)
@@ -249,11 +333,15 @@ def test_the_server_accepts_every_rendered_variant(cluster: ControlPlane, api: h
     assert ready["reason"] not in ("ApplyFailed", "InvalidSpec"), ready["message"]
 
 
-def test_a_child_the_server_rejects_is_reported(cluster: ControlPlane, api: httpx.Client,
-                                                operator: OperatorThread) -> None:
+def test_a_child_the_server_rejects_is_reported(
+    cluster: ControlPlane, api: httpx.Client, operator: OperatorThread
+) -> None:
     """maxSurge 0 with maxUnavailable 0 is a Deployment the server refuses. Either the CRD
     refuses it at admission, or the operator reports the server's message (no hot loop)."""
-    body = md_body("stuck", engine={"rollout": {"strategy": "RollingUpdate", "maxSurge": 0, "maxUnavailable": 0}})
+    body = md_body(
+        "stuck",
+        engine={"rollout": {"strategy": "RollingUpdate", "maxSurge": 0, "maxUnavailable": 0}},
+    )
     resp = api.post(path(MD, NS), json=body)
     if resp.status_code == 422:
         assert "spec.engine.rollout" in resp.text, resp.text
@@ -268,11 +356,12 @@ def test_a_child_the_server_rejects_is_reported(cluster: ControlPlane, api: http
     ready = wait_for(reported, timeout=20)
     assert "may not be 0 when `maxSurge` is 0" in ready["message"], ready["message"]
     assert cluster.get("Deployment", NS, render.names("stuck")[render.ENGINE]) is None
-    api.delete(path(MD, NS, "stuck")).raise_for_status()   # stop the operator's slow retries
+    api.delete(path(MD, NS, "stuck")).raise_for_status()  # stop the operator's slow retries
 
 
-def test_controller_manager_admits_the_engine_pods(cluster: ControlPlane, api: httpx.Client,
-                                                   operator: OperatorThread) -> None:
+def test_controller_manager_admits_the_engine_pods(
+    cluster: ControlPlane, api: httpx.Client, operator: OperatorThread
+) -> None:
     """Deployment -> ReplicaSet -> Pod, in a namespace enforcing the restricted Pod Security level."""
     if cluster.controller_manager is None:
         pytest.skip("no kube-controller-manager beside kube-apiserver")
@@ -281,16 +370,27 @@ def test_controller_manager_admits_the_engine_pods(cluster: ControlPlane, api: h
     engine = render.names("pods")[render.ENGINE]
 
     def replicaset() -> dict[str, Any]:
-        owned = [rs for rs in cluster.list("ReplicaSet", NS, render.selector_string("pods"))
-                 if any(r["kind"] == "Deployment" and r["name"] == engine for r in rs["metadata"]["ownerReferences"])]
+        owned = [
+            rs
+            for rs in cluster.list("ReplicaSet", NS, render.selector_string("pods"))
+            if any(
+                r["kind"] == "Deployment" and r["name"] == engine
+                for r in rs["metadata"]["ownerReferences"]
+            )
+        ]
         assert owned, "no ReplicaSet for the engine Deployment"
         return owned[0]
 
     rs = wait_for(replicaset, timeout=20, message="engine ReplicaSet")
 
     def pods() -> list[dict]:
-        failures = [c for c in (cluster.get("ReplicaSet", NS, rs["metadata"]["name"]) or {})
-                    .get("status", {}).get("conditions", []) if c["type"] == "ReplicaFailure"]
+        failures = [
+            c
+            for c in (cluster.get("ReplicaSet", NS, rs["metadata"]["name"]) or {})
+            .get("status", {})
+            .get("conditions", [])
+            if c["type"] == "ReplicaFailure"
+        ]
         assert not failures, failures[0]["message"]
         return cluster.list("Pod", NS, render.selector_string("pods"))
 
@@ -298,7 +398,9 @@ def test_controller_manager_admits_the_engine_pods(cluster: ControlPlane, api: h
     assert len(found) == 1
 
 
-def test_status_conditions_are_written(cluster: ControlPlane, api: httpx.Client, operator: OperatorThread) -> None:
+def test_status_conditions_are_written(
+    cluster: ControlPlane, api: httpx.Client, operator: OperatorThread
+) -> None:
     md = create_md(api, "status")
     wait_children(cluster, md)
 
@@ -320,7 +422,9 @@ def test_status_conditions_are_written(cluster: ControlPlane, api: httpx.Client,
     assert st["model"] == specs.served_model_name(specs.apply_defaults(md["spec"]))
 
 
-def test_scale_subresource(cluster: ControlPlane, api: httpx.Client, operator: OperatorThread) -> None:
+def test_scale_subresource(
+    cluster: ControlPlane, api: httpx.Client, operator: OperatorThread
+) -> None:
     md = create_md(api, "scaled")
     wait_children(cluster, md)
     scale_path = path(MD, NS, "scaled", "scale")
@@ -330,13 +434,19 @@ def test_scale_subresource(cluster: ControlPlane, api: httpx.Client, operator: O
     assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 1
 
     # `kubectl scale md scaled --replicas 2`
-    resp = api.patch(scale_path, content=json.dumps({"spec": {"replicas": 2}}),
-                     headers={"Content-Type": "application/merge-patch+json"})
+    resp = api.patch(
+        scale_path,
+        content=json.dumps({"spec": {"replicas": 2}}),
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
     assert resp.status_code == 200, resp.text
     assert cluster.get(MD, NS, "scaled")["spec"]["replicas"] == 2
     engine = render.names("scaled")[render.ENGINE]
-    wait_for(lambda: cluster.get("Deployment", NS, engine)["spec"]["replicas"] == 2, timeout=HEAL_TIMEOUT,
-             message="engine Deployment scaled to 2")
+    wait_for(
+        lambda: cluster.get("Deployment", NS, engine)["spec"]["replicas"] == 2,
+        timeout=HEAL_TIMEOUT,
+        message="engine Deployment scaled to 2",
+    )
 
     # The status side: the selector for an HPA, and the observed replica count.
     def scale_status() -> dict[str, Any]:
@@ -345,24 +455,37 @@ def test_scale_subresource(cluster: ControlPlane, api: httpx.Client, operator: O
         return s
 
     s = wait_for(scale_status, timeout=10)
-    assert s["status"].get("replicas", 0) == (cluster.get(MD, NS, "scaled").get("status") or {}).get(
-        "readyReplicas", 0)
+    assert s["status"].get("replicas", 0) == (
+        cluster.get(MD, NS, "scaled").get("status") or {}
+    ).get("readyReplicas", 0)
 
     # Scale to zero is allowed (minimum 0) and reaches the Deployment.
-    resp = api.patch(scale_path, content=json.dumps({"spec": {"replicas": 0}}),
-                     headers={"Content-Type": "application/merge-patch+json"})
+    resp = api.patch(
+        scale_path,
+        content=json.dumps({"spec": {"replicas": 0}}),
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
     assert resp.status_code == 200, resp.text
-    wait_for(lambda: cluster.get("Deployment", NS, engine)["spec"]["replicas"] == 0, timeout=HEAL_TIMEOUT,
-             message="engine Deployment scaled to 0")
+    wait_for(
+        lambda: cluster.get("Deployment", NS, engine)["spec"]["replicas"] == 0,
+        timeout=HEAL_TIMEOUT,
+        message="engine Deployment scaled to 0",
+    )
 
 
-def test_autoscaling_bounds_the_engine_replicas(cluster: ControlPlane, api: httpx.Client,
-                                                operator: OperatorThread) -> None:
-    md = create_md(api, "bounded", autoscaling={"minReplicas": 2, "maxReplicas": 3, "intervalSeconds": 0.5})
+def test_autoscaling_bounds_the_engine_replicas(
+    cluster: ControlPlane, api: httpx.Client, operator: OperatorThread
+) -> None:
+    md = create_md(
+        api, "bounded", autoscaling={"minReplicas": 2, "maxReplicas": 3, "intervalSeconds": 0.5}
+    )
     wait_children(cluster, md)
     engine = render.names("bounded")[render.ENGINE]
-    wait_for(lambda: cluster.get("Deployment", NS, engine)["spec"]["replicas"] == 2, timeout=HEAL_TIMEOUT,
-             message="engine replicas clamped to minReplicas")
+    wait_for(
+        lambda: cluster.get("Deployment", NS, engine)["spec"]["replicas"] == 2,
+        timeout=HEAL_TIMEOUT,
+        message="engine replicas clamped to minReplicas",
+    )
 
 
 def _recreated(cluster: ControlPlane, kind: str, name: str, old_uid: str) -> bool:
@@ -370,43 +493,69 @@ def _recreated(cluster: ControlPlane, kind: str, name: str, old_uid: str) -> boo
     return obj is not None and obj["metadata"]["uid"] != old_uid
 
 
-@pytest.mark.parametrize("child", ["engine-deployment", "engine-service", "redis-url-secret", "netpol"])
-def test_deleted_child_comes_back(cluster: ControlPlane, api: httpx.Client, operator: OperatorThread,
-                                  child: str) -> None:
+@pytest.mark.parametrize(
+    "child", ["engine-deployment", "engine-service", "redis-url-secret", "netpol"]
+)
+def test_deleted_child_comes_back(
+    cluster: ControlPlane, api: httpx.Client, operator: OperatorThread, child: str
+) -> None:
     name = f"heal-{child}"
     md = create_md(api, name)
     children = wait_children(cluster, md)
     n = render.names(name)
-    kind, child_name = {"engine-deployment": ("Deployment", n[render.ENGINE]),
-                        "engine-service": ("Service", n[render.ENGINE]),
-                        "redis-url-secret": ("Secret", redis_url_secret(md)),
-                        "netpol": ("NetworkPolicy", n["netpol"])}[child]
+    kind, child_name = {
+        "engine-deployment": ("Deployment", n[render.ENGINE]),
+        "engine-service": ("Service", n[render.ENGINE]),
+        "redis-url-secret": ("Secret", redis_url_secret(md)),
+        "netpol": ("NetworkPolicy", n["netpol"]),
+    }[child]
     old_uid = children[(kind, child_name)]["metadata"]["uid"]
     resp = api.delete(path(kind, NS, child_name))
     assert resp.status_code == 200, resp.text
-    wait_for(lambda: _recreated(cluster, kind, child_name, old_uid), timeout=HEAL_TIMEOUT,
-             message=f"{kind}/{child_name} recreated")
+    wait_for(
+        lambda: _recreated(cluster, kind, child_name, old_uid),
+        timeout=HEAL_TIMEOUT,
+        message=f"{kind}/{child_name} recreated",
+    )
 
 
-def test_hand_edits_are_put_back(cluster: ControlPlane, api: httpx.Client, operator: OperatorThread) -> None:
+def test_hand_edits_are_put_back(
+    cluster: ControlPlane, api: httpx.Client, operator: OperatorThread
+) -> None:
     md = create_md(api, "edited")
     children = wait_children(cluster, md)
     name = render.names("edited")[render.ENGINE]
     original = children[("Deployment", name)]
     container = original["spec"]["template"]["spec"]["containers"][0]
     # `kubectl edit` / `kubectl scale deploy`: an update by another field manager.
-    patch = {"spec": {"replicas": 5, "template": {"spec": {"containers": [
-        {"name": container["name"], "image": "example.com/not-kvmesh:latest"}]}}}}
-    resp = api.patch(path("Deployment", NS, name), content=json.dumps(patch),
-                     headers={"Content-Type": "application/strategic-merge-patch+json"},
-                     params={"fieldManager": "kubectl-edit"})
+    patch = {
+        "spec": {
+            "replicas": 5,
+            "template": {
+                "spec": {
+                    "containers": [
+                        {"name": container["name"], "image": "example.com/not-kvmesh:latest"}
+                    ]
+                }
+            },
+        }
+    }
+    resp = api.patch(
+        path("Deployment", NS, name),
+        content=json.dumps(patch),
+        headers={"Content-Type": "application/strategic-merge-patch+json"},
+        params={"fieldManager": "kubectl-edit"},
+    )
     assert resp.status_code == 200, resp.text
     assert resp.json()["spec"]["replicas"] == 5
 
     def restored() -> bool:
         dep = cluster.get("Deployment", NS, name)
-        image = next(c["image"] for c in dep["spec"]["template"]["spec"]["containers"]
-                     if c["name"] == container["name"])
+        image = next(
+            c["image"]
+            for c in dep["spec"]["template"]["spec"]["containers"]
+            if c["name"] == container["name"]
+        )
         assert dep["spec"]["replicas"] == 1, dep["spec"]["replicas"]
         assert image == container["image"], image
         return True
@@ -415,7 +564,8 @@ def test_hand_edits_are_put_back(cluster: ControlPlane, api: httpx.Client, opera
 
 
 def test_external_autoscaler_owns_the_engine_replicas_and_conflicts_are_reported(
-        cluster: ControlPlane, api: httpx.Client, operator: OperatorThread) -> None:
+    cluster: ControlPlane, api: httpx.Client, operator: OperatorThread
+) -> None:
     """With autoscaling.mode external another manager (an HPA on the engine Deployment)
     legitimately owns spec.replicas: the operator applies without force, so the real
     server's field ownership decides; the conflict is a condition, not an overwrite."""
@@ -424,13 +574,19 @@ def test_external_autoscaler_owns_the_engine_replicas_and_conflicts_are_reported
     name = render.names("hpa")[render.ENGINE]
     assert children[("Deployment", name)]["spec"]["replicas"] == 1
     # What the HPA controller sends: an update of the Deployment's scale by its own manager.
-    resp = api.patch(path("Deployment", NS, name, "scale"), content=json.dumps({"spec": {"replicas": 4}}),
-                     headers={"Content-Type": "application/merge-patch+json"},
-                     params={"fieldManager": "horizontal-pod-autoscaler"})
+    resp = api.patch(
+        path("Deployment", NS, name, "scale"),
+        content=json.dumps({"spec": {"replicas": 4}}),
+        headers={"Content-Type": "application/merge-patch+json"},
+        params={"fieldManager": "horizontal-pod-autoscaler"},
+    )
     assert resp.status_code == 200, resp.text
     # A spec change makes the operator re-apply the engine Deployment (new --max-num-seqs).
-    resp = api.patch(path(MD, NS, "hpa"), content=json.dumps({"spec": {"engine": {"maxNumSeqs": 64}}}),
-                     headers={"Content-Type": "application/merge-patch+json"})
+    resp = api.patch(
+        path(MD, NS, "hpa"),
+        content=json.dumps({"spec": {"engine": {"maxNumSeqs": 64}}}),
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
     assert resp.status_code == 200, resp.text
 
     def reapplied() -> dict[str, Any]:
@@ -438,25 +594,46 @@ def test_external_autoscaler_owns_the_engine_replicas_and_conflicts_are_reported
         command = dep["spec"]["template"]["spec"]["containers"][0]["command"]
         assert command[command.index("--max-num-seqs") + 1] == "64", "not re-applied yet"
         return dep
+
     dep = wait_for(reapplied, timeout=HEAL_TIMEOUT, message="engine Deployment re-applied")
-    assert dep["spec"]["replicas"] == 4          # the HPA's value stands
-    conflict = wait_for(lambda: (c := md_conditions(cluster, "hpa").get("ApplyConflict")) and
-                        c["status"] == "True" and c, timeout=HEAL_TIMEOUT, message="ApplyConflict=True")
+    assert dep["spec"]["replicas"] == 4  # the HPA's value stands
+    conflict = wait_for(
+        lambda: (
+            (c := md_conditions(cluster, "hpa").get("ApplyConflict"))
+            and c["status"] == "True"
+            and c
+        ),
+        timeout=HEAL_TIMEOUT,
+        message="ApplyConflict=True",
+    )
     assert "replicas" in conflict["message"] and conflict["reason"] == "FieldManagedElsewhere"
 
     # Built-in autoscaling (the default) owns the field: a hand edit is put back by force.
-    resp = api.patch(path(MD, NS, "hpa"), content=json.dumps({"spec": {"autoscaling": {"mode": "builtin"}}}),
-                     headers={"Content-Type": "application/merge-patch+json"})
+    resp = api.patch(
+        path(MD, NS, "hpa"),
+        content=json.dumps({"spec": {"autoscaling": {"mode": "builtin"}}}),
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
     assert resp.status_code == 200, resp.text
-    wait_for(lambda: cluster.get("Deployment", NS, name)["spec"]["replicas"] == 1, timeout=HEAL_TIMEOUT,
-             message="builtin mode re-asserts the operator's replica count")
-    wait_for(lambda: md_conditions(cluster, "hpa")["ApplyConflict"]["status"] == "False", timeout=HEAL_TIMEOUT,
-             message="ApplyConflict cleared")
+    wait_for(
+        lambda: cluster.get("Deployment", NS, name)["spec"]["replicas"] == 1,
+        timeout=HEAL_TIMEOUT,
+        message="builtin mode re-asserts the operator's replica count",
+    )
+    wait_for(
+        lambda: md_conditions(cluster, "hpa")["ApplyConflict"]["status"] == "False",
+        timeout=HEAL_TIMEOUT,
+        message="ApplyConflict cleared",
+    )
 
 
-def test_prune_spares_labelled_objects_it_does_not_control(cluster: ControlPlane, api: httpx.Client,
-                                                           operator: OperatorThread, redis_url: str,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prune_spares_labelled_objects_it_does_not_control(
+    cluster: ControlPlane,
+    api: httpx.Client,
+    operator: OperatorThread,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Switching to an external Redis prunes the managed Redis; objects that carry the
     deployment's label but that it does not control (no owner, another owner, it as a mere
     co-owner) stay, as the real server stores them (tests/operator/test_prune_safety.py
@@ -465,25 +642,61 @@ def test_prune_spares_labelled_objects_it_does_not_control(cluster: ControlPlane
 
     prunes = PruneCounter(monkeypatch)
     md = create_md(api, "pruned")
-    engine_uid = wait_children(cluster, md)[("Deployment", render.names("pruned")[render.ENGINE])]["metadata"]["uid"]
-    owner = cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pruned-owner", "namespace": NS},
-                           "data": {"k": "dg=="}})
+    engine_uid = wait_children(cluster, md)[("Deployment", render.names("pruned")[render.ENGINE])][
+        "metadata"
+    ]["uid"]
+    owner = cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "pruned-owner", "namespace": NS},
+            "data": {"k": "dg=="},
+        }
+    )
     assert owner.status_code in (200, 201), owner.text
-    theirs = {"apiVersion": "v1", "kind": "Secret", "name": "pruned-owner", "uid": owner.json()["metadata"]["uid"],
-              "controller": True}
-    ours = {"apiVersion": crd.API_VERSION, "kind": MD, "name": "pruned", "uid": md["metadata"]["uid"],
-            "controller": False}
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "name": "pruned-owner",
+        "uid": owner.json()["metadata"]["uid"],
+        "controller": True,
+    }
+    ours = {
+        "apiVersion": crd.API_VERSION,
+        "kind": MD,
+        "name": "pruned",
+        "uid": md["metadata"]["uid"],
+        "controller": False,
+    }
     label = {render.LABEL_MD: "pruned", render.LABEL_COMPONENT: render.REDIS}
 
     def meta(name: str, owners: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"name": name, "namespace": NS, "labels": label, **({"ownerReferences": owners} if owners else {})}
+        return {
+            "name": name,
+            "namespace": NS,
+            "labels": label,
+            **({"ownerReferences": owners} if owners else {}),
+        }
+
     strangers = [
-        {"apiVersion": "v1", "kind": "Service", "metadata": meta("pruned-stray", []),
-         "spec": {"ports": [{"port": 80}]}},
-        {"apiVersion": "v1", "kind": "Secret", "metadata": meta("pruned-theirs", [theirs]), "data": {"k": "dg=="}},
-        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta("pruned-co-owned",
-                                                                                         [theirs, ours]),
-         "spec": {"podSelector": {}}},
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta("pruned-stray", []),
+            "spec": {"ports": [{"port": 80}]},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": meta("pruned-theirs", [theirs]),
+            "data": {"k": "dg=="},
+        },
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": meta("pruned-co-owned", [theirs, ours]),
+            "spec": {"podSelector": {}},
+        },
     ]
     uids = {}
     for obj in strangers:
@@ -491,15 +704,24 @@ def test_prune_spares_labelled_objects_it_does_not_control(cluster: ControlPlane
         assert resp.status_code in (200, 201), resp.text
         uids[(obj["kind"], obj["metadata"]["name"])] = resp.json()["metadata"]["uid"]
     since = prunes.passes
-    resp = api.patch(path(MD, NS, "pruned"), content=json.dumps({"spec": {"redis": {"mode": "external",
-                                                                                    "url": redis_url}}}),
-                     headers={"Content-Type": "application/merge-patch+json"})
+    resp = api.patch(
+        path(MD, NS, "pruned"),
+        content=json.dumps({"spec": {"redis": {"mode": "external", "url": redis_url}}}),
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
     assert resp.status_code == 200, resp.text
     n = render.names("pruned")
-    managed = [("Deployment", n[render.REDIS]), ("Service", n[render.REDIS]), ("NetworkPolicy", n["redis-netpol"]),
-               ("Secret", n["redis-auth"])]
-    wait_for(lambda: all(cluster.get(k, NS, name) is None for k, name in managed), timeout=HEAL_TIMEOUT,
-             message="managed Redis pruned")
+    managed = [
+        ("Deployment", n[render.REDIS]),
+        ("Service", n[render.REDIS]),
+        ("NetworkPolicy", n["redis-netpol"]),
+        ("Secret", n["redis-auth"]),
+    ]
+    wait_for(
+        lambda: all(cluster.get(k, NS, name) is None for k, name in managed),
+        timeout=HEAL_TIMEOUT,
+        message="managed Redis pruned",
+    )
     # Reconciles of one ModelDeployment run one at a time: the second pass after the
     # switch started once the strangers existed, and has finished.
     wait_for(lambda: prunes.passes >= since + 2, timeout=HEAL_TIMEOUT, message="two prune passes")
@@ -510,39 +732,56 @@ def test_prune_spares_labelled_objects_it_does_not_control(cluster: ControlPlane
     assert cluster.get("Deployment", NS, n[render.ENGINE])["metadata"]["uid"] == engine_uid
 
 
-def test_delete_garbage_collects_the_children(cluster: ControlPlane, api: httpx.Client,
-                                              operator: OperatorThread) -> None:
+def test_delete_garbage_collects_the_children(
+    cluster: ControlPlane, api: httpx.Client, operator: OperatorThread
+) -> None:
     md = create_md(api, "doomed")
     children = wait_children(cluster, md)
     resp = api.delete(path(MD, NS, "doomed"))
     assert resp.status_code == 200, resp.text
     # The operator lets go of it (its finalizer, if any, is removed).
-    wait_for(lambda: cluster.get(MD, NS, "doomed") is None, timeout=20, message="ModelDeployment deleted")
+    wait_for(
+        lambda: cluster.get(MD, NS, "doomed") is None, timeout=20, message="ModelDeployment deleted"
+    )
     if cluster.controller_manager is None:
         for (kind, name), _ in children.items():
             obj = cluster.get(kind, NS, name)
-            assert obj is None or obj["metadata"]["ownerReferences"][0]["uid"] == md["metadata"]["uid"]
+            assert (
+                obj is None or obj["metadata"]["ownerReferences"][0]["uid"] == md["metadata"]["uid"]
+            )
         pytest.skip("no kube-controller-manager: owner references checked, garbage collection not")
-    wait_for(lambda: all(cluster.get(k, NS, n) is None for k, n in children), timeout=GC_TIMEOUT,
-             message="children garbage-collected")
+    wait_for(
+        lambda: all(cluster.get(k, NS, n) is None for k, n in children),
+        timeout=GC_TIMEOUT,
+        message="children garbage-collected",
+    )
     # Including what the controller manager made from them (collected after their Deployment,
     # in a later pass of the garbage collector).
-    wait_for(lambda: cluster.list("ReplicaSet", NS, f"{render.LABEL_MD}=doomed") == [], timeout=GC_TIMEOUT,
-             message="ReplicaSets garbage-collected")
+    wait_for(
+        lambda: cluster.list("ReplicaSet", NS, f"{render.LABEL_MD}=doomed") == [],
+        timeout=GC_TIMEOUT,
+        message="ReplicaSets garbage-collected",
+    )
 
 
 # --- RBAC: runs last, over everything the operator did in this module -------------------------
 
-def test_operator_runs_within_its_rbac(cluster: ControlPlane, operator: OperatorThread,
-                                       operator_logs: LogCapture) -> None:
+
+def test_operator_runs_within_its_rbac(
+    cluster: ControlPlane, operator: OperatorThread, operator_logs: LogCapture
+) -> None:
     token = cluster.request_token(OPERATOR_NS, OPERATOR_SA)
-    with httpx.Client(base_url=cluster.server, verify=cluster.ssl_context(),
-                      headers={"Authorization": f"Bearer {token}"}) as sa:
+    with httpx.Client(
+        base_url=cluster.server,
+        verify=cluster.ssl_context(),
+        headers={"Authorization": f"Bearer {token}"},
+    ) as sa:
         # RBAC is enforced: what the ClusterRole does not grant is forbidden.
         assert sa.get("/api/v1/namespaces").status_code == 403
         assert sa.get(path("CustomResourceDefinition")).status_code == 403
         assert sa.get(path(MD, NS)).status_code == 200
     # ...and nothing the operator did in this module was refused.
-    refused = [m for m in operator_logs.messages(logging.WARNING)
-               if "403" in m or "forbidden" in m.lower()]
+    refused = [
+        m for m in operator_logs.messages(logging.WARNING) if "403" in m or "forbidden" in m.lower()
+    ]
     assert not refused, "\n".join(refused[:5])

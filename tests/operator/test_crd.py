@@ -12,7 +12,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvmesh.operator import crd, generate, manifests, spec as specs
+from kvmesh.operator import crd, generate, manifests
+from kvmesh.operator import spec as specs
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.37.0"
@@ -45,6 +46,7 @@ def cel_errors(spec):
             for key, sub in (schema.get("properties") or {}).items():
                 if key in value:
                     walk(sub, value[key])
+
     walk(crd.SPEC_SCHEMA, spec)
     return errors
 
@@ -56,79 +58,169 @@ def test_crd_is_a_valid_kubernetes_object():
 def test_crd_shape():
     version = crd.crd_manifest()["spec"]["versions"][0]
     assert crd.crd_manifest()["spec"]["names"]["shortNames"] == ["md"]
-    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
-                                                "statusReplicasPath": ".status.readyReplicas",
-                                                "labelSelectorPath": ".status.selector"}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Model", "Ready", "Replicas", "KV%", "Age"]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.readyReplicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Model",
+        "Ready",
+        "Replicas",
+        "KV%",
+        "Age",
+    ]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
-    for field in ("observedGeneration", "conditions", "replicas", "readyReplicas", "selector", "kvUtilization",
-                  "routerEndpoint", "lastScaleTime", "lastDecision"):
+    for field in (
+        "observedGeneration",
+        "conditions",
+        "replicas",
+        "readyReplicas",
+        "selector",
+        "kvUtilization",
+        "routerEndpoint",
+        "lastScaleTime",
+        "lastDecision",
+    ):
         assert field in status
 
 
 def test_generated_files_are_up_to_date():
-    stale = [p for p, text in generate.outputs(ROOT).items() if not p.exists() or p.read_text() != text]
+    stale = [
+        p for p, text in generate.outputs(ROOT).items() if not p.exists() or p.read_text() != text
+    ]
     assert not stale, "run: python -m kvmesh.operator.generate"
     assert generate.main(["--root", str(ROOT), "--check"]) == 0
     assert yaml.safe_load((ROOT / "manifests/crd.yaml").read_text()) == crd.crd_manifest()
-    assert (ROOT / "manifests/crd.yaml").read_text() == \
-        (ROOT / "charts/kvmesh/crds/modeldeployments.kvmesh.io.yaml").read_text()
+    assert (ROOT / "manifests/crd.yaml").read_text() == (
+        ROOT / "charts/kvmesh/crds/modeldeployments.kvmesh.io.yaml"
+    ).read_text()
 
 
 def test_engine_defaults_match_kvmesh_serve():
     d = specs.apply_defaults({"model": {"builtin": "x"}})
     assert d["engine"]["blockSize"] == 16
-    assert "maxNumBatchedTokens" not in d["engine"] and d["engine"]["maxNumSeqs"] == 128  # the engine's, per device
-    assert d["engine"]["enablePrefixCaching"] is True and d["engine"]["enableChunkedPrefill"] is True
+    assert (
+        "maxNumBatchedTokens" not in d["engine"] and d["engine"]["maxNumSeqs"] == 128
+    )  # the engine's, per device
+    assert (
+        d["engine"]["enablePrefixCaching"] is True and d["engine"]["enableChunkedPrefill"] is True
+    )
     assert d["engine"]["dtype"] == "auto" and d["engine"]["drainTimeoutSeconds"] == 30
-    assert d["router"] == {"replicas": 1, "policy": "prefix", "weights": {"prefix": 1.0, "kv": 0.5, "queue": 0.5},
-                           "maxResumes": 2, "resumeTimeoutSeconds": 60,
-                           "serviceType": "ClusterIP", "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1}}
+    assert d["router"] == {
+        "replicas": 1,
+        "policy": "prefix",
+        "weights": {"prefix": 1.0, "kv": 0.5, "queue": 0.5},
+        "maxResumes": 2,
+        "resumeTimeoutSeconds": 60,
+        "serviceType": "ClusterIP",
+        "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
+    }
     from kvmesh.router.config import RouterConfig  # the router's own defaults
-    assert (d["router"]["maxResumes"], d["router"]["resumeTimeoutSeconds"]) == (RouterConfig.max_resumes,
-                                                                               RouterConfig.resume_timeout)
+
+    assert (d["router"]["maxResumes"], d["router"]["resumeTimeoutSeconds"]) == (
+        RouterConfig.max_resumes,
+        RouterConfig.resume_timeout,
+    )
     assert d["redis"] == {"mode": "managed", "requirePassword": True}
-    a = specs.apply_defaults({"model": {"builtin": "x"}, "autoscaling": {"maxReplicas": 3}})["autoscaling"]
+    a = specs.apply_defaults({"model": {"builtin": "x"}, "autoscaling": {"maxReplicas": 3}})[
+        "autoscaling"
+    ]
     assert a["minReplicas"] == 1 and a["targetKVUtilization"] == 0.7 and a["maxScaleDownStep"] == 1
     # The docs table says the same.
     cli = (ROOT / "docs/cli.md").read_text()
     assert "| `--block-size N` | 16 |" in cli
-    assert "| `--max-num-batched-tokens N` | none | token budget per engine step (default: 2048; 512 for `serve` on the CPU" in cli
+    assert (
+        "| `--max-num-batched-tokens N` | none | token budget per engine step (default: 2048; 512 for `serve` on the CPU"
+        in cli
+    )
     assert "| `--max-num-seqs N` | 128 |" in cli and "| `--drain-timeout SECONDS` | 30 |" in cli
 
 
 VALID = [
     {"model": {"builtin": "smollm2-135m-instruct"}},
     {"model": {"builtin": "m"}, "engine": {"rollout": {"maxSurge": "25%", "maxUnavailable": 0}}},
-    {"model": {"huggingFace": {"repoId": "HuggingFaceTB/SmolLM2-135M-Instruct",
-                               "tokenSecretRef": {"name": "hf"}}}, "replicas": 3},
-    {"model": {"pvc": {"claimName": "models", "path": "llama"}}, "autoscaling": {"minReplicas": 2, "maxReplicas": 2}},
+    {
+        "model": {
+            "huggingFace": {
+                "repoId": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "tokenSecretRef": {"name": "hf"},
+            }
+        },
+        "replicas": 3,
+    },
+    {
+        "model": {"pvc": {"claimName": "models", "path": "llama"}},
+        "autoscaling": {"minReplicas": 2, "maxReplicas": 2},
+    },
     {"model": {"builtin": "m"}, "redis": {"mode": "external", "url": "redis://r:6379/0"}},
     {"model": {"builtin": "m"}, "redis": {"mode": "external", "secretRef": {"name": "redis"}}},
-    {"model": {"builtin": "m"}, "engine": {"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "16Gi"}}}},
+    {
+        "model": {"builtin": "m"},
+        "engine": {"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "16Gi"}}},
+    },
 ]
 
 INVALID = [  # (spec, expected message fragment, caught by CEL?)
-    ({"model": {"builtin": "m"}, "redis": {"mode": "external", "url": "redis://:hunter2@r:6379/0"}},
-     "must not carry credentials", True),
-    ({"model": {"builtin": "m"}, "engine": {"drainTimeoutSeconds": 50, "preStopSleepSeconds": 10}},
-     "drainTimeoutSeconds + preStopSleepSeconds must be less", True),
-    ({"model": {"builtin": "m"}, "autoscaling": {"minReplicas": 4, "maxReplicas": 3}}, "minReplicas must be", True),
+    (
+        {
+            "model": {"builtin": "m"},
+            "redis": {"mode": "external", "url": "redis://:hunter2@r:6379/0"},
+        },
+        "must not carry credentials",
+        True,
+    ),
+    (
+        {
+            "model": {"builtin": "m"},
+            "engine": {"drainTimeoutSeconds": 50, "preStopSleepSeconds": 10},
+        },
+        "drainTimeoutSeconds + preStopSleepSeconds must be less",
+        True,
+    ),
+    (
+        {"model": {"builtin": "m"}, "autoscaling": {"minReplicas": 4, "maxReplicas": 3}},
+        "minReplicas must be",
+        True,
+    ),
     ({"model": {"builtin": "m"}, "redis": {"mode": "external"}}, "external Redis needs", True),
-    ({"model": {"builtin": "m"}, "engine": {"drainTimeoutSeconds": 60, "terminationGracePeriodSeconds": 60}},
-     "drainTimeoutSeconds + preStopSleepSeconds must be less", True),
+    (
+        {
+            "model": {"builtin": "m"},
+            "engine": {"drainTimeoutSeconds": 60, "terminationGracePeriodSeconds": 60},
+        },
+        "drainTimeoutSeconds + preStopSleepSeconds must be less",
+        True,
+    ),
     ({"model": {"builtin": "m", "pvc": {"claimName": "x"}}}, "exactly one model source", True),
-    ({"model": {"builtin": "m"}, "engine": {"rollout": {"maxSurge": "ten"}}}, "percentage such as 25%", True),
-    ({"model": {"builtin": "m"}, "engine": {"rollout": {"maxSurge": "0%", "maxUnavailable": 0}}},
-     "cannot both be 0", True),
-    ({"model": {"builtin": "m"}, "router": {"podDisruptionBudget": {"maxUnavailable": -1}}},
-     "non-negative integer", True),
+    (
+        {"model": {"builtin": "m"}, "engine": {"rollout": {"maxSurge": "ten"}}},
+        "percentage such as 25%",
+        True,
+    ),
+    (
+        {"model": {"builtin": "m"}, "engine": {"rollout": {"maxSurge": "0%", "maxUnavailable": 0}}},
+        "cannot both be 0",
+        True,
+    ),
+    (
+        {"model": {"builtin": "m"}, "router": {"podDisruptionBudget": {"maxUnavailable": -1}}},
+        "non-negative integer",
+        True,
+    ),
     ({"model": {}}, "exactly one model source", True),
     ({"model": {"builtin": "m"}, "engine": {"blockSize": 0}}, "less than the minimum", False),
     ({"model": {"builtin": "m"}, "router": {"policy": "random"}}, "is not one of", False),
-    ({"model": {"builtin": "m"}, "engine": {"resources": {"requests": {"nvidia.com/gpu": 1},
-                                                         "limits": {"nvidia.com/gpu": 2}}}},
-     "requests must equal limits", False),
+    (
+        {
+            "model": {"builtin": "m"},
+            "engine": {
+                "resources": {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 2}}
+            },
+        },
+        "requests must equal limits",
+        False,
+    ),
     ({"model": {"pvc": {"claimName": "x", "path": "../etc"}}}, "inside the volume", False),
 ]
 
@@ -136,7 +228,9 @@ INVALID = [  # (spec, expected message fragment, caught by CEL?)
 @pytest.mark.parametrize("spec", VALID)
 def test_valid_specs(spec):
     d = specs.apply_defaults(spec)
-    validate_instance({"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": "x"}, "spec": d})
+    validate_instance(
+        {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": "x"}, "spec": d}
+    )
     assert cel_errors(d) == []
     assert specs.validate("x", d) == []
 
@@ -151,21 +245,34 @@ def test_invalid_specs(spec, fragment, by_cel):
 
 
 def test_cel_rules_and_python_mirrors_agree_on_many_specs():
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 
     @settings(max_examples=150, deadline=None)
-    @given(st.booleans(), st.booleans(), st.integers(1, 5), st.integers(1, 5), st.sampled_from(["managed", "external"]),
-           st.booleans(), st.integers(0, 90), st.integers(1, 90), st.sets(st.sampled_from(["builtin", "pvc"])))
+    @given(
+        st.booleans(),
+        st.booleans(),
+        st.integers(1, 5),
+        st.integers(1, 5),
+        st.sampled_from(["managed", "external"]),
+        st.booleans(),
+        st.integers(0, 90),
+        st.integers(1, 90),
+        st.sets(st.sampled_from(["builtin", "pvc"])),
+    )
     def check(has_replicas, has_auto, lo, hi, mode, has_url, drain, grace, sources):
-        spec = {"model": {k: ("m" if k == "builtin" else {"claimName": "c"}) for k in sources},
-                "engine": {"drainTimeoutSeconds": drain, "terminationGracePeriodSeconds": grace},
-                "redis": {"mode": mode, **({"url": "redis://x"} if has_url else {})}}
+        spec = {
+            "model": {k: ("m" if k == "builtin" else {"claimName": "c"}) for k in sources},
+            "engine": {"drainTimeoutSeconds": drain, "terminationGracePeriodSeconds": grace},
+            "redis": {"mode": mode, **({"url": "redis://x"} if has_url else {})},
+        }
         if has_replicas:
             spec["replicas"] = 1
         if has_auto:
             spec["autoscaling"] = {"minReplicas": lo, "maxReplicas": hi}
         d = specs.apply_defaults(spec)
         assert sorted(cel_errors(d)) == sorted(specs._rule_errors(d))
+
     check()
 
 
@@ -189,16 +296,23 @@ def test_every_schema_default_satisfies_its_own_rules():
             try:
                 ok = bool(prog.evaluate({"self": celpy.json_to_cel(node["default"])}))
             except celpy.CELEvalError as exc:
-                raise AssertionError(f"{path}: rule {rule['rule']!r} fails on the default: {exc}") from exc
+                raise AssertionError(
+                    f"{path}: rule {rule['rule']!r} fails on the default: {exc}"
+                ) from exc
             assert ok, f"{path}: the default {node['default']!r} breaks {rule['message']!r}"
             checked += 1
-    assert checked >= 3   # engine, redis, and at least one more node carry rules and defaults
+    assert checked >= 3  # engine, redis, and at least one more node carry rules and defaults
 
 
 def test_spec_replicas_is_always_there_for_the_scale_subresource():
     """/scale reads .spec.replicas: without a default, GET .../scale answered 500."""
     assert specs.apply_defaults({"model": {"builtin": "m"}})["replicas"] == 1
-    assert specs.apply_defaults({"model": {"builtin": "m"}, "autoscaling": {"maxReplicas": 3}})["replicas"] == 1
+    assert (
+        specs.apply_defaults({"model": {"builtin": "m"}, "autoscaling": {"maxReplicas": 3}})[
+            "replicas"
+        ]
+        == 1
+    )
 
 
 def test_name_too_long_is_reported():
@@ -217,8 +331,14 @@ def test_schema_rejects_unknown_shapes():
     with pytest.raises(jsonschema.ValidationError):
         validate_instance({"spec": {"model": {"builtin": "m"}, "replicas": -1}})
     with pytest.raises(jsonschema.ValidationError):
-        validate_instance({"spec": {"model": {"builtin": "m"}, "autoscaling": {"maxReplicas": 2,
-                                                                                "targetKVUtilization": 0}}})
+        validate_instance(
+            {
+                "spec": {
+                    "model": {"builtin": "m"},
+                    "autoscaling": {"maxReplicas": 2, "targetKVUtilization": 0},
+                }
+            }
+        )
     bad = copy.deepcopy(next(v for v in VALID if "huggingFace" in v["model"]))
     del bad["model"]["huggingFace"]["repoId"]
     with pytest.raises(jsonschema.ValidationError):

@@ -7,7 +7,13 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from kvmesh.operator.metrics_source import RedisHeartbeats, Snapshot, demand_key, heartbeat_key, pods_key
+from kvmesh.operator.metrics_source import (
+    RedisHeartbeats,
+    Snapshot,
+    demand_key,
+    heartbeat_key,
+    pods_key,
+)
 
 MODEL = "m-test"
 
@@ -22,9 +28,19 @@ async def r(redis_url):
 
 async def beat(r, pod, kv, state="ready", ts=None):
     await r.sadd(pods_key(MODEL), pod)
-    await r.hset(heartbeat_key(MODEL, pod), mapping={
-        "url": f"http://{pod}:8000", "model": MODEL, "kv_usage": kv, "running": 3, "waiting": 1,
-        "total_blocks": 512, "state": state, "ts": time.time() if ts is None else ts})
+    await r.hset(
+        heartbeat_key(MODEL, pod),
+        mapping={
+            "url": f"http://{pod}:8000",
+            "model": MODEL,
+            "kv_usage": kv,
+            "running": 3,
+            "waiting": 1,
+            "total_blocks": 512,
+            "state": state,
+            "ts": time.time() if ts is None else ts,
+        },
+    )
     await r.expire(heartbeat_key(MODEL, pod), 10)
 
 
@@ -36,10 +52,10 @@ async def test_layout_matches_contract():
 async def test_mean_of_ready_pods_only(r, redis_url):
     await beat(r, "md-engine-a", 0.2)
     await beat(r, "md-engine-b", 0.6)
-    await beat(r, "md-engine-c", 0.99, state="draining")     # excluded
-    await beat(r, "md-engine-d", 0.9, ts=time.time() - 60)   # stale: excluded
-    await r.sadd(pods_key(MODEL), "md-engine-gone")           # in the set, heartbeat expired: excluded
-    await beat(r, "other-engine-x", 1.0)                      # another deployment: filtered by prefix
+    await beat(r, "md-engine-c", 0.99, state="draining")  # excluded
+    await beat(r, "md-engine-d", 0.9, ts=time.time() - 60)  # stale: excluded
+    await r.sadd(pods_key(MODEL), "md-engine-gone")  # in the set, heartbeat expired: excluded
+    await beat(r, "other-engine-x", 1.0)  # another deployment: filtered by prefix
     source = RedisHeartbeats(redis_url)
     try:
         snap = await source.snapshot(MODEL, "md-engine-")
@@ -67,10 +83,18 @@ async def test_unreachable_redis_raises():
 
 
 async def test_cached_blocks_and_demand(r, redis_url):
-    await beat(r, "md-engine-a", 0.25)                          # no num_keys: the used share of the cache
-    await r.hset(heartbeat_key(MODEL, "md-engine-b"), mapping={
-        "url": "http://b:8000", "kv_usage": 0.5, "total_blocks": 512, "state": "ready", "ts": time.time(),
-        "num_keys": 300})
+    await beat(r, "md-engine-a", 0.25)  # no num_keys: the used share of the cache
+    await r.hset(
+        heartbeat_key(MODEL, "md-engine-b"),
+        mapping={
+            "url": "http://b:8000",
+            "kv_usage": 0.5,
+            "total_blocks": 512,
+            "state": "ready",
+            "ts": time.time(),
+            "num_keys": 300,
+        },
+    )
     await r.sadd(pods_key(MODEL), "md-engine-b")
     source = RedisHeartbeats(redis_url)
     try:
@@ -78,7 +102,7 @@ async def test_cached_blocks_and_demand(r, redis_url):
         assert snap["md-engine-a"].num_keys is None and snap["md-engine-a"].cached_blocks == 128
         assert snap["md-engine-b"].cached_blocks == 300
         assert await source.demand(MODEL) is None
-        await r.set(demand_key(MODEL), "1700000000.5", ex=60)     # what a holding router writes
+        await r.set(demand_key(MODEL), "1700000000.5", ex=60)  # what a holding router writes
         assert await source.demand(MODEL) == 1700000000.5
         assert await source.demand("other-model") is None
     finally:
@@ -93,7 +117,9 @@ async def test_a_restarted_redis_costs_no_failed_read(own_redis):
 
     source = RedisHeartbeats(own_redis.url)
     try:
-        await asyncio.gather(*[source.snapshot(MODEL) for _ in range(4)])  # several pooled connections
+        await asyncio.gather(
+            *[source.snapshot(MODEL) for _ in range(4)]
+        )  # several pooled connections
         own_redis.kill()
         own_redis.start()
         snaps = await asyncio.gather(*[source.snapshot(MODEL) for _ in range(4)])
@@ -122,8 +148,15 @@ async def test_junk_in_redis_costs_a_snapshot_bounded_work(own_redis):
     for i in range(20_000):
         name = f"md-engine-fake-{i}" if i < 5000 else f"fake-{i}"
         pipe.sadd(pods_key(MODEL), name)
-        pipe.hset(heartbeat_key(MODEL, name), mapping={"url": f"http://{name}:8000", "state": "ready",
-                                                      "kv_usage": 1.0, "ts": time.time() + 3600})
+        pipe.hset(
+            heartbeat_key(MODEL, name),
+            mapping={
+                "url": f"http://{name}:8000",
+                "state": "ready",
+                "kv_usage": 1.0,
+                "ts": time.time() + 3600,
+            },
+        )
     pipe.execute()
     client = aioredis.Redis.from_url(own_redis.url)
     for pod in ("md-engine-a", "md-engine-b", "md-engine-unlisted"):
@@ -137,9 +170,13 @@ async def test_junk_in_redis_costs_a_snapshot_bounded_work(own_redis):
             snap = await source.snapshot(MODEL, "md-engine-", ["md-engine-a", "md-engine-b"])
             used = commands_served(r) - before
             # the sweep's pages and a bounded set of heartbeats (in READ_BATCH round trips), not 15k
-            assert used <= ms.SWEEP_PAGES + ms.TRACKED_PODS + 2 + 5, used  # (+ a new connection's setup)
+            assert used <= ms.SWEEP_PAGES + ms.TRACKED_PODS + 2 + 5, (
+                used
+            )  # (+ a new connection's setup)
             assert {"md-engine-a", "md-engine-b"} <= {h.pod for h in snap.ready}
-            assert not any(h.pod.startswith(("fake-", "ghost-")) for h in snap.ready)  # filtered by Redis
+            assert not any(
+                h.pod.startswith(("fake-", "ghost-")) for h in snap.ready
+            )  # filtered by Redis
             if found_unlisted is None and "md-engine-unlisted" in {h.pod for h in snap.ready}:
                 found_unlisted = n
         assert found_unlisted is not None and found_unlisted <= 10

@@ -18,8 +18,13 @@ from tests.conftest import wait_until
 
 
 def test_chaos_loses_no_request_and_recovers_keys_and_routing():
-    cfg = ChaosConfig(workers=6, families=6, requests_after_fault=6, deadline=20.0,
-                      mesh=MeshConfig(engines=2, response_tokens=16, token_delay=0.04))
+    cfg = ChaosConfig(
+        workers=6,
+        families=6,
+        requests_after_fault=6,
+        deadline=20.0,
+        mesh=MeshConfig(engines=2, response_tokens=16, token_delay=0.04),
+    )
     rep = asyncio.run(run_chaos(cfg))
     print("\n".join(rep.lines()))
     assert rep.sent > 0 and rep.completed > 0
@@ -31,7 +36,9 @@ def test_chaos_loses_no_request_and_recovers_keys_and_routing():
     # (a) Nothing lost: the streams in flight on the killed engine go on with the other one
     # (router/resume.py), each with all its tokens once (an "ok" stream has exactly its count).
     assert rep.killed == "pod-0"
-    assert any(r.stream for r in rep.in_flight_on_killed), "no stream was in flight on the killed engine"
+    assert any(r.stream for r in rep.in_flight_on_killed), (
+        "no stream was in flight on the killed engine"
+    )
     assert all(r.ok for r in rep.in_flight_on_killed), [r.short() for r in rep.in_flight_on_killed]
     assert [r.short() for r in rep.lost] == []
     # After the fault nothing fails: a request the router sends to the dead engine before it
@@ -60,8 +67,11 @@ def test_chaos_loses_no_request_and_recovers_keys_and_routing():
     assert [r.short() for r in rep.router_failed] == []
 
     # Prefix routing resumes after each fault: each family's follow-up goes to the pod holding it.
-    assert [c.when for c in rep.routing] == ["before the Redis restarts", "after the Redis restarts",
-                                            "after the router restart"]
+    assert [c.when for c in rep.routing] == [
+        "before the Redis restarts",
+        "after the Redis restarts",
+        "after the router restart",
+    ]
     for c in rep.routing:
         assert c.ok == c.probes == cfg.families, c.line()
         assert c.same_pod == c.probes, c.line()
@@ -81,8 +91,11 @@ def test_a_block_set_redis_lost_without_an_error_is_rewritten(own_redis, mesh, m
     r = own_redis.client()
     key = rl.blocks_key(model_name, "pod-0")
     for i in range(4):
-        resp = httpx.post(stubs[0].url + "/v1/completions", json={"prompt": f"request {i} " * 60, "max_tokens": 1},
-                          timeout=10)
+        resp = httpx.post(
+            stubs[0].url + "/v1/completions",
+            json={"prompt": f"request {i} " * 60, "max_tokens": 1},
+            timeout=10,
+        )
         assert resp.status_code == 200
     cached = stubs[0].stats()["cache_blocks"]
     assert cached > 0
@@ -96,4 +109,6 @@ def test_a_block_set_redis_lost_without_an_error_is_rewritten(own_redis, mesh, m
     own_redis.start()  # empty, on the same port, before the next heartbeat
     r = own_redis.client()
     wait_until(lambda: r.scard(key) == cached, 10, msg="the block set rewritten after a restart")
-    wait_until(lambda: r.exists(rl.heartbeat_key(model_name, "pod-0")), 10, msg="the heartbeat back")
+    wait_until(
+        lambda: r.exists(rl.heartbeat_key(model_name, "pod-0")), 10, msg="the heartbeat back"
+    )

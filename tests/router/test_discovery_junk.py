@@ -13,8 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from kvmesh.common import redis_layout as rl
-from kvmesh.router.discovery import SWEEP_PAGE, Discovery
 from kvmesh.common.engine_load import parse_prometheus
+from kvmesh.router.discovery import SWEEP_PAGE, Discovery
 from kvmesh.router.metrics import RouterMetrics
 from tests.conftest import wait_until
 from tests.router.test_discovery import complete, metric, text
@@ -31,8 +31,12 @@ def add_junk(r, model: str, ghosts: int = 0, fakes: int = 0) -> None:
     for i in range(fakes):
         name = f"fake-{i}"
         pipe.sadd(rl.pods_key(model), name)
-        pipe.hset(rl.heartbeat_key(model, name), mapping=rl.Heartbeat(
-            pod=name, url=f"http://10.9.{i // 250}.{i % 250}:8000", model=model).to_mapping())
+        pipe.hset(
+            rl.heartbeat_key(model, name),
+            mapping=rl.Heartbeat(
+                pod=name, url=f"http://10.9.{i // 250}.{i % 250}:8000", model=model
+            ).to_mapping(),
+        )
         if i % 2000 == 1999:
             pipe.execute()
     pipe.execute()
@@ -54,9 +58,12 @@ def measure(url: str, model: str, r, seconds: float) -> dict:
     refreshes and this process's CPU time over them."""
 
     async def scenario():
-        client = aioredis.Redis.from_url(url, socket_timeout=ROUTER_REDIS_TIMEOUT,
-                                         socket_connect_timeout=ROUTER_REDIS_TIMEOUT)
-        d = Discovery(model, client, RouterMetrics(), ["a=http://10.0.0.1:8000"], refresh_interval=0.1)
+        client = aioredis.Redis.from_url(
+            url, socket_timeout=ROUTER_REDIS_TIMEOUT, socket_connect_timeout=ROUTER_REDIS_TIMEOUT
+        )
+        d = Discovery(
+            model, client, RouterMetrics(), ["a=http://10.0.0.1:8000"], refresh_interval=0.1
+        )
         refreshes, failed, routable = 0, 0, True
         real = d.refresh
 
@@ -72,8 +79,13 @@ def measure(url: str, model: str, r, seconds: float) -> dict:
         d.start()
         await asyncio.sleep(seconds)
         await d.stop()
-        out = {"refreshes": refreshes, "cpu_s": time.process_time() - cpu0, "wall_s": time.monotonic() - t0,
-               "failed": failed, "routable": routable}
+        out = {
+            "refreshes": refreshes,
+            "cpu_s": time.process_time() - cpu0,
+            "wall_s": time.monotonic() - t0,
+            "failed": failed,
+            "routable": routable,
+        }
         await client.aclose()
         return out
 
@@ -114,7 +126,9 @@ def test_ten_thousand_fake_heartbeats_cost_a_bounded_refresh(own_redis, model_na
     add_junk(r, model_name, fakes=10_000)
     junk = measure(own_redis.url, model_name, r, 2.0)
     print(f"baseline {base}\nwith 10k fake heartbeats {junk}")
-    assert base["routable"] and junk["routable"]  # the known pod, on a current Redis view, throughout
+    assert (
+        base["routable"] and junk["routable"]
+    )  # the known pod, on a current Redis view, throughout
     assert junk["refreshes"] >= 8, junk  # the loop keeps its pace
     # Read every time (before, the 10k heartbeats took longer than the router's Redis timeout);
     # a refresh may still time out now and then on a busy machine.
@@ -123,17 +137,28 @@ def test_ten_thousand_fake_heartbeats_cost_a_bounded_refresh(own_redis, model_na
     # script (INFO counts its EXISTS and HGET per name), the known pod by name; the first refresh
     # also opens the connection and loads the script. Every name once per pass, a page at a time.
     costs = one_pass_costs(own_redis.url, model_name, r)
-    print(f"one pass: {len(costs)} refreshes, {min(costs)[0]}..{max(costs)[0]} commands, pages of "
-          f"{min(n for _, n in costs)}..{max(n for _, n in costs)} names")
-    assert all(names <= 2 * SWEEP_PAGE and commands <= 2 * names + 10 for commands, names in costs), costs
-    assert sum(names for _, names in costs) >= 10_001 and len(costs) >= 10_001 // (2 * SWEEP_PAGE), costs
+    print(
+        f"one pass: {len(costs)} refreshes, {min(costs)[0]}..{max(costs)[0]} commands, pages of "
+        f"{min(n for _, n in costs)}..{max(n for _, n in costs)} names"
+    )
+    assert all(
+        names <= 2 * SWEEP_PAGE and commands <= 2 * names + 10 for commands, names in costs
+    ), costs
+    assert sum(names for _, names in costs) >= 10_001 and len(costs) >= 10_001 // (
+        2 * SWEEP_PAGE
+    ), costs
     # CPU: a page's worth per refresh, not the 10k heartbeats (about 1.7 s of CPU per refresh
     # when every heartbeat was read and sorted each time). Loose: the machine is shared.
-    assert junk["cpu_s"] / junk["refreshes"] <= base["cpu_s"] / base["refreshes"] + 0.04, (base, junk)
+    assert junk["cpu_s"] / junk["refreshes"] <= base["cpu_s"] / base["refreshes"] + 0.04, (
+        base,
+        junk,
+    )
     assert junk["cpu_s"] <= 0.35 * junk["wall_s"], (base, junk)
 
 
-def test_ghosts_are_removed_a_bounded_batch_per_refresh_without_losing_the_known_pods(own_redis, model_name):
+def test_ghosts_are_removed_a_bounded_batch_per_refresh_without_losing_the_known_pods(
+    own_redis, model_name
+):
     """100k ghost names and 20k fake heartbeats: every refresh reads the known pod (Redis never
     'unreachable'), removes at most about a page of ghosts, and one pass removes them all."""
     r = own_redis.client()
@@ -142,8 +167,11 @@ def test_ghosts_are_removed_a_bounded_batch_per_refresh_without_losing_the_known
     add_junk(r, model_name, ghosts=100_000, fakes=20_000)
 
     async def scenario():
-        client = aioredis.Redis.from_url(own_redis.url, socket_timeout=ROUTER_REDIS_TIMEOUT,
-                                         socket_connect_timeout=ROUTER_REDIS_TIMEOUT)
+        client = aioredis.Redis.from_url(
+            own_redis.url,
+            socket_timeout=ROUTER_REDIS_TIMEOUT,
+            socket_connect_timeout=ROUTER_REDIS_TIMEOUT,
+        )
         d = Discovery(model_name, client, RouterMetrics(), ["a=http://10.0.0.1:8000"])
         sizes, removed, refreshes, failed, cpu = [r.scard(rl.pods_key(model_name))], [], 0, 0, 0.0
         bound = 2 * (120_000 // SWEEP_PAGE) + 10
@@ -156,13 +184,17 @@ def test_ghosts_are_removed_a_bounded_batch_per_refresh_without_losing_the_known
             removed.append(sizes[-2] - sizes[-1])
             failed += d.detail()["redis"] != "ok"
             assert d.redis_fresh and not d.fallback, refreshes  # the view never expires
-            assert d.pods["a"].state == "ready" and d.pods["a"].has_blocks and d.pods["a"].running == 1
+            assert (
+                d.pods["a"].state == "ready" and d.pods["a"].has_blocks and d.pods["a"].running == 1
+            )
             # SSCAN, the page script (INFO counts the 2-3 commands it runs per name), the known
             # pod, and the script's load once
             assert commands_served(r) - before <= 2 * SWEEP_PAGE * 3 + 10, refreshes
         await client.aclose()
-        print(f"100k orphans + 20k fake heartbeats: one pass in {refreshes} refreshes, "
-              f"{cpu / refreshes * 1000:.1f} ms CPU per refresh, {failed} failed")
+        print(
+            f"100k orphans + 20k fake heartbeats: one pass in {refreshes} refreshes, "
+            f"{cpu / refreshes * 1000:.1f} ms CPU per refresh, {failed} failed"
+        )
         return d, refreshes, removed, failed
 
     d, refreshes, removed, failed = asyncio.run(scenario())
@@ -172,15 +204,21 @@ def test_ghosts_are_removed_a_bounded_batch_per_refresh_without_losing_the_known
     assert r.scard(rl.pods_key(model_name)) == 20_000 + 1  # the fakes (live) and the known pod stay
     assert not r.exists(rl.blocks_key(model_name, "ghost-7"))
     assert max(removed) <= 2 * SWEEP_PAGE and sum(removed) == 100_000
-    assert refreshes >= 100_000 // (2 * SWEEP_PAGE)  # worked down over many refreshes, never at once
+    assert refreshes >= 100_000 // (
+        2 * SWEEP_PAGE
+    )  # worked down over many refreshes, never at once
     ignored = d.detail()["ignored_heartbeats"]
-    assert ignored == 20_000, ignored  # counted whole, though at most IGNORED_TRACKED are remembered
+    assert ignored == 20_000, (
+        ignored
+    )  # counted whole, though at most IGNORED_TRACKED are remembered
     text_ = d.metrics.render().decode()
     assert "kvmesh_router_orphans_removed_total 100000.0" in text_
     assert 'kvmesh_router_ignored_heartbeats_current{reason="unknown_pod"} 20000.0' in text_
 
 
-def test_prefix_routing_keeps_working_under_a_pile_of_junk(mesh, router_factory, own_redis, model_name):
+def test_prefix_routing_keeps_working_under_a_pile_of_junk(
+    mesh, router_factory, own_redis, model_name
+):
     """The router as a whole, its Redis full of junk: a repeated prompt still goes to the pod
     holding its prefix, /ready never says Redis is unreachable, and the ghosts shrink."""
     r = own_redis.client()
@@ -229,7 +267,13 @@ def test_unnamed_backends_orphans_and_ignored_heartbeats_across_pages(redis_serv
     async def scenario():
         client = aioredis.Redis.from_url(redis_server.url)
         metrics = RouterMetrics()
-        d = Discovery(model_name, client, metrics, ["a=http://10.0.0.1:8000", "http://10.0.0.2:8000"], sweep_page=3)
+        d = Discovery(
+            model_name,
+            client,
+            metrics,
+            ["a=http://10.0.0.1:8000", "http://10.0.0.2:8000"],
+            sweep_page=3,
+        )
         n = 0
         while d.sweep.passes < 2:
             await d.refresh()
@@ -240,25 +284,43 @@ def test_unnamed_backends_orphans_and_ignored_heartbeats_across_pages(redis_serv
     d, metrics, n = asyncio.run(scenario())
     assert n >= 4  # 14 names, about 3 a page
     assert {name: (p.url, p.has_blocks) for name, p in d.pods.items()} == {
-        "a": ("http://10.0.0.1:8000", True), "b-claim": ("http://10.0.0.2:8000", True)}
-    assert sorted(d.ignored) == [("junk-0", "unknown_pod"), ("junk-1", "unknown_pod"), ("junk-2", "unknown_pod"),
-                                 ("junk-3", "unknown_pod"), ("junk-4", "unknown_pod"), ("junk-5", "unknown_pod"),
-                                 ("z-claim", "duplicate_url")]
+        "a": ("http://10.0.0.1:8000", True),
+        "b-claim": ("http://10.0.0.2:8000", True),
+    }
+    assert sorted(d.ignored) == [
+        ("junk-0", "unknown_pod"),
+        ("junk-1", "unknown_pod"),
+        ("junk-2", "unknown_pod"),
+        ("junk-3", "unknown_pod"),
+        ("junk-4", "unknown_pod"),
+        ("junk-5", "unknown_pod"),
+        ("z-claim", "duplicate_url"),
+    ]
     assert not any(r.sismember(rl.pods_key(model_name), f"ghost-{i}") for i in range(5))
     assert not r.exists(rl.blocks_key(model_name, "ghost-1"))
-    samples = {(name, tuple(sorted(lab.items()))): v for name, lab, v in parse_prometheus(metrics.render().decode())}
-    assert samples[("kvmesh_router_ignored_heartbeats_total", (("reason", "unknown_pod"),))] == 6  # once each
+    samples = {
+        (name, tuple(sorted(lab.items()))): v
+        for name, lab, v in parse_prometheus(metrics.render().decode())
+    }
+    assert (
+        samples[("kvmesh_router_ignored_heartbeats_total", (("reason", "unknown_pod"),))] == 6
+    )  # once each
     assert samples[("kvmesh_router_ignored_heartbeats_current", (("reason", "unknown_pod"),))] == 6
     assert samples[("kvmesh_router_orphans_removed_total", ())] == 5
     assert d.detail()["ignored_heartbeats"] == 7
 
 
-@pytest.mark.parametrize("error, for_good", [
-    ("unknown command 'evalsha', with args beginning with: ", True),  # EVAL renamed away
-    ("NOPERM User kvmesh has no permissions to run the 'evalsha' command", True),  # an ACL
-    ("BUSY Redis is busy running a script.", False),  # a passing refusal: the script is kept
-])
-def test_without_scripts_heartbeats_are_still_read_and_orphans_stay(redis_server, model_name, error, for_good):
+@pytest.mark.parametrize(
+    "error, for_good",
+    [
+        ("unknown command 'evalsha', with args beginning with: ", True),  # EVAL renamed away
+        ("NOPERM User kvmesh has no permissions to run the 'evalsha' command", True),  # an ACL
+        ("BUSY Redis is busy running a script.", False),  # a passing refusal: the script is kept
+    ],
+)
+def test_without_scripts_heartbeats_are_still_read_and_orphans_stay(
+    redis_server, model_name, error, for_good
+):
     """A Redis that refuses the page script: the page's URLs come from one pipelined HGET per
     name; Redis still answers, so it is not called unreachable; orphans are not removed."""
     from redis.exceptions import ResponseError

@@ -15,7 +15,18 @@ import pytest
 
 from tests.conftest import RouterThread
 from tests.engine.server.conftest import ThreadServer
-from tests.engine.server.test_error_table import BODY_LIMIT, C, CHAT, MODEL, ROWS, SERVER_ARGS, VOCAB, check_row, error_of, send
+from tests.engine.server.test_error_table import (
+    BODY_LIMIT,
+    CHAT,
+    MODEL,
+    ROWS,
+    SERVER_ARGS,
+    VOCAB,
+    C,
+    check_row,
+    error_of,
+    send,
+)
 from tests.tiny_models import build_tiny_model
 
 GENERATE_ROWS = [r for r in ROWS if r.path in (C, CHAT)]
@@ -33,9 +44,18 @@ def engine(tmp_path_factory):
 def router(engine):
     from kvmesh.router.app import RouterConfig
 
-    rt = RouterThread(RouterConfig(model=MODEL, tokenizer="smollm2-135m-instruct", redis_url=None,
-                                   static_backends=[f"pod-0={engine.url}"], max_body_bytes=BODY_LIMIT,
-                                   vocab_size=VOCAB, max_retries=0, refresh_interval=0.1))
+    rt = RouterThread(
+        RouterConfig(
+            model=MODEL,
+            tokenizer="smollm2-135m-instruct",
+            redis_url=None,
+            static_backends=[f"pod-0={engine.url}"],
+            max_body_bytes=BODY_LIMIT,
+            vocab_size=VOCAB,
+            max_retries=0,
+            refresh_interval=0.1,
+        )
+    )
     yield rt
     rt.stop()
 
@@ -57,5 +77,7 @@ def test_router_answers_as_the_engine(engine, router, http, row):
         return
     a, b = error_of(direct), error_of(routed)
     assert (b["type"], b["param"], b["code"]) == (a["type"], a["param"], a["code"]), (row.id, a, b)
-    if a["param"] == "cache_salt":  # one shared check (kvmesh.common.cache_salt): the same words too
+    if (
+        a["param"] == "cache_salt"
+    ):  # one shared check (kvmesh.common.cache_salt): the same words too
         assert b["message"] == a["message"], (row.id, a, b)

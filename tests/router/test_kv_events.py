@@ -9,26 +9,40 @@ from tests.router import vllm_structs as vs
 
 
 def test_encoder_is_byte_identical_to_vllm_msgspec():
-    ours = kv.encode_batch([
-        kv.BlockStored([1, 2**64 - 1], None, list(range(32)), 16, None, "GPU"),
-        kv.BlockRemoved([7], None),
-        kv.AllBlocksCleared(),
-    ], ts=1234.5)
-    theirs = vs.encode(vs.KVEventBatch(ts=1234.5, events=[
-        vs.BlockStored([1, 2**64 - 1], None, list(range(32)), 16, None, "GPU"),
-        vs.BlockRemoved([7], None),
-        vs.AllBlocksCleared(),
-    ]))
+    ours = kv.encode_batch(
+        [
+            kv.BlockStored([1, 2**64 - 1], None, list(range(32)), 16, None, "GPU"),
+            kv.BlockRemoved([7], None),
+            kv.AllBlocksCleared(),
+        ],
+        ts=1234.5,
+    )
+    theirs = vs.encode(
+        vs.KVEventBatch(
+            ts=1234.5,
+            events=[
+                vs.BlockStored([1, 2**64 - 1], None, list(range(32)), 16, None, "GPU"),
+                vs.BlockRemoved([7], None),
+                vs.AllBlocksCleared(),
+            ],
+        )
+    )
     assert ours == theirs
 
 
 def test_decoder_reads_vllm_bytes_with_bytes_hashes_and_dp_rank():
     h1, h2 = b"\x01" * 32, b"\x02" * 32
-    payload = vs.encode(vs.KVEventBatch(ts=1.0, data_parallel_rank=3, events=[
-        vs.BlockStored([h1, h2], b"\x00" * 32, list(range(32)), 16, 5, "GPU"),
-        vs.BlockRemoved([h1], "CPU"),
-        vs.AllBlocksCleared(),
-    ]))
+    payload = vs.encode(
+        vs.KVEventBatch(
+            ts=1.0,
+            data_parallel_rank=3,
+            events=[
+                vs.BlockStored([h1, h2], b"\x00" * 32, list(range(32)), 16, 5, "GPU"),
+                vs.BlockRemoved([h1], "CPU"),
+                vs.AllBlocksCleared(),
+            ],
+        )
+    )
     batch = kv.decode_batch(payload)
     assert batch.data_parallel_rank == 3
     stored, removed, cleared = batch.events
@@ -38,11 +52,24 @@ def test_decoder_reads_vllm_bytes_with_bytes_hashes_and_dp_rank():
 
 
 def test_decoder_tolerates_missing_and_extra_trailing_fields():
-    payload = msgpack.packb([2.0, [["BlockStored", [1], None, [1, 2], 2],  # older: no lora/medium
-                                   ["BlockStored", [2], 1, [3, 4], 2, None, "GPU", "lora-x", 9],  # newer
-                                   ["BlockRemoved", [1]]], 0, "extra"])
+    payload = msgpack.packb(
+        [
+            2.0,
+            [
+                ["BlockStored", [1], None, [1, 2], 2],  # older: no lora/medium
+                ["BlockStored", [2], 1, [3, 4], 2, None, "GPU", "lora-x", 9],  # newer
+                ["BlockRemoved", [1]],
+            ],
+            0,
+            "extra",
+        ]
+    )
     batch = kv.decode_batch(payload)
-    assert [type(e).__name__ for e in batch.events] == ["BlockStored", "BlockStored", "BlockRemoved"]
+    assert [type(e).__name__ for e in batch.events] == [
+        "BlockStored",
+        "BlockStored",
+        "BlockRemoved",
+    ]
     assert batch.events[1].medium == "GPU" and batch.data_parallel_rank == 0
     with pytest.raises(kv.DecodeError):
         kv.decode_batch(b"\xc1garbage")
@@ -51,33 +78,42 @@ def test_decoder_tolerates_missing_and_extra_trailing_fields():
 GOOD_STORED = ["BlockStored", [1, 2], None, list(range(8)), 4, None, "GPU"]
 
 
-@pytest.mark.parametrize("batch, needle", [
-    ([1.0, [GOOD_STORED, ["SomethingNew", 1]]], "unknown KV event kind"),  # an unknown kind is not skipped
-    ([1.0, [["BlockStored", [[1, 2]], None, [1, 2, 3, 4], 4]]], "block_hashes"),  # unhashable hash
-    ([1.0, [["BlockStored", [{"a": 1}], None, [1, 2, 3, 4], 4]]], "block_hashes"),
-    ([1.0, [["BlockStored", [1.5], None, [1, 2, 3, 4], 4]]], "block_hashes"),
-    ([1.0, [["BlockStored", [True], None, [1, 2, 3, 4], 4]]], "block_hashes"),
-    ([1.0, [["BlockStored", [1], [9], [1, 2, 3, 4], 4]]], "parent_block_hash"),
-    ([1.0, [["BlockStored", [1], None, [1, -2, 3, 4], 4]]], "token_ids"),
-    ([1.0, [["BlockStored", [1], None, [1, 2**32, 3, 4], 4]]], "token_ids"),
-    ([1.0, [["BlockStored", [1], None, "abcd", 4]]], "token_ids"),
-    ([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], 0]]], "block_size"),
-    ([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], "4"]]], "block_size"),
-    ([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], 4, "lora", None]]], "lora_id"),
-    ([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], 4, None, 7]]], "medium"),
-    ([1.0, [["BlockStored", 5, None, [1, 2, 3, 4], 4]]], "block_hashes"),
-    ([1.0, [["BlockStored", [1], None]]], "needs 4 fields"),
-    ([1.0, [["BlockRemoved", None]]], "block_hashes"),
-    ([1.0, [["BlockRemoved"]]], "needs block_hashes"),
-    ([1.0, [[]]], "tagged array"),
-    ([1.0, [7]], "tagged array"),
-    ([1.0, {"a": 1}], "events must be an array"),
-    ([1.0, None], "events must be an array"),
-    (["soon", []], "ts must be a number"),
-    ([2**64 - 1, [], "rank"], "data_parallel_rank"),
-    ({"ts": 1.0}, "must be an array"),
-    ([1.0], "must be an array"),
-])
+@pytest.mark.parametrize(
+    "batch, needle",
+    [
+        (
+            [1.0, [GOOD_STORED, ["SomethingNew", 1]]],
+            "unknown KV event kind",
+        ),  # an unknown kind is not skipped
+        (
+            [1.0, [["BlockStored", [[1, 2]], None, [1, 2, 3, 4], 4]]],
+            "block_hashes",
+        ),  # unhashable hash
+        ([1.0, [["BlockStored", [{"a": 1}], None, [1, 2, 3, 4], 4]]], "block_hashes"),
+        ([1.0, [["BlockStored", [1.5], None, [1, 2, 3, 4], 4]]], "block_hashes"),
+        ([1.0, [["BlockStored", [True], None, [1, 2, 3, 4], 4]]], "block_hashes"),
+        ([1.0, [["BlockStored", [1], [9], [1, 2, 3, 4], 4]]], "parent_block_hash"),
+        ([1.0, [["BlockStored", [1], None, [1, -2, 3, 4], 4]]], "token_ids"),
+        ([1.0, [["BlockStored", [1], None, [1, 2**32, 3, 4], 4]]], "token_ids"),
+        ([1.0, [["BlockStored", [1], None, "abcd", 4]]], "token_ids"),
+        ([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], 0]]], "block_size"),
+        ([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], "4"]]], "block_size"),
+        ([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], 4, "lora", None]]], "lora_id"),
+        ([1.0, [["BlockStored", [1], None, [1, 2, 3, 4], 4, None, 7]]], "medium"),
+        ([1.0, [["BlockStored", 5, None, [1, 2, 3, 4], 4]]], "block_hashes"),
+        ([1.0, [["BlockStored", [1], None]]], "needs 4 fields"),
+        ([1.0, [["BlockRemoved", None]]], "block_hashes"),
+        ([1.0, [["BlockRemoved"]]], "needs block_hashes"),
+        ([1.0, [[]]], "tagged array"),
+        ([1.0, [7]], "tagged array"),
+        ([1.0, {"a": 1}], "events must be an array"),
+        ([1.0, None], "events must be an array"),
+        (["soon", []], "ts must be a number"),
+        ([2**64 - 1, [], "rank"], "data_parallel_rank"),
+        ({"ts": 1.0}, "must be an array"),
+        ([1.0], "must be an array"),
+    ],
+)
 def test_decoder_refuses_wrong_types_with_the_one_error(batch, needle):
     """Each of these would have reached the sidecar's index as a bad value (or been skipped in
     silence): the decoder refuses the whole batch, naming the field."""
@@ -86,7 +122,9 @@ def test_decoder_refuses_wrong_types_with_the_one_error(batch, needle):
 
 
 def test_decoder_refuses_truncated_payloads():
-    payload = kv.encode_batch([kv.BlockStored([1, 2], None, list(range(32)), 16, None, "GPU")], ts=3.0)
+    payload = kv.encode_batch(
+        [kv.BlockStored([1, 2], None, list(range(32)), 16, None, "GPU")], ts=3.0
+    )
     assert kv.decode_batch(payload).events
     for cut in range(len(payload)):
         with pytest.raises(kv.DecodeError):
@@ -127,7 +165,12 @@ def test_publisher_wire_and_replay_protocol():
             if frames[1] == kv.END_SEQ:
                 assert frames[2] == b""
                 break
-            got.append((int.from_bytes(frames[1], "big"), kv.decode_batch(frames[2]).events[0].block_hashes))
+            got.append(
+                (
+                    int.from_bytes(frames[1], "big"),
+                    kv.decode_batch(frames[2]).events[0].block_hashes,
+                )
+            )
         assert got == [(3, [3]), (4, [4])]
         dealer.close(0)
     finally:
@@ -138,7 +181,9 @@ def test_subscriber_catches_up_fills_gaps_and_detects_restart():
     pub = kv.KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
     sub = kv.KVEventSubscriber(pub.endpoint, pub.replay_endpoint)
     try:
-        pub.publish([kv.BlockRemoved([0])])  # before the subscriber's first poll: caught up by replay
+        pub.publish(
+            [kv.BlockRemoved([0])]
+        )  # before the subscriber's first poll: caught up by replay
         pub.publish([kv.BlockRemoved([1])])
         first = _drain(sub, 5)
         assert [d.seq for d in first] == [0, 1]
@@ -177,7 +222,9 @@ def test_subscriber_catches_up_fills_gaps_and_detects_restart():
 
 def test_unrecoverable_gap_resets():
     """A publisher without snapshots (as vLLM's) cannot fill a range it no longer buffers."""
-    pub = kv.KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=2, snapshots=False)
+    pub = kv.KVEventPublisher(
+        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=2, snapshots=False
+    )
     sub = kv.KVEventSubscriber(pub.endpoint, pub.replay_endpoint)
     try:
         pub.publish([kv.BlockRemoved([0])])
@@ -239,12 +286,16 @@ def test_frame_damaged_on_the_wire_is_recovered_from_the_replay_buffer():
         pub.close()
 
 
-@pytest.mark.parametrize("bad", [
-    msgpack.packb([1.0, [["BlockRemoved", [3]], ["BlockMoved", [3], [4]]]]),  # an unknown kind
-    msgpack.packb([1.0, [["BlockRemoved", [[3, 4]]]]]),  # an unhashable hash
-    msgpack.packb([1.0, [["BlockStored", ["3"], None, [1], 1]]]),  # a wrong field type
-    kv.encode_batch([kv.BlockRemoved([3])])[:-1],  # truncated, in the buffer too
-], ids=["unknown-kind", "unhashable-hash", "wrong-type", "truncated"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        msgpack.packb([1.0, [["BlockRemoved", [3]], ["BlockMoved", [3], [4]]]]),  # an unknown kind
+        msgpack.packb([1.0, [["BlockRemoved", [[3, 4]]]]]),  # an unhashable hash
+        msgpack.packb([1.0, [["BlockStored", ["3"], None, [1], 1]]]),  # a wrong field type
+        kv.encode_batch([kv.BlockRemoved([3])])[:-1],  # truncated, in the buffer too
+    ],
+    ids=["unknown-kind", "unhashable-hash", "wrong-type", "truncated"],
+)
 def test_undecodable_batch_is_counted_then_reset_and_the_stream_goes_on(bad):
     pub = kv.KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
     sub = kv.KVEventSubscriber(pub.endpoint, pub.replay_endpoint)
@@ -256,9 +307,11 @@ def test_undecodable_batch_is_counted_then_reset_and_the_stream_goes_on(bad):
         resets = [i for i, d in enumerate(got) if d.reset]
         # One reset, in order: after everything before the bad batch, before everything after it.
         assert len(resets) == 1 and f"seq {seq} is undecodable" in got[resets[0]].reset
-        assert _batches(got[resets[0] + 1:]) == [(seq + 1, [5])]
+        assert _batches(got[resets[0] + 1 :]) == [(seq + 1, [5])]
         assert sub.stats["lost_batches"] == 1
-        assert sub.stats["decode_errors"] == 2  # live, then its copy in the replay buffer: retried once
+        assert (
+            sub.stats["decode_errors"] == 2
+        )  # live, then its copy in the replay buffer: retried once
         # It is not retried again, and later batches flow normally: no loop.
         pub.publish([kv.BlockRemoved([6])])
         got = _drain(sub, 5)
@@ -288,10 +341,18 @@ def test_undecodable_batch_without_replay_resets_and_continues():
         pub.close()
 
 
-@pytest.mark.parametrize("frames", [
-    lambda seq, payload: (b"", payload),  # a frame missing
-    lambda seq, payload: (b"", seq.to_bytes(8, "big")[:3], payload),  # a truncated sequence number
-], ids=["two-frames", "short-seq"])
+@pytest.mark.parametrize(
+    "frames",
+    [
+        lambda seq, payload: (b"", payload),  # a frame missing
+        lambda seq, payload: (
+            b"",
+            seq.to_bytes(8, "big")[:3],
+            payload,
+        ),  # a truncated sequence number
+    ],
+    ids=["two-frames", "short-seq"],
+)
 def test_malformed_message_is_counted_and_its_batch_fetched_by_replay(frames):
     pub = kv.KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
     sub = kv.KVEventSubscriber(pub.endpoint, pub.replay_endpoint)
@@ -301,7 +362,9 @@ def test_malformed_message_is_counted_and_its_batch_fetched_by_replay(frames):
         with pub._lock:
             seq = pub._seq
         _send_raw(pub, payload, frames=frames(seq, payload))
-        got = _drain(sub, 5)  # nothing follows: the replay after the bad frame must find seq by itself
+        got = _drain(
+            sub, 5
+        )  # nothing follows: the replay after the bad frame must find seq by itself
         assert _batches(got) == [(seq, [8])] and not any(d.reset for d in got)
         assert sub.stats["decode_errors"] == 1
     finally:
@@ -311,6 +374,7 @@ def test_malformed_message_is_counted_and_its_batch_fetched_by_replay(frames):
 
 def test_validation_hook_failures_are_decode_errors():
     """The sidecar's format check (e.g. kvmesh hashes are uint64) rides the same recovery."""
+
     def no_sevens(batch):
         if any(7 in getattr(e, "block_hashes", []) for e in batch.events):
             raise kv.DecodeError("seven")

@@ -25,34 +25,65 @@ def error(obj) -> str:
     return str(exc.value)
 
 
-@pytest.mark.parametrize("batch, message", [
-    ([1.0, [["BlockStored", [1], None]]], "BlockStored needs 4 fields, got 2"),
-    ([1.0, [["BlockStored", [1], None, [1], 0]]], "BlockStored.block_size must be a positive int, got 0"),
-    ([1.0, [["BlockStored", [1], None, [1], "4"]]], "BlockStored.block_size must be a positive int, got '4'"),
-    ([1.0, [["BlockStored", [1.5], None, [1], 4]]], "BlockStored.block_hashes must be an int or bytes, got float 1.5"),
-    ([1.0, [["BlockStored", "ab", None, [1], 4]]], "BlockStored.block_hashes must be an array, got str"),
-    ([1.0, [["BlockStored", [1], "p", [1], 4]]],
-     "BlockStored.parent_block_hash must be an int or bytes, got str 'p'"),
-    ([1.0, [["BlockStored", [1], None, {"a": 1}, 4]]], "BlockStored.token_ids must be an array, got dict"),
-    ([1.0, [["BlockStored", [1], None, [1, -5], 4]]], "BlockStored.token_ids must hold uint32 ints, got -5"),
-    ([1.0, [["BlockStored", [1], None, [1], 4, 2.5]]], "BlockStored.lora_id must be an int or nil, got float"),
-    ([1.0, [["BlockStored", [1], None, [1], 4, None, b"GPU"]]],
-     "BlockStored.medium must be a string or nil, got bytes"),
-    ([1.0, [["BlockRemoved"]]], "BlockRemoved needs block_hashes"),
-    ([1.0, [["BlockRemoved", [b"x", 2.0]]]], "BlockRemoved.block_hashes must be an int or bytes, got float 2.0"),
-    ([1.0, [["BlockRemoved", 3]]], "BlockRemoved.block_hashes must be an array, got int"),
-    ([1.0, [["BlockRemoved", [1], 7]]], "BlockRemoved.medium must be a string or nil, got int"),
-    ([1.0, [["Nope", 1]]], "unknown KV event kind 'Nope'"),
-    ([1.0, [[b"\xff\xfe", 1]]], r"event tag is not text: b'\xff\xfe'"),
-    ([1.0, [5]], "event is not a tagged array: 5"),
-    ([1.0, [[]]], "event is not a tagged array: []"),
-    ([1.0, "events"], "EventBatch.events must be an array, got str"),
-    (["now", []], "EventBatch.ts must be a number, got str"),
-    ([True, []], "EventBatch.ts must be a number, got bool"),
-    ([1.0, [], 1.5], "EventBatch.data_parallel_rank must be an int or nil, got float"),
-    ({"ts": 1.0}, "EventBatch must be an array [ts, events, ...], got dict"),
-    ([1.0], "EventBatch must be an array [ts, events, ...], got list"),
-])
+@pytest.mark.parametrize(
+    "batch, message",
+    [
+        ([1.0, [["BlockStored", [1], None]]], "BlockStored needs 4 fields, got 2"),
+        (
+            [1.0, [["BlockStored", [1], None, [1], 0]]],
+            "BlockStored.block_size must be a positive int, got 0",
+        ),
+        (
+            [1.0, [["BlockStored", [1], None, [1], "4"]]],
+            "BlockStored.block_size must be a positive int, got '4'",
+        ),
+        (
+            [1.0, [["BlockStored", [1.5], None, [1], 4]]],
+            "BlockStored.block_hashes must be an int or bytes, got float 1.5",
+        ),
+        (
+            [1.0, [["BlockStored", "ab", None, [1], 4]]],
+            "BlockStored.block_hashes must be an array, got str",
+        ),
+        (
+            [1.0, [["BlockStored", [1], "p", [1], 4]]],
+            "BlockStored.parent_block_hash must be an int or bytes, got str 'p'",
+        ),
+        (
+            [1.0, [["BlockStored", [1], None, {"a": 1}, 4]]],
+            "BlockStored.token_ids must be an array, got dict",
+        ),
+        (
+            [1.0, [["BlockStored", [1], None, [1, -5], 4]]],
+            "BlockStored.token_ids must hold uint32 ints, got -5",
+        ),
+        (
+            [1.0, [["BlockStored", [1], None, [1], 4, 2.5]]],
+            "BlockStored.lora_id must be an int or nil, got float",
+        ),
+        (
+            [1.0, [["BlockStored", [1], None, [1], 4, None, b"GPU"]]],
+            "BlockStored.medium must be a string or nil, got bytes",
+        ),
+        ([1.0, [["BlockRemoved"]]], "BlockRemoved needs block_hashes"),
+        (
+            [1.0, [["BlockRemoved", [b"x", 2.0]]]],
+            "BlockRemoved.block_hashes must be an int or bytes, got float 2.0",
+        ),
+        ([1.0, [["BlockRemoved", 3]]], "BlockRemoved.block_hashes must be an array, got int"),
+        ([1.0, [["BlockRemoved", [1], 7]]], "BlockRemoved.medium must be a string or nil, got int"),
+        ([1.0, [["Nope", 1]]], "unknown KV event kind 'Nope'"),
+        ([1.0, [[b"\xff\xfe", 1]]], r"event tag is not text: b'\xff\xfe'"),
+        ([1.0, [5]], "event is not a tagged array: 5"),
+        ([1.0, [[]]], "event is not a tagged array: []"),
+        ([1.0, "events"], "EventBatch.events must be an array, got str"),
+        (["now", []], "EventBatch.ts must be a number, got str"),
+        ([True, []], "EventBatch.ts must be a number, got bool"),
+        ([1.0, [], 1.5], "EventBatch.data_parallel_rank must be an int or nil, got float"),
+        ({"ts": 1.0}, "EventBatch must be an array [ts, events, ...], got dict"),
+        ([1.0], "EventBatch must be an array [ts, events, ...], got list"),
+    ],
+)
 def test_each_error_names_the_field_and_what_it_got(batch, message):
     assert error(batch) == message
 
@@ -78,14 +109,29 @@ def test_not_msgpack_says_what_the_parser_said(payload):
 
 
 def test_map_encoded_events_decode_like_arrays():
-    batch = decode([1.0, [
-        {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": 9, "token_ids": [5, 6, 7, 8],
-         "block_size": 2, "lora_id": None, "medium": "GPU"},
-        {"type": "BlockRemoved", "block_hashes": [1], "medium": None},
-        {"type": "AllBlocksCleared"},
-    ]])
-    assert batch.events == [kv.BlockStored([1, 2], 9, [5, 6, 7, 8], 2, None, "GPU"), kv.BlockRemoved([1], None),
-                            kv.AllBlocksCleared()]
+    batch = decode(
+        [
+            1.0,
+            [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [1, 2],
+                    "parent_block_hash": 9,
+                    "token_ids": [5, 6, 7, 8],
+                    "block_size": 2,
+                    "lora_id": None,
+                    "medium": "GPU",
+                },
+                {"type": "BlockRemoved", "block_hashes": [1], "medium": None},
+                {"type": "AllBlocksCleared"},
+            ],
+        ]
+    )
+    assert batch.events == [
+        kv.BlockStored([1, 2], 9, [5, 6, 7, 8], 2, None, "GPU"),
+        kv.BlockRemoved([1], None),
+        kv.AllBlocksCleared(),
+    ]
     assert error([1.0, [{"kind": "BlockStored"}]]) == "unknown KV event kind None"
 
 
@@ -110,11 +156,21 @@ def test_decoded_types():
 
 
 def test_encoded_batches_round_trip_with_every_field():
-    events = [kv.BlockStored([1, b"h"], 0, [3, 4], 2, 7, "cpu"), kv.BlockRemoved([b"h"], "GPU"),
-              kv.AllBlocksCleared()]
+    events = [
+        kv.BlockStored([1, b"h"], 0, [3, 4], 2, 7, "cpu"),
+        kv.BlockRemoved([b"h"], "GPU"),
+        kv.AllBlocksCleared(),
+    ]
     payload = kv.encode_batch(events, ts=5, data_parallel_rank=1)
-    assert msgpack.unpackb(payload) == [5.0, [["BlockStored", [1, b"h"], 0, [3, 4], 2, 7, "cpu"],
-                                              ["BlockRemoved", [b"h"], "GPU"], ["AllBlocksCleared"]], 1]
+    assert msgpack.unpackb(payload) == [
+        5.0,
+        [
+            ["BlockStored", [1, b"h"], 0, [3, 4], 2, 7, "cpu"],
+            ["BlockRemoved", [b"h"], "GPU"],
+            ["AllBlocksCleared"],
+        ],
+        1,
+    ]
     assert kv.decode_batch(payload) == kv.EventBatch(5.0, events, 1)
     assert type(msgpack.unpackb(payload)[0]) is float
     # Without a timestamp the batch is stamped now.

@@ -25,29 +25,55 @@ FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCh
 
 # Every msgpack scalar, at its edges: ints over the full wire range, non-finite floats, text, bytes.
 scalars = st.one_of(
-    st.none(), st.booleans(),
+    st.none(),
+    st.booleans(),
     st.integers(min_value=-(2**63), max_value=2**64 - 1),
     st.sampled_from([0, 1, -1, 2**32, 2**32 - 1, 2**63, 2**64 - 1, -(2**63)]),
     st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12), st.binary(max_size=12),
-    st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "GPU", "CPU", b"BlockStored"]),
+    st.text(max_size=12),
+    st.binary(max_size=12),
+    st.sampled_from(
+        ["BlockStored", "BlockRemoved", "AllBlocksCleared", "GPU", "CPU", b"BlockStored"]
+    ),
 )
-values = st.recursive(scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=6),
-    st.dictionaries(st.one_of(st.text(max_size=6), st.integers(-5, 5)), inner, max_size=4),
-), max_leaves=30)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=6),
+        st.dictionaries(st.one_of(st.text(max_size=6), st.integers(-5, 5)), inner, max_size=4),
+    ),
+    max_leaves=30,
+)
 
 # Well-formed events, so the mutations below start close to what an engine sends.
 hashes = st.one_of(st.integers(0, 2**64 - 1), st.binary(min_size=1, max_size=32))
-stored = st.builds(lambda hs, parent, bs, medium: ["BlockStored", hs, parent, list(range(bs * len(hs))), bs,
-                                                   None, medium],
-                   st.lists(hashes, min_size=1, max_size=4), st.one_of(st.none(), hashes),
-                   st.integers(1, 4), st.sampled_from([None, "GPU", "CPU"]))
-removed = st.builds(lambda hs, medium: ["BlockRemoved", hs, medium], st.lists(hashes, max_size=4),
-                    st.sampled_from([None, "GPU"]))
+stored = st.builds(
+    lambda hs, parent, bs, medium: [
+        "BlockStored",
+        hs,
+        parent,
+        list(range(bs * len(hs))),
+        bs,
+        None,
+        medium,
+    ],
+    st.lists(hashes, min_size=1, max_size=4),
+    st.one_of(st.none(), hashes),
+    st.integers(1, 4),
+    st.sampled_from([None, "GPU", "CPU"]),
+)
+removed = st.builds(
+    lambda hs, medium: ["BlockRemoved", hs, medium],
+    st.lists(hashes, max_size=4),
+    st.sampled_from([None, "GPU"]),
+)
 events = st.one_of(stored, removed, st.just(["AllBlocksCleared"]))
-good_batches = st.builds(lambda ts, evs, rank: [ts, evs, rank], st.floats(0, 2e9), st.lists(events, max_size=5),
-                         st.one_of(st.none(), st.integers(0, 7)))
+good_batches = st.builds(
+    lambda ts, evs, rank: [ts, evs, rank],
+    st.floats(0, 2e9),
+    st.lists(events, max_size=5),
+    st.one_of(st.none(), st.integers(0, 7)),
+)
 
 
 def _paths(obj, path=()):
@@ -73,7 +99,7 @@ def mutated_batches(draw):
     if how == "replace" or not isinstance(target, list):
         parent[path[-1]] = draw(values)
     elif how == "truncate":
-        del target[draw(st.integers(0, len(target))):]
+        del target[draw(st.integers(0, len(target))) :]
     else:
         target.append(draw(values))
     return batch
@@ -103,13 +129,17 @@ def _check_well_typed(batch: kv.EventBatch) -> None:
 def _apply_everywhere(batch: kv.EventBatch) -> None:
     """What the sidecar does with a decoded batch, in both engine formats: must not raise."""
     for fmt in ("kvmesh", "vllm"):
-        cfg = SidecarConfig(pod_name="p", pod_url="http://x", model="m", engine_format=fmt, block_size=2)
+        cfg = SidecarConfig(
+            pod_name="p", pod_url="http://x", model="m", engine_format=fmt, block_size=2
+        )
         if fmt == "kvmesh":
             try:
                 validate_kvmesh_batch(batch)
             except kv.DecodeError:
                 continue  # the subscriber treats it as undecodable: never applied
-        sidecar = IndexWriter.__new__(IndexWriter)  # apply() needs only the index and stats (no Redis client)
+        sidecar = IndexWriter.__new__(
+            IndexWriter
+        )  # apply() needs only the index and stats (no Redis client)
         sidecar.cfg, sidecar.index, sidecar.stats = cfg, BlockIndex(cfg), Counter()
         sidecar.index._warned_block_size = True  # block sizes vary on purpose here
         added, removed_, _ = sidecar.apply([kv.Delivery(seq=0, batch=batch)])
@@ -166,7 +196,9 @@ def test_valid_batches_decode_exactly_and_damaged_ones_never_escape(batch, data)
 
 def test_fuzz_properties_can_fail():
     """The checks above are not vacuous: a decoder that let a bad type through would be caught."""
-    bad = kv.EventBatch(ts=1.0, events=[kv.BlockStored([[1, 2]], None, [1, 2], 2)])  # a list as a hash
+    bad = kv.EventBatch(
+        ts=1.0, events=[kv.BlockStored([[1, 2]], None, [1, 2], 2)]
+    )  # a list as a hash
     try:
         _check_well_typed(bad)
     except AssertionError:

@@ -12,7 +12,9 @@ from tests.router.test_drain import RouterProc
 def test_probes_stay_fast_under_four_4mb_requests(stub_factory, model_name, tmp_path):
     (stub,) = stub_factory(model_name, 1, "--no-tokenize", "--response-tokens", "1", events=False)
     with RouterProc(stub.url, tmp_path) as router:
-        latencies, failures, answers = probe_during(router.url, ("/health", "/ready", "/metrics"), big_bodies())
+        latencies, failures, answers = probe_during(
+            router.url, ("/health", "/ready", "/metrics"), big_bodies()
+        )
     # the generations went through (the stub, told not to tokenize, cannot answer /tokenize)
     assert [status for path, status, _ in answers if path != "/tokenize"] == [200] * 3, answers
     assert not failures, failures

@@ -14,17 +14,30 @@ from kvmesh_testing.chaos import MeshConfig, OverloadConfig, run_overload
 
 
 def test_four_times_each_admission_limit_gets_only_retry_after_refusals_and_admitted_requests_complete():
-    cfg = OverloadConfig(mesh=MeshConfig(engines=2, max_num_seqs=2, max_waiting=2, token_delay=0.02,
-                                         response_tokens=16),
-                         factor=4, duration_s=8.0, admitted_target=40, rate_limit_rpm=20, max_pending=4)
+    cfg = OverloadConfig(
+        mesh=MeshConfig(
+            engines=2, max_num_seqs=2, max_waiting=2, token_delay=0.02, response_tokens=16
+        ),
+        factor=4,
+        duration_s=8.0,
+        admitted_target=40,
+        rate_limit_rpm=20,
+        max_pending=4,
+    )
     rep = asyncio.run(run_overload(cfg))
     print("\n".join(rep.lines()))
-    assert [p.name.split(" (")[0] for p in rep.parts] == ["engine queues", "router rate limit", "router hold queue"]
+    assert [p.name.split(" (")[0] for p in rep.parts] == [
+        "engine queues",
+        "router rate limit",
+        "router hold queue",
+    ]
 
     for p in rep.parts:
         assert p.offered == 4 * p.capacity, p.name
         assert p.results, p.name
-        assert [r.short() for r in p.server_errors] == [], p.name  # no 5xx (other than the documented 503)
+        assert [r.short() for r in p.server_errors] == [], (
+            p.name
+        )  # no 5xx (other than the documented 503)
         assert [r.short() for r in p.refused_without_retry_after] == [], p.name
         assert [r.short() for r in p.incomplete] == [], p.name  # every admitted request completes
         assert p.admitted and p.refused, p.line()

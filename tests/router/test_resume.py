@@ -24,7 +24,6 @@ from tests.conftest import wait_until
 from tests.router.test_router import metric
 from tests.tiny_models import build_tiny_model
 
-
 PROMPT = "The history of the printing press begins"
 CHAT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 LONG = {"max_tokens": 300, "ignore_eos": True}
@@ -48,16 +47,38 @@ class Engine:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, same_port: bool = False) -> "Engine":
+    def start(self, same_port: bool = False) -> Engine:
         """Started (again); on a new port unless `same_port` (a restart in place, as a pod's)."""
         if not same_port:
             self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "serve", "--model", self.model_dir, "--served-model-name", "tiny",
-             "--host", "127.0.0.1", "--port", str(self.port), "--num-kv-blocks", "256", "--engine-mode", "thread",
-             # a drain (SIGTERM) cuts what still runs after 0.2 s: the drain test's streams outlive it
-             "--drain-timeout", "0.2", "--log-level", "warning"], stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "kvmesh.cli",
+                "serve",
+                "--model",
+                self.model_dir,
+                "--served-model-name",
+                "tiny",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--num-kv-blocks",
+                "256",
+                "--engine-mode",
+                "thread",
+                # a drain (SIGTERM) cuts what still runs after 0.2 s: the drain test's streams outlive it
+                "--drain-timeout",
+                "0.2",
+                "--log-level",
+                "warning",
+            ],
+            stdout=open(self.log_path, "a"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         return self
 
     def wait_ready(self) -> None:
@@ -67,6 +88,7 @@ class Engine:
                 return httpx.get(self.url + "/ready", timeout=1).status_code == 200
             except httpx.HTTPError:
                 return False
+
         wait_until(ready, 180, interval=0.2, msg=f"engine {self.name} ready (log: {self.log_path})")
 
     @property
@@ -113,8 +135,14 @@ def live(engines):
 def router(router_factory, live):
     def start(pods=None, **kw):
         pods = live if pods is None else pods
-        return router_factory(model="tiny", redis_url=None, static_backends=[f"{e.name}={e.url}" for e in pods],
-                              scale_from_zero_timeout=0, **kw)
+        return router_factory(
+            model="tiny",
+            redis_url=None,
+            static_backends=[f"{e.name}={e.url}" for e in pods],
+            scale_from_zero_timeout=0,
+            **kw,
+        )
+
     return start
 
 
@@ -126,8 +154,9 @@ def sse_events(lines) -> list:
     return out
 
 
-def stream(url: str, path: str, body: dict, kill_after: int | None = None, engines=(),
-           kill_when=None) -> tuple[list, str | None]:
+def stream(
+    url: str, path: str, body: dict, kill_after: int | None = None, engines=(), kill_when=None
+) -> tuple[list, str | None]:
     """The events of a stream; with `kill_after`, the engine that answers (X-Kvmesh-Pod) is
     killed once that many events arrived (or, with `kill_when`, once it holds for the events so
     far). Returns (events, the killed pod)."""
@@ -141,8 +170,12 @@ def stream(url: str, path: str, body: dict, kill_after: int | None = None, engin
             if not line.startswith("data: "):
                 continue
             events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-            if kill_after is not None and killed is None and len(events) >= kill_after \
-                    and (kill_when is None or kill_when(events)):
+            if (
+                kill_after is not None
+                and killed is None
+                and len(events) >= kill_after
+                and (kill_when is None or kill_when(events))
+            ):
                 next(e for e in engines if e.name == pod).kill()
                 killed = pod
     return events, killed
@@ -154,7 +187,9 @@ def text_of(events: list, chat: bool) -> str:
         if ev == "[DONE]" or "error" in ev:
             continue
         for c in ev["choices"]:
-            parts.append((c.get("delta") or {}).get("content") or "" if chat else c.get("text") or "")
+            parts.append(
+                (c.get("delta") or {}).get("content") or "" if chat else c.get("text") or ""
+            )
     return "".join(parts)
 
 
@@ -172,7 +207,9 @@ def check_one_stream(events: list) -> None:
     assert events.count("[DONE]") == 1 and events[-1] == "[DONE]", events[-3:]
     chunks = [e for e in events if e != "[DONE]"]
     assert not [e for e in chunks if "error" in e], [e for e in chunks if "error" in e]
-    assert len({(e["id"], e["created"]) for e in chunks}) == 1, {(e["id"], e["created"]) for e in chunks}
+    assert len({(e["id"], e["created"]) for e in chunks}) == 1, {
+        (e["id"], e["created"]) for e in chunks
+    }
     for e in chunks:
         assert "prompt_token_ids" not in e and all("token_ids" not in c for c in e["choices"]), e
 
@@ -182,7 +219,10 @@ def usage_of(events: list) -> dict:
 
 
 CASES = {
-    "greedy completion, logprobs, stop": ("/v1/completions", {"prompt": PROMPT, "temperature": 0, "logprobs": 2}),
+    "greedy completion, logprobs, stop": (
+        "/v1/completions",
+        {"prompt": PROMPT, "temperature": 0, "logprobs": 2},
+    ),
     "seeded chat": ("/v1/chat/completions", {"messages": CHAT, "temperature": 1.0, "seed": 1234}),
     "greedy chat": ("/v1/chat/completions", {"messages": CHAT, "temperature": 0}),
 }
@@ -197,10 +237,15 @@ def test_a_stream_whose_engine_is_killed_goes_on_as_if_nothing_happened(case, ro
     body = {"model": "tiny", **body, **LONGER, "stream_options": {"include_usage": True}}
     reference, _ = stream(live[0].url, path, body)  # straight to an engine, uninterrupted
     ref_text = text_of(reference, chat)
-    if "stop" in case:  # a stop string well after the kill (its first occurrence): both runs end there
-        at = next(k for k in range(len(ref_text) * 3 // 4, len(ref_text) - 8)
-                  if ref_text[k:k + 8] not in ref_text[:k + 7])
-        body["stop"] = [ref_text[at:at + 8]]
+    if (
+        "stop" in case
+    ):  # a stop string well after the kill (its first occurrence): both runs end there
+        at = next(
+            k
+            for k in range(len(ref_text) * 3 // 4, len(ref_text) - 8)
+            if ref_text[k : k + 8] not in ref_text[: k + 7]
+        )
+        body["stop"] = [ref_text[at : at + 8]]
         reference, _ = stream(live[0].url, path, body)
         ref_text = text_of(reference, chat)
     rt = router()
@@ -210,9 +255,20 @@ def test_a_stream_whose_engine_is_killed_goes_on_as_if_nothing_happened(case, ro
     assert text_of(events, chat) == ref_text
     if "logprobs" in case:
         assert logprob_tokens(events) == logprob_tokens(reference)
-    finish = [c["finish_reason"] for e in events if e != "[DONE]" for c in e["choices"] if c.get("finish_reason")]
-    assert finish == [c["finish_reason"] for e in reference if e != "[DONE]" for c in e["choices"]
-                      if c.get("finish_reason")]
+    finish = [
+        c["finish_reason"]
+        for e in events
+        if e != "[DONE]"
+        for c in e["choices"]
+        if c.get("finish_reason")
+    ]
+    assert finish == [
+        c["finish_reason"]
+        for e in reference
+        if e != "[DONE]"
+        for c in e["choices"]
+        if c.get("finish_reason")
+    ]
     assert usage_of(events)["completion_tokens"] == usage_of(reference)["completion_tokens"]
     assert usage_of(events)["prompt_tokens"] == usage_of(reference)["prompt_tokens"]
     assert metric(rt.url, "kvmesh_router_resumed_requests_total", phase="mid_stream") == 1
@@ -220,14 +276,25 @@ def test_a_stream_whose_engine_is_killed_goes_on_as_if_nothing_happened(case, ro
 
 
 def test_an_unseeded_stream_goes_on_with_the_whole_budget_once(router, live):
-    body = {"model": "tiny", "prompt": PROMPT, "temperature": 1.0, **LONG, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "temperature": 1.0,
+        **LONG,
+        "stream_options": {"include_usage": True},
+    }
     rt = router()
     events, killed = stream(rt.url, "/v1/completions", body, kill_after=4, engines=live)
     assert killed is not None
     check_one_stream(events)
     assert usage_of(events)["completion_tokens"] == LONG["max_tokens"]
-    assert [c["finish_reason"] for e in events if e != "[DONE]" for c in e["choices"] if c.get("finish_reason")] \
-        == ["length"]
+    assert [
+        c["finish_reason"]
+        for e in events
+        if e != "[DONE]"
+        for c in e["choices"]
+        if c.get("finish_reason")
+    ] == ["length"]
     assert metric(rt.url, "kvmesh_router_resumed_requests_total") == 1
 
 
@@ -239,14 +306,24 @@ def test_the_client_asking_for_token_ids_gets_them_all_once(router, live):
     assert killed is not None
 
     def ids(evs):
-        return [t for e in evs if e != "[DONE]" for c in e["choices"] for t in c.get("token_ids") or []]
+        return [
+            t for e in evs if e != "[DONE]" for c in e["choices"] for t in c.get("token_ids") or []
+        ]
+
     assert ids(events) == ids(reference) and len(ids(events)) == LONG["max_tokens"]
 
 
 NON_STREAMED = {
     "greedy chat": ("/v1/chat/completions", {"messages": CHAT, "temperature": 0}),
-    "seeded batch of 2 prompts x n=2": ("/v1/completions", {"prompt": [PROMPT, "Once upon a time in a harbour"],
-                                                            "temperature": 1.0, "seed": 11, "n": 2}),
+    "seeded batch of 2 prompts x n=2": (
+        "/v1/completions",
+        {
+            "prompt": [PROMPT, "Once upon a time in a harbour"],
+            "temperature": 1.0,
+            "seed": 11,
+            "n": 2,
+        },
+    ),
 }
 
 
@@ -261,26 +338,38 @@ def test_a_non_streamed_request_whose_engine_is_killed_is_answered_by_another(ca
     result = {}
     import threading
 
-    t = threading.Thread(target=lambda: result.setdefault("resp", httpx.post(rt.url + path, json=body, timeout=120)))
+    t = threading.Thread(
+        target=lambda: result.setdefault("resp", httpx.post(rt.url + path, json=body, timeout=120))
+    )
     t.start()
 
     def running():
         for e in live:
-            if e.alive and "num_requests_running" in (m := httpx.get(e.url + "/metrics", timeout=2).text):
-                if any(line.startswith("vllm:num_requests_running") and not line.endswith(" 0.0")
-                       for line in m.splitlines()):
+            if e.alive and "num_requests_running" in (
+                m := httpx.get(e.url + "/metrics", timeout=2).text
+            ):
+                if any(
+                    line.startswith("vllm:num_requests_running") and not line.endswith(" 0.0")
+                    for line in m.splitlines()
+                ):
                     return e
         return None
+
     busy = wait_until(running, 30, interval=0.01, msg="the request running on an engine")
     busy.kill()
     t.join(120)
     resp = result["resp"]
     assert resp.status_code == 200, resp.text
     out = resp.json()
-    content = (lambda c: c["message"]["content"]) if path.endswith("chat/completions") else (lambda c: c["text"])
+    content = (
+        (lambda c: c["message"]["content"])
+        if path.endswith("chat/completions")
+        else (lambda c: c["text"])
+    )
     assert len(out["choices"]) == len(reference["choices"])
-    assert sorted((c["index"], content(c)) for c in out["choices"]) == \
-        sorted((c["index"], content(c)) for c in reference["choices"])
+    assert sorted((c["index"], content(c)) for c in out["choices"]) == sorted(
+        (c["index"], content(c)) for c in reference["choices"]
+    )
     assert out["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
     assert metric(rt.url, "kvmesh_router_resumed_requests_total") == 1
 
@@ -288,11 +377,19 @@ def test_a_non_streamed_request_whose_engine_is_killed_is_answered_by_another(ca
 def test_a_stream_cut_by_its_engines_drain_goes_on_with_another(router, live):
     """A draining engine (a scale-down, a rollout) aborts the streams still running at its drain
     timeout (finish_reason "abort"): the router goes on with another replica instead of ending them."""
-    body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, **LONGER, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "temperature": 0,
+        **LONGER,
+        "stream_options": {"include_usage": True},
+    }
     reference, _ = stream(live[0].url, "/v1/completions", body)
     rt = router()
     events = []
-    with httpx.stream("POST", rt.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+    with httpx.stream(
+        "POST", rt.url + "/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as resp:
         pod = resp.headers["x-kvmesh-pod"]
         for line in resp.iter_lines():
             if line.startswith("data: "):
@@ -303,14 +400,22 @@ def test_a_stream_cut_by_its_engines_drain_goes_on_with_another(router, live):
     assert drained.proc.wait(30) == 0  # it drained and exited by itself
     check_one_stream(events)
     assert text_of(events, False) == text_of(reference, False)
-    finish = [c["finish_reason"] for e in events if e != "[DONE]" for c in e["choices"] if c.get("finish_reason")]
+    finish = [
+        c["finish_reason"]
+        for e in events
+        if e != "[DONE]"
+        for c in e["choices"]
+        if c.get("finish_reason")
+    ]
     assert finish == ["length"]  # never "abort": the client does not see the cut
     assert usage_of(events)["completion_tokens"] == LONGER["max_tokens"]
     assert metric(rt.url, "kvmesh_router_resumed_requests_total", phase="mid_stream") == 1
 
 
 def test_a_stream_whose_every_replica_died_gets_the_error_event(router, live):
-    rt = router(pods=live[:1], resume_timeout=1.0)  # one replica, not back within the second it waits
+    rt = router(
+        pods=live[:1], resume_timeout=1.0
+    )  # one replica, not back within the second it waits
     body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, **LONG}
     t0 = time.monotonic()
     events, killed = stream(rt.url, "/v1/completions", body, kill_after=4, engines=live)
@@ -324,12 +429,20 @@ def test_a_stream_whose_every_replica_died_gets_the_error_event(router, live):
 def test_a_one_replica_stream_waits_for_its_engine_to_restart_and_goes_on(router, live):
     """The only engine is killed and comes back on the same address (a pod's container restarted in
     place): the stream waits for it, kept alive with SSE comments, and goes on as if uninterrupted."""
-    body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, **LONG, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "temperature": 0,
+        **LONG,
+        "stream_options": {"include_usage": True},
+    }
     engine = live[0]
     reference, _ = stream(engine.url, "/v1/completions", body)
     rt = router(pods=[engine])  # static: the router sees no health; it asks the engine itself
     events, comments = [], []
-    with httpx.stream("POST", rt.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+    with httpx.stream(
+        "POST", rt.url + "/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if line.startswith(":"):
@@ -343,8 +456,14 @@ def test_a_one_replica_stream_waits_for_its_engine_to_restart_and_goes_on(router
                 engine.start(same_port=True)
     check_one_stream(events)
     assert text_of(events, False) == text_of(reference, False)
-    assert usage_of(events)["completion_tokens"] == usage_of(reference)["completion_tokens"] == LONG["max_tokens"]
-    assert comments and set(comments) == {": waiting for a replica to go on with this stream"}, comments
+    assert (
+        usage_of(events)["completion_tokens"]
+        == usage_of(reference)["completion_tokens"]
+        == LONG["max_tokens"]
+    )
+    assert comments and set(comments) == {": waiting for a replica to go on with this stream"}, (
+        comments
+    )
     assert metric(rt.url, "kvmesh_router_resumed_requests_total", phase="mid_stream") == 1
     assert metric(rt.url, "kvmesh_router_resume_given_up_total", reason="no_replica") == 0
 
@@ -353,12 +472,17 @@ def test_the_resume_limit_holds(router, live):
     rt = router(max_resumes=1)
     body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, **LONG}
     events, killed = [], []
-    with httpx.stream("POST", rt.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+    with httpx.stream(
+        "POST", rt.url + "/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as resp:
         for line in resp.iter_lines():
             if not line.startswith("data: "):
                 continue
             events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-            if len(events) in (4, 40):  # kill whichever engine is answering now: first one, then the other
+            if len(events) in (
+                4,
+                40,
+            ):  # kill whichever engine is answering now: first one, then the other
                 victim = next(e for e in live if e.alive and e.name not in killed)
                 if len(events) == 4:
                     victim = next(e for e in live if e.name == resp.headers["x-kvmesh-pod"])
@@ -379,23 +503,40 @@ def per_choice(events: list, chat: bool) -> dict[int, dict]:
             continue
         for c in ev["choices"]:
             one = out.setdefault(c["index"], {"text": "", "finish": []})
-            one["text"] += ((c.get("delta") or {}).get("content") or "") if chat else (c.get("text") or "")
+            one["text"] += (
+                ((c.get("delta") or {}).get("content") or "") if chat else (c.get("text") or "")
+            )
             if c.get("finish_reason"):
                 one["finish"].append(c["finish_reason"])
     return out
 
 
 def finished(events: list, indices) -> bool:
-    return set(indices) <= {c["index"] for e in events if e != "[DONE]" for c in e["choices"] if c.get("finish_reason")}
+    return set(indices) <= {
+        c["index"] for e in events if e != "[DONE]" for c in e["choices"] if c.get("finish_reason")
+    }
 
 
 MULTI = {
     "greedy chat n=2": ("/v1/chat/completions", {"messages": CHAT, "temperature": 0, "n": 2}),
-    "seeded chat n=3": ("/v1/chat/completions", {"messages": CHAT, "temperature": 1.0, "seed": 77, "n": 3}),
+    "seeded chat n=3": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "temperature": 1.0, "seed": 77, "n": 3},
+    ),
     "greedy completions n=2": ("/v1/completions", {"prompt": PROMPT, "temperature": 0, "n": 2}),
-    "seeded completions n=3": ("/v1/completions", {"prompt": PROMPT, "temperature": 1.0, "seed": 5, "n": 3}),
-    "seeded batch of 2 prompts x n=2": ("/v1/completions", {"prompt": [PROMPT, "Once upon a time in a harbour"],
-                                                            "temperature": 1.0, "seed": 11, "n": 2}),
+    "seeded completions n=3": (
+        "/v1/completions",
+        {"prompt": PROMPT, "temperature": 1.0, "seed": 5, "n": 3},
+    ),
+    "seeded batch of 2 prompts x n=2": (
+        "/v1/completions",
+        {
+            "prompt": [PROMPT, "Once upon a time in a harbour"],
+            "temperature": 1.0,
+            "seed": 11,
+            "n": 2,
+        },
+    ),
 }
 
 
@@ -406,7 +547,10 @@ def check_same_as(events: list, reference: list, chat: bool) -> None:
     assert sorted(got) == sorted(want)
     for i in want:
         assert got[i]["text"] == want[i]["text"], i
-        assert got[i]["finish"] == want[i]["finish"] and len(want[i]["finish"]) == 1, (i, got[i]["finish"])
+        assert got[i]["finish"] == want[i]["finish"] and len(want[i]["finish"]) == 1, (
+            i,
+            got[i]["finish"],
+        )
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")
     assert [usage_of(events)[f] for f in counts] == [usage_of(reference)[f] for f in counts]
 
@@ -435,16 +579,28 @@ def early_stop(texts: dict[int, str], early: list[int]) -> list[str]:
     stops = []
     for i in early:
         others = [t for j, t in texts.items() if j != i]
-        at = next(k for k in range(20, len(texts[i]) - 6) if texts[i][k] == " " and texts[i][k + 1:k + 6].strip()
-                  and texts[i][k:k + 6] not in texts[i][:k + 5] and not any(texts[i][k:k + 6] in t for t in others))
-        stops.append(texts[i][at:at + 6])
+        at = next(
+            k
+            for k in range(20, len(texts[i]) - 6)
+            if texts[i][k] == " "
+            and texts[i][k + 1 : k + 6].strip()
+            and texts[i][k : k + 6] not in texts[i][: k + 5]
+            and not any(texts[i][k : k + 6] in t for t in others)
+        )
+        stops.append(texts[i][at : at + 6])
     return stops
 
 
-@pytest.mark.parametrize("case, early", [
-    ("seeded chat n=3", [1]),
-    ("seeded batch of 2 prompts x n=2", [0, 1]),  # prompt 0's every choice: its prompt is not run again
-])
+@pytest.mark.parametrize(
+    "case, early",
+    [
+        ("seeded chat n=3", [1]),
+        (
+            "seeded batch of 2 prompts x n=2",
+            [0, 1],
+        ),  # prompt 0's every choice: its prompt is not run again
+    ],
+)
 def test_choices_that_finished_before_the_kill_are_not_run_again(case, early, router, live):
     """Some choices end (a stop string) before the engine is killed, the others after: the
     continuation runs the others only, and the client's stream is the uninterrupted one's."""
@@ -458,8 +614,9 @@ def test_choices_that_finished_before_the_kill_are_not_run_again(case, early, ro
     assert [ref[i]["finish"] for i in early] == [["stop"]] * len(early)
     assert all(ref[i]["finish"] == ["length"] for i in ref if i not in early)
     rt = router()
-    events, killed = stream(rt.url, path, body, engines=live, kill_when=lambda evs: finished(evs, early))
+    events, killed = stream(
+        rt.url, path, body, engines=live, kill_when=lambda evs: finished(evs, early)
+    )
     assert killed is not None
     check_same_as(events, reference, chat)
     assert metric(rt.url, "kvmesh_router_resumed_requests_total", phase="mid_stream") == 1
-

@@ -8,11 +8,21 @@ import hashlib
 
 import pytest
 
-from kvmesh.router.scoring import Candidate, Weights, check_hotspot_params, mark_hot, rank, rendezvous
+from kvmesh.router.scoring import (
+    Candidate,
+    Weights,
+    check_hotspot_params,
+    mark_hot,
+    rank,
+    rendezvous,
+)
 
 
 def cands(*specs):
-    return [Candidate(name, f"http://{name}", kv_usage=kv, load=load, matched_blocks=m) for name, kv, load, m in specs]
+    return [
+        Candidate(name, f"http://{name}", kv_usage=kv, load=load, matched_blocks=m)
+        for name, kv, load, m in specs
+    ]
 
 
 def test_rendezvous_is_pinned():
@@ -22,7 +32,8 @@ def test_rendezvous_is_pinned():
     assert rendezvous(b"k", "p1") == 5722953370335470588
     assert rendezvous(b"", "") == 10734006239897485896
     assert rendezvous(b"\x01\x02", "pod-7") == int.from_bytes(
-        hashlib.blake2b(b"\x01\x02\x00pod-7", digest_size=8).digest(), "big")
+        hashlib.blake2b(b"\x01\x02\x00pod-7", digest_size=8).digest(), "big"
+    )
 
 
 def test_a_tie_goes_to_the_highest_rendezvous_weight():
@@ -45,7 +56,9 @@ def test_scores_within_a_billionth_are_a_tie():
 
 def test_rank_defaults_are_ratio_2_and_min_load_2():
     # 7 > 2 x 2 + 2: hot; 6 is not.
-    assert [c.name for c in rank(cands(("a", 0, 7, 4), ("b", 0, 2, 0)), 4, Weights(), b"k") if c.hot] == ["a"]
+    assert [
+        c.name for c in rank(cands(("a", 0, 7, 4), ("b", 0, 2, 0)), 4, Weights(), b"k") if c.hot
+    ] == ["a"]
     assert not any(c.hot for c in rank(cands(("a", 0, 6, 4), ("b", 0, 2, 0)), 4, Weights(), b"k"))
 
 
@@ -69,8 +82,17 @@ def test_no_load_and_no_blocks_score_zero_for_those_terms():
 
 
 def test_queue_share_is_the_share_of_all_candidates_load():
-    a, b = sorted(rank(cands(("a", 0, 1, 0), ("b", 0, 3, 0)), 4, Weights(prefix=0, kv=0, queue=1.0), b"k",
-                       10.0, 100), key=lambda c: c.name)
+    a, b = sorted(
+        rank(
+            cands(("a", 0, 1, 0), ("b", 0, 3, 0)),
+            4,
+            Weights(prefix=0, kv=0, queue=1.0),
+            b"k",
+            10.0,
+            100,
+        ),
+        key=lambda c: c.name,
+    )
     assert (a.score, b.score) == (pytest.approx(-0.25), pytest.approx(-0.75))
 
 

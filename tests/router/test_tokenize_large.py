@@ -10,18 +10,27 @@ from hypothesis import strategies as st
 from kvmesh.router import fast_tokenize as ft
 from tests.router.test_fast_tokenize import MIXED, encoders  # noqa: F401 - fixture
 
-UNICODE = st.lists(st.one_of(MIXED, st.text(max_size=30), st.sampled_from(["a b", "x, y", "日本 語", "\u3000 a",
-                                                                            "é è", "1 2", ". ,", "'s 't"])),
-                   max_size=20).map(" ".join)
+UNICODE = st.lists(
+    st.one_of(
+        MIXED,
+        st.text(max_size=30),
+        st.sampled_from(["a b", "x, y", "日本 語", "\u3000 a", "é è", "1 2", ". ,", "'s 't"]),
+    ),
+    max_size=20,
+).map(" ".join)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text=UNICODE, size=st.sampled_from([1, 3, 16, 1000]))
 def test_encode_large_equals_tokenizers(encoders, text, size, monkeypatch):  # noqa: F811
     tok, fast = encoders
     monkeypatch.setattr(ft, "LARGE_CHUNK", size)  # tiny cuts: every cut point is exercised
     assert fast.encode_large(text) == tok.encode(text)
-    assert fast.encode_large(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
+    assert fast.encode_large(text, add_special_tokens=False) == tok.encode(
+        text, add_special_tokens=False
+    )
 
 
 def test_safe_chunks_cut_only_between_printable_characters():
@@ -54,7 +63,7 @@ def test_encoders_share_their_word_cache_across_threads(encoders):  # noqa: F811
         t.start()
         while t.is_alive():
             for i in range(0, 3000, 97):
-                short = " ".join(words[i:i + 20])
+                short = " ".join(words[i : i + 20])
                 assert fast.encode(short) == tok.encode(short)
         t.join()
         assert errors == []

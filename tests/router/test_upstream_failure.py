@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from kvmesh.router import app, upstream_failure as uf
+from kvmesh.router import app
+from kvmesh.router import upstream_failure as uf
 
 EXPECTED = [  # failure, status, code, stage, Outcome.error
     (uf.TIMEOUT, 504, None, "before_response", "timeout"),
@@ -22,8 +23,11 @@ def _answer(router, failure):
     async def send(msg):
         sent.append(msg)
 
-    out = asyncio.run(router.proxy.upstream_failed(send, failure, OSError("reset"), "pod-0", "rid-1", 1,
-                                              [(b"x-kvmesh-pod", b"pod-0")]))
+    out = asyncio.run(
+        router.proxy.upstream_failed(
+            send, failure, OSError("reset"), "pod-0", "rid-1", 1, [(b"x-kvmesh-pod", b"pod-0")]
+        )
+    )
     return out, sent
 
 

@@ -12,19 +12,38 @@ import redis
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import block_keys, key_hex, root_key
-from kvmesh.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Delivery,
-                                     EventBatch)
+from kvmesh.common.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    Delivery,
+    EventBatch,
+)
 from kvmesh.common.ports import free_port
 from kvmesh.sidecar.config import SidecarConfig
-from kvmesh.sidecar.index_writer import GPU_MEDIA, BlockIndex, IndexWriter, _hashable, validate_kvmesh_batch
+from kvmesh.sidecar.index_writer import (
+    GPU_MEDIA,
+    BlockIndex,
+    IndexWriter,
+    _hashable,
+    validate_kvmesh_batch,
+)
 from kvmesh.sidecar.subscriber import EventsLoop
 
 BS = 4
 
 
 def cfg(model="m", fmt="kvmesh", redis_url="redis://127.0.0.1:1/0", **kw) -> SidecarConfig:
-    return SidecarConfig(pod_name="pod-a", pod_url="http://127.0.0.1:1", model=model, redis_url=redis_url,
-                         block_size=BS, engine_format=fmt, **kw)
+    return SidecarConfig(
+        pod_name="pod-a",
+        pod_url="http://127.0.0.1:1",
+        model=model,
+        redis_url=redis_url,
+        block_size=BS,
+        engine_format=fmt,
+        **kw,
+    )
 
 
 def stored(index: BlockIndex, ev: BlockStored) -> tuple[set[int], set[int]]:
@@ -39,13 +58,16 @@ def batch(*events, seq=0) -> Delivery:
 
 # -- BlockIndex, kvmesh format (hashes are the contract keys) ---------------------------------
 
+
 def test_kvmesh_format_stores_and_removes_exactly_the_hashes():
     index = BlockIndex(cfg())
     added, removed = stored(index, BlockStored([11, 12, 13], None, list(range(12)), BS))
     assert added == {11, 12, 13} and removed == set()
     assert sorted(index.keys()) == [11, 12, 13] and index.by_hash == {11: 11, 12: 12, 13: 13}
     added, removed = set(), set()
-    index.removed(BlockRemoved([99, 12]), added, removed)  # 99 was never stored: skipped, not the end
+    index.removed(
+        BlockRemoved([99, 12]), added, removed
+    )  # 99 was never stored: skipped, not the end
     assert removed == {12} and added == set()
     assert sorted(index.keys()) == [11, 13] and 12 not in index.by_hash and 12 not in index.refs
 
@@ -88,7 +110,9 @@ def test_blocks_on_another_medium_are_not_indexed_or_removed(medium):
     assert added == set() and index.keys() == []
     stored(index, BlockStored([8], None, [0] * BS, BS, medium="GPU"))
     removed = set()
-    index.removed(BlockRemoved([8], medium=medium), set(), removed)  # the CPU copy went, not the GPU one
+    index.removed(
+        BlockRemoved([8], medium=medium), set(), removed
+    )  # the CPU copy went, not the GPU one
     assert removed == set() and index.keys() == [8]
 
 
@@ -103,13 +127,14 @@ def test_clear_forgets_everything():
 
 # -- BlockIndex, vLLM format (opaque hashes; keys recomputed from the token ids) --------------
 
+
 def test_vllm_format_chains_from_the_root_then_from_the_parent():
     index = BlockIndex(cfg(fmt="vllm"))
     tokens = list(range(100, 100 + 3 * BS))
     keys = block_keys(tokens, "m", BS)
-    added, _ = stored(index, BlockStored([b"h0", b"h1"], None, tokens[:2 * BS], BS))
+    added, _ = stored(index, BlockStored([b"h0", b"h1"], None, tokens[: 2 * BS], BS))
     assert added == set(keys[:2]) and index.by_hash == {b"h0": keys[0], b"h1": keys[1]}
-    added, _ = stored(index, BlockStored([b"h2"], b"h1", tokens[2 * BS:], BS))
+    added, _ = stored(index, BlockStored([b"h2"], b"h1", tokens[2 * BS :], BS))
     assert added == {keys[2]} and index.by_hash[b"h2"] == keys[2]
     # Removal goes through the hash -> key map.
     removed = set()
@@ -120,7 +145,9 @@ def test_vllm_format_chains_from_the_root_then_from_the_parent():
 def test_vllm_format_uses_the_model_root_and_the_events_block_size():
     index = BlockIndex(cfg(model="other-model", fmt="vllm"))
     tokens = list(range(2 * 8))
-    added, _ = stored(index, BlockStored([b"a", b"b"], None, tokens, 8))  # engine blocks of 8, not BS
+    added, _ = stored(
+        index, BlockStored([b"a", b"b"], None, tokens, 8)
+    )  # engine blocks of 8, not BS
     assert added == set(block_keys(tokens, "other-model", 8))
     assert index._root == root_key("other-model")
 
@@ -130,7 +157,9 @@ def test_vllm_format_skips_a_chain_whose_parent_is_unknown(caplog):
     with caplog.at_level(logging.DEBUG, logger="kvmesh.sidecar"):
         added, _ = stored(index, BlockStored([b"x", b"y"], b"never-seen", [1] * 2 * BS, BS))
     assert added == set() and index.keys() == [] and not index.by_hash
-    assert [r.getMessage() for r in caplog.records] == ["BlockStored with unknown parent; 2 blocks not indexed"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "BlockStored with unknown parent; 2 blocks not indexed"
+    ]
 
 
 def test_vllm_format_bytearray_and_memoryview_hashes_are_the_same_block():
@@ -166,7 +195,10 @@ def test_vllm_format_warns_once_about_a_block_size_mismatch(caplog):
         stored(index, BlockStored([b"c"], b"b", [1] * BS, BS))  # matching size: no warning
     warnings = [r for r in caplog.records if "block size" in r.getMessage()]
     assert len(warnings) == 1
-    assert warnings[0].getMessage() == "engine block size 8 != --block-size 4: keys will not match the router's"
+    assert (
+        warnings[0].getMessage()
+        == "engine block size 8 != --block-size 4: keys will not match the router's"
+    )
 
 
 def test_kvmesh_format_never_warns_about_block_size(caplog):
@@ -184,30 +216,41 @@ def test_hashable():
 
 # -- validation of --engine-format kvmesh batches ------------------------------------------
 
+
 @pytest.mark.parametrize("h", [0, 1, 2**64 - 1])
 def test_uint64_hashes_are_valid(h):
-    validate_kvmesh_batch(EventBatch(1.0, [BlockStored([h], h, [0] * BS, BS), BlockRemoved([h]),
-                                           AllBlocksCleared()]))
+    validate_kvmesh_batch(
+        EventBatch(1.0, [BlockStored([h], h, [0] * BS, BS), BlockRemoved([h]), AllBlocksCleared()])
+    )
 
 
 @pytest.mark.parametrize("h", [-1, 2**64, b"\x00" * 8, True, 1.0])
 @pytest.mark.parametrize("where", ["stored", "parent", "removed"])
 def test_a_hash_that_is_not_a_uint64_is_a_decode_error(h, where):
-    ev = {"stored": BlockStored([1, h], None, [0] * 2 * BS, BS),
-          "parent": BlockStored([1], h, [0] * BS, BS),
-          "removed": BlockRemoved([2, h])}[where]
+    ev = {
+        "stored": BlockStored([1, h], None, [0] * 2 * BS, BS),
+        "parent": BlockStored([1], h, [0] * BS, BS),
+        "removed": BlockRemoved([2, h]),
+    }[where]
     with pytest.raises(DecodeError) as exc:
         validate_kvmesh_batch(EventBatch(1.0, [AllBlocksCleared(), ev]))
-    assert str(exc.value) == (f"block hash {h!r:.40} is not a uint64 contract key "
-                              "(an engine with its own hashes needs --engine-format vllm)")
+    assert str(exc.value) == (
+        f"block hash {h!r:.40} is not a uint64 contract key "
+        "(an engine with its own hashes needs --engine-format vllm)"
+    )
 
 
 # -- IndexWriter.apply -----------------------------------------------------------------------
 
+
 def test_apply_collects_adds_and_removes_across_batches():
     sc = IndexWriter(cfg())
-    added, removed, full = sc.apply([batch(BlockStored([1, 2, 3], None, [0] * 3 * BS, BS)),
-                                     batch(BlockRemoved([3]), BlockStored([4], 2, [0] * BS, BS), seq=1)])
+    added, removed, full = sc.apply(
+        [
+            batch(BlockStored([1, 2, 3], None, [0] * 3 * BS, BS)),
+            batch(BlockRemoved([3]), BlockStored([4], 2, [0] * BS, BS), seq=1),
+        ]
+    )
     assert (added, removed, full) == ({1, 2, 4}, {3}, False)
     added, removed, full = sc.apply([batch(BlockRemoved([1]))])
     assert (added, removed, full) == (set(), {1}, False)
@@ -217,9 +260,13 @@ def test_apply_collects_adds_and_removes_across_batches():
 def test_apply_a_reset_drops_the_index_and_asks_for_a_full_rewrite():
     sc = IndexWriter(cfg())
     sc.apply([batch(BlockStored([1, 2], None, [0] * 2 * BS, BS))])
-    added, removed, full = sc.apply([batch(BlockStored([3], 2, [0] * BS, BS), BlockRemoved([1])),
-                                     Delivery(seq=None, reset="engine restarted"),
-                                     batch(BlockStored([9], None, [0] * BS, BS), seq=0)])
+    added, removed, full = sc.apply(
+        [
+            batch(BlockStored([3], 2, [0] * BS, BS), BlockRemoved([1])),
+            Delivery(seq=None, reset="engine restarted"),
+            batch(BlockStored([9], None, [0] * BS, BS), seq=0),
+        ]
+    )
     assert full is True and added == {9} and removed == set()
     assert sc.index.keys() == [9] and sc.stats["resets"] == 1
     sc.apply([Delivery(seq=None, reset="again"), Delivery(seq=None, reset="and again")])
@@ -229,8 +276,9 @@ def test_apply_a_reset_drops_the_index_and_asks_for_a_full_rewrite():
 def test_apply_all_blocks_cleared_is_a_full_rewrite():
     sc = IndexWriter(cfg())
     sc.apply([batch(BlockStored([1, 2], None, [0] * 2 * BS, BS))])
-    added, removed, full = sc.apply([batch(BlockRemoved([1]), AllBlocksCleared(),
-                                           BlockStored([5], None, [0] * BS, BS))])
+    added, removed, full = sc.apply(
+        [batch(BlockRemoved([1]), AllBlocksCleared(), BlockStored([5], None, [0] * BS, BS))]
+    )
     assert full is True and added == {5} and removed == set()
     assert sc.index.keys() == [5] and sc.stats["clears"] == 1 and sc.stats["resets"] == 0
     sc.apply([batch(AllBlocksCleared(), AllBlocksCleared())])
@@ -243,6 +291,7 @@ def test_apply_nothing():
 
 
 # -- writing the block set -------------------------------------------------------------------
+
 
 @pytest.fixture
 def writer(redis_server, model_name):
@@ -276,12 +325,17 @@ def test_full_rewrite_replaces_the_set_with_the_index(writer, redis_server, capl
     assert not r.exists(writer.blocks_key + ":tmp")
     assert writer.stats["full_rewrites"] == 1 and writer.dirty is False
     assert writer.backoff == 0.1 and writer.withdrawn is False
-    assert not [rec for rec in caplog.records if "rewrote" in rec.getMessage()]  # the first write is quiet
+    assert not [
+        rec for rec in caplog.records if "rewrote" in rec.getMessage()
+    ]  # the first write is quiet
     writer.apply([batch(BlockRemoved([3]))])
     with caplog.at_level(logging.INFO, logger="kvmesh.sidecar"):
         writer.full_rewrite()  # a later rewrite is logged
     assert [rec.getMessage() for rec in caplog.records] == ["rewrote 2 block keys to Redis"]
-    assert writer.stats["full_rewrites"] == 2 and r.smembers(writer.blocks_key) == {key_hex(1), key_hex(2)}
+    assert writer.stats["full_rewrites"] == 2 and r.smembers(writer.blocks_key) == {
+        key_hex(1),
+        key_hex(2),
+    }
 
 
 class _Feed:
@@ -310,13 +364,17 @@ def test_indexed_seq_moves_only_once_the_batch_is_in_redis(writer, redis_server)
     loop.iteration()  # the first write is the full rewrite
     assert writer.indexed_seq == 1 and r.smembers(writer.blocks_key) == {key_hex(1), key_hex(2)}
     feed.queue = [batch(BlockStored([3], 2, [0] * BS, BS), seq=1)]
-    writer.redis = redis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
+    writer.redis = redis.Redis.from_url(
+        f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2
+    )
     loop.iteration()  # the write fails: the batch was polled but is not in Redis
     assert feed.next_seq == 2 and writer.indexed_seq is None
     writer.redis = redis_server.client()
     writer.retry_at = 0.0
     loop.iteration()  # nothing new: the rewrite catches up
-    assert writer.indexed_seq == 2 and r.smembers(writer.blocks_key) == {key_hex(k) for k in (1, 2, 3)}
+    assert writer.indexed_seq == 2 and r.smembers(writer.blocks_key) == {
+        key_hex(k) for k in (1, 2, 3)
+    }
     writer.dirty = True  # e.g. the heartbeat found the set lost
     assert writer.indexed_seq is None
 
@@ -337,18 +395,24 @@ def test_full_rewrite_of_a_large_index_writes_every_key(writer, redis_server):
     writer.full_rewrite()
     assert r.scard(writer.blocks_key) == n
     assert r.sismember(writer.blocks_key, key_hex(1)) and r.sismember(writer.blocks_key, key_hex(n))
-    assert r.sismember(writer.blocks_key, key_hex(10_000)) and r.sismember(writer.blocks_key, key_hex(10_001))
+    assert r.sismember(writer.blocks_key, key_hex(10_000)) and r.sismember(
+        writer.blocks_key, key_hex(10_001)
+    )
 
 
 def test_redis_down_marks_the_set_dirty_and_backs_off(model_name, caplog):
-    sc = IndexWriter(cfg(model=model_name, redis_url=f"redis://127.0.0.1:{free_port()}/0", max_backoff=0.35))
+    sc = IndexWriter(
+        cfg(model=model_name, redis_url=f"redis://127.0.0.1:{free_port()}/0", max_backoff=0.35)
+    )
     try:
         sc.dirty = False
         with caplog.at_level(logging.WARNING, logger="kvmesh.sidecar"):
             sc.incremental({1}, set())
         (rec,) = caplog.records
-        assert rec.getMessage().startswith("Redis write failed (Error ") and "keeping state in memory" in \
-            rec.getMessage()
+        assert (
+            rec.getMessage().startswith("Redis write failed (Error ")
+            and "keeping state in memory" in rec.getMessage()
+        )
         assert sc.dirty and sc.stats["redis_errors"] == 1 and sc.stats["incremental_writes"] == 0
         assert sc.backoff == pytest.approx(0.2)
         sc.index.refs.update([1])

@@ -4,20 +4,49 @@ prometheus_client exposition keeps every one, and shows the live counters at eac
 from kvmesh.common.engine_load import parse_prometheus
 from kvmesh.sidecar.service import Sidecar, SidecarConfig
 
-COUNTERS = [f"kvmesh_sidecar_kv_event_{k}_total" for k in (
-    "batches", "decode_errors", "lost_batches", "gaps", "gap_batches", "snapshots", "gap_resets",
-    "replay_failures", "replays", "resets")] + [f"kvmesh_sidecar_{k}_total" for k in (
-        "events_loop_errors", "redis_errors", "full_rewrites", "heartbeats", "engine_restarts",
-        "index_withdrawals", "block_set_repairs")]
-GAUGES = ["kvmesh_sidecar_block_keys", "kvmesh_sidecar_events_ok", "kvmesh_sidecar_events_loop_age_seconds"]
+COUNTERS = [
+    f"kvmesh_sidecar_kv_event_{k}_total"
+    for k in (
+        "batches",
+        "decode_errors",
+        "lost_batches",
+        "gaps",
+        "gap_batches",
+        "snapshots",
+        "gap_resets",
+        "replay_failures",
+        "replays",
+        "resets",
+    )
+] + [
+    f"kvmesh_sidecar_{k}_total"
+    for k in (
+        "events_loop_errors",
+        "redis_errors",
+        "full_rewrites",
+        "heartbeats",
+        "engine_restarts",
+        "index_withdrawals",
+        "block_set_repairs",
+    )
+]
+GAUGES = [
+    "kvmesh_sidecar_block_keys",
+    "kvmesh_sidecar_events_ok",
+    "kvmesh_sidecar_events_loop_age_seconds",
+]
 
 
 def _types(text: str) -> dict[str, str]:
-    return {line.split()[2]: line.split()[3] for line in text.splitlines() if line.startswith("# TYPE ")}
+    return {
+        line.split()[2]: line.split()[3] for line in text.splitlines() if line.startswith("# TYPE ")
+    }
 
 
 def test_every_metric_keeps_its_name_and_type():
-    sc = Sidecar(SidecarConfig(pod_name="pod-a", pod_url="http://127.0.0.1:1"))  # not started: no I/O
+    sc = Sidecar(
+        SidecarConfig(pod_name="pod-a", pod_url="http://127.0.0.1:1")
+    )  # not started: no I/O
     text = sc.metrics_text()
     assert _types(text) == {**{n: "counter" for n in COUNTERS}, **{n: "gauge" for n in GAUGES}}
     samples = {name: value for name, labels, value in parse_prometheus(text) if not labels}

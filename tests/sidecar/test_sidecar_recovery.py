@@ -26,8 +26,8 @@ import pytest
 from kvmesh.common import kv_events as kv
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import block_keys, key_hex
-from kvmesh.common.ports import free_port
 from kvmesh.common.engine_load import parse_prometheus
+from kvmesh.common.ports import free_port
 from kvmesh.sidecar.service import Sidecar, SidecarConfig
 from tests.conftest import ROOT, child_env, wait_until
 
@@ -37,6 +37,7 @@ READY_BOUND_S = 5.0  # heartbeat `ready` at most this long after the engine's /r
 
 
 # -- a real engine, restarted ----------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
@@ -50,20 +51,44 @@ class EngineProc:
 
     def __init__(self, model_dir: str, served_name: str):
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
-        self.argv = [sys.executable, "-P", "-m", "kvmesh.cli", "serve", "--model", model_dir,
-                     "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(self.port),
-                     "--num-kv-blocks", "64", "--max-model-len", "256", "--drain-timeout", "5",
-                     "--kv-events-endpoint", self.events_endpoint,
-                     "--kv-events-replay-endpoint", self.replay_endpoint, "--log-level", "warning"]
+        self.argv = [
+            sys.executable,
+            "-P",
+            "-m",
+            "kvmesh.cli",
+            "serve",
+            "--model",
+            model_dir,
+            "--served-model-name",
+            served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--num-kv-blocks",
+            "64",
+            "--max-model-len",
+            "256",
+            "--drain-timeout",
+            "5",
+            "--kv-events-endpoint",
+            self.events_endpoint,
+            "--kv-events-replay-endpoint",
+            self.replay_endpoint,
+            "--log-level",
+            "warning",
+        ]
         self.proc: subprocess.Popen | None = None
 
     url = property(lambda self: f"http://127.0.0.1:{self.port}")
     events_endpoint = property(lambda self: f"tcp://127.0.0.1:{self.events_port}")
     replay_endpoint = property(lambda self: f"tcp://127.0.0.1:{self.replay_port}")
 
-    def start(self) -> "EngineProc":
+    def start(self) -> EngineProc:
         # The model's speed is not under test: plain torch ops, no wait for a CPU-kernel build.
-        self.proc = subprocess.Popen(self.argv, env={**child_env(), "KVMESH_CPU_KERNELS": "0"}, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            self.argv, env={**child_env(), "KVMESH_CPU_KERNELS": "0"}, cwd=ROOT
+        )
         return self
 
     def ready(self) -> bool:
@@ -90,8 +115,11 @@ class EngineProc:
 
 
 def _complete(engine: EngineProc, prompt: list[int]) -> None:
-    r = httpx.post(engine.url + "/v1/completions", timeout=60,
-                   json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        engine.url + "/v1/completions",
+        timeout=60,
+        json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
 
 
@@ -100,21 +128,33 @@ def _prompt(first: int, n_blocks: int = 5) -> list[int]:
 
 
 def test_engine_restarts_after_sigkill_and_sigterm_are_ready_again_with_the_new_block_set(
-        tiny_model, redis_server, model_name):
+    tiny_model, redis_server, model_name
+):
     engine = EngineProc(tiny_model, model_name)
     r = redis_server.client()
     hb_key, bkey = rl.heartbeat_key(model_name, "pod-a"), rl.blocks_key(model_name, "pod-a")
     sidecar = None
     try:
         engine.start().wait_ready()
-        sidecar = Sidecar(SidecarConfig(
-            pod_name="pod-a", pod_url=engine.url, model=model_name, engine_url=engine.url,
-            kv_events_endpoint=engine.events_endpoint, kv_events_replay_endpoint=engine.replay_endpoint,
-            redis_url=redis_server.url, heartbeat_interval=HEARTBEAT_S, block_size=BS)).start()
+        sidecar = Sidecar(
+            SidecarConfig(
+                pod_name="pod-a",
+                pod_url=engine.url,
+                model=model_name,
+                engine_url=engine.url,
+                kv_events_endpoint=engine.events_endpoint,
+                kv_events_replay_endpoint=engine.replay_endpoint,
+                redis_url=redis_server.url,
+                heartbeat_interval=HEARTBEAT_S,
+                block_size=BS,
+            )
+        ).start()
         prompt = _prompt(100)
         _complete(engine, prompt)
         old_keys = {key_hex(k) for k in block_keys(prompt, model_name, BS)}
-        wait_until(lambda: r.smembers(bkey) == old_keys, 10, msg="the first engine's blocks in Redis")
+        wait_until(
+            lambda: r.smembers(bkey) == old_keys, 10, msg="the first engine's blocks in Redis"
+        )
         wait_until(lambda: r.hget(hb_key, "state") == "ready", 5, msg="heartbeat ready")
 
         for round_, sig in enumerate((signal.SIGKILL, signal.SIGTERM)):
@@ -122,8 +162,11 @@ def test_engine_restarts_after_sigkill_and_sigterm_are_ready_again_with_the_new_
             engine.start()
             ready_at = engine.wait_ready()
             # Ready again within the bound of the engine's own /ready, however long it loaded.
-            wait_until(lambda: r.hget(hb_key, "state") == "ready", READY_BOUND_S,
-                       msg=f"heartbeat ready after the engine's restart (signal {sig.name})")
+            wait_until(
+                lambda: r.hget(hb_key, "state") == "ready",
+                READY_BOUND_S,
+                msg=f"heartbeat ready after the engine's restart (signal {sig.name})",
+            )
             assert time.monotonic() - ready_at <= READY_BOUND_S
             # The old incarnation's blocks are gone: the new engine holds none yet.
             wait_until(lambda: r.scard(bkey) == 0, READY_BOUND_S, msg="old blocks removed")
@@ -131,7 +174,9 @@ def test_engine_restarts_after_sigkill_and_sigterm_are_ready_again_with_the_new_
             _complete(engine, prompt)
             new_keys = {key_hex(k) for k in block_keys(prompt, model_name, BS)}
             assert not new_keys & old_keys
-            wait_until(lambda: r.smembers(bkey) == new_keys, 10, msg="exactly the new engine's blocks")
+            wait_until(
+                lambda: r.smembers(bkey) == new_keys, 10, msg="exactly the new engine's blocks"
+            )
             hb = rl.Heartbeat.from_mapping("pod-a", r.hgetall(hb_key))
             assert hb.state == "ready" and hb.url == engine.url
             old_keys = new_keys
@@ -144,14 +189,23 @@ def test_engine_restarts_after_sigkill_and_sigterm_are_ready_again_with_the_new_
 
 # -- readiness now, not latched (stub engine: fast) ------------------------------------------
 
+
 def test_heartbeat_follows_the_engines_current_readiness(redis_server, stub_factory, model_name):
     (stub,) = stub_factory(model_name, 1)
     r = redis_server.client()
     hb_key = rl.heartbeat_key(model_name, "pod-a")
-    sidecar = Sidecar(SidecarConfig(
-        pod_name="pod-a", pod_url=stub.url, model=model_name, engine_url=stub.url,
-        kv_events_endpoint=stub.events_endpoint, kv_events_replay_endpoint=stub.replay_endpoint,
-        redis_url=redis_server.url, heartbeat_interval=0.1)).start()
+    sidecar = Sidecar(
+        SidecarConfig(
+            pod_name="pod-a",
+            pod_url=stub.url,
+            model=model_name,
+            engine_url=stub.url,
+            kv_events_endpoint=stub.events_endpoint,
+            kv_events_replay_endpoint=stub.replay_endpoint,
+            redis_url=redis_server.url,
+            heartbeat_interval=0.1,
+        )
+    ).start()
     try:
         wait_until(lambda: r.hget(hb_key, "state") == "ready", 5, msg="ready")
         for _ in range(2):  # a drain that ends (the engine is ready again) is not a lasting state
@@ -168,6 +222,7 @@ def test_heartbeat_follows_the_engines_current_readiness(redis_server, stub_fact
 
 
 # -- floods and gaps through the real ZeroMQ sockets -------------------------------------------
+
 
 class DroppingSocket:
     """The publisher's PUB socket, with a switch that drops what is sent (a live stream that loses
@@ -202,7 +257,9 @@ class Truth:
         events: list[kv.KVEvent] = [kv.BlockStored(keys, None, tokens, BS, None, None)]
         self.keys.update(keys)
         self.stored_order.extend(keys)
-        if i % 5 == 4:  # some evictions (the oldest): the index must follow removals through a gap too
+        if (
+            i % 5 == 4
+        ):  # some evictions (the oldest): the index must follow removals through a gap too
             gone = [self.stored_order.popleft() for _ in range(3)]
             events.append(kv.BlockRemoved(gone, None))
             self.keys.difference_update(gone)
@@ -221,14 +278,24 @@ def flood_rig(redis_server, model_name):
     made: list = []
 
     def start(buffer_steps: int = 10_000, snapshots: bool = True):
-        pub = kv.KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=buffer_steps,
-                                  snapshots=snapshots)
+        pub = kv.KVEventPublisher(
+            "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=buffer_steps, snapshots=snapshots
+        )
         made.append(pub)
         pub._pub = DroppingSocket(pub._pub)
-        sc = Sidecar(SidecarConfig(
-            pod_name="pod-a", pod_url="http://127.0.0.1:1", model=model_name, engine_url="http://127.0.0.1:1",
-            kv_events_endpoint=pub.endpoint, kv_events_replay_endpoint=pub.replay_endpoint,
-            redis_url=redis_server.url, heartbeat_interval=5, block_size=BS))
+        sc = Sidecar(
+            SidecarConfig(
+                pod_name="pod-a",
+                pod_url="http://127.0.0.1:1",
+                model=model_name,
+                engine_url="http://127.0.0.1:1",
+                kv_events_endpoint=pub.endpoint,
+                kv_events_replay_endpoint=pub.replay_endpoint,
+                redis_url=redis_server.url,
+                heartbeat_interval=5,
+                block_size=BS,
+            )
+        )
         made.append(sc.start())
         return pub, sc
 
@@ -249,7 +316,9 @@ def _live(pub, sc, truth, r, bkey) -> None:
     raise AssertionError("the sidecar never indexed a live batch")
 
 
-def test_a_replay_flood_leaves_the_index_equal_to_the_engines_blocks(flood_rig, redis_server, model_name):
+def test_a_replay_flood_leaves_the_index_equal_to_the_engines_blocks(
+    flood_rig, redis_server, model_name
+):
     """The live stream loses `flood` batches (more than ZeroMQ's default HWM of 1,000); the next live
     batch shows the gap and the sidecar replays all of it through the replay socket at once."""
     flood = 9_000
@@ -277,7 +346,9 @@ def test_a_replay_flood_leaves_the_index_equal_to_the_engines_blocks(flood_rig, 
     assert _metric(text, "kvmesh_sidecar_kv_event_gap_resets_total") == 0
 
 
-def test_a_gap_beyond_the_replay_buffer_is_healed_from_the_snapshot(flood_rig, redis_server, model_name):
+def test_a_gap_beyond_the_replay_buffer_is_healed_from_the_snapshot(
+    flood_rig, redis_server, model_name
+):
     pub, sc = flood_rig(buffer_steps=500)
     r = redis_server.client()
     bkey = rl.blocks_key(model_name, "pod-a")
@@ -288,7 +359,9 @@ def test_a_gap_beyond_the_replay_buffer_is_healed_from_the_snapshot(flood_rig, r
         pub.publish(truth.batch(i))
     pub._pub.drop = False
     pub.publish(truth.batch(2_000))
-    wait_until(lambda: r.smembers(bkey) == truth.hex(), 30, msg="index equal to the engine's blocks")
+    wait_until(
+        lambda: r.smembers(bkey) == truth.hex(), 30, msg="index equal to the engine's blocks"
+    )
     stats = sc.events.subscriber.stats
     assert stats["snapshots"] == 1 and stats["gap_resets"] == 0 and stats["gap_batches"] >= 2_000
     assert _metric(sc.metrics_text(), "kvmesh_sidecar_kv_event_snapshots_total") == 1
@@ -297,7 +370,9 @@ def test_a_gap_beyond_the_replay_buffer_is_healed_from_the_snapshot(flood_rig, r
     wait_until(lambda: r.smembers(bkey) == truth.hex(), 5, msg="live after the snapshot")
 
 
-def test_without_snapshots_a_gap_beyond_the_buffer_is_counted_never_silent(flood_rig, redis_server, model_name):
+def test_without_snapshots_a_gap_beyond_the_buffer_is_counted_never_silent(
+    flood_rig, redis_server, model_name
+):
     """A publisher like vLLM's (no snapshot): the range it no longer buffers cannot be healed; the
     sidecar resets and keeps what the buffer still has, and says so in its metrics."""
     pub, sc = flood_rig(buffer_steps=500, snapshots=False)
@@ -311,7 +386,11 @@ def test_without_snapshots_a_gap_beyond_the_buffer_is_counted_never_silent(flood
     pub._pub.drop = False
     pub.publish(truth.batch(2_000))
     wait_until(lambda: sc.events.subscriber.stats["gap_resets"] == 1, 30, msg="the loss counted")
-    wait_until(lambda: r.smembers(bkey) and r.smembers(bkey) <= truth.hex(), 10, msg="a subset, nothing stale")
+    wait_until(
+        lambda: r.smembers(bkey) and r.smembers(bkey) <= truth.hex(),
+        10,
+        msg="a subset, nothing stale",
+    )
     assert _metric(sc.metrics_text(), "kvmesh_sidecar_kv_event_gap_resets_total") == 1
 
 
@@ -379,7 +458,11 @@ def test_a_hole_in_a_replay_answer_is_a_gap_asked_for_again():
         server.join(5)
         assert [d.seq for d in got] == [0, 1, 2, 3, 4, 5] and not any(d.reset for d in got)
         assert asked == [0, 2]
-        assert sub.stats["gaps"] == 1 and sub.stats["gap_batches"] == 1 and sub.stats["gap_resets"] == 0
+        assert (
+            sub.stats["gaps"] == 1
+            and sub.stats["gap_batches"] == 1
+            and sub.stats["gap_resets"] == 0
+        )
     finally:
         sub.close()
         pub.close()
@@ -391,7 +474,9 @@ def test_the_snapshot_is_the_published_block_set_parents_first():
     again after its child still comes first (a subscriber deriving keys from parents needs it)."""
     s = kv.PublishedBlockSet()
     tok = list(range(100, 100 + 3 * BS))
-    s.apply([kv.BlockStored([1, 2], None, tok[:2 * BS], BS), kv.BlockStored([3], 2, tok[2 * BS:], BS)])
+    s.apply(
+        [kv.BlockStored([1, 2], None, tok[: 2 * BS], BS), kv.BlockStored([3], 2, tok[2 * BS :], BS)]
+    )
     s.apply([kv.BlockStored([9], None, tok[:BS], BS, None, "CPU"), kv.BlockRemoved([1])])
     s.apply([kv.BlockStored([1], None, tok[:BS], BS)])
     events = kv.PublishedBlockSet.snapshot_events(s.copy())
@@ -400,8 +485,8 @@ def test_the_snapshot_is_the_published_block_set_parents_first():
     assert set(got) == {(1, None), (2, None), (3, None), (9, "CPU")}
     order = [e.block_hashes[0] for e in events[1:] if e.medium is None]
     assert order == [1, 2, 3]
-    assert got[(2, None)].parent_block_hash == 1 and got[(2, None)].token_ids == tok[BS:2 * BS]
-    assert got[(3, None)].parent_block_hash == 2 and got[(3, None)].token_ids == tok[2 * BS:]
+    assert got[(2, None)].parent_block_hash == 1 and got[(2, None)].token_ids == tok[BS : 2 * BS]
+    assert got[(3, None)].parent_block_hash == 2 and got[(3, None)].token_ids == tok[2 * BS :]
     s.apply([kv.AllBlocksCleared()])
     assert kv.PublishedBlockSet.snapshot_events(s.copy()) == [kv.AllBlocksCleared()]
 
@@ -419,7 +504,9 @@ def test_a_replay_socket_that_did_not_answer_is_asked_again_for_a_full_resync():
     sub = kv.KVEventSubscriber(pub.endpoint, replay_endpoint, replay_timeout_s=0.2)
     router = None
     try:
-        pub.publish([kv.BlockRemoved([0])])  # before the subscriber's SUB is connected: not seen live
+        pub.publish(
+            [kv.BlockRemoved([0])]
+        )  # before the subscriber's SUB is connected: not seen live
         got = sub.poll(50)  # the first catch-up: nobody answers
         assert sub.stats["replay_failures"] == 1 and sub.caught_up
         live_seen = []
@@ -450,8 +537,8 @@ def test_a_replay_socket_that_did_not_answer_is_asked_again_for_a_full_resync():
             got.extend(sub.poll(50))
         server.join(5)
         assert any(d.reset for d in got), "the full resync starts with a reset"
-        after_reset = [d.seq for d in got[max(i for i, d in enumerate(got) if d.reset) + 1:]]
-        assert after_reset[:pub.next_seq] == list(range(pub.next_seq))
+        after_reset = [d.seq for d in got[max(i for i, d in enumerate(got) if d.reset) + 1 :]]
+        assert after_reset[: pub.next_seq] == list(range(pub.next_seq))
     finally:
         sub.close()
         pub.close()

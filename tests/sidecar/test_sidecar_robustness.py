@@ -9,9 +9,9 @@ import httpx
 import msgpack
 import pytest
 
+from kvmesh.common import kv_events as kv
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.block_keys import block_keys, key_hex
-from kvmesh.common import kv_events as kv
 from kvmesh.common.engine_load import parse_prometheus
 from kvmesh.sidecar.index_writer import F_INDEX
 from kvmesh.sidecar.service import Sidecar, SidecarConfig
@@ -29,10 +29,20 @@ def rig(redis_server, stub_factory, model_name):
     made: list[Sidecar] = []
 
     def start(**kw) -> Sidecar:
-        cfg = SidecarConfig(pod_name="pod-a", pod_url=stub.url, model=model_name, engine_url=stub.url,
-                            kv_events_endpoint=pub.endpoint, kv_events_replay_endpoint=pub.replay_endpoint,
-                            redis_url=redis_server.url, heartbeat_interval=0.1, block_size=BS, health_port=0,
-                            health_host="127.0.0.1", **kw)
+        cfg = SidecarConfig(
+            pod_name="pod-a",
+            pod_url=stub.url,
+            model=model_name,
+            engine_url=stub.url,
+            kv_events_endpoint=pub.endpoint,
+            kv_events_replay_endpoint=pub.replay_endpoint,
+            redis_url=redis_server.url,
+            heartbeat_interval=0.1,
+            block_size=BS,
+            health_port=0,
+            health_host="127.0.0.1",
+            **kw,
+        )
         sc = Sidecar(cfg).start()
         made.append(sc)
         return sc
@@ -86,7 +96,9 @@ def test_bad_batches_are_counted_and_resynced_never_stopping_the_index(rig, mode
         msgpack.packb([1.0, [["BlockStored", [[1, 2]], None, [1, 2, 3, 4], 4]]]),  # unhashable hash
         msgpack.packb([1.0, [["BlockTeleported", [1]]]]),  # unknown kind
         kv.encode_batch([kv.BlockStored([5], None, [1, 2, 3, 4], 4)])[:-3],  # truncated
-        kv.encode_batch([kv.BlockRemoved([-3])]),  # decodes, but no uint64 contract key: format check
+        kv.encode_batch(
+            [kv.BlockRemoved([-3])]
+        ),  # decodes, but no uint64 contract key: format check
     ]
     expect_keys = keys_a
     for i, payload in enumerate(bad):
@@ -99,7 +111,9 @@ def test_bad_batches_are_counted_and_resynced_never_stopping_the_index(rig, mode
         wait_until(lambda: r.smembers(bkey) == expect_keys, 5, msg=f"index after bad batch {i}")
         assert sc.events.subscriber.stats["lost_batches"] == i + 1
     assert sc.events.thread.is_alive()
-    assert sc.events.subscriber.stats["decode_errors"] == 2 * len(bad)  # each seen live, then in the replay buffer
+    assert sc.events.subscriber.stats["decode_errors"] == 2 * len(
+        bad
+    )  # each seen live, then in the replay buffer
     assert _metric(sc, "kvmesh_sidecar_kv_event_decode_errors_total") == 2 * len(bad)
     assert _metric(sc, "kvmesh_sidecar_kv_event_lost_batches_total") == len(bad)
     assert _metric(sc, "kvmesh_sidecar_events_ok") == 1
@@ -137,7 +151,9 @@ def test_a_failing_iteration_is_counted_and_followed_by_a_full_resync(rig, model
     assert _metric(sc, "kvmesh_sidecar_events_loop_errors_total") == 1
 
 
-def test_dead_events_loop_fails_both_probes_and_withdraws_the_block_set(rig, model_name, monkeypatch):
+def test_dead_events_loop_fails_both_probes_and_withdraws_the_block_set(
+    rig, model_name, monkeypatch
+):
     start, pub, r = rig
     sc = start()
     bkey = rl.blocks_key(model_name, "pod-a")
@@ -174,10 +190,17 @@ def test_stale_events_loop_fails_probes_then_recovers(rig, model_name, monkeypat
     release = threading.Event()
     real = sc.events.iteration
     monkeypatch.setattr(sc.events, "iteration", lambda: release.wait(30) and real())
-    resp = wait_until(lambda: (lambda x: x if x.status_code == 503 else None)(_health(sc, "/health")), 5,
-                      msg="liveness fails while stuck")
+    resp = wait_until(
+        lambda: (lambda x: x if x.status_code == 503 else None)(_health(sc, "/health")),
+        5,
+        msg="liveness fails while stuck",
+    )
     assert "stale" in resp.json()["problem"] and sc.events.thread.is_alive()
-    wait_until(lambda: not r.exists(bkey) and _hb(r, model_name).get(F_INDEX) == "stale", 5, msg="withdrawn")
+    wait_until(
+        lambda: not r.exists(bkey) and _hb(r, model_name).get(F_INDEX) == "stale",
+        5,
+        msg="withdrawn",
+    )
     ev_b, keys_b = _stored(model_name, 3000, 2)
     pub.publish([ev_b])  # arrives while stuck: not lost
     release.set()
@@ -187,10 +210,17 @@ def test_stale_events_loop_fails_probes_then_recovers(rig, model_name, monkeypat
 
 
 def test_readiness_waits_for_the_first_catch_up(redis_server, model_name):
-    cfg = SidecarConfig(pod_name="pod-a", pod_url="http://127.0.0.1:1", model=model_name,
-                        engine_url="http://127.0.0.1:1", kv_events_endpoint="tcp://127.0.0.1:1",
-                        kv_events_replay_endpoint=None, redis_url=redis_server.url, health_port=0,
-                        health_host="127.0.0.1")
+    cfg = SidecarConfig(
+        pod_name="pod-a",
+        pod_url="http://127.0.0.1:1",
+        model=model_name,
+        engine_url="http://127.0.0.1:1",
+        kv_events_endpoint="tcp://127.0.0.1:1",
+        kv_events_replay_endpoint=None,
+        redis_url=redis_server.url,
+        health_port=0,
+        health_host="127.0.0.1",
+    )
     sc = Sidecar(cfg)
     sc.cfg.health_port = 0
     try:

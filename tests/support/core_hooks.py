@@ -61,6 +61,7 @@ def poison_prompt_token(core, token: int) -> None:
                 core._kvmesh_hook_log.append(len(out.requests))
                 raise RuntimeError("injected fault")
             return real(out, kv)
+
         return execute
 
     _wrap(core.runner, "execute", make)
@@ -75,6 +76,7 @@ def slow_steps(core, seconds: float) -> None:
         def execute(out, kv):
             time.sleep(seconds)
             return real(out, kv)
+
         return execute
 
     _wrap(core.runner, "execute", make)
@@ -90,6 +92,7 @@ def fail_step(core, nth: int) -> None:
             if calls["n"] == nth:
                 raise RuntimeError("injected engine failure")
             return real()
+
         return step
 
     _wrap(core, "step", make)
@@ -105,15 +108,24 @@ def cached_blocks(core) -> dict[int, int | None]:
 
 
 def kv_state(core) -> dict:
-    return {"num_free_blocks": core.kv.pool.num_free_blocks, "num_blocks": core.kv.num_blocks,
-            "num_running": core.scheduler.num_running, "num_waiting": core.scheduler.num_waiting,
-            "prefix_hits": core.kv.prefix_hits, "num_preemptions": core.scheduler.num_preemptions,
-            "cached": {k: b.parent_key for k, b in core.kv.pool.cached.items()}}
+    return {
+        "num_free_blocks": core.kv.pool.num_free_blocks,
+        "num_blocks": core.kv.num_blocks,
+        "num_running": core.scheduler.num_running,
+        "num_waiting": core.scheduler.num_waiting,
+        "prefix_hits": core.kv.prefix_hits,
+        "num_preemptions": core.scheduler.num_preemptions,
+        "cached": {k: b.parent_key for k, b in core.kv.pool.cached.items()},
+    }
 
 
 def async_state(core) -> dict:
-    return {"async_scheduling": core.async_scheduling, "num_async_steps": core.num_async_steps,
-            "num_sync_steps": core.num_sync_steps, "in_flight": len(core._in_flight)}
+    return {
+        "async_scheduling": core.async_scheduling,
+        "num_async_steps": core.num_async_steps,
+        "num_sync_steps": core.num_sync_steps,
+        "in_flight": len(core._in_flight),
+    }
 
 
 def exit_now(core, code: int = 1) -> None:

@@ -4,7 +4,13 @@ calls, whole or streamed. ``TOOL_PARSERS`` names the formats ``tool_choice: "aut
 
 from __future__ import annotations
 
-from kvmesh.engine.server.tool_parsers.base import ParsedOutput, StreamDelta, ToolCall, ToolCallDelta, ToolParser
+from kvmesh.engine.server.tool_parsers.base import (
+    ParsedOutput,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+)
 from kvmesh.engine.server.tool_parsers.hermes import HermesToolParser
 from kvmesh.engine.server.tool_parsers.llama3_json import Llama3JsonToolParser
 

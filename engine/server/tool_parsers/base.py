@@ -27,12 +27,17 @@ class ToolCall:
     arguments: str  # JSON text
 
     def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass
 class ToolCallDelta:
     """A piece of call ``index``: its first piece carries the id and name."""
+
     index: int
     arguments: str = ""
     id: str | None = None
@@ -55,7 +60,7 @@ class StreamDelta:
     content: str = ""
     calls: list[ToolCallDelta] = field(default_factory=list)
 
-    def __add__(self, other: "StreamDelta") -> "StreamDelta":
+    def __add__(self, other: StreamDelta) -> StreamDelta:
         return StreamDelta(self.content + other.content, merge_deltas(self.calls + other.calls))
 
 
@@ -116,7 +121,7 @@ class CallStream:
             sent = self._sent[k]
             args = self.scanner.arguments(call)
             if len(args) > sent.arguments:
-                out.append(ToolCallDelta(index, args[sent.arguments:]))
+                out.append(ToolCallDelta(index, args[sent.arguments :]))
                 sent.arguments = len(args)
         return merge_deltas(out)
 
@@ -128,8 +133,10 @@ class CallStream:
 
     def tool_calls(self) -> list[ToolCall]:
         self._drain()
-        return [ToolCall(sent.id, call.name, self.scanner.arguments(call))
-                for sent, call in zip(self._sent, self.scanner.calls)]
+        return [
+            ToolCall(sent.id, call.name, self.scanner.arguments(call))
+            for sent, call in zip(self._sent, self.scanner.calls)
+        ]
 
 
 def held_prefix(text: str, tag: str) -> int:
@@ -148,7 +155,9 @@ class ToolParser(ToolPrompt):
     # None: the request's skip_special_tokens stands; False: the call markup is special tokens
     # that must reach the text (Hermes: <tool_call>, as vLLM's parser asks)
     skip_special_tokens: bool | None = None
-    finishes_with_tool_calls = True  # finish_reason "tool_calls" once it read a call (not a named function)
+    finishes_with_tool_calls = (
+        True  # finish_reason "tool_calls" once it read a call (not a named function)
+    )
 
     def __init__(self, limit: int | None = None):
         self.limit = limit  # at most this many calls (parallel_tool_calls false: 1)

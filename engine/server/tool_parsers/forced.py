@@ -3,8 +3,15 @@ named function; :mod:`kvmesh.engine.server.tool_choice` builds the schemas), rea
 
 from __future__ import annotations
 
-from kvmesh.engine.server.tool_parsers.base import (CallStream, ParsedOutput, StreamDelta, ToolCall, ToolCallDelta,
-                                                    ToolParser, new_tool_call_id)
+from kvmesh.engine.server.tool_parsers.base import (
+    CallStream,
+    ParsedOutput,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    new_tool_call_id,
+)
 
 
 class NamedFunctionParser(ToolParser):

@@ -16,9 +16,9 @@ class HermesToolParser(HermesPrompt, ToolParser):
 
     def __init__(self, limit: int | None = None):
         super().__init__(limit)
-        self._pending = ""      # text not read yet (a possible partial tag)
+        self._pending = ""  # text not read yet (a possible partial tag)
         self._in_call = False
-        self._called = False    # a call began: later text outside calls is dropped
+        self._called = False  # a call began: later text outside calls is dropped
 
     def feed(self, delta: str) -> StreamDelta:
         self._pending += delta
@@ -34,7 +34,7 @@ class HermesToolParser(HermesPrompt, ToolParser):
                 out += StreamDelta(piece)
             if at < 0:
                 return out
-            self._pending = self._pending[len(tag):]
+            self._pending = self._pending[len(tag) :]
             self._in_call = not self._in_call
             if self._in_call:
                 self._called = True

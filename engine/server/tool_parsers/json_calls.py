@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes and OpenAI say arguments; Llama 3 says parameters
+ARGUMENT_KEYS = (
+    "arguments",
+    "parameters",
+)  # Hermes and OpenAI say arguments; Llama 3 says parameters
 _SPACE = " \t\r\n"
 
 
@@ -20,21 +23,24 @@ _SPACE = " \t\r\n"
 class ScannedCall:
     name: str | None = None
     args_start: int | None = None  # offset of the arguments value's first character
-    args_end: int | None = None    # offset just past it, once the value is complete
-    args_kind: str = ""            # "{" or "[": streamed raw; '"': a JSON string holding the arguments; "scalar"
-    complete: bool = False         # the call's object closed
+    args_end: int | None = None  # offset just past it, once the value is complete
+    args_kind: str = (
+        ""  # "{" or "[": streamed raw; '"': a JSON string holding the arguments; "scalar"
+    )
+    complete: bool = False  # the call's object closed
 
 
 @dataclass
 class _Frame:
-    kind: str                 # "{" or "["
+    kind: str  # "{" or "["
     expect_key: bool = False  # in an object: the next string is a key
-    key: str | None = None    # in a call object: the key whose value is being read
+    key: str | None = None  # in a call object: the key whose value is being read
 
 
 @dataclass
 class _Value:
     """The value being read directly inside a call object."""
+
     key: str | None
     start: int
     kind: str  # "{", "[", '"' or "scalar"
@@ -46,7 +52,7 @@ class JsonCallScanner:
     calls: list[ScannedCall] = field(default_factory=list)
     error: str | None = None  # why the text is not a call (reading stops)
     _stack: list[_Frame] = field(default_factory=list)
-    _call_depth: int = 1      # stack depth inside a call object: 1 for a bare object, 2 inside an array
+    _call_depth: int = 1  # stack depth inside a call object: 1 for a bare object, 2 inside an array
     _in_string: bool = False
     _escape: bool = False
     _string_start: int = 0
@@ -155,7 +161,7 @@ class JsonCallScanner:
         call = self.calls[-1]
         if value.key == "name":
             try:
-                name = json.loads(self.text[value.start:end])
+                name = json.loads(self.text[value.start : end])
             except ValueError:
                 name = None
             if not isinstance(name, str) or not name:
@@ -171,7 +177,7 @@ class JsonCallScanner:
         frame = self._stack[-1]
         if frame.kind == "{" and frame.expect_key:  # a key
             if len(self._stack) == self._call_depth:
-                frame.key = json.loads(self.text[self._string_start:i + 1])
+                frame.key = json.loads(self.text[self._string_start : i + 1])
             return
         if self._in_call() and self._value is not None and self._value.kind == '"':
             self._value_ends(i + 1)
@@ -195,10 +201,12 @@ class JsonCallScanner:
         if call.args_start is None:
             return "{}" if call.complete else ""
         if call.args_kind in "{[":
-            return self.text[call.args_start:call.args_end if call.args_end is not None else len(self.text)]
+            return self.text[
+                call.args_start : call.args_end if call.args_end is not None else len(self.text)
+            ]
         if call.args_end is None:
             return ""
-        raw = self.text[call.args_start:call.args_end]
+        raw = self.text[call.args_start : call.args_end]
         try:
             value = json.loads(raw)
         except ValueError:  # a malformed scalar: as written (the whole-output check refuses it)

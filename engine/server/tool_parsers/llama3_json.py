@@ -16,7 +16,9 @@ class Llama3JsonToolParser(Llama3JsonPrompt, ToolParser):
     def __init__(self, limit: int | None = None):
         super().__init__(limit)
         self._pending = ""
-        self._mode: str | None = None  # None until the output's first characters decide: "content" or "calls"
+        self._mode: str | None = (
+            None  # None until the output's first characters decide: "content" or "calls"
+        )
 
     def feed(self, delta: str) -> StreamDelta:
         if self._mode is None:
@@ -25,7 +27,7 @@ class Llama3JsonToolParser(Llama3JsonPrompt, ToolParser):
             if not head or (PYTHON_TAG.startswith(head) and head != PYTHON_TAG):
                 return StreamDelta()  # undecided yet
             if head.startswith(PYTHON_TAG):
-                self._mode, delta = "calls", head[len(PYTHON_TAG):]
+                self._mode, delta = "calls", head[len(PYTHON_TAG) :]
             elif head.startswith("{"):
                 self._mode, delta = "calls", head
             else:

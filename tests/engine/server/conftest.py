@@ -26,7 +26,9 @@ class ThreadServer:
         self.port = free_port()
         parser = argparse.ArgumentParser()
         cli.add_arguments(parser)
-        self.args = parser.parse_args(list(argv) + ["--host", "127.0.0.1", "--port", str(self.port)])
+        self.args = parser.parse_args(
+            list(argv) + ["--host", "127.0.0.1", "--port", str(self.port)]
+        )
         self.state = cli.build_state(self.args)
         if core_loop is not None:  # before the engine starts (the app's startup)
             self.state.engine.core_loop = core_loop
@@ -35,7 +37,7 @@ class ThreadServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
 
-    def start(self, timeout: float = 180.0) -> "ThreadServer":
+    def start(self, timeout: float = 180.0) -> ThreadServer:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -64,8 +66,19 @@ def tiny_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def hermes_tool_server(tiny_model):
     """`kvmesh serve` of the tiny model as "tiny", with auto tool choice in the Hermes format."""
-    srv = ThreadServer(["--model", tiny_model, "--served-model-name", "tiny", "--num-kv-blocks", "256",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]).start()
+    srv = ThreadServer(
+        [
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            "tiny",
+            "--num-kv-blocks",
+            "256",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+        ]
+    ).start()
     yield srv
     srv.stop()
 

@@ -18,9 +18,23 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "256",
-                        "--max-num-seqs", "64", "--api-key", KEY, "--max-body-bytes", "65536"],
-                       core_loop=HookedCoreLoop).start()
+    srv = ThreadServer(
+        [
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            MODEL,
+            "--num-kv-blocks",
+            "256",
+            "--max-num-seqs",
+            "64",
+            "--api-key",
+            KEY,
+            "--max-body-bytes",
+            "65536",
+        ],
+        core_loop=HookedCoreLoop,
+    ).start()
     yield srv
     srv.stop()
 
@@ -32,7 +46,9 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    ) as c:
         yield c
 
 
@@ -48,7 +64,9 @@ def metrics(http) -> dict[str, float]:
 
 # -- happy paths ------------------------------------------------------------------------------
 def test_completion_and_usage(client):
-    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
     assert r.object == "text_completion" and r.model == MODEL
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
@@ -59,7 +77,9 @@ def test_completion_and_usage(client):
 def test_streaming_matches_non_streaming(client):
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
     full = client.completions.create(**kw).choices[0].text
-    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -70,8 +90,16 @@ def test_chat_stream_and_not(client):
     messages = [{"role": "user", "content": "Say hi"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r.choices[0].message.content
@@ -85,75 +113,156 @@ def test_prefix_cache_reports_cached_tokens(client):
     cached = r.usage.prompt_tokens_details.cached_tokens
     assert cached >= 16 and cached % 16 == 0 and cached < r.usage.prompt_tokens
     # A different cache salt must not share the blocks (contract 1).
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
-                                  extra_body={"cache_salt": "tenant-b"})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"cache_salt": "tenant-b"},
+    )
     assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_sampling_parameters(client, server):
-    kw = dict(model=MODEL, prompt="Pick a word:", max_tokens=10, temperature=1.0, top_p=0.9, seed=1234,
-              extra_body={"top_k": 50, "min_p": 0.01})
+    kw = dict(
+        model=MODEL,
+        prompt="Pick a word:",
+        max_tokens=10,
+        temperature=1.0,
+        top_p=0.9,
+        seed=1234,
+        extra_body={"top_k": 50, "min_p": 0.01},
+    )
     a = client.completions.create(**kw).choices[0].text
     b = client.completions.create(**kw).choices[0].text
     assert a == b  # seeded sampling is reproducible
-    r = client.completions.create(model=MODEL, prompt="Pick a word:", max_tokens=10, temperature=0,
-                                  extra_body={"min_tokens": 10, "ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Pick a word:",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"min_tokens": 10, "ignore_eos": True},
+    )
     assert r.usage.completion_tokens == 10
     # OpenAI's penalties and vLLM's repetition_penalty are applied, not refused.
-    plain = client.completions.create(model=MODEL, prompt="Pick a word:", max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True}).choices[0].text
-    penalised = client.completions.create(model=MODEL, prompt="Pick a word:", max_tokens=12, temperature=0,
-                                          frequency_penalty=-2.0, presence_penalty=-2.0,
-                                          extra_body={"ignore_eos": True, "repetition_penalty": 0.05}).choices[0].text
+    plain = (
+        client.completions.create(
+            model=MODEL,
+            prompt="Pick a word:",
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
+    penalised = (
+        client.completions.create(
+            model=MODEL,
+            prompt="Pick a word:",
+            max_tokens=12,
+            temperature=0,
+            frequency_penalty=-2.0,
+            presence_penalty=-2.0,
+            extra_body={"ignore_eos": True, "repetition_penalty": 0.05},
+        )
+        .choices[0]
+        .text
+    )
     assert penalised != plain  # penalties below 0 (and 1) favour what was seen: the text changes
-    forced = client.completions.create(model=MODEL, prompt="Pick a word:", max_tokens=4, temperature=0,
-                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    forced = client.completions.create(
+        model=MODEL,
+        prompt="Pick a word:",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"42": 100},
+        extra_body={"ignore_eos": True},
+    )
     assert forced.choices[0].text == server.state.engine.tokenizer.decode([42] * 4)
 
 
 def test_continue_final_message_and_chat_template_kwargs(http, server):
     tok = server.state.engine.tokenizer
-    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
-    r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "add_generation_prompt": False,
-                                                "continue_final_message": True})
+    msgs = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "The colour is"},
+    ]
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": msgs,
+            "max_tokens": 2,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+    )
     assert r.status_code == 200, r.text
     # the prompt ends inside the assistant's message: no end-of-turn after "The colour is"
     assert r.json()["usage"]["prompt_tokens"] == len(tok.encode_chat(msgs, False, True))
     assert len(tok.encode_chat(msgs, False, True)) < len(tok.encode_chat(msgs, False, False))
-    both = http.post("/v1/chat/completions", json={"messages": msgs, "continue_final_message": True})
+    both = http.post(
+        "/v1/chat/completions", json={"messages": msgs, "continue_final_message": True}
+    )
     _err(both, 400, "messages")
     assert "cannot both be true" in both.json()["error"]["message"]
     # template variables pass through (this template has none to change); reserved names are refused
     plain = http.post("/v1/chat/completions", json={"messages": msgs[:1], "max_tokens": 1}).json()
-    extra = http.post("/v1/chat/completions", json={"messages": msgs[:1], "max_tokens": 1,
-                                                    "chat_template_kwargs": {"enable_thinking": False}}).json()
+    extra = http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": msgs[:1],
+            "max_tokens": 1,
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+    ).json()
     assert extra["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
-    _err(http.post("/v1/chat/completions", json={"messages": msgs[:1], "chat_template_kwargs": {"messages": []}}),
-         400, "messages")
-    _err(http.post("/v1/chat/completions", json={"messages": msgs[:1], "chat_template_kwargs": [1]}),
-         400, "chat_template_kwargs")
+    _err(
+        http.post(
+            "/v1/chat/completions",
+            json={"messages": msgs[:1], "chat_template_kwargs": {"messages": []}},
+        ),
+        400,
+        "messages",
+    )
+    _err(
+        http.post("/v1/chat/completions", json={"messages": msgs[:1], "chat_template_kwargs": [1]}),
+        400,
+        "chat_template_kwargs",
+    )
 
 
 def test_stop_strings(client):
-    base = client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0).choices[0].text
+    base = (
+        client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0)
+        .choices[0]
+        .text
+    )
     words = base.split()
     assert len(words) >= 3
     # A stop string whose first occurrence has text before it: the output is exactly that text
     # (not empty, not the whole base, nothing of the stop string).
-    stop = next(w for w in words[1:] if base.find(w) > 0 and base[:base.find(w)].strip())
-    head = base[:base.find(stop)]
-    r = client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0, stop=[stop])
+    stop = next(w for w in words[1:] if base.find(w) > 0 and base[: base.find(w)].strip())
+    head = base[: base.find(stop)]
+    r = client.completions.create(
+        model=MODEL, prompt="Count:", max_tokens=12, temperature=0, stop=[stop]
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == head and r.choices[0].text.strip()
     # Several stop strings: the earliest in the text wins; one that never occurs changes nothing.
-    r = client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0,
-                                  stop=["\x00never\x00", stop])
+    r = client.completions.create(
+        model=MODEL, prompt="Count:", max_tokens=12, temperature=0, stop=["\x00never\x00", stop]
+    )
     assert r.choices[0].text == head and r.choices[0].finish_reason == "stop"
     # Streamed, the deltas add up to the same text.
-    chunks = list(client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0,
-                                            stop=[stop], stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="Count:", max_tokens=12, temperature=0, stop=[stop], stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == head
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ] == ["stop"]
 
 
 def test_token_id_and_list_prompts(client, server):
@@ -171,24 +280,49 @@ def test_logprobs(client):
     assert len(lp.tokens) == 4 and len(lp.top_logprobs) == 4
     assert all(len(t) <= 3 for t in lp.top_logprobs)
     # Greedy: the chosen token is the most likely one.
-    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for val, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert val == pytest.approx(max(top.values()))
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                 max_tokens=3, temperature=0, logprobs=True, top_logprobs=2,
-                                                 stream=True))
-    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+    )
+    streamed = [
+        c
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+        for c in ch.choices[0].logprobs.content
+    ]
     assert [c.token for c in streamed] == [c.token for c in content]
 
 
 def test_request_id_is_honoured(http):
-    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"X-Request-Id": "rid-123"})
+    r = http.post(
+        "/v1/completions",
+        json={"prompt": "x", "max_tokens": 2},
+        headers={"X-Request-Id": "rid-123"},
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == "rid-123"
     assert r.json()["id"] == "cmpl-rid-123"
-    r = http.post("/v1/completions", json={"model": "nope", "prompt": "x"}, headers={"X-Request-Id": "rid-9"})
+    r = http.post(
+        "/v1/completions", json={"model": "nope", "prompt": "x"}, headers={"X-Request-Id": "rid-9"}
+    )
     assert r.status_code == 404 and r.headers["x-request-id"] == "rid-9"
 
 
@@ -214,7 +348,11 @@ def _err(r: httpx.Response, status: int, param=None) -> dict:
 def test_auth_required_on_v1(server):
     for path in ("/v1/models",):
         assert httpx.get(server.url + path).status_code == 401
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer bad"})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "x"},
+        headers={"Authorization": "Bearer bad"},
+    )
     assert _err(r, 401)["code"] == "invalid_api_key"
     bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -222,11 +360,15 @@ def test_auth_required_on_v1(server):
 
 
 def test_invalid_json_and_fields(http):
-    r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = http.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     _err(r, 400)
     _err(http.post("/v1/completions", json=[1, 2]), 400)
     _err(http.post("/v1/completions", json={"max_tokens": 3}), 400, "prompt")
-    _err(http.post("/v1/completions", json={"prompt": "x", "temperature": "hot"}), 400, "temperature")
+    _err(
+        http.post("/v1/completions", json={"prompt": "x", "temperature": "hot"}), 400, "temperature"
+    )
     _err(http.post("/v1/completions", json={"prompt": "x", "temperature": -1}), 400, "temperature")
     _err(http.post("/v1/completions", json={"prompt": "x", "top_p": 1.5}), 400, "top_p")
     _err(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, "max_tokens")
@@ -234,19 +376,57 @@ def test_invalid_json_and_fields(http):
     _err(http.post("/v1/completions", json={"prompt": "x", "n": 0}), 400, "n")
     _err(http.post("/v1/completions", json={"prompt": "x", "n": 1000}), 400, "n")
     _err(http.post("/v1/completions", json={"prompt": [[1, 2], []]}), 400, "prompt")
-    _err(http.post("/v1/completions", json={"prompt": "x", "presence_penalty": 2.5}), 400, "presence_penalty")
-    _err(http.post("/v1/completions", json={"prompt": "x", "frequency_penalty": -3}), 400, "frequency_penalty")
-    _err(http.post("/v1/completions", json={"prompt": "x", "repetition_penalty": 0}), 400, "repetition_penalty")
-    _err(http.post("/v1/completions", json={"prompt": "x", "logit_bias": {"abc": 1}}), 400, "logit_bias")
-    _err(http.post("/v1/completions", json={"prompt": "x", "logit_bias": {"5": 500}}), 400, "logit_bias")
-    _err(http.post("/v1/completions", json={"prompt": "x", "logit_bias": {"999999999": 1}}), 400, "logit_bias")
+    _err(
+        http.post("/v1/completions", json={"prompt": "x", "presence_penalty": 2.5}),
+        400,
+        "presence_penalty",
+    )
+    _err(
+        http.post("/v1/completions", json={"prompt": "x", "frequency_penalty": -3}),
+        400,
+        "frequency_penalty",
+    )
+    _err(
+        http.post("/v1/completions", json={"prompt": "x", "repetition_penalty": 0}),
+        400,
+        "repetition_penalty",
+    )
+    _err(
+        http.post("/v1/completions", json={"prompt": "x", "logit_bias": {"abc": 1}}),
+        400,
+        "logit_bias",
+    )
+    _err(
+        http.post("/v1/completions", json={"prompt": "x", "logit_bias": {"5": 500}}),
+        400,
+        "logit_bias",
+    )
+    _err(
+        http.post("/v1/completions", json={"prompt": "x", "logit_bias": {"999999999": 1}}),
+        400,
+        "logit_bias",
+    )
     _err(http.post("/v1/completions", json={"prompt": ""}), 400, "prompt")
     _err(http.post("/v1/completions", json={"prompt": [10**9]}), 400, "prompt")
-    _err(http.post("/v1/completions", json={"prompt": "x", "stop_token_ids": [10**9]}), 400, "stop_token_ids")
+    _err(
+        http.post("/v1/completions", json={"prompt": "x", "stop_token_ids": [10**9]}),
+        400,
+        "stop_token_ids",
+    )
     _err(http.post("/v1/chat/completions", json={"messages": []}), 400, "messages")
-    _err(http.post("/v1/chat/completions", json={"messages": [{"content": "hi"}]}), 400, "messages.0.role")
-    _err(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                 "top_logprobs": 2}), 400, "top_logprobs")
+    _err(
+        http.post("/v1/chat/completions", json={"messages": [{"content": "hi"}]}),
+        400,
+        "messages.0.role",
+    )
+    _err(
+        http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        ),
+        400,
+        "top_logprobs",
+    )
 
 
 def test_openai_client_sees_bad_request(client):
@@ -259,12 +439,26 @@ def test_openai_client_sees_bad_request(client):
 
 def test_prompt_too_long(http, server):
     limit = server.state.engine.max_model_len
-    body = _err(http.post("/v1/completions", json={"prompt": [5] * (limit + 1), "max_tokens": 1}), 400, "prompt")
+    body = _err(
+        http.post("/v1/completions", json={"prompt": [5] * (limit + 1), "max_tokens": 1}),
+        400,
+        "prompt",
+    )
     assert str(limit) in body["message"]
-    body = _err(http.post("/v1/completions", json={"prompt": [5] * 10, "max_tokens": limit}), 400, "max_tokens")
+    body = _err(
+        http.post("/v1/completions", json={"prompt": [5] * 10, "max_tokens": limit}),
+        400,
+        "max_tokens",
+    )
     assert str(limit) in body["message"] and body["code"] == "context_length_exceeded"
-    body = _err(http.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "word " * (limit + 10)}]}), 400, "messages")
+    body = _err(
+        http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "word " * (limit + 10)}]},
+        ),
+        400,
+        "messages",
+    )
     assert str(limit) in body["message"]
 
 
@@ -278,7 +472,12 @@ def test_body_too_large(http):
             yield b"y" * 4096
         yield b'"}'
 
-    _err(http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"}), 413)
+    _err(
+        http.post(
+            "/v1/completions", content=chunked(), headers={"content-type": "application/json"}
+        ),
+        413,
+    )
 
 
 def test_queue_full_gets_429(http, server, client):
@@ -286,8 +485,14 @@ def test_queue_full_gets_429(http, server, client):
     saved = cfg.max_num_seqs, cfg.max_waiting
     cfg.max_num_seqs, cfg.max_waiting = 1, 0
     try:
-        with client.completions.create(model=MODEL, prompt="long", max_tokens=400, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True}) as stream:
+        with client.completions.create(
+            model=MODEL,
+            prompt="long",
+            max_tokens=400,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ) as stream:
             next(iter(stream))
             r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             body = _err(r, 429)
@@ -322,7 +527,9 @@ def test_engine_failure_is_500_and_server_survives(http, server, core_hook):
 
 def test_engine_failure_mid_stream_reports_in_band(http, server, core_hook):
     core_hook("fail_step", 3)
-    with http.stream("POST", "/v1/completions", json={"prompt": "boom", "max_tokens": 20, "stream": True}) as r:
+    with http.stream(
+        "POST", "/v1/completions", json={"prompt": "boom", "max_tokens": 20, "stream": True}
+    ) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     assert "error" in json.loads(lines[-2][6:])
@@ -331,41 +538,72 @@ def test_engine_failure_mid_stream_reports_in_band(http, server, core_hook):
 # -- cancellation and metrics ------------------------------------------------------------------
 def test_client_disconnect_aborts_and_frees_blocks(server, client, http):
     before = metrics(http)
-    stream = client.completions.create(model=MODEL, prompt="cancel me " * 30, max_tokens=1500, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="cancel me " * 30,
+        max_tokens=1500,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     it = iter(stream)
     for _ in range(3):
         next(it)
     assert metrics(http)["vllm:kv_cache_usage_perc"] > 0
     stream.close()  # drop the connection mid-stream
-    wait_for(lambda: (m := metrics(http))["vllm:num_requests_running"] == 0
-             and m["vllm:kv_cache_usage_perc"] == 0.0, timeout=15)
+    wait_for(
+        lambda: (
+            (m := metrics(http))["vllm:num_requests_running"] == 0
+            and m["vllm:kv_cache_usage_perc"] == 0.0
+        ),
+        timeout=15,
+    )
     after = metrics(http)
-    assert after["vllm:request_success_total{finished_reason=abort}"] == \
-        before["vllm:request_success_total{finished_reason=abort}"] + 1
+    assert (
+        after["vllm:request_success_total{finished_reason=abort}"]
+        == before["vllm:request_success_total{finished_reason=abort}"] + 1
+    )
     # Far fewer than 1500 tokens were generated for it.
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 1000
 
 
 def test_non_streaming_disconnect_aborts(server, http):
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5,
-                   json={"prompt": "abandon", "max_tokens": 1500, "ignore_eos": True})
+        httpx.post(
+            f"{server.url}/v1/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=0.5,
+            json={"prompt": "abandon", "max_tokens": 1500, "ignore_eos": True},
+        )
     wait_for(lambda: server.state.engine.num_in_flight == 0, timeout=15)
     # The abort reaches the engine between steps: its blocks are freed soon after.
-    wait_for(lambda: (m := metrics(http))["vllm:num_requests_running"] == 0
-             and m["vllm:kv_cache_usage_perc"] == 0.0, timeout=15)
+    wait_for(
+        lambda: (
+            (m := metrics(http))["vllm:num_requests_running"] == 0
+            and m["vllm:kv_cache_usage_perc"] == 0.0
+        ),
+        timeout=15,
+    )
 
 
 def test_metrics_parse_with_vllm_names(http, client):
     client.completions.create(model=MODEL, prompt="metrics please", max_tokens=5, temperature=0)
     text = http.get("/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
-                 "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
-                 "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                 "vllm:e2e_request_latency_seconds"):
+    for name in (
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:num_preemptions",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:request_success",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+    ):
         assert name in families, name
         for s in families[name].samples:
             assert s.labels.get("model_name") == MODEL
@@ -389,8 +627,11 @@ def test_hundreds_of_concurrent_streams_and_responsive_http(server):
 
     async def one(client, i):
         text, finish = "", None
-        async with client.stream("POST", "/v1/completions", json={
-                "prompt": f"stream {i}", "max_tokens": 8, "temperature": 0, "stream": True}) as r:
+        async with client.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": f"stream {i}", "max_tokens": 8, "temperature": 0, "stream": True},
+        ) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -410,8 +651,12 @@ def test_hundreds_of_concurrent_streams_and_responsive_http(server):
 
     async def main():
         limits = httpx.Limits(max_connections=400)
-        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"},
-                                     timeout=120, limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=server.url,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=120,
+            limits=limits,
+        ) as client:
             stop = asyncio.Event()
             prober = asyncio.create_task(probe(client, stop))
             finishes = await asyncio.gather(*(one(client, i) for i in range(200)))
@@ -425,9 +670,14 @@ def test_hundreds_of_concurrent_streams_and_responsive_http(server):
 
 def test_tokenize_and_detokenize(http, server):
     tok = server.state.engine.tokenizer
-    r = http.post("/tokenize", json={"prompt": "Hello there, world", "return_token_strs": True}).json()
+    r = http.post(
+        "/tokenize", json={"prompt": "Hello there, world", "return_token_strs": True}
+    ).json()
     assert r["tokens"] == tok.encode("Hello there, world") and r["count"] == len(r["tokens"])
-    assert r["max_model_len"] == server.state.engine.max_model_len and len(r["token_strs"]) == r["count"]
+    assert (
+        r["max_model_len"] == server.state.engine.max_model_len
+        and len(r["token_strs"]) == r["count"]
+    )
     msgs = [{"role": "user", "content": "hi"}]
     chat = http.post("/tokenize", json={"messages": msgs}).json()
     assert chat["tokens"] == tok.encode_chat(msgs) and chat["token_strs"] is None
@@ -435,7 +685,8 @@ def test_tokenize_and_detokenize(http, server):
     done = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()
     assert done["usage"]["prompt_tokens"] == chat["count"]
     assert http.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == tok.decode(
-        r["tokens"], skip_special_tokens=False)
+        r["tokens"], skip_special_tokens=False
+    )
     _err(http.post("/tokenize", json={}), 400, "prompt")
     _err(http.post("/tokenize", json={"prompt": "x", "messages": msgs}), 400, "prompt")
     _err(http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")

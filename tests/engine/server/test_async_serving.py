@@ -8,13 +8,32 @@ import pytest
 
 from kvmesh_testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer, wait_for
-from tests.engine.server.test_core_process import HOOKS, MODEL, REQUESTS, _strip, assert_same_answers
+from tests.engine.server.test_core_process import (
+    HOOKS,
+    MODEL,
+    REQUESTS,
+    _strip,
+    assert_same_answers,
+)
 
 
 def _server(tiny_model: str, mode: str, flag: str) -> ThreadServer:
-    return ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "128",
-                         "--max-num-seqs", "8", "--engine-mode", mode, flag],
-                        core_loop=HookedCoreLoop).start()
+    return ThreadServer(
+        [
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            MODEL,
+            "--num-kv-blocks",
+            "128",
+            "--max-num-seqs",
+            "8",
+            "--engine-mode",
+            mode,
+            flag,
+        ],
+        core_loop=HookedCoreLoop,
+    ).start()
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +55,23 @@ def _kv_state(srv):
 
 
 def test_async_server_answers_as_the_sync_one(async_server, sync_server):
-    assert_same_answers(async_server.url, sync_server.url,
-                        REQUESTS + [{"prompt": "Once upon", "max_tokens": 10, "temperature": 0, "min_tokens": 4,
-                                     "frequency_penalty": 0.5}])
-    text = httpx.post(async_server.url + "/v1/completions", json=REQUESTS[0], timeout=60).json()["choices"][0]["text"]
+    assert_same_answers(
+        async_server.url,
+        sync_server.url,
+        REQUESTS
+        + [
+            {
+                "prompt": "Once upon",
+                "max_tokens": 10,
+                "temperature": 0,
+                "min_tokens": 4,
+                "frequency_penalty": 0.5,
+            }
+        ],
+    )
+    text = httpx.post(async_server.url + "/v1/completions", json=REQUESTS[0], timeout=60).json()[
+        "choices"
+    ][0]["text"]
     stop = text.strip()[:3]
     body = {**REQUESTS[0], "stop": [stop]}
     a = httpx.post(async_server.url + "/v1/completions", json=body, timeout=60).json()
@@ -54,14 +86,29 @@ def test_async_server_answers_as_the_sync_one(async_server, sync_server):
 
 
 def test_a_client_leaving_mid_stream_frees_its_blocks(async_server):
-    body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": [5, 6, 7, 8, 9],
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", async_server.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         for i, _ in enumerate(r.iter_lines()):
             if i >= 6:
                 break  # the client leaves while the request runs
-    wait_for(lambda: (s := _kv_state(async_server))["num_running"] == 0 and s["num_free_blocks"] == s["num_blocks"],
-             timeout=30)
+    wait_for(
+        lambda: (
+            (s := _kv_state(async_server))["num_running"] == 0
+            and s["num_free_blocks"] == s["num_blocks"]
+        ),
+        timeout=30,
+    )
     # the engine carries on serving
-    r = httpx.post(async_server.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 5}, timeout=60)
+    r = httpx.post(
+        async_server.url + "/v1/completions",
+        json={**body, "stream": False, "max_tokens": 5},
+        timeout=60,
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5

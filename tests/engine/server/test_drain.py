@@ -15,13 +15,33 @@ import httpx
 from tests.engine.server.conftest import free_port, wait_for
 
 
-
 def _spawn(tiny_model: str, port: int, *extra: str) -> subprocess.Popen:
     env = dict(os.environ)
     return subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "serve", "--model", tiny_model, "--served-model-name", "tiny",
-         "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", "128", "--log-level", "info", *extra],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "serve",
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-kv-blocks",
+            "128",
+            "--log-level",
+            "info",
+            *extra,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_ready(url: str, proc: subprocess.Popen) -> None:
@@ -45,8 +65,12 @@ def test_sigterm_finishes_in_flight_stream_then_exits_0(tiny_model):
         first = threading.Event()
 
         def consume():
-            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-                    "prompt": "drain me", "max_tokens": 150, "ignore_eos": True, "stream": True}) as r:
+            with httpx.stream(
+                "POST",
+                url + "/v1/completions",
+                timeout=60,
+                json={"prompt": "drain me", "max_tokens": 150, "ignore_eos": True, "stream": True},
+            ) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
@@ -80,7 +104,9 @@ def test_drain_timeout_cuts_and_still_exits_0(smollm2_dir):
     blocks are freed, and the process exits 0. (tests/engine/server/test_drain_soak.py: under load.)
     The built-in model, not the tiny one: the tiny model's 2,000 tokens took about the 4 s timeout
     here, so the stream sometimes finished before the drain cut it; the 135M model needs ~50 s."""
-    from kvmesh.engine.server.cli import DRAIN_ABORT_GRACE_S as grace   # the aborted responses' time to end
+    from kvmesh.engine.server.cli import (
+        DRAIN_ABORT_GRACE_S as grace,  # the aborted responses' time to end
+    )
 
     timeout = 4.0
     port = free_port()
@@ -96,8 +122,17 @@ def test_drain_timeout_cuts_and_still_exits_0(smollm2_dir):
 
         def consume():
             try:
-                with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-                        "prompt": "too long", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
+                with httpx.stream(
+                    "POST",
+                    url + "/v1/completions",
+                    timeout=60,
+                    json={
+                        "prompt": "too long",
+                        "max_tokens": 2000,
+                        "ignore_eos": True,
+                        "stream": True,
+                    },
+                ) as r:
                     for line in r.iter_lines():
                         if line.startswith("data: "):
                             arrivals.append(time.monotonic())
@@ -125,7 +160,9 @@ def test_drain_timeout_cuts_and_still_exits_0(smollm2_dir):
         # Near the timeout: tokens kept coming while draining (not cut at SIGTERM), and the stream
         # ended within the timeout plus the aborted responses' grace (plus slack for a busy machine).
         assert arrivals[-2] - start >= 0.8 * timeout, "the stream was cut before the drain timeout"
-        assert ended[0] - start <= timeout + grace + 3.0, f"cut {ended[0] - start:.1f}s after SIGTERM"
+        assert ended[0] - start <= timeout + grace + 3.0, (
+            f"cut {ended[0] - start:.1f}s after SIGTERM"
+        )
         assert time.monotonic() - start < 15
     finally:
         if proc.poll() is None:
@@ -133,8 +170,10 @@ def test_drain_timeout_cuts_and_still_exits_0(smollm2_dir):
             proc.wait()
     out = proc.stdout.read()
     assert "drain timeout" in out and "cut" in out, out[-2000:]
-    assert "every response ended; kv cache usage 0.0%" in out, out[-2000:]   # its blocks were freed
-    print(f"cut after {ended[0] - start:.2f}s, {len(events)} chunks, last at {arrivals[-1] - start:.2f}s")
+    assert "every response ended; kv cache usage 0.0%" in out, out[-2000:]  # its blocks were freed
+    print(
+        f"cut after {ended[0] - start:.2f}s, {len(events)} chunks, last at {arrivals[-1] - start:.2f}s"
+    )
 
 
 def test_model_that_fails_to_load_exits_nonzero(tmp_path):

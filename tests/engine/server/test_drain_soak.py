@@ -31,18 +31,40 @@ MODEL = "tiny"
 def _kv_idle(state) -> dict:
     """The engine's block pool once nothing runs: usage 0, every block free."""
     snap = state.engine.snapshot()
-    return snap if (state.engine.num_in_flight == 0 and snap["kv_cache_usage"] == 0.0
-                    and snap["num_free_blocks"] == snap["num_total_blocks"]) else {}
+    return (
+        snap
+        if (
+            state.engine.num_in_flight == 0
+            and snap["kv_cache_usage"] == 0.0
+            and snap["num_free_blocks"] == snap["num_total_blocks"]
+        )
+        else {}
+    )
 
 
 # -- the drain timeout ------------------------------------------------------------------------
 
-def test_drain_timeout_cuts_streams_near_the_timeout_ends_them_properly_and_frees_their_blocks(tiny_model):
+
+def test_drain_timeout_cuts_streams_near_the_timeout_ends_them_properly_and_frees_their_blocks(
+    tiny_model,
+):
     from kvmesh.engine.server import cli
 
     timeout = 2.0
-    srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "256",
-                        "--max-num-seqs", "16", "--max-model-len", "2048"]).start()
+    srv = ThreadServer(
+        [
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            MODEL,
+            "--num-kv-blocks",
+            "256",
+            "--max-num-seqs",
+            "16",
+            "--max-model-len",
+            "2048",
+        ]
+    ).start()
     state = srv.state
     streams = 6
     results: list[dict] = [{} for _ in range(streams)]
@@ -52,9 +74,18 @@ def test_drain_timeout_cuts_streams_near_the_timeout_ends_them_properly_and_free
         res = results[i]
         res["arrivals"], res["events"] = [], []
         try:
-            with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
-                    "prompt": f"stream {i} goes on and on", "max_tokens": 2000, "ignore_eos": True,
-                    "temperature": 0, "stream": True}) as r:
+            with httpx.stream(
+                "POST",
+                srv.url + "/v1/completions",
+                timeout=60,
+                json={
+                    "prompt": f"stream {i} goes on and on",
+                    "max_tokens": 2000,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "stream": True,
+                },
+            ) as r:
                 res["status"] = r.status_code
                 for line in r.iter_lines():
                     if line.startswith("data: "):
@@ -70,8 +101,16 @@ def test_drain_timeout_cuts_streams_near_the_timeout_ends_them_properly_and_free
 
     def consume_plain() -> None:
         try:
-            r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
-                "prompt": "a plain request", "max_tokens": 2000, "ignore_eos": True, "temperature": 0})
+            r = httpx.post(
+                srv.url + "/v1/completions",
+                timeout=60,
+                json={
+                    "prompt": "a plain request",
+                    "max_tokens": 2000,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                },
+            )
             plain["status"], plain["body"] = r.status_code, r.json()
         except Exception as exc:  # noqa: BLE001
             plain["error"] = repr(exc)
@@ -82,17 +121,22 @@ def test_drain_timeout_cuts_streams_near_the_timeout_ends_them_properly_and_free
     try:
         for t in threads:
             t.start()
-        started.wait(30)                                   # every stream has its first token
+        started.wait(30)  # every stream has its first token
         wait_for(lambda: state.engine.num_in_flight == streams + 1, timeout=30)
         assert state.engine.snapshot()["kv_cache_usage"] > 0
         # What SIGTERM does (cli.serve's handler), on the server's loop.
         t0 = time.monotonic()
         state.begin_drain()
-        drained = asyncio.run_coroutine_threadsafe(cli.drain_then_exit(state, srv.server, timeout),
-                                                   state.engine._loop)
-        late = httpx.post(srv.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=5)
+        drained = asyncio.run_coroutine_threadsafe(
+            cli.drain_then_exit(state, srv.server, timeout), state.engine._loop
+        )
+        late = httpx.post(
+            srv.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=5
+        )
         assert late.status_code == 503
-        assert drained.result(timeout=timeout + cli.DRAIN_ABORT_GRACE_S + 10) is False   # cut, not drained
+        assert (
+            drained.result(timeout=timeout + cli.DRAIN_ABORT_GRACE_S + 10) is False
+        )  # cut, not drained
         for t in threads:
             t.join(15)
         srv.thread.join(15)
@@ -107,13 +151,20 @@ def test_drain_timeout_cuts_streams_near_the_timeout_ends_them_properly_and_free
         chunks = [json.loads(e) for e in res["events"][:-1]]
         finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
         assert finishes[-1] == "abort" and not any(finishes[:-1]), (i, finishes[-3:])
-        assert len(chunks) < 2000                                       # far from finished
-        tokens_at = res["arrivals"][-2] - t0                            # the last token's chunk
-        assert tokens_at >= 0.8 * timeout, f"stream {i} was cut {tokens_at:.2f}s after the drain began"
-        assert res["ended"] - t0 <= timeout + cli.DRAIN_ABORT_GRACE_S, f"stream {i} ended {res['ended'] - t0:.2f}s"
+        assert len(chunks) < 2000  # far from finished
+        tokens_at = res["arrivals"][-2] - t0  # the last token's chunk
+        assert tokens_at >= 0.8 * timeout, (
+            f"stream {i} was cut {tokens_at:.2f}s after the drain began"
+        )
+        assert res["ended"] - t0 <= timeout + cli.DRAIN_ABORT_GRACE_S, (
+            f"stream {i} ended {res['ended'] - t0:.2f}s"
+        )
     assert "error" not in plain and plain["status"] == 200, plain.get("error")
     choice = plain["body"]["choices"][0]
-    assert choice["finish_reason"] == "abort" and 0 < plain["body"]["usage"]["completion_tokens"] < 2000
+    assert (
+        choice["finish_reason"] == "abort"
+        and 0 < plain["body"]["usage"]["completion_tokens"] < 2000
+    )
     assert plain["ended"] - t0 >= 0.8 * timeout
     # Every aborted request's blocks went back to the pool before the engine stopped.
     assert _kv_idle(state), state.engine.snapshot()
@@ -121,8 +172,8 @@ def test_drain_timeout_cuts_streams_near_the_timeout_ends_them_properly_and_free
 
 # -- the soak ---------------------------------------------------------------------------------
 
-BLOCKS = 24          # x 16 tokens: far less than 8 concurrent requests of up to 112 tokens need
-BUDGET = 32          # tokens per step: every prompt (53..88 tokens) is prefilled in chunks
+BLOCKS = 24  # x 16 tokens: far less than 8 concurrent requests of up to 112 tokens need
+BUDGET = 32  # tokens per step: every prompt (53..88 tokens) is prefilled in chunks
 N_REQUESTS = 24
 
 
@@ -162,32 +213,69 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, drop_after: int 
                 if c.get("finish_reason"):
                     out["finish"] = c["finish_reason"]
             if drop_after is not None and out["events"] >= drop_after:
-                break   # the client hangs up: leaving the block closes the connection
+                break  # the client hangs up: leaving the block closes the connection
     return out
 
 
-def test_soak_aborts_preemption_chunked_prefill_prefix_hits_end_clean_and_equal_transformers(tiny_model):
+def test_soak_aborts_preemption_chunked_prefill_prefix_hits_end_clean_and_equal_transformers(
+    tiny_model,
+):
     rng = random.Random(20240611)
-    shared = random_prompts(1, 48, 48, seed=11)[0]            # three full blocks, shared by most prompts
+    shared = random_prompts(1, 48, 48, seed=11)[0]  # three full blocks, shared by most prompts
     suffixes = random_prompts(N_REQUESTS, 5, 40, seed=12)
-    prompts = [(shared if i % 4 else []) + s + ([7] * 48 if i % 4 == 0 else []) for i, s in enumerate(suffixes)]
+    prompts = [
+        (shared if i % 4 else []) + s + ([7] * 48 if i % 4 == 0 else [])
+        for i, s in enumerate(suffixes)
+    ]
     # The last ones are the shared prefix alone, a whole number of blocks all cached by then:
     # the last token must still be computed (logits to sample from), not read from the cache.
     prompts[-2:] = [list(shared), list(shared)]
     max_tokens = [rng.randint(8, 24) for _ in prompts]
-    drops = {i: rng.choice([0, 1, 3, 6]) for i in rng.sample(range(N_REQUESTS - 2), N_REQUESTS // 3)}
+    drops = {
+        i: rng.choice([0, 1, 3, 6]) for i in rng.sample(range(N_REQUESTS - 2), N_REQUESTS // 3)
+    }
 
-    srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--dtype", "float32",
-                        "--num-kv-blocks", str(BLOCKS), "--max-num-batched-tokens", str(BUDGET),
-                        "--max-num-seqs", "8", "--max-model-len", "256"]).start()
+    srv = ThreadServer(
+        [
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            MODEL,
+            "--dtype",
+            "float32",
+            "--num-kv-blocks",
+            str(BLOCKS),
+            "--max-num-batched-tokens",
+            str(BUDGET),
+            "--max-num-seqs",
+            "8",
+            "--max-model-len",
+            "256",
+        ]
+    ).start()
     try:
+
         async def run() -> list[dict]:
             limits = httpx.Limits(max_connections=N_REQUESTS + 4)
             async with httpx.AsyncClient(timeout=30, limits=limits) as client:
-                return await asyncio.gather(*[
-                    _one(client, srv.url, {"prompt": p, "max_tokens": m, "temperature": 0, "ignore_eos": True,
-                                           "logprobs": 0, "stream": True}, drops.get(i))
-                    for i, (p, m) in enumerate(zip(prompts, max_tokens))])
+                return await asyncio.gather(
+                    *[
+                        _one(
+                            client,
+                            srv.url,
+                            {
+                                "prompt": p,
+                                "max_tokens": m,
+                                "temperature": 0,
+                                "ignore_eos": True,
+                                "logprobs": 0,
+                                "stream": True,
+                            },
+                            drops.get(i),
+                        )
+                        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+                    ]
+                )
 
         t0 = time.monotonic()
         results = asyncio.run(run())
@@ -211,10 +299,13 @@ def test_soak_aborts_preemption_chunked_prefill_prefix_hits_end_clean_and_equal_
         completed += 1
         assert res.get("done") and res.get("finish") == "length", (i, res.get("finish"))
         expected = hf_greedy(tiny_model, prompt, m, ignore_eos=True)
-        assert res["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in expected], \
+        assert res["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in expected], (
             f"request {i} diverged from transformers"
+        )
         want = _hf_logprobs(tiny_model, prompt, expected)
         assert res["logprobs"] == pytest.approx(want, abs=2e-3), f"request {i}: logprobs differ"
     assert completed == N_REQUESTS - len(drops)
-    print(f"soak: {N_REQUESTS} requests ({len(drops)} dropped) in {elapsed:.1f}s, "
-          f"{stats.num_preemptions} preemptions, {stats.prefix_cache_hits} prefix-hit tokens")
+    print(
+        f"soak: {N_REQUESTS} requests ({len(drops)} dropped) in {elapsed:.1f}s, "
+        f"{stats.num_preemptions} preemptions, {stats.prefix_cache_hits} prefix-hit tokens"
+    )

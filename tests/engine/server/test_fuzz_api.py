@@ -9,15 +9,29 @@ import json
 import pytest
 import schemathesis
 
-from tests.fuzz_checks import check_unsupported_methods, config, documented_examples, fuzz, send_example
 from tests.engine.server.conftest import ThreadServer
+from tests.fuzz_checks import (
+    check_unsupported_methods,
+    config,
+    documented_examples,
+    fuzz,
+    send_example,
+)
 
 KEY = "fuzz-key"
 MODEL = "tiny-fuzz"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-OPERATIONS = [("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("post", "/tokenize"),
-              ("post", "/detokenize"), ("get", "/v1/models"), ("get", "/health"), ("get", "/ready"),
-              ("get", "/load"), ("get", "/metrics")]
+OPERATIONS = [
+    ("post", "/v1/completions"),
+    ("post", "/v1/chat/completions"),
+    ("post", "/tokenize"),
+    ("post", "/detokenize"),
+    ("get", "/v1/models"),
+    ("get", "/health"),
+    ("get", "/ready"),
+    ("get", "/load"),
+    ("get", "/metrics"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +46,30 @@ def server(tiny_model, tmp_path_factory):
     torch.set_num_threads(1)
     gen = tmp_path_factory.mktemp("generation-config")
     (gen / "generation_config.json").write_text(json.dumps({"max_new_tokens": 4}))
-    srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "64",
-                        "--max-model-len", "64", "--max-num-seqs", "4", "--max-waiting", "4",
-                        "--max-num-batched-tokens", "256", "--generation-config", str(gen), "--api-key", KEY,
-                        "--max-body-bytes", "16384"]).start()
+    srv = ThreadServer(
+        [
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            MODEL,
+            "--num-kv-blocks",
+            "64",
+            "--max-model-len",
+            "64",
+            "--max-num-seqs",
+            "4",
+            "--max-waiting",
+            "4",
+            "--max-num-batched-tokens",
+            "256",
+            "--generation-config",
+            str(gen),
+            "--api-key",
+            KEY,
+            "--max-body-bytes",
+            "16384",
+        ]
+    ).start()
     yield srv
     srv.stop()
     torch.set_num_threads(threads)
@@ -47,11 +81,15 @@ def engine_schema(server):
 
 
 def test_document_covers_every_route(engine_schema):
-    ops = {(op.method.lower(), op.path) for op in (r.ok() for r in engine_schema.get_all_operations())}
+    ops = {
+        (op.method.lower(), op.path) for op in (r.ok() for r in engine_schema.get_all_operations())
+    }
     assert ops == set(OPERATIONS)
     body = engine_schema.raw_schema["components"]["schemas"]["CompletionRequest"]
     assert body["properties"]["model"]["enum"] == [MODEL, None]
-    assert body["properties"]["prompt"]["anyOf"][1]["items"]["maximum"] == 49151  # the vocabulary, once loaded
+    assert (
+        body["properties"]["prompt"]["anyOf"][1]["items"]["maximum"] == 49151
+    )  # the vocabulary, once loaded
 
 
 def test_documented_examples(engine_schema):
@@ -84,8 +122,16 @@ def _documented(schema: dict) -> set[str]:
     return props
 
 
-@pytest.mark.parametrize("name", ["CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
-                                  "DetokenizeRequest", "ChatMessage"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "CompletionRequest",
+        "ChatCompletionRequest",
+        "TokenizeRequest",
+        "DetokenizeRequest",
+        "ChatMessage",
+    ],
+)
 def test_document_names_every_field_the_engine_reads(name):
     """The document's request schemas (derived from kvmesh.common.protocol) name exactly the fields
     of the engine's request models (its subclasses of them)."""
@@ -95,6 +141,8 @@ def test_document_names_every_field_the_engine_reads(name):
 
     fields = set(getattr(protocol, name, getattr(shared, name)).model_fields)
     documented = _documented(request_schemas()[name])
-    if name == "ChatMessage":  # extra fields of a message go to the chat template: `name` is documented
+    if (
+        name == "ChatMessage"
+    ):  # extra fields of a message go to the chat template: `name` is documented
         documented -= {"name"}
     assert documented == fields

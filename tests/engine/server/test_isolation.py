@@ -27,8 +27,19 @@ HOOKS = "kvmesh_testing.core_hooks"
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "512",
-                        "--max-num-seqs", "16"], core_loop=HookedCoreLoop).start()
+    srv = ThreadServer(
+        [
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            MODEL,
+            "--num-kv-blocks",
+            "512",
+            "--max-num-seqs",
+            "16",
+        ],
+        core_loop=HookedCoreLoop,
+    ).start()
     yield srv
     srv.stop()
 
@@ -42,7 +53,9 @@ def http(server):
 def _err(r: httpx.Response, status: int, param: str) -> dict:
     assert r.status_code == status, r.text
     body = r.json()["error"]
-    assert body["param"] == param and body["type"] == "invalid_request_error" and body["message"], body
+    assert body["param"] == param and body["type"] == "invalid_request_error" and body["message"], (
+        body
+    )
     return body
 
 
@@ -79,26 +92,53 @@ OUT_OF_RANGE = [
 
 @pytest.mark.parametrize("fields, param", OUT_OF_RANGE)
 def test_out_of_range_numbers_are_400_naming_the_field(http, fields, param):
-    _err(_raw(http, "/v1/completions", '{"prompt": "hi", "max_tokens": 2, %s}' % fields), 400, param)
+    _err(
+        _raw(http, "/v1/completions", '{"prompt": "hi", "max_tokens": 2, ' + fields + "}"),
+        400,
+        param,
+    )
 
 
 def test_chat_names_its_own_fields(http):
     msgs = [{"role": "user", "content": "hi"}]
-    _err(http.post("/v1/chat/completions", json={"messages": msgs, "logprobs": True, "top_logprobs": 50}),
-         400, "top_logprobs")
-    _err(http.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 0}),
-         400, "max_completion_tokens")
-    _err(_raw(http, "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "seed": 1e30}'),
-         400, "seed")
+    _err(
+        http.post(
+            "/v1/chat/completions", json={"messages": msgs, "logprobs": True, "top_logprobs": 50}
+        ),
+        400,
+        "top_logprobs",
+    )
+    _err(
+        http.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 0}),
+        400,
+        "max_completion_tokens",
+    )
+    _err(
+        _raw(
+            http,
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "seed": 1e30}',
+        ),
+        400,
+        "seed",
+    )
 
 
 def test_the_edges_of_every_range_are_served(http, server):
     vocab = server.state.engine.vocab_size
-    for extra in ({"seed": 2**64 - 1, "temperature": 1.0}, {"seed": -(2**63), "temperature": 1.0},
-                  {"seed": 2**64 - 3, "n": 3, "temperature": 1.0}, {"top_k": vocab, "temperature": 1.0},
-                  {"top_k": -1}, {"max_tokens": 2**63 - 1}, {"logprobs": 20}):
+    for extra in (
+        {"seed": 2**64 - 1, "temperature": 1.0},
+        {"seed": -(2**63), "temperature": 1.0},
+        {"seed": 2**64 - 3, "n": 3, "temperature": 1.0},
+        {"top_k": vocab, "temperature": 1.0},
+        {"top_k": -1},
+        {"max_tokens": 2**63 - 1},
+        {"logprobs": 20},
+    ):
         r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, **extra})
-        if "max_tokens" in extra:  # the client's own max_tokens: refused for the context, not the range
+        if (
+            "max_tokens" in extra
+        ):  # the client's own max_tokens: refused for the context, not the range
             _err(r, 400, "max_tokens")
             assert r.json()["error"]["code"] == "context_length_exceeded"
             continue
@@ -111,26 +151,52 @@ def test_lone_surrogates_are_400_naming_the_field_on_every_route(http):
     cases = [
         ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
         ("/v1/completions", '{"prompt": ["fine", "\\udfff"], "max_tokens": 2}', "prompt.1"),
-        ("/v1/completions", '{"prompt": "x", "stop": ["ok", "\\ud800"], "max_tokens": 2}', "stop.1"),
-        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
-        ("/v1/chat/completions",
-         '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
-         "messages.0.content.0.text"),
-        ("/v1/chat/completions", '{"messages": [{"role": "\\ud800", "content": "x"}]}', "messages.0.role"),
+        (
+            "/v1/completions",
+            '{"prompt": "x", "stop": ["ok", "\\ud800"], "max_tokens": 2}',
+            "stop.1",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+            "messages.0.content",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+            "messages.0.content.0.text",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "\\ud800", "content": "x"}]}',
+            "messages.0.role",
+        ),
         ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
-        ("/tokenize", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+        (
+            "/tokenize",
+            '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+            "messages.0.content",
+        ),
     ]
     for path, body, param in cases:
         _err(_raw(http, path, body), 400, param)
     # surrogate bytes straight in the UTF-8 body (json.loads would decode them with surrogatepass)
-    r = http.post("/v1/completions", content=b'{"prompt": "a\xed\xa0\x80b"}',
-                  headers={"content-type": "application/json"})
+    r = http.post(
+        "/v1/completions",
+        content=b'{"prompt": "a\xed\xa0\x80b"}',
+        headers={"content-type": "application/json"},
+    )
     _err(r, 400, "prompt")
     # a surrogate pair is one valid character; an escaped backslash is text
-    ok = _raw(http, "/v1/completions", '{"prompt": "\\ud83d\\ude00 and \\\\ud800", "max_tokens": 2}')
+    ok = _raw(
+        http, "/v1/completions", '{"prompt": "\\ud83d\\ude00 and \\\\ud800", "max_tokens": 2}'
+    )
     assert ok.status_code == 200, ok.text
-    stream = _raw(http, "/v1/chat/completions",
-                  '{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 2, "stream": true}')
+    stream = _raw(
+        http,
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 2, "stream": true}',
+    )
     assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
 
 
@@ -138,8 +204,10 @@ def test_lone_surrogates_are_400_naming_the_field_on_every_route(http):
 def test_a_fault_one_request_triggers_fails_it_alone(server, http):
     prompts = [[11 + i, 400 + i, 900 + i, 77, 3000 + i] for i in range(3)]
     body = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
-    expected = [http.post("/v1/completions", json={"prompt": p, **body}).json()["choices"][0]["text"]
-                for p in prompts]
+    expected = [
+        http.post("/v1/completions", json={"prompt": p, **body}).json()["choices"][0]["text"]
+        for p in prompts
+    ]
     before = metrics(http)
 
     # The fault, in the engine core's process: any model run that holds the poisoned prompt raises.
@@ -151,7 +219,9 @@ def test_a_fault_one_request_triggers_fails_it_alone(server, http):
 
     async def stream(client, prompt, started=None):
         text, error, finish = "", None, None
-        async with client.stream("POST", "/v1/completions", json={"prompt": prompt, "stream": True, **body}) as r:
+        async with client.stream(
+            "POST", "/v1/completions", json={"prompt": prompt, "stream": True, **body}
+        ) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -174,7 +244,8 @@ def test_a_fault_one_request_triggers_fails_it_alone(server, http):
                 await f.wait()
             bad, bad_stream = await asyncio.gather(
                 client.post("/v1/completions", json={"prompt": [POISON, 5, 6], **body}),
-                stream(client, [POISON, 8, 9]))
+                stream(client, [POISON, 8, 9]),
+            )
             return bad, bad_stream, await asyncio.gather(*others)
 
     try:
@@ -183,22 +254,34 @@ def test_a_fault_one_request_triggers_fails_it_alone(server, http):
     finally:
         engine.call_utility("hook", f"{HOOKS}:restore")
     assert bad.status_code == 500, bad.text
-    assert bad.json()["error"]["code"] == "engine_error" and "injected fault" in bad.json()["error"]["message"]
+    assert (
+        bad.json()["error"]["code"] == "engine_error"
+        and "injected fault" in bad.json()["error"]["message"]
+    )
     assert bad_stream[2] is not None and "injected fault" in bad_stream[2]["message"]
     assert max(failed_batches) > 1  # the poisoned requests shared steps with the others
     for (text, finish, error), want in zip(results, expected):
         assert error is None and finish == "length" and text == want
     after = metrics(http)
     assert after["kvmesh:engine_step_failures_total{scope=request}"] == (
-        before["kvmesh:engine_step_failures_total{scope=request}"] + 2)
-    assert after["kvmesh:engine_step_failures_total{scope=batch}"] == before[
-        "kvmesh:engine_step_failures_total{scope=batch}"]
+        before["kvmesh:engine_step_failures_total{scope=request}"] + 2
+    )
+    assert (
+        after["kvmesh:engine_step_failures_total{scope=batch}"]
+        == before["kvmesh:engine_step_failures_total{scope=batch}"]
+    )
     wait_for(lambda: server.state.engine.num_in_flight == 0)
-    assert http.post("/v1/completions", json={"prompt": prompts[0], **body}).json()["choices"][0]["text"] == (
-        expected[0])
+    assert (
+        http.post("/v1/completions", json={"prompt": prompts[0], **body}).json()["choices"][0][
+            "text"
+        ]
+        == (expected[0])
+    )
 
 
-def test_a_failure_while_one_output_is_detokenised_ends_that_request_alone(server, http, monkeypatch):
+def test_a_failure_while_one_output_is_detokenised_ends_that_request_alone(
+    server, http, monkeypatch
+):
     body = {"prompt": [21, 22, 23, 24], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     expected = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
     llm_engine = server.state.engine.engine
@@ -216,10 +299,15 @@ def test_a_failure_while_one_output_is_detokenised_ends_that_request_alone(serve
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             return await asyncio.gather(
                 client.post("/v1/completions", json=body, headers={"X-Request-Id": "poison-1"}),
-                *(client.post("/v1/completions", json=body) for _ in range(3)))
+                *(client.post("/v1/completions", json=body) for _ in range(3)),
+            )
 
     bad, *good = asyncio.run(main())
     assert bad.status_code == 500 and "injected" in bad.json()["error"]["message"]
     assert [r.json()["choices"][0]["text"] for r in good] == [expected] * 3
-    wait_for(lambda: server.state.engine.num_in_flight == 0 and server.state.engine.stats.num_running == 0)
+    wait_for(
+        lambda: (
+            server.state.engine.num_in_flight == 0 and server.state.engine.stats.num_running == 0
+        )
+    )
     assert metrics(http)["kvmesh:engine_step_failures_total{scope=request}"] == before + 1

@@ -10,7 +10,13 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvmesh.common.block_keys import block_key, block_keys, root_key
-from kvmesh.common.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvmesh.common.kv_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    decode_batch,
+)
 from kvmesh_testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer, free_port, wait_for
 
@@ -21,11 +27,23 @@ BS = 16
 @pytest.fixture(scope="module")
 def server(tiny_model):
     pub, replay = free_port(), free_port()
-    srv = ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "24",
-                        "--max-model-len", "256",
-                        "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
-                        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"],
-                       core_loop=HookedCoreLoop).start()
+    srv = ThreadServer(
+        [
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            MODEL,
+            "--num-kv-blocks",
+            "24",
+            "--max-model-len",
+            "256",
+            "--kv-events-endpoint",
+            f"tcp://127.0.0.1:{pub}",
+            "--kv-events-replay-endpoint",
+            f"tcp://127.0.0.1:{replay}",
+        ],
+        core_loop=HookedCoreLoop,
+    ).start()
     srv.pub_endpoint = f"tcp://127.0.0.1:{pub}"
     srv.replay_endpoint = f"tcp://127.0.0.1:{replay}"
     yield srv
@@ -77,8 +95,11 @@ def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
 
 
 def _complete(server, prompt_ids, max_tokens=4):
-    r = httpx.post(server.url + "/v1/completions", timeout=60,
-                   json={"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        timeout=60,
+        json={"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -89,11 +110,13 @@ def test_events_match_blocks_stored_and_evicted(server):
     from the events is the engine's prefix cache, parents included."""
     sub = _subscribe(server.pub_endpoint)
     try:
-        prompts = [[100 + 7 * p + i for i in range(5 * BS + 3)] for p in range(6)]  # 5 full blocks each
+        prompts = [
+            [100 + 7 * p + i for i in range(5 * BS + 3)] for p in range(6)
+        ]  # 5 full blocks each
         for ids in prompts:
             _complete(server, ids)
         # A prefix hit: the newest prompt's first 3 blocks, then 2 new ones chained from block 3.
-        hit = prompts[-1][:3 * BS] + [5000 + i for i in range(2 * BS + 3)]
+        hit = prompts[-1][: 3 * BS] + [5000 + i for i in range(2 * BS + 3)]
         assert _complete(server, hit)["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BS
         # A block filled by decoding: 2 full prompt blocks + 10 tokens, then 10 generated tokens;
         # block 3 (10 prompt + 6 generated tokens) becomes full, and is stored, during decode.
@@ -119,9 +142,11 @@ def test_events_match_blocks_stored_and_evicted(server):
                     assert ev.parent_block_hash in live, "a parent is a block the engine holds"
                     events_with_parent.append(ev)
                 parent = ev.parent_block_hash if ev.parent_block_hash is not None else root
-                for i, h in enumerate(ev.block_hashes):  # every hash is the contract-1 key of its tokens
+                for i, h in enumerate(
+                    ev.block_hashes
+                ):  # every hash is the contract-1 key of its tokens
                     parent_of[h] = None if parent == root else parent
-                    parent = block_key(parent, ev.token_ids[i * BS:(i + 1) * BS])
+                    parent = block_key(parent, ev.token_ids[i * BS : (i + 1) * BS])
                     assert h == parent
                 stored.update(ev.block_hashes)
                 live.update(ev.block_hashes)
@@ -139,12 +164,12 @@ def test_events_match_blocks_stored_and_evicted(server):
     # The prefix hit: its new blocks chain from the shared block 3, and are the router's keys.
     hit_keys = block_keys(hit, MODEL, BS)
     (after_hit,) = [e for e in events_with_parent if e.parent_block_hash == hit_keys[2]]
-    assert after_hit.block_hashes == hit_keys[3:] and after_hit.token_ids == hit[3 * BS:5 * BS]
+    assert after_hit.block_hashes == hit_keys[3:] and after_hit.token_ids == hit[3 * BS : 5 * BS]
     # The decode-filled block: chained from the prompt's block 2, its first 10 tokens the prompt's tail.
     filled_keys = block_keys(filled, MODEL, BS)
     assert len(filled_keys) == 2
     (decoded,) = [e for e in events_with_parent if e.parent_block_hash == filled_keys[1]]
-    assert len(decoded.block_hashes) == 1 and decoded.token_ids[:10] == filled[2 * BS:]
+    assert len(decoded.block_hashes) == 1 and decoded.token_ids[:10] == filled[2 * BS :]
     assert decoded.block_hashes[0] in live
 
     # What the subscriber derived is exactly what the engine's prefix cache holds now, parents too.

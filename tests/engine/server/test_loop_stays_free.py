@@ -21,11 +21,33 @@ def test_probes_stay_fast_under_four_4mb_requests(tiny_model):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-P", "-m", "kvmesh.cli", "serve", "--model", tiny_model, "--served-model-name", "tiny",
-         "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", "64", "--log-level", "warning",
-         "--attention-backend", "torch"],  # the frontend is under test: no wait for a kernel build
-        env={**os.environ, "KVMESH_CPU_KERNELS": "0"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "kvmesh.cli",
+            "serve",
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-kv-blocks",
+            "64",
+            "--log-level",
+            "warning",
+            "--attention-backend",
+            "torch",
+        ],  # the frontend is under test: no wait for a kernel build
+        env={**os.environ, "KVMESH_CPU_KERNELS": "0"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
+
         def ready() -> bool:
             assert proc.poll() is None, "kvmesh serve exited"
             try:
@@ -34,10 +56,14 @@ def test_probes_stay_fast_under_four_4mb_requests(tiny_model):
                 return False
 
         wait_for(ready, timeout=300, interval=0.2)
-        latencies, failures, answers = probe_during(url, ("/health", "/ready", "/metrics"), big_bodies())
+        latencies, failures, answers = probe_during(
+            url, ("/health", "/ready", "/metrics"), big_bodies()
+        )
         # the work was done: the generations refused over the context, the tokenization answered
         assert sorted(a[1] for a in answers) == [200, 400, 400, 400], answers
-        assert all("maximum context length" in text for _, status, text in answers if status == 400), answers
+        assert all(
+            "maximum context length" in text for _, status, text in answers if status == 400
+        ), answers
         assert not failures, failures
         check_latencies(latencies)
     finally:

@@ -14,7 +14,9 @@ def test_small_inline_large_in_the_pool():
     async def main():
         here = threading.current_thread().name
         small = await off_loop.off_loop(10, lambda: threading.current_thread().name)
-        large = await off_loop.off_loop(off_loop.LARGE_CHARS, lambda: threading.current_thread().name)
+        large = await off_loop.off_loop(
+            off_loop.LARGE_CHARS, lambda: threading.current_thread().name
+        )
         return here, small, large
 
     here, small, large = asyncio.run(main())
@@ -38,9 +40,14 @@ def test_large_bodies_are_decoded_as_small_ones():
 
     pad = " " * off_loop.LARGE_BODY_BYTES
     good = b'{"prompt": [1, 2, 3], "cache_salt": "t"}'
-    assert decode_body(good[:-1] + pad.encode() + b"}", CompletionRequest) == decode_body(good, CompletionRequest)
-    for bad, param in ((b'{"prompt": "x", "cache_salt": "\\ud800"}', "cache_salt"),
-                       (b'{"prompt": "x", "n": NaN}', "n"), (b'{"prompt": [true]}', "prompt")):
+    assert decode_body(good[:-1] + pad.encode() + b"}", CompletionRequest) == decode_body(
+        good, CompletionRequest
+    )
+    for bad, param in (
+        (b'{"prompt": "x", "cache_salt": "\\ud800"}', "cache_salt"),
+        (b'{"prompt": "x", "n": NaN}', "n"),
+        (b'{"prompt": [true]}', "prompt"),
+    ):
         errors = []
         for body in (bad, bad[:-1] + pad.encode() + b"}"):
             with pytest.raises(APIError) as info:

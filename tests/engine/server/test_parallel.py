@@ -19,7 +19,10 @@ MAX_TOKENS = 16
 
 def _prompts() -> list[str]:
     topics = ["the sea", "a robot", "bread", "winter", "a library", "jazz", "mountains", "a cat"]
-    return [f"Write one sentence about {topics[i % len(topics)]} (variant {i})." for i in range(N_STREAMS)]
+    return [
+        f"Write one sentence about {topics[i % len(topics)]} (variant {i})."
+        for i in range(N_STREAMS)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +36,18 @@ def offline() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def server(offline):
-    srv = ThreadServer(["--model", "smollm2-135m-instruct", "--num-kv-blocks", "512", "--max-num-seqs", "64",
-                        "--dtype", "float32"]).start()
+    srv = ThreadServer(
+        [
+            "--model",
+            "smollm2-135m-instruct",
+            "--num-kv-blocks",
+            "512",
+            "--max-num-seqs",
+            "64",
+            "--dtype",
+            "float32",
+        ]
+    ).start()
     yield srv
     srv.stop()
 
@@ -44,8 +57,14 @@ def test_parallel_streams_match_offline_greedy(server, offline):
 
     async def one(client, prompt):
         stream = await client.completions.create(
-            model="smollm2-135m-instruct", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
-            logprobs=0, stream_options={"include_usage": True})
+            model="smollm2-135m-instruct",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            logprobs=0,
+            stream_options={"include_usage": True},
+        )
         text, tokens, usage, finish = "", [], None, None
         async for chunk in stream:
             if chunk.choices:
@@ -57,7 +76,9 @@ def test_parallel_streams_match_offline_greedy(server, offline):
         return text, tokens, usage, finish
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+        client = openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300
+        )
         try:
             return await asyncio.gather(*(one(client, p) for p in _prompts()))
         finally:
@@ -67,6 +88,8 @@ def test_parallel_streams_match_offline_greedy(server, offline):
     assert len(results) == N_STREAMS
     for (text, tokens, usage, finish), ids in zip(results, offline):
         assert usage.completion_tokens == len(ids)
-        assert tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]  # token for token
+        assert tokens == [
+            tokenizer.decode([t], skip_special_tokens=False) for t in ids
+        ]  # token for token
         assert text == tokenizer.decode(ids), (text, tokenizer.decode(ids))
         assert finish in ("length", "stop")

@@ -38,8 +38,20 @@ def held_server(request, tiny_model, monkeypatch):
             super().__init__(*args)
 
     monkeypatch.setattr(module, name, Held)
-    srv = ThreadServer(["--model", tiny_model, "--served-model-name", "tiny", "--num-kv-blocks", "64",
-                        "--api-key", KEY, "--engine-mode", mode])
+    srv = ThreadServer(
+        [
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            "tiny",
+            "--num-kv-blocks",
+            "64",
+            "--api-key",
+            KEY,
+            "--engine-mode",
+            mode,
+        ]
+    )
     srv.thread.start()
     srv.gate = gate
     yield srv
@@ -58,15 +70,20 @@ def test_every_v1_route_is_503_until_the_model_is_loaded(held_server):
 
     wait_for(live, timeout=30)  # liveness: up while the model loads
     assert not held_server.state.engine.loaded.is_set()
-    calls = [("GET", "/v1/models", None),
-             ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-             ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-             ("POST", "/tokenize", {"prompt": "hi"}),
-             ("POST", "/detokenize", {"tokens": [5]})]
+    calls = [
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("POST", "/tokenize", {"prompt": "hi"}),
+        ("POST", "/detokenize", {"tokens": [5]}),
+    ]
     for method, path, body in calls:
         r = httpx.request(method, url + path, json=body, headers=auth, timeout=10)
         assert r.status_code == 503, (path, r.text)
-        assert r.json()["error"]["type"] == "service_unavailable" and "loading" in r.json()["error"]["message"]
+        assert (
+            r.json()["error"]["type"] == "service_unavailable"
+            and "loading" in r.json()["error"]["message"]
+        )
         assert int(r.headers["retry-after"]) >= 1
         # the key is still checked first: no information for a client without one
         assert httpx.request(method, url + path, json=body, timeout=10).status_code == 401
@@ -79,7 +96,9 @@ def test_every_v1_route_is_503_until_the_model_is_loaded(held_server):
     models = httpx.get(url + "/v1/models", headers=auth, timeout=10)
     assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == ["tiny"]
     # what a client that waited for /v1/models sends next is served
-    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth, timeout=60)
+    r = httpx.post(
+        url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth, timeout=60
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 

@@ -18,16 +18,33 @@ RESUME = "resume.output_token_ids"
 
 @pytest.fixture(scope="module", params=["thread", "process"])
 def server(tiny_model, request):
-    srv = ThreadServer(["--model", tiny_model, "--served-model-name", "tiny", "--num-kv-blocks", "128",
-                        "--max-num-seqs", "4", "--engine-mode", request.param]).start()
+    srv = ThreadServer(
+        [
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            "tiny",
+            "--num-kv-blocks",
+            "128",
+            "--max-num-seqs",
+            "4",
+            "--engine-mode",
+            request.param,
+        ]
+    ).start()
     yield srv
     srv.stop()
 
 
 def stream(server, path: str, body: dict) -> list[dict]:
     chunks = []
-    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60,
-                      headers={"X-Request-Id": "resume-test"}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + path,
+        json={**body, "stream": True},
+        timeout=60,
+        headers={"X-Request-Id": "resume-test"},
+    ) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -51,7 +68,11 @@ class Seen:
             if chat and "role" in c["delta"]:
                 continue
             text = c["delta"].get("content", "") if chat else c["text"]
-            lps = (c["logprobs"] or {}).get("content", []) if chat else (c["logprobs"] or {}).get("tokens", [])
+            lps = (
+                (c["logprobs"] or {}).get("content", [])
+                if chat
+                else (c["logprobs"] or {}).get("tokens", [])
+            )
             self.parts.append((c.get("token_ids"), text, lps, c["finish_reason"], c["logprobs"]))
 
     def ids(self, upto: int | None = None) -> list[int]:
@@ -80,41 +101,65 @@ def lp_values(logprobs: dict, chat: bool) -> list[float]:
 
 CASES = {
     "completions": ("/v1/completions", dict(prompt="The quick brown fox", logprobs=2), False),
-    "chat": ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Tell me a story"}],
-                                          logprobs=True, top_logprobs=2), True),
+    "chat": (
+        "/v1/chat/completions",
+        dict(
+            messages=[{"role": "user", "content": "Tell me a story"}], logprobs=True, top_logprobs=2
+        ),
+        True,
+    ),
 }
 
 
 @pytest.mark.parametrize("kind", list(CASES))
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=99)])
-def test_a_stream_continued_from_its_first_k_tokens_is_the_uninterrupted_stream(server, kind, sampling):
+def test_a_stream_continued_from_its_first_k_tokens_is_the_uninterrupted_stream(
+    server, kind, sampling
+):
     path, body, chat = CASES[kind]
-    body = {**body, **sampling, "max_tokens": 12, "ignore_eos": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        **body,
+        **sampling,
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
     chunks = stream(server, path, body)
     whole = Seen(chunks, chat)
     ids = whole.ids()
-    assert len(ids) == 12 and all(len(p[0]) == 1 for p in whole.parts)  # every id, in a chunk of its own
+    assert len(ids) == 12 and all(
+        len(p[0]) == 1 for p in whole.parts
+    )  # every id, in a chunk of its own
     first = chunks[0]
     prompt_ids = first["prompt_token_ids"] if chat else first["choices"][0]["prompt_token_ids"]
-    assert whole.usage["prompt_tokens"] == len(prompt_ids) and whole.usage["completion_tokens"] == 12
+    assert (
+        whole.usage["prompt_tokens"] == len(prompt_ids) and whole.usage["completion_tokens"] == 12
+    )
     for k in (1, 4, 11):
         cont_chunks = stream(server, path, {**body, "resume": {"output_token_ids": ids[:k]}})
         cont = Seen(cont_chunks, chat)
         assert all("prompt_token_ids" not in ch for ch in cont_chunks)
-        assert all("role" not in c.get("delta", {}) and "prompt_token_ids" not in c
-                   for ch in cont_chunks for c in ch["choices"])
+        assert all(
+            "role" not in c.get("delta", {}) and "prompt_token_ids" not in c
+            for ch in cont_chunks
+            for c in ch["choices"]
+        )
         assert cont_chunks[0]["id"] == chunks[0]["id"]  # same X-Request-Id, same id
         n = whole.chunks_for(k)
         assert ids[:k] + cont.ids() == ids, k
         assert whole.text(n) + cont.text() == whole.text(), k
         # logprobs of the new tokens only, the same tokens and values as the uninterrupted stream's
-        assert [lp_tokens(p[4], chat) for p in cont.parts] == [lp_tokens(p[4], chat) for p in whole.parts[n:]]
+        assert [lp_tokens(p[4], chat) for p in cont.parts] == [
+            lp_tokens(p[4], chat) for p in whole.parts[n:]
+        ]
         for p, q in zip(cont.parts, whole.parts[n:]):
             assert lp_values(p[4], chat) == pytest.approx(lp_values(q[4], chat), abs=1e-4)
         assert cont.parts[-1][3] == "length"
         counts = ("prompt_tokens", "completion_tokens", "total_tokens")
-        assert [cont.usage[f] for f in counts] == [whole.usage[f] for f in counts], k  # the whole request, once
+        assert [cont.usage[f] for f in counts] == [whole.usage[f] for f in counts], (
+            k
+        )  # the whole request, once
         assert cont.usage["prompt_tokens_details"]["cached_tokens"] <= cont.usage["prompt_tokens"]
         if not chat:  # text_offset goes on from the characters already sent
             assert cont.parts[0][4]["text_offset"][0] == whole.parts[n][4]["text_offset"][0]
@@ -122,9 +167,19 @@ def test_a_stream_continued_from_its_first_k_tokens_is_the_uninterrupted_stream(
 
 def test_a_stop_string_straddling_the_seam_ends_the_continuation(server):
     path = "/v1/completions"
-    base = dict(prompt="Once upon a time", max_tokens=16, temperature=0, ignore_eos=True, return_token_ids=True)
+    base = dict(
+        prompt="Once upon a time",
+        max_tokens=16,
+        temperature=0,
+        ignore_eos=True,
+        return_token_ids=True,
+    )
     plain = Seen(stream(server, path, base), chat=False)
-    at = next(i for i in range(3, len(plain.parts) - 1) if plain.parts[i][1].strip() and plain.parts[i + 1][1].strip())
+    at = next(
+        i
+        for i in range(3, len(plain.parts) - 1)
+        if plain.parts[i][1].strip() and plain.parts[i + 1][1].strip()
+    )
     stop = plain.parts[at][1][-1] + plain.parts[at + 1][1][0]
     body = {**base, "stop": [stop]}
     whole = Seen(stream(server, path, body), chat=False)
@@ -133,7 +188,9 @@ def test_a_stop_string_straddling_the_seam_ends_the_continuation(server):
     k = len(ids) - 1
     n = whole.chunks_for(k)
     seam_text = post(server, "/detokenize", {"tokens": ids[:k]}).json()["prompt"]
-    assert seam_text.endswith(stop[0]) and not whole.text(n).endswith(stop[0])  # begun, but held back
+    assert seam_text.endswith(stop[0]) and not whole.text(n).endswith(
+        stop[0]
+    )  # begun, but held back
     cont = Seen(stream(server, path, {**body, "resume": {"output_token_ids": ids[:k]}}), chat=False)
     assert cont.ids() == ids[k:] and cont.parts[-1][3] == "stop"
     assert whole.text(n) + cont.text() == whole.text()
@@ -141,7 +198,14 @@ def test_a_stop_string_straddling_the_seam_ends_the_continuation(server):
 
 
 def test_a_whole_response_continuation_holds_the_new_output_and_the_whole_usage(server):
-    body = dict(prompt=[7, 8, 9, 10], max_tokens=10, temperature=1.0, seed=5, ignore_eos=True, return_token_ids=True)
+    body = dict(
+        prompt=[7, 8, 9, 10],
+        max_tokens=10,
+        temperature=1.0,
+        seed=5,
+        ignore_eos=True,
+        return_token_ids=True,
+    )
     whole = post(server, "/v1/completions", body).json()
     ids = whole["choices"][0]["token_ids"]
     assert whole["choices"][0]["prompt_token_ids"] == [7, 8, 9, 10] and len(ids) == 10
@@ -149,28 +213,51 @@ def test_a_whole_response_continuation_holds_the_new_output_and_the_whole_usage(
     assert cont["choices"][0]["token_ids"] == ids[6:]
     assert cont["usage"]["completion_tokens"] == 10 and cont["usage"]["prompt_tokens"] == 4
     assert cont["usage"]["prompt_tokens_details"]["cached_tokens"] <= 4
-    chat = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, ignore_eos=True)
+    chat = dict(
+        messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, ignore_eos=True
+    )
     plain = post(server, "/v1/chat/completions", chat).json()
-    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]  # only when asked
+    assert (
+        "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    )  # only when asked
     with_ids = post(server, "/v1/chat/completions", {**chat, "return_token_ids": True}).json()
     assert with_ids["choices"][0]["message"] == plain["choices"][0]["message"]
     assert len(with_ids["choices"][0]["token_ids"]) == 6 and with_ids["prompt_token_ids"]
 
 
-@pytest.mark.parametrize("path, extra, param, code", [
-    ("/v1/completions", {"n": 2}, "n", None),  # one choice's form; several go on with resume.choices
-    ("/v1/completions", {"prompt": ["a b", "c d"]}, "prompt", None),
-    ("/v1/chat/completions", {"resume": {"output_token_ids": [1, True]}}, RESUME, None),
-    ("/v1/completions", {"resume": [1, 2]}, RESUME, None),
-    ("/v1/completions", {"resume": {"output_token_ids": []}}, RESUME, None),
-    ("/v1/completions", {"resume": {"output_token_ids": [1, 10**9]}}, RESUME, None),
-    ("/v1/completions", {"resume": {"output_token_ids": [3] * 8}}, RESUME, None),  # max_tokens reached
-    ("/v1/completions", {"max_tokens": None, "resume": {"output_token_ids": [3] * 2100}}, RESUME,
-     "context_length_exceeded"),
-])
+@pytest.mark.parametrize(
+    "path, extra, param, code",
+    [
+        (
+            "/v1/completions",
+            {"n": 2},
+            "n",
+            None,
+        ),  # one choice's form; several go on with resume.choices
+        ("/v1/completions", {"prompt": ["a b", "c d"]}, "prompt", None),
+        ("/v1/chat/completions", {"resume": {"output_token_ids": [1, True]}}, RESUME, None),
+        ("/v1/completions", {"resume": [1, 2]}, RESUME, None),
+        ("/v1/completions", {"resume": {"output_token_ids": []}}, RESUME, None),
+        ("/v1/completions", {"resume": {"output_token_ids": [1, 10**9]}}, RESUME, None),
+        (
+            "/v1/completions",
+            {"resume": {"output_token_ids": [3] * 8}},
+            RESUME,
+            None,
+        ),  # max_tokens reached
+        (
+            "/v1/completions",
+            {"max_tokens": None, "resume": {"output_token_ids": [3] * 2100}},
+            RESUME,
+            "context_length_exceeded",
+        ),
+    ],
+)
 def test_bad_continuations_are_refused_naming_the_field(server, path, extra, param, code):
     body = {"max_tokens": 8, "resume": {"output_token_ids": [3, 4]}}
-    body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "hello"})
+    body.update(
+        {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "hello"}
+    )
     body.update(extra)
     r = post(server, path, body)
     assert r.status_code == 400, r.text
@@ -183,7 +270,9 @@ def by_choice(chunks: list[dict], chat: bool) -> dict[int, dict]:
     seen: dict[int, dict] = {}
     for ch in chunks:
         for c in ch["choices"]:
-            one = seen.setdefault(c["index"], {"ids": [], "text": "", "finish": None, "role": False})
+            one = seen.setdefault(
+                c["index"], {"ids": [], "text": "", "finish": None, "role": False}
+            )
             one["role"] |= chat and "role" in c["delta"]
             one["ids"] += c.get("token_ids") or []
             one["text"] += (c["delta"].get("content") or "") if chat else c["text"]
@@ -193,8 +282,16 @@ def by_choice(chunks: list[dict], chat: bool) -> dict[int, dict]:
 
 MULTI = {
     # a batch of 2 prompts x n = 2: choice index = prompt index * n + j
-    "completions batch": ("/v1/completions", dict(prompt=["The quick brown fox", "Once upon a time there"], n=2), False),
-    "chat n=3": ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Tell me a story"}], n=3), True),
+    "completions batch": (
+        "/v1/completions",
+        dict(prompt=["The quick brown fox", "Once upon a time there"], n=2),
+        False,
+    ),
+    "chat n=3": (
+        "/v1/chat/completions",
+        dict(messages=[{"role": "user", "content": "Tell me a story"}], n=3),
+        True,
+    ),
 }
 
 
@@ -205,8 +302,14 @@ def test_several_choices_continue_under_their_own_indices(server, kind, sampling
     uninterrupted run (seed + j by its index), and the usage counts the listed choices' prompts and
     whole outputs (the router adds what finished before the break)."""
     path, body, chat = MULTI[kind]
-    body = {**body, **sampling, "max_tokens": 10, "ignore_eos": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        **body,
+        **sampling,
+        "max_tokens": 10,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
     chunks = stream(server, path, body)
     whole = by_choice(chunks, chat)
     n_choices = len(whole)
@@ -214,7 +317,9 @@ def test_several_choices_continue_under_their_own_indices(server, kind, sampling
     if sampling.get("seed") is not None:  # seeded choices differ from each other
         assert len({tuple(whole[i]["ids"]) for i in range(n_choices)}) == n_choices
     prompt_lens = {}
-    for ch in chunks:  # completions: on each choice's first chunk; chat: on the response's first chunk
+    for (
+        ch
+    ) in chunks:  # completions: on each choice's first chunk; chat: on the response's first chunk
         for c in ch["choices"]:
             if "prompt_token_ids" in c:
                 prompt_lens[c["index"] // 2] = len(c["prompt_token_ids"])
@@ -232,8 +337,10 @@ def test_several_choices_continue_under_their_own_indices(server, kind, sampling
         assert ids + cont[i]["ids"] == whole[i]["ids"], i
         assert whole[i]["text"].endswith(cont[i]["text"]) and cont[i]["text"], i
         assert cont[i]["finish"] == "length" and not cont[i]["role"]
-    assert all("prompt_token_ids" not in ch and all("prompt_token_ids" not in c for c in ch["choices"])
-               for ch in cont_chunks)
+    assert all(
+        "prompt_token_ids" not in ch and all("prompt_token_ids" not in c for c in ch["choices"])
+        for ch in cont_chunks
+    )
     usage = cont_chunks[-1]["usage"]
     prompts = {i // (n_choices if chat else 2) for i in listed}
     assert usage["prompt_tokens"] == sum(prompt_lens[p] for p in prompts)
@@ -241,23 +348,58 @@ def test_several_choices_continue_under_their_own_indices(server, kind, sampling
     assert usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
 
 
-@pytest.mark.parametrize("resume, param, code", [
-    ({"choices": []}, "resume.choices", None),
-    ({"choices": {"index": 0}}, "resume.choices", None),
-    ({"choices": [5]}, "resume.choices.0", None),
-    ({"choices": [{"index": 4, "output_token_ids": [3]}]}, "resume.choices.0.index", None),
-    ({"choices": [{"index": -1, "output_token_ids": [3]}]}, "resume.choices.0.index", None),
-    ({"choices": [{"index": "1", "output_token_ids": [3]}]}, "resume.choices.0.index", None),
-    ({"choices": [{"index": 1, "output_token_ids": [3]}, {"index": 1, "output_token_ids": [4]}]},
-     "resume.choices.1.index", None),
-    ({"choices": [{"index": 0, "output_token_ids": "3 4"}]}, "resume.choices.0.output_token_ids", None),
-    ({"choices": [{"index": 0}]}, "resume.choices.0.output_token_ids", None),
-    ({"choices": [{"index": 0, "output_token_ids": [3, 4.5]}]}, "resume.choices.0.output_token_ids", None),
-    ({"choices": [{"index": 0, "output_token_ids": [1]}, {"index": 3, "output_token_ids": [1, 10**9]}]},
-     "resume.choices.1.output_token_ids", None),  # outside the vocabulary (the second entry)
-    ({"choices": [{"index": 2, "output_token_ids": [3] * 8}]}, "resume.choices.0.output_token_ids", None),
-    ({"choices": [{"index": 0, "output_token_ids": [3]}], "output_token_ids": [3]}, "resume", None),
-])
+@pytest.mark.parametrize(
+    "resume, param, code",
+    [
+        ({"choices": []}, "resume.choices", None),
+        ({"choices": {"index": 0}}, "resume.choices", None),
+        ({"choices": [5]}, "resume.choices.0", None),
+        ({"choices": [{"index": 4, "output_token_ids": [3]}]}, "resume.choices.0.index", None),
+        ({"choices": [{"index": -1, "output_token_ids": [3]}]}, "resume.choices.0.index", None),
+        ({"choices": [{"index": "1", "output_token_ids": [3]}]}, "resume.choices.0.index", None),
+        (
+            {
+                "choices": [
+                    {"index": 1, "output_token_ids": [3]},
+                    {"index": 1, "output_token_ids": [4]},
+                ]
+            },
+            "resume.choices.1.index",
+            None,
+        ),
+        (
+            {"choices": [{"index": 0, "output_token_ids": "3 4"}]},
+            "resume.choices.0.output_token_ids",
+            None,
+        ),
+        ({"choices": [{"index": 0}]}, "resume.choices.0.output_token_ids", None),
+        (
+            {"choices": [{"index": 0, "output_token_ids": [3, 4.5]}]},
+            "resume.choices.0.output_token_ids",
+            None,
+        ),
+        (
+            {
+                "choices": [
+                    {"index": 0, "output_token_ids": [1]},
+                    {"index": 3, "output_token_ids": [1, 10**9]},
+                ]
+            },
+            "resume.choices.1.output_token_ids",
+            None,
+        ),  # outside the vocabulary (the second entry)
+        (
+            {"choices": [{"index": 2, "output_token_ids": [3] * 8}]},
+            "resume.choices.0.output_token_ids",
+            None,
+        ),
+        (
+            {"choices": [{"index": 0, "output_token_ids": [3]}], "output_token_ids": [3]},
+            "resume",
+            None,
+        ),
+    ],
+)
 def test_bad_multi_choice_continuations_are_refused_naming_the_field(server, resume, param, code):
     body = {"prompt": ["hello", "world"], "n": 2, "max_tokens": 8, "stream": True, "resume": resume}
     r = post(server, "/v1/completions", body)
@@ -267,8 +409,13 @@ def test_bad_multi_choice_continuations_are_refused_naming_the_field(server, res
 
 
 def test_a_multi_choice_continuation_past_the_context_names_its_choice(server):
-    body = {"prompt": "hello", "n": 2, "max_tokens": None, "stream": True,
-            "resume": {"choices": [{"index": 1, "output_token_ids": [3] * 2100}]}}
+    body = {
+        "prompt": "hello",
+        "n": 2,
+        "max_tokens": None,
+        "stream": True,
+        "resume": {"choices": [{"index": 1, "output_token_ids": [3] * 2100}]},
+    }
     r = post(server, "/v1/completions", body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "resume.choices.0.output_token_ids"

@@ -25,9 +25,15 @@ from kvmesh_testing.core_hooks import HookedCoreLoop
 from tests.engine.server.conftest import ThreadServer
 
 MODEL = "tiny"
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-    "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 REGEX = r"[a-z]{2,6}@[a-z]{2,4}\.(com|org)"
 
@@ -39,8 +45,21 @@ class Person(BaseModel):
 
 
 def _server(tiny_model: str, mode: str) -> ThreadServer:
-    return ThreadServer(["--model", tiny_model, "--served-model-name", MODEL, "--num-kv-blocks", "128",
-                         "--max-num-seqs", "8", "--engine-mode", mode], core_loop=HookedCoreLoop).start()
+    return ThreadServer(
+        [
+            "--model",
+            tiny_model,
+            "--served-model-name",
+            MODEL,
+            "--num-kv-blocks",
+            "128",
+            "--max-num-seqs",
+            "8",
+            "--engine-mode",
+            mode,
+        ],
+        core_loop=HookedCoreLoop,
+    ).start()
 
 
 @pytest.fixture(scope="module", params=["thread", "process"])
@@ -57,19 +76,30 @@ def client(server):
 
 
 def test_openai_parse_with_a_pydantic_model(client):
-    done = client.beta.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Person,
-                                              max_tokens=64, temperature=0)
+    done = client.beta.chat.completions.parse(
+        model=MODEL, messages=MESSAGES, response_format=Person, max_tokens=64, temperature=0
+    )
     choice = done.choices[0]
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Person)
-    sampled = client.beta.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Person,
-                                                 max_tokens=64, temperature=1.0, seed=4, n=2)
-    assert len(sampled.choices) == 2 and all(isinstance(c.message.parsed, Person) for c in sampled.choices)
+    sampled = client.beta.chat.completions.parse(
+        model=MODEL,
+        messages=MESSAGES,
+        response_format=Person,
+        max_tokens=64,
+        temperature=1.0,
+        seed=4,
+        n=2,
+    )
+    assert len(sampled.choices) == 2 and all(
+        isinstance(c.message.parsed, Person) for c in sampled.choices
+    )
 
 
 def test_openai_parse_streaming(client):
     deltas = []
-    with client.beta.chat.completions.stream(model=MODEL, messages=MESSAGES, response_format=Person,
-                                             max_tokens=64, temperature=0) as stream:
+    with client.beta.chat.completions.stream(
+        model=MODEL, messages=MESSAGES, response_format=Person, max_tokens=64, temperature=0
+    ) as stream:
         for event in stream:
             if event.type == "content.delta":
                 deltas.append(event.delta)
@@ -80,15 +110,23 @@ def test_openai_parse_streaming(client):
 
 
 def _post(server, path, body):
-    r = httpx.post(server.url + path, json={"model": MODEL, "max_tokens": 48, "temperature": 0, **body}, timeout=120)
+    r = httpx.post(
+        server.url + path,
+        json={"model": MODEL, "max_tokens": 48, "temperature": 0, **body},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def _streamed_texts(server, path, body) -> dict[int, str]:
     texts: dict[int, str] = {}
-    with httpx.stream("POST", server.url + path, json={"model": MODEL, "max_tokens": 48, "temperature": 0,
-                                                       "stream": True, **body}, timeout=120) as r:
+    with httpx.stream(
+        "POST",
+        server.url + path,
+        json={"model": MODEL, "max_tokens": 48, "temperature": 0, "stream": True, **body},
+        timeout=120,
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -100,26 +138,47 @@ def _streamed_texts(server, path, body) -> dict[int, str]:
 
 
 FIELDS = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}},
-     lambda t: jsonschema.validate(json.loads(t), PERSON)),
-    ({"structured_outputs": {"json": PERSON}}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "p", "schema": PERSON, "strict": True},
+            }
+        },
+        lambda t: jsonschema.validate(json.loads(t), PERSON),
+    ),
+    (
+        {"structured_outputs": {"json": PERSON}},
+        lambda t: jsonschema.validate(json.loads(t), PERSON),
+    ),
     ({"guided_json": json.dumps(PERSON)}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
     ({"structured_outputs": {"regex": REGEX}}, lambda t: re.fullmatch(REGEX, t) or pytest.fail(t)),
     ({"guided_regex": REGEX}, lambda t: re.fullmatch(REGEX, t) or pytest.fail(t)),
-    ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right") or pytest.fail(t)),
+    (
+        {"structured_outputs": {"choice": ["left", "right"]}},
+        lambda t: t in ("left", "right") or pytest.fail(t),
+    ),
     ({"guided_choice": ["up", "down"]}, lambda t: t in ("up", "down") or pytest.fail(t)),
-    ({"structured_outputs": {"grammar": 'root ::= "(" [0-9] ("," [0-9])? ")"'}},
-     lambda t: re.fullmatch(r"\([0-9](,[0-9])?\)", t) or pytest.fail(t)),
+    (
+        {"structured_outputs": {"grammar": 'root ::= "(" [0-9] ("," [0-9])? ")"'}},
+        lambda t: re.fullmatch(r"\([0-9](,[0-9])?\)", t) or pytest.fail(t),
+    ),
     ({"guided_grammar": 'root ::= "x" | "yy"'}, lambda t: t in ("x", "yy") or pytest.fail(t)),
 ]
 
 
-@pytest.mark.parametrize("fields, valid", FIELDS, ids=[next(iter(f)) + "-" + str(i) for i, (f, _) in enumerate(FIELDS)])
+@pytest.mark.parametrize(
+    "fields, valid", FIELDS, ids=[next(iter(f)) + "-" + str(i) for i, (f, _) in enumerate(FIELDS)]
+)
 def test_every_field_on_both_endpoints(server, fields, valid):
     chat = _post(server, "/v1/chat/completions", {"messages": MESSAGES, **fields})
     valid(chat["choices"][0]["message"]["content"])
     assert chat["choices"][0]["finish_reason"] == "stop"
-    done = _post(server, "/v1/completions", {"prompt": "Name: ", "n": 2, "temperature": 1.0, "seed": 1, **fields})
+    done = _post(
+        server,
+        "/v1/completions",
+        {"prompt": "Name: ", "n": 2, "temperature": 1.0, "seed": 1, **fields},
+    )
     assert len(done["choices"]) == 2
     for c in done["choices"]:
         valid(c["text"])
@@ -129,8 +188,11 @@ def test_every_field_on_both_endpoints(server, fields, valid):
 
 def test_json_object_mode_streams_a_valid_prefix(server):
     """Free-form JSON on a random model may run to max_tokens; what it wrote is on the grammar."""
-    texts = _streamed_texts(server, "/v1/chat/completions",
-                            {"messages": MESSAGES, "response_format": {"type": "json_object"}, "max_tokens": 24})
+    texts = _streamed_texts(
+        server,
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "response_format": {"type": "json_object"}, "max_tokens": 24},
+    )
     assert texts[0].startswith("{")
 
 
@@ -147,11 +209,17 @@ def test_slow_grammar_is_refused_alone(server, monkeypatch):
 
     monkeypatch.setattr(compiler, "compile_spec", stuck)
     engine = server.state.engine
-    monkeypatch.setattr(backend_for(engine.model_dir, engine.limits.vocab_size).cache, "timeout_s", 0.5)
+    monkeypatch.setattr(
+        backend_for(engine.model_dir, engine.limits.vocab_size).cache, "timeout_s", 0.5
+    )
     try:
         with ThreadPoolExecutor(2) as pool:
-            slow = pool.submit(httpx.post, server.url + "/v1/completions", json={
-                "model": MODEL, "prompt": "x", "structured_outputs": {"regex": "stuck+"}}, timeout=60)
+            slow = pool.submit(
+                httpx.post,
+                server.url + "/v1/completions",
+                json={"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "stuck+"}},
+                timeout=60,
+            )
             plain = _post(server, "/v1/completions", {"prompt": "Name: ", "max_tokens": 4})
             r = slow.result()
     finally:

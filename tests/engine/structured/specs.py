@@ -5,9 +5,16 @@ import re
 
 import jsonschema
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "kind": {"enum": ["a", "b"]}}, "required": ["name", "age", "kind"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "kind": {"enum": ["a", "b"]},
+    },
+    "required": ["name", "age", "kind"],
+    "additionalProperties": False,
+}
 REGEX = r"[a-z]{2,6}@[a-z]{2,4}\.(com|org)"
 CHOICES = ["yes", "no", "maybe so"]
 

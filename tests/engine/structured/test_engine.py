@@ -20,12 +20,19 @@ from tests.engine.structured.specs import CHOICES, PERSON, REGEX, check_json, ch
 EBNF = 'root ::= "(" num ("," num)? ("," num)? ")"\nnum ::= [0-9] | [1-9] [0-9]'
 EBNF_RE = r"\((?:[0-9]|[1-9][0-9])(?:,(?:[0-9]|[1-9][0-9])){0,2}\)"
 
-SPECS = {"json": SOP(json=PERSON), "regex": SOP(regex=REGEX), "choice": SOP(choice=CHOICES),
-         "grammar": SOP(grammar=EBNF), "json_object": SOP(json_object=True)}
+SPECS = {
+    "json": SOP(json=PERSON),
+    "regex": SOP(regex=REGEX),
+    "choice": SOP(choice=CHOICES),
+    "grammar": SOP(grammar=EBNF),
+    "json_object": SOP(json_object=True),
+}
 # Prompts long enough to take several prefill chunks (max_num_batched_tokens=32); the JSON example
 # in them gives n-gram speculation drafts that the grammar allows.
-PROMPTS = [f"Record {i}: " + 'a person as JSON {"name":"ann","age":41,"kind":"a"} and one more, ' * 4
-           for i in range(4)]
+PROMPTS = [
+    f"Record {i}: " + 'a person as JSON {"name":"ann","age":41,"kind":"a"} and one more, ' * 4
+    for i in range(4)
+]
 
 
 def check_valid(kind: str, text: str) -> None:
@@ -44,7 +51,9 @@ def check_valid(kind: str, text: str) -> None:
 def follows(llm, spec: SOP, token_ids: list[int]) -> bool:
     """Every output token is one the grammar allows (a fresh matcher takes them all)."""
     core = llm.engine.core
-    state = StructuredState(core.structured_backend().cache.compile_now(spec), sorted(core.eos_token_ids))
+    state = StructuredState(
+        core.structured_backend().cache.compile_now(spec), sorted(core.eos_token_ids)
+    )
     return state.accept(list(token_ids)) == len(token_ids)
 
 
@@ -73,11 +82,15 @@ def test_every_kind_batched_with_unconstrained(llm, sampled):
     kinds = list(SPECS)
     plain = llm.generate(PROMPTS, params(max_tokens=24))
     extra = {"temperature": 1.0, "seed": 11} if sampled else {}
-    mixed = llm.generate(PROMPTS + PROMPTS[:1] * len(kinds),
-                         [params(max_tokens=24)] * len(PROMPTS) + [params(k, **extra) for k in kinds])
-    for a, b in zip(plain, mixed[:len(PROMPTS)]):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids  # the constrained rows change nothing else
-    for kind, out in zip(kinds, mixed[len(PROMPTS):]):
+    mixed = llm.generate(
+        PROMPTS + PROMPTS[:1] * len(kinds),
+        [params(max_tokens=24)] * len(PROMPTS) + [params(k, **extra) for k in kinds],
+    )
+    for a, b in zip(plain, mixed[: len(PROMPTS)]):
+        assert (
+            a.outputs[0].token_ids == b.outputs[0].token_ids
+        )  # the constrained rows change nothing else
+    for kind, out in zip(kinds, mixed[len(PROMPTS) :]):
         check_output(llm, kind, out)
 
 
@@ -117,11 +130,17 @@ def test_preemption_replays_the_matcher(llm, tiny_llama_dir):
 
 
 def test_speculation_verifies_drafts_under_the_mask(llm, tiny_llama_dir, monkeypatch):
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-            "acceptance_threshold": 0.0, "disable_by_batch_size": None}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+        "acceptance_threshold": 0.0,
+        "disable_by_batch_size": None,
+    }
     kinds = ["json", "regex", "grammar", "json_object"]
     ps = [params(k) for k in kinds] + [params(max_tokens=24)]
-    prompts = PROMPTS[:len(ps)] + PROMPTS[:1]
+    prompts = PROMPTS[: len(ps)] + PROMPTS[:1]
     plain = llm.generate(prompts, ps)
     drafted = []
     real = bitmask.for_step
@@ -131,23 +150,30 @@ def test_speculation_verifies_drafts_under_the_mask(llm, tiny_llama_dir, monkeyp
         return real(plain_rows, spec_rows, vocab)
 
     monkeypatch.setattr(bitmask, "for_step", spy)
-    spec_llm = LLM(tiny_llama_dir, num_kv_blocks=256, max_num_batched_tokens=64, speculative_config=spec)
+    spec_llm = LLM(
+        tiny_llama_dir, num_kv_blocks=256, max_num_batched_tokens=64, speculative_config=spec
+    )
     outs = spec_llm.generate(prompts, ps)
     assert sum(drafted) > 0  # constrained rows verified drafts
     for a, b in zip(plain, outs):  # greedy: token for token what plain decoding emits
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     for kind, out in zip(kinds, outs):
         check_output(spec_llm, kind, out)
-    sampled = spec_llm.generate(prompts[:len(kinds)], [params(k, temperature=1.0, seed=3) for k in kinds])
+    sampled = spec_llm.generate(
+        prompts[: len(kinds)], [params(k, temperature=1.0, seed=3) for k in kinds]
+    )
     for kind, out in zip(kinds, sampled):
         check_output(spec_llm, kind, out)
 
 
-@pytest.mark.parametrize("spec, param", [
-    (SOP(regex="[a-"), "structured_outputs.regex"),
-    (SOP(json={"type": "integer", "minimum": 5, "maximum": 1}), "structured_outputs.json"),
-    (SOP(grammar="root ::= undefined_rule"), "structured_outputs.grammar"),
-])
+@pytest.mark.parametrize(
+    "spec, param",
+    [
+        (SOP(regex="[a-"), "structured_outputs.regex"),
+        (SOP(json={"type": "integer", "minimum": 5, "maximum": 1}), "structured_outputs.json"),
+        (SOP(grammar="root ::= undefined_rule"), "structured_outputs.grammar"),
+    ],
+)
 def test_bad_spec_refused_before_anything_runs(llm, spec, param):
     with pytest.raises(InvalidParameter) as err:
         llm.generate(PROMPTS[:2], [params(), SamplingParams(structured_outputs=spec)])
@@ -179,16 +205,26 @@ def test_slow_grammar_holds_back_its_request_only(llm, monkeypatch):
 
     monkeypatch.setattr(compiler, "compile_spec", slow)
     ids = llm.engine.tokenizer.encode(PROMPTS[0])
-    core.add_request("slow", ids, SamplingParams(max_tokens=16, temperature=0.0,
-                                                 structured_outputs=SOP(regex="slow[a-z]{3}")))
+    core.add_request(
+        "slow",
+        ids,
+        SamplingParams(
+            max_tokens=16, temperature=0.0, structured_outputs=SOP(regex="slow[a-z]{3}")
+        ),
+    )
     core.add_request("plain", ids, SamplingParams(max_tokens=8, temperature=0.0))
     done = _run(core, ["plain"])
     assert done["plain"][0] == "length"  # finished while the other's grammar compiles
-    assert "slow" in core.scheduler.requests and core.scheduler.requests["slow"].num_computed_tokens == 0
+    assert (
+        "slow" in core.scheduler.requests
+        and core.scheduler.requests["slow"].num_computed_tokens == 0
+    )
     release.set()
     done = _run(core, ["slow"])
     assert done["slow"][0] == "stop"
-    assert re.fullmatch("slow[a-z]{3}", llm.engine.tokenizer.decode(done["slow"][1], skip_special_tokens=True))
+    assert re.fullmatch(
+        "slow[a-z]{3}", llm.engine.tokenizer.decode(done["slow"][1], skip_special_tokens=True)
+    )
 
 
 def test_grammar_past_its_deadline_fails_alone(llm, monkeypatch):
@@ -204,8 +240,14 @@ def test_grammar_past_its_deadline_fails_alone(llm, monkeypatch):
     monkeypatch.setattr(compiler, "compile_spec", stuck)
     monkeypatch.setattr(core.structured_backend().cache, "timeout_s", 0.3)
     ids = llm.engine.tokenizer.encode(PROMPTS[1])
-    core.add_request("stuck", ids, SamplingParams(max_tokens=8, structured_outputs=SOP(regex="stuck")))
-    core.add_request("fine", ids, SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=SPECS["choice"]))
+    core.add_request(
+        "stuck", ids, SamplingParams(max_tokens=8, structured_outputs=SOP(regex="stuck"))
+    )
+    core.add_request(
+        "fine",
+        ids,
+        SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=SPECS["choice"]),
+    )
     core.add_request("plain", ids, SamplingParams(max_tokens=8, temperature=0.0))
     try:
         done = _run(core, ["stuck", "fine", "plain"])
@@ -224,12 +266,16 @@ def test_async_scheduling_steps_constrained_requests_synchronously(llm, tiny_lla
     prompts = PROMPTS[:3]
     ps = [params(k) for k in kinds] + [params(max_tokens=24)]
     sync = llm.generate(prompts, ps)
-    overlapped = LLM(tiny_llama_dir, num_kv_blocks=256, max_num_batched_tokens=32, async_scheduling=True)
+    overlapped = LLM(
+        tiny_llama_dir, num_kv_blocks=256, max_num_batched_tokens=32, async_scheduling=True
+    )
     outs = overlapped.generate(prompts, ps)
     assert overlapped.engine.core.num_sync_steps > 0
     for a, b in zip(sync, outs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    plain = overlapped.generate(prompts[2:], [params(max_tokens=8)])[0]  # none constrained: async again
+    plain = overlapped.generate(prompts[2:], [params(max_tokens=8)])[
+        0
+    ]  # none constrained: async again
     assert plain.outputs[0].token_ids == sync[2].outputs[0].token_ids[:8]
     assert overlapped.engine.core.num_async_steps > 0
 
@@ -242,7 +288,12 @@ def test_resumed_output_rebuilds_the_matcher(llm):
     ids = tok.encode(PROMPTS[2])
     whole = llm.generate([ids], params("json"))[0].outputs[0].token_ids
     core.add_request("resumed", ids, params("json"), resumed_token_ids=list(whole[:5]))
-    core.add_request("off-grammar", ids, params("json"), resumed_token_ids=tok.encode("hello", add_special_tokens=False))
+    core.add_request(
+        "off-grammar",
+        ids,
+        params("json"),
+        resumed_token_ids=tok.encode("hello", add_special_tokens=False),
+    )
     core.add_request("plain", ids, params(max_tokens=4))
     done = _run(core, ["resumed", "off-grammar", "plain"])
     assert done["resumed"][0] == "stop" and list(whole[:5]) + done["resumed"][1] == list(whole)

@@ -19,17 +19,23 @@ from tests.engine.structured.specs import CHOICES, PERSON, REGEX, check_json, ch
 EBNF = 'root ::= "(" num ("," num)* ")"\nnum ::= [0-9] | [1-9] [0-9]'
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    ({}, "structured_outputs"),
-    ({"json": PERSON, "regex": "a"}, "structured_outputs"),
-    ({"json": "{not json"}, "structured_outputs.json"),
-    ({"json": "[1]"}, "structured_outputs.json"),
-    ({"regex": ""}, "structured_outputs.regex"),
-    ({"choice": []}, "structured_outputs.choice"),
-    ({"choice": ["a", ""]}, "structured_outputs.choice"),
-    ({"grammar": 3}, "structured_outputs.grammar"),
-    ({"json": "{", "field_name": "response_format.json_schema.schema"}, "response_format.json_schema.schema"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({}, "structured_outputs"),
+        ({"json": PERSON, "regex": "a"}, "structured_outputs"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"json": "[1]"}, "structured_outputs.json"),
+        ({"regex": ""}, "structured_outputs.regex"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"choice": ["a", ""]}, "structured_outputs.choice"),
+        ({"grammar": 3}, "structured_outputs.grammar"),
+        (
+            {"json": "{", "field_name": "response_format.json_schema.schema"},
+            "response_format.json_schema.schema",
+        ),
+    ],
+)
 def test_bad_spec_names_the_field(kwargs, param):
     with pytest.raises(InvalidParameter) as err:
         SOP(**kwargs)
@@ -38,16 +44,21 @@ def test_bad_spec_names_the_field(kwargs, param):
 
 def test_key_is_canonical():
     assert SOP(json={"a": 2, "b": 1}).key == SOP(json='{"a": 2,  "b": 1}').key  # whitespace aside
-    assert SOP(json={"b": 1, "a": 2}).key != SOP(json={"a": 2, "b": 1}).key  # property order is output order
+    assert (
+        SOP(json={"b": 1, "a": 2}).key != SOP(json={"a": 2, "b": 1}).key
+    )  # property order is output order
     assert SOP(json={"a": 1}).key != SOP(regex='{"a":1}').key
 
 
-@pytest.mark.parametrize("spec, param", [
-    (SOP(regex="[a-"), "structured_outputs.regex"),
-    (SOP(grammar='root ::= "unterminated'), "structured_outputs.grammar"),
-    (SOP(json={"type": "foo"}), "structured_outputs.json"),
-    (SOP(json={"type": "integer", "minimum": 5, "maximum": 1}), "structured_outputs.json"),
-])
+@pytest.mark.parametrize(
+    "spec, param",
+    [
+        (SOP(regex="[a-"), "structured_outputs.regex"),
+        (SOP(grammar='root ::= "unterminated'), "structured_outputs.grammar"),
+        (SOP(json={"type": "foo"}), "structured_outputs.json"),
+        (SOP(json={"type": "integer", "minimum": 5, "maximum": 1}), "structured_outputs.json"),
+    ],
+)
 def test_uncompilable_spec_is_invalid_parameter(tokenizer_info, spec, param):
     cache = GrammarCache(tokenizer_info)
     with pytest.raises(InvalidParameter) as err:
@@ -82,6 +93,7 @@ def test_slow_compile_fails_alone(tokenizer_info, monkeypatch):
     fast = cache.compile_now(SOP(regex="fast"))
     assert fast is not None
     import time
+
     time.sleep(0.25)
     assert slow_handle.ready()
     with pytest.raises(GrammarTimeout):
@@ -92,7 +104,7 @@ def test_slow_compile_fails_alone(tokenizer_info, monkeypatch):
 @functools.lru_cache(maxsize=1)
 def _closing_tokens(tokenizer):
     vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return torch.tensor([3.0 * any(c in t for c in '})') + 5.0 * ('"' in t) for t in vocab])
+    return torch.tensor([3.0 * any(c in t for c in "})") + 5.0 * ('"' in t) for t in vocab])
 
 
 def _biased_noise(tokenizer, seed):
@@ -108,13 +120,17 @@ def _generate(cache, tokenizer, spec, seed, greedy, max_tokens=200):
     base = _biased_noise(tokenizer, seed)
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for step in range(max_tokens):
+    for _ in range(max_tokens):
         # Row 0 unconstrained, row 1 constrained: the mask touches row 1 only.
         logits = torch.stack([base, base + torch.randn(len(tokenizer), generator=gen)])
         rows = bitmask.fill(mask, [None, state])
         bitmask.apply(logits, mask, rows, len(tokenizer))
         assert torch.isfinite(logits[0]).all()
-        token = int(logits[1].argmax()) if greedy else int(torch.multinomial(logits[1].softmax(-1), 1, generator=gen))
+        token = (
+            int(logits[1].argmax())
+            if greedy
+            else int(torch.multinomial(logits[1].softmax(-1), 1, generator=gen))
+        )
         assert state.accept([token]) == 1
         if state.finished:
             return tokenizer.decode(out)
@@ -128,7 +144,9 @@ def test_every_kind_decodes_to_valid_output(tokenizer, tokenizer_info, greedy, s
     cache = GrammarCache(tokenizer_info)
     check_json(_generate(cache, tokenizer, SOP(json=PERSON), seed, greedy), PERSON)
     if greedy:  # sampled free-form keys and strings run past any small bound
-        assert isinstance(json.loads(_generate(cache, tokenizer, SOP(json_object=True), seed, greedy)), dict)
+        assert isinstance(
+            json.loads(_generate(cache, tokenizer, SOP(json_object=True), seed, greedy)), dict
+        )
     check_regex(_generate(cache, tokenizer, SOP(regex=REGEX), seed, greedy))
     assert _generate(cache, tokenizer, SOP(choice=CHOICES), seed, greedy) in CHOICES
     text = _generate(cache, tokenizer, SOP(grammar=EBNF), seed, greedy)
@@ -143,11 +161,13 @@ def _mask_of(state, vocab):
 
 def test_rollback_and_reset_restore_the_state(tokenizer, tokenizer_info):
     cache = GrammarCache(tokenizer_info)
-    state = StructuredState(cache.compile_now(SOP(regex=REGEX)), eos_token_ids=[tokenizer.eos_token_id])
-    prefix = tokenizer.encode('abc', add_special_tokens=False)
+    state = StructuredState(
+        cache.compile_now(SOP(regex=REGEX)), eos_token_ids=[tokenizer.eos_token_id]
+    )
+    prefix = tokenizer.encode("abc", add_special_tokens=False)
     assert state.accept(prefix) == len(prefix)
     before = _mask_of(state, len(tokenizer))
-    drafts = tokenizer.encode('d@xy.', add_special_tokens=False)
+    drafts = tokenizer.encode("d@xy.", add_special_tokens=False)
     assert state.validate(drafts) == len(drafts)
     assert torch.equal(_mask_of(state, len(tokenizer)), before)  # validate left the state alone
     bad = drafts[:1] + tokenizer.encode("!!!", add_special_tokens=False)
@@ -155,7 +175,9 @@ def test_rollback_and_reset_restore_the_state(tokenizer, tokenizer_info):
     state.rollback(1)
     assert torch.equal(_mask_of(state, len(tokenizer)), before)
     state.reset(prefix)
-    assert state.num_accepted == len(prefix) and torch.equal(_mask_of(state, len(tokenizer)), before)
+    assert state.num_accepted == len(prefix) and torch.equal(
+        _mask_of(state, len(tokenizer)), before
+    )
     with pytest.raises(ValueError):
         state.reset(tokenizer.encode("NOT AN ADDRESS", add_special_tokens=False))
 
@@ -169,7 +191,9 @@ def test_padded_vocabulary_columns_are_masked(tokenizer, tokenizer_info):
     bitmask.apply(logits, mask, bitmask.fill(mask, [state, None]), vocab)
     assert torch.isinf(logits[0, vocab:]).all() and torch.isfinite(logits[1]).all()
     allowed = torch.isfinite(logits[0]).nonzero()[:, 0].tolist()
-    assert allowed and all(any(c.startswith(tokenizer.decode([t])) for c in CHOICES) for t in allowed)
+    assert allowed and all(
+        any(c.startswith(tokenizer.decode([t])) for c in CHOICES) for t in allowed
+    )
 
 
 def test_choices_with_escapes_and_non_ascii_text(tokenizer, tokenizer_info):
@@ -188,11 +212,15 @@ def test_cpu_apply_matches_xgrammars_kernel(rows):
 
     vocab = 1000
     gen = torch.Generator().manual_seed(len(rows))
-    mask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), generator=gen, dtype=torch.int64).to(torch.int32)
+    mask = torch.randint(
+        -(2**31), 2**31 - 1, (4, (vocab + 31) // 32), generator=gen, dtype=torch.int64
+    ).to(torch.int32)
     logits = torch.randn(4, vocab + 24, generator=gen)
     expected = logits.clone()
     xgr.apply_token_bitmask_inplace(expected, mask, vocab_size=vocab, indices=rows)
     expected[rows, vocab:] = float("-inf")
     bitmask.apply(logits, mask, rows, vocab)
-    assert torch.equal(logits, expected)  # the numpy path, token for token what xgrammar's kernel does
+    assert torch.equal(
+        logits, expected
+    )  # the numpy path, token for token what xgrammar's kernel does
     assert torch.isinf(logits[rows, :vocab]).any() and torch.isfinite(logits[rows, :vocab]).any()

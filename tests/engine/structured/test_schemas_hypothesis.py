@@ -19,20 +19,29 @@ WORDS = st.text(alphabet="abcxyz", min_size=1, max_size=4)
 
 def _string():
     return st.one_of(
-        st.builds(lambda lo, extra: {"type": "string", "minLength": lo, "maxLength": lo + extra},
-                  st.integers(0, 2), st.integers(0, 5)),
+        st.builds(
+            lambda lo, extra: {"type": "string", "minLength": lo, "maxLength": lo + extra},
+            st.integers(0, 2),
+            st.integers(0, 5),
+        ),
         st.just({"type": "string", "pattern": "^[a-c]{1,4}$"}),
     )
 
 
 def _integer():
-    return st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-                     st.integers(-50, 50), st.integers(0, 200))
+    return st.builds(
+        lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+        st.integers(-50, 50),
+        st.integers(0, 200),
+    )
 
 
 def _leaf():
     return st.one_of(
-        _string(), _integer(), st.just({"type": "boolean"}), st.just({"type": "null"}),
+        _string(),
+        _integer(),
+        st.just({"type": "boolean"}),
+        st.just({"type": "null"}),
         st.lists(WORDS, min_size=1, max_size=3, unique=True).map(lambda v: {"enum": v}),
         WORDS.map(lambda v: {"const": v}),
     )
@@ -45,21 +54,39 @@ def _object(children):
         if required:
             schema["required"] = required
         return schema
+
     return st.dictionaries(NAMES, children, min_size=1, max_size=3).flatmap(
         lambda props: st.lists(st.booleans(), min_size=len(props), max_size=len(props)).map(
-            lambda mask: build(props, mask)))
+            lambda mask: build(props, mask)
+        )
+    )
 
 
 def _array(children):
-    return st.builds(lambda items, lo, extra: {"type": "array", "items": items, "minItems": lo, "maxItems": lo + extra},
-                     children, st.integers(0, 1), st.integers(0, 2))
+    return st.builds(
+        lambda items, lo, extra: {
+            "type": "array",
+            "items": items,
+            "minItems": lo,
+            "maxItems": lo + extra,
+        },
+        children,
+        st.integers(0, 1),
+        st.integers(0, 2),
+    )
 
 
-SCHEMAS = _object(st.recursive(
-    _leaf(),
-    lambda children: st.one_of(_object(children), _array(children),
-                               st.lists(children, min_size=2, max_size=2).map(lambda v: {"anyOf": v})),
-    max_leaves=6))
+SCHEMAS = _object(
+    st.recursive(
+        _leaf(),
+        lambda children: st.one_of(
+            _object(children),
+            _array(children),
+            st.lists(children, min_size=2, max_size=2).map(lambda v: {"anyOf": v}),
+        ),
+        max_leaves=6,
+    )
+)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -23,18 +23,23 @@ class ChaosConfig:
     workers: int = 6  # concurrent clients during each fault
     families: int = 6  # prompts whose follow-ups must keep going to the pod that holds them
     family_words: int = 120
-    requests_after_fault: int = 12  # requests that must complete after each fault (and while Redis is down)
+    requests_after_fault: int = (
+        12  # requests that must complete after each fault (and while Redis is down)
+    )
     deadline: float = 20.0  # per request: longer is a hang
 
 
-async def _families(mesh: Mesh, cfg: ChaosConfig, client: httpx.AsyncClient) -> list[tuple[str, str]]:
+async def _families(
+    mesh: Mesh, cfg: ChaosConfig, client: httpx.AsyncClient
+) -> list[tuple[str, str]]:
     """Send each family's first prompt; returns (prompt, the pod that now caches it)."""
     rng = random.Random(1234)
     out = []
     for i in range(cfg.families):
         prompt = f"family {i} {uuid.uuid4().hex[:8]}: " + words(rng, cfg.family_words)
-        r = await send_one(client, mesh.url + "/v1/completions", {"prompt": prompt, "max_tokens": 4},
-                           cfg.deadline)
+        r = await send_one(
+            client, mesh.url + "/v1/completions", {"prompt": prompt, "max_tokens": 4}, cfg.deadline
+        )
         if not r.ok:
             raise ChaosError(f"family {i}'s first request failed: {r.short()}")
         out.append((prompt, r.pod))
@@ -50,7 +55,9 @@ async def _quiet(mesh: Mesh) -> None:
     async def zero_load_in_redis():
         for e in mesh.engines:
             hb = await mesh._redis().hgetall(rl.heartbeat_key(mesh.cfg.model, e.name))
-            if not hb or int(hb.get(rl.F_RUNNING.encode(), 1)) + int(hb.get(rl.F_WAITING.encode(), 1)):
+            if not hb or int(hb.get(rl.F_RUNNING.encode(), 1)) + int(
+                hb.get(rl.F_WAITING.encode(), 1)
+            ):
                 return False
         return True
 
@@ -90,22 +97,33 @@ async def _decisions(mesh: Mesh) -> Counter:
     return out
 
 
-async def _check_routing(mesh: Mesh, cfg: ChaosConfig, client: httpx.AsyncClient, families, when: str,
-                         ) -> RoutingCheck:
+async def _check_routing(
+    mesh: Mesh,
+    cfg: ChaosConfig,
+    client: httpx.AsyncClient,
+    families,
+    when: str,
+) -> RoutingCheck:
     await _quiet(mesh)
     check = RoutingCheck(when)
     before = await _decisions(mesh)
     rng = random.Random(when)
     for prompt, pod in families:
-        r = await send_one(client, mesh.url + "/v1/completions",
-                           {"prompt": f"{prompt} {when}: {words(rng, 24)}", "max_tokens": 4}, cfg.deadline)
+        r = await send_one(
+            client,
+            mesh.url + "/v1/completions",
+            {"prompt": f"{prompt} {when}: {words(rng, 24)}", "max_tokens": 4},
+            cfg.deadline,
+        )
         check.probes += 1
         check.ok += r.ok
         check.same_pod += r.ok and r.pod == pod
     after = await _decisions(mesh)
     delta = {k: after[k] - before[k] for k in after if after[k] - before[k]}
     check.reasons = {k: n for k, n in delta.items() if not k.startswith("redis_error:")}
-    check.redis_errors = {k.split(":", 1)[1]: n for k, n in delta.items() if k.startswith("redis_error:")}
+    check.redis_errors = {
+        k.split(":", 1)[1]: n for k, n in delta.items() if k.startswith("redis_error:")
+    }
     return check
 
 
@@ -126,20 +144,28 @@ async def _chaos(mesh: Mesh, cfg: ChaosConfig, rep: ChaosReport) -> None:
     def mark(what: str) -> None:
         rep.timeline.append((what, time.monotonic() - t0))
 
-    probe = httpx.AsyncClient(timeout=cfg.deadline, limits=httpx.Limits(max_keepalive_connections=0))
+    probe = httpx.AsyncClient(
+        timeout=cfg.deadline, limits=httpx.Limits(max_keepalive_connections=0)
+    )
     try:
         await _engine_killed(mesh, cfg, rep, mark)
         # prefix routing before the next faults: families spread over the pods
         families = await _families(mesh, cfg, probe)
         await wait_for(mesh.keys_synced, 20, "the families' blocks in Redis")
-        rep.routing.append(await _check_routing(mesh, cfg, probe, families, "before the Redis restarts"))
+        rep.routing.append(
+            await _check_routing(mesh, cfg, probe, families, "before the Redis restarts")
+        )
         mark("routing checked")
         for name in ("restarted at once", "down, then restarted"):
             rep.redis.append(await _redis_restarted(mesh, cfg, rep, mark, name))
-        rep.routing.append(await _check_routing(mesh, cfg, probe, families, "after the Redis restarts"))
+        rep.routing.append(
+            await _check_routing(mesh, cfg, probe, families, "after the Redis restarts")
+        )
         mark("routing checked")
         await _router_restarted(mesh, cfg, rep, mark)
-        rep.routing.append(await _check_routing(mesh, cfg, probe, families, "after the router restart"))
+        rep.routing.append(
+            await _check_routing(mesh, cfg, probe, families, "after the router restart")
+        )
         rep.internal_errors += await mesh.metric("kvmesh_router_internal_errors_total")
         mark("routing checked")
     finally:
@@ -161,7 +187,9 @@ async def _engine_killed(mesh: Mesh, cfg: ChaosConfig, rep: ChaosReport, mark) -
     t_seen = time.monotonic()
     rep.seen_after_s = t_seen - t_kill
     victim.stub.start()
-    await wait_for(lambda: load.completed_since(t_seen, after), 60, f"{after} requests after the fault")
+    await wait_for(
+        lambda: load.completed_since(t_seen, after), 60, f"{after} requests after the fault"
+    )
     await wait_for(lambda: mesh.routable(n), 60, "the restarted engine routable again")
     rep.engine_back_s = time.monotonic() - t_kill
     mark("(a) engine restarted and routable")
@@ -175,7 +203,9 @@ async def _engine_killed(mesh: Mesh, cfg: ChaosConfig, rep: ChaosReport, mark) -
     await wait_for(mesh.keys_synced, 20, "block sets in Redis equal to the engines' caches")
 
 
-async def _redis_restarted(mesh: Mesh, cfg: ChaosConfig, rep: ChaosReport, mark, name: str) -> RedisFault:
+async def _redis_restarted(
+    mesh: Mesh, cfg: ChaosConfig, rep: ChaosReport, mark, name: str
+) -> RedisFault:
     n, after = len(mesh.engines), cfg.requests_after_fault
     # (b) Redis SIGKILLed under load and restarted empty, twice: at once (no client sees an
     # error: only a sidecar that checks its set can tell), then after an outage the router
@@ -189,23 +219,32 @@ async def _redis_restarted(mesh: Mesh, cfg: ChaosConfig, rep: ChaosReport, mark,
     mark(f"(b) Redis killed ({name})")
     if name != "restarted at once":
         await wait_for(lambda: _redis_unreachable(mesh), 20, "the router noticing Redis is down")
-        await wait_for(lambda: load.completed_since(t_rkill, after), 60,
-                       f"{after} requests while Redis is down")
+        await wait_for(
+            lambda: load.completed_since(t_rkill, after),
+            60,
+            f"{after} requests while Redis is down",
+        )
         fault.served_while_down = sum(1 for r in load.results if r.ok and r.t_start >= t_rkill)
     t_rstart = time.monotonic()
     mesh.redis.start()
     await wait_for(mesh.redis_ping, 20, "redis-server up again")
-    await wait_for(lambda: _keys_at_least(mesh, fault.keys_before), 30,
-                   f"the {fault.keys_before} block keys of before the kill back in Redis")
+    await wait_for(
+        lambda: _keys_at_least(mesh, fault.keys_before),
+        30,
+        f"the {fault.keys_before} block keys of before the kill back in Redis",
+    )
     fault.restored_after_s = time.monotonic() - t_rstart
     mark("(b) block keys back")
     await wait_for(lambda: mesh.routable(n), 30, "heartbeats back in Redis")
     t_up = time.monotonic()
-    await wait_for(lambda: load.completed_since(t_up, after), 60, f"{after} requests after Redis came back")
+    await wait_for(
+        lambda: load.completed_since(t_up, after), 60, f"{after} requests after Redis came back"
+    )
     fault.results = await load.stop()
     rep.results += fault.results
     fault.keys_restored, fault.keys_expected = await wait_for(
-        mesh.keys_synced, 30, "the sidecars restoring every block key")
+        mesh.keys_synced, 30, "the sidecars restoring every block key"
+    )
     return fault
 
 
@@ -226,7 +265,11 @@ async def _router_restarted(mesh: Mesh, cfg: ChaosConfig, rep: ChaosReport, mark
     t_back = time.monotonic()
     rep.router_back_s = t_back - t_term
     mark("(c) new router routing")
-    await wait_for(lambda: load.completed_since(t_back, after), 60, f"{after} requests after the router came back")
+    await wait_for(
+        lambda: load.completed_since(t_back, after),
+        60,
+        f"{after} requests after the router came back",
+    )
     res = await load.stop()
     rep.results += res
     in_flight = [r for r in res if r.in_flight_at(t_term)]

@@ -22,7 +22,9 @@ class LoopbackMesh:
         self.cfg = cfg  # the launcher's config (its `model` is the served model name)
         self.port = port
         self.replicas = replicas
-        self.route_timeout = route_timeout  # after the launch, for the router to route to every replica
+        self.route_timeout = (
+            route_timeout  # after the launch, for the router to route to every replica
+        )
         self.dir = Path(tempfile.mkdtemp(prefix=dir_prefix))
         self.http = httpx.AsyncClient(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0))
         self._redis_client = None
@@ -45,7 +47,9 @@ class LoopbackMesh:
     async def start(self) -> None:
         await self._launch()
         n = self.replicas
-        await wait_for(lambda: self.routable(n), self.route_timeout, f"the router routing to {n} replicas")
+        await wait_for(
+            lambda: self.routable(n), self.route_timeout, f"the router routing to {n} replicas"
+        )
 
     async def close(self) -> None:
         await self._stop_processes()
@@ -74,8 +78,12 @@ class LoopbackMesh:
             from redis.backoff import NoBackoff
 
             # no retries: a probe of a Redis that is down fails at once
-            self._redis_client = aioredis.Redis.from_url(self._redis_url(), socket_timeout=1.0,
-                                                         socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0))
+            self._redis_client = aioredis.Redis.from_url(
+                self._redis_url(),
+                socket_timeout=1.0,
+                socket_connect_timeout=1.0,
+                retry=Retry(NoBackoff(), 0),
+            )
         return self._redis_client
 
     async def redis_ping(self) -> bool:
@@ -98,5 +106,8 @@ class LoopbackMesh:
         from kvmesh.common.engine_load import parse_prometheus
 
         text = (await self.http.get(self.url + "/metrics")).text
-        return sum(v for n, lab, v in parse_prometheus(text) if n == name and all(lab.get(k) == x
-                                                                                   for k, x in labels.items()))
+        return sum(
+            v
+            for n, lab, v in parse_prometheus(text)
+            if n == name and all(lab.get(k) == x for k, x in labels.items())
+        )

@@ -14,13 +14,15 @@ import httpx
 from kvmesh_testing.chaos.lifecycle import LoopbackMesh
 from kvmesh_testing.chaos.mesh import Engine
 
-WORDS = ("time year people way day man thing woman life child world school state family student group country "
-         "problem hand part place case week company system program question work government number night point "
-         "home water room mother area money story fact month lot right study book eye job word business issue "
-         "side kind head house service friend father power hour game line end member law car city community name "
-         "president team minute idea kid body information back parent face others level office door health "
-         "person art war history party result change morning reason research girl guy moment air teacher force "
-         "education").split()
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue "
+    "side kind head house service friend father power hour game line end member law car city community name "
+    "president team minute idea kid body information back parent face others level office door health "
+    "person art war history party result change morning reason research girl guy moment air teacher force "
+    "education"
+).split()
 
 
 @dataclass(eq=False)
@@ -61,13 +63,21 @@ class Result:
         return self.t_start < t and (self.t_end is None or self.t_end > t)
 
     def short(self) -> str:
-        return (f"{self.kind}(status={self.status}, pod={self.pod}, stream={self.stream}, tokens={self.tokens}, "
-                f"{self.detail[:160]})")
+        return (
+            f"{self.kind}(status={self.status}, pod={self.pod}, stream={self.stream}, tokens={self.tokens}, "
+            f"{self.detail[:160]})"
+        )
 
 
-async def send_one(client: httpx.AsyncClient, url: str, body: dict, deadline: float,
-                   headers: dict[str, str] | None = None, expected_tokens: int | None = None,
-                   track: set | None = None) -> Result:
+async def send_one(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict,
+    deadline: float,
+    headers: dict[str, str] | None = None,
+    expected_tokens: int | None = None,
+    track: set | None = None,
+) -> Result:
     """One request, classified; never raises, never waits longer than `deadline` seconds. While it
     runs, its Result is in `track` (its pod and tokens are filled in as they arrive)."""
     r = Result(time.monotonic(), bool(body.get("stream")), expected_tokens=expected_tokens)
@@ -75,7 +85,7 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict, deadline: fl
         track.add(r)
     try:
         await asyncio.wait_for(_exchange(client, url, body, headers or {}, r), deadline)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         r.kind, r.detail = "hang", f"no end within {deadline:g}s"
     except httpx.ConnectError as exc:
         r.kind, r.detail = "refused", str(exc)
@@ -90,7 +100,9 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict, deadline: fl
     return r
 
 
-async def _exchange(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str], r: Result) -> None:
+async def _exchange(
+    client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str], r: Result
+) -> None:
     async with client.stream("POST", url, json=body, headers=headers) as resp:
         r.status = resp.status_code
         r.pod = resp.headers.get("x-kvmesh-pod")
@@ -108,7 +120,11 @@ async def _exchange(client: httpx.AsyncClient, url: str, body: dict, headers: di
                 r.detail = data[:300].decode(errors="replace")
             elif isinstance(obj, dict) and obj.get("choices"):
                 r.kind = "ok"
-                text = obj["choices"][0].get("text") or (obj["choices"][0].get("message") or {}).get("content") or ""
+                text = (
+                    obj["choices"][0].get("text")
+                    or (obj["choices"][0].get("message") or {}).get("content")
+                    or ""
+                )
                 r.tokens = text.count(" tok")
             else:
                 r.kind, r.detail = "malformed", data[:300].decode(errors="replace")
@@ -138,7 +154,10 @@ async def _exchange(client: httpx.AsyncClient, url: str, body: dict, headers: di
         elif done and finished:
             r.kind = "ok"
         else:
-            r.kind, r.detail = "truncated", f"stream ended without {'[DONE]' if not done else 'a finish reason'}"
+            r.kind, r.detail = (
+                "truncated",
+                f"stream ended without {'[DONE]' if not done else 'a finish reason'}",
+            )
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -149,9 +168,20 @@ class Load:
     """`workers` clients, each sending one request after another until stopped or until
     `max_requests` have been sent in all; every result is kept."""
 
-    def __init__(self, mesh: LoopbackMesh, workers: int, *, stream_share: float = 0.75, chat_share: float = 0.3,
-                 deadline: float = 20.0, max_requests: int = 10_000, headers: dict[str, str] | None = None,
-                 backoff_429: float = 0.0, prompt_words: int = 40, seed: int = 0):
+    def __init__(
+        self,
+        mesh: LoopbackMesh,
+        workers: int,
+        *,
+        stream_share: float = 0.75,
+        chat_share: float = 0.3,
+        deadline: float = 20.0,
+        max_requests: int = 10_000,
+        headers: dict[str, str] | None = None,
+        backoff_429: float = 0.0,
+        prompt_words: int = 40,
+        seed: int = 0,
+    ):
         self.mesh = mesh
         self.workers = workers
         self.stream_share = stream_share
@@ -167,10 +197,12 @@ class Load:
         self.sent = 0
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(deadline, connect=2.0),
-                                         limits=httpx.Limits(max_keepalive_connections=0))
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(deadline, connect=2.0),
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
 
-    def start(self) -> "Load":
+    def start(self) -> Load:
         self._tasks = [asyncio.ensure_future(self._worker(i)) for i in range(self.workers)]
         return self
 
@@ -208,11 +240,21 @@ class Load:
             text = f"worker {wid} request {seq}: " + words(self.rng, self.prompt_words)
             body: dict[str, Any] = {"model": cfg.model, "max_tokens": max_tokens, "stream": stream}
             if self.rng.random() < self.chat_share:
-                route, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
+                route, body["messages"] = (
+                    "/v1/chat/completions",
+                    [{"role": "user", "content": text}],
+                )
             else:
                 route, body["prompt"] = "/v1/completions", text
-            r = await send_one(self._client, self.mesh.url + route, body, self.deadline, self.headers,
-                               expected_tokens=max_tokens, track=self.active)
+            r = await send_one(
+                self._client,
+                self.mesh.url + route,
+                body,
+                self.deadline,
+                self.headers,
+                expected_tokens=max_tokens,
+                track=self.active,
+            )
             self.results.append(r)
             if r.kind in ("refused", "reset"):
                 await asyncio.sleep(0.2)  # nothing listening (the router restarts): do not spin

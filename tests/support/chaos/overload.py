@@ -20,8 +20,11 @@ LIMITED_KEY = "sk-chaos-limited"
 
 @dataclass
 class OverloadConfig:
-    mesh: MeshConfig = field(default_factory=lambda: MeshConfig(
-        max_num_seqs=2, max_waiting=2, token_delay=0.02, response_tokens=16, backends="file"))
+    mesh: MeshConfig = field(
+        default_factory=lambda: MeshConfig(
+            max_num_seqs=2, max_waiting=2, token_delay=0.02, response_tokens=16, backends="file"
+        )
+    )
     factor: int = 4  # offered load: this many times each admission limit
     duration_s: float = 8.0  # the engines' queues: at most this long over capacity...
     admitted_target: int = 40  # ... or until this many requests were admitted
@@ -32,8 +35,15 @@ class OverloadConfig:
 
     def __post_init__(self):
         self.mesh.backends = "file"
-        self.mesh.api_keys = [f"{BULK_KEY} name=bulk", f"{LIMITED_KEY} name=limited rpm={self.rate_limit_rpm}"]
-        self.mesh.router_args = [*self.mesh.router_args, "--max-pending-requests", str(self.max_pending)]
+        self.mesh.api_keys = [
+            f"{BULK_KEY} name=bulk",
+            f"{LIMITED_KEY} name=limited rpm={self.rate_limit_rpm}",
+        ]
+        self.mesh.router_args = [
+            *self.mesh.router_args,
+            "--max-pending-requests",
+            str(self.max_pending),
+        ]
 
 
 async def run_overload(cfg: OverloadConfig) -> OverloadReport:
@@ -52,15 +62,28 @@ async def _overload(mesh: Mesh, cfg: OverloadConfig, rep: OverloadReport) -> Non
     bulk = {"Authorization": f"Bearer {BULK_KEY}"}
 
     # 1. the engines' queues (max-num-seqs running + max-waiting waiting, each): 429 + Retry-After
-    part = Part("engine queues (--max-num-seqs + --max-waiting, each engine)", rep.engine_capacity * n)
+    part = Part(
+        "engine queues (--max-num-seqs + --max-waiting, each engine)", rep.engine_capacity * n
+    )
     part.offered = cfg.factor * part.capacity
-    load = Load(mesh, part.offered, deadline=cfg.deadline, max_requests=cfg.max_requests, headers=bulk,
-                backoff_429=0.05, prompt_words=20, seed=4)
+    load = Load(
+        mesh,
+        part.offered,
+        deadline=cfg.deadline,
+        max_requests=cfg.max_requests,
+        headers=bulk,
+        backoff_429=0.05,
+        prompt_words=20,
+        seed=4,
+    )
     t = time.monotonic()
     load.start()
     # Bounded in time and in count: until `admitted_target` requests were admitted, at most duration_s.
     deadline = t + cfg.duration_s
-    while time.monotonic() < deadline and sum(r.status == 200 for r in load.results) < cfg.admitted_target:
+    while (
+        time.monotonic() < deadline
+        and sum(r.status == 200 for r in load.results) < cfg.admitted_target
+    ):
         await asyncio.sleep(0.05)
     part.results = await load.stop()
     part.seconds = time.monotonic() - t
@@ -70,8 +93,15 @@ async def _overload(mesh: Mesh, cfg: OverloadConfig, rep: OverloadReport) -> Non
     # 2. the router's rate limit (rpm per key): factor x a minute's requests, at once
     part = Part("router rate limit (--rate-limit-rpm, per key)", cfg.rate_limit_rpm)
     part.offered = cfg.factor * cfg.rate_limit_rpm
-    load = Load(mesh, min(4, rep.engine_capacity * n), deadline=cfg.deadline, max_requests=part.offered,
-                headers={"Authorization": f"Bearer {LIMITED_KEY}"}, prompt_words=20, seed=5)
+    load = Load(
+        mesh,
+        min(4, rep.engine_capacity * n),
+        deadline=cfg.deadline,
+        max_requests=part.offered,
+        headers={"Authorization": f"Bearer {LIMITED_KEY}"},
+        prompt_words=20,
+        seed=5,
+    )
     t = time.monotonic()
     load.start()
     await wait_for(lambda: _all_sent(load), cfg.deadline * 2, "the rate-limited key's requests")
@@ -80,22 +110,46 @@ async def _overload(mesh: Mesh, cfg: OverloadConfig, rep: OverloadReport) -> Non
     rep.parts.append(part)
 
     # 3. the router's hold queue (no engine routable; --max-pending-requests): 503 + Retry-After
-    part = Part("router hold queue (--max-pending-requests, no engine routable)", cfg.max_pending, refusal=503)
+    part = Part(
+        "router hold queue (--max-pending-requests, no engine routable)",
+        cfg.max_pending,
+        refusal=503,
+    )
     part.offered = cfg.factor * cfg.max_pending
     mesh.write_backends([])
     await wait_for(lambda: mesh.routable(0), 20, "no routable engine")
-    client = httpx.AsyncClient(timeout=cfg.deadline, limits=httpx.Limits(max_keepalive_connections=0))
+    client = httpx.AsyncClient(
+        timeout=cfg.deadline, limits=httpx.Limits(max_keepalive_connections=0)
+    )
     rng = random.Random(6)
     try:
         t = time.monotonic()
-        tasks = [asyncio.ensure_future(send_one(
-            client, mesh.url + "/v1/completions",
-            {"model": m.model, "prompt": f"held {i}: " + words(rng, 20), "max_tokens": m.response_tokens,
-             "stream": i % 2 == 0}, cfg.deadline, bulk, expected_tokens=m.response_tokens))
-            for i in range(part.offered)]
-        await wait_for(lambda: _held(mesh, cfg.max_pending), cfg.deadline, f"{cfg.max_pending} held requests")
-        await wait_for(lambda: _n_done(tasks, part.offered - cfg.max_pending), cfg.deadline,
-                       "the requests over the hold queue answered")
+        tasks = [
+            asyncio.ensure_future(
+                send_one(
+                    client,
+                    mesh.url + "/v1/completions",
+                    {
+                        "model": m.model,
+                        "prompt": f"held {i}: " + words(rng, 20),
+                        "max_tokens": m.response_tokens,
+                        "stream": i % 2 == 0,
+                    },
+                    cfg.deadline,
+                    bulk,
+                    expected_tokens=m.response_tokens,
+                )
+            )
+            for i in range(part.offered)
+        ]
+        await wait_for(
+            lambda: _held(mesh, cfg.max_pending), cfg.deadline, f"{cfg.max_pending} held requests"
+        )
+        await wait_for(
+            lambda: _n_done(tasks, part.offered - cfg.max_pending),
+            cfg.deadline,
+            "the requests over the hold queue answered",
+        )
         mesh.write_backends(mesh.engines)  # engines appear: the held requests go out
         part.results = list(await asyncio.gather(*tasks))
         part.seconds = time.monotonic() - t

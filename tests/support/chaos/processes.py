@@ -7,8 +7,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 
 class ChaosError(AssertionError):
@@ -25,8 +26,14 @@ def child_env() -> dict[str, str]:
 class Proc:
     """One child process, its output appended to DIR/NAME.log; restartable with the same argv."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None,
-                 cwd: Path | None = None):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ):
         self.name = name
         self.argv = argv
         self.log_path = log_dir / f"{name}.log"
@@ -35,13 +42,19 @@ class Proc:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
-    def start(self) -> "Proc":
+    def start(self) -> Proc:
         self.starts += 1
         with open(self.log_path, "ab") as log:
             log.write(f"--- start #{self.starts}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**child_env(), **(self.env or {})}, cwd=self.cwd)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**child_env(), **(self.env or {})},
+                cwd=self.cwd,
+            )
         return self
 
     @property
@@ -77,7 +90,9 @@ class Proc:
         return "\n".join(self.log_text().splitlines()[-n:])
 
 
-async def wait_for(cond: Callable[[], Awaitable[Any]], timeout: float, what: str, interval: float = 0.05) -> Any:
+async def wait_for(
+    cond: Callable[[], Awaitable[Any]], timeout: float, what: str, interval: float = 0.05
+) -> Any:
     """Poll `cond` (async) until it returns something truthy; ChaosError after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -91,4 +106,3 @@ async def wait_for(cond: Callable[[], Awaitable[Any]], timeout: float, what: str
         if time.monotonic() >= deadline:
             raise ChaosError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
         await asyncio.sleep(interval)
-

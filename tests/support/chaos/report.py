@@ -26,16 +26,22 @@ class RoutingCheck:
     probes: int = 0
     ok: int = 0
     same_pod: int = 0
-    reasons: dict[str, int] = field(default_factory=dict)  # the router's routing decisions for the probes
-    redis_errors: dict[str, int] = field(default_factory=dict)  # the router's failed Redis calls meanwhile, by op
+    reasons: dict[str, int] = field(
+        default_factory=dict
+    )  # the router's routing decisions for the probes
+    redis_errors: dict[str, int] = field(
+        default_factory=dict
+    )  # the router's failed Redis calls meanwhile, by op
 
     @property
     def prefix_match(self) -> int:
         return self.reasons.get("prefix_match", 0)
 
     def line(self) -> str:
-        return (f"{self.when}: {self.same_pod}/{self.probes} follow-ups on the pod holding their prefix, "
-                f"{self.prefix_match} routed by prefix match, {self.ok} ok")
+        return (
+            f"{self.when}: {self.same_pod}/{self.probes} follow-ups on the pod holding their prefix, "
+            f"{self.prefix_match} routed by prefix match, {self.ok} ok"
+        )
 
 
 @dataclass
@@ -53,11 +59,17 @@ class RedisFault:
         return [r for r in self.results if not r.ok]
 
     def line(self) -> str:
-        down = f", {self.served_while_down} requests served while it was down" if self.served_while_down else ""
-        return (f"(b) Redis {self.name} with {self.keys_before} block keys: {self.keys_restored}/{self.keys_expected} "
-                f"keys restored by the sidecars (those of before the kill {self.restored_after_s:.2f} s after the "
-                f"restart){down}; "
-                f"{len(self.results)} requests, failed {len(self.failed)}")
+        down = (
+            f", {self.served_while_down} requests served while it was down"
+            if self.served_while_down
+            else ""
+        )
+        return (
+            f"(b) Redis {self.name} with {self.keys_before} block keys: {self.keys_restored}/{self.keys_expected} "
+            f"keys restored by the sidecars (those of before the kill {self.restored_after_s:.2f} s after the "
+            f"restart){down}; "
+            f"{len(self.results)} requests, failed {len(self.failed)}"
+        )
 
 
 @dataclass
@@ -66,10 +78,18 @@ class ChaosReport:
     # (a) an engine SIGKILLed mid-stream
     killed: str = ""
     t_kill: float = 0.0
-    in_flight_on_killed: list[Result] = field(default_factory=list)  # client requests on it when it died
-    lost: list[Result] = field(default_factory=list)  # every request of phase (a) that did not complete
-    failed_after_fault: list[Result] = field(default_factory=list)  # started after the kill, did not complete
-    failed_after_seen: list[Result] = field(default_factory=list)  # ... after the router dropped the replica
+    in_flight_on_killed: list[Result] = field(
+        default_factory=list
+    )  # client requests on it when it died
+    lost: list[Result] = field(
+        default_factory=list
+    )  # every request of phase (a) that did not complete
+    failed_after_fault: list[Result] = field(
+        default_factory=list
+    )  # started after the kill, did not complete
+    failed_after_seen: list[Result] = field(
+        default_factory=list
+    )  # ... after the router dropped the replica
     seen_after_s: float = 0.0
     engine_back_s: float = 0.0
     # (b) Redis SIGKILLed and restarted (empty)
@@ -88,7 +108,9 @@ class ChaosReport:
     internal_errors: float = 0.0  # kvmesh_router_internal_errors_total, both router processes
     asgi_tracebacks: int = 0  # "Exception in ASGI application" / tracebacks in the router's log
     duration_s: float = 0.0
-    timeline: list[tuple[str, float]] = field(default_factory=list)  # (what, seconds from the start)
+    timeline: list[tuple[str, float]] = field(
+        default_factory=list
+    )  # (what, seconds from the start)
 
     @property
     def sent(self) -> int:
@@ -105,8 +127,12 @@ class ChaosReport:
     @property
     def truncated(self) -> list[Result]:
         """Streams that ended without [DONE] or an error event, and 'ok' answers short of tokens."""
-        return [r for r in self.results if r.kind in ("truncated", "malformed")
-                or (r.ok and r.expected_tokens is not None and r.tokens != r.expected_tokens)]
+        return [
+            r
+            for r in self.results
+            if r.kind in ("truncated", "malformed")
+            or (r.ok and r.expected_tokens is not None and r.tokens != r.expected_tokens)
+        ]
 
     @property
     def lost_on_killed(self) -> list[Result]:
@@ -118,24 +144,40 @@ class ChaosReport:
         """Every invariant the scenario must keep that it did not (the tests assert each one)."""
         out = []
         on = set(map(id, self.in_flight_on_killed))
-        out += [f"lost a request not in flight on the killed engine: {r.short()}" for r in self.lost if id(r) not in on]
-        out += [f"lost without an error event or a 502: {r.short()}" for r in self.lost
-                if not (r.kind == "error_event" or (r.kind == "http" and r.status == 502))]
+        out += [
+            f"lost a request not in flight on the killed engine: {r.short()}"
+            for r in self.lost
+            if id(r) not in on
+        ]
+        out += [
+            f"lost without an error event or a 502: {r.short()}"
+            for r in self.lost
+            if not (r.kind == "error_event" or (r.kind == "http" and r.status == 502))
+        ]
         out += [f"hung: {r.short()}" for r in self.hangs]
         out += [f"truncated: {r.short()}" for r in self.truncated]
         out += [f"failed after the fault: {r.short()}" for r in self.failed_after_fault]
         for f in self.redis:
             if f.keys_restored != f.keys_expected or f.keys_restored < f.keys_before:
-                out.append(f"Redis {f.name}: {f.keys_restored} keys restored, {f.keys_expected} expected "
-                           f"(>= {f.keys_before})")
+                out.append(
+                    f"Redis {f.name}: {f.keys_restored} keys restored, {f.keys_expected} expected "
+                    f"(>= {f.keys_before})"
+                )
             out += [f"failed around Redis {f.name}: {r.short()}" for r in f.failed]
         if self.router_in_flight_ok != self.router_in_flight:
-            out.append(f"router restart: {self.router_in_flight - self.router_in_flight_ok} in-flight requests lost")
+            out.append(
+                f"router restart: {self.router_in_flight - self.router_in_flight_ok} in-flight requests lost"
+            )
         out += [f"failed around the router restart: {r.short()}" for r in self.router_failed]
-        out += [f"routing {c.when}: {c.same_pod}/{c.probes} on their pod, reasons {c.reasons}" for c in self.routing
-                if c.same_pod != c.probes or c.prefix_match != c.probes]
+        out += [
+            f"routing {c.when}: {c.same_pod}/{c.probes} on their pod, reasons {c.reasons}"
+            for c in self.routing
+            if c.same_pod != c.probes or c.prefix_match != c.probes
+        ]
         if self.internal_errors or self.asgi_tracebacks:
-            out.append(f"router internal errors {self.internal_errors:g}, tracebacks {self.asgi_tracebacks}")
+            out.append(
+                f"router internal errors {self.internal_errors:g}, tracebacks {self.asgi_tracebacks}"
+            )
         return out
 
     def lines(self) -> list[str]:
@@ -183,7 +225,9 @@ class Part:
 
     @property
     def refused_without_retry_after(self) -> list[Result]:
-        return [r for r in self.refused if not (r.retry_after or "").isdigit() or int(r.retry_after) < 1]
+        return [
+            r for r in self.refused if not (r.retry_after or "").isdigit() or int(r.retry_after) < 1
+        ]
 
     @property
     def server_errors(self) -> list[Result]:
@@ -193,23 +237,30 @@ class Part:
     @property
     def incomplete(self) -> list[Result]:
         """Admitted (200) but not completed: a stream without [DONE], an error event, short of tokens."""
-        return [r for r in self.admitted if not r.ok or (r.expected_tokens is not None
-                                                          and r.tokens != r.expected_tokens)]
+        return [
+            r
+            for r in self.admitted
+            if not r.ok or (r.expected_tokens is not None and r.tokens != r.expected_tokens)
+        ]
 
     def line(self) -> str:
         lat = [r.latency for r in self.admitted if r.ok]
-        return (f"{self.name}: capacity {self.capacity}, offered {self.offered} ({self.seconds:.1f} s): "
-                f"{len(self.results)} sent, {len(self.admitted)} admitted "
-                f"({len(self.admitted) - len(self.incomplete)} completed), {len(self.refused)} x {self.refusal} "
-                f"({len(self.refused_without_retry_after)} without Retry-After), "
-                f"{len(self.server_errors)} other (5xx, errors); admitted latency p50 {_ms(percentile(lat, 50))} "
-                f"p99 {_ms(percentile(lat, 99))}")
+        return (
+            f"{self.name}: capacity {self.capacity}, offered {self.offered} ({self.seconds:.1f} s): "
+            f"{len(self.results)} sent, {len(self.admitted)} admitted "
+            f"({len(self.admitted) - len(self.incomplete)} completed), {len(self.refused)} x {self.refusal} "
+            f"({len(self.refused_without_retry_after)} without Retry-After), "
+            f"{len(self.server_errors)} other (5xx, errors); admitted latency p50 {_ms(percentile(lat, 50))} "
+            f"p99 {_ms(percentile(lat, 99))}"
+        )
 
 
 @dataclass
 class OverloadReport:
     parts: list[Part] = field(default_factory=list)
-    engine_max_admitted: list[int] = field(default_factory=list)  # most requests each engine held at once
+    engine_max_admitted: list[int] = field(
+        default_factory=list
+    )  # most requests each engine held at once
     engine_capacity: int = 0
     internal_errors: float = 0.0
     asgi_tracebacks: int = 0
@@ -222,22 +273,32 @@ class OverloadReport:
         out = []
         for p in self.parts:
             out += [f"{p.name}: not {p.refusal} nor 200: {r.short()}" for r in p.server_errors]
-            out += [f"{p.name}: {p.refusal} without Retry-After: {r.short()}" for r in p.refused_without_retry_after]
+            out += [
+                f"{p.name}: {p.refusal} without Retry-After: {r.short()}"
+                for r in p.refused_without_retry_after
+            ]
             out += [f"{p.name}: admitted, not completed: {r.short()}" for r in p.incomplete]
             if not p.admitted or not p.refused:
-                out.append(f"{p.name}: {len(p.admitted)} admitted, {len(p.refused)} refused (expected both)")
+                out.append(
+                    f"{p.name}: {len(p.admitted)} admitted, {len(p.refused)} refused (expected both)"
+                )
         if any(m > self.engine_capacity for m in self.engine_max_admitted):
             out.append(f"an engine held more than its capacity: {self.engine_max_admitted}")
         if self.internal_errors or self.asgi_tracebacks:
-            out.append(f"router internal errors {self.internal_errors:g}, tracebacks {self.asgi_tracebacks}")
+            out.append(
+                f"router internal errors {self.internal_errors:g}, tracebacks {self.asgi_tracebacks}"
+            )
         return out
 
     def lines(self) -> list[str]:
-        return [f"overload ({self.duration_s:.1f} s):",
-                *(f"  {p.line()}" for p in self.parts),
-                f"  engines held at most {self.engine_max_admitted} requests at once (capacity "
-                f"{self.engine_capacity} each); router internal errors {self.internal_errors:g}, "
-                f"ASGI tracebacks {self.asgi_tracebacks}"]
+        return [
+            f"overload ({self.duration_s:.1f} s):",
+            *(f"  {p.line()}" for p in self.parts),
+            f"  engines held at most {self.engine_max_admitted} requests at once (capacity "
+            f"{self.engine_capacity} each); router internal errors {self.internal_errors:g}, "
+            f"ASGI tracebacks {self.asgi_tracebacks}",
+        ]
+
 
 # -- restarts under `kvmesh up` (up_restarts.py) ---------------------------------------------------
 @dataclass
@@ -251,13 +312,21 @@ class UpRestart:
     old_pid: int | None = None  # the killed process
     back_after_s: float | None = None  # from the kill until every replica is routable again
     results: list[Result] = field(default_factory=list)
-    in_flight_at_kill: list[Result] = field(default_factory=list)  # on the killed process when it died
-    sent_as_it_died: list[Result] = field(default_factory=list)  # engine: routed to it within KILL_RACE_S
+    in_flight_at_kill: list[Result] = field(
+        default_factory=list
+    )  # on the killed process when it died
+    sent_as_it_died: list[Result] = field(
+        default_factory=list
+    )  # engine: routed to it within KILL_RACE_S
     own: list[Result] = field(default_factory=list)  # failed, and the killed process's own
     refused_while_down: int = 0  # router: requests that found nothing listening
     keys_before: int = 0  # Redis: block keys when it was killed
-    keys_restored: int = 0  # Redis: block keys once the load stopped (each set equal to its sidecar's index)
-    keys_back: bool | None = None  # Redis: every key of before the kill in the sets then (unless evicted since)
+    keys_restored: int = (
+        0  # Redis: block keys once the load stopped (each set equal to its sidecar's index)
+    )
+    keys_back: bool | None = (
+        None  # Redis: every key of before the kill in the sets then (unless evicted since)
+    )
     restored_after_s: float | None = None  # Redis: until every sidecar rewrote its set
     exit_logged: str = ""  # the supervisor's line about the exit
     error: str = ""  # the scenario could not finish (ChaosError)
@@ -276,8 +345,11 @@ class UpRestart:
         return [r for r in self.failed if id(r) not in own]
 
     def line(self) -> str:
-        back = "never routable again" if self.back_after_s is None else \
-            f"routable again {self.back_after_s:.1f} s after the kill"
+        back = (
+            "never routable again"
+            if self.back_after_s is None
+            else f"routable again {self.back_after_s:.1f} s after the kill"
+        )
         extra = ""
         if self.pod:
             mid = sum(r.tokens >= 1 for r in self.in_flight_at_kill)
@@ -285,22 +357,37 @@ class UpRestart:
             if self.sent_as_it_died:
                 extra += f" and {len(self.sent_as_it_died)} sent to it as it died"
         elif self.child == "router":
-            extra = f", {len(self.in_flight_at_kill)} requests in flight on it, {self.refused_while_down} refused " \
-                    "while it was down"
+            extra = (
+                f", {len(self.in_flight_at_kill)} requests in flight on it, {self.refused_while_down} refused "
+                "while it was down"
+            )
         elif self.child == "redis":
-            keys_at = "never" if self.restored_after_s is None else f"{self.restored_after_s:.1f} s after the kill"
-            kept = {True: "all back", False: "not all back (evicted since?)", None: "-"}[self.keys_back]
-            extra = (f" with {self.keys_before} block keys, the sidecars' sets rewritten {keys_at} ({kept}; "
-                     f"{self.keys_restored} once the load stopped, each set equal to its sidecar's index)")
-        return (f"(up) {self.name}: {self.child} killed{extra}; {back}; {len(self.results)} requests sent, "
-                f"{self.ok} ok, {len(self.failed)} failed, {len(self.failed_beyond)} failed beyond the killed "
-                f"process's own" + (f"; ERROR {self.error.splitlines()[0]}" if self.error else ""))
+            keys_at = (
+                "never"
+                if self.restored_after_s is None
+                else f"{self.restored_after_s:.1f} s after the kill"
+            )
+            kept = {True: "all back", False: "not all back (evicted since?)", None: "-"}[
+                self.keys_back
+            ]
+            extra = (
+                f" with {self.keys_before} block keys, the sidecars' sets rewritten {keys_at} ({kept}; "
+                f"{self.keys_restored} once the load stopped, each set equal to its sidecar's index)"
+            )
+        return (
+            f"(up) {self.name}: {self.child} killed{extra}; {back}; {len(self.results)} requests sent, "
+            f"{self.ok} ok, {len(self.failed)} failed, {len(self.failed_beyond)} failed beyond the killed "
+            f"process's own" + (f"; ERROR {self.error.splitlines()[0]}" if self.error else "")
+        )
 
     def problems(self) -> list[str]:
         out = [f"{self.name}: {self.error}"] if self.error else []
         if self.back_after_s is None and not self.error:
             out.append(f"{self.name}: never routable again")
-        out += [f"{self.name}: failed beyond the killed process's own: {r.short()}" for r in self.failed_beyond]
+        out += [
+            f"{self.name}: failed beyond the killed process's own: {r.short()}"
+            for r in self.failed_beyond
+        ]
         out += [f"{self.name}: hung: {r.short()}" for r in self.results if r.kind == "hang"]
         return out
 
@@ -319,6 +406,11 @@ class UpRestartReport:
         return out
 
     def lines(self) -> list[str]:
-        again = f", {self.fresh_meshes} fresh meshes after a broken one" if self.fresh_meshes else ""
-        return [f"restarts under kvmesh up ({self.duration_s:.1f} s{again}; exit status on SIGTERM "
-                f"{self.stop_exit}):", *(f"  {s.line()}" for s in self.scenarios)]
+        again = (
+            f", {self.fresh_meshes} fresh meshes after a broken one" if self.fresh_meshes else ""
+        )
+        return [
+            f"restarts under kvmesh up ({self.duration_s:.1f} s{again}; exit status on SIGTERM "
+            f"{self.stop_exit}):",
+            *(f"  {s.line()}" for s in self.scenarios),
+        ]

@@ -13,8 +13,14 @@ from kvmesh.common.ports import free_port
 from kvmesh_testing.chaos.lifecycle import LoopbackMesh
 from kvmesh_testing.chaos.processes import ChaosError, Proc, wait_for
 
-STUB_ENGINE_ARGS = ["--response-tokens", "16", "--token-delay", "0.03",
-                    "--num-blocks", "8192"]  # large: no evictions, so a block set only grows under load
+STUB_ENGINE_ARGS = [
+    "--response-tokens",
+    "16",
+    "--token-delay",
+    "0.03",
+    "--num-blocks",
+    "8192",
+]  # large: no evictions, so a block set only grows under load
 
 
 @dataclass
@@ -24,7 +30,9 @@ class UpConfig:
     # (a checkpoint directory or the built-in model's name).
     engine_model: str = "stub"
     model: str = "chaos-up"  # the served model name
-    engine_args: list[str] | None = None  # e.g. a small KV cache (default for stubs: STUB_ENGINE_ARGS)
+    engine_args: list[str] | None = (
+        None  # e.g. a small KV cache (default for stubs: STUB_ENGINE_ARGS)
+    )
     response_tokens: int = 16  # max_tokens of the load's requests is drawn from [half, this]
     up_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # for `kvmesh up` and so every child
@@ -41,13 +49,27 @@ def _started(pid: int) -> str | None:
 
 
 def _argv(c: UpConfig, port: int, state_file) -> list[str]:
-    argv = [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port), "--replicas", str(c.replicas),
-            "--served-model-name", c.model, "--state-file", str(state_file)]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "up",
+        "--port",
+        str(port),
+        "--replicas",
+        str(c.replicas),
+        "--served-model-name",
+        c.model,
+        "--state-file",
+        str(state_file),
+    ]
     if c.engine_model == "stub":
         argv += ["--engine-command", "stub"]
     else:
         argv += ["--model", c.engine_model]
-    engine_args = STUB_ENGINE_ARGS if c.engine_args is None and c.engine_model == "stub" else c.engine_args
+    engine_args = (
+        STUB_ENGINE_ARGS if c.engine_args is None and c.engine_model == "stub" else c.engine_args
+    )
     if engine_args:
         argv += ["--engine-args", " ".join(engine_args)]
     return argv + list(c.up_args)
@@ -61,7 +83,9 @@ class UpMesh(LoopbackMesh):
     def __init__(self, cfg: UpConfig):
         super().__init__(cfg, free_port(), cfg.replicas, 60, "kvmesh-up-chaos-")
         self.state_file = self.dir / "up.json"
-        self.up = Proc("up", _argv(cfg, self.port, self.state_file), self.dir, env=cfg.env, cwd=self.dir)
+        self.up = Proc(
+            "up", _argv(cfg, self.port, self.state_file), self.dir, env=cfg.env, cwd=self.dir
+        )
         self.log_path = self.up.log_path
         self.seen: dict[int, str] = {}  # every child pid seen in the state file -> its start time
 
@@ -72,7 +96,9 @@ class UpMesh(LoopbackMesh):
     async def _launch(self) -> None:
         self.up.start()
         try:
-            await wait_for(self._up, self.cfg.start_timeout, "kvmesh up to say it is up", interval=0.2)
+            await wait_for(
+                self._up, self.cfg.start_timeout, "kvmesh up to say it is up", interval=0.2
+            )
         except ChaosError as exc:
             raise ChaosError(f"{exc}\n--- kvmesh up's log:\n{self.tail(60)}") from None
 
@@ -128,28 +154,40 @@ class UpMesh(LoopbackMesh):
     async def block_sets_usable(self) -> bool:
         """The router reads Redis and routes on the pods' block sets (not paused by an error)."""
         r = await self.ready()
-        return r is not None and r.get("block_sets") == "usable" and (r.get("discovery") or {}).get("redis") == "ok"
+        return (
+            r is not None
+            and r.get("block_sets") == "usable"
+            and (r.get("discovery") or {}).get("redis") == "ok"
+        )
 
     async def all_routable_since(self, wall: float) -> bool:
         """Every replica routable: the router routes to all of them, and each one's heartbeat in
         Redis is `ready` and was written at or after `wall` (unix time)."""
         beats = await self.heartbeats()
-        if not all(hb is not None and hb.state == rl.STATE_READY and hb.ts >= wall for hb in beats.values()):
+        if not all(
+            hb is not None and hb.state == rl.STATE_READY and hb.ts >= wall for hb in beats.values()
+        ):
             return False
         return len(beats) == self.cfg.replicas and await self.routable(self.cfg.replicas)
 
     async def key_sets(self) -> dict[str, set[bytes]]:
-        return {pod: set(await self._redis().smembers(rl.blocks_key(self.cfg.model, pod))) for pod in self.pods}
+        return {
+            pod: set(await self._redis().smembers(rl.blocks_key(self.cfg.model, pod)))
+            for pod in self.pods
+        }
 
     async def keys_back(self, before: dict[str, set[bytes]]) -> bool:
         """Whether every key of `before` is in its pod's block set again."""
         for pod, keys in before.items():
-            if keys and not all(await self._redis().smismember(rl.blocks_key(self.cfg.model, pod), list(keys))):
+            if keys and not all(
+                await self._redis().smismember(rl.blocks_key(self.cfg.model, pod), list(keys))
+            ):
                 return False
         return True
 
     async def whole(self, timeout: float) -> bool:
         """Whether `kvmesh up` still runs and every replica is routable (waiting up to `timeout`)."""
+
         async def up_and_routable() -> bool:
             return self.up.alive and await self.all_routable_since(0)
 

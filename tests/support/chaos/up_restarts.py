@@ -39,8 +39,9 @@ UP_SCENARIOS = (
 )
 
 
-async def up_restart(mesh: UpMesh, cfg: UpRestartConfig, name: str, child: str, sig: int,
-                     seed: int = 0) -> UpRestart:
+async def up_restart(
+    mesh: UpMesh, cfg: UpRestartConfig, name: str, child: str, sig: int, seed: int = 0
+) -> UpRestart:
     """Kill `child` with `sig` under a client load through the router; wait until `kvmesh up`
     has replaced it and every replica is routable again, then for `cfg.requests_after` more
     requests. A failed request is the killed process's own when it was in flight on it: on the
@@ -48,7 +49,9 @@ async def up_restart(mesh: UpMesh, cfg: UpRestartConfig, name: str, child: str, 
     refused while no router listened). Killing a sidecar or Redis may fail no request."""
     pod = f"replica-{child.split('-')[1]}" if child.startswith("engine-") else None
     rep = UpRestart(name, child, pod, signal.Signals(sig).name)
-    await wait_for(lambda: mesh.all_routable_since(0), 60, "every replica routable before the fault")
+    await wait_for(
+        lambda: mesh.all_routable_since(0), 60, "every replica routable before the fault"
+    )
     old_pid = rep.old_pid = mesh.processes().get(child)
     if old_pid is None:
         raise ChaosError(f"no {child} in kvmesh up's state file: {mesh.state()}")
@@ -72,43 +75,80 @@ async def up_restart(mesh: UpMesh, cfg: UpRestartConfig, name: str, child: str, 
 
         await wait_for(replaced, cfg.back_timeout, f"kvmesh up restarting {child}")
         wall_replaced = time.time()
-        await wait_for(lambda: mesh.all_routable_since(wall_replaced), cfg.back_timeout,
-                       f"every replica routable again after {child} was restarted", interval=0.1)
+        await wait_for(
+            lambda: mesh.all_routable_since(wall_replaced),
+            cfg.back_timeout,
+            f"every replica routable again after {child} was restarted",
+            interval=0.1,
+        )
         t_back = time.monotonic()
         rep.back_after_s = t_back - t_kill
         if child == "redis":
-            await wait_for(lambda: _rewritten(mesh, log_kill), 30, "every sidecar rewriting its block set")
+            await wait_for(
+                lambda: _rewritten(mesh, log_kill), 30, "every sidecar rewriting its block set"
+            )
             rep.restored_after_s = time.monotonic() - t_kill
             await wait_for(mesh.block_sets_usable, 30, "the router routing on the block sets again")
-        await wait_for(lambda: _done_since(load, t_back, cfg.requests_after), 60,
-                       f"{cfg.requests_after} requests after {child} came back")
+        await wait_for(
+            lambda: _done_since(load, t_back, cfg.requests_after),
+            60,
+            f"{cfg.requests_after} requests after {child} came back",
+        )
     except ChaosError as exc:
         # what the supervisor and the killed replica's (or part's) processes said since the fault
-        who = ("[up]", f"[{child}]") if "-" not in child else \
-            ("[up]", f"[engine-{child.split('-')[1]}]", f"[sidecar-{child.split('-')[1]}]")
-        said = [line for line in mesh.log_text()[log_at:].splitlines() if line.startswith(who)
-                and " admitted: " not in line and " finished: " not in line]
-        rep.error = f"{exc}\n--- kvmesh up's log since the fault ({', '.join(who)}):\n" + "\n".join(said[-80:])
+        who = (
+            ("[up]", f"[{child}]")
+            if "-" not in child
+            else ("[up]", f"[engine-{child.split('-')[1]}]", f"[sidecar-{child.split('-')[1]}]")
+        )
+        said = [
+            line
+            for line in mesh.log_text()[log_at:].splitlines()
+            if line.startswith(who) and " admitted: " not in line and " finished: " not in line
+        ]
+        rep.error = f"{exc}\n--- kvmesh up's log since the fault ({', '.join(who)}):\n" + "\n".join(
+            said[-80:]
+        )
     rep.results = await load.stop()
     if child == "redis" and not rep.error:
         try:  # without load: every set exactly its sidecar's index
-            rep.keys_restored = await wait_for(mesh.index_synced, 20, "block sets equal to the sidecars' indexes")
+            rep.keys_restored = await wait_for(
+                mesh.index_synced, 20, "block sets equal to the sidecars' indexes"
+            )
             rep.keys_back = await mesh.keys_back(before)
         except ChaosError as exc:
             rep.error = str(exc)
-    rep.exit_logged = next((line for line in mesh.log_text()[log_at:].splitlines()
-                            if line.startswith(f"[up] {child} exited")), "")
+    rep.exit_logged = next(
+        (
+            line
+            for line in mesh.log_text()[log_at:].splitlines()
+            if line.startswith(f"[up] {child} exited")
+        ),
+        "",
+    )
     if t_kill is not None:
         end = t_back if t_back is not None else time.monotonic()
         if pod:
-            rep.in_flight_at_kill = [r for r in rep.results if r.pod == pod and r.in_flight_at(t_kill)]
-            rep.sent_as_it_died = [r for r in rep.results if r.pod == pod and t_kill <= r.t_start < t_kill + KILL_RACE_S
-                                   and r.kind == "http" and r.status == 502]
+            rep.in_flight_at_kill = [
+                r for r in rep.results if r.pod == pod and r.in_flight_at(t_kill)
+            ]
+            rep.sent_as_it_died = [
+                r
+                for r in rep.results
+                if r.pod == pod
+                and t_kill <= r.t_start < t_kill + KILL_RACE_S
+                and r.kind == "http"
+                and r.status == 502
+            ]
         elif child == "router":
             rep.in_flight_at_kill = [r for r in rep.results if r.in_flight_at(t_kill)]
         own = set(map(id, rep.in_flight_at_kill + rep.sent_as_it_died))
         if child == "router":
-            down = [r for r in rep.results if r.kind in ("refused", "reset") and t_kill <= r.t_start < end]
+            down = [
+                r
+                for r in rep.results
+                if r.kind in ("refused", "reset") and t_kill <= r.t_start < end
+            ]
             rep.refused_while_down = len(down)
             own |= set(map(id, down))
         rep.own = [r for r in rep.failed if id(r) in own]
@@ -119,8 +159,15 @@ async def _rewritten(mesh: UpMesh, since: int) -> bool:
     """Every sidecar has logged a full rewrite of its block set since offset `since` of the log
     (a Redis restarted empty gets its sets back only that way: the rest are increments)."""
     said = mesh.log_text()[since:].splitlines()
-    return all(any(line.startswith(f"[sidecar-{i}]") and "block keys to Redis" in line and " rewrote " in line
-                   for line in said) for i in range(mesh.cfg.replicas))
+    return all(
+        any(
+            line.startswith(f"[sidecar-{i}]")
+            and "block keys to Redis" in line
+            and " rewrote " in line
+            for line in said
+        )
+        for i in range(mesh.cfg.replicas)
+    )
 
 
 async def _streaming_on(load: Load, pod: str) -> bool:

@@ -38,10 +38,16 @@ class Api:
         if user.get("token"):
             headers["Authorization"] = f"Bearer {user['token']}"
         # trust_env=False: never route the cluster's own traffic through a proxy from the environment.
-        self.client = httpx.Client(base_url=self.server, verify=verify, headers=headers, timeout=timeout,
-                                   trust_env=False)
-        self._watch_client = httpx.Client(base_url=self.server, verify=verify, headers=headers,
-                                          timeout=httpx.Timeout(timeout, read=None), trust_env=False)
+        self.client = httpx.Client(
+            base_url=self.server, verify=verify, headers=headers, timeout=timeout, trust_env=False
+        )
+        self._watch_client = httpx.Client(
+            base_url=self.server,
+            verify=verify,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, read=None),
+            trust_env=False,
+        )
 
     def close(self) -> None:
         self.client.close()
@@ -68,9 +74,14 @@ class Api:
     def put(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._check(self.client.put(path, json=body))
 
-    def patch(self, path: str, body: dict[str, Any], kind: str = "strategic-merge-patch") -> dict[str, Any]:
-        return self._check(self.client.patch(path, content=json.dumps(body),
-                                             headers={"Content-Type": f"application/{kind}+json"}))
+    def patch(
+        self, path: str, body: dict[str, Any], kind: str = "strategic-merge-patch"
+    ) -> dict[str, Any]:
+        return self._check(
+            self.client.patch(
+                path, content=json.dumps(body), headers={"Content-Type": f"application/{kind}+json"}
+            )
+        )
 
     def delete(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any] | None:
         resp = self.client.request("DELETE", path, json=body)
@@ -78,11 +89,17 @@ class Api:
             return None
         return self._check(resp)
 
-    def watch(self, path: str, resource_version: str, timeout_seconds: int = 60,
-              **params: Any) -> Iterator[dict[str, Any]]:
+    def watch(
+        self, path: str, resource_version: str, timeout_seconds: int = 60, **params: Any
+    ) -> Iterator[dict[str, Any]]:
         """The events of one watch request (ends when the server closes it)."""
-        query = {"watch": "1", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
-                 "timeoutSeconds": str(timeout_seconds), **params}
+        query = {
+            "watch": "1",
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(timeout_seconds),
+            **params,
+        }
         with self._watch_client.stream("GET", path, params=query) as resp:
             if resp.status_code >= 400:
                 raise ApiError(resp.status_code, resp.read().decode(errors="replace"))
@@ -103,7 +120,7 @@ class Informer:
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"informer{path}", daemon=True)
 
-    def start(self) -> "Informer":
+    def start(self) -> Informer:
         self.thread.start()
         return self
 
@@ -123,7 +140,7 @@ class Informer:
         if self.on_event is not None:
             try:
                 self.on_event(kind, obj)
-            except Exception:   # a handler's bug must not stop the cache
+            except Exception:  # a handler's bug must not stop the cache
                 log.exception("informer handler for %s failed", self.path)
 
     def _run(self) -> None:
@@ -154,7 +171,9 @@ class Informer:
                             else:
                                 self.objects[self.key(obj)] = obj
                         self._emit(event["type"], obj)
-            except Exception as exc:   # 410 Gone, a dropped connection, the server going away: relist
+            except (
+                Exception
+            ) as exc:  # 410 Gone, a dropped connection, the server going away: relist
                 if self.stopping.is_set():
                     return
                 log.debug("informer %s: %s; relisting", self.path, exc)

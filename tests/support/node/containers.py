@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvmesh_testing.node import hostpaths
 from kvmesh_testing.node.probes import Prober, Target
@@ -32,7 +33,7 @@ def session_members(sid: int) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == sid and fields[0] != "Z":   # state, ppid, pgrp, session
+        if int(fields[3]) == sid and fields[0] != "Z":  # state, ppid, pgrp, session
             members.append(int(entry))
     return members
 
@@ -40,6 +41,7 @@ def session_members(sid: int) -> list[int]:
 @dataclass
 class Launch:
     """Everything a start needs, resolved by the pod (image, env, mounts)."""
+
     argv: list[str]
     env: dict[str, str]
     mounts: list[dict[str, Any]]
@@ -55,15 +57,19 @@ class Container:
     popen: subprocess.Popen | None = None
     started_mono: float = 0.0
     started_at: str = ""
-    state: dict[str, Any] = field(default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}})
+    state: dict[str, Any] = field(
+        default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}}
+    )
     last_state: dict[str, Any] = field(default_factory=dict)
     probers: dict[str, Prober] = field(default_factory=dict)
-    crashes: int = 0              # consecutive failed runs, for the back-off
-    next_start: float = 0.0       # monotonic time of the next (re)start
+    crashes: int = 0  # consecutive failed runs, for the back-off
+    next_start: float = 0.0  # monotonic time of the next (re)start
     kill_deadline: float | None = None
     kill_reason: str = ""
     env: dict[str, str] = field(default_factory=dict)
-    on_probe_failure: Callable[[str, str], None] | None = None   # (probe kind, why): the pod's events
+    on_probe_failure: Callable[[str, str], None] | None = (
+        None  # (probe kind, why): the pod's events
+    )
 
     @property
     def name(self) -> str:
@@ -98,18 +104,36 @@ class Container:
     def wait(self, reason: str, message: str = "") -> None:
         self.state = {"waiting": {"reason": reason, **({"message": message} if message else {})}}
 
-    def start(self, launch: Launch, *, netns: str, hostname: str, pod_ip: str, state_dir: Path) -> None:
+    def start(
+        self, launch: Launch, *, netns: str, hostname: str, pod_ip: str, state_dir: Path
+    ) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if self.log_path.exists():   # the previous run's log stays readable, as `kubectl logs -p`
+        if self.log_path.exists():  # the previous run's log stays readable, as `kubectl logs -p`
             os.replace(self.log_path, self.log_dir / f"{self.name}.previous.log")
         spec_file = state_dir / f"{self.name}.launch.json"
-        spec_file.write_text(json.dumps({"netns": netns, "hostname": hostname, "mounts": launch.mounts,
-                                         "argv": launch.argv, "env": launch.env, "cwd": launch.cwd,
-                                         "deathSignal": int(signal.SIGKILL),
-                                         "mountPointLock": str(hostpaths.LOCK), "mountPointLog": str(hostpaths.LOG)}))
+        spec_file.write_text(
+            json.dumps(
+                {
+                    "netns": netns,
+                    "hostname": hostname,
+                    "mounts": launch.mounts,
+                    "argv": launch.argv,
+                    "env": launch.env,
+                    "cwd": launch.cwd,
+                    "deathSignal": int(signal.SIGKILL),
+                    "mountPointLock": str(hostpaths.LOCK),
+                    "mountPointLog": str(hostpaths.LOG),
+                }
+            )
+        )
         with self.log_path.open("ab") as log:
-            self.popen = subprocess.Popen([sys.executable, "-S", "-P", LAUNCHER, str(spec_file)], stdout=log,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.popen = subprocess.Popen(
+                [sys.executable, "-S", "-P", LAUNCHER, str(spec_file)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.env = launch.env
         self.started_mono, self.started_at = time.monotonic(), now()
         self.state = {"running": {"startedAt": self.started_at}}
@@ -118,18 +142,33 @@ class Container:
 
     def _start_probes(self, pod_ip: str) -> None:
         assert self.popen is not None
-        ports = {p["name"]: int(p["containerPort"]) for p in self.spec.get("ports") or [] if p.get("name")}
+        ports = {
+            p["name"]: int(p["containerPort"])
+            for p in self.spec.get("ports") or []
+            if p.get("name")
+        }
         target = Target(pod_ip, ports, self.popen.pid, self.env)
         self.probers = {}
         startup = None
         if self.spec.get("startupProbe") and not self.init:
-            startup = self.probers["startup"] = Prober("startup", self.spec["startupProbe"], target, self.started_mono,
-                                                       on_failure=self.on_probe_failure)
+            startup = self.probers["startup"] = Prober(
+                "startup",
+                self.spec["startupProbe"],
+                target,
+                self.started_mono,
+                on_failure=self.on_probe_failure,
+            )
         for kind in ("liveness", "readiness"):
             probe = self.spec.get(f"{kind}Probe")
             if probe and not self.init:
-                self.probers[kind] = Prober(kind, probe, target, self.started_mono, after=startup,
-                                            on_failure=self.on_probe_failure)
+                self.probers[kind] = Prober(
+                    kind,
+                    probe,
+                    target,
+                    self.started_mono,
+                    after=startup,
+                    on_failure=self.on_probe_failure,
+                )
         for prober in self.probers.values():
             prober.start()
 
@@ -166,12 +205,17 @@ class Container:
             if self.kill_deadline is not None and time.monotonic() >= self.kill_deadline:
                 self._kill_group()
             return None
-        self._kill_group()   # what the container's process left behind goes with it, as with a cgroup
+        self._kill_group()  # what the container's process left behind goes with it, as with a cgroup
         self.stop_probes()
         exit_code = 128 - code if code < 0 else code
         reason = "Completed" if exit_code == 0 else "Error"
-        terminated = {"exitCode": exit_code, "reason": reason, "startedAt": self.started_at, "finishedAt": now(),
-                      "containerID": self.container_id}
+        terminated = {
+            "exitCode": exit_code,
+            "reason": reason,
+            "startedAt": self.started_at,
+            "finishedAt": now(),
+            "containerID": self.container_id,
+        }
         if code < 0:
             terminated["signal"] = -code
         if self.kill_reason:
@@ -211,6 +255,14 @@ class Container:
         return delay
 
     def status(self, image: str) -> dict[str, Any]:
-        return {"name": self.name, "image": image, "imageID": "", "containerID": self.container_id,
-                "ready": self.ready, "started": self.started, "restartCount": self.restart_count,
-                "state": self.state, "lastState": self.last_state}
+        return {
+            "name": self.name,
+            "image": image,
+            "imageID": "",
+            "containerID": self.container_id,
+            "ready": self.ready,
+            "started": self.started,
+            "restartCount": self.restart_count,
+            "state": self.state,
+            "lastState": self.last_state,
+        }

@@ -8,8 +8,9 @@ from __future__ import annotations
 import base64
 import math
 import re
+from collections.abc import Callable
 from decimal import Decimal
-from typing import Any, Callable
+from typing import Any
 
 _REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")
 
@@ -21,16 +22,33 @@ class ConfigError(Exception):
 def expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion: defined variables are replaced, undefined ones are kept
     as written, $$ is a literal $."""
+
     def sub(m: re.Match) -> str:
         if m.group(0) == "$$":
             return "$"
         return env.get(m.group(1), m.group(0))
+
     return _REF.sub(sub, text)
 
 
-_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-           "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1, "k": 10**3, "M": 10**6,
-           "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+_SUFFIX = {
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+}
 
 
 def quantity(text: str) -> Decimal:
@@ -51,9 +69,13 @@ def service_variables(services: list[tuple[str, str, list[dict[str, Any]]]]) -> 
         env[f"{prefix}_SERVICE_PORT"] = str(ports[0]["port"])
         for port in ports:
             if port.get("name"):
-                env[f"{prefix}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}"] = str(port["port"])
+                env[f"{prefix}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}"] = str(
+                    port["port"]
+                )
         first = ports[0]
-        env[f"{prefix}_PORT"] = f"{first.get('protocol', 'TCP').lower()}://{cluster_ip}:{first['port']}"
+        env[f"{prefix}_PORT"] = (
+            f"{first.get('protocol', 'TCP').lower()}://{cluster_ip}:{first['port']}"
+        )
         for port in ports:
             proto = port.get("protocol", "TCP")
             base = f"{prefix}_PORT_{port['port']}_{proto.upper()}"
@@ -70,10 +92,13 @@ def _field(pod: dict[str, Any], path: str) -> str:
     if m:
         return (meta.get(m.group(1)) or {}).get(m.group(2), "")
     simple = {
-        "metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace"),
-        "metadata.uid": meta.get("uid"), "spec.nodeName": spec.get("nodeName"),
+        "metadata.name": meta.get("name"),
+        "metadata.namespace": meta.get("namespace"),
+        "metadata.uid": meta.get("uid"),
+        "spec.nodeName": spec.get("nodeName"),
         "spec.serviceAccountName": spec.get("serviceAccountName"),
-        "status.hostIP": status.get("hostIP"), "status.podIP": status.get("podIP"),
+        "status.hostIP": status.get("hostIP"),
+        "status.podIP": status.get("podIP"),
         "status.hostIPs": ",".join(a["ip"] for a in status.get("hostIPs") or []),
         "status.podIPs": ",".join(a["ip"] for a in status.get("podIPs") or []),
     }
@@ -82,24 +107,38 @@ def _field(pod: dict[str, Any], path: str) -> str:
     return simple[path] or ""
 
 
-def resource_field(container: dict[str, Any], ref: dict[str, Any], node_allocatable: dict[str, str]) -> str:
+def resource_field(
+    container: dict[str, Any], ref: dict[str, Any], node_allocatable: dict[str, str]
+) -> str:
     kind, _, resource = ref["resource"].partition(".")
     value = ((container.get("resources") or {}).get(kind) or {}).get(resource)
-    if value is None:   # unset limits default to the node's allocatable, unset requests to 0 (cpu/memory)
+    if (
+        value is None
+    ):  # unset limits default to the node's allocatable, unset requests to 0 (cpu/memory)
         value = node_allocatable.get(resource, "0") if kind == "limits" else "0"
     divisor = quantity(ref.get("divisor") or "1")
     amount = quantity(value) / divisor
     return str(math.ceil(amount))
 
 
-Lookup = Callable[[str, str], dict[str, Any] | None]   # (kind, name) -> ConfigMap/Secret in the pod's namespace
+Lookup = Callable[
+    [str, str], dict[str, Any] | None
+]  # (kind, name) -> ConfigMap/Secret in the pod's namespace
 
 
 def _data(obj: dict[str, Any], kind: str) -> dict[str, str]:
     if kind == "Secret":
-        return {k: base64.b64decode(v).decode(errors="replace") for k, v in (obj.get("data") or {}).items()}
-    return {**(obj.get("data") or {}),
-            **{k: base64.b64decode(v).decode(errors="replace") for k, v in (obj.get("binaryData") or {}).items()}}
+        return {
+            k: base64.b64decode(v).decode(errors="replace")
+            for k, v in (obj.get("data") or {}).items()
+        }
+    return {
+        **(obj.get("data") or {}),
+        **{
+            k: base64.b64decode(v).decode(errors="replace")
+            for k, v in (obj.get("binaryData") or {}).items()
+        },
+    }
 
 
 def _key_ref(ref: dict[str, Any], kind: str, lookup: Lookup) -> str | None:
@@ -113,12 +152,20 @@ def _key_ref(ref: dict[str, Any], kind: str, lookup: Lookup) -> str | None:
     if ref["key"] not in data:
         if optional:
             return None
-        raise ConfigError(f"couldn't find key {ref['key']} in {kind} {obj['metadata'].get('namespace')}/{ref['name']}")
+        raise ConfigError(
+            f"couldn't find key {ref['key']} in {kind} {obj['metadata'].get('namespace')}/{ref['name']}"
+        )
     return data[ref["key"]]
 
 
-def container_env(pod: dict[str, Any], container: dict[str, Any], *, base: dict[str, str],
-                  lookup: Lookup, node_allocatable: dict[str, str]) -> dict[str, str]:
+def container_env(
+    pod: dict[str, Any],
+    container: dict[str, Any],
+    *,
+    base: dict[str, str],
+    lookup: Lookup,
+    node_allocatable: dict[str, str],
+) -> dict[str, str]:
     """``base`` holds the image's ENV, PATH and the Service variables; the container's own
     settings override it."""
     env = dict(base)

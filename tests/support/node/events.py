@@ -31,8 +31,15 @@ class EventRecorder:
     def stop(self) -> None:
         self.queue.put(None)
 
-    def record(self, pod: dict[str, Any], reason: str, message: str, *, warning: bool = False,
-               container: str | None = None) -> None:
+    def record(
+        self,
+        pod: dict[str, Any],
+        reason: str,
+        message: str,
+        *,
+        warning: bool = False,
+        container: str | None = None,
+    ) -> None:
         meta = pod["metadata"]
         key = (meta["uid"], reason, message)
         with self.lock:
@@ -42,22 +49,39 @@ class EventRecorder:
             self.recent[key] = t
             if len(self.recent) > 5000:
                 self.recent = {k: v for k, v in self.recent.items() if t - v < REPEAT_WINDOW}
-        involved = {"kind": "Pod", "apiVersion": "v1", "namespace": meta["namespace"], "name": meta["name"],
-                    "uid": meta["uid"]}
+        involved = {
+            "kind": "Pod",
+            "apiVersion": "v1",
+            "namespace": meta["namespace"],
+            "name": meta["name"],
+            "uid": meta["uid"],
+        }
         if container:
             involved["fieldPath"] = f"spec.containers{{{container}}}"
         stamp = now()
-        self.queue.put({"apiVersion": "v1", "kind": "Event",
-                        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-                        "involvedObject": involved, "reason": reason, "message": message,
-                        "type": "Warning" if warning else "Normal", "count": 1,
-                        "firstTimestamp": stamp, "lastTimestamp": stamp,
-                        "source": {"component": "kubelet", "host": self.node_name},
-                        "reportingComponent": "kubelet", "reportingInstance": self.node_name})
+        self.queue.put(
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                "involvedObject": involved,
+                "reason": reason,
+                "message": message,
+                "type": "Warning" if warning else "Normal",
+                "count": 1,
+                "firstTimestamp": stamp,
+                "lastTimestamp": stamp,
+                "source": {"component": "kubelet", "host": self.node_name},
+                "reportingComponent": "kubelet",
+                "reportingInstance": self.node_name,
+            }
+        )
 
     def _run(self) -> None:
         while (event := self.queue.get()) is not None:
             try:
-                self.api.create(f"/api/v1/namespaces/{event['metadata']['namespace']}/events", event)
-            except Exception as exc:   # a namespace being deleted, the API server restarting
+                self.api.create(
+                    f"/api/v1/namespaces/{event['metadata']['namespace']}/events", event
+                )
+            except Exception as exc:  # a namespace being deleted, the API server restarting
                 log.debug("event not recorded: %s", exc)

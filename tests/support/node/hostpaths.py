@@ -41,10 +41,12 @@ def remove_created_mount_points(own_slot: int | None) -> list[str]:
         except FileNotFoundError:
             return []
         removed = []
-        for path in sorted((p for p in paths if p.startswith("/")), key=lambda p: p.count("/"), reverse=True):
+        for path in sorted(
+            (p for p in paths if p.startswith("/")), key=lambda p: p.count("/"), reverse=True
+        ):
             try:
                 if os.path.isdir(path) and not os.path.islink(path):
-                    os.rmdir(path)   # only an empty one
+                    os.rmdir(path)  # only an empty one
                 elif os.path.isfile(path) and os.path.getsize(path) == 0:
                     os.unlink(path)
                 else:

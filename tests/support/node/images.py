@@ -35,12 +35,13 @@ def _redis_bin_dir() -> str | None:
 class Image:
     """What a container image contributes to a container: ENTRYPOINT, CMD, ENV, WORKDIR,
     and directories that hold its programs (put first on PATH)."""
+
     entrypoint: tuple[str, ...] = ()
     cmd: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     working_dir: str = "/"
     path: tuple[str, ...] = ()
-    redis_entrypoint: bool = False   # the official image's docker-entrypoint.sh rule, below
+    redis_entrypoint: bool = False  # the official image's docker-entrypoint.sh rule, below
 
     def argv(self, command: list[str] | None, args: list[str] | None) -> list[str]:
         if command:
@@ -54,7 +55,9 @@ class Image:
             if not argv or argv[0].startswith("-"):
                 argv = ["redis-server", *argv]
             if argv[0] == "redis-server":
-                at = 2 if len(argv) > 1 and not argv[1].startswith("-") else 1   # after a config file
+                at = (
+                    2 if len(argv) > 1 and not argv[1].startswith("-") else 1
+                )  # after a config file
                 argv[at:at] = ["--protected-mode", "no"]
         return argv
 
@@ -68,12 +71,23 @@ def _project_image(cmd: tuple[str, ...]) -> Image:
     from kvmesh.common.model_lookup import cache_root
 
     torch_extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
-        / f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
-    return Image(entrypoint=("kvmesh",), cmd=cmd, path=(VENV_BIN,),
-                 env={"HOME": "/tmp", "HF_HOME": "/tmp/hf", "PYTHONUNBUFFERED": "1",
-                      "VIRTUAL_ENV": str(Path(VENV_BIN).parent), "KVMESH_CACHE_DIR": str(cache_root()),
-                      "TORCH_EXTENSIONS_DIR": torch_extensions})
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        / "torch_extensions"
+        / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    )
+    return Image(
+        entrypoint=("kvmesh",),
+        cmd=cmd,
+        path=(VENV_BIN,),
+        env={
+            "HOME": "/tmp",
+            "HF_HOME": "/tmp/hf",
+            "PYTHONUNBUFFERED": "1",
+            "VIRTUAL_ENV": str(Path(VENV_BIN).parent),
+            "KVMESH_CACHE_DIR": str(cache_root()),
+            "TORCH_EXTENSIONS_DIR": torch_extensions,
+        },
+    )
 
 
 def default_table() -> dict[str, Image]:
@@ -84,7 +98,9 @@ def default_table() -> dict[str, Image]:
     }
     redis_dir = _redis_bin_dir()
     if redis_dir:
-        redis = Image(cmd=("redis-server",), path=(redis_dir,), redis_entrypoint=True, working_dir="/")
+        redis = Image(
+            cmd=("redis-server",), path=(redis_dir,), redis_entrypoint=True, working_dir="/"
+        )
         table["redis:*"] = table["docker.io/library/redis:*"] = redis
     return table
 
@@ -93,9 +109,13 @@ def image_from_spec(spec: Any) -> Image:
     """A test's table entry: an argv list (the ENTRYPOINT) or a dict."""
     if isinstance(spec, (list, tuple)):
         return Image(entrypoint=tuple(spec), path=(VENV_BIN,))
-    return Image(entrypoint=tuple(spec.get("entrypoint") or ()), cmd=tuple(spec.get("cmd") or ()),
-                 env=dict(spec.get("env") or {}), working_dir=spec.get("workingDir") or "/",
-                 path=tuple(spec.get("path") or (VENV_BIN,)))
+    return Image(
+        entrypoint=tuple(spec.get("entrypoint") or ()),
+        cmd=tuple(spec.get("cmd") or ()),
+        env=dict(spec.get("env") or {}),
+        working_dir=spec.get("workingDir") or "/",
+        path=tuple(spec.get("path") or (VENV_BIN,)),
+    )
 
 
 class ImageNotMapped(LookupError):
@@ -110,11 +130,17 @@ class ImageTable:
 
     def lookup(self, ref: str) -> Image:
         for pattern, image in self.entries.items():
-            if fnmatch.fnmatchcase(ref, pattern) or (pattern.endswith(":*") and ref == pattern[:-2]):
+            if fnmatch.fnmatchcase(ref, pattern) or (
+                pattern.endswith(":*") and ref == pattern[:-2]
+            ):
                 return image
-        raise ImageNotMapped(f"image {ref!r} is not in the local cluster's image table "
-                             f"(known: {', '.join(self.entries)}; docs/local-cluster.md)")
+        raise ImageNotMapped(
+            f"image {ref!r} is not in the local cluster's image table "
+            f"(known: {', '.join(self.entries)}; docs/local-cluster.md)"
+        )
 
 
 def base_path(image: Image) -> str:
-    return os.pathsep.join([*image.path, VENV_BIN, os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")])
+    return os.pathsep.join(
+        [*image.path, VENV_BIN, os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")]
+    )

@@ -15,14 +15,35 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
-LogDir = Callable[[str, str], Path | None]   # (namespace, pod) -> its containers' log directory
+LogDir = Callable[[str, str], Path | None]  # (namespace, pod) -> its containers' log directory
 
 
 def _self_signed(directory: Path, address: str) -> tuple[Path, Path]:
     cert, key = directory / "kubelet.crt", directory / "kubelet.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=kvmesh-node",
-                    "-addext", f"subjectAltName=IP:{address}"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=kvmesh-node",
+            "-addext",
+            f"subjectAltName=IP:{address}",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
@@ -45,7 +66,9 @@ class KubeletApi:
         self.server.daemon_threads = True
         self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, name="kubelet-api", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, name="kubelet-api", daemon=True
+        )
 
     def start(self) -> None:
         self.thread.start()
@@ -67,14 +90,23 @@ class KubeletApi:
                 if parts == ["healthz"]:
                     return self._send(200, b"ok")
                 if len(parts) != 4 or parts[0] != "containerLogs":
-                    return self._send(404, b"not served by the local node agent (only containerLogs)")
+                    return self._send(
+                        404, b"not served by the local node agent (only containerLogs)"
+                    )
                 _, ns, pod, container = parts
                 q = {k: v[0] for k, v in parse_qs(url.query).items()}
                 directory = api.log_dir(ns, pod)
                 previous = q.get("previous") == "true"
-                path = directory / f"{container}.{'previous.' if previous else ''}log" if directory else None
+                path = (
+                    directory / f"{container}.{'previous.' if previous else ''}log"
+                    if directory
+                    else None
+                )
                 if path is None or not path.exists():
-                    return self._send(404, f"no {'previous ' if previous else ''}log of {ns}/{pod}/{container}".encode())
+                    return self._send(
+                        404,
+                        f"no {'previous ' if previous else ''}log of {ns}/{pod}/{container}".encode(),
+                    )
                 tail = int(q["tailLines"]) if q.get("tailLines", "").lstrip("-").isdigit() else None
                 text = _tail(path.read_text(errors="replace"), tail)
                 if q.get("follow") != "true":
@@ -93,7 +125,7 @@ class KubeletApi:
                     while not api.stopping.is_set():
                         time.sleep(0.2)
                         if not path.exists() or path.stat().st_ino != inode:
-                            return   # the container restarted: this run's log is complete
+                            return  # the container restarted: this run's log is complete
                         with path.open("rb") as f:
                             f.seek(position)
                             chunk = f.read()

@@ -52,10 +52,14 @@ def covered(path: str, mounted: list[str]) -> bool:
 
 def bind(source_fd: int, target: str, read_only: bool) -> None:
     src = f"/proc/self/fd/{source_fd}".encode()
-    check(libc.mount(src, target.encode(), None, MS_BIND | MS_REC, None), f"bind-mount onto {target}")
+    check(
+        libc.mount(src, target.encode(), None, MS_BIND | MS_REC, None), f"bind-mount onto {target}"
+    )
     if read_only:
-        check(libc.mount(b"none", target.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None),
-              f"read-only remount of {target}")
+        check(
+            libc.mount(b"none", target.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None),
+            f"read-only remount of {target}",
+        )
 
 
 def main(spec_path: str) -> None:
@@ -100,6 +104,6 @@ def main(spec_path: str) -> None:
 if __name__ == "__main__":
     try:
         main(sys.argv[1])
-    except Exception as exc:   # the container's log says why it did not start
+    except Exception as exc:  # the container's log says why it did not start
         print(f"container start failed: {exc}", file=sys.stderr, flush=True)
         sys.exit(128)

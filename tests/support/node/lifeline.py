@@ -16,8 +16,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def watch_parent(on_orphaned: Callable[[], None], interval: float = 1.0) -> threading.Thread:
@@ -63,7 +63,7 @@ def stop_recorded(pids_file: Path, grace: float = 15.0) -> None:
     process's command line may read empty."""
     pids = _recorded(pids_file)
     if grace > 0:
-        for pid in reversed(pids):   # the node agent (last) first: it stops the pods
+        for pid in reversed(pids):  # the node agent (last) first: it stops the pods
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pids-file", type=Path, required=True)
     args = p.parse_args(argv)
     orphaned = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))   # the cluster stops normally: nothing to do
+    signal.signal(
+        signal.SIGTERM, lambda *_: os._exit(0)
+    )  # the cluster stops normally: nothing to do
     watch_parent(orphaned.set)
     orphaned.wait()
     stop_recorded(args.pids_file)

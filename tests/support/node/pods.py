@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 TICK = 0.1
-VOLUME_SYNC_SECONDS = 5.0   # the kubelet syncs API-backed volumes about every minute; tests want it sooner
+VOLUME_SYNC_SECONDS = (
+    5.0  # the kubelet syncs API-backed volumes about every minute; tests want it sooner
+)
 
 
 def pod_dir(root: Path, namespace: str, name: str, uid: str) -> Path:
@@ -33,20 +35,23 @@ def pod_dir(root: Path, namespace: str, name: str, uid: str) -> Path:
 
 
 class PodWorker(threading.Thread):
-    def __init__(self, agent: "Agent", pod: dict[str, Any]) -> None:
+    def __init__(self, agent: Agent, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
         self.agent, self.pod = agent, pod
         self.namespace, self.pod_name, self.uid = meta["namespace"], meta["name"], meta["uid"]
         self.dir = pod_dir(agent.state_dir, self.namespace, self.pod_name, self.uid)
-        self.gone = threading.Event()     # the pod left the API (deleted with grace 0 by someone)
+        self.gone = threading.Event()  # the pod left the API (deleted with grace 0 by someone)
         self.shutdown = threading.Event()  # the agent stops: kill everything quickly
         self.ip_index: int | None = None
         self.pod_ip = ""
         self.netns = ""
         self.start_time = ""
         self.conditions = Conditions()
-        self.init_containers = [Container(c, self.dir / "logs", init=True) for c in pod["spec"].get("initContainers") or []]
+        self.init_containers = [
+            Container(c, self.dir / "logs", init=True)
+            for c in pod["spec"].get("initContainers") or []
+        ]
         self.containers = [Container(c, self.dir / "logs") for c in pod["spec"]["containers"]]
         for c in self.init_containers + self.containers:
             c.on_probe_failure = self._probe_failed(c.name)
@@ -61,12 +66,20 @@ class PodWorker(threading.Thread):
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _event(self, reason: str, message: str, warning: bool = False, container: str | None = None) -> None:
+    def _event(
+        self, reason: str, message: str, warning: bool = False, container: str | None = None
+    ) -> None:
         self.agent.events.record(self.pod, reason, message, warning=warning, container=container)
 
     def _probe_failed(self, container: str):
         def report(kind: str, why: str) -> None:
-            self._event("Unhealthy", f"{kind.capitalize()} probe failed: {why}", warning=True, container=container)
+            self._event(
+                "Unhealthy",
+                f"{kind.capitalize()} probe failed: {why}",
+                warning=True,
+                container=container,
+            )
+
         return report
 
     @property
@@ -85,8 +98,10 @@ class PodWorker(threading.Thread):
         return self.agent.api.get(f"/api/v1/namespaces/{self.namespace}/{plural}/{name}")
 
     def _request_token(self, service_account: str, spec: dict[str, Any]) -> str:
-        resp = self.agent.api.create(f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{service_account}/token",
-                                     {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec})
+        resp = self.agent.api.create(
+            f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{service_account}/token",
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
+        )
         return resp["status"]["token"]
 
     # --- setup --------------------------------------------------------------------------------
@@ -105,12 +120,18 @@ class PodWorker(threading.Thread):
         etc.mkdir(exist_ok=True)
         (etc / "hostname").write_text(self.pod_name[:63] + "\n")
         (etc / "resolv.conf").write_text(
-            f"search {self.namespace}.svc.cluster.local svc.cluster.local cluster.local\noptions ndots:5\n")
+            f"search {self.namespace}.svc.cluster.local svc.cluster.local cluster.local\noptions ndots:5\n"
+        )
         self.refresh_hosts()
         self.conditions.set("PodReadyToStartContainers", True)
-        self.volumes = PodVolumes(self.pod, self.dir / "volumes", lookup=self._lookup,
-                                  request_token=self._request_token, claim_path=lambda claim: self.agent.claim_path(self.namespace, claim),
-                                  allocatable=self.agent.allocatable)
+        self.volumes = PodVolumes(
+            self.pod,
+            self.dir / "volumes",
+            lookup=self._lookup,
+            request_token=self._request_token,
+            claim_path=lambda claim: self.agent.claim_path(self.namespace, claim),
+            allocatable=self.agent.allocatable,
+        )
 
     def _try_setup(self) -> bool:
         """The pod's sandbox (network namespace, files); on failure the containers wait with
@@ -120,7 +141,9 @@ class PodWorker(threading.Thread):
             return True
         except (OSError, RuntimeError) as exc:
             log.warning("%s/%s: pod sandbox setup failed: %s", self.namespace, self.pod_name, exc)
-            self._event("FailedCreatePodSandBox", f"Failed to create pod sandbox: {exc}", warning=True)
+            self._event(
+                "FailedCreatePodSandBox", f"Failed to create pod sandbox: {exc}", warning=True
+            )
             self._teardown_network()
             for c in self.init_containers + self.containers:
                 c.wait("ContainerCreating", f"FailedCreatePodSandBox: {exc}")
@@ -145,8 +168,10 @@ class PodWorker(threading.Thread):
 
     def _implicit_mounts(self) -> list[dict[str, Any]]:
         etc = self.dir / "etc"
-        return [{"source": str(etc / n), "target": f"/etc/{n}", "readOnly": False}
-                for n in ("hosts", "resolv.conf", "hostname")]
+        return [
+            {"source": str(etc / n), "target": f"/etc/{n}", "readOnly": False}
+            for n in ("hosts", "resolv.conf", "hostname")
+        ]
 
     def _launch(self, container: Container) -> Launch | None:
         """Resolve a container's image, env and mounts; on failure set its waiting reason."""
@@ -155,30 +180,52 @@ class PodWorker(threading.Thread):
             image = self.agent.images.lookup(spec["image"])
         except ImageNotMapped as exc:
             container.wait("ErrImagePull", str(exc))
-            self._event("Failed", f'Failed to pull image "{spec["image"]}": {exc}', warning=True,
-                        container=container.name)
+            self._event(
+                "Failed",
+                f'Failed to pull image "{spec["image"]}": {exc}',
+                warning=True,
+                container=container.name,
+            )
             return None
-        base = {"HOME": "/root", **image.env}   # a runtime's default for a root user
+        base = {"HOME": "/root", **image.env}  # a runtime's default for a root user
         base["PATH"] = base_path(image)
         base["HOSTNAME"] = self.pod_name[:63]
         if self.spec.get("enableServiceLinks", True):
             base.update(service_variables(self.agent.service_links(self.namespace)))
         # the API server's variables (KUBERNETES_SERVICE_HOST/PORT, KUBERNETES_PORT_443_TCP...) go to every pod
-        base.update(service_variables([("kubernetes", self.agent.net.apiserver_service_ip,
-                                        [{"name": "https", "port": 443, "protocol": "TCP"}])]))
+        base.update(
+            service_variables(
+                [
+                    (
+                        "kubernetes",
+                        self.agent.net.apiserver_service_ip,
+                        [{"name": "https", "port": 443, "protocol": "TCP"}],
+                    )
+                ]
+            )
+        )
         pod = dict(self.pod)
-        pod["status"] = {**(self.pod.get("status") or {}), "podIP": self.pod_ip, "podIPs": [{"ip": self.pod_ip}],
-                         "hostIP": self.agent.net.gateway, "hostIPs": [{"ip": self.agent.net.gateway}]}
+        pod["status"] = {
+            **(self.pod.get("status") or {}),
+            "podIP": self.pod_ip,
+            "podIPs": [{"ip": self.pod_ip}],
+            "hostIP": self.agent.net.gateway,
+            "hostIPs": [{"ip": self.agent.net.gateway}],
+        }
         try:
-            env = container_env(pod, spec, base=base, lookup=self._lookup, node_allocatable=self.agent.allocatable)
+            env = container_env(
+                pod, spec, base=base, lookup=self._lookup, node_allocatable=self.agent.allocatable
+            )
             assert self.volumes is not None
             mounts = self._implicit_mounts() + self.volumes.mounts(spec, env)
         except (ConfigError, ApiError) as exc:
             container.wait("CreateContainerConfigError", str(exc))
             self._event("Failed", f"Error: {exc}", warning=True, container=container.name)
             return None
-        argv = image.argv([expand(a, env) for a in spec.get("command") or []],
-                          [expand(a, env) for a in spec.get("args") or []])
+        argv = image.argv(
+            [expand(a, env) for a in spec.get("command") or []],
+            [expand(a, env) for a in spec.get("args") or []],
+        )
         if not argv:
             container.wait("CreateContainerError", "no command specified")
             return None
@@ -188,12 +235,23 @@ class PodWorker(threading.Thread):
         launch = self._launch(container)
         if launch is None:
             return False
-        container.start(launch, netns=self.netns, hostname=self.pod_name, pod_ip=self.pod_ip, state_dir=self.dir)
-        self._event("Pulled", f'Container image "{container.spec["image"]}" already present on machine',
-                    container=container.name)
+        container.start(
+            launch, netns=self.netns, hostname=self.pod_name, pod_ip=self.pod_ip, state_dir=self.dir
+        )
+        self._event(
+            "Pulled",
+            f'Container image "{container.spec["image"]}" already present on machine',
+            container=container.name,
+        )
         self._event("Created", f"Created container: {container.name}", container=container.name)
         self._event("Started", f"Started container {container.name}", container=container.name)
-        log.info("%s/%s: started %s (pid %s)", self.namespace, self.pod_name, container.name, container.popen.pid)
+        log.info(
+            "%s/%s: started %s (pid %s)",
+            self.namespace,
+            self.pod_name,
+            container.name,
+            container.popen.pid,
+        )
         return True
 
     # --- the loop ------------------------------------------------------------------------------
@@ -274,15 +332,20 @@ class PodWorker(threading.Thread):
             self._restart_later(c)
             return
         if c.next_start <= time.monotonic() and not self._start(c):
-            c.next_start = time.monotonic() + 1   # try the image/config again in a second
+            c.next_start = time.monotonic() + 1  # try the image/config again in a second
 
     def _restart_later(self, c: Container) -> None:
         delay = c.schedule_restart(self.agent.backoff_initial, self.agent.backoff_cap)
         c.restart_count += 1
         c.wait("CrashLoopBackOff", self._backoff_message(c))
         if delay > 0:
-            self._event("BackOff", f"Back-off restarting failed container {c.name} in pod "
-                        f"{self.pod_name}_{self.namespace}({self.uid})", warning=True, container=c.name)
+            self._event(
+                "BackOff",
+                f"Back-off restarting failed container {c.name} in pod "
+                f"{self.pod_name}_{self.namespace}({self.uid})",
+                warning=True,
+                container=c.name,
+            )
 
     def _backoff_message(self, c: Container) -> str:
         delay = max(0, round(c.next_start - time.monotonic()))
@@ -298,7 +361,9 @@ class PodWorker(threading.Thread):
             code = c.reap()
             if code is None:
                 return
-            restart = self.restart_policy == "Always" or (self.restart_policy == "OnFailure" and code != 0)
+            restart = self.restart_policy == "Always" or (
+                self.restart_policy == "OnFailure" and code != 0
+            )
             if not restart:
                 return
             self._restart_later(c)
@@ -307,7 +372,7 @@ class PodWorker(threading.Thread):
             return
         if c.next_start <= time.monotonic():
             if not self._start(c):
-                c.next_start = time.monotonic() + 1   # try the image/config again in a second
+                c.next_start = time.monotonic() + 1  # try the image/config again in a second
         elif c.state.get("waiting", {}).get("reason") == "CrashLoopBackOff":
             c.wait("CrashLoopBackOff", self._backoff_message(c))
 
@@ -321,15 +386,24 @@ class PodWorker(threading.Thread):
         grace = float(meta.get("deletionGracePeriodSeconds", self._grace()))
         deadline = time.monotonic() + grace
         running = [c for c in self.init_containers + self.containers if "running" in c.state]
-        hooks = [threading.Thread(target=self._pre_stop, args=(c, grace), daemon=True)
-                 for c in running if (c.spec.get("lifecycle") or {}).get("preStop")]
+        hooks = [
+            threading.Thread(target=self._pre_stop, args=(c, grace), daemon=True)
+            for c in running
+            if (c.spec.get("lifecycle") or {}).get("preStop")
+        ]
         for t in hooks:
             t.start()
-        while any(t.is_alive() for t in hooks) and time.monotonic() < deadline and not self.gone.is_set():
+        while (
+            any(t.is_alive() for t in hooks)
+            and time.monotonic() < deadline
+            and not self.gone.is_set()
+        ):
             self._tick_reap(running)
             self._report()
             time.sleep(TICK)
-        remaining = max(deadline - time.monotonic(), 2.0 if hooks else 0.0)   # kubelet: 2 s after a long preStop
+        remaining = max(
+            deadline - time.monotonic(), 2.0 if hooks else 0.0
+        )  # kubelet: 2 s after a long preStop
         for c in running:
             self._event("Killing", f"Stopping container {c.name}", container=c.name)
             c.terminate(0 if self.gone.is_set() else remaining, "")
@@ -338,19 +412,30 @@ class PodWorker(threading.Thread):
             self._report()
             time.sleep(TICK)
         for c in self.init_containers + self.containers:
-            if "waiting" in c.state:   # never ran: the kubelet reports it terminated
-                c.state = {"terminated": {"exitCode": 137 if c.last_state else 0, "reason": "ContainerStatusUnknown"
-                                          if c.last_state else "Completed", "finishedAt": now()}}
+            if "waiting" in c.state:  # never ran: the kubelet reports it terminated
+                c.state = {
+                    "terminated": {
+                        "exitCode": 137 if c.last_state else 0,
+                        "reason": "ContainerStatusUnknown" if c.last_state else "Completed",
+                        "finishedAt": now(),
+                    }
+                }
         self.conditions.set("ContainersReady", False, "ContainersNotReady")
         self.conditions.set("Ready", False, "ContainersNotReady")
         self._report()
         self._teardown_network()
         try:
-            self.agent.api.delete(f"/api/v1/namespaces/{self.namespace}/pods/{self.pod_name}",
-                                  {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0,
-                                   "preconditions": {"uid": self.uid}})
+            self.agent.api.delete(
+                f"/api/v1/namespaces/{self.namespace}/pods/{self.pod_name}",
+                {
+                    "kind": "DeleteOptions",
+                    "apiVersion": "v1",
+                    "gracePeriodSeconds": 0,
+                    "preconditions": {"uid": self.uid},
+                },
+            )
         except ApiError as exc:
-            if exc.status != 409:   # 409: already replaced by a pod of the same name
+            if exc.status != 409:  # 409: already replaced by a pod of the same name
                 raise
 
     def _tick_reap(self, containers: list[Container]) -> None:
@@ -359,8 +444,16 @@ class PodWorker(threading.Thread):
 
     def _pre_stop(self, c: Container, grace: float) -> None:
         handler = c.spec["lifecycle"]["preStop"]
-        target = Target(self.pod_ip, {p["name"]: int(p["containerPort"]) for p in c.spec.get("ports") or []
-                                      if p.get("name")}, c.popen.pid if c.popen else 0, c.env)
+        target = Target(
+            self.pod_ip,
+            {
+                p["name"]: int(p["containerPort"])
+                for p in c.spec.get("ports") or []
+                if p.get("name")
+            },
+            c.popen.pid if c.popen else 0,
+            c.env,
+        )
         ok, why = run_handler(handler, target, timeout=grace)
         if not ok:
             log.info("%s/%s: preStop of %s failed: %s", self.namespace, self.pod_name, c.name, why)
@@ -400,9 +493,12 @@ class PodWorker(threading.Thread):
         pod_phase = phase(self.restart_policy, self.init_failed, initialized, statuses)
         existing = (self.pod.get("status") or {}).get("conditions") or []
         status: dict[str, Any] = {
-            "phase": pod_phase, "conditions": self.conditions.merged(existing),
-            "hostIP": self.agent.net.gateway, "hostIPs": [{"ip": self.agent.net.gateway}],
-            "startTime": self.start_time, "containerStatuses": statuses,
+            "phase": pod_phase,
+            "conditions": self.conditions.merged(existing),
+            "hostIP": self.agent.net.gateway,
+            "hostIPs": [{"ip": self.agent.net.gateway}],
+            "startTime": self.start_time,
+            "containerStatuses": statuses,
         }
         if self.pod_ip:
             status.update(podIP=self.pod_ip, podIPs=[{"ip": self.pod_ip}])
@@ -418,7 +514,9 @@ class PodWorker(threading.Thread):
     def _report(self) -> None:
         self._write_pids()
         status = self._status()
-        if self.last_report is not None and self._comparable(status) == self._comparable(self.last_report):
+        if self.last_report is not None and self._comparable(status) == self._comparable(
+            self.last_report
+        ):
             return
         path = f"/api/v1/namespaces/{self.namespace}/pods/{self.pod_name}/status"
         for _ in range(5):
@@ -433,9 +531,13 @@ class PodWorker(threading.Thread):
                     self.gone.set()
                     return
                 if exc.status != 409:
-                    log.warning("%s/%s: status update failed: %s", self.namespace, self.pod_name, exc)
+                    log.warning(
+                        "%s/%s: status update failed: %s", self.namespace, self.pod_name, exc
+                    )
                     return
-                fresh = self.agent.api.get(f"/api/v1/namespaces/{self.namespace}/pods/{self.pod_name}")
+                fresh = self.agent.api.get(
+                    f"/api/v1/namespaces/{self.namespace}/pods/{self.pod_name}"
+                )
                 if fresh is None or fresh["metadata"]["uid"] != self.uid:
                     self.gone.set()
                     return

@@ -11,14 +11,16 @@ import ssl
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass
 class Target:
     """Where a container's probes and handlers go: the pod's IP, its named ports, and how
     to run a command inside it (pid of the container's process and its environment)."""
+
     pod_ip: str
     ports: dict[str, int]
     pid: int
@@ -40,22 +42,38 @@ def run_handler(handler: dict[str, Any], target: Target, timeout: float) -> tupl
             host, port = h.get("host") or target.pod_ip, target.port(h["port"])
             if h.get("scheme", "HTTP").upper() == "HTTPS":
                 conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                    host, port, timeout=timeout, context=ssl._create_unverified_context())
+                    host, port, timeout=timeout, context=ssl._create_unverified_context()
+                )
             else:
                 conn = http.client.HTTPConnection(host, port, timeout=timeout)
             try:
                 headers = {x["name"]: x["value"] for x in h.get("httpHeaders") or []}
-                conn.request("GET", h.get("path") or "/", headers={"User-Agent": "kube-probe/1.36", **headers})
+                conn.request(
+                    "GET",
+                    h.get("path") or "/",
+                    headers={"User-Agent": "kube-probe/1.36", **headers},
+                )
                 status = conn.getresponse().status
             finally:
                 conn.close()
             return 200 <= status < 400, f"HTTP probe failed with statuscode: {status}"
         if "tcpSocket" in handler or "grpc" in handler:
             h = handler.get("tcpSocket") or handler["grpc"]
-            with socket.create_connection((h.get("host") or target.pod_ip, target.port(h["port"])), timeout=timeout):
+            with socket.create_connection(
+                (h.get("host") or target.pod_ip, target.port(h["port"])), timeout=timeout
+            ):
                 return True, ""
         if "exec" in handler:
-            argv = ["nsenter", "-t", str(target.pid), "-n", "-m", "-u", "--", *handler["exec"]["command"]]
+            argv = [
+                "nsenter",
+                "-t",
+                str(target.pid),
+                "-n",
+                "-m",
+                "-u",
+                "--",
+                *handler["exec"]["command"],
+            ]
             proc = subprocess.run(argv, env=target.env, capture_output=True, timeout=timeout)
             out = (proc.stdout + proc.stderr).decode(errors="replace").strip()[-300:]
             return proc.returncode == 0, f"command exited with {proc.returncode}: {out}"
@@ -73,10 +91,23 @@ class Prober(threading.Thread):
     """One probe of one container instance. ``healthy`` is None until the thresholds decide;
     ``gave_up`` is set when a startup/liveness probe reaches its failureThreshold."""
 
-    def __init__(self, kind: str, probe: dict[str, Any], target: Target, started_at: float,
-                 after: "Prober | None" = None, on_failure: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        probe: dict[str, Any],
+        target: Target,
+        started_at: float,
+        after: Prober | None = None,
+        on_failure: Callable[[str, str], None] | None = None,
+    ) -> None:
         super().__init__(name=f"probe-{kind}", daemon=True)
-        self.kind, self.probe, self.target, self.started_at, self.after = kind, probe, target, started_at, after
+        self.kind, self.probe, self.target, self.started_at, self.after = (
+            kind,
+            probe,
+            target,
+            started_at,
+            after,
+        )
         self.on_failure = on_failure
         self.healthy: bool | None = False if kind == "readiness" else None
         self.gave_up = threading.Event()
@@ -90,8 +121,11 @@ class Prober(threading.Thread):
     def run(self) -> None:
         p = self.probe
         period, timeout = float(p.get("periodSeconds", 10)), float(p.get("timeoutSeconds", 1))
-        success_threshold, failure_threshold = int(p.get("successThreshold", 1)), int(p.get("failureThreshold", 3))
-        if self.after is not None:   # liveness and readiness wait for the startup probe
+        success_threshold, failure_threshold = (
+            int(p.get("successThreshold", 1)),
+            int(p.get("failureThreshold", 3)),
+        )
+        if self.after is not None:  # liveness and readiness wait for the startup probe
             while not self.stop_event.is_set() and not self.after.healthy:
                 self.stop_event.wait(0.1)
         delay = self.started_at + float(p.get("initialDelaySeconds", 0)) - time.monotonic()

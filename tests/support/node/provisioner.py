@@ -33,19 +33,38 @@ class Provisioner:
         name = f"pvc-{meta['uid']}"
         path = self.root / name
         path.mkdir(parents=True, exist_ok=True)
-        pv = {"apiVersion": "v1", "kind": "PersistentVolume",
-              "metadata": {"name": name, "annotations": {"pv.kubernetes.io/provisioned-by": PROVISIONER}},
-              "spec": {"capacity": {"storage": ((spec.get("resources") or {}).get("requests") or {}).get("storage", "1Gi")},
-                       "accessModes": spec.get("accessModes") or ["ReadWriteOnce"],
-                       "volumeMode": spec.get("volumeMode") or "Filesystem",
-                       "storageClassName": spec.get("storageClassName") or "",
-                       "persistentVolumeReclaimPolicy": "Retain",
-                       "hostPath": {"path": str(path), "type": "DirectoryOrCreate"},
-                       "claimRef": {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                                    "namespace": meta["namespace"], "name": meta["name"], "uid": meta["uid"]}}}
+        pv = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {
+                "name": name,
+                "annotations": {"pv.kubernetes.io/provisioned-by": PROVISIONER},
+            },
+            "spec": {
+                "capacity": {
+                    "storage": ((spec.get("resources") or {}).get("requests") or {}).get(
+                        "storage", "1Gi"
+                    )
+                },
+                "accessModes": spec.get("accessModes") or ["ReadWriteOnce"],
+                "volumeMode": spec.get("volumeMode") or "Filesystem",
+                "storageClassName": spec.get("storageClassName") or "",
+                "persistentVolumeReclaimPolicy": "Retain",
+                "hostPath": {"path": str(path), "type": "DirectoryOrCreate"},
+                "claimRef": {
+                    "apiVersion": "v1",
+                    "kind": "PersistentVolumeClaim",
+                    "namespace": meta["namespace"],
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                },
+            },
+        }
         try:
             self.api.create("/api/v1/persistentvolumes", pv)
             log.info("provisioned %s for claim %s/%s", name, meta["namespace"], meta["name"])
         except ApiError as exc:
             if exc.status != 409:
-                log.warning("cannot provision a volume for %s/%s: %s", meta["namespace"], meta["name"], exc)
+                log.warning(
+                    "cannot provision a volume for %s/%s: %s", meta["namespace"], meta["name"], exc
+                )

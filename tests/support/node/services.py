@@ -32,8 +32,12 @@ class Forwarder:
         self.api, self.net, self.apiserver_port = api, net, apiserver_port
         self.changed = threading.Event()
         self.services = Informer(api, "/api/v1/services", on_event=lambda *_: self.changed.set())
-        self.slices = Informer(api, "/apis/discovery.k8s.io/v1/endpointslices", on_event=lambda *_: self.changed.set())
-        self.listeners: dict[tuple[str, int], tuple[asyncio.base_events.Server, str, str, dict[str, Any]]] = {}
+        self.slices = Informer(
+            api, "/apis/discovery.k8s.io/v1/endpointslices", on_event=lambda *_: self.changed.set()
+        )
+        self.listeners: dict[
+            tuple[str, int], tuple[asyncio.base_events.Server, str, str, dict[str, Any]]
+        ] = {}
         self.addresses: set[str] = set()
         self.round_robin: dict[tuple[str, str, str], itertools.count] = {}
 
@@ -45,10 +49,19 @@ class Forwarder:
         out = []
         for s in self.slices.items():
             meta = s["metadata"]
-            if meta.get("namespace") != namespace or (meta.get("labels") or {}).get(SERVICE_NAME_LABEL) != service:
+            if (
+                meta.get("namespace") != namespace
+                or (meta.get("labels") or {}).get(SERVICE_NAME_LABEL) != service
+            ):
                 continue
-            number = next((p.get("port") for p in s.get("ports") or [] if (p.get("name") or "") == (port.get("name") or "")),
-                          None)
+            number = next(
+                (
+                    p.get("port")
+                    for p in s.get("ports") or []
+                    if (p.get("name") or "") == (port.get("name") or "")
+                ),
+                None,
+            )
             if number is None:
                 continue
             for ep in s.get("endpoints") or []:
@@ -61,7 +74,9 @@ class Forwarder:
         backends = self.backends(namespace, service, port)
         if not backends:
             return None
-        counter = self.round_robin.setdefault((namespace, service, str(port.get("port"))), itertools.count())
+        counter = self.round_robin.setdefault(
+            (namespace, service, str(port.get("port"))), itertools.count()
+        )
         return backends[next(counter) % len(backends)]
 
     # --- proxying ------------------------------------------------------------------------------
@@ -85,11 +100,15 @@ class Forwarder:
             backend = self.pick(namespace, service, port)
             try:
                 if backend is None:
-                    return   # no ready endpoint: the connection is refused (closed at once)
+                    return  # no ready endpoint: the connection is refused (closed at once)
                 try:
-                    up_r, up_w = await asyncio.wait_for(asyncio.open_connection(*backend), timeout=5)
-                except (OSError, asyncio.TimeoutError) as exc:
-                    log.info("%s/%s:%s -> %s: %s", namespace, service, port.get("port"), backend, exc)
+                    up_r, up_w = await asyncio.wait_for(
+                        asyncio.open_connection(*backend), timeout=5
+                    )
+                except (TimeoutError, OSError) as exc:
+                    log.info(
+                        "%s/%s:%s -> %s: %s", namespace, service, port.get("port"), backend, exc
+                    )
                     return
                 try:
                     await asyncio.gather(self._pipe(client_r, up_w), self._pipe(up_r, client_w))
@@ -97,6 +116,7 @@ class Forwarder:
                     up_w.close()
             finally:
                 client_w.close()
+
         return handle
 
     # --- reconciling ---------------------------------------------------------------------------
@@ -109,25 +129,39 @@ class Forwarder:
                 continue
             for port in svc["spec"].get("ports") or []:
                 if port.get("protocol", "TCP") == "TCP":
-                    want[(ip, int(port["port"]))] = (svc["metadata"]["namespace"], svc["metadata"]["name"], port)
+                    want[(ip, int(port["port"]))] = (
+                        svc["metadata"]["namespace"],
+                        svc["metadata"]["name"],
+                        port,
+                    )
         return want
 
     async def reconcile(self) -> None:
         want = self.desired()
-        for key in [k for k, (_, ns, name, port) in self.listeners.items()
-                    if want.get(k) is None or want[k][:2] != (ns, name)]:
+        for key in [
+            k
+            for k, (_, ns, name, port) in self.listeners.items()
+            if want.get(k) is None or want[k][:2] != (ns, name)
+        ]:
             server = self.listeners.pop(key)[0]
             server.close()
         for key, (ns, name, port) in want.items():
             if key in self.listeners:
-                self.listeners[key] = (self.listeners[key][0], ns, name, port)   # target port changes
+                self.listeners[key] = (
+                    self.listeners[key][0],
+                    ns,
+                    name,
+                    port,
+                )  # target port changes
                 continue
             ip = key[0]
             if ip not in self.addresses:
                 network.ip("addr", "replace", f"{ip}/32", "dev", self.net.bridge)
                 self.addresses.add(ip)
             try:
-                server = await asyncio.start_server(self._dispatch(key), host=ip, port=key[1], reuse_address=True)
+                server = await asyncio.start_server(
+                    self._dispatch(key), host=ip, port=key[1], reuse_address=True
+                )
             except OSError as exc:
                 log.warning("cannot listen on %s:%s for %s/%s: %s", ip, key[1], ns, name, exc)
                 continue
@@ -145,6 +179,7 @@ class Forwarder:
                 return
             _, ns, name, port = entry
             await self._handler(ns, name, port)(r, w)
+
         return handle
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -156,7 +191,7 @@ class Forwarder:
                 await self.reconcile()
             try:
                 await asyncio.wait_for(stop.wait(), timeout=0.1)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         for server, *_ in self.listeners.values():
             server.close()
@@ -165,13 +200,17 @@ class Forwarder:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kvmesh_testing.node.services", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m kvmesh_testing.node.services", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--kubeconfig", type=Path, required=True)
     p.add_argument("--slot", type=int, required=True)
     p.add_argument("--apiserver-port", type=int, required=True)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
     async def run() -> None:
@@ -179,8 +218,12 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        watch_parent(lambda: loop.call_soon_threadsafe(stop.set))   # go when the cluster's process is gone
-        forwarder = Forwarder(Api(args.kubeconfig), network.NetworkConfig(args.slot), args.apiserver_port)
+        watch_parent(
+            lambda: loop.call_soon_threadsafe(stop.set)
+        )  # go when the cluster's process is gone
+        forwarder = Forwarder(
+            Api(args.kubeconfig), network.NetworkConfig(args.slot), args.apiserver_port
+        )
         await forwarder.run(stop)
 
     asyncio.run(run())

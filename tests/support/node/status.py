@@ -9,10 +9,12 @@ OWNED_CONDITIONS = ("PodReadyToStartContainers", "Initialized", "ContainersReady
 
 
 def now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def phase(restart_policy: str, init_failed: bool, initialized: bool, statuses: list[dict[str, Any]]) -> str:
+def phase(
+    restart_policy: str, init_failed: bool, initialized: bool, statuses: list[dict[str, Any]]
+) -> str:
     """kubelet's getPhase over the main containers' statuses."""
     if init_failed:
         return "Failed"
@@ -63,7 +65,12 @@ class Conditions:
         for kind in OWNED_CONDITIONS:
             if kind in self.values:
                 status, since = self.values[kind]
-                cond = {"type": kind, "status": status, "lastProbeTime": None, "lastTransitionTime": since}
+                cond = {
+                    "type": kind,
+                    "status": status,
+                    "lastProbeTime": None,
+                    "lastTransitionTime": since,
+                }
                 if status == "False" and self.reasons.get(kind):
                     cond["reason"] = self.reasons[kind]
                 out.append(cond)

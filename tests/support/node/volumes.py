@@ -13,13 +13,14 @@ from __future__ import annotations
 import base64
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvmesh_testing.node.envvars import ConfigError, _field, expand, resource_field
 
 Lookup = Callable[[str, str], dict[str, Any] | None]
-TokenRequest = Callable[[str, dict[str, Any]], str]   # (serviceAccount, TokenRequest spec) -> token
+TokenRequest = Callable[[str, dict[str, Any]], str]  # (serviceAccount, TokenRequest spec) -> token
 
 
 def _write(path: Path, content: bytes, mode: int | None) -> None:
@@ -31,7 +32,9 @@ def _write(path: Path, content: bytes, mode: int | None) -> None:
     os.replace(tmp, path)
 
 
-def _key_files(obj: dict[str, Any] | None, kind: str, ref: dict[str, Any], name: str) -> dict[str, bytes]:
+def _key_files(
+    obj: dict[str, Any] | None, kind: str, ref: dict[str, Any], name: str
+) -> dict[str, bytes]:
     """{relative path: content} of a secret/configMap source (its items, or every key)."""
     if obj is None:
         if ref.get("optional"):
@@ -55,7 +58,9 @@ def _key_files(obj: dict[str, Any] | None, kind: str, ref: dict[str, Any], name:
     return files
 
 
-def _downward_files(pod: dict[str, Any], items: list[dict[str, Any]], allocatable: dict[str, str]) -> dict[str, bytes]:
+def _downward_files(
+    pod: dict[str, Any], items: list[dict[str, Any]], allocatable: dict[str, str]
+) -> dict[str, bytes]:
     files = {}
     for item in items:
         if "fieldRef" in item:
@@ -68,22 +73,33 @@ def _downward_files(pod: dict[str, Any], items: list[dict[str, Any]], allocatabl
                 text = _field(pod, path)
         else:
             ref = item["resourceFieldRef"]
-            container = next(c for c in pod["spec"]["containers"] if c["name"] == ref.get("containerName",
-                                                                                          pod["spec"]["containers"][0]["name"]))
+            container = next(
+                c
+                for c in pod["spec"]["containers"]
+                if c["name"] == ref.get("containerName", pod["spec"]["containers"][0]["name"])
+            )
             text = resource_field(container, ref, allocatable)
         files[item["path"]] = text.encode()
     return files
 
 
 class PodVolumes:
-    def __init__(self, pod: dict[str, Any], root: Path, *, lookup: Lookup, request_token: TokenRequest,
-                 claim_path: Callable[[str], str], allocatable: dict[str, str]) -> None:
+    def __init__(
+        self,
+        pod: dict[str, Any],
+        root: Path,
+        *,
+        lookup: Lookup,
+        request_token: TokenRequest,
+        claim_path: Callable[[str], str],
+        allocatable: dict[str, str],
+    ) -> None:
         self.pod, self.root = pod, root
         self.lookup, self.request_token, self.claim_path = lookup, request_token, claim_path
         self.allocatable = allocatable
         self.paths: dict[str, Path] = {}
-        self.written: dict[str, set[str]] = {}   # volume -> the files this node wrote into it
-        self.tokens: dict[tuple[str, str, str], tuple[str, float]] = {}   # -> (token, renew at)
+        self.written: dict[str, set[str]] = {}  # volume -> the files this node wrote into it
+        self.tokens: dict[tuple[str, str, str], tuple[str, float]] = {}  # -> (token, renew at)
 
     def prepare(self) -> None:
         """Make every volume of the pod; raise ConfigError naming the first that cannot be made."""
@@ -99,7 +115,9 @@ class PodVolumes:
             if any(kind in volume for kind in self.REFRESHED) and volume["name"] in self.paths:
                 try:
                     self._prepare(volume)
-                except Exception:   # the API server unreachable, a Secret deleted: try again next sync
+                except (
+                    Exception
+                ):  # the API server unreachable, a Secret deleted: try again next sync
                     pass
 
     def _fill(self, directory: Path, files: dict[str, bytes], mode: int | None) -> None:
@@ -134,7 +152,9 @@ class PodVolumes:
             return Path(self.claim_path(volume["persistentVolumeClaim"]["claimName"]))
         if "secret" in volume:
             ref = volume["secret"]
-            files = _key_files(self.lookup("Secret", ref["secretName"]), "Secret", ref, ref["secretName"])
+            files = _key_files(
+                self.lookup("Secret", ref["secretName"]), "Secret", ref, ref["secretName"]
+            )
             self._fill(directory, files, ref.get("defaultMode", 0o644))
             return directory
         if "configMap" in volume:
@@ -144,24 +164,38 @@ class PodVolumes:
             return directory
         if "downwardAPI" in volume:
             ref = volume["downwardAPI"]
-            self._fill(directory, _downward_files(self.pod, ref.get("items") or [], self.allocatable),
-                       ref.get("defaultMode", 0o644))
+            self._fill(
+                directory,
+                _downward_files(self.pod, ref.get("items") or [], self.allocatable),
+                ref.get("defaultMode", 0o644),
+            )
             return directory
         if "projected" in volume:
-            self._fill(directory, self._projected(volume["projected"]), volume["projected"].get("defaultMode", 0o644))
+            self._fill(
+                directory,
+                self._projected(volume["projected"]),
+                volume["projected"].get("defaultMode", 0o644),
+            )
             return directory
-        raise ConfigError(f"volume {name!r}: unsupported volume type {sorted(set(volume) - {'name'})} "
-                          f"(docs/local-cluster.md)")
+        raise ConfigError(
+            f"volume {name!r}: unsupported volume type {sorted(set(volume) - {'name'})} "
+            f"(docs/local-cluster.md)"
+        )
 
     def _projected(self, projected: dict[str, Any]) -> dict[str, bytes]:
         files: dict[str, bytes] = {}
         for source in projected.get("sources") or []:
             if "serviceAccountToken" in source:
                 sat = source["serviceAccountToken"]
-                spec: dict[str, Any] = {"expirationSeconds": int(sat.get("expirationSeconds", 3600)),
-                                        "boundObjectRef": {"kind": "Pod", "apiVersion": "v1",
-                                                           "name": self.pod["metadata"]["name"],
-                                                           "uid": self.pod["metadata"]["uid"]}}
+                spec: dict[str, Any] = {
+                    "expirationSeconds": int(sat.get("expirationSeconds", 3600)),
+                    "boundObjectRef": {
+                        "kind": "Pod",
+                        "apiVersion": "v1",
+                        "name": self.pod["metadata"]["name"],
+                        "uid": self.pod["metadata"]["uid"],
+                    },
+                }
                 if sat.get("audience"):
                     spec["audiences"] = [sat["audience"]]
                 sa = self.pod["spec"].get("serviceAccountName") or "default"
@@ -173,12 +207,20 @@ class PodVolumes:
                 files[sat["path"]] = token.encode()
             elif "configMap" in source:
                 ref = source["configMap"]
-                files.update(_key_files(self.lookup("ConfigMap", ref["name"]), "ConfigMap", ref, ref["name"]))
+                files.update(
+                    _key_files(self.lookup("ConfigMap", ref["name"]), "ConfigMap", ref, ref["name"])
+                )
             elif "secret" in source:
                 ref = source["secret"]
-                files.update(_key_files(self.lookup("Secret", ref["name"]), "Secret", ref, ref["name"]))
+                files.update(
+                    _key_files(self.lookup("Secret", ref["name"]), "Secret", ref, ref["name"])
+                )
             elif "downwardAPI" in source:
-                files.update(_downward_files(self.pod, source["downwardAPI"].get("items") or [], self.allocatable))
+                files.update(
+                    _downward_files(
+                        self.pod, source["downwardAPI"].get("items") or [], self.allocatable
+                    )
+                )
             else:
                 raise ConfigError(f"projected volume source {sorted(source)} is not supported")
         return files
@@ -190,12 +232,20 @@ class PodVolumes:
             if vm["name"] not in self.paths:
                 raise ConfigError(f"volumeMount {vm['name']!r} names no volume of the pod")
             source = self.paths[vm["name"]]
-            sub = vm.get("subPath") or (expand(vm["subPathExpr"], env) if vm.get("subPathExpr") else "")
+            sub = vm.get("subPath") or (
+                expand(vm["subPathExpr"], env) if vm.get("subPathExpr") else ""
+            )
             if sub:
                 if sub.startswith("/") or ".." in Path(sub).parts:
                     raise ConfigError(f"subPath {sub!r} must be a relative path inside the volume")
                 source = source / sub
-                if not source.exists():   # the kubelet makes a missing subPath a directory
+                if not source.exists():  # the kubelet makes a missing subPath a directory
                     source.mkdir(parents=True, exist_ok=True)
-            mounts.append({"source": str(source), "target": vm["mountPath"], "readOnly": bool(vm.get("readOnly"))})
+            mounts.append(
+                {
+                    "source": str(source),
+                    "target": vm["mountPath"],
+                    "readOnly": bool(vm.get("readOnly")),
+                }
+            )
         return mounts

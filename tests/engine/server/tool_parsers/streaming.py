@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Callable
+from collections.abc import Callable
 
 from kvmesh.engine.server.tool_parsers import ToolParser
 
@@ -25,7 +25,9 @@ def replay(make: Callable[[], ToolParser], pieces: list[str]) -> tuple[str, list
                 assert call.name is None
                 assert call.index == len(calls) - 1, "argument deltas continue the latest call"
                 calls[call.index]["arguments"] += call.arguments
-        assert "<tool_call>" not in d.content and "</tool_call>" not in d.content, "markup leaked as content"
+        assert "<tool_call>" not in d.content and "</tool_call>" not in d.content, (
+            "markup leaked as content"
+        )
     return content, calls
 
 
@@ -41,7 +43,9 @@ def check_stream_matches_whole(make: Callable[[], ToolParser], text: str) -> Non
     want_calls = [{"name": c.name, "arguments": c.arguments} for c in whole.tool_calls]
     for pieces in every_split(text):
         content, calls = replay(make, pieces)
-        assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == want_calls, pieces
+        assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == want_calls, (
+            pieces
+        )
         assert content == (whole.content or ""), pieces
     for call in want_calls:
         json.loads(call["arguments"])

@@ -7,14 +7,18 @@ import json
 from kvmesh.engine.server.tool_parsers.forced import NamedFunctionParser, RequiredCallsParser
 from tests.engine.server.tool_parsers.streaming import check_stream_matches_whole, replay
 
-ARRAY = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "now", "parameters": {}}]'
+ARRAY = (
+    '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "now", "parameters": {}}]'
+)
 
 
 def test_required_reads_every_item_of_the_array():
     out = RequiredCallsParser().parse(ARRAY)
     assert out.content == ""
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [
-        ("get_weather", {"city": "Oslo"}), ("now", {})]
+        ("get_weather", {"city": "Oslo"}),
+        ("now", {}),
+    ]
 
 
 def test_required_stream_split_anywhere_adds_up_to_the_whole_response():

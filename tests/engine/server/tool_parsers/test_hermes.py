@@ -10,8 +10,11 @@ from kvmesh.engine.server.tool_parsers.hermes import HermesToolParser
 from tests.engine.server.tool_parsers.streaming import check_stream_matches_whole, replay
 
 ONE = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
-TWO = (ONE + '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "a \\"q\\" }"}}'
-       '\n</tool_call>')
+TWO = (
+    ONE
+    + '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "a \\"q\\" }"}}'
+    "\n</tool_call>"
+)
 
 
 def test_one_call_reads_its_name_and_arguments_as_written():
@@ -37,12 +40,15 @@ def test_text_without_calls_is_content():
     assert out.content == text and out.tool_calls == []
 
 
-@pytest.mark.parametrize("text", [
-    '<tool_call>\n{"name": "f", "arguments": {"a": </tool_call>',   # arguments cut short
-    '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>',           # no name
-    '<tool_call>\n["f"]\n</tool_call>',                              # not an object
-    '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',      # a name that is not a string
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "f", "arguments": {"a": </tool_call>',  # arguments cut short
+        '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>',  # no name
+        '<tool_call>\n["f"]\n</tool_call>',  # not an object
+        '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',  # a name that is not a string
+    ],
+)
 def test_a_call_that_does_not_parse_leaves_the_output_as_content(text):
     out = HermesToolParser().parse(text)
     assert out.content == text and out.tool_calls == []
@@ -59,7 +65,9 @@ def test_a_call_without_arguments_gets_an_empty_object():
 
 
 def test_arguments_written_as_a_json_string_are_unwrapped():
-    out = HermesToolParser().parse('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    out = HermesToolParser().parse(
+        '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    )
     assert out.tool_calls[0].arguments == '{"a": 1}'
 
 
@@ -70,9 +78,17 @@ def test_parallel_calls_off_keeps_the_first_call_only():
     assert [c["name"] for c in calls] == ["get_weather"]
 
 
-@pytest.mark.parametrize("text", [ONE, TWO, "Sure.\n" + ONE, "plain text, no calls <tool", "<tool_call>"[:-1],
-                                  '<tool_call>{"arguments": {"k": {"n": [1, {"m": null}]}}, "name": "late"}'
-                                  '</tool_call>'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        ONE,
+        TWO,
+        "Sure.\n" + ONE,
+        "plain text, no calls <tool",
+        "<tool_call>"[:-1],
+        '<tool_call>{"arguments": {"k": {"n": [1, {"m": null}]}}, "name": "late"}</tool_call>',
+    ],
+)
 def test_a_stream_split_anywhere_adds_up_to_the_whole_response(text):
     check_stream_matches_whole(HermesToolParser, text)
 
@@ -98,4 +114,7 @@ def test_a_default_prompt_lists_the_tools_and_the_call_format():
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     prompt = HermesToolParser.default_prompt([tool])
     assert json.dumps(tool) in prompt and "<tool_call>" in prompt
-    assert HermesToolParser.render_call("f", {"a": 1}) == '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    assert (
+        HermesToolParser.render_call("f", {"a": 1})
+        == '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    )

@@ -17,7 +17,8 @@ def test_one_call():
     out = Llama3JsonToolParser().parse(ONE)
     assert out.content is None
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [
-        ("get_weather", {"city": "San Francisco, CA", "unit": "fahrenheit"})]
+        ("get_weather", {"city": "San Francisco, CA", "unit": "fahrenheit"})
+    ]
 
 
 def test_calls_separated_by_semicolons_and_the_python_tag():
@@ -31,14 +32,16 @@ def test_arguments_is_accepted_as_well_as_parameters():
     assert out.tool_calls[0].arguments == '{"a": true}'
 
 
-@pytest.mark.parametrize("text", ["The weather is fine.", "Here: {\"name\": \"f\"}", "<|python", ""])
+@pytest.mark.parametrize("text", ["The weather is fine.", 'Here: {"name": "f"}', "<|python", ""])
 def test_an_output_that_does_not_start_with_a_call_is_content(text):
     out = Llama3JsonToolParser().parse(text)
     assert out.content == text and out.tool_calls == []
 
 
-@pytest.mark.parametrize("text", ['{"name": "f", "parameters": {"a": 1}', '{"name": "f"} trailing words',
-                                  '{"parameters": {}}'])
+@pytest.mark.parametrize(
+    "text",
+    ['{"name": "f", "parameters": {"a": 1}', '{"name": "f"} trailing words', '{"parameters": {}}'],
+)
 def test_calls_that_do_not_parse_leave_the_output_as_content(text):
     out = Llama3JsonToolParser().parse(text)
     assert out.content == text and out.tool_calls == []
