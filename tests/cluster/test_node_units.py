@@ -199,3 +199,25 @@ def test_created_mount_points_go_once_no_other_cluster_runs(
     )
     assert not empty.exists() and not empty_file.exists() and (used / "kept").exists()
     assert hostpaths.LOG.read_text() == ""
+
+
+def test_each_control_plane_process_is_reported_as_it_starts(tmp_path) -> None:
+    # The cluster records these pids for its watchdog: a crash between two starts must leave
+    # every process started so far recorded, so each start reports the whole list.
+    from kvmesh_testing.controlplane import ControlPlane
+
+    seen: list[list[str]] = []
+    cp = ControlPlane(assets=None, workdir=tmp_path)
+    cp.on_spawn = lambda procs: seen.append([p.name for p in procs])
+    try:
+        for name in ("etcd", "kube-apiserver", "kube-scheduler"):
+            cp._spawn(name, ["sleep", "30"])
+        assert seen == [
+            ["etcd"],
+            ["etcd", "kube-apiserver"],
+            ["etcd", "kube-apiserver", "kube-scheduler"],
+        ]
+    finally:
+        for proc in cp.procs:
+            proc.popen.kill()
+            proc.popen.wait()

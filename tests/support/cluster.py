@@ -223,6 +223,8 @@ class LocalCluster:
             extra_sans=sans,
             service_account_admission=True,
         )
+        # the watchdog stops what is recorded: each process as it starts, not all at the end
+        cp.on_spawn = lambda procs: self._slot.record([p.popen.pid for p in procs])
         cp.start()
         self.api = _AdminApi(cp)
         cp.start_controller_manager(

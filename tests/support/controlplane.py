@@ -265,6 +265,8 @@ class ControlPlane:
     extra_sans: tuple[str, ...] = ()
     service_account_admission: bool = False
     procs: list[Proc] = field(default_factory=list)
+    # called with every process so far after each start (a crash mid-start leaves none unrecorded)
+    on_spawn: Callable[[list[Proc]], None] | None = None
     port: int = 0
     admin_token: str = ""
     client: httpx.Client | None = None
@@ -293,6 +295,8 @@ class ControlPlane:
         )
         proc = Proc(name, popen, log)
         self.procs.append(proc)
+        if self.on_spawn is not None:
+            self.on_spawn(self.procs)
         return proc
 
     def _wait_healthy(self, proc: Proc, check: Callable[[], bool], timeout: float) -> None:

