@@ -24,7 +24,7 @@ from kvmesh.operator.scaling import (
 from tests.operator.conftest import PODS
 from tests.operator.pod_phases import LEFT_OUT, LISTED, PHASES
 
-STARTUP_S = 60.0
+STARTUP_S = 60
 # Age of each pod at the decision, in seconds: one exactly at the startup deadline (not stuck yet).
 AGES = {
     "pending-unscheduled": 120.0,
@@ -138,3 +138,41 @@ async def test_without_the_terminating_and_finished_pods_nothing_changes(k8s, me
     for suffix in LEFT_OUT:
         await k8s.put_object(PODS, pod("demo", suffix, clock.now))
     assert await engine_pods(memo, "ns", "demo") == only_live
+
+
+async def test_the_loop_reports_exactly_the_ready_and_the_stuck_pods(
+    k8s, operator, redis_url, clock
+):
+    """The whole loop (kopf runtime, emulator, real Redis): the decision in status counts the one
+    Ready pod as capacity, the two live pods past their deadline as stuck, and the load of every
+    listed pod; Degraded names the stuck ones, once."""
+    from tests.operator.conftest import MD, eventually, md_body
+    from tests.operator.test_operator_runtime import Heartbeats, after_ticks, auto, cond, events
+
+    await k8s.put_object(MD, md_body(replicas=4, autoscaling=auto(startupTimeoutSeconds=STARTUP_S)))
+    for suffix in PHASES:
+        await k8s.put_object(PODS, pod("demo", suffix, clock.now))
+    beats = Heartbeats(redis_url, "smollm2-135m-instruct")
+    try:
+        await beats.beat(name("running-ready"), 0.5, running=1, waiting=2)
+        await beats.beat(name("running-not-ready"), 0.9, running=0, waiting=1)
+        await beats.beat(name("terminating"), 0.2, state="draining", running=5, waiting=0)
+        stuck = [name("pending-unscheduled"), name("running-not-ready")]
+        md = lambda: k8s.fetch_object(MD, "ns", "demo")  # noqa: E731
+        decision = await eventually(
+            lambda: (d := md()["status"]["lastDecision"])["stuckPods"] == stuck and d
+        )
+        assert decision["readyReplicas"] == 1 and decision["kvUtilization"] == 0.5
+        assert decision["waitingRequests"] == 3 and decision["runningRequests"] == 9 - 3
+        degraded = await eventually(
+            lambda: (c := cond(md(), "Degraded"))["reason"] == "ReplicasNotStarting" and c
+        )
+        assert degraded["status"] == "True"
+        assert degraded["message"] == (
+            f"2 engine pod(s) not Ready within 60s of their creation: {', '.join(stuck)}"
+        )
+        await after_ticks(k8s)
+        (warning,) = events(k8s, "ReplicasNotStarting")  # one Warning per change of the set
+        assert warning["message"].endswith(f"counted as coming capacity: {', '.join(stuck)}")
+    finally:
+        await beats.close()
