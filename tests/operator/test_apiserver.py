@@ -785,3 +785,94 @@ def test_operator_runs_within_its_rbac(
         m for m in operator_logs.messages(logging.WARNING) if "403" in m or "forbidden" in m.lower()
     ]
     assert not refused, "\n".join(refused[:5])
+
+
+def _phase_pod(md: str, suffix: str) -> dict[str, Any]:
+    """A hand-made engine pod of ``md`` (no ReplicaSet owns it: no controller changes it)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{md}-engine-{suffix}",
+            "namespace": NS,
+            "labels": render.labels(md, render.ENGINE),
+            "finalizers": ["kvmesh.test/hold"],  # a deleted pod stays, terminating
+        },
+        "spec": {
+            "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": "kvmesh/engine:test",
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"]},
+                    },
+                }
+            ],
+        },
+    }
+
+
+def test_pods_in_every_phase_are_counted_exactly(
+    cluster: ControlPlane, api: httpx.Client, operator: OperatorThread
+) -> None:
+    """Pods in every phase a kubelet reports, their status written through the status subresource:
+    the autoscaler counts the Running-and-Ready one as capacity, every other live one (Pending,
+    Running-not-Ready, Unknown) as pending, stuck once past startupTimeoutSeconds, and leaves the
+    terminating and finished ones out; status.readyReplicas is the engine Deployment's alone."""
+    from tests.operator.pod_phases import LEFT_OUT, LISTED, PHASES
+
+    md = create_md(
+        api,
+        "phases",
+        replicas=0,  # no pod of the Deployment's own: only these
+        autoscaling={
+            "minReplicas": 0,
+            "maxReplicas": 2,
+            "intervalSeconds": 0.5,
+            "startupTimeoutSeconds": 1,
+        },
+    )
+    wait_children(cluster, md)
+    names = {s: f"phases-engine-{s}" for s in PHASES}
+    try:
+        for suffix, (status, terminating) in PHASES.items():
+            resp = api.post(path("Pod", NS), json=_phase_pod("phases", suffix))
+            assert resp.status_code == 201, resp.text
+            resp = api.patch(
+                path("Pod", NS, names[suffix], "status"),
+                content=json.dumps({"status": status}),
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["status"]["phase"] == status["phase"]
+            if terminating:
+                assert api.delete(path("Pod", NS, names[suffix])).status_code == 200
+                assert cluster.get("Pod", NS, names[suffix])["metadata"]["deletionTimestamp"]
+        stuck = sorted(names[s] for s, ready in LISTED.items() if not ready)
+
+        def decided() -> dict[str, Any]:
+            d = cluster.get(MD, NS, "phases")["status"]["lastDecision"]
+            assert d["stuckPods"] == stuck, d
+            return d
+
+        decision = wait_for(decided, timeout=HEAL_TIMEOUT, interval=0.2)
+        assert decision["readyReplicas"] == 1
+        assert not set(decision["reason"].split()) & {names[s] for s in LEFT_OUT}
+        status = cluster.get(MD, NS, "phases")["status"]
+        assert status["readyReplicas"] == 0 and status["replicas"] == 0
+        degraded = md_conditions(cluster, "phases")["Degraded"]
+        assert (degraded["status"], degraded["reason"]) == ("True", "ReplicasNotStarting")
+        assert degraded["message"] == (
+            f"{len(stuck)} engine pod(s) not Ready within 1s of their creation: {', '.join(stuck)}"
+        )
+    finally:
+        for n in names.values():
+            api.patch(
+                path("Pod", NS, n),
+                content=json.dumps({"metadata": {"finalizers": None}}),
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+            api.delete(path("Pod", NS, n), params={"gracePeriodSeconds": 0})
+        api.delete(path(MD, NS, "phases"))

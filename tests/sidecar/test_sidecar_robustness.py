@@ -145,7 +145,9 @@ def test_a_failing_iteration_is_counted_and_followed_by_a_full_resync(rig, model
     # The loop survives, counts it, and rebuilds everything from a replay from 0.
     wait_until(lambda: sc.stats["events_loop_errors"] == 1, 5, msg="loop error counted")
     wait_until(lambda: r.smembers(bkey) == keys_a | keys_b, 10, msg="full resync")
-    assert sc.events.thread.is_alive() and sc.events.subscriber.stats["resets"] >= 1
+    # One failure: one reset (the subscriber's, delivered to the writer) and one full rewrite more.
+    assert sc.events.thread.is_alive() and sc.events.subscriber.stats["resets"] == 1
+    assert sc.stats["resets"] == 1 and sc.stats["full_rewrites"] == 2
     assert "planted index bug" in sc.events.error
     assert _health(sc, "/health").status_code == 200
     assert _metric(sc, "kvmesh_sidecar_events_loop_errors_total") == 1
