@@ -22,6 +22,7 @@ from kvmesh.engine.server.tool_choice import (
 from kvmesh.engine.server.tool_parsers.forced import NamedFunctionParser, RequiredCallsParser
 from kvmesh.engine.server.tool_parsers.hermes import HermesToolParser
 from kvmesh.engine.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from kvmesh.engine.server.tool_prompt import template_inputs
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
@@ -327,6 +328,7 @@ def test_which_requests_describe_the_tools_to_a_template_without_tool_support(to
     assert (plan is not None and plan.mode != "none") is want
     template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     messages, tool_vars = tool_template_inputs(template, ASK, tools, want)
+    assert (messages, tool_vars) == template_inputs(template, ASK, plan, None)
     assert tool_vars == {}
     if want:
         assert messages == [{"role": "system", "content": HermesPrompt.default_prompt(TOOLS)}, *ASK]

@@ -192,6 +192,22 @@ def test_real_matchers_fill_each_draft_position_as_a_fresh_walk(tokenizer, x_gra
     assert verifying.structured.state.num_accepted == 1  # the walk was rolled back
 
 
+def test_a_matcher_behind_its_requests_outputs_is_synced_first(tokenizer, x_grammar):
+    """Outputs the matcher never saw (a resumed stream's): each row is filled after them."""
+    g, vocab = x_grammar, len(tokenizer)
+    plain, verifying = request("c0", g, False), request("c1", g, False)
+    for req in (plain, verifying):
+        req.append_token(g.x)
+        req.structured = grammar_of(g)
+    mask, rows = bitmask.for_step([plain], [(verifying, [g.x])], vocab)
+    assert rows == [0, 1, 2]
+    assert torch.equal(mask[0], fresh_mask(g, [g.x], vocab))
+    assert torch.equal(mask[1], fresh_mask(g, [g.x], vocab))
+    assert torch.equal(mask[2], fresh_mask(g, [g.x, g.x], vocab))
+    assert not torch.equal(mask[0], fresh_mask(g, [], vocab))
+    assert [r.structured.state.num_accepted for r in (plain, verifying)] == [1, 1]
+
+
 # -- through ModelRunner.run: mask, then verification and sampling on their own rows -----------------
 def runner(logits: torch.Tensor, vocab: int) -> ModelRunner:
     r = ModelRunner.__new__(ModelRunner)
