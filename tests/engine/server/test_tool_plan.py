@@ -10,7 +10,11 @@ import pytest
 
 from kvmesh.common.chat_prompt import HermesPrompt, describes_tools, tool_template_inputs
 from kvmesh.engine.sampling_params import InvalidParameter
-from kvmesh.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+)
 from kvmesh.engine.server.serving_chat import ChatHandler
 from kvmesh.engine.server.tool_choice import (
     AUTO_NEEDS_FLAGS,
@@ -358,7 +362,26 @@ def test_completions_take_tool_choice_none():
 
 
 def test_tokenize_plans_parallel_calls_as_the_default():
-    from kvmesh.engine.server.protocol import TokenizeRequest
-
     body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required"}
     assert TokenizeRequest.model_validate(body).tool_plan() == ToolPlan("required", TOOLS)
+
+
+@pytest.mark.parametrize(
+    "tool, param",
+    [
+        ({"type": "function", "function": {"name": ""}}, "tools.0.function.name"),
+        ({"type": "function", "function": {}}, "tools.0.function.name"),
+        ({"type": "function"}, "tools.0.function"),
+        ({"type": "retrieval", "function": {"name": "f"}}, "tools.0.type"),
+    ],
+)
+def test_a_bad_tool_names_its_own_field(tool, param):
+    """A bound of a tool's own field (a name of at least one character) is no bound of the request."""
+    from pydantic import ValidationError
+
+    from kvmesh.engine.server.protocol import first_error_param
+
+    for cls in (ChatCompletionRequest, TokenizeRequest):
+        with pytest.raises(ValidationError) as err:
+            cls.model_validate({"messages": ASK, "tools": [tool]})
+        assert first_error_param(err.value, cls)[0] == param
