@@ -398,7 +398,8 @@ def first_error_param(exc: ValidationError, model_cls: type | None = None) -> tu
     loc = [str(x) for x in parts]
     if "[key]" in loc:  # a bad dict key (logit_bias.abc.[key]): name the dict, not the client's key
         loc = loc[: max(loc.index("[key]") - 1, 0)]
-    if err.get("type") in _BOUND_ERRORS and loc:
+    # a field of a nested object (tools.0.function.name) keeps its path: it is no bound of the request's
+    if err.get("type") in _BOUND_ERRORS and 0 < len(loc) <= 2:
         loc = loc[:1]
         bounds = _field_bounds(model_cls, loc[0])
         if bounds is not None:

@@ -129,32 +129,45 @@ def test_preemption_replays_the_matcher(llm, tiny_llama_dir):
         check_output(tight, kind, b)
 
 
-def test_speculation_verifies_drafts_under_the_mask(llm, tiny_llama_dir, monkeypatch):
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": 4,
-        "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1,
-        "acceptance_threshold": 0.0,
-        "disable_by_batch_size": None,
-    }
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+    "acceptance_threshold": 0.0,
+    "disable_by_batch_size": None,
+}
+
+
+@pytest.fixture(scope="module")
+def spec_llm(tiny_llama_dir):
+    return LLM(
+        tiny_llama_dir, num_kv_blocks=256, max_num_batched_tokens=64, speculative_config=SPEC
+    )
+
+
+def spy_drafts(monkeypatch) -> dict[bool, list[int]]:
+    """Draft counts of the verifying rows of each step, by whether the request is constrained."""
+    drafted: dict[bool, list[int]] = {True: [], False: []}
+    real = bitmask.for_step
+
+    def spy(plain_rows, spec_rows, vocab):
+        for r, d in spec_rows:
+            drafted[r.structured is not None].append(len(d))
+        return real(plain_rows, spec_rows, vocab)
+
+    monkeypatch.setattr(bitmask, "for_step", spy)
+    return drafted
+
+
+def test_speculation_verifies_drafts_under_the_mask(llm, spec_llm, monkeypatch):
     kinds = ["json", "regex", "grammar", "json_object"]
     ps = [params(k) for k in kinds] + [params(max_tokens=24)]
     prompts = PROMPTS[: len(ps)] + PROMPTS[:1]
     plain = llm.generate(prompts, ps)
-    drafted = []
-    real = bitmask.for_step
-
-    def spy(plain_rows, spec_rows, vocab):
-        drafted.extend(len(d) for r, d in spec_rows if r.structured is not None)
-        return real(plain_rows, spec_rows, vocab)
-
-    monkeypatch.setattr(bitmask, "for_step", spy)
-    spec_llm = LLM(
-        tiny_llama_dir, num_kv_blocks=256, max_num_batched_tokens=64, speculative_config=spec
-    )
+    drafted = spy_drafts(monkeypatch)
     outs = spec_llm.generate(prompts, ps)
-    assert sum(drafted) > 0  # constrained rows verified drafts
+    assert sum(drafted[True]) > 0  # constrained rows verified drafts
     for a, b in zip(plain, outs):  # greedy: token for token what plain decoding emits
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     for kind, out in zip(kinds, outs):
@@ -164,6 +177,45 @@ def test_speculation_verifies_drafts_under_the_mask(llm, tiny_llama_dir, monkeyp
     )
     for kind, out in zip(kinds, sampled):
         check_output(spec_llm, kind, out)
+
+
+@pytest.mark.parametrize("order", ["UCUC", "UUCC", "CUUC", "UCCU", "CCUU"])
+def test_speculation_with_constrained_requests_anywhere_in_the_batch(
+    llm, spec_llm, monkeypatch, order
+):
+    """Constrained and unconstrained requests drafting together, in each order: every output is
+    what plain greedy decoding writes, each under its own grammar or none. Biased toward "#", then
+    "%": an unconstrained request writes "#" and drafts it every step, one constrained to ``%+``
+    writes and drafts "%" only under its mask; an unbiased ``json`` one mostly takes a plain row
+    beside them, where a mask meant for another row would refuse its JSON."""
+    tok = llm.engine.tokenizer
+    [hash_, percent] = [tok.encode(c, add_special_tokens=False)[0] for c in "#%"]
+    bias = {hash_: 100.0, percent: 50.0}
+    specs = iter([SOP(regex="%+"), SPECS["json"]])
+    wanted = [next(specs) if k == "C" else None for k in order]
+    ps = [
+        SamplingParams(
+            structured_outputs=spec,
+            max_tokens=32,
+            temperature=0.0,
+            logit_bias=None if spec is SPECS["json"] else bias,
+        )
+        for spec in wanted
+    ]
+    prompts = [f"{i} " + PROMPTS[i % 4] for i in range(len(order))]
+    plain = llm.generate(prompts, ps)
+    drafted = spy_drafts(monkeypatch)
+    outs = spec_llm.generate(prompts, ps)
+    assert sum(drafted[True]) > 0 and sum(drafted[False]) > 0
+    for spec, a, b in zip(wanted, plain, outs):
+        o = b.outputs[0]
+        assert a.outputs[0].token_ids == o.token_ids, (order, spec)
+        if spec is None:
+            assert set(o.text) == {"#"}
+        elif spec is SPECS["json"]:
+            check_output(spec_llm, "json", b)
+        else:
+            assert set(o.text) == {"%"} and follows(spec_llm, spec, o.token_ids)
 
 
 @pytest.mark.parametrize(
