@@ -56,7 +56,7 @@ demo: setup
 	$(VENV)/bin/kvmesh generate --model smollm2-135m-instruct "What is a KV cache?"
 
 test: setup
-	$(IN_VENV) $(PY) -m pytest -q -ra tests
+	$(IN_VENV) $(PY) -m pytest -q -ra --durations=20 tests
 
 # The formatter and the linter, as CI runs them (one configuration: [tool.ruff] in pyproject.toml).
 lint: setup
