@@ -1,10 +1,14 @@
 """The node agent's rules that need no cluster: the image table and Docker's command-line
-rules, $(VAR) expansion, Service variables, quantities, the pod phase."""
+rules, $(VAR) expansion, Service variables, quantities, the pod phase and the
+container states it is computed from."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from kvmesh_testing.node.containers import Container
 from kvmesh_testing.node.envvars import (
     ConfigError,
     expand,
@@ -221,3 +225,122 @@ def test_each_control_plane_process_is_reported_as_it_starts(tmp_path) -> None:
         for proc in cp.procs:
             proc.popen.kill()
             proc.popen.wait()
+
+
+RUNNING = _status({"running": {"startedAt": "t"}})
+EXITED_0 = _status({"terminated": {"exitCode": 0, "reason": "Completed"}})
+FAILED = _status({"terminated": {"exitCode": 1, "reason": "Error"}})
+KILLED = _status({"terminated": {"exitCode": 137, "reason": "Error", "signal": 9}})
+IMAGE_NOT_MAPPED = _status({"waiting": {"reason": "ErrImagePull", "message": "no image"}})
+CREATING = _status({"waiting": {"reason": "ContainerCreating"}})
+CRASH_LOOP = _status({"waiting": {"reason": "CrashLoopBackOff"}}, FAILED["state"])
+RESTARTING_AFTER_0 = _status({"waiting": {"reason": "CrashLoopBackOff"}}, EXITED_0["state"])
+
+# (main containers, phase under Always, OnFailure, Never): kubelet's getPhase
+PHASES = [
+    ([RUNNING], "Running", "Running", "Running"),
+    ([RUNNING, RUNNING], "Running", "Running", "Running"),
+    ([EXITED_0], "Running", "Succeeded", "Succeeded"),
+    ([EXITED_0, EXITED_0], "Running", "Succeeded", "Succeeded"),
+    ([EXITED_0, FAILED], "Running", "Running", "Failed"),
+    ([FAILED], "Running", "Running", "Failed"),
+    ([KILLED], "Running", "Running", "Failed"),
+    ([RUNNING, FAILED], "Running", "Running", "Running"),
+    ([RUNNING, EXITED_0], "Running", "Running", "Running"),
+    ([IMAGE_NOT_MAPPED], "Pending", "Pending", "Pending"),
+    ([RUNNING, IMAGE_NOT_MAPPED], "Pending", "Pending", "Pending"),
+    ([EXITED_0, IMAGE_NOT_MAPPED], "Pending", "Pending", "Pending"),
+    ([CREATING], "Pending", "Pending", "Pending"),
+]
+
+
+@pytest.mark.parametrize("containers,always,on_failure,never", PHASES)
+def test_phase_for_every_restart_policy(containers, always, on_failure, never) -> None:
+    for policy, expected in (("Always", always), ("OnFailure", on_failure), ("Never", never)):
+        assert phase(policy, False, True, containers) == expected, policy
+
+
+def test_phase_while_containers_back_off_between_runs() -> None:
+    # waiting to restart counts as the run it last had: the pod stays Running
+    assert phase("Always", False, True, [CRASH_LOOP]) == "Running"
+    assert phase("Always", False, True, [RESTARTING_AFTER_0]) == "Running"
+    assert phase("OnFailure", False, True, [CRASH_LOOP]) == "Running"
+    assert phase("OnFailure", False, True, [EXITED_0, CRASH_LOOP]) == "Running"
+    assert phase("Always", False, True, [CRASH_LOOP, IMAGE_NOT_MAPPED]) == "Pending"
+
+
+@pytest.mark.parametrize("policy", ["Always", "OnFailure", "Never"])
+def test_phase_before_the_init_containers_are_done(policy: str) -> None:
+    # an init container still running, waiting for its image or backing off: Pending, whatever
+    # the main containers' (not yet created) statuses say
+    for containers in ([CREATING], [CREATING, CREATING], [IMAGE_NOT_MAPPED], [RUNNING]):
+        assert phase(policy, False, False, containers) == "Pending"
+
+
+def test_a_failed_init_container_fails_the_pod_only_under_never() -> None:
+    # the agent restarts a failed init container under Always and OnFailure (the pod is not
+    # initialized, so Pending); under Never it marks the init failed
+    assert phase("Never", True, False, [CREATING]) == "Failed"
+    assert phase("OnFailure", False, False, [CREATING]) == "Pending"
+    assert phase("Always", False, False, [CREATING]) == "Pending"
+
+
+class _Exited:
+    """A finished process as Popen reports it."""
+
+    pid = 4242
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def poll(self) -> int:
+        return self.code
+
+
+def _container(tmp_path, code: int) -> Container:
+    c = Container({"name": "app", "image": "img"}, tmp_path)
+    c.popen, c.state, c.started_at = _Exited(code), {"running": {"startedAt": "t0"}}, "t0"
+    c.started_mono = time.monotonic()  # a short run: the back-off is not reset
+    c._kill_group = lambda: None  # no real process group to kill
+    return c
+
+
+@pytest.mark.parametrize(
+    "code,exit_code,reason,sig",
+    [
+        (0, 0, "Completed", None),
+        (3, 3, "Error", None),
+        (-9, 137, "Error", 9),
+        (-15, 143, "Error", 15),
+    ],
+)
+def test_container_terminated_state(tmp_path, code, exit_code, reason, sig) -> None:
+    c = _container(tmp_path, code)
+    assert c.reap() == exit_code
+    term = c.state["terminated"]
+    assert set(c.state) == {"terminated"}
+    assert (term["exitCode"], term["reason"], term.get("signal")) == (exit_code, reason, sig)
+    assert term["startedAt"] == "t0" and term["containerID"] == "kvmesh://4242"
+    assert "message" not in term
+    assert c.reap() is None  # reaped once
+    status = c.status("img")
+    assert (status["ready"], status["started"], status["restartCount"]) == (False, False, 0)
+
+
+def test_container_waiting_states_and_restart_bookkeeping(tmp_path) -> None:
+    c = Container({"name": "app", "image": "img"}, tmp_path)
+    assert c.state == {"waiting": {"reason": "ContainerCreating"}}
+    c.wait("ErrImagePull", "image img is not mapped")
+    assert c.status("img")["state"] == {
+        "waiting": {"reason": "ErrImagePull", "message": "image img is not mapped"}
+    }
+    assert phase("Never", False, True, [c.status("img")]) == "Pending"
+    c = _container(tmp_path, 1)
+    c.reap()
+    # the first failure restarts at once, the next after the initial back-off
+    assert c.schedule_restart(10, 300) == 0
+    assert c.last_state["terminated"]["exitCode"] == 1
+    c.wait("CrashLoopBackOff")
+    assert c.state == {"waiting": {"reason": "CrashLoopBackOff"}}
+    assert phase("OnFailure", False, True, [c.status("img")]) == "Running"
+    assert c.schedule_restart(10, 300) == 10 and c.schedule_restart(10, 300) == 20
