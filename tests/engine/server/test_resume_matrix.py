@@ -95,10 +95,9 @@ def stream(server, path: str, body: dict, chat: bool) -> tuple[dict[int, Choice]
     seen: dict[int, Choice] = {}
     for ch in chunks:
         for c in ch["choices"]:
-            if chat and "role" in c["delta"] and not c["delta"].get("content"):
-                seen.setdefault(c["index"], Choice())
-                if not c.get("token_ids") and not c["finish_reason"]:
-                    continue  # the role chunk
+            role_only = chat and "role" in c["delta"] and not c["delta"].get("content")
+            if role_only and not c.get("token_ids") and not c["finish_reason"]:
+                continue  # chat's role chunk: no output
             text = (c["delta"].get("content") or "") if chat else c["text"]
             part = Part(
                 list(c.get("token_ids") or []),
