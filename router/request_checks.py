@@ -10,9 +10,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from annotated_types import Ge, Le
-from pydantic import BaseModel
-
 from kvmesh.common import protocol
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
 from kvmesh.common.chat_prompt import tools_chars
@@ -53,20 +50,15 @@ class BadRequest(Refused):
 CHAT = "/v1/chat/completions"
 
 
-def _bounds(model: type[BaseModel], name: str) -> tuple[int, int | None]:
-    """The [lo, hi] the request model gives an integer field (hi None: unbounded)."""
-    meta = model.model_fields[name].metadata
-    lo = next(m.ge for m in meta if isinstance(m, Ge))
-    return lo, next((m.le for m in meta if isinstance(m, Le)), None)
-
-
-# The integer fields the router reads, by endpoint: name -> the request model's bounds.
+# The integer fields the router reads, by endpoint: name -> the request model's [lo, hi] (hi None:
+# unbounded).
 _READS = {
     "/v1/completions": (protocol.CompletionRequest, ("n", "max_tokens")),
     CHAT: (protocol.ChatCompletionRequest, ("n", "max_tokens", "max_completion_tokens")),
 }
 INT_FIELDS: dict[str, dict[str, tuple[int, int | None]]] = {
-    path: {name: _bounds(model, name) for name in names} for path, (model, names) in _READS.items()
+    path: {name: protocol.field_bounds(model, name) for name in names}
+    for path, (model, names) in _READS.items()
 }
 
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvmesh.common import protocol as fields
 from kvmesh.common.cache_salt import InvalidCacheSalt, check_cache_salt
@@ -377,7 +377,7 @@ _BOUND_ERRORS = {
 _OBJECT_ERRORS = {"model_type", "model_attributes_type", "dict_type"}
 
 
-def first_error_param(exc: ValidationError, model_cls: type | None = None) -> tuple[str, str]:
+def first_error_param(exc: ValidationError, model_cls: type[BaseModel]) -> tuple[str, str]:
     """(param, message) of a pydantic error, param in OpenAI's dotted style (messages.0.role).
 
     A value outside its bounds names the request field that holds it (``logit_bias``, not
@@ -400,12 +400,11 @@ def first_error_param(exc: ValidationError, model_cls: type | None = None) -> tu
         loc = loc[: max(loc.index("[key]") - 1, 0)]
     # a field of a nested object (tools.0.function.name) keeps its path: it is no bound of the request's
     if err.get("type") in _BOUND_ERRORS and 0 < len(loc) <= 2:
-        loc = loc[:1]
-        bounds = _field_bounds(model_cls, loc[0])
-        if bounds is not None:
-            return loc[
-                0
-            ], f"{loc[0]} must be between {bounds[0]} and {bounds[1]}, got {err.get('input')}"
+        name = loc[0]
+        lo, hi = fields.field_bounds(model_cls, name)
+        if lo is not None and hi is not None:
+            return name, f"{name} must be between {lo} and {hi}, got {err.get('input')}"
+        loc = [name]
     param = ".".join(loc) or "body"
     return param, f"{param}: {err.get('msg', 'invalid value')}"
 
@@ -416,16 +415,6 @@ def _is_union_tag(part: Any) -> bool:
         or part in ("str", "int", "list[int]", "list[str]", "list[list[int]]")
         or "constrained-" in part
     )
-
-
-def _field_bounds(model_cls: type | None, name: str) -> tuple[Any, Any] | None:
-    """(lowest, highest) allowed by a field's own ge/le, when it has both."""
-    field = getattr(model_cls, "model_fields", {}).get(name)
-    lo = hi = None
-    for rule in getattr(field, "metadata", ()):
-        lo = getattr(rule, "ge", lo)
-        hi = getattr(rule, "le", hi)
-    return (lo, hi) if lo is not None and hi is not None else None
 
 
 class TokenizeRequest(fields.TokenizeRequest):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from annotated_types import Ge, Le
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -29,6 +30,16 @@ from kvmesh.common.request_limits import (
     SEED_MAX,
     SEED_MIN,
 )
+
+
+def field_bounds(model: type[BaseModel], name: str) -> tuple[Any, Any]:
+    """(lowest, highest) a request model allows for its field ``name`` by its own ge/le, each
+    None where it sets none: the router's checks and the engine's error messages both read it."""
+    field = model.model_fields.get(name)
+    meta = field.metadata if field is not None else ()
+    lo = next((m.ge for m in meta if isinstance(m, Ge)), None)
+    return lo, next((m.le for m in meta if isinstance(m, Le)), None)
+
 
 # Bounds that need the served model: kvmesh.common.openapi fills them in from its vocabulary size.
 VOCAB_KEY = "x-vocab"
