@@ -75,8 +75,10 @@ def _build_inputs(flags: list[str]) -> dict[str, Any]:
     }
 
 
-def _build_name(flags: list[str]) -> str:
-    key = hashlib.sha256(json.dumps(_build_inputs(flags), sort_keys=True).encode()).hexdigest()
+def _build_name(flags: list[str], inputs: dict[str, Any] | None = None) -> str:
+    """The build's name (and directory), keyed by its inputs (``_build_inputs(flags)``)."""
+    inputs = _build_inputs(flags) if inputs is None else inputs
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     kind = "native" if "-march=native" in flags else "portable"
     return f"kvmesh_cpu_ops_{key[:10]}_{kind}"
 
@@ -107,7 +109,8 @@ def build(timeout: float | None = None):
     from kvmesh.engine.kernels.build_lock import exclusive_build
 
     flags = _cpu_flags()
-    name = _build_name(flags)
+    inputs = _build_inputs(flags)  # the sources read once: they key the name and the record
+    name = _build_name(flags, inputs)
     directory = build_directory(name)
     with exclusive_build(directory, wait_timeout() if timeout is None else timeout):
         module = build_record.load_finished(directory, name)
@@ -126,7 +129,7 @@ def build(timeout: float | None = None):
             build_directory=str(directory),
             verbose=False,
         )
-        build_record.record(directory, name, _build_inputs(flags))
+        build_record.record(directory, name, inputs)
         return module
 
 
