@@ -45,8 +45,8 @@ def _kv_idle(state) -> dict:
 # -- the drain timeout ------------------------------------------------------------------------
 
 # Tokens each request asks for: far more than the tiny model writes in the setup plus the 2 s
-# timeout, even when the machine is busy and the streams' start takes seconds (2,000 could end
-# with "length" before the drain began).
+# timeout, even when the machine is busy and the streams' start takes seconds, so every request
+# is still running when the drain cuts it (one that finished would end with "length").
 LONG = 16_000
 
 
