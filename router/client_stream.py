@@ -53,6 +53,7 @@ class ClientStream:
             None  # called with the seconds from the break to the continuation's first event
         )
         self._restart = False  # passing through a restart from nothing after the client had events
+        self._roles_out: set[int] = set()  # chat: the choices whose role chunk the client has
         self._buf = b""
 
     # -- the status line, the events --------------------------------------------------------------
@@ -228,7 +229,7 @@ class ClientStream:
             changed |= self._choice(choice)
             if choice.get("finish_reason") == "abort":  # the engine's drain cut it: not an end
                 choice["finish_reason"], changed, broken = None, True, ABORTED
-        if self._restart and self._preamble(obj):
+        if self._preamble(obj) and self._restart:
             return None, broken
         if "prompt_token_ids" in obj and (not self.want_ids or self._restart):
             del obj["prompt_token_ids"]
@@ -285,17 +286,25 @@ class ClientStream:
         return changed
 
     def _preamble(self, obj: dict) -> bool:
-        """A restart's chat role chunk, which the client already had: dropped."""
+        """A chat role chunk the client already had (a restart's): dropped. One it has not had (the
+        engine failed between the role chunks of several choices) goes out, and is remembered."""
         choices = obj.get("choices") or ()
         if not self.chat or len(choices) != 1:
             return False
         delta = choices[0].get("delta") or {}
-        return (
+        role = (
             "role" in delta
             and not delta.get("content")
             and not choices[0].get("token_ids")
             and not choices[0].get("finish_reason")
         )
+        if not role:
+            return False
+        index = choices[0].get("index", 0)
+        if index in self._roles_out:
+            return True
+        self._roles_out.add(index)
+        return False
 
     @staticmethod
     def _has_content(obj: dict) -> bool:

@@ -201,9 +201,11 @@ class Pipeline:
             return None
         spent = {i: "length" for i in stream.spent(resume.max_tokens(call.req, stream.chat))}
         if len(spent) == len(stream.running()):
-            usage = stream.whole_usage(len(call.tokens)) if resume.include_usage(call.req) else None
+            usage = None  # none asked for, or its chunk went out already (the engine failed before [DONE])
+            if resume.include_usage(call.req) and stream.usage is None:
+                usage = stream.whole_usage(len(call.tokens))
             await stream.finish(spent, usage)
-            return Outcome(200, out.broken.pod, usage, out.attempts)
+            return Outcome(200, out.broken.pod, usage or stream.usage, out.attempts)
         await stream.close_choices(spent)
         return None
 

@@ -334,3 +334,30 @@ def test_a_finish_under_an_index_the_request_does_not_have_ends_nothing():
     assert not stream.finished and stream.running() == [1]
     run(stream, multi(1, " b", [7], finish="length"))
     assert stream.finished
+
+
+def test_a_restart_passes_on_the_role_chunks_the_client_has_not_had():
+    """n = 2: the engine failed after choice 0's role chunk; the restart's role chunk of choice 0
+    is dropped, choice 1's goes out (once)."""
+    stream, sent = client_stream(chat=True, num_choices=2, n=2)
+
+    def role(i):
+        return ev(
+            {
+                "id": "c",
+                "created": 1,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "token_ids": [],
+                        "finish_reason": None,
+                    }
+                ],
+            }
+        )
+
+    run(stream, role(0))
+    stream.resuming(restart=True, since=time.perf_counter())
+    run(stream, role(0) + role(1))
+    assert [c["index"] for e in events(sent) for c in e["choices"]] == [0, 1]
