@@ -35,6 +35,15 @@ class RestartPolicy:
         """The back-off before restart number `attempt` (1, 2, ...) of a run of crashes."""
         return min(self.backoff_max, self.backoff * 2 ** (attempt - 1))
 
+    def after_exit(self, in_a_row: int, ran: float) -> int | None:
+        """A child exited after running `ran` seconds, restarted `in_a_row` times in a row
+        before: the number in a row of the restart it gets now, or None (give up on it)."""
+        if ran >= self.stable_after:
+            in_a_row = 0
+        if self.max_restarts and in_a_row >= self.max_restarts:
+            return None
+        return in_a_row + 1
+
 
 # What Child.check() saw happen.
 RESTARTED = "restarted"
@@ -117,10 +126,9 @@ class Child:
             if self.proc.poll() is None:
                 return None
             ran = now - self.started_at
-            if ran >= self.policy.stable_after:
-                self.in_a_row = 0
             status = exit_status(self.proc.returncode)
-            if self.policy.max_restarts and self.in_a_row >= self.policy.max_restarts:
+            attempt = self.policy.after_exit(self.in_a_row, ran)
+            if attempt is None:
                 self.gave_up = True
                 say(
                     "up",
@@ -128,8 +136,8 @@ class Child:
                     f"times in a row: giving up on it",
                 )
                 return GAVE_UP
-            self.in_a_row += 1
-            delay = self.policy.delay(self.in_a_row)
+            self.in_a_row = attempt
+            delay = self.policy.delay(attempt)
             self.restart_at = now + delay
             say(
                 "up",

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from kvmesh.mesh.supervisor import GAVE_UP, RESTARTED, Child, RestartPolicy, exit_status
 
 
@@ -104,3 +106,64 @@ def test_a_live_child_is_left_alone():
         child.terminate()
         child.wait(10)
     assert not child.alive()
+
+
+# -- the decision alone: RestartPolicy.after_exit, every case -------------------------------------
+@pytest.mark.parametrize("max_restarts", [0, 1, 3])
+@pytest.mark.parametrize("in_a_row", range(6))
+@pytest.mark.parametrize("ran", [0.0, 4.99, 5.0, 50.0])
+def test_after_an_exit_the_restart_number_or_giving_up(max_restarts, in_a_row, ran):
+    policy = RestartPolicy(
+        backoff=1.0, backoff_max=8.0, stable_after=5.0, max_restarts=max_restarts
+    )
+    stable = ran >= 5.0  # a run of stable_after or more starts the count over
+    before = 0 if stable else in_a_row
+    if max_restarts and before >= max_restarts:
+        assert policy.after_exit(in_a_row, ran) is None
+    else:
+        assert policy.after_exit(in_a_row, ran) == before + 1
+
+
+def test_a_crash_loop_is_restarted_exactly_max_restarts_times_with_these_delays():
+    policy = RestartPolicy(backoff=0.5, backoff_max=3.0, stable_after=60, max_restarts=5)
+    in_a_row, delays = 0, []
+    while (attempt := policy.after_exit(in_a_row, ran=0.1)) is not None:
+        in_a_row = attempt
+        delays.append(policy.delay(attempt))
+    assert delays == [0.5, 1.0, 2.0, 3.0, 3.0] and in_a_row == 5
+    # never given up without a limit; a stable run in between starts over at the first delay
+    unlimited = RestartPolicy(max_restarts=0)
+    assert unlimited.after_exit(10_000, ran=0.0) == 10_001
+    assert policy.after_exit(5, ran=60.0) == 1 and policy.delay(1) == 0.5
+
+
+class _Exited:
+    """A finished process as Popen reports it (no process is started)."""
+
+    pid = 4242
+
+    def __init__(self, code: int) -> None:
+        self.returncode = code
+
+    def poll(self) -> int:
+        return self.returncode
+
+
+@pytest.mark.parametrize("code", [0, 1, -9, -15])
+def test_every_exit_is_restarted_whatever_its_status(code, monkeypatch):
+    """`kvmesh up` keeps its children running: a clean exit, an error and a signal alike."""
+    child = Child("worker", ["true"], policy=RestartPolicy(backoff=2.0, max_restarts=1))
+
+    def start():  # Child.start's bookkeeping, a process that has exited already
+        child.proc, child.restart_at = _Exited(code), None
+        return child
+
+    monkeypatch.setattr(child, "start", start)
+    child.start()
+    child.started_at = 100.0
+    assert child.check(100.5) is None and child.restart_at == 102.5 and child.in_a_row == 1
+    assert child.check(102.49) is None and child.restarts == 0
+    assert child.check(102.5) == RESTARTED and child.restarts == 1 and child.restart_at is None
+    child.started_at = 103.0
+    assert child.check(103.5) == GAVE_UP and child.gave_up and child.restarts == 1
+    assert child.check(1000.0) is None and child.restarts == 1

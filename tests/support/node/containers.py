@@ -17,6 +17,7 @@ from typing import Any
 from kvmesh_testing.node import hostpaths
 from kvmesh_testing.node.images import HOST_PATHS
 from kvmesh_testing.node.probes import Prober, Target
+from kvmesh_testing.node.restarts import backoff
 from kvmesh_testing.node.status import now
 
 LAUNCHER = str(Path(__file__).with_name("launcher.py"))
@@ -248,10 +249,7 @@ class Container:
         """After a run ended: the back-off delay before the next start (kubelet: none after a
         first failure, then 10 s doubling up to 5 min; reset after a long enough run)."""
         ran = time.monotonic() - self.started_mono
-        if ran > 2 * cap:
-            self.crashes = 0
-        delay = 0.0 if self.crashes == 0 else min(initial * 2 ** (self.crashes - 1), cap)
-        self.crashes += 1
+        delay, self.crashes = backoff(self.crashes, ran, initial, cap)
         self.last_state = self.state
         self.next_start = time.monotonic() + delay
         return delay

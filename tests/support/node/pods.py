@@ -17,6 +17,7 @@ from kvmesh_testing.node.containers import Container, Launch
 from kvmesh_testing.node.envvars import ConfigError, container_env, expand, service_variables
 from kvmesh_testing.node.images import ImageNotMapped, base_path
 from kvmesh_testing.node.probes import Target, run_handler
+from kvmesh_testing.node.restarts import FAIL_POD, NEXT, RESTART, after_exit
 from kvmesh_testing.node.status import Conditions, now, phase
 from kvmesh_testing.node.volumes import PodVolumes
 
@@ -321,15 +322,15 @@ class PodWorker(threading.Thread):
             code = c.reap()
             if code is None:
                 return
-            if code == 0:
+            action = after_exit(self.restart_policy, code, init=True)
+            if action == NEXT:
                 self.init_index += 1
                 if self.init_index == len(self.init_containers):
                     self.conditions.set("Initialized", True)
-                return
-            if self.restart_policy == "Never":
+            elif action == FAIL_POD:
                 self.init_failed = True
-                return
-            self._restart_later(c)
+            else:
+                self._restart_later(c)
             return
         if c.next_start <= time.monotonic() and not self._start(c):
             c.next_start = time.monotonic() + 1  # try the image/config again in a second
@@ -361,12 +362,8 @@ class PodWorker(threading.Thread):
             code = c.reap()
             if code is None:
                 return
-            restart = self.restart_policy == "Always" or (
-                self.restart_policy == "OnFailure" and code != 0
-            )
-            if not restart:
-                return
-            self._restart_later(c)
+            if after_exit(self.restart_policy, code, init=False) == RESTART:
+                self._restart_later(c)
             return
         if "terminated" in c.state:
             return
