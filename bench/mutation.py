@@ -199,6 +199,33 @@ MODULES = [
         ],
         doc="the sidecar's index writer: events -> in-memory index -> the Redis block set",
     ),
+    Module(
+        "router_resume",
+        "router/resume.py",
+        ["tests/router/test_client_stream.py", "tests/router/test_resume_mutants.py"],
+        doc="which requests the router resumes, their choices, the upstream and continuation bodies",
+    ),
+    Module(
+        "sidecar_heartbeat",
+        "sidecar/heartbeat.py",
+        ["tests/sidecar/test_sidecar_heartbeat_counts.py"],
+        functions=_m(
+            "Heartbeat",
+            "problem",
+            "mark_draining",
+            "beat",
+            "_state_now",
+            "_check_incarnation",
+            "_engine_restarted",
+        ),
+        doc="the heartbeat's decisions, beat by beat (not its thread's loop and timing)",
+    ),
+    Module(
+        "sidecar_health",
+        "sidecar/health.py",
+        ["tests/sidecar/test_sidecar_health.py"],
+        doc="the sidecar's liveness and readiness, the probes' body, its metrics and their server",
+    ),
 ]
 BY_NAME = {m.name: m for m in MODULES}
 
@@ -238,6 +265,12 @@ EQUIVALENT: dict[str, set[str]] = {
         "xǁIndexWriterǁincremental__mutmut_3",
     },
     "scheduler": {"xǁSchedulerǁschedule__mutmut_7", "xǁSchedulerǁschedule__mutmut_36"},
+    "sidecar_heartbeat": {"xǁHeartbeatǁbeat__mutmut_44"},
+    "sidecar_health": {
+        "x_metrics_registry__mutmut_2",
+        "x_metrics_registry__mutmut_3",
+        *(f"xǁHealthServerǁ_handler__mutmut_{i}" for i in (6, 9, 80, 81, 87, 88)),
+    },
 }
 
 PLUGIN = '''\

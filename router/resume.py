@@ -28,17 +28,13 @@ def choices(call: Call) -> tuple[int, int] | None:
     """(prompts x n, n) of a generation: choice index = prompt index * n + j; None when malformed
     (the engine answers it)."""
     req = call.req
-    n = req.get("n", 1)
-    n = 1 if n is None else n
+    n = req.get("n")
+    n = 1 if n is None else n  # absent or null: the default
     if type(n) is not int or n < 1:
         return None
     if call.path != "/v1/completions":
         return n, n
-    try:
-        prompts = len(prompt_batch(req.get("prompt")))
-    except Exception:  # noqa: BLE001 - malformed: the engine answers it
-        return None
-    return (prompts * n, n) if prompts else None
+    return len(prompt_batch(req.get("prompt"))) * n, n  # anything not a batch is one prompt
 
 
 def wants_ids(req: dict[str, Any]) -> bool:

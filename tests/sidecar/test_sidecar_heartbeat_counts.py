@@ -37,6 +37,8 @@ class FakeEngine:
             raise httpx.ConnectError("connection refused", request=request)
         if request.url.path == "/ready":
             return httpx.Response(self.ready)
+        if request.url.path != "/metrics":
+            return httpx.Response(404)
         text = (
             f"process_start_time_seconds {self.start_time}\n"
             f"vllm:num_requests_running {self.running}\n"
@@ -281,3 +283,88 @@ def test_a_redis_outage_counts_each_failed_beat_and_marks_the_set_dirty(rig):
     assert s.stats["redis_errors"] == 3 and s.stats["heartbeats"] == 3
     assert s.writer.dirty and s.writer.retry_at == 0.0
     assert s.stats["block_set_repairs"] == 0
+
+
+# -- exact words and fields (what the mutation run found unpinned) --------------------------------
+def test_the_heartbeat_names_its_url_and_model_and_the_engines_load(rig, model_name):
+    s = rig()
+    s.beat()
+    hb = rl.Heartbeat.from_mapping("pod-a", s.published())
+    assert (s.published()[rl.F_MODEL], hb.url) == (model_name, "http://pod-a:8000")
+    assert (hb.running, hb.waiting) == (2, 3)  # read from /metrics, nowhere else
+
+
+def test_the_logs_name_the_failure_and_the_resync_reason(rig, caplog):
+    s = rig(engine_down_after=1)
+    s.beat()
+    s.engine.up = False
+    with caplog.at_level(logging.INFO, logger="kvmesh.sidecar"):
+        s.beat()
+        s.engine.up = True
+        s.beat()
+    assert [r.getMessage() for r in caplog.records] == [
+        "engine unreachable (connection refused); withdrawing the heartbeat",
+        "engine came back after being unreachable: resyncing the block index",
+    ]
+
+
+def test_a_withdrawal_logs_the_events_loops_problem(rig, caplog):
+    s = rig()
+    s.beat()
+    s.events.problem_now = "events loop stale"
+    with caplog.at_level(logging.ERROR, logger="kvmesh.sidecar"):
+        s.beat()
+    assert [r.getMessage() for r in caplog.records] == [
+        "events loop stale: withdrawing this pod's block set from Redis"
+    ]
+
+
+def test_mark_draining_writes_the_state_at_once(rig):
+    s = rig()
+    s.beat()
+    s.hb.mark_draining()
+    assert s.hb.state == rl.STATE_DRAINING and s.published()[rl.F_STATE] == rl.STATE_DRAINING
+    assert s.published()[rl.F_URL] == "http://pod-a:8000"  # the pod's own hash, one field changed
+    s.r.delete(s.hb.hb_key)
+    s.hb.redis = redis.Redis(port=free_port(), socket_connect_timeout=0.2)  # Redis gone
+    s.hb.mark_draining()  # no error: the next beats say draining anyway
+    assert s.hb.state == rl.STATE_DRAINING
+
+
+def test_the_thread_is_a_problem_only_when_it_ended_unasked(rig):
+    s = rig()
+    assert s.hb.problem() is None  # not started
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    done.join()
+    s.hb.thread = done
+    assert s.hb.problem() == "heartbeat loop dead"
+    s.hb._stop.set()
+    assert s.hb.problem() is None  # stopped on purpose
+    s.hb._stop.clear()
+    alive = threading.Event()
+    s.hb.thread = threading.Thread(target=alive.wait, daemon=True)
+    s.hb.thread.start()
+    try:
+        assert s.hb.problem() is None
+    finally:
+        alive.set()
+        s.hb.thread.join()
+
+
+def test_the_hash_its_ttl_and_the_pods_entry_are_written_in_one_transaction(rig):
+    """MULTI/EXEC: a sidecar that dies mid-beat never leaves a hash without its TTL (a pod that
+    would look alive for ever)."""
+    s = rig()
+    watcher = redis.Redis.from_url(s.cfg.redis_url, decode_responses=True, socket_timeout=2)
+    with watcher.monitor() as m:  # a beat without EXEC times out here instead of hanging
+        s.beat()
+        commands = []
+        for event in m.listen():
+            command = event["command"].split()[0].upper()
+            commands.append(command)
+            if command == "EXEC":
+                break
+    watcher.close()
+    at = commands.index("HSET")
+    assert commands[at - 1 : at + 4] == ["MULTI", "HSET", "EXPIRE", "SADD", "EXEC"]
