@@ -226,6 +226,25 @@ MODULES = [
         ["tests/sidecar/test_sidecar_health.py"],
         doc="the sidecar's liveness and readiness, the probes' body, its metrics and their server",
     ),
+    Module(
+        "operator_scaling",
+        "operator/scaling.py",
+        [
+            "tests/operator/test_scaling.py",
+            "tests/operator/test_pod_phases.py",
+            "tests/operator/test_scaling_mutants.py",
+        ],
+        functions=[
+            "_parse_time",
+            "engine_pods",
+            "read_load",
+            "observe",
+            "deletion_costs",
+            "annotate_deletion_costs",
+        ],
+        doc="the operator loop's view of pods and load, and the pods' deletion costs (not the "
+        "kopf loop itself: tests/operator/test_operator_runtime.py drives it, too slowly per mutant)",
+    ),
 ]
 BY_NAME = {m.name: m for m in MODULES}
 

@@ -90,7 +90,7 @@ def _parse_time(value: str | None) -> float | None:
     if not value:
         return None
     try:
-        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        return datetime.datetime.fromisoformat(value).timestamp()  # reads "Z" since Python 3.11
     except ValueError:
         return None
 
