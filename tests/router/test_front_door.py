@@ -222,7 +222,9 @@ def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error_event(
 ):
     stubs, _ = mesh(1)
     stubs[0].config(token_delay=0.2, response_tokens=100)
-    router = router_factory(model=model_name, redis_url=redis_server.url)
+    # the only replica, and no waiting for it to come back (by default the stream would wait
+    # --resume-timeout, 60 s, for a replica): the failure goes to the client
+    router = router_factory(model=model_name, redis_url=redis_server.url, resume_timeout=0)
     body = {"prompt": "a long story", "max_tokens": 100, "stream": True}
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=20) as resp:
         assert resp.status_code == 200
@@ -235,6 +237,7 @@ def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error_event(
     err = json.loads(rest[-2][6:])["error"]
     assert err["type"] == "upstream_error" and "mid-stream" in err["message"]
     assert metric(router.url, "kvmesh_router_upstream_failures_total", phase="mid_stream") == 1
+    assert metric(router.url, "kvmesh_router_resume_given_up_total", reason="no_replica") == 1
     assert metric(router.url, "kvmesh_router_internal_errors_total") == 0
     assert asgi_errors() == []
     assert httpx.get(router.url + "/health").status_code == 200
