@@ -391,15 +391,28 @@ def test_a_clean_up_step_that_hangs_is_left_behind(stub_factory, model_name, tmp
         assert "closing the discovery took over 2s; left behind" in text, text
 
 
+# The watchdog's delay in the test's router: the shutdown hangs at once, so nothing bounded needs
+# the real delay's room (checked against the bounded steps below)
+WATCHDOG_TEST_S = 2.0
+
+
+def test_the_watchdog_waits_past_every_bounded_shutdown_step():
+    from kvmesh.router.server import CUT_GRACE_S, WATCHDOG_AFTER_S
+
+    # the cut, uvicorn's wait (2 s), the lifespan shutdown (3 steps of at most 2 s), with room
+    assert WATCHDOG_AFTER_S >= 1.5 * (CUT_GRACE_S + 2 + 3 * 2)
+
+
 def test_a_router_stuck_in_its_shutdown_dumps_its_stacks_and_exits(
     stub_factory, model_name, tmp_path
 ):
-    from kvmesh.router.server import WATCHDOG_AFTER_S
-
     (stub,) = stub_factory(model_name, 1, events=False)
-    with RouterProc(stub.url, tmp_path, drain_timeout=1, patch=HANG_SHUTDOWN) as router:
+    patch = HANG_SHUTDOWN + (
+        f"import kvmesh.router.server as server\nserver.WATCHDOG_AFTER_S = {WATCHDOG_TEST_S}\n"
+    )
+    with RouterProc(stub.url, tmp_path, drain_timeout=1, patch=patch) as router:
         router.sigterm()
-        rc, exited_after, text = router.wait(1 + WATCHDOG_AFTER_S + 15)
+        rc, exited_after, text = router.wait(1 + WATCHDOG_TEST_S + 15)
         assert rc == 1, (rc, text[-3000:])
-        assert exited_after >= 1 + WATCHDOG_AFTER_S - 1
+        assert exited_after >= 1 + WATCHDOG_TEST_S - 1
         assert "Timeout (0:00:" in text and "in _stuck" in text, text[-3000:]  # faulthandler's dump
