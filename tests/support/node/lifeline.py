@@ -4,7 +4,7 @@ thread that forked us, and a cluster may be started from a thread that ends.
 
 ``python -m kvmesh_testing.node.lifeline --slot N --pids-file F`` is a cluster's watchdog: it
 holds the cluster's slot lock (inherited), and if the cluster's process dies it stops the
-processes recorded in F (SIGTERM, SIGKILL after a while), removes the slot's network, and
+processes recorded in F (SIGTERM, one after the other; SIGKILL after a while), removes the slot's network, and
 exits, releasing the slot. A normal stop ends it with SIGTERM before cleaning up itself.
 """
 
@@ -58,19 +58,20 @@ def _running(pid: int) -> bool:
 
 
 def stop_recorded(pids_file: Path, grace: float = 15.0) -> None:
-    """SIGTERM the recorded processes that still run, SIGKILL those left after ``grace``.
-    Which processes they are is decided once, by command line, before any signal: an exiting
-    process's command line may read empty."""
+    """SIGTERM the recorded processes that still run one at a time, each once the one before it
+    has exited, in reverse order of start (the node agent first: it stops the pods; etcd last:
+    the API server waits for it while it shuts down), as the cluster's own stop does; SIGKILL
+    whatever is left after ``grace`` in all. Which processes they are is decided once, by
+    command line, before any signal: an exiting process's command line may read empty."""
     pids = _recorded(pids_file)
-    if grace > 0:
-        for pid in reversed(pids):  # the node agent (last) first: it stops the pods
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(_running(pid) for pid in pids):
-            time.sleep(0.2)
+    deadline = time.monotonic() + grace
+    for pid in reversed(pids) if grace > 0 else ():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+        while time.monotonic() < deadline and _running(pid):
+            time.sleep(0.05)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
