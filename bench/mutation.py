@@ -245,6 +245,12 @@ MODULES = [
         doc="the operator loop's view of pods and load, and the pods' deletion costs (not the "
         "kopf loop itself: tests/operator/test_operator_runtime.py drives it, too slowly per mutant)",
     ),
+    Module(
+        "supervisor",
+        "kvmesh/mesh/supervisor.py",
+        ["tests/mesh/test_supervisor.py"],
+        doc="kvmesh up's restarts: the back-off, giving up, the exit statuses, a stopped child",
+    ),
 ]
 BY_NAME = {m.name: m for m in MODULES}
 
@@ -285,6 +291,7 @@ EQUIVALENT: dict[str, set[str]] = {
     },
     "scheduler": {"xǁSchedulerǁschedule__mutmut_7", "xǁSchedulerǁschedule__mutmut_36"},
     "sidecar_heartbeat": {"xǁHeartbeatǁbeat__mutmut_44"},
+    "supervisor": {f"xǁChildǁstart__mutmut_{i}" for i in (1, 11, 13, 20, 22, 24, 27)},
     "sidecar_health": {
         "x_metrics_registry__mutmut_2",
         "x_metrics_registry__mutmut_3",

@@ -4,7 +4,10 @@ child that was stopped on purpose. Real (short) processes; the clock is passed i
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
+import time
 
 import pytest
 
@@ -167,3 +170,100 @@ def test_every_exit_is_restarted_whatever_its_status(code, monkeypatch):
     child.started_at = 103.0
     assert child.check(103.5) == GAVE_UP and child.gave_up and child.restarts == 1
     assert child.check(1000.0) is None and child.restarts == 1
+
+
+def test_an_unknown_signal_is_named_by_its_number():
+    assert exit_status(-200) == "killed by signal 200"
+
+
+def test_a_new_child_before_its_start():
+    child = Child("worker", ["true"], env={"A": "1"})
+    assert (child.essential, child.stopping, child.gave_up) == (False, False, False)
+    assert (child.proc, child.restart_at, child.started_at, child.env) == (
+        None,
+        None,
+        0.0,
+        {"A": "1"},
+    )
+    assert child.check(0.0) is None and child.pid is None  # never started: nothing to do
+    child.wait(1)  # returns at once
+
+
+def test_the_restart_lines_and_the_clock_read_when_none_is_given(capsys, monkeypatch):
+    child = Child("worker", ["true"], policy=RestartPolicy(backoff=0.0, max_restarts=1))
+
+    def start():
+        child.proc, child.restart_at = _Exited(2), None
+        return child
+
+    monkeypatch.setattr(child, "start", start)
+    child.start()
+    child.started_at = 0.0  # long ago on the monotonic clock: a stable run
+    assert child.check() is None and child.restart_at is not None  # now: time.monotonic()
+    assert child.check() == RESTARTED
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("[up] worker exited (exit code 2) after ")
+    assert out[1] == "[up] worker restarted (pid 4242)"
+    child.started_at = 1e12  # ran no time at all: the second restart in a row is past the limit
+    assert child.check(1e12 + 0.1) == GAVE_UP
+    assert capsys.readouterr().out == (
+        "[up] worker exited (exit code 2) after 0.1s; it was restarted 1 times in a row: "
+        "giving up on it\n"
+    )
+
+
+CHILD = (
+    "import os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('env', os.environ.get('KVMESH_TEST_VAR'))\n"
+    "print('stdin', repr(sys.stdin.read()))\n"
+    "print('own session', os.getsid(0) == os.getpid())\n"
+    "print('trailing spaces  ')\n"
+    "print('ends with X')\n"
+    "sys.stdout.flush()\n"
+    "print('to stderr', file=sys.stderr, flush=True)\n"
+    "os.write(1, b'bytes \\xff\\n')\n"
+    "time.sleep(30)\n"
+)
+
+
+def test_a_child_runs_in_its_own_session_its_output_prefixed_and_is_killed_if_it_will_not_stop(
+    capsys,
+):
+    env = {"KVMESH_TEST_VAR": "seven", "PATH": "/usr/bin:/bin"}
+    # our stdin an open pipe: a child that inherited it would wait on it for ever
+    r, w = os.pipe()
+    saved = os.dup(0)
+    os.dup2(r, 0)
+    try:
+        child = Child("worker", [sys.executable, "-c", CHILD], env=env)
+        child.stopping = True  # as after a terminate(): a new start clears it
+        child.start()
+    finally:
+        os.dup2(saved, 0)
+        for fd in (r, saved):
+            os.close(fd)
+    deadline = time.monotonic() + 20
+    wanted = [
+        "[worker] env seven",
+        "[worker] stdin ''",
+        "[worker] own session True",
+        "[worker] trailing spaces  ",
+        "[worker] ends with X",
+        "[worker] to stderr",
+        "[worker] bytes \ufffd",
+    ]
+    lines: list[str] = []
+    while time.monotonic() < deadline and lines[-1:] != wanted[-1:]:
+        lines += capsys.readouterr().out.splitlines()
+        time.sleep(0.05)
+    os.close(w)
+    assert lines == wanted
+    assert not child.stopping
+    pumps = [t for t in threading.enumerate() if t.name.endswith("(_pump)")]
+    assert pumps and all(t.daemon for t in pumps)  # never holds `kvmesh up` from exiting
+    child.terminate()  # it ignores SIGTERM
+    t0 = time.monotonic()
+    child.wait(1.0)
+    assert time.monotonic() - t0 < 6 and not child.alive() and child.proc.returncode == -9
+    assert capsys.readouterr().out == "[up] worker did not stop in 1s; killing it\n"
