@@ -102,10 +102,10 @@ class ResponseAssembly:
     ) -> dict[str, Any]:
         """return_token_ids (vLLM's): the choice's ``token_ids``, and the prompt's ids with the first
         output (on the choice for completions, on ``obj`` - the response or chunk - for chat);
-        never on a continuation, whose client has them already."""
+        never on a continuation's choice that goes on from ids, whose client has them already."""
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
-            if first and not (self.resuming and self.streaming):
+            if first and not (c.resumed and self.streaming):
                 if self.prompt_ids_per_choice:
                     choice["prompt_token_ids"] = list(c.ids)
                 elif obj is not None:

@@ -116,9 +116,6 @@ class GenerationHandler(RequestHandler, OutputStreaming):
                         "several go on with resume.choices",
                     )
                 plan = {0: resumed}
-            if plan is not None:
-                # the client had the prompt's echo and logprobs from the original stream
-                params = replace(params, prompt_logprobs=None)
             choices: list[Choice] = []
             for p_index, prompt in enumerate(prompts):
                 indices = range(p_index * n, (p_index + 1) * n)
@@ -134,6 +131,10 @@ class GenerationHandler(RequestHandler, OutputStreaming):
                     # a continuation's too: it keeps the original's choice indices.
                     sample = fitted.sample(j)
                     so_far = plan[index] if plan is not None else []
+                    if (
+                        so_far
+                    ):  # the client had the prompt's echo and logprobs from the original stream
+                        sample = replace(sample, prompt_logprobs=None)
                     if so_far:  # every id against the vocabulary, and room left to generate
                         where = (
                             None
@@ -216,8 +217,9 @@ class GenerationHandler(RequestHandler, OutputStreaming):
         self.return_token_ids = body.return_token_ids
         self.read_options(body)
         if body.resume is not None:  # the client had the prompt's echo and logprobs already
+            # (echo: of the choices it has ids of; one the continuation starts from nothing gets it)
             self.resuming = True
-            self.echo = self.echo_only = self.with_prompt_logprobs = False
+            self.echo_only = self.with_prompt_logprobs = False
         self.admit(choices, body.cache_salt)
         self.state.active += 1
         if body.stream:

@@ -72,13 +72,16 @@ class CompletionHandler(GenerationHandler):
         return text, list(zip(c.ids, lps))
 
     def stream_prefix(self, c: Choice, out: RequestOutput, first: bool):
-        return self.echo_prefix(c, out) if self.echo and first else ("", [])
+        # a continuation's choice the client has ids of had its echo (one started from nothing: not)
+        return self.echo_prefix(c, out) if self.echo and first and not c.resumed else ("", [])
 
     def stream_choice(self, c, out, prefix, prompt_entries, delta_text, delta_lps, finish, want_lp):
         i = c.index
-        offset = self.text_offsets.get(
-            i, out.outputs[0].text_offset
-        )  # a continuation's: after the resumed text
+        offset = self.text_offsets.get(i)
+        if offset is None:  # a continuation's: after the text the client has (its echo too)
+            offset = out.outputs[0].text_offset
+            if self.echo and c.resumed:
+                offset += len(self.echo_prefix(c, out)[0])
         text = prefix + delta_text
         choice = {
             "index": i,
@@ -93,7 +96,9 @@ class CompletionHandler(GenerationHandler):
         return choice
 
     def full_choice(self, c, out, text, lps, finish, want_lp):
-        prefix, prompt_entries = self.echo_prefix(c, out) if self.echo else ("", [])
+        prefix, prompt_entries = (
+            self.echo_prefix(c, out) if self.echo and not c.resumed else ("", [])
+        )
         return {
             "index": c.index,
             "text": prefix + text,

@@ -6,10 +6,11 @@ continuation that goes on from the wrong ids, or under the wrong index, writes o
 uninterrupted run. Token id t reads " w<t>". It speaks what the router relies on
 (docs/engine-server.md, "Mid-stream resume"): `return_token_ids` (completions: `prompt_token_ids`
 on each choice's first chunk; chat: on the first role chunk), `resume.output_token_ids` and
-`resume.choices` (counted against max_tokens, stop strings over the whole output, no role chunk,
-no prompt ids, no echo, completions' `text_offset` going on, a usage counting the continued
-choices' prompts once and their whole outputs), `n`, a batch of prompts, `echo`, `logprobs`,
-stop strings, `stream_options.include_usage`, non-streamed answers.
+`resume.choices` (counted against max_tokens, stop strings over the whole output, no role chunk;
+no prompt ids and no echo for a choice that goes on from ids, both for one started from nothing;
+completions' `text_offset` going on after the text the client has, its echo included; a usage
+counting the continued choices' prompts once and their whole outputs), `n`, a batch of prompts,
+`echo`, `logprobs`, stop strings, `stream_options.include_usage`, non-streamed answers.
 
 A `Script` shared by the engines of a test says how the k-th request they receive (in order of
 arrival) fails: its connection cut after a number of data events, an error event, or its drain's
@@ -150,6 +151,8 @@ class ScriptedEngine:
                     len(done),
                 )
                 c.sent_text = len("".join(token_text(t) for t in done))
+                if done and req.get("echo") and not chat:  # the client had its echo too
+                    c.sent_text += len(text)
                 out.append(c)
         return out
 
@@ -226,7 +229,8 @@ class ScriptedEngine:
                         if k == 0:
                             obj["prompt_token_ids"] = list(c.prompt)
                     await emit(obj)
-            first = {c.index: not continuation for c in choices}
+            # a choice's first chunk (echo, prompt ids): not again for one going on from its ids
+            first = {c.index: not c.resumed for c in choices}
             while running:
                 for c in list(running):
                     t, text, finish = self.step(c, req)

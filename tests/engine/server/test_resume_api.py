@@ -337,10 +337,11 @@ def test_several_choices_continue_under_their_own_indices(server, kind, sampling
         assert ids + cont[i]["ids"] == whole[i]["ids"], i
         assert whole[i]["text"].endswith(cont[i]["text"]) and cont[i]["text"], i
         assert cont[i]["finish"] == "length" and not cont[i]["role"]
-    assert all(
-        "prompt_token_ids" not in ch and all("prompt_token_ids" not in c for c in ch["choices"])
-        for ch in cont_chunks
-    )
+    # prompt ids only for the choice started from nothing, as in a fresh stream (completions: on
+    # its first chunk; chat: on the role chunk, which a continuation does not send)
+    fresh = [c["index"] for ch in cont_chunks for c in ch["choices"] if "prompt_token_ids" in c]
+    assert fresh == ([] if chat else [n_choices - 1])
+    assert all("prompt_token_ids" not in ch for ch in cont_chunks)
     usage = cont_chunks[-1]["usage"]
     prompts = {i // (n_choices if chat else 2) for i in listed}
     assert usage["prompt_tokens"] == sum(prompt_lens[p] for p in prompts)
@@ -420,3 +421,57 @@ def test_a_multi_choice_continuation_past_the_context_names_its_choice(server):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "resume.choices.0.output_token_ids"
     assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_continuation_echoes_only_what_the_client_has_not_had(server):
+    """echo + logprobs, a batch of 2 prompts: choice 0 goes on from 3 ids (no echo again, its
+    text_offset after the echoed prompt and the text sent), choice 1 starts from nothing (its echo,
+    prompt logprobs and prompt ids as in the uninterrupted stream)."""
+    body = {
+        "prompt": ["The lighthouse keeper", "A harbour at dawn"],
+        "temperature": 0,
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "echo": True,
+        "logprobs": 1,
+        "return_token_ids": True,
+    }
+
+    def per_choice(chunks):
+        out: dict[int, dict] = {}
+        for ch in chunks:
+            for c in ch["choices"]:
+                one = out.setdefault(c["index"], {"text": "", "lps": [], "ids": [], "prompt": None})
+                one["text"] += c["text"]
+                lp = c["logprobs"]
+                one["lps"] += list(zip(lp["tokens"], lp["token_logprobs"], lp["text_offset"]))
+                one["ids"] += c.get("token_ids") or []
+                one["prompt"] = c.get("prompt_token_ids", one["prompt"])
+        return out
+
+    whole = per_choice(stream(server, "/v1/completions", body))
+    resume = {
+        "choices": [
+            {"index": 0, "output_token_ids": whole[0]["ids"][:3]},
+            {"index": 1, "output_token_ids": []},
+        ]
+    }
+    cont = per_choice(stream(server, "/v1/completions", {**body, "resume": resume}))
+
+    def entries(lps):  # (token, text_offset) exactly; the logprob as a number in another batch
+        return [(t, o) for t, _, o in lps], [v for _, v, _ in lps]
+
+    # choice 1: its echo, prompt entries, offsets, ids and prompt ids, as uninterrupted
+    assert {k: v for k, v in cont[1].items() if k != "lps"} == {
+        k: v for k, v in whole[1].items() if k != "lps"
+    }
+    assert entries(cont[1]["lps"])[0] == entries(whole[1]["lps"])[0]
+    got, want = entries(cont[1]["lps"])[1], entries(whole[1]["lps"])[1]
+    assert [v is None for v in got] == [v is None for v in want]
+    assert [v for v in got if v is not None] == pytest.approx(
+        [v for v in want if v is not None], abs=1e-3
+    )
+    # choice 0: no echo again; its text_offset counts the echoed prompt and the text sent
+    assert whole[0]["text"].endswith(cont[0]["text"]) and cont[0]["prompt"] is None
+    assert not cont[0]["text"].startswith("The lighthouse keeper")
+    assert entries(cont[0]["lps"])[0] == entries(whole[0]["lps"][-3:])[0]
