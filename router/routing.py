@@ -70,7 +70,7 @@ class Routing:
                 self.client_gone(call)
                 self.admission.refund(call)
                 return False
-            if call.flow is not None and call.flow.held is not None:  # it waited: look again
+            if call.flow is not None and call.flow.waited:  # it waited: look again
                 pods = await self.routable_pods(call, watcher)
                 if pods is None:
                     return False

@@ -2,9 +2,9 @@
 
 A request passes straight through when nothing waits and some routable replica is not
 saturated. Otherwise it is queued (queue.py): the dispatcher releases the next one (highest
-band, least-served tenant) each time a replica has room, one at a time, each once the one
-before it is on an engine's socket (as the hold queue does), so one heartbeat's worth of
-room is not handed out many times over. A request refused here never reached an engine:
+band, least-served tenant) each time a replica has room. A request let through counts against
+the replicas' room until it is on an engine's socket (the hold queue's `sent`), so one look's
+worth of room is not handed out many times over. A request refused here never reached an engine:
 429 (no room, or shed for a higher band or a smaller tenant) or 503 (its deadline passed),
 both with Retry-After. A request already sent is never touched.
 """
@@ -36,7 +36,6 @@ DISPATCHED = "dispatched"
 DISCONNECT = "disconnect"
 SHUTDOWN = "shutdown"
 POLL_S = 0.02  # how often the dispatcher looks at saturation while requests wait
-SENT_WAIT_S = 0.5  # longest wait for a released request to reach an engine before the next goes
 
 
 @dataclass
@@ -45,7 +44,8 @@ class Flow:
 
     identity: Identity
     tenant: str  # its flow in the tenant table (the identity's tenant, or OTHER)
-    held: Held | None = None  # set while it waited in the queue
+    held: Held | None = None  # its `sent` is set once it is on an engine's socket
+    waited: bool = False  # it waited in the queue
 
 
 class FlowControl:
@@ -68,6 +68,7 @@ class FlowControl:
         self._dispatcher: asyncio.Task | None = None
         self._sync: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        self._launching: list[Held] = []  # let through, not yet on an engine's socket
         for band in s.bands:
             metrics.flow_queue_depth.labels(band.name).set(0)
 
@@ -105,9 +106,10 @@ class FlowControl:
         flow = call.flow = Flow(ident, self.counters.tenant(ident.tenant))
         self.metrics.flow_tenants.set(len(self.counters))
         if not len(self.queue) and not self.saturated():
-            self._charge(flow, len(call.tokens), self.s.prompt_weight)
+            self._let_through(flow, len(call.tokens))
             self.metrics.flow_dispatched.labels(ident.band.name, "no").inc()
             return True
+        flow.waited = True
         outcome, waited = await self._queued(flow, watcher)
         band = ident.band.name
         self.metrics.flow_queued_seconds.labels(band, outcome).observe(waited)
@@ -116,9 +118,16 @@ class FlowControl:
         if outcome != DISPATCHED:
             self.metrics.flow_shed.labels(band, outcome).inc()
             raise refusal(outcome, ident)
-        self._charge(flow, len(call.tokens), self.s.prompt_weight)
+        self._let_through(flow, len(call.tokens))
         self.metrics.flow_dispatched.labels(band, "yes").inc()
         return True
+
+    def _let_through(self, flow: Flow, prompt_tokens: int) -> None:
+        """Charged its prompt; counted as launching until it is on an engine's socket."""
+        if flow.held is None:  # (one the dispatcher released is counted already)
+            flow.held = Held()
+            self._launching.append(flow.held)
+        self._charge(flow, prompt_tokens, self.s.prompt_weight)
 
     async def _queued(self, flow: Flow, watcher: asyncio.Future) -> tuple[str, float]:
         ident, now = flow.identity, self.clock()
@@ -161,7 +170,8 @@ class FlowControl:
     # -- the dispatcher ---------------------------------------------------------------------------
     def saturated(self) -> bool:
         pods = self.discovery.routable() if self.discovery is not None else []
-        full = all_saturated(pods, self.traffic.inflight, self.s)
+        self._launching = [h for h in self._launching if not h.sent.is_set()]
+        full = all_saturated(pods, self.traffic.inflight, self.s, len(self._launching))
         self.metrics.flow_saturated.set(1 if full else 0)
         return full
 
@@ -185,10 +195,7 @@ class FlowControl:
                 if t is None or t.go.go.done():
                     continue
                 t.go.go.set_result(DISPATCHED)
-                try:  # the next one goes once this one is on its way (or has given up)
-                    await asyncio.wait_for(t.go.sent.wait(), SENT_WAIT_S)
-                except TimeoutError:
-                    pass
+                self._launching.append(t.go)  # counted until it is on an engine's socket
                 continue
             self._wake.clear()
             try:
