@@ -115,8 +115,16 @@ def queued_at_routers(entries: Mapping[Any, Any], now: float) -> int:
     return total
 
 
-async def read_queued_at_routers(client: Any, model: str, now: float) -> int:
-    """One bounded page of ``flow:queued`` (asyncio client), summed by :func:`queued_at_routers`."""
+def read_queued_at_routers(client: Any, model: str, now: float):
+    """One bounded page of ``flow:queued``, summed by :func:`queued_at_routers` (with an
+    asyncio client, a coroutine of it)."""
+    if _is_async(client):
+        return _read_queued_async(client, model, now)
+    _, entries = client.hscan(flow_queued_key(model), 0, count=ROUTER_QUEUE_READ)
+    return queued_at_routers(dict(list(entries.items())[:ROUTER_QUEUE_READ]), now)
+
+
+async def _read_queued_async(client: Any, model: str, now: float) -> int:
     _, entries = await client.hscan(flow_queued_key(model), 0, count=ROUTER_QUEUE_READ)
     return queued_at_routers(dict(list(entries.items())[:ROUTER_QUEUE_READ]), now)
 

@@ -6,6 +6,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from kvmesh.common import flow_bands
+
 _NAME_OK = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
 
 
@@ -21,12 +23,7 @@ class Band:
     max_queued: int = 256
 
 
-# GIE's defaults: critical above standard above sheddable.
-DEFAULT_BANDS = (
-    Band("critical", 2, 1.0, 1024),
-    Band("standard", 1, 1.0, 512),
-    Band("sheddable", 0, 1.0, 256),
-)
+DEFAULT_BANDS = tuple(Band(*b) for b in flow_bands.DEFAULT_BANDS)
 
 
 def parse_band(text: str) -> Band:
@@ -58,8 +55,8 @@ class FlowSettings:
 
     enabled: bool = False
     bands: tuple[Band, ...] = DEFAULT_BANDS
-    default_band: str = "standard"
-    max_queued: int = 1024  # all bands together
+    default_band: str = flow_bands.DEFAULT_BAND
+    max_queued: int = flow_bands.MAX_QUEUED  # all bands together
     default_deadline: float = 60.0  # seconds a request may wait at the router
     kv_threshold: float = 0.8  # a replica at or above this KV usage is saturated
     queue_threshold: int = 5  # ... or with this many requests waiting in its engine
