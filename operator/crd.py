@@ -209,6 +209,7 @@ _FLOW_BAND = _obj(
         "name": _str(
             "Band name (what x-gateway-inference-objective and a key's band= name).",
             pattern="^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$",
+            maxLength=32,
         ),
         "priority": _int("A higher priority is dispatched first and shed last."),
         "weight": _num(
@@ -244,6 +245,7 @@ FLOW_CONTROL = _obj(
         "defaultBand": _str(
             "Band of requests that name none (--flow-default-band).",
             default=_flow_bands.DEFAULT_BAND,
+            maxLength=32,
         ),
         "maxQueued": _int(
             "Requests waiting, all bands together (--flow-max-queued); the lowest band is shed first.",
