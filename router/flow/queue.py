@@ -74,6 +74,7 @@ class FlowQueue:
         self.bands = [_BandQueue(b) for b in s.ordered]  # highest priority first
         self._by_name = {q.band.name: q for q in self.bands}
         self._len = 0
+        self._earliest = float("inf")  # no deadline comes before it (a lower bound)
 
     def __len__(self) -> int:
         return self._len
@@ -109,6 +110,7 @@ class FlowQueue:
             victims.append(victim)
         bq.add(t)
         self._len += 1
+        self._earliest = min(self._earliest, t.deadline)
         return victims
 
     def _displace(self, bq: _BandQueue, t: Ticket) -> Ticket | None:
@@ -154,11 +156,18 @@ class FlowQueue:
         return False
 
     def expire(self, now: float) -> list[Ticket]:
-        """The tickets past their deadline, taken out (outcome DEADLINE); the lowest band first."""
+        """The tickets past their deadline, taken out (outcome DEADLINE); the lowest band first.
+        The queue is walked only once the earliest deadline has come."""
+        if now < self._earliest:
+            return []
         out = []
         for bq in reversed(self.bands):
             for q in list(bq.tenants.values()):
                 out += [self._take(bq, t, DEADLINE) for t in [t for t in q if t.deadline <= now]]
+        self._earliest = min(
+            (t.deadline for bq in self.bands for q in bq.tenants.values() for t in q),
+            default=float("inf"),
+        )
         return out
 
     def lowest_service(self, band: str, service: Callable[[str], float]) -> float | None:

@@ -173,3 +173,50 @@ def test_two_routers_sharing_redis_converge_on_fair_share(
 
     entries = redis_server.client().hgetall(rl.flow_queued_key(model_name))
     assert fc_a.router_id in entries and fc_b.router_id in entries
+
+
+def test_malformed_flow_headers_get_the_default_band_never_a_5xx(
+    mesh, router_factory, model_name, redis_server
+):
+    mesh(1)
+    rt = router_factory(model=model_name, redis_url=redis_server.url, flow=flow())
+    junk = [
+        {"x-gateway-inference-objective": "platinum"},
+        {"x-gateway-inference-objective": "x" * 5000},
+        {"x-gateway-inference-fairness-id": b"\xe9\xff" * 50},
+        {"x-gateway-inference-fairness-id": "a b c"},
+        {"x-kvmesh-deadline-seconds": "-1"},
+        {"x-kvmesh-deadline-seconds": "1e999"},
+        {"x-kvmesh-deadline-seconds": "soon"},
+    ]
+    for headers in junk:
+        r = httpx.post(
+            rt.url + "/v1/completions",
+            json={"model": "m", "prompt": "hi", "max_tokens": 2},
+            headers=headers,
+            timeout=30,
+        )
+        assert r.status_code == 200, (headers, r.text)
+    text = httpx.get(rt.url + "/metrics").text
+    assert 'kvmesh_router_flow_dispatched_total{band="standard",queued="no"} 7.0' in text
+    assert 'tenant="anonymous"' in text and "platinum" not in text
+
+
+def test_the_routers_queue_depths_are_read_by_sync_and_asyncio_clients(redis_server, model_name):
+    import redis.asyncio as aioredis
+
+    from kvmesh.common import redis_layout as rl
+
+    r = redis_server.client()
+    now = time.time()
+    r.hset(rl.flow_queued_key(model_name), mapping={"a": rl.queued_entry(3, now), "b": "junk"})
+    assert rl.read_queued_at_routers(r, model_name, now) == 3
+
+    async def read():
+        client = aioredis.Redis.from_url(redis_server.url)
+        try:
+            return await rl.read_queued_at_routers(client, model_name, now)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(read()) == 3
