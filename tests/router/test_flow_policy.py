@@ -270,8 +270,9 @@ class Pods:
         return self.pods
 
 
-def control(s: FlowSettings, discovery) -> FlowControl:
-    fc = FlowControl(s, "m", RouterMetrics(), SimpleNamespace(inflight={}))
+def control(s: FlowSettings, discovery, inflight=None) -> FlowControl:
+    traffic = SimpleNamespace(inflight=inflight if inflight is not None else {})
+    fc = FlowControl(s, "m", RouterMetrics(), traffic)
     fc.attach(discovery, None)
     return fc
 
@@ -291,7 +292,7 @@ def test_requests_pass_at_once_while_a_replica_has_room_and_are_charged_their_pr
         fc = control(settings(), Pods(Pod("a", "u", ts=1)))
         c = call({"x-gateway-inference-fairness-id": "t"}, tokens=40)
         assert await fc.wait(c, pending()) is True
-        assert c.flow.held is None and fc.counters.value("id:t") == pytest.approx(40)
+        assert not c.flow.waited and fc.counters.value("id:t") == pytest.approx(40)
         fc.done(c, {"completion_tokens": 5})
         assert fc.counters.value("id:t") == pytest.approx(50)
 
@@ -369,5 +370,30 @@ def test_a_client_that_leaves_while_waiting_leaves_the_queue():
         watcher.set_result(None)
         assert await task is False
         assert len(fc.queue) == 0
+
+    asyncio.run(main())
+
+
+def test_requests_let_through_count_against_the_room_until_they_are_on_an_engines_socket():
+    """A burst on one look: the replica's room (here this router's cap of 2) is handed out
+    once, not to every request of the burst; what was let through counts until it is sent."""
+
+    async def main():
+        inflight = {"a": 0}
+        fc = control(settings(pod_max_inflight=2), Pods(Pod("a", "u")), inflight)
+        calls = [call() for _ in range(3)]
+        first = [await fc.wait(c, pending()) for c in calls[:2]]
+        assert first == [True, True]
+        third = asyncio.ensure_future(fc.wait(calls[2], pending()))
+        await asyncio.sleep(0.05)
+        assert not third.done() and len(fc.queue) == 1
+        inflight["a"] = 2  # both on the engine's socket now: still no room
+        for c in calls[:2]:
+            c.flow.held.sent.set()
+        await asyncio.sleep(0.05)
+        assert not third.done()
+        inflight["a"] = 1  # one ended
+        fc.done(calls[0], None)
+        assert await asyncio.wait_for(third, 2) is True and calls[2].flow.waited
 
     asyncio.run(main())
