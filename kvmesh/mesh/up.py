@@ -344,7 +344,7 @@ class Mesh:
             scale_to_zero_idle_s=a.scale_to_zero_idle,
         )
 
-    def read_load(self) -> tuple[dict, int, bool] | None:
+    def read_load(self) -> tuple[dict, int, bool, int] | None:
         """(pod -> live `ready` heartbeat, requests in flight on any replica or waiting at the
         router, router demand, requests waiting at the router), or None when Redis cannot be read."""
         import redis
