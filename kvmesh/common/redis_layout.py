@@ -110,7 +110,8 @@ def queued_at_routers(entries: Mapping[Any, Any], now: float) -> int:
             depth_n, ts_f = int(depth), float(ts)
         except ValueError:
             continue
-        if 0 <= depth_n < 1 << 20 and 0 <= now - ts_f <= ROUTER_QUEUE_STALE_S:
+        # (a clock a little ahead of the reader's counts too: routers and operator differ)
+        if 0 <= depth_n < 1 << 20 and abs(now - ts_f) <= ROUTER_QUEUE_STALE_S:
             total += depth_n
     return total
 

@@ -1,7 +1,8 @@
 """The bounded per-band queues of requests waiting at the router: dispatch order, deadlines, shedding (pure; the caller passes the time).
 
 Dispatch takes the highest band first; inside a band, the tenant with the least service
-(fairness.py), first come first served inside a tenant. A band holds at most its
+(fairness.py; on a tie, the one with fewer requests waiting), first come first served inside a
+tenant. A band holds at most its
 `max_queued`, all bands `max_queued` together. An arrival that finds no room sheds the newest
 request of the lowest band below its own; in its own band it displaces only a tenant that
 holds more of the queue than it would (a flood makes room for the others, never the reverse);
@@ -137,11 +138,16 @@ class FlowQueue:
         return t
 
     def pop(self, service: Callable[[str], float]) -> Ticket | None:
-        """The next request to dispatch: highest band, least-served tenant, oldest request."""
+        """The next request to dispatch: highest band, least-served tenant (on a tie, the one with
+        fewer requests waiting: a tenant lifted as it starts waiting goes before a flood), its
+        oldest request."""
         for bq in self.bands:
             if not bq.count:
                 continue
-            tenant = min(bq.tenants, key=lambda n: (service(n), bq.tenants[n][0].seq))
+            tenant = min(
+                bq.tenants,
+                key=lambda n: (service(n), len(bq.tenants[n]), bq.tenants[n][0].seq),
+            )
             t = bq.tenants[tenant][0]
             bq.remove(t)
             self._len -= 1

@@ -155,6 +155,18 @@ def test_virtual_token_counting_gives_light_tenants_their_share_against_a_flood(
     assert served["heavy"] == 20  # the flood got its share, no more
 
 
+def test_on_equal_service_the_tenant_with_fewer_requests_waiting_goes_first():
+    s = settings()
+    q = FlowQueue(s)
+    flood = [ticket(s, "flood", "standard") for _ in range(3)]
+    for t in flood:
+        q.push(t)
+    newcomer = ticket(s, "new", "standard")
+    q.push(newcomer)
+    assert q.pop(lambda n: 100.0) is newcomer  # lifted to the flood's service: a tie
+    assert q.pop(lambda n: 100.0) is flood[0]
+
+
 def test_a_tenant_that_starts_waiting_is_lifted_to_the_least_service_among_those_waiting():
     clock = Clock()
     vtc = VirtualCounters(10, half_life=60, clock=clock)
