@@ -69,6 +69,7 @@ class FlowControl:
         self._sync: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._launching: list[Held] = []  # let through, not yet on an engine's socket
+        self._last: str | None = None  # the tenant let through last (VTC's lift)
         for band in s.bands:
             metrics.flow_queue_depth.labels(band.name).set(0)
 
@@ -105,6 +106,7 @@ class FlowControl:
         ident = identify(self.s, call.headers, call.key_info)
         flow = call.flow = Flow(ident, self.counters.tenant(ident.tenant))
         self.metrics.flow_tenants.set(len(self.counters))
+        self._lift(flow)
         if not len(self.queue) and not self.saturated():
             self._let_through(flow, len(call.tokens))
             self.metrics.flow_dispatched.labels(ident.band.name, "no").inc()
@@ -128,14 +130,23 @@ class FlowControl:
             flow.held = Held()
             self._launching.append(flow.held)
         self._charge(flow, prompt_tokens, self.s.prompt_weight)
+        self._last = flow.tenant
+
+    def _lift(self, flow: Flow) -> None:
+        """VTC's lift, for a tenant with nothing waiting: to the least service among the tenants
+        waiting in its band, or (none waits) to the service of the tenant let through last. Time
+        idle, or served while there was room for everyone, earns no credit and costs none."""
+        if self.queue.queued(flow.tenant):
+            return
+        floor = self.queue.lowest_service(flow.identity.band.name, self.counters.value)
+        if floor is None and self._last is not None:
+            floor = self.counters.value(self._last)
+        if floor is not None:
+            self.counters.lift(flow.tenant, floor)
 
     async def _queued(self, flow: Flow, watcher: asyncio.Future) -> tuple[str, float]:
         ident, now = flow.identity, self.clock()
         t = Ticket(flow.tenant, ident.band, now, now + ident.deadline_s)
-        if flow.tenant not in self.queue.waiting_tenants(ident.band.name):
-            floor = self.queue.lowest_service(ident.band.name, self.counters.value)
-            if floor is not None:
-                self.counters.lift(flow.tenant, floor)
         for victim in self.queue.push(t):
             if not victim.go.go.done():
                 victim.go.go.set_result(victim.outcome)

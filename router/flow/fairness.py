@@ -1,9 +1,9 @@
 """Virtual Token Counting: each tenant's received service (weighted prompt + output tokens over its weight), decayed, in a bounded table.
 
 Dispatch picks the backlogged tenant with the least service, so a tenant that floods gets no
-more than the others once they ask. A tenant that starts waiting is lifted to the least
-service among those already waiting (VTC's rule: time spent idle earns no credit to spend
-later). Service decays with a half-life, so the past stops counting. The table holds at most
+more than the others once they ask. A tenant that starts asking is lifted to the least
+service among those already waiting, or to that of the tenant served last (VTC's rule: time
+spent idle earns no credit to spend later; the controller applies it). Service decays with a half-life, so the past stops counting. The table holds at most
 `max_tenants` tenants; the least recently seen one without queued requests makes room for a
 new one, and when none can, the newcomer shares the flow OTHER: an attacker who sends a
 million fairness ids gets one flow, not a million.

@@ -282,9 +282,9 @@ class Pods:
         return self.pods
 
 
-def control(s: FlowSettings, discovery, inflight=None) -> FlowControl:
+def control(s: FlowSettings, discovery, inflight=None, clock=None) -> FlowControl:
     traffic = SimpleNamespace(inflight=inflight if inflight is not None else {})
-    fc = FlowControl(s, "m", RouterMetrics(), traffic)
+    fc = FlowControl(s, "m", RouterMetrics(), traffic, clock=clock or Clock())
     fc.attach(discovery, None)
     return fc
 
@@ -407,5 +407,23 @@ def test_requests_let_through_count_against_the_room_until_they_are_on_an_engine
         inflight["a"] = 1  # one ended
         fc.done(calls[0], None)
         assert await asyncio.wait_for(third, 2) is True and calls[2].flow.waited
+
+    asyncio.run(main())
+
+
+def test_a_tenant_that_starts_asking_is_lifted_to_the_tenant_served_last():
+    """Service received while there was room for everyone does not count against a tenant once
+    another one starts asking: the newcomer starts level with it, not below."""
+
+    async def main():
+        fc = control(settings(), Pods(Pod("a", "u", ts=1)))
+        for _ in range(5):
+            c = call({"x-gateway-inference-fairness-id": "early"}, tokens=100)
+            await fc.wait(c, pending())
+            c.flow.held.sent.set()
+        assert fc.counters.value("id:early") == pytest.approx(500)
+        late = call({"x-gateway-inference-fairness-id": "late"}, tokens=10)
+        await fc.wait(late, pending())
+        assert fc.counters.value("id:late") == pytest.approx(510)
 
     asyncio.run(main())
