@@ -343,6 +343,29 @@ def router_args(spec: dict[str, Any], md_name: str) -> list[str]:
     parser = tool_call_parser_in(list(spec["engine"].get("extraArgs") or []))
     if parser:  # tool requests rendered as the engines render them
         args += ["--tool-call-parser", parser]
+    return args + flow_args(router.get("flowControl") or {})
+
+
+def flow_args(flow: dict[str, Any]) -> list[str]:
+    """`spec.router.flowControl` as the router's --flow-* flags (none while it is off)."""
+    if not flow.get("enabled"):
+        return []
+    args = ["--flow-control"]
+    for b in flow.get("bands") or ():
+        band = f"{b['name']}:{b['priority']}:{_num(b.get('weight', 1))}:{b.get('maxQueued', 256)}"
+        args += ["--flow-band", band]
+    for key, flag in (
+        ("defaultBand", "--flow-default-band"),
+        ("maxQueued", "--flow-max-queued"),
+        ("deadlineSeconds", "--flow-deadline"),
+        ("kvThreshold", "--flow-kv-threshold"),
+        ("queueThreshold", "--flow-queue-threshold"),
+        ("podMaxInflight", "--flow-pod-max-inflight"),
+        ("maxTenants", "--flow-max-tenants"),
+    ):
+        if key in flow:
+            value = flow[key]
+            args += [flag, value if isinstance(value, str) else _num(value)]
     return args
 
 

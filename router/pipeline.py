@@ -57,6 +57,7 @@ class Pipeline:
         self.resume_timeout = (
             resume_timeout  # how long a failed request waits for a replica to go on with
         )
+        self.flow = None  # flow control (router/flow), set by the router when it is on
 
     async def handle(self, scope, receive, send) -> None:
         call = self.admission.begin(scope)
@@ -74,6 +75,7 @@ class Pipeline:
         except Refused as r:
             return await self._refuse(send, call, r)
         watcher = asyncio.ensure_future(wait_disconnect(receive))
+        out = None
         try:
             try:
                 if not await self.routing.route(call, watcher):
@@ -87,8 +89,10 @@ class Pipeline:
                 out = await self._resume(call, send, watcher, out)
         finally:
             watcher.cancel()
-            if call.held is not None:
-                call.held.sent.set()
+            for held in call.holds():
+                held.sent.set()
+            if self.flow is not None:
+                self.flow.done(call, out.usage if out is not None else None)
         if out is not None:  # None: settled where the client went away
             settle(call, out, self.metrics, self.limiter, self.policy)
 
@@ -259,7 +263,8 @@ class Pipeline:
         continuation: bool = False,
     ) -> Outcome:
         """The proxy to the ordered pods; a client that goes away cancels the upstream request."""
-        on_sent = call.held.sent.set if call.held is not None and not continuation else None
+        holds = call.holds() if not continuation else []
+        on_sent = (lambda: [h.sent.set() for h in holds]) if holds else None
         req = self.proxy.request(call, on_sent, answer_unreached, body, continuation)
         task = asyncio.ensure_future(self.proxy.send(send, req))
         try:

@@ -344,9 +344,9 @@ class Mesh:
             scale_to_zero_idle_s=a.scale_to_zero_idle,
         )
 
-    def read_load(self) -> tuple[dict, int, bool] | None:
-        """(pod -> live `ready` heartbeat, requests in flight on any replica, router demand),
-        or None when Redis cannot be read."""
+    def read_load(self) -> tuple[dict, int, bool, int] | None:
+        """(pod -> live `ready` heartbeat, requests in flight on any replica or waiting at the
+        router, router demand, requests waiting at the router), or None when Redis cannot be read."""
         import redis
 
         from kvmesh.common import redis_layout as rl
@@ -364,7 +364,8 @@ class Mesh:
                 if hb.state == rl.STATE_READY:
                     ready[pod] = hb
             demand = bool(r.exists(rl.demand_key(self.served)))
-            return ready, busy, demand
+            queued = rl.read_queued_at_routers(r, self.served, now)  # flow control: waiting too
+            return ready, busy + queued, demand, queued
         except redis.RedisError:
             return None
 
@@ -372,8 +373,8 @@ class Mesh:
         from kvmesh.operator.autoscaler import Observation
 
         load = self.read_load()
-        beats, busy, demand = load if load is not None else ({}, 0, False)
-        waiting = sum(h.waiting for h in beats.values())
+        beats, busy, demand, queued = load if load is not None else ({}, 0, False, 0)
+        waiting = sum(h.waiting for h in beats.values()) + queued
         return Observation(
             now=now,
             current_replicas=len(self.replicas),

@@ -552,3 +552,47 @@ def test_the_router_resumes_as_the_spec_says():
         args[args.index("--max-resumes") + 1] == "0"
         and args[args.index("--resume-timeout") + 1] == "2.5"
     )
+
+
+def test_the_router_queues_by_band_and_tenant_as_spec_router_flow_control_says():
+    spec = specs.apply_defaults(CASES["hf-gpu-autoscaling"])
+    assert not any(a.startswith("--flow") for a in render.router_args(spec, "demo"))  # off
+    spec = specs.apply_defaults(
+        {
+            **CASES["hf-gpu-autoscaling"],
+            "router": {
+                "flowControl": {
+                    "enabled": True,
+                    "bands": [
+                        {"name": "gold", "priority": 9, "weight": 2, "maxQueued": 50},
+                        {"name": "rest", "priority": 0},
+                    ],
+                    "defaultBand": "rest",
+                    "deadlineSeconds": 12.5,
+                }
+            },
+        }
+    )
+    args = render.router_args(spec, "demo")
+    assert _flags(args) <= _cli_flags("router")
+    tail = args[args.index("--flow-control") :]
+    assert tail[:5] == [
+        "--flow-control",
+        "--flow-band",
+        "gold:9:2:50",
+        "--flow-band",
+        "rest:0:1:256",
+    ]
+    assert args[args.index("--flow-default-band") + 1] == "rest"
+    assert args[args.index("--flow-deadline") + 1] == "12.5"
+    assert args[args.index("--flow-queue-threshold") + 1] == "5"
+    # what the router makes of them
+    import argparse
+
+    from kvmesh.router import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    flow = cli.flow_settings(p.parse_args(args[2:]))
+    assert flow.enabled and [b.name for b in flow.ordered] == ["gold", "rest"]
+    assert flow.band("gold").weight == 2 and flow.default_deadline == 12.5
