@@ -74,6 +74,7 @@ class Routing:
                 pods = await self.routable_pods(call, watcher)
                 if pods is None:
                     return False
+            pods = self.flow.with_room(pods)
         await self.order(call, pods)
         return True
 

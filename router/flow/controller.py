@@ -5,8 +5,8 @@ saturated. Otherwise it is queued (queue.py): the dispatcher releases the next o
 band, least-served tenant) each time a replica has room. A request let through counts against
 the replicas' room until it is on an engine's socket (the hold queue's `sent`), so one look's
 worth of room is not handed out many times over. A request refused here never reached an engine:
-429 (no room, or shed for a higher band or a smaller tenant) or 503 (its deadline passed),
-both with Retry-After. A request already sent is never touched.
+429 with Retry-After (no room, shed for a higher band or a smaller tenant, or its deadline
+passed: the replicas are busy, not down). A request already sent is never touched.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvmesh.router.flow import queue as fq
 from kvmesh.router.flow.fairness import OTHER, VirtualCounters
 from kvmesh.router.flow.identity import Identity, identify
 from kvmesh.router.flow.queue import FlowQueue, Ticket
-from kvmesh.router.flow.saturation import all_saturated
+from kvmesh.router.flow.saturation import all_saturated, headroom
 from kvmesh.router.flow.settings import FlowSettings
 from kvmesh.router.flow.shared_counters import SharedCounters
 from kvmesh.router.hold_queue import Held
@@ -186,6 +186,16 @@ class FlowControl:
         self.metrics.flow_saturated.set(1 if full else 0)
         return full
 
+    def with_room(self, pods: list) -> list:
+        """The pods that take this request without queueing it in their engine (all of them when
+        none does): the policy chooses among these, so a request let through for one replica's
+        room does not wait in another's queue."""
+        if not self.enabled:
+            return pods
+        inflight = self.traffic.inflight
+        roomy = [p for p in pods if headroom(p, inflight.get(p.name, 0), self.s) > 0]
+        return roomy or pods
+
     def _kick(self) -> None:
         if not len(self.queue):
             return
@@ -247,12 +257,12 @@ class FlowControl:
 def refusal(outcome: str, ident: Identity) -> Refused:
     """What a request flow control did not let through gets (it never reached an engine)."""
     band = ident.band.name
-    if outcome == fq.DEADLINE:
+    if outcome == fq.DEADLINE:  # backpressure, as a full queue (llm-d answers TTL evictions so)
         return Refused(
-            503,
+            429,
             f"every replica is saturated and the request waited its deadline "
             f"({ident.deadline_s:g} s) in the {band} band; retry later",
-            "service_unavailable",
+            "rate_limit_error",
             code="flow_deadline",
             headers=[(b"retry-after", b"2")],
         )

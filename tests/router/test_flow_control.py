@@ -220,3 +220,16 @@ def test_the_routers_queue_depths_are_read_by_sync_and_asyncio_clients(redis_ser
             await client.aclose()
 
     assert asyncio.run(read()) == 3
+
+
+def test_the_stub_engines_token_jitter_scatters_delays_within_its_bounds():
+    from kvmesh.mesh.stub_engine import StubEngine, build_parser
+
+    exact = StubEngine(build_parser().parse_args(["--token-delay", "0.4"]))
+    assert {exact._token_delay() for _ in range(20)} == {0.4}
+    jittered = StubEngine(
+        build_parser().parse_args(["--token-delay", "0.4", "--token-jitter", "0.5"])
+    )
+    delays = [jittered._token_delay() for _ in range(200)]
+    assert all(0.2 <= d <= 0.6 for d in delays) and len(set(delays)) > 100
+    assert min(delays) < 0.25 and max(delays) > 0.55  # the whole range, not a corner of it

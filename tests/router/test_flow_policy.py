@@ -271,6 +271,22 @@ def test_a_replica_is_saturated_by_kv_usage_its_engine_queue_or_this_routers_in_
     assert not all_saturated([], {}, s)  # no replica: the hold queue's business
 
 
+def test_the_policy_chooses_among_the_replicas_with_room_and_among_all_when_none_has():
+    s = settings(queue_threshold=3, pod_max_inflight=8)
+    full_cap, full_queue, roomy = (
+        Pod("a", "u", ts=1),
+        Pod("b", "u", waiting=3, ts=1),
+        Pod("c", "u", running=2, ts=1),
+    )
+    fc = control(s, Pods(full_cap, full_queue, roomy), inflight={"a": 8, "c": 2})
+    assert fc.with_room([full_cap, full_queue, roomy]) == [roomy]
+    assert fc.with_room([full_cap, full_queue]) == [full_cap, full_queue]
+    fc.traffic.inflight["c"] = 8  # at this router's cap: no room left anywhere
+    assert fc.with_room([full_cap, roomy]) == [full_cap, roomy]
+    off = control(FlowSettings(enabled=False), Pods(full_cap))
+    assert off.with_room([full_cap, roomy]) == [full_cap, roomy]
+
+
 # -- the asyncio side -----------------------------------------------------------------------
 
 
@@ -311,14 +327,14 @@ def test_requests_pass_at_once_while_a_replica_has_room_and_are_charged_their_pr
     asyncio.run(main())
 
 
-def test_a_request_that_waits_past_its_deadline_gets_503_with_retry_after_and_never_goes_out():
+def test_a_request_that_waits_past_its_deadline_gets_429_with_retry_after_and_never_goes_out():
     async def main():
         sat = Pod("a", "u", kv_usage=0.95, ts=1)
         fc = control(settings(default_deadline=0.05), Pods(sat))
         with pytest.raises(Refused) as err:
             await fc.wait(call(), pending())
         r = err.value
-        assert r.status == 503 and r.code == "flow_deadline"
+        assert r.status == 429 and r.code == "flow_deadline"
         assert dict(r.headers)[b"retry-after"] == b"2"
         assert len(fc.queue) == 0
         m = fc.metrics.flow_shed.labels("standard", "deadline")._value.get()
