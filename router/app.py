@@ -125,6 +125,7 @@ class Router:
             cfg.scale_from_zero_timeout,
             cfg.max_resumes,
             cfg.resume_timeout,
+            cfg.engine,
         )
         self._started = False
         self._openapi: bytes | None = None
