@@ -81,7 +81,11 @@ class Heartbeat:
             pass
 
     def _run(self) -> None:
-        client = httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0))
+        key = self.cfg.engine_api_key
+        client = httpx.Client(
+            timeout=httpx.Timeout(2.0, connect=1.0),
+            headers={"Authorization": f"Bearer {key}"} if key else None,
+        )
         backoff = 0.0
         try:
             while not self._stop.is_set():
