@@ -225,7 +225,10 @@ def test_the_sidecar_index_follows_a_restarted_vllm(vllm_mesh):
     # The new incarnation's cache is empty, and so is the block set once the sidecar resynced.
     wait_until(lambda: not _blocks(mesh, server.name), 20, msg="the old blocks dropped")
     out = _complete(server.url, mesh.served, "Timetable check. " * 30 + "Which is direct?")
-    want = _keys(mesh, out["choices"][0]["prompt_token_ids"])
-    wait_until(lambda: want <= _blocks(mesh, server.name), 10, msg="new blocks indexed")
+    choice = out["choices"][0]
+    # Exactly the new incarnation's blocks: the full blocks of what it computed (the prompt and
+    # the output but its last token, whose KV was never computed).
+    want = _keys(mesh, choice["prompt_token_ids"] + choice["token_ids"][:-1])
+    wait_until(lambda: _blocks(mesh, server.name) == want, 10, msg="the new blocks, and only them")
     stats = mesh.sidecars[1].events.subscriber.stats
     assert stats["decode_errors"] == 0, stats
