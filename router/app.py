@@ -87,7 +87,11 @@ class Router:
         self.discovery: Discovery | None = None
         self.session: aiohttp.ClientSession | None = None
         self.prompt_tokens = PromptTokens(
-            encoder, cfg.model, cfg.block_size, TOOL_PROMPTS[cfg.tool_call_parser]
+            encoder,
+            cfg.model,
+            cfg.block_size,
+            TOOL_PROMPTS[cfg.tool_call_parser],
+            adapters=cfg.engine == "vllm",
         )
         self.hold_queue = HoldQueue(
             cfg.model,

