@@ -27,9 +27,9 @@ VENV_BIN = str(Path(sys.executable).parent)
 def _host_paths() -> list[str]:
     """The host directories the project's images run from: the virtual environment, the
     interpreter it was made from, the checkout that the editable installs of kvmesh and of
-    this package point into, and vLLM's virtual environment when there is one. A pod's volume must not hide them (launcher.py binds them back)."""
+    this package point into, and vLLM's virtual environment when there is one. A pod's volume
+    must not hide them (launcher.py binds them back)."""
     import kvmesh
-
     from kvmesh_testing.vllm import vllm_program
 
     checkouts = {Path(kvmesh.__file__).resolve().parents[1], Path(__file__).resolve().parents[3]}
