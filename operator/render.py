@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.common.chat_prompt import tool_call_parser_in
+from kvmesh.common.model_lookup import converted_dir
 from kvmesh.common.vllm_args import VLLM_IMAGE, size_bytes, vllm_serve_args
 from kvmesh.operator import crd
 from kvmesh.operator.spec import GPU, served_model_name
@@ -319,8 +320,6 @@ def _vllm_model_arg(spec: dict[str, Any]) -> str:
     cache as the operator sees it (the local cluster; in a real cluster use huggingFace or pvc)."""
     model = spec["model"]
     if "builtin" in model:
-        from kvmesh.common.model_lookup import converted_dir
-
         return str(converted_dir(model["builtin"]))
     return _model_arg(spec)
 

@@ -25,7 +25,9 @@ class EngineReading:
     )
 
 
-def read_engine(client: httpx.Client, url: str, engine_format: str, model: str, block_size: int):
+def read_engine(
+    client: httpx.Client, url: str, engine_format: str, model: str, block_size: int
+) -> EngineReading:
     """One reading of the engine at `url`; raises httpx.HTTPError when it cannot be reached."""
     if engine_format == "vllm":
         return _read_vllm(client, url, model, block_size)
@@ -48,7 +50,10 @@ def _read_vllm(client: httpx.Client, url: str, model: str, block_size: int) -> E
     models = client.get(url + "/v1/models")
     load, problem = _load(client, url)
     if models.status_code != 200:
-        return EngineReading(False, load, f"vLLM GET {url}/v1/models answered {models.status_code}")
+        hint = " (its API key: KVMESH_ENGINE_API_KEY)" if models.status_code == 401 else ""
+        return EngineReading(
+            False, load, f"vLLM GET {url}/v1/models answered {models.status_code}{hint}"
+        )
     served = _model_ids(models)
     if model not in served:
         return EngineReading(

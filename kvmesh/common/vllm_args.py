@@ -1,4 +1,4 @@
-"""The `vllm serve` command line kvmesh runs vLLM with (the operator's pods and `kvmesh up --engine vllm`).
+"""The `vllm serve` command line kvmesh runs vLLM with (operator pods, `kvmesh up --engine vllm`), and where `vllm` is.
 
 vLLM publishes its KV events only when `--kv-events-config` names a ZMQ publisher; its publisher
 binds an endpoint with a wildcard host (``tcp://*:PORT``) and *connects* to any other, so the
