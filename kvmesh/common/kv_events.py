@@ -1,7 +1,7 @@
 """Contract 2: KV-cache events, engine -> sidecar, in vLLM's wire format.
 
 vLLM (``vllm/distributed/kv_events.py``) defines its events as msgspec Structs with
-``array_like=True, omit_defaults=True`` and tagged by class name, so on the wire (msgpack):
+``omit_defaults=True``, tagged by class name. Our engine encodes them array-like (msgpack):
 
     EventBatch    = [ts, [event, ...], data_parallel_rank]
     BlockStored   = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
@@ -9,13 +9,13 @@ vLLM (``vllm/distributed/kv_events.py``) defines its events as msgspec Structs w
     BlockRemoved  = ["BlockRemoved", block_hashes, medium]
     AllBlocksCleared = ["AllBlocksCleared"]
 
-vLLM 0.32's own events are not array-like: each is a map ``{"type": "BlockStored",
-"block_hashes": ..., ...}``, read here by field name. Block hashes are ints (uint64; our engine publishes contract-1 keys) or bytes (vLLM's
-sha256 hashes). The decoder accepts missing trailing optional fields and ignores extra
-trailing fields, so it reads older and newer vLLM versions too. Anything else that is not
-this schema (not msgpack, a field of the wrong type, an unknown event kind) raises
-``DecodeError``, the only exception ``decode_batch`` raises; the subscriber counts it and
-resyncs (see ``KVEventSubscriber``).
+vLLM 0.32 encodes the batch so, and each event as a map ``{"type": "BlockStored",
+"block_hashes": ..., ...}``, read here by field name. Block hashes are ints (uint64: our
+engine's contract-1 keys, or vLLM 0.32's own) or bytes (older vLLMs' sha256 hashes). The
+decoder accepts missing trailing optional fields and ignores extra trailing fields, so it
+reads older and newer vLLM versions too. Anything else that is not this schema (not msgpack,
+a field of the wrong type, an unknown event kind) raises ``DecodeError``, the only exception
+``decode_batch`` raises; the subscriber counts it and resyncs (see ``KVEventSubscriber``).
 
 Transport (vLLM's ``ZmqEventPublisher``): a PUB socket sends multipart
 ``[topic, seq (8 bytes big-endian), payload]``; a ROUTER replay socket receives
