@@ -345,9 +345,15 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             **{"x-kubernetes-validations": MODEL_RULES},
         ),
         "engine": _obj(
-            "Engine container settings (flags of `kvmesh serve`).",
+            "Engine container settings (flags of `kvmesh serve`, or of `vllm serve` with kind vllm).",
             {
-                "image": _str("Engine image; empty means the operator's default."),
+                "kind": _str(
+                    "The engine: kvmesh (`kvmesh serve`) or vllm (`vllm serve`, the pinned "
+                    "vllm/vllm-openai image unless image is set; docs/vllm.md).",
+                    enum=["kvmesh", "vllm"],
+                    default="kvmesh",
+                ),
+                "image": _str("Engine image; empty means the operator's default for the kind."),
                 "imagePullPolicy": _str(
                     "Image pull policy.",
                     enum=["Always", "IfNotPresent", "Never"],
@@ -388,7 +394,33 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     enum=["auto", "float32", "bfloat16", "float16"],
                     default="auto",
                 ),
-                "kvCacheMemory": _str("KV cache size in bytes, e.g. 2GiB (--kv-cache-memory)."),
+                "kvCacheMemory": _str(
+                    "KV cache size in bytes, e.g. 2GiB (--kv-cache-memory; vLLM: "
+                    "--kv-cache-memory-bytes)."
+                ),
+                "gpuMemoryUtilization": _num(
+                    "vLLM: the fraction of GPU memory for weights and KV cache "
+                    "(--gpu-memory-utilization; ignored when kvCacheMemory is set).",
+                    minimum=0.01,
+                    maximum=1,
+                ),
+                "toolCallParser": _str(
+                    "Tool-call parser (--enable-auto-tool-choice --tool-call-parser), e.g. hermes; "
+                    "the router renders tool requests the same way."
+                ),
+                "loraModules": {
+                    "type": "array",
+                    "description": "vLLM: LoRA adapters served beside the model (--enable-lora "
+                    "--lora-modules name=path); a request names one as its model.",
+                    "items": _obj(
+                        "A LoRA adapter.",
+                        {
+                            "name": _str("The adapter's served name.", minLength=1),
+                            "path": _str("Its directory (or Hugging Face repo).", minLength=1),
+                        },
+                        required=["name", "path"],
+                    ),
+                },
                 "drainTimeoutSeconds": _int(
                     "On shutdown, how long in-flight requests may finish (--drain-timeout).",
                     default=DEFAULT_DRAIN_TIMEOUT,

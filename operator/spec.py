@@ -142,6 +142,11 @@ def _semantic_errors(name: str, spec: dict[str, Any]) -> list[str]:
         errors.append(
             f"engine.resources: {GPU} requests must equal limits (extended resources cannot overcommit)"
         )
+    engine = spec.get("engine") or {}
+    if engine.get("loraModules") and engine.get("kind", "kvmesh") != "vllm":
+        errors.append(
+            "engine.loraModules needs engine.kind vllm (kvmesh's engine serves no adapters)"
+        )
     pvc = (spec.get("model") or {}).get("pvc") or {}
     if ".." in posixpath.normpath(pvc.get("path", "") or ".").split("/"):
         errors.append("model.pvc.path must stay inside the volume (no '..')")

@@ -88,7 +88,11 @@ class Router:
         self.discovery: Discovery | None = None
         self.session: aiohttp.ClientSession | None = None
         self.prompt_tokens = PromptTokens(
-            encoder, cfg.model, cfg.block_size, TOOL_PROMPTS[cfg.tool_call_parser]
+            encoder,
+            cfg.model,
+            cfg.block_size,
+            TOOL_PROMPTS[cfg.tool_call_parser],
+            adapters=cfg.engine == "vllm",
         )
         self.hold_queue = HoldQueue(
             cfg.model,
@@ -126,6 +130,7 @@ class Router:
             cfg.scale_from_zero_timeout,
             cfg.max_resumes,
             cfg.resume_timeout,
+            cfg.engine,
         )
         # flow control (router/flow): off unless configured, as GIE's flow-control layer
         self.flow = (

@@ -45,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="must match the engines"
     )
     p.add_argument(
+        "--engine",
+        choices=["kvmesh", "vllm"],
+        default="kvmesh",
+        help="the engines' kind: `vllm` reads their readiness from /health and resumes a stream "
+        "through vLLM's completions API (docs/vllm.md)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         default="hermes",
         choices=sorted(TOOL_PROMPTS),
@@ -329,6 +336,7 @@ def config_from_args(args: argparse.Namespace):
         max_retries=args.max_retries,
         max_resumes=args.max_resumes,
         resume_timeout=args.resume_timeout,
+        engine=args.engine,
         tool_call_parser=args.tool_call_parser,
         connect_timeout=args.connect_timeout,
         read_timeout=args.read_timeout,

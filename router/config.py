@@ -54,6 +54,7 @@ class RouterConfig:
     tool_call_parser: str = (
         "hermes"  # the engines' tool format, for templates that do not read tools
     )
+    engine: str = "kvmesh"  # the engines' kind: "vllm" changes readiness and how streams resume
     resume_timeout: float = (
         60.0  # how long it waits for one when none is routable (an engine restarting)
     )

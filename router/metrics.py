@@ -188,7 +188,7 @@ class RouterMetrics:
         self.resume_given_up = Counter(
             "kvmesh_router_resume_given_up",
             "Engine failures not resumed, by reason: limit, no_replica, refused, "
-            "no_token_ids, shutdown",
+            "no_token_ids, shutdown, inexact (vLLM could not go on token for token)",
             ["reason"],
             registry=r,
         )
