@@ -77,7 +77,7 @@ up: setup build-kernels
 demo: setup
 	$(VENV)/bin/kvmesh generate --model smollm2-135m-instruct "What is a KV cache?"
 
-test: setup
+test: setup vllm
 	$(IN_VENV) $(PY) -m pytest -q -ra --durations=20 tests
 
 # The formatter and the linter, as CI runs them (one configuration: [tool.ruff] in pyproject.toml).
