@@ -231,6 +231,13 @@ def add_flow_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds after which a tenant's past service counts half",
     )
     p.add_argument(
+        "--flow-newcomer-credit",
+        type=float,
+        default=512.0,
+        help="virtual tokens of head start for a tenant that starts asking, below the least-served "
+        "tenant waiting (0: VTC's plain lift)",
+    )
+    p.add_argument(
         "--flow-sync-interval",
         type=float,
         default=1.0,
@@ -272,6 +279,7 @@ def flow_settings(args: argparse.Namespace):
             prompt_weight=weights["prompt"],
             output_weight=weights["output"],
             half_life=args.flow_half_life,
+            newcomer_credit=args.flow_newcomer_credit,
             sync_interval=args.flow_sync_interval,
             objectives=objectives,
         )

@@ -134,15 +134,19 @@ class FlowControl:
 
     def _lift(self, flow: Flow) -> None:
         """VTC's lift, for a tenant with nothing waiting: to the least service among the tenants
-        waiting in its band, or (none waits) to the service of the tenant let through last. Time
-        idle, or served while there was room for everyone, earns no credit and costs none."""
+        waiting in its band, or (none waits) to the service of the tenant let through last, less
+        the newcomer credit. Time idle, or served while there was room for everyone, earns no
+        more credit than that and costs none. The credit is a head start, never a debt: a lift
+        only raises, so a tenant is at most `newcomer_credit` behind the least-served waiting one,
+        and a light tenant's burst is served at the full dispatch rate for that much instead of
+        taking turns with the flood from its first request."""
         if self.queue.queued(flow.tenant):
             return
         floor = self.queue.lowest_service(flow.identity.band.name, self.counters.value)
         if floor is None and self._last is not None:
             floor = self.counters.value(self._last)
         if floor is not None:
-            self.counters.lift(flow.tenant, floor)
+            self.counters.lift(flow.tenant, floor - self.s.newcomer_credit)
 
     async def _queued(self, flow: Flow, watcher: asyncio.Future) -> tuple[str, float]:
         ident, now = flow.identity, self.clock()

@@ -65,6 +65,9 @@ class FlowSettings:
     prompt_weight: float = 1.0  # virtual tokens per prompt token
     output_weight: float = 2.0  # virtual tokens per output token
     half_life: float = 60.0  # seconds for a tenant's received service to count half
+    # virtual tokens below the least-served waiting tenant a tenant that starts asking is lifted
+    # to (VTC's lift less this): its first requests go before a flood's, by at most this much
+    newcomer_credit: float = 512.0
     sync_interval: float = 1.0  # seconds between syncs of service with the other routers
     objectives: dict[str, str] = field(default_factory=dict)  # objective header value -> band
 
@@ -91,6 +94,8 @@ class FlowSettings:
         ):
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"the {what} must be a positive number of seconds")
+        if not (self.newcomer_credit >= 0 and math.isfinite(self.newcomer_credit)):
+            raise ValueError("the newcomer credit must be a number of virtual tokens >= 0")
         if self.max_queued < 0 or self.max_tenants < 1:
             raise ValueError("the queue limit must be >= 0 and the tenant table >= 1")
 

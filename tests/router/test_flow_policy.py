@@ -427,12 +427,14 @@ def test_requests_let_through_count_against_the_room_until_they_are_on_an_engine
     asyncio.run(main())
 
 
-def test_a_tenant_that_starts_asking_is_lifted_to_the_tenant_served_last():
+@pytest.mark.parametrize("credit", [0.0, 100.0, 512.0])
+def test_a_tenant_that_starts_asking_is_lifted_to_the_tenant_served_last_less_the_credit(credit):
     """Service received while there was room for everyone does not count against a tenant once
-    another one starts asking: the newcomer starts level with it, not below."""
+    another one starts asking: the newcomer starts level with it, less the newcomer credit (a
+    lift never lowers: with a credit above the other's service, the newcomer keeps its own)."""
 
     async def main():
-        fc = control(settings(), Pods(Pod("a", "u", ts=1)))
+        fc = control(settings(newcomer_credit=credit), Pods(Pod("a", "u", ts=1)))
         for _ in range(5):
             c = call({"x-gateway-inference-fairness-id": "early"}, tokens=100)
             await fc.wait(c, pending())
@@ -440,6 +442,26 @@ def test_a_tenant_that_starts_asking_is_lifted_to_the_tenant_served_last():
         assert fc.counters.value("id:early") == pytest.approx(500)
         late = call({"x-gateway-inference-fairness-id": "late"}, tokens=10)
         await fc.wait(late, pending())
-        assert fc.counters.value("id:late") == pytest.approx(510)
+        assert fc.counters.value("id:late") == pytest.approx(max(0.0, 500 - credit) + 10)
 
     asyncio.run(main())
+
+
+def test_the_newcomer_credit_is_a_head_start_that_never_accumulates():
+    """A tenant that goes idle and comes back again and again is lifted each time to at most the
+    credit below the least-served waiting tenant: never further behind it than that."""
+    clock = Clock()
+    fc = control(settings(newcomer_credit=50.0), Pods(Pod("a", "u", ts=1)), clock=clock)
+    fc.counters.tenant("id:flood")
+    fc.counters.charge("id:flood", 1000.0)
+    flood = Ticket("id:flood", fc.s.band("standard"), clock(), clock() + 60)
+    fc.queue.push(flood)  # the flood waits
+    fc.counters.tenant("id:pulse")
+    for _ in range(5):  # idle -> asking, served, idle again
+        fc._lift(SimpleNamespace(tenant="id:pulse", identity=identify(fc.s, {}, None)))
+        assert fc.counters.value("id:pulse") == pytest.approx(950.0)
+    fc.counters.charge("id:pulse", 30.0)  # served a little: still within the credit, no lift
+    fc._lift(SimpleNamespace(tenant="id:pulse", identity=identify(fc.s, {}, None)))
+    assert fc.counters.value("id:pulse") == pytest.approx(980.0)
+    with pytest.raises(ValueError, match="newcomer credit"):
+        settings(newcomer_credit=-1.0)
