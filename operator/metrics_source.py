@@ -10,6 +10,8 @@ Key layout (contract 3, owned by kvmesh/common/redis_layout.py, which also holds
   optional ``num_keys`` is its size)
 * ``kvmesh:v1:{model}:demand``           unix time a router last held a request for lack of
   a ready replica (TTL 60 s): the scale-from-zero signal
+* ``kvmesh:v1:{model}:flow:queued``      requests waiting at each router (flow control): demand
+  as the engines' waiting count is
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvmesh.common.redis_layout import (  # noqa: F401
     heartbeat_key,
     pods_key,
     read_heartbeats,
+    read_queued_at_routers,
     reconnecting_retry,
 )
 
@@ -123,6 +126,10 @@ class RedisHeartbeats:
                 continue  # expired or stale: the pod is gone or hung
             (ready if hb.state == STATE_READY else draining).append(hb)
         return Snapshot(ready=ready, draining=draining)
+
+    async def queued_at_routers(self, model: str) -> int:
+        """Requests waiting at the routers (flow control), from their fresh entries."""
+        return await read_queued_at_routers(self._redis, model, self.clock())
 
     async def demand(self, model: str) -> float | None:
         """When a router last held a request for lack of a ready replica (unix time), if

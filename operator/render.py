@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.common.chat_prompt import tool_call_parser_in
+from kvmesh.common.model_lookup import converted_dir
+from kvmesh.common.vllm_args import VLLM_IMAGE, size_bytes, vllm_serve_args
 from kvmesh.operator import crd
 from kvmesh.operator.spec import GPU, served_model_name
 
@@ -42,6 +44,7 @@ class Images:
     """Default images (overridable per ModelDeployment and by `kvmesh operator` flags)."""
 
     engine: str = f"ghcr.io/kvmesh/engine:{VERSION}"
+    vllm: str = VLLM_IMAGE  # engine.kind vllm
     router: str = f"ghcr.io/kvmesh/router:{VERSION}"  # also runs `kvmesh sidecar`
     redis: str = "redis:7.4-alpine"
 
@@ -275,7 +278,64 @@ def engine_args(spec: dict[str, Any]) -> list[str]:
         args += ["--max-model-len", str(eng["maxModelLen"])]
     if eng.get("kvCacheMemory"):
         args += ["--kv-cache-memory", eng["kvCacheMemory"]]
+    if eng.get("toolCallParser"):
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", eng["toolCallParser"]]
     return args + list(eng.get("extraArgs") or [])
+
+
+def is_vllm(spec: dict[str, Any]) -> bool:
+    return spec["engine"].get("kind", "kvmesh") == "vllm"
+
+
+def vllm_engine_args(spec: dict[str, Any]) -> list[str]:
+    """The `vllm serve` command line of a vLLM engine container, from the same spec fields."""
+    eng = spec["engine"]
+    extra = ["--shutdown-timeout", str(eng["drainTimeoutSeconds"])]
+    if eng.get("kvCacheMemory"):
+        extra += ["--kv-cache-memory-bytes", str(size_bytes(eng["kvCacheMemory"]))]
+    if "maxNumBatchedTokens" in eng:
+        extra += ["--max-num-batched-tokens", str(eng["maxNumBatchedTokens"])]
+    if not eng["enableChunkedPrefill"]:
+        extra += ["--no-enable-chunked-prefill"]
+    return vllm_serve_args(
+        _vllm_model_arg(spec),
+        served_model_name(spec),
+        crd.ENGINE_PORT,
+        KV_EVENTS_PORT,
+        KV_REPLAY_PORT,
+        block_size=eng["blockSize"],
+        prefix_caching=eng["enablePrefixCaching"],
+        dtype=eng["dtype"],
+        max_model_len=eng.get("maxModelLen"),
+        max_num_seqs=eng["maxNumSeqs"],
+        gpu_memory_utilization=eng.get("gpuMemoryUtilization"),
+        tool_call_parser=eng.get("toolCallParser"),
+        lora_modules=[(m["name"], m["path"]) for m in eng.get("loraModules") or []],
+        extra=extra + list(eng.get("extraArgs") or []),
+    )
+
+
+def _vllm_model_arg(spec: dict[str, Any]) -> str:
+    """vLLM reads a Hugging Face directory: a built-in model is its converted one in kvmesh's
+    cache as the operator sees it (the local cluster; in a real cluster use huggingFace or pvc)."""
+    model = spec["model"]
+    if "builtin" in model:
+        return str(converted_dir(model["builtin"]))
+    return _model_arg(spec)
+
+
+def engine_command(spec: dict[str, Any]) -> list[str]:
+    return vllm_engine_args(spec) if is_vllm(spec) else engine_args(spec)
+
+
+def engine_image(spec: dict[str, Any], images: Images) -> str:
+    return spec["engine"].get("image") or (images.vllm if is_vllm(spec) else images.engine)
+
+
+def fetch_image(spec: dict[str, Any], images: Images) -> str:
+    """The image of the model fetch and wait containers: kvmesh's engine image (python and
+    huggingface_hub), also beside a vLLM engine."""
+    return images.engine if is_vllm(spec) else engine_image(spec, images)
 
 
 def sidecar_args(spec: dict[str, Any]) -> list[str]:
@@ -297,6 +357,7 @@ def sidecar_args(spec: dict[str, Any]) -> list[str]:
         _num(spec["engine"]["heartbeatIntervalSeconds"]),
         "--health-port",
         str(SIDECAR_HEALTH_PORT),
+        *(["--engine-format", "vllm"] if is_vllm(spec) else []),
     ]
 
 
@@ -340,9 +401,36 @@ def router_args(spec: dict[str, Any], md_name: str) -> list[str]:
         args += ["--tokenizer", _model_arg(spec)]
     if router.get("apiKeySecretRef"):
         args += ["--api-keys-file", "/etc/kvmesh/api-keys/keys"]
-    parser = tool_call_parser_in(list(spec["engine"].get("extraArgs") or []))
+    if is_vllm(spec):
+        args += ["--engine", "vllm"]
+    parser = spec["engine"].get("toolCallParser") or tool_call_parser_in(
+        list(spec["engine"].get("extraArgs") or [])
+    )
     if parser:  # tool requests rendered as the engines render them
         args += ["--tool-call-parser", parser]
+    return args + flow_args(router.get("flowControl") or {})
+
+
+def flow_args(flow: dict[str, Any]) -> list[str]:
+    """`spec.router.flowControl` as the router's --flow-* flags (none while it is off)."""
+    if not flow.get("enabled"):
+        return []
+    args = ["--flow-control"]
+    for b in flow.get("bands") or ():
+        band = f"{b['name']}:{b['priority']}:{_num(b.get('weight', 1))}:{b.get('maxQueued', 256)}"
+        args += ["--flow-band", band]
+    for key, flag in (
+        ("defaultBand", "--flow-default-band"),
+        ("maxQueued", "--flow-max-queued"),
+        ("deadlineSeconds", "--flow-deadline"),
+        ("kvThreshold", "--flow-kv-threshold"),
+        ("queueThreshold", "--flow-queue-threshold"),
+        ("podMaxInflight", "--flow-pod-max-inflight"),
+        ("maxTenants", "--flow-max-tenants"),
+    ):
+        if key in flow:
+            value = flow[key]
+            args += [flag, value if isinstance(value, str) else _num(value)]
     return args
 
 
@@ -465,7 +553,9 @@ def render_engine_deployment(
     `kubectl get -o yaml` shows, each field next to the spec value it comes from."""
     name = md["metadata"]["name"]
     eng = spec["engine"]
-    image = eng.get("image") or images.engine
+    image = engine_image(spec, images)
+    tools_image = fetch_image(spec, images)
+    vllm = is_vllm(spec)
     sidecar_image = spec["router"].get("image") or images.router
     pull = eng["imagePullPolicy"]
     model_vols, model_mounts = _model_volumes(spec)
@@ -478,21 +568,21 @@ def render_engine_deployment(
         "name": "engine",
         "image": image,
         "imagePullPolicy": pull,
-        "command": engine_args(spec),
-        "ports": [
-            {"name": "http", "containerPort": crd.ENGINE_PORT, "protocol": "TCP"},
-            _METRICS_CONTAINER_PORT,
-        ],
+        "command": engine_command(spec),
+        # vLLM serves /metrics on its API port: no metrics port of its own.
+        "ports": [{"name": "http", "containerPort": crd.ENGINE_PORT, "protocol": "TCP"}]
+        + ([] if vllm else [_METRICS_CONTAINER_PORT]),
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
         + (
-            [_secret_env("KVMESH_API_KEY", names(name)["engine-api-key"], "api-key")]
+            [_secret_env(_ENGINE_KEY_ENV[vllm], names(name)["engine-api-key"], "api-key")]
             if eng["requireApiKey"]
             else []
         )
         + list(eng.get("env") or []),
         "resources": _resources(eng.get("resources")),
         "startupProbe": _probe("startup", "/health", probes["startup"]),
-        "readinessProbe": _probe("readiness", "/ready", probes["readiness"]),
+        # vLLM has no /ready: /health answers once the model is loaded.
+        "readinessProbe": _probe("readiness", "/health" if vllm else "/ready", probes["readiness"]),
         "livenessProbe": _probe("liveness", "/health", probes["liveness"]),
         "lifecycle": {"preStop": {"sleep": {"seconds": int(eng["preStopSleepSeconds"])}}},
         "volumeMounts": common_mounts
@@ -514,7 +604,13 @@ def render_engine_deployment(
             {"name": "KVMESH_POD_URL", "value": f"http://$(POD_IP):{crd.ENGINE_PORT}"},
             _redis_env(name, spec),
             {"name": "HOME", "value": "/tmp"},
-        ],
+        ]
+        + (
+            # vLLM's /v1/models (its readiness) wants the key its API is served with.
+            [_secret_env("KVMESH_ENGINE_API_KEY", names(name)["engine-api-key"], "api-key")]
+            if vllm and eng["requireApiKey"]
+            else []
+        ),
         "ports": [
             {"name": "sidecar-health", "containerPort": SIDECAR_HEALTH_PORT, "protocol": "TCP"}
         ],
@@ -543,9 +639,9 @@ def render_engine_deployment(
         + list(eng.get("volumes") or []),
     }
     if uses_shared_cache(spec):
-        pod_spec["initContainers"] = [_wait_for_model_container(spec, image, pull)]
+        pod_spec["initContainers"] = [_wait_for_model_container(spec, tools_image, pull)]
     elif "huggingFace" in spec["model"]:
-        pod_spec["initContainers"] = [_download_init_container(spec, image, pull)]
+        pod_spec["initContainers"] = [_download_init_container(spec, tools_image, pull)]
     for key in ("nodeSelector", "affinity"):
         if eng.get(key):
             pod_spec[key] = dict(eng[key])
@@ -623,7 +719,7 @@ def render_model_cache(
     name = md["metadata"]["name"]
     hf = spec["model"]["huggingFace"]
     cache = hf["sharedCache"]
-    image = spec["engine"].get("image") or images.engine
+    image = fetch_image(spec, images)
     pull = spec["engine"]["imagePullPolicy"]
     claim: dict[str, Any] = {
         "accessModes": [cache["accessMode"]],
@@ -693,6 +789,8 @@ def render_pdbs(md: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]
     return out
 
 
+# The engine's API key variable: our engine's, or vLLM's.
+_ENGINE_KEY_ENV = {False: "KVMESH_API_KEY", True: "VLLM_API_KEY"}
 _METRICS_CONTAINER_PORT = {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}
 _METRICS_SERVICE_PORT = {
     "name": "metrics",

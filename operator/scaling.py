@@ -7,8 +7,8 @@
    Ready pods serve; the others are pending, with their creation time (the startup
    deadline);
 2. reads their load from the Redis heartbeats (KV utilisation, running and waiting
-   requests; heartbeats only add load, they never add a replica) and the routers'
-   scale-from-zero demand key;
+   requests; heartbeats only add load, they never add a replica), the requests waiting at
+   the routers (flow control: counted as waiting) and the routers' scale-from-zero demand key;
 3. with ``autoscaling.mode: builtin``, asks the pure
    :func:`kvmesh.operator.autoscaler.decide` for a replica count, records the
    decision in status, annotates the engine pods with their deletion cost before a
@@ -74,6 +74,7 @@ class Load:
     heartbeats: dict[str, Heartbeat] = field(default_factory=dict)  # live `ready` heartbeats by pod
     busy: int = 0  # requests running or waiting on any live replica (draining ones too)
     demand: bool = False
+    queued: int = 0  # requests waiting at the routers (flow control): waiting, as an engine's
 
 
 @dataclass
@@ -176,6 +177,7 @@ async def read_load(
             model, f"{render.names(name)[render.ENGINE]}-", [p.name for p in pods or ()]
         )
         demand = await source.demand(model)
+        queued = await source.queued_at_routers(model)
     except Exception as exc:  # Redis down: missing metrics -> hold
         logger.warning(f"reading heartbeats failed: {exc!r}")
         return Load()
@@ -183,7 +185,8 @@ async def read_load(
         known=True,
         heartbeats={h.pod: h for h in snap.ready},
         demand=demand is not None,
-        busy=sum(h.running + h.waiting for h in snap.ready + snap.draining),
+        busy=sum(h.running + h.waiting for h in snap.ready + snap.draining) + queued,
+        queued=queued,
     )
 
 
@@ -202,7 +205,8 @@ def observe(now: float, current: int, pods: list[EnginePod] | None, load: Load) 
     # listed engine pod's heartbeat. Idleness is judged on every heartbeat of the deployment: a
     # request on a draining or not yet listed replica still keeps it from going to zero.
     kv = sum(h.kv_usage for h in serving) / ready if serving and ready else None
-    waiting = sum(h.waiting for h in beats)
+    # A request waiting at a router (flow control) is demand, as one in an engine's queue is.
+    waiting = sum(h.waiting for h in beats) + load.queued
     return Observation(
         now=now,
         current_replicas=current,

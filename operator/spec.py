@@ -89,6 +89,7 @@ def _rule_errors(spec: dict[str, Any]) -> list[str]:
         "0%",
     ):
         errors.append(crd.ROLLOUT_RULES[0]["message"])
+    errors += _flow_rule_errors((spec.get("router") or {}).get("flowControl") or {})
     message = crd._INT_OR_PERCENT["x-kubernetes-validations"][0]["message"]
     for path, value in _int_or_percent_values(spec):
         if not (
@@ -96,6 +97,20 @@ def _rule_errors(spec: dict[str, Any]) -> list[str]:
             or (isinstance(value, str) and re.fullmatch(r"[0-9]+%", value))
         ):
             errors.append(f"{path}: {message}")
+    return errors
+
+
+def _flow_rule_errors(flow: dict[str, Any]) -> list[str]:
+    errors = []
+    bands = [b for b in flow.get("bands") or [] if isinstance(b, dict)]
+    names = [b.get("name") for b in bands]
+    if len(set(names)) != len(names):
+        errors.append(crd.FLOW_RULES[0]["message"])
+    priorities = [b.get("priority") for b in bands]
+    if len(set(priorities)) != len(priorities):
+        errors.append(crd.FLOW_RULES[1]["message"])
+    if "bands" in flow and "defaultBand" in flow and flow["defaultBand"] not in names:
+        errors.append(crd.FLOW_RULES[2]["message"])
     return errors
 
 
@@ -126,6 +141,11 @@ def _semantic_errors(name: str, spec: dict[str, Any]) -> list[str]:
     if GPU in req and str(req[GPU]) != str(lim.get(GPU, req[GPU])):
         errors.append(
             f"engine.resources: {GPU} requests must equal limits (extended resources cannot overcommit)"
+        )
+    engine = spec.get("engine") or {}
+    if engine.get("loraModules") and engine.get("kind", "kvmesh") != "vllm":
+        errors.append(
+            "engine.loraModules needs engine.kind vllm (kvmesh's engine serves no adapters)"
         )
     pvc = (spec.get("model") or {}).get("pvc") or {}
     if ".." in posixpath.normpath(pvc.get("path", "") or ".").split("/"):

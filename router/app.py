@@ -26,6 +26,7 @@ from kvmesh.router.auth import ApiKeys, RateLimiter
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.discovery import Discovery, EndpointSlices
 from kvmesh.router.drain import Drain
+from kvmesh.router.flow import FlowControl
 from kvmesh.router.hold_queue import HoldQueue, body_sent_trace
 from kvmesh.router.metrics import RouterMetrics, route_label
 from kvmesh.router.pipeline import Pipeline
@@ -87,7 +88,11 @@ class Router:
         self.discovery: Discovery | None = None
         self.session: aiohttp.ClientSession | None = None
         self.prompt_tokens = PromptTokens(
-            encoder, cfg.model, cfg.block_size, TOOL_PROMPTS[cfg.tool_call_parser]
+            encoder,
+            cfg.model,
+            cfg.block_size,
+            TOOL_PROMPTS[cfg.tool_call_parser],
+            adapters=cfg.engine == "vllm",
         )
         self.hold_queue = HoldQueue(
             cfg.model,
@@ -125,7 +130,15 @@ class Router:
             cfg.scale_from_zero_timeout,
             cfg.max_resumes,
             cfg.resume_timeout,
+            cfg.engine,
         )
+        # flow control (router/flow): off unless configured, as GIE's flow-control layer
+        self.flow = (
+            FlowControl(cfg.flow, cfg.model, self.metrics, self.traffic)
+            if cfg.flow.enabled
+            else None
+        )
+        self.routing.flow = self.pipeline.flow = self.flow
         self._started = False
         self._openapi: bytes | None = None
 
@@ -137,6 +150,8 @@ class Router:
         self.drain.cutting = True
         self.proxy.cut()
         self.hold_queue.cancel_all()
+        if self.flow is not None:
+            self.flow.cancel_all()
 
     # -- lifespan ---------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -173,6 +188,8 @@ class Router:
         self.prefix_match.attach(self.discovery, self.redis)
         self.hold_queue.attach(self.discovery, self.redis)
         self.routing.discovery = self.discovery
+        if self.flow is not None:
+            self.flow.attach(self.discovery, self.redis)
         await self.discovery.refresh()
         self.discovery.start()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S)
@@ -180,7 +197,7 @@ class Router:
             connector=connector,
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
-            trace_configs=[body_sent_trace()] if self.cfg.holds else None,
+            trace_configs=[body_sent_trace()] if self.cfg.holds or self.flow else None,
         )
 
     async def shutdown(self) -> None:
@@ -188,6 +205,7 @@ class Router:
         connection in a bad state) is logged by name and left behind, never holding the exit."""
         self.hold_queue.stop()
         steps = [
+            ("flow control", self.flow.stop() if self.flow is not None else None),
             ("discovery", self.discovery.stop() if self.discovery is not None else None),
             ("engine connections", self.session.close() if self.session is not None else None),
             ("redis", self.redis.aclose() if self.redis is not None else None),
@@ -341,6 +359,7 @@ class Router:
                 "block_sets": self.prefix_match.state() if self.discovery else "off",
                 "held_requests": len(self.hold_queue),
                 "max_pending_requests": self.cfg.max_pending_requests if self.cfg.holds else 0,
+                "flow_queued": len(self.flow.queue) if self.flow is not None else None,
             },
         )
 

@@ -18,6 +18,8 @@ class KeyInfo:
     name: str
     rpm: float | None = None  # None: the router's default
     tpm: float | None = None
+    band: str | None = None  # flow control: the key's priority band (None: the default band)
+    weight: float | None = None  # flow control: its fair-share weight (None: its band's)
 
 
 def hash_key(key: str) -> str:
@@ -28,11 +30,11 @@ class KeyFileError(ValueError):
     """A key file that is missing, unreadable or malformed: a startup error."""
 
 
-_LINE = re.compile(r"^(.*?)((?:\s+(?:name|rpm|tpm)=\S*)*)\s*$")
+_LINE = re.compile(r"^(.*?)((?:\s+(?:name|rpm|tpm|band|weight)=\S*)*)\s*$")
 
 
 def _parse_line(line: str, where: str) -> tuple[str, KeyInfo]:
-    """`KEY [name=N] [rpm=N] [tpm=N]`: the options are recognised only at the end of the line;
+    """`KEY [name=N] [rpm=N] [tpm=N] [band=B] [weight=W]`: the options are recognised only at the end of the line;
     everything before them is the key, whatever characters it holds (`#`, `,`, spaces)."""
     m = _LINE.match(line)
     key, opts = m.group(1).strip(), m.group(2).split()
@@ -44,8 +46,8 @@ def _parse_line(line: str, where: str) -> tuple[str, KeyInfo]:
     info = KeyInfo(key_id=digest[:12], name=digest[:12])
     for opt in opts:
         k, _, v = opt.partition("=")
-        if k == "name":
-            info.name = v
+        if k in ("name", "band"):
+            setattr(info, k, v)
         else:
             try:
                 value = float(v)
@@ -58,7 +60,7 @@ def _parse_line(line: str, where: str) -> tuple[str, KeyInfo]:
 
 
 def parse_keys(text: str, source: str = "keys", commas: bool = False) -> dict[str, KeyInfo]:
-    """One key per line: `KEY [name=N] [rpm=N] [tpm=N]`; KEY may be `sha256:<hex>` (already hashed).
+    """One key per line: `KEY [name=N] [rpm=N] [tpm=N] [band=B] [weight=W]`; KEY may be `sha256:<hex>` (already hashed).
     A line is the whole key (a `#` or `,` inside a key is part of it); a line whose first
     non-blank character is `#` is a comment. With `commas` (the KVMESH_API_KEYS variable holding
     the keys themselves, `k1,k2`), commas also separate entries."""

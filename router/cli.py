@@ -45,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="must match the engines"
     )
     p.add_argument(
+        "--engine",
+        choices=["kvmesh", "vllm"],
+        default="kvmesh",
+        help="the engines' kind: `vllm` reads their readiness from /health and resumes a stream "
+        "through vLLM's completions API (docs/vllm.md)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         default="hermes",
         choices=sorted(TOOL_PROMPTS),
@@ -144,6 +151,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=300.0,
         help="scale from zero: seconds a request is held waiting for an engine before a 503",
     )
+    add_flow_arguments(p)
     p.add_argument(
         "--log-format",
         choices=["json", "text"],
@@ -151,6 +159,132 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--no-access-log", action="store_true")
+
+
+def add_flow_arguments(p: argparse.ArgumentParser) -> None:
+    """Flow control (router/flow; docs/router.md, "Flow control")."""
+    p.add_argument(
+        "--flow-control",
+        action="store_true",
+        help="queue requests at the router by priority band and per-tenant fair share while every "
+        "replica is saturated (off by default, as the Gateway API Inference Extension's flow control)",
+    )
+    p.add_argument(
+        "--flow-band",
+        action="append",
+        default=None,
+        metavar="NAME:PRIORITY[:WEIGHT[:MAX_QUEUED]]",
+        help="a priority band, repeated for each (default: critical:2:1:1024, standard:1:1:512, "
+        "sheddable:0:1:256); a higher priority goes first and is shed last",
+    )
+    p.add_argument("--flow-default-band", default="standard", help="band of requests naming none")
+    p.add_argument(
+        "--flow-objective",
+        action="append",
+        default=None,
+        metavar="OBJECTIVE=BAND",
+        help="an x-gateway-inference-objective value mapped to a band (a band's name maps to itself)",
+    )
+    p.add_argument(
+        "--flow-max-queued", type=int, default=1024, help="requests waiting, all bands together"
+    )
+    p.add_argument(
+        "--flow-deadline",
+        type=float,
+        default=None,
+        help="seconds a request may wait at the router before a 503 (default: --request-timeout, "
+        "else 60); the x-kvmesh-deadline-seconds header may ask for less",
+    )
+    p.add_argument(
+        "--flow-kv-threshold",
+        type=float,
+        default=0.8,
+        help="a replica whose KV usage is at least this is saturated",
+    )
+    p.add_argument(
+        "--flow-queue-threshold",
+        type=int,
+        default=5,
+        help="a replica whose engine has this many requests waiting is saturated",
+    )
+    p.add_argument(
+        "--flow-pod-max-inflight",
+        type=int,
+        default=0,
+        help="a replica with this many of this router's requests on it is saturated (0: no cap)",
+    )
+    p.add_argument(
+        "--flow-max-tenants",
+        type=int,
+        default=1024,
+        help="tenants tracked for fair share; more share one 'other' flow",
+    )
+    p.add_argument(
+        "--flow-token-weights",
+        default="prompt=1,output=2",
+        help="virtual tokens per prompt and per output token (fair share's measure of service)",
+    )
+    p.add_argument(
+        "--flow-half-life",
+        type=float,
+        default=60.0,
+        help="seconds after which a tenant's past service counts half",
+    )
+    p.add_argument(
+        "--flow-newcomer-credit",
+        type=float,
+        default=512.0,
+        help="virtual tokens of head start for a tenant that starts asking, below the least-served "
+        "tenant waiting (0: VTC's plain lift)",
+    )
+    p.add_argument(
+        "--flow-sync-interval",
+        type=float,
+        default=1.0,
+        help="seconds between syncs of fair share with the other routers through Redis",
+    )
+
+
+def flow_settings(args: argparse.Namespace):
+    """The FlowSettings of the flags (SystemExit with the reason when they do not fit)."""
+    from kvmesh.router.flow import DEFAULT_BANDS, FlowSettings, parse_band
+
+    try:
+        bands = tuple(parse_band(b) for b in args.flow_band) if args.flow_band else DEFAULT_BANDS
+        objectives = {}
+        for item in args.flow_objective or ():
+            name, sep, band = item.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"--flow-objective {item!r}: expected OBJECTIVE=BAND")
+            objectives[name.strip().lower()] = band.strip().lower()
+        weights = {"prompt": 1.0, "output": 2.0}
+        for part in args.flow_token_weights.split(","):
+            k, sep, v = part.partition("=")
+            if k.strip() not in weights or not sep:
+                raise ValueError(f"--flow-token-weights: {part!r} (expected prompt=N,output=N)")
+            weights[k.strip()] = float(v)
+        if min(weights.values()) < 0:
+            raise ValueError("--flow-token-weights must be >= 0")
+        deadline = args.flow_deadline or args.request_timeout or 60.0
+        return FlowSettings(
+            enabled=args.flow_control,
+            bands=bands,
+            default_band=args.flow_default_band,
+            max_queued=args.flow_max_queued,
+            default_deadline=deadline,
+            kv_threshold=args.flow_kv_threshold,
+            queue_threshold=args.flow_queue_threshold,
+            pod_max_inflight=args.flow_pod_max_inflight,
+            max_tenants=args.flow_max_tenants,
+            prompt_weight=weights["prompt"],
+            output_weight=weights["output"],
+            half_life=args.flow_half_life,
+            newcomer_credit=args.flow_newcomer_credit,
+            sync_interval=args.flow_sync_interval,
+            objectives=objectives,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"kvmesh router: flow control: {exc}") from None
 
 
 def config_from_args(args: argparse.Namespace):
@@ -182,6 +316,13 @@ def config_from_args(args: argparse.Namespace):
         raise SystemExit("kvmesh router: --redis-stale-after must be > 0")
     from kvmesh.router.scoring import check_hotspot_params
 
+    flow = flow_settings(args)
+    unknown = sorted(
+        {k.band for k in (api_keys or {}).values() if k.band and flow.band(k.band) is None}
+    )
+    if flow.enabled and unknown:
+        raise SystemExit(f"kvmesh router: API keys name unknown bands: {unknown}")
+
     try:
         check_hotspot_params(args.hotspot_ratio, args.hotspot_min_load)
     except ValueError as exc:
@@ -203,6 +344,7 @@ def config_from_args(args: argparse.Namespace):
         max_retries=args.max_retries,
         max_resumes=args.max_resumes,
         resume_timeout=args.resume_timeout,
+        engine=args.engine,
         tool_call_parser=args.tool_call_parser,
         connect_timeout=args.connect_timeout,
         read_timeout=args.read_timeout,
@@ -219,6 +361,7 @@ def config_from_args(args: argparse.Namespace):
         k8s_namespace=args.k8s_namespace,
         max_pending_requests=args.max_pending_requests,
         scale_from_zero_timeout=args.scale_from_zero_timeout,
+        flow=flow,
     )
 
 
@@ -245,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
 
         serve_metrics_only(router.metrics.registry, args.host, args.metrics_port)
     logging.getLogger("kvmesh.router").info(
-        "router for %s on %s:%d, policy %s, %s, auth %s",
+        "router for %s on %s:%d, policy %s, %s, auth %s, flow control %s",
         cfg.model,
         args.host,
         args.port,
@@ -254,6 +397,7 @@ def run(args: argparse.Namespace) -> int:
         if cfg.static_backends
         else f"redis {redact_url(cfg.redis_url or '')}",
         "on" if cfg.api_keys is not None else "off",
+        "on" if cfg.flow.enabled else "off",
     )
     server = make_server(router, args.host, args.port, args.drain_timeout, watchdog=True)
     server.run()

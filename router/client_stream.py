@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import time
 
+from kvmesh.router import vllm_resume
+
 DONE = b"data: [DONE]"
 
 # What the engine's own failure looks like inside a stream: an error event, or a choice it
@@ -38,6 +40,9 @@ class ClientStream:
         self.prompt_tokens: dict[
             int, int
         ] = {}  # per prompt index: its token count (from prompt_token_ids)
+        self.prompt_ids: dict[
+            int, list[int]
+        ] = {}  # per prompt index: its ids, as the engine sent them
         self.usage_offset = (0, 0)  # (prompt, completion) tokens a continuation's usage leaves out
         self.engine_sends_ids = (
             False  # the engine sent token ids: a continuation can go on from them
@@ -54,6 +59,7 @@ class ClientStream:
         )
         self._restart = False  # passing through a restart from nothing after the client had events
         self._roles_out: set[int] = set()  # chat: the choices whose role chunk the client has
+        self._completions = False  # passing through a vLLM continuation (router/vllm_resume.py)
         self._buf = b""
 
     # -- the status line, the events --------------------------------------------------------------
@@ -62,13 +68,20 @@ class ClientStream:
             self.started = True
             await self.send(start)
 
-    def resuming(self, restart: bool, since: float) -> None:
+    def resuming(self, restart: bool, since: float, completions: bool = False) -> None:
         """A continuation (or, with `restart`, the request again from nothing) takes over; `since`:
-        when the engine failed (time.perf_counter), for the resume latency."""
+        when the engine failed (time.perf_counter), for the resume latency. `completions`: a
+        vLLM continuation, whose prompt holds the ids the client has (its usage counts them as
+        prompt) and whose events are text_completion ones."""
         self._buf = b""
         self._restart = restart and self.events_out > 0
+        self._completions = completions and not restart
         self.resumed_at = since
-        self.usage_offset = (0, 0) if restart else self._left_out()
+        if self._completions:
+            out = len(self.output_ids)
+            self.usage_offset = (-out, out)
+        else:
+            self.usage_offset = (0, 0) if restart else self._left_out()
 
     # -- the choices ------------------------------------------------------------------------------
     @property
@@ -218,12 +231,14 @@ class ClientStream:
             return raw, None
         if "error" in obj and not obj.get("choices"):
             return None, ENGINE_ERROR
-        changed = self._identity(obj)
+        changed = self._completions and self._as_original(obj)
+        changed |= self._identity(obj)
         if obj.get("usage"):
             changed |= self._whole_usage(obj["usage"])
             self.usage = obj["usage"]
         if isinstance(obj.get("prompt_token_ids"), list):  # chat: the response's one prompt
             self.prompt_tokens[0] = len(obj["prompt_token_ids"])
+            self.prompt_ids[0] = obj["prompt_token_ids"]
         broken = None
         for choice in obj.get("choices") or ():
             changed |= self._choice(choice)
@@ -241,6 +256,16 @@ class ClientStream:
         return b"data: " + json.dumps(
             obj, separators=(",", ":"), ensure_ascii=False
         ).encode(), broken
+
+    def _as_original(self, obj: dict) -> bool:
+        """A vLLM continuation's event as the original stream's: its prompt ids (the original's
+        and the output so far) dropped, a chat stream's text as the chunk's delta."""
+        obj.pop("prompt_token_ids", None)
+        for choice in obj.get("choices") or ():
+            choice.pop("prompt_token_ids", None)
+        if self.chat:
+            vllm_resume.as_chat_chunk(obj)
+        return True
 
     def _identity(self, obj: dict) -> bool:
         """The first event sets the stream's id and created; later ones (a continuation's) keep them."""
@@ -278,6 +303,7 @@ class ClientStream:
                 changed = True
         if isinstance(choice.get("prompt_token_ids"), list):  # completions: each choice's prompt
             self.prompt_tokens[index // self.n] = len(choice["prompt_token_ids"])
+            self.prompt_ids[index // self.n] = choice["prompt_token_ids"]
         if "prompt_token_ids" in choice and (not self.want_ids or self._restart):
             del choice["prompt_token_ids"]
             changed = True

@@ -9,6 +9,7 @@ from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
 from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.router import policies
 from kvmesh.router.auth import KeyInfo
+from kvmesh.router.flow.settings import FlowSettings
 from kvmesh.router.scoring import Weights
 
 
@@ -53,9 +54,11 @@ class RouterConfig:
     tool_call_parser: str = (
         "hermes"  # the engines' tool format, for templates that do not read tools
     )
+    engine: str = "kvmesh"  # the engines' kind: "vllm" changes readiness and how streams resume
     resume_timeout: float = (
         60.0  # how long it waits for one when none is routable (an engine restarting)
     )
+    flow: FlowSettings = field(default_factory=FlowSettings)  # flow control (router/flow)
 
     @property
     def holds(self) -> bool:

@@ -188,7 +188,7 @@ class RouterMetrics:
         self.resume_given_up = Counter(
             "kvmesh_router_resume_given_up",
             "Engine failures not resumed, by reason: limit, no_replica, refused, "
-            "no_token_ids, shutdown",
+            "no_token_ids, shutdown, inexact (vLLM could not go on token for token)",
             ["reason"],
             registry=r,
         )
@@ -215,6 +215,51 @@ class RouterMetrics:
             "kvmesh_router_demand_signals",
             "Writes of the scale-from-zero demand key to Redis",
             registry=r,
+        )
+
+        # flow control (router/flow): labels from the configured bands, fixed reasons, and the
+        # bounded tenant table (a tenant's series goes when it leaves the table)
+        self.flow_queue_depth = Gauge(
+            "kvmesh_router_flow_queue_depth",
+            "Requests waiting at the router (flow control) by band",
+            ["band"],
+            registry=r,
+        )
+        self.flow_queued_seconds = Histogram(
+            "kvmesh_router_flow_queued_seconds",
+            "How long requests waited at the router (flow control), by band and outcome",
+            ["band", "outcome"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.flow_dispatched = Counter(
+            "kvmesh_router_flow_dispatched",
+            "Requests let through by flow control, by band and whether they waited",
+            ["band", "queued"],
+            registry=r,
+        )
+        self.flow_shed = Counter(
+            "kvmesh_router_flow_shed",
+            "Requests refused by flow control, by band and reason: queue_full, shed (room for "
+            "a higher band), tenant_share (room for a tenant holding less of the queue), "
+            "deadline, shutdown",
+            ["band", "reason"],
+            registry=r,
+        )
+        self.flow_saturated = Gauge(
+            "kvmesh_router_flow_saturated",
+            "1 while every routable replica is saturated (requests wait at the router)",
+            registry=r,
+        )
+        self.flow_tenant_service = Counter(
+            "kvmesh_router_flow_tenant_service_tokens",
+            "Virtual tokens (weighted prompt + output over the tenant's weight) this router "
+            "gave each tenant it tracks (at most --flow-max-tenants; the rest are 'other')",
+            ["tenant"],
+            registry=r,
+        )
+        self.flow_tenants = Gauge(
+            "kvmesh_router_flow_tenants", "Tenants in the flow-control table", registry=r
         )
 
     def render(self) -> bytes:

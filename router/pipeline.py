@@ -10,9 +10,10 @@ An engine that fails after the request reached it: the request goes on with anot
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
-from kvmesh.router import resume
+from kvmesh.router import resume, vllm_resume
 from kvmesh.router.admission import Admission
 from kvmesh.router.auth import RateLimiter
 from kvmesh.router.client_stream import ClientStream
@@ -25,6 +26,8 @@ from kvmesh.router.request_state import Call
 from kvmesh.router.responses import send_refused, wait_disconnect
 from kvmesh.router.routing import Routing
 from kvmesh.router.settle import settle
+
+log = logging.getLogger("kvmesh.router")
 
 
 class Pipeline:
@@ -41,6 +44,7 @@ class Pipeline:
         hold_bound_s: float,
         max_resumes: int,
         resume_timeout: float,
+        engine: str = "kvmesh",
     ):
         self.admission = admission
         self.routing = routing
@@ -57,6 +61,8 @@ class Pipeline:
         self.resume_timeout = (
             resume_timeout  # how long a failed request waits for a replica to go on with
         )
+        self.flow = None  # flow control (router/flow), set by the router when it is on
+        self.vllm = engine == "vllm"  # streams go on through vLLM's completions API
 
     async def handle(self, scope, receive, send) -> None:
         call = self.admission.begin(scope)
@@ -74,6 +80,7 @@ class Pipeline:
         except Refused as r:
             return await self._refuse(send, call, r)
         watcher = asyncio.ensure_future(wait_disconnect(receive))
+        out = None
         try:
             try:
                 if not await self.routing.route(call, watcher):
@@ -87,8 +94,10 @@ class Pipeline:
                 out = await self._resume(call, send, watcher, out)
         finally:
             watcher.cancel()
-            if call.held is not None:
-                call.held.sent.set()
+            for held in call.holds():
+                held.sent.set()
+            if self.flow is not None:
+                self.flow.done(call, out.usage if out is not None else None)
         if out is not None:  # None: settled where the client went away
             settle(call, out, self.metrics, self.limiter, self.policy)
 
@@ -190,6 +199,15 @@ class Pipeline:
             return (
                 "no_token_ids"  # the engine does not say what it generated: nothing to go on from
             )
+        if self.vllm and stream is not None and (stream.output_ids or stream.finish_reasons):
+            why = vllm_resume.inexact(call.req, stream.num_choices)
+            if why is not None:
+                log.info(
+                    "not resumed on vLLM: %s",
+                    why,
+                    extra={"fields": {"request_id": call.rid}},
+                )
+                return "inexact"
         return None
 
     async def _ended_already(self, call: Call, out: Outcome) -> Outcome | None:
@@ -241,11 +259,19 @@ class Pipeline:
         )
         # nothing received yet (no id, no choice finished): the request again from the start
         restart = stream is None or not (ids or stream.finish_reasons)
-        body = None if restart else resume.continuation_body(call.req, stream.continuation())
+        path = None
+        if restart:
+            body = None
+        elif self.vllm:
+            prompt_ids = stream.prompt_ids.get(0) or call.tokens
+            body = vllm_resume.continuation_body(call.req, stream.chat, prompt_ids, ids)
+            path = "/v1/completions"
+        else:
+            body = resume.continuation_body(call.req, stream.continuation())
         if stream is not None:
-            stream.resuming(restart=restart, since=t_fail)
+            stream.resuming(restart=restart, since=t_fail, completions=self.vllm)
         new = await self._proxy(
-            call, send, watcher, answer_unreached=False, body=body, continuation=True
+            call, send, watcher, answer_unreached=False, body=body, continuation=True, path=path
         )
         if stream is None and new.broken is None and new.status < 500:
             self.metrics.resume_seconds.observe(time.perf_counter() - t_fail)
@@ -259,10 +285,12 @@ class Pipeline:
         answer_unreached: bool,
         body: bytes | None = None,
         continuation: bool = False,
+        path: str | None = None,
     ) -> Outcome:
         """The proxy to the ordered pods; a client that goes away cancels the upstream request."""
-        on_sent = call.held.sent.set if call.held is not None and not continuation else None
-        req = self.proxy.request(call, on_sent, answer_unreached, body, continuation)
+        holds = call.holds() if not continuation else []
+        on_sent = (lambda: [h.sent.set() for h in holds]) if holds else None
+        req = self.proxy.request(call, on_sent, answer_unreached, body, continuation, path)
         task = asyncio.ensure_future(self.proxy.send(send, req))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)

@@ -19,13 +19,17 @@ class PromptTokens:
         model: str,
         block_size: int,
         tool_format: type[ToolPrompt] = DEFAULT_TOOL_PROMPT,
+        adapters: bool = False,
     ):
         """``tool_format``: how the engines describe tools to a template that does not read them (their
-        ``--tool-call-parser``'s format; Hermes, the engine's default)."""
+        ``--tool-call-parser``'s format; Hermes, the engine's default). ``adapters``: a request
+        naming another model names a LoRA adapter of the engines (vLLM's), whose blocks chain
+        from that name's root (as the sidecar indexes them)."""
         self.encoder = encoder
         self.model = model
         self.block_size = block_size
         self.tool_format = tool_format
+        self.adapters = adapters
 
     def tokens_and_keys(
         self, path: str, req: dict[str, Any], scores_prompt: bool, large: bool
@@ -34,11 +38,20 @@ class PromptTokens:
         # A request scoring its prompt (prompt logprobs, or echo with logprobs) computes every
         # position and reads nothing from the cache: no prefix to match, it goes by load.
         keys = (
-            block_keys(tokens, self.model, self.block_size, cache_salt=req.get("cache_salt"))
+            block_keys(
+                tokens, self.identity(req), self.block_size, cache_salt=req.get("cache_salt")
+            )
             if tokens and not scores_prompt
             else []
         )
         return tokens, keys
+
+    def identity(self, req: dict[str, Any]) -> str:
+        """The block keys' model identity: the served model's, or the adapter's the request names."""
+        named = req.get("model")
+        if self.adapters and isinstance(named, str) and named and named != self.model:
+            return named
+        return self.model
 
     def tokens(self, path: str, req: dict[str, Any], large: bool = False) -> list[int]:
         """The prompt's ids ([] when the body is malformed: the engine will answer it)."""

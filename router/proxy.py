@@ -140,9 +140,10 @@ class Proxy:
         answer_unreached: bool = True,
         body: bytes | None = None,
         continuation: bool = False,
+        path: str | None = None,
     ) -> ProxyRequest:
         """`body`: a continuation's (default: the client's, with the token ids asked for when the
-        stream may be resumed)."""
+        stream may be resumed); `path`: a continuation's on another API (vLLM's completions)."""
         if body is None:
             body = stream_body(call.body, call.req) if call.stream is not None else call.body
         headers = call.headers
@@ -157,7 +158,7 @@ class Proxy:
             fwd["Authorization"] = f"Bearer {self.cfg.upstream_api_key}"
         elif self.pass_client_auth and "authorization" in headers:
             fwd["Authorization"] = headers["authorization"]
-        target = call.path + ("?" + call.query.decode("latin-1") if call.query else "")
+        target = (path or call.path) + ("?" + call.query.decode("latin-1") if call.query else "")
         return ProxyRequest(
             target,
             body,
@@ -174,8 +175,8 @@ class Proxy:
         )
 
     async def ready(self, pod) -> bool:
-        """Whether the pod's engine answers /ready with 200 now (a replica that failed a request,
-        asked whether it is back)."""
+        """Whether the pod's engine answers /ready (vLLM: /health) with 200 now (a replica that
+        failed a request, asked whether it is back)."""
         headers = (
             {"Authorization": f"Bearer {self.cfg.upstream_api_key}"}
             if self.cfg.upstream_api_key
@@ -183,7 +184,7 @@ class Proxy:
         )
         try:
             async with self.session.get(
-                pod.url + "/ready",
+                pod.url + ("/health" if self.cfg.engine == "vllm" else "/ready"),
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=READY_PROBE_TIMEOUT_S),
             ) as resp:

@@ -10,6 +10,7 @@ from kvmesh.router.scoring import Candidate
 
 if TYPE_CHECKING:
     from kvmesh.router.client_stream import ClientStream
+    from kvmesh.router.flow.controller import Flow
     from kvmesh.router.hold_queue import Held
 
 
@@ -40,6 +41,13 @@ class Call:
     resumable: bool = False  # may go on with another replica if its engine fails (router/resume.py)
     stream: ClientStream | None = None  # a resumable stream's client side
     resumes: int = 0  # times it went on with another replica
+    flow: Flow | None = None  # its tenant and band, with flow control on (router/flow)
+
+    def holds(self) -> list[Held]:
+        """The queues' holds it went through (scale from zero, flow control): each is told
+        once its body is on an engine's socket, so the next held request may go."""
+        flow_held = self.flow.held if self.flow is not None else None
+        return [h for h in (self.held, flow_held) if h is not None]
 
     @property
     def tpm(self) -> float | None:

@@ -52,10 +52,12 @@ class Routing:
         self.metrics = metrics
         self.holds = False  # scale from zero is on (set by the router)
         self.discovery = None
+        self.flow = None  # flow control (router/flow), set by the router when it is on
 
     async def route(self, call: Call, watcher: asyncio.Future) -> bool:
-        """Tokens and block keys, a routable pod (held until one is: scale from zero), the
-        policy's order. False if the client went away meanwhile; Refused (503) if no pod came."""
+        """Tokens and block keys, a routable pod (held until one is: scale from zero), its turn
+        while every replica is saturated (flow control), the policy's order. False if the client
+        went away meanwhile; Refused if no pod came (503) or flow control refused it."""
         await self.tokenize(call)
         if watcher.done():  # gone while we tokenised
             self.client_gone(call)
@@ -63,6 +65,16 @@ class Routing:
         pods = await self.routable_pods(call, watcher)
         if pods is None:
             return False
+        if self.flow is not None:
+            if not await self.flow.wait(call, watcher):  # Refused if flow control refuses it
+                self.client_gone(call)
+                self.admission.refund(call)
+                return False
+            if call.flow is not None and call.flow.waited:  # it waited: look again
+                pods = await self.routable_pods(call, watcher)
+                if pods is None:
+                    return False
+            pods = self.flow.with_room(pods)
         await self.order(call, pods)
         return True
 

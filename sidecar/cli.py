@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--engine-format",
         choices=["kvmesh", "vllm"],
         default="kvmesh",
-        help="`vllm`: recompute contract keys from token ids",
+        help="`vllm`: readiness from /health and /v1/models (with the key in "
+        "KVMESH_ENGINE_API_KEY, if any), contract keys recomputed from token ids (docs/vllm.md)",
     )
     p.add_argument(
         "--health-port",
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         health_host=args.health_host,
         health_port=args.health_port,
         events_stale_after=args.events_stale_after,
+        engine_api_key=os.environ.get("KVMESH_ENGINE_API_KEY") or None,
     )
     if cfg.health_port is not None and not 0 <= cfg.health_port <= 65535:
         raise SystemExit(f"kvmesh sidecar: --health-port must be 0..65535, got {cfg.health_port}")

@@ -31,6 +31,7 @@ class SidecarConfig:
     events_stale_after: float = (
         20.0  # an events loop without a completed iteration this long is stale
     )
+    engine_api_key: str | None = None  # sent to the engine (vLLM's /v1/models wants it)
 
 
 def default_pod_url() -> str:

@@ -1,7 +1,9 @@
 """The sidecar's probes and metrics: /health, /ready and /metrics (Prometheus text) from one small HTTP thread.
 
 Liveness fails while the events loop is dead or stale (or the heartbeat loop is dead);
-readiness also waits for the first catch-up. Neither depends on Redis or on the engine. The
+readiness also waits for the first catch-up. Neither depends on Redis or on the engine (the
+engine's own probes take it out of service), but both bodies say why the engine
+(``engine_problem``) or its KV events (``events_problem``: the replay socket) cannot be read. The
 metrics are read from the sidecar at scrape time by a `prometheus_client` collector (the
 figures live in the subscriber's and the sidecar's counters; nothing is copied between scrapes).
 """
@@ -121,6 +123,8 @@ def detail(sidecar: Sidecar, problem: str | None) -> dict[str, Any]:
         "redis_dirty": writer.dirty,
         "indexed_seq": writer.indexed_seq,
         "engine_state": sidecar.heartbeat.state,
+        "engine_problem": sidecar.heartbeat.engine_problem,
+        "events_problem": sub.replay_problem if sub else None,
         "last_decode_error": sub.last_decode_error if sub else None,
         "last_events_error": sidecar.events.error,
         "stats": {**(sub.stats if sub else {}), **sidecar.stats},

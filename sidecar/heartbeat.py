@@ -1,6 +1,7 @@
-"""The heartbeat thread: the engine's /ready and load -> the pod's heartbeat hash in Redis (TTL 10 s).
+"""The heartbeat thread: the engine's readiness and load -> the pod's heartbeat hash in Redis (TTL 10 s).
 
-Every ``heartbeat_interval`` it reads the engine's ``/ready`` and ``/metrics``. The state it
+Every ``heartbeat_interval`` it reads the engine's readiness and ``/metrics`` (engine_probe.py:
+our engine's ``/ready``; vLLM's ``/health`` and ``/v1/models``). The state it
 publishes is the engine's readiness at that poll, never a latched one: ``ready`` on 200,
 ``draining`` on 503 (draining, or a restarted engine still loading), ``ready`` again as soon as
 the engine is; no heartbeat before the engine is first ready, and ``draining`` for good once this
@@ -21,8 +22,9 @@ import httpx
 import redis
 
 from kvmesh.common import redis_layout as rl
-from kvmesh.common.engine_load import EngineLoad, engine_load
+from kvmesh.common.engine_load import EngineLoad
 from kvmesh.sidecar.config import SidecarConfig
+from kvmesh.sidecar.engine_probe import read_engine
 from kvmesh.sidecar.index_writer import F_INDEX, IndexWriter
 from kvmesh.sidecar.subscriber import EventsLoop
 
@@ -43,6 +45,7 @@ class Heartbeat:
         self.state: str | None = None  # None until the engine is first ready
         self.engine_start: float | None = None
         self.engine_failures = 0
+        self.engine_problem: str | None = None  # why the engine cannot be read as ready now
         self.last_iteration: float | None = None
         self.thread: threading.Thread | None = None
         self._engine_was_ready = False
@@ -78,7 +81,11 @@ class Heartbeat:
             pass
 
     def _run(self) -> None:
-        client = httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0))
+        key = self.cfg.engine_api_key
+        client = httpx.Client(
+            timeout=httpx.Timeout(2.0, connect=1.0),
+            headers={"Authorization": f"Bearer {key}"} if key else None,
+        )
         backoff = 0.0
         try:
             while not self._stop.is_set():
@@ -99,20 +106,24 @@ class Heartbeat:
 
     def beat(self, client: httpx.Client) -> None:
         """One heartbeat: poll the engine, write the hash, check the block set."""
+        cfg = self.cfg
         try:
-            ready = client.get(self.cfg.engine_url + "/ready")
-            metrics = client.get(self.cfg.engine_url + "/metrics")
+            reading = read_engine(
+                client, cfg.engine_url, cfg.engine_format, cfg.model, cfg.block_size
+            )
         except httpx.HTTPError as exc:
             self.engine_failures += 1
             if self.engine_failures == self.cfg.engine_down_after:
                 log.warning("engine unreachable (%s); withdrawing the heartbeat", exc)
             if self.engine_failures >= self.cfg.engine_down_after:
+                self.engine_problem = f"engine {cfg.engine_url} unreachable: {exc}"  # logged above
                 self.redis.delete(self.hb_key)
             return
-        load = engine_load(metrics.text) if metrics.status_code == 200 else None
+        load = reading.load
         self._check_incarnation(load)
         self.engine_failures = 0
-        self.state = self._state_now(ready.status_code == 200)
+        self._engine_problem(reading.problem)
+        self.state = self._state_now(reading.ready)
         if self.state is None:
             return  # never ready yet: no heartbeat, not routable
         problem = self.events.problem()
@@ -146,6 +157,12 @@ class Heartbeat:
         pipe.execute()
         self.stats["heartbeats"] += 1
         self.writer.verify(self.redis)
+
+    def _engine_problem(self, problem: str | None) -> None:
+        """Keep why the engine cannot be read (the probes' ``engine_problem``); log each new one."""
+        if problem is not None and problem != self.engine_problem:
+            log.warning("engine not read as ready: %s", problem)
+        self.engine_problem = problem
 
     def _state_now(self, engine_ready: bool) -> str | None:
         """The state this heartbeat publishes: the engine's readiness now, never an earlier one

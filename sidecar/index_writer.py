@@ -2,8 +2,9 @@
 
 The index maps the engine's block hashes to contract keys (reference-counted: two engine blocks
 may share a key). With ``engine_format="vllm"`` the engine's hashes are not contract keys: keys are
-recomputed from the token ids in BlockStored, chained from the parent's key, and the
-engine-hash -> key map serves the removals.
+recomputed from the token ids in BlockStored, chained from the parent's key (a first block
+from the root of its adapter, ``lora_name``, when it has one), and the engine-hash -> key map
+serves the removals.
 
 Every change is mirrored to the Redis set ``blocks:{pod}``. A Redis failure never loses state:
 the index keeps being updated, the set is marked dirty, and once Redis answers again (retried with
@@ -52,6 +53,7 @@ class BlockIndex:
         self.by_hash: dict[Hashable, int] = {}
         self.refs: Counter[int] = Counter()
         self._root = root_key(cfg.model)
+        self._adapter_roots: dict[str, int] = {}
         self._warned_block_size = False
 
     def clear(self) -> None:
@@ -74,7 +76,7 @@ class BlockIndex:
                     self.cfg.block_size,
                 )
             if ev.parent_block_hash is None:
-                parent = self._root
+                parent = self._root if ev.lora_name is None else self._adapter_root(ev.lora_name)
             else:
                 parent = self.by_hash.get(_hashable(ev.parent_block_hash))
                 if parent is None:
@@ -91,6 +93,14 @@ class BlockIndex:
             if self.refs[k] == 1:
                 added.add(k)
                 removed.discard(k)
+
+    def _adapter_root(self, lora_name: str) -> int:
+        """An adapter's blocks chain from the root of its name: the keys a request that names the
+        adapter as its model gets, never the base model's."""
+        root = self._adapter_roots.get(lora_name)
+        if root is None:
+            root = self._adapter_roots[lora_name] = root_key(lora_name)
+        return root
 
     def removed(self, ev: BlockRemoved, added: set[int], removed: set[int]) -> None:
         if ev.medium not in GPU_MEDIA:

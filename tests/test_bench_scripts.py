@@ -396,3 +396,35 @@ def test_structured_online_counts_valid_cut_invalid_and_refused_replies(
         so.parse_urls(["http://127.0.0.1:1"])
     with pytest.raises(ValueError, match="given twice"):
         so.parse_urls(["a=http://x:1", "a=http://x:2"])
+
+
+def test_flow_control_splits_capacity_max_min_fair_and_sizes_the_overload(bench_module):
+    fc = bench_module("flow_control")
+    assert fc.max_min_fair(30, {"heavy": 100, "a": 5, "b": 50}) == {
+        "a": 5,
+        "b": 12.5,
+        "heavy": 12.5,
+    }
+    args = fc.parse(["--replicas", "2", "--max-num-seqs", "48"])
+    p = fc.plan(args)
+    assert p.capacity_rps == pytest.approx(2 * 48 / (8 * 0.4))
+    assert sum(p.tenants.values()) == pytest.approx(4 * p.capacity_rps)
+    assert p.tenants["heavy"] == pytest.approx(10 * p.tenants["light-1"])
+    cmd = fc.up_command(args, 8000, "/tmp/s.json", flow=True)
+    router_args = cmd[cmd.index("--router-args") + 1]
+    assert "--flow-control" in router_args and "--flow-pod-max-inflight 48" in router_args
+    assert "--flow-control" not in fc.up_command(args, 8000, "/tmp/s.json", flow=False)[-1]
+
+
+def test_flow_control_bench_runs_at_a_tiny_size():
+    """bench/flow_control.py end to end on a tiny `kvmesh up` of stub engines, both modes."""
+    out = subprocess.run(
+        [sys.executable, "-P", str(BENCH / "flow_control.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=BENCH.parent,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    for line in ("== flow", "== baseline", "heavy", "light-1", "refusals by band", "targets:"):
+        assert line in out.stdout, out.stdout

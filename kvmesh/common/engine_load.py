@@ -21,6 +21,7 @@ class EngineLoad:
     spec_draft_tokens: float = 0.0  # speculative decoding: draft tokens verified, and accepted
     spec_accepted_tokens: float = 0.0
     process_start_time: float | None = None
+    block_size: int | None = None  # vLLM's, from cache_config_info (a check against the sidecar's)
 
 
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -75,8 +76,11 @@ def engine_load(text: str) -> EngineLoad:
             "vllm:spec_decode_num_accepted_tokens",
         ):
             load.spec_accepted_tokens += value
-        elif name == "vllm:cache_config_info" and labels.get("num_gpu_blocks", "").isdigit():
-            load.total_blocks += int(labels["num_gpu_blocks"])
+        elif name == "vllm:cache_config_info":
+            if labels.get("num_gpu_blocks", "").isdigit():
+                load.total_blocks += int(labels["num_gpu_blocks"])
+            if labels.get("block_size", "").isdigit():
+                load.block_size = int(labels["block_size"])
         elif name == "process_start_time_seconds":
             load.process_start_time = value
     if usage:

@@ -1,26 +1,28 @@
 """Contract 2: KV-cache events, engine -> sidecar, in vLLM's wire format.
 
 vLLM (``vllm/distributed/kv_events.py``) defines its events as msgspec Structs with
-``array_like=True, omit_defaults=True`` and tagged by class name, so on the wire (msgpack):
+``omit_defaults=True``, tagged by class name. Our engine encodes them array-like (msgpack):
 
     EventBatch    = [ts, [event, ...], data_parallel_rank]
     BlockStored   = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-                     lora_id, medium]
+                     lora_id, medium, lora_name, ...]
     BlockRemoved  = ["BlockRemoved", block_hashes, medium]
     AllBlocksCleared = ["AllBlocksCleared"]
 
-Block hashes are ints (uint64; our engine publishes contract-1 keys) or bytes (vLLM's
-sha256 hashes). The decoder accepts missing trailing optional fields and ignores extra
-trailing fields, so it reads older and newer vLLM versions too. Anything else that is not
-this schema (not msgpack, a field of the wrong type, an unknown event kind) raises
-``DecodeError``, the only exception ``decode_batch`` raises; the subscriber counts it and
-resyncs (see ``KVEventSubscriber``).
+vLLM 0.32 encodes the batch so, and each event as a map ``{"type": "BlockStored",
+"block_hashes": ..., ...}``, read here by field name. Block hashes are ints (uint64: our
+engine's contract-1 keys, or vLLM 0.32's own) or bytes (older vLLMs' sha256 hashes). The
+decoder accepts missing trailing optional fields and ignores extra trailing fields, so it
+reads older and newer vLLM versions too. Anything else that is not this schema (not msgpack,
+a field of the wrong type, an unknown event kind) raises ``DecodeError``, the only exception
+``decode_batch`` raises; the subscriber counts it and resyncs (see ``KVEventSubscriber``).
 
 Transport (vLLM's ``ZmqEventPublisher``): a PUB socket sends multipart
 ``[topic, seq (8 bytes big-endian), payload]``; a ROUTER replay socket receives
 ``[client_id, b"", start_seq]`` from a DEALER and answers every buffered message with
-``seq >= start_seq`` as ``[client_id, b"", seq, payload]``, then the end marker
-``[client_id, b"", (-1 as 8 signed bytes), b""]``. Our replay socket never drops a
+``seq >= start_seq`` as ``[client_id, b"", topic, seq, payload]``, then the end marker
+``[client_id, b"", b"", (-1 as 8 signed bytes), b""]`` (vLLM 0.32; our publisher sends the
+same without the topic frame, and the subscriber reads both). Our replay socket never drops a
 message of an answer (its send high-water mark holds a whole buffer, and a full pipe waits
 instead of dropping). One extension: ``SNAPSHOT_REQ`` (-2 as 8 signed bytes) as the start
 asks for the publisher's whole block set instead, answered as ``[N, EventBatch]`` (the state
@@ -62,9 +64,10 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    lora_name: str | None = None  # the adapter's name (vLLM); None: the base model
 
     def to_wire(self) -> list[Any]:
-        return [
+        wire = [
             "BlockStored",
             list(self.block_hashes),
             self.parent_block_hash,
@@ -73,6 +76,7 @@ class BlockStored:
             self.lora_id,
             self.medium,
         ]
+        return wire if self.lora_name is None else [*wire, self.lora_name]
 
 
 @dataclass
@@ -175,10 +179,42 @@ def _opt(items: list[Any], i: int) -> Any:
     return items[i] if len(items) > i else None
 
 
+# The fields of each event kind in wire order: a map-encoded event (vLLM 0.32's) is read by name.
+_FIELDS = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def _from_map(item: dict) -> list[Any]:
+    """A map-encoded event as the tagged array: its known fields in wire order (a field the map
+    omits, as msgspec's omit_defaults does, is nil; one this decoder does not know is ignored)."""
+    tag = item.get("type")
+    if type(tag) is bytes:
+        tag = tag.decode(errors="replace")
+    fields = _FIELDS.get(tag)
+    if fields is None:
+        return [tag]
+    if not all(type(k) is str for k in item):  # keyed by position: its values in order
+        return [tag] + [v for k, v in item.items() if k != "type"]
+    missing = [f for f in fields[:4] if f not in item] if tag == "BlockStored" else []
+    if missing:
+        raise DecodeError(f"{tag} lacks {', '.join(missing)}")
+    return [tag, *(item.get(f) for f in fields)]
+
+
 def _decode_event(item: Any) -> KVEvent:
-    if isinstance(item, dict):  # tolerate a map-encoded event {"type": ..., fields in order}
-        tag = item.get("type")
-        item = [tag] + [v for k, v in item.items() if k != "type"]
+    if isinstance(item, dict):
+        item = _from_map(item)
     if not isinstance(item, list) or not item:
         raise DecodeError(f"event is not a tagged array: {_short(item)}")
     tag = item[0]
@@ -202,6 +238,7 @@ def _decode_event(item: Any) -> KVEvent:
             block_size,
             _opt_int(_opt(item, 5), "BlockStored.lora_id"),
             _opt_str(_opt(item, 6), "BlockStored.medium"),
+            _opt_str(_opt(item, 7), "BlockStored.lora_name"),
         )
     if tag == "BlockRemoved":
         if len(item) < 2:
@@ -254,9 +291,11 @@ class PublishedBlockSet:
     publisher's cost per event is one array and a dict entry per block."""
 
     def __init__(self):
-        # (hash, medium) -> (parent hash, the event's tokens, this block's offset in them, block size, lora id)
+        # (hash, medium) -> (parent hash, the event's tokens, this block's offset in them, block
+        # size, lora id, lora name)
         self.blocks: dict[
-            tuple[BlockHash, str | None], tuple[BlockHash | None, array, int, int, int | None]
+            tuple[BlockHash, str | None],
+            tuple[BlockHash | None, array, int, int, int | None, str | None],
         ] = {}
 
     def apply(self, events: Iterable[KVEvent]) -> None:
@@ -266,7 +305,14 @@ class PublishedBlockSet:
                 parent = ev.parent_block_hash
                 tokens = array("I", ev.token_ids)
                 for i, h in enumerate(ev.block_hashes):
-                    self.blocks[(h, ev.medium)] = (parent, tokens, i * bs, bs, ev.lora_id)
+                    self.blocks[(h, ev.medium)] = (
+                        parent,
+                        tokens,
+                        i * bs,
+                        bs,
+                        ev.lora_id,
+                        ev.lora_name,
+                    )
                     parent = h
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
@@ -293,12 +339,9 @@ class PublishedBlockSet:
                 parent = blocks[k][0]
                 k = None if parent is None else (parent, k[1])
             for h, medium in reversed(chain):
-                parent, tokens, offset, bs, lora_id = blocks[(h, medium)]
-                events.append(
-                    BlockStored(
-                        [h], parent, tokens[offset : offset + bs].tolist(), bs, lora_id, medium
-                    )
-                )
+                parent, tokens, offset, bs, lora_id, lora_name = blocks[(h, medium)]
+                ids = tokens[offset : offset + bs].tolist()
+                events.append(BlockStored([h], parent, ids, bs, lora_id, medium, lora_name))
         return events
 
 
@@ -454,6 +497,14 @@ class KVEventPublisher:
             self._replay.close(0)
 
 
+def _answer_frames(frames: list[bytes]) -> list[bytes]:
+    """A replay answer's [seq, payload], from vLLM 0.32's ``[b"", topic, seq, payload]`` or our
+    publisher's ``[b"", seq, payload]``; anything else is returned as it came (malformed)."""
+    if len(frames) in (3, 4) and frames[0] == b"":
+        return frames[-2:]
+    return frames
+
+
 @dataclass
 class Delivery:
     """What a subscriber hands its consumer: a batch in order, or a reset of all state."""
@@ -529,6 +580,7 @@ class KVEventSubscriber:
         self._resync_reason: str | None = None
         self.caught_up = False  # the first catch-up (replay from 0) has run
         self.last_decode_error: str | None = None
+        self.replay_problem: str | None = None  # why the last full resync failed (None: it did not)
         self.stats = {
             "batches": 0,
             "gaps": 0,
@@ -562,9 +614,7 @@ class KVEventSubscriber:
                 self._dealer.close(0)
                 self._dealer = None
                 return (out, False) if out else None
-            frames = self._dealer.recv_multipart()
-            if len(frames) == 3:
-                frames = frames[1:]
+            frames = _answer_frames(self._dealer.recv_multipart())
             if len(frames) != 2 or len(frames[0]) != 8:
                 self._bad_frame(f"replay answer with {len(frames)} frames")
                 continue
@@ -725,8 +775,17 @@ class KVEventSubscriber:
         self._needs_catch_up = False
         if self._catch_up(0, out) or not self.replay_endpoint:
             self._catch_up_backoff = 1.0
+            self.replay_problem = None
         else:
             self.stats["replay_failures"] += 1
+            self.replay_problem = (
+                f"the replay socket {self.replay_endpoint} did not answer a replay from seq 0"
+                + (
+                    f" (last malformed message: {self.last_decode_error})"
+                    if self.last_decode_error
+                    else ""
+                )
+            )
             # A sidecar that starts before its engine sees this once or twice: not worth a warning.
             level = logging.WARNING if self._catch_up_backoff >= 4 else logging.INFO
             log.log(

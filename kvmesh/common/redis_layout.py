@@ -18,6 +18,11 @@ Everything lives under a versioned prefix, namespaced by the served model name:
 - ``kvmesh:v1:{model}:demand``             unix time of the newest request a router holds
                                            because no replica is ready (scale from zero);
                                            TTL ``DEMAND_TTL_S``; the autoscalers read it
+- ``kvmesh:v1:{model}:flow:service``       hash tenant -> service (virtual tokens) the routers
+                                           gave it, ever: each router adds its part and reads
+                                           the fleet's (flow control's fair share)
+- ``kvmesh:v1:{model}:flow:queued``        hash router id -> "<requests queued> <unix time>":
+                                           the requests waiting at each router (demand)
 
 A pod whose heartbeat hash is gone is dead: it is never routed to, and its block set
 is deleted (by its sidecar on shutdown or engine restart, or by any router that finds
@@ -76,6 +81,53 @@ def demand_key(model: str) -> str:
     """A router holding requests with no ready replica sets this key to the current
     unix time (TTL ``DEMAND_TTL_S``): the signal to scale a model up from zero."""
     return f"{PREFIX}{model}:demand"
+
+
+FLOW_TTL_S = 3600  # the flow hashes go once no router has written them for this long
+ROUTER_QUEUE_STALE_S = 10.0  # a router's queue depth older than this no longer counts
+ROUTER_QUEUE_READ = 128  # router entries read per look (one HSCAN page)
+
+
+def flow_service_key(model: str) -> str:
+    return f"{PREFIX}{model}:flow:service"
+
+
+def flow_queued_key(model: str) -> str:
+    return f"{PREFIX}{model}:flow:queued"
+
+
+def queued_entry(depth: int, now: float) -> str:
+    return f"{int(depth)} {now:.3f}"
+
+
+def queued_at_routers(entries: Mapping[Any, Any], now: float) -> int:
+    """The requests waiting at the routers: the sum of the fresh entries of ``flow:queued``
+    (junk and stale entries count nothing)."""
+    total = 0
+    for raw in entries.values():
+        try:
+            depth, ts = (raw.decode() if isinstance(raw, bytes) else str(raw)).split()
+            depth_n, ts_f = int(depth), float(ts)
+        except ValueError:
+            continue
+        # (a clock a little ahead of the reader's counts too: routers and operator differ)
+        if 0 <= depth_n < 1 << 20 and abs(now - ts_f) <= ROUTER_QUEUE_STALE_S:
+            total += depth_n
+    return total
+
+
+def read_queued_at_routers(client: Any, model: str, now: float):
+    """One bounded page of ``flow:queued``, summed by :func:`queued_at_routers` (with an
+    asyncio client, a coroutine of it)."""
+    if _is_async(client):
+        return _read_queued_async(client, model, now)
+    _, entries = client.hscan(flow_queued_key(model), 0, count=ROUTER_QUEUE_READ)
+    return queued_at_routers(dict(list(entries.items())[:ROUTER_QUEUE_READ]), now)
+
+
+async def _read_queued_async(client: Any, model: str, now: float) -> int:
+    _, entries = await client.hscan(flow_queued_key(model), 0, count=ROUTER_QUEUE_READ)
+    return queued_at_routers(dict(list(entries.items())[:ROUTER_QUEUE_READ]), now)
 
 
 @dataclass

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import time
 import uuid
@@ -131,6 +132,11 @@ class StubEngine:
         if events and self.publisher:
             self.publisher.publish(events)
         return matched * self.block_size
+
+    def _token_delay(self) -> float:
+        jitter = min(1.0, max(0.0, getattr(self.args, "token_jitter", 0.0)))
+        delay = self.cfg["token_delay"]
+        return delay * random.uniform(1 - jitter, 1 + jitter) if jitter else delay
 
     def reset_cache(self) -> None:
         self.cache.clear()
@@ -374,7 +380,7 @@ class StubEngine:
                     if watcher.done():
                         raise asyncio.CancelledError
                     if self.cfg["token_delay"]:
-                        await asyncio.wait({watcher}, timeout=self.cfg["token_delay"])
+                        await asyncio.wait({watcher}, timeout=self._token_delay())
                         if watcher.done():
                             raise asyncio.CancelledError
                     text = f" tok{i}"
@@ -514,6 +520,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--kv-events-replay-endpoint", default=None)
     p.add_argument("--response-tokens", type=int, default=8)
     p.add_argument("--token-delay", type=float, default=0.0)
+    p.add_argument(
+        "--token-jitter",
+        type=float,
+        default=0.0,
+        help="each streamed token's delay drawn from token-delay x [1-J, 1+J] (0: exact); as a "
+        "real engine's, streams then end at scattered times rather than in lockstep",
+    )
     p.add_argument("--api-key", default=os.environ.get("KVMESH_STUB_API_KEY"))
     p.add_argument(
         "--no-tokenize", action="store_true", help="skip tokenization and the prefix cache"

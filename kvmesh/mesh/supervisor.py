@@ -69,10 +69,12 @@ class Child:
         env: dict[str, str] | None = None,
         policy: RestartPolicy = RestartPolicy(),
         essential: bool = False,
+        cwd: str | None = None,
     ):
         self.name = name
         self.argv = argv
         self.env = env
+        self.cwd = cwd
         self.policy = policy
         self.essential = (
             essential  # the mesh cannot serve without it (giving up on it stops the mesh)
@@ -97,6 +99,7 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=self.env,
+            cwd=self.cwd,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             text=True,

@@ -7,7 +7,9 @@ engine replicas (`kvmesh serve`) each with its sidecar, and the router on `--por
 again on the same ports after a capped exponential back-off (a restarted engine's sidecar
 resyncs its index; a restarted Redis comes back empty and the sidecars write their heartbeats and
 block sets again). Ctrl-C or SIGTERM stops the router, then the sidecars (they remove their
-keys), then the engines (they drain), then Redis. `--autoscale` adds or removes
+keys), then the engines (they drain), then Redis. With `--engine vllm` the engines are real
+vLLM servers (`vllm serve`, found as kvmesh.common.vllm_args.vllm_program finds it), each
+sidecar reads it in vLLM mode and the router resumes streams the vLLM way (docs/vllm.md). `--autoscale` adds or removes
 replicas with the operator's policy (``kvmesh.operator.autoscaler.decide``: KV utilisation
 and queue depth from the heartbeats, the scale-up rate cap, the startup deadline), scales to
 zero after `--scale-to-zero-idle` seconds idle when `--min-replicas 0`, and back to one
@@ -34,6 +36,7 @@ from kvmesh.common.chat_prompt import tool_call_parser_in
 from kvmesh.common.logging_setup import setup_logging
 from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.common.ports import free_port
+from kvmesh.common.vllm_args import VLLM_BLOCK_SIZE, is_cpu_build, vllm_program, vllm_serve_args
 from kvmesh.mesh.redis_server import redis_server_argv
 from kvmesh.mesh.supervisor import GAVE_UP, RESTARTED, Child, RestartPolicy, say
 
@@ -76,6 +79,15 @@ class Mesh:
         self.args = args
         self.python = sys.executable
         self.served = args.served_model_name or args.model
+        self.vllm = getattr(args, "engine", "kvmesh") == "vllm"
+        if getattr(args, "block_size", None) is None:  # vLLM's CPU build needs a multiple of 32
+            args.block_size = VLLM_BLOCK_SIZE if self.vllm else DEFAULT_BLOCK_SIZE
+        self.vllm_program = vllm_program() if self.vllm else None
+        if self.vllm and self.vllm_program is None:
+            raise SystemExit(
+                "kvmesh up --engine vllm: no `vllm` program (run `make vllm`, or set KVMESH_VLLM "
+                "to its virtual environment)"
+            )
         self.redis: Child | None = None
         self.redis_url = args.redis_url
         self.router: Child | None = None
@@ -156,10 +168,19 @@ class Mesh:
             replay_endpoint=f"tcp://127.0.0.1:{rp}",
             index=i,
         )
-        argv = shlex.split(self.engine_template.format(**fields)) + shlex.split(
-            self.args.engine_args or ""
-        )
-        engine = Child(f"engine-{i}", argv, self._engine_env(), self.policy).start()
+        if self.vllm:
+            engine = Child(
+                f"engine-{i}",
+                self._vllm_argv(port, ev, rp),
+                self._vllm_env(),
+                self.policy,
+                cwd=str(self.backends_dir),  # not a checkout: its operator/ shadows the stdlib's
+            ).start()
+        else:
+            argv = shlex.split(self.engine_template.format(**fields)) + shlex.split(
+                self.args.engine_args or ""
+            )
+            engine = Child(f"engine-{i}", argv, self._engine_env(), self.policy).start()
         sidecar = Child(
             f"sidecar-{i}",
             [
@@ -185,6 +206,7 @@ class Mesh:
                 str(self.args.block_size),
                 "--log-format",
                 "text",
+                *(["--engine-format", "vllm"] if self.vllm else []),
             ],
             self.env,
             self.policy,
@@ -194,6 +216,31 @@ class Mesh:
         self.write_backends()
         say("up", f"replica-{i}: engine on :{port}, KV events on :{ev}/:{rp}")
         return rep
+
+    def _vllm_argv(self, port: int, events_port: int, replay_port: int) -> list[str]:
+        """`vllm serve` on the model's Hugging Face directory, with kvmesh's flags (and the CPU
+        build's: fp32, a short context)."""
+        from kvmesh.common.model_lookup import find_model_dir
+
+        cpu = is_cpu_build(self.vllm_program)
+        argv = vllm_serve_args(
+            str(find_model_dir(self.args.model)),
+            self.served,
+            port,
+            events_port,
+            replay_port,
+            block_size=self.args.block_size,
+            host="127.0.0.1",
+            dtype="float32" if cpu else None,
+            max_model_len=2048 if cpu else None,
+        )
+        argv[0] = self.vllm_program
+        return argv + shlex.split(self.args.engine_args or "")
+
+    def _vllm_env(self) -> dict[str, str]:
+        env = self._engine_env()
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, the CPU build's KV cache
+        return env
 
     def remove_replica(self, rep: Replica | None = None) -> None:
         rep = rep if rep is not None else self.replicas[-1]
@@ -238,6 +285,8 @@ class Mesh:
             argv += ["--api-keys-file", self.args.api_keys_file]
         if self.args.max_resumes is not None:
             argv += ["--max-resumes", str(self.args.max_resumes)]
+        if self.vllm:
+            argv += ["--engine", "vllm"]
         parser = tool_call_parser_in(shlex.split(self.args.engine_args or ""))
         if parser:  # tool requests rendered as the engines render them
             argv += ["--tool-call-parser", parser]
@@ -344,9 +393,9 @@ class Mesh:
             scale_to_zero_idle_s=a.scale_to_zero_idle,
         )
 
-    def read_load(self) -> tuple[dict, int, bool] | None:
-        """(pod -> live `ready` heartbeat, requests in flight on any replica, router demand),
-        or None when Redis cannot be read."""
+    def read_load(self) -> tuple[dict, int, bool, int] | None:
+        """(pod -> live `ready` heartbeat, requests in flight on any replica or waiting at the
+        router, router demand, requests waiting at the router), or None when Redis cannot be read."""
         import redis
 
         from kvmesh.common import redis_layout as rl
@@ -364,7 +413,8 @@ class Mesh:
                 if hb.state == rl.STATE_READY:
                     ready[pod] = hb
             demand = bool(r.exists(rl.demand_key(self.served)))
-            return ready, busy, demand
+            queued = rl.read_queued_at_routers(r, self.served, now)  # flow control: waiting too
+            return ready, busy + queued, demand, queued
         except redis.RedisError:
             return None
 
@@ -372,8 +422,8 @@ class Mesh:
         from kvmesh.operator.autoscaler import Observation
 
         load = self.read_load()
-        beats, busy, demand = load if load is not None else ({}, 0, False)
-        waiting = sum(h.waiting for h in beats.values())
+        beats, busy, demand, queued = load if load is not None else ({}, 0, False, 0)
+        waiting = sum(h.waiting for h in beats.values()) + queued
         return Observation(
             now=now,
             current_replicas=len(self.replicas),
@@ -456,7 +506,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
     p.add_argument("--policy", default=policies.DEFAULT, choices=policies.NAMES)
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help=f"tokens per KV block (default: {DEFAULT_BLOCK_SIZE}; {VLLM_BLOCK_SIZE} with --engine vllm)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["kvmesh", "vllm"],
+        default="kvmesh",
+        help="the engines: `kvmesh serve`, or real vLLM servers (`vllm serve`: `make vllm` "
+        "installs its CPU build; KVMESH_VLLM names another; docs/vllm.md)",
+    )
     p.add_argument("--api-keys-file", default=None)
     p.add_argument(
         "--engine-command",

@@ -698,6 +698,82 @@ def test_helm_chart_operator_reconciles_the_same_modeldeployment(cluster) -> Non
         raise
 
 
+VLLM_FILE = Path(__file__).with_name("vllm-modeldeployment.yaml")
+VLLM_NS, VLLM_MD = "e2e-vllm", "vllm-chat"
+
+
+def an_operator_runs(cluster) -> None:
+    """The manifests' operator, unless one (the chart's) runs already: this step also runs alone."""
+    sel = "app.kubernetes.io/component=operator"
+    if not any(
+        is_ready(p) for ns in (OPERATOR_NS, HELM_NS) for p in cluster.api.list("Pod", ns, sel)
+    ):
+        kubectl_apply(cluster, *manifest_files())
+        eventually(
+            lambda: [p for p in cluster.api.list("Pod", OPERATOR_NS, sel) if is_ready(p)],
+            180,
+            "an operator pod ready",
+        )
+
+
+def test_a_vllm_modeldeployment_goes_ready_routes_by_prefix_and_scales(cluster) -> None:
+    from kvmesh_testing.vllm import require_vllm
+
+    require_vllm()
+    an_operator_runs(cluster)
+    selector = render.selector_string(VLLM_MD, render.ENGINE)
+
+    def ready_vllm_engines() -> list[dict[str, Any]]:
+        return [p for p in cluster.api.list("Pod", VLLM_NS, selector) if is_ready(p)]
+
+    t0 = time.monotonic()
+    kubectl_apply(cluster, VLLM_FILE)
+    try:
+        eventually(
+            lambda: (
+                condition(cluster.api.get(crd.KIND, VLLM_NS, VLLM_MD) or {}, "Ready").get("status")
+                == "True"
+            ),
+            420,
+            "the vLLM ModelDeployment Ready",
+        )
+        (pod,) = eventually(ready_vllm_engines, 60, "its engine pod ready")
+        assert engine_command(pod)[:2] == ["vllm", "serve"]
+        t_ready = time.monotonic() - t0
+        url = cluster.service_url(VLLM_NS, render.names(VLLM_MD)[render.ROUTER], crd.ROUTER_PORT)
+        system = "You are a terse assistant. " + " ".join(
+            f"Rule {i}: answer in one line." for i in range(30)
+        )
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        first = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert first.status_code == 200, first.text
+
+        def served_from_cache() -> httpx.Response | None:
+            again = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            return again if again.status_code == 200 and cached > 0 else None
+
+        again = eventually(served_from_cache, 30, "the repeated prefix served from vLLM's cache")
+        assert again.headers["x-kvmesh-pod"] == first.headers["x-kvmesh-pod"]
+        cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        t1 = time.monotonic()
+        kubectl(cluster, "scale", "md", VLLM_MD, "-n", VLLM_NS, "--replicas=2")
+        eventually(lambda: len(ready_vllm_engines()) == 2, 420, "two ready vLLM engines")
+        report.record(
+            "kind: vllm: Ready / cached tokens / scale 1 -> 2",
+            f"{t_ready:.1f} s / {cached} of {again.json()['usage']['prompt_tokens']} / "
+            f"{time.monotonic() - t1:.1f} s",
+        )
+    finally:
+        kubectl(cluster, "delete", "-f", str(VLLM_FILE), "--wait=false")
+    eventually(lambda: not cluster.api.list("Pod", VLLM_NS), 180, "the vLLM deployment's pods gone")
+
+
 def test_kubectl_delete_collects_every_child_and_stops_every_process(cluster) -> None:
     pods = [p["metadata"]["name"] for p in cluster.api.list("Pod", NS, CHILD_SELECTOR)]
     pids = {pod: cluster.processes(NS, pod) for pod in pods}

@@ -165,3 +165,22 @@ def test_up_rejects_bad_autoscale_bounds(tmp_path):
     )
     assert out.returncode != 0 and "--replicas must be within" in (out.stdout + out.stderr)
     assert not Path(tmp_path / "up.json").exists()
+
+
+def test_up_counts_requests_waiting_at_the_router_as_waiting(redis_server, model_name):
+    """Flow control's queue at the router is demand for `kvmesh up --autoscale` too, as the
+    engines' waiting requests are (the same signal the operator reads)."""
+    from types import SimpleNamespace
+
+    from kvmesh.common import redis_layout as rl
+    from kvmesh.mesh.up import Mesh
+
+    mesh = Mesh.__new__(Mesh)  # only what observe() reads
+    mesh.redis_url, mesh.served = redis_server.url, model_name
+    mesh.replicas = [SimpleNamespace(pod="replica-0", started=time.time())]
+    r = redis_server.client()
+    beat = rl.Heartbeat(pod="replica-0", url="http://x", model=model_name, running=2, waiting=1)
+    r.hset(rl.heartbeat_key(model_name, "replica-0"), mapping=beat.to_mapping())
+    r.hset(rl.flow_queued_key(model_name), "router-1", rl.queued_entry(7, time.time()))
+    obs, _ = mesh.observe(time.time())
+    assert (obs.waiting, obs.running) == (1 + 7, 2)

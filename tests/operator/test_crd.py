@@ -115,8 +115,25 @@ def test_engine_defaults_match_kvmesh_serve():
         "resumeTimeoutSeconds": 60,
         "serviceType": "ClusterIP",
         "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
+        "flowControl": d["router"]["flowControl"],
     }
     from kvmesh.router.config import RouterConfig  # the router's own defaults
+    from kvmesh.router.flow import FlowSettings
+
+    flow, router_flow = d["router"]["flowControl"], FlowSettings()
+    assert flow["enabled"] is False and flow["defaultBand"] == router_flow.default_band
+    assert [(b["name"], b["priority"], b["weight"], b["maxQueued"]) for b in flow["bands"]] == [
+        (b.name, b.priority, b.weight, b.max_queued) for b in router_flow.bands
+    ]
+    assert (flow["maxQueued"], flow["kvThreshold"], flow["queueThreshold"]) == (
+        router_flow.max_queued,
+        router_flow.kv_threshold,
+        router_flow.queue_threshold,
+    )
+    assert (flow["podMaxInflight"], flow["maxTenants"]) == (
+        router_flow.pod_max_inflight,
+        router_flow.max_tenants,
+    )
 
     assert (d["router"]["maxResumes"], d["router"]["resumeTimeoutSeconds"]) == (
         RouterConfig.max_resumes,
@@ -139,6 +156,21 @@ def test_engine_defaults_match_kvmesh_serve():
 
 VALID = [
     {"model": {"builtin": "smollm2-135m-instruct"}},
+    {"model": {"builtin": "m"}, "router": {"flowControl": {"enabled": True}}},
+    {
+        "model": {"builtin": "m"},
+        "router": {
+            "flowControl": {
+                "enabled": True,
+                "bands": [
+                    {"name": "gold", "priority": 9, "weight": 2},
+                    {"name": "rest", "priority": 0},
+                ],
+                "defaultBand": "rest",
+                "deadlineSeconds": 30,
+            }
+        },
+    },
     {"model": {"builtin": "m"}, "engine": {"rollout": {"maxSurge": "25%", "maxUnavailable": 0}}},
     {
         "model": {
@@ -209,6 +241,42 @@ INVALID = [  # (spec, expected message fragment, caught by CEL?)
         True,
     ),
     ({"model": {}}, "exactly one model source", True),
+    (
+        {
+            "model": {"builtin": "m"},
+            "router": {
+                "flowControl": {
+                    "bands": [{"name": "a", "priority": 1}, {"name": "a", "priority": 2}],
+                    "defaultBand": "a",
+                }
+            },
+        },
+        "band names must be unique",
+        True,
+    ),
+    (
+        {
+            "model": {"builtin": "m"},
+            "router": {
+                "flowControl": {
+                    "bands": [{"name": "a", "priority": 1}, {"name": "b", "priority": 1}],
+                    "defaultBand": "a",
+                }
+            },
+        },
+        "band priorities must be unique",
+        True,
+    ),
+    (
+        {"model": {"builtin": "m"}, "router": {"flowControl": {"defaultBand": "gold"}}},
+        "defaultBand must name one of the bands",
+        True,
+    ),
+    (
+        {"model": {"builtin": "m"}, "router": {"flowControl": {"bands": [{"name": "Gold"}]}}},
+        "does not match",
+        False,
+    ),
     ({"model": {"builtin": "m"}, "engine": {"blockSize": 0}}, "less than the minimum", False),
     ({"model": {"builtin": "m"}, "router": {"policy": "random"}}, "is not one of", False),
     (

@@ -887,3 +887,36 @@ async def test_external_mode_never_writes_spec_replicas(k8s, operator, redis_url
         assert not operator_requests(k8s, crd.PLURAL, "PATCH", "demo", "scale")
     finally:
         await hb.close()
+
+
+async def test_requests_waiting_at_the_routers_count_as_demand_for_replicas(
+    k8s, operator, redis_url, clock
+):
+    """Flow control holds requests at the routers while every replica is saturated: the
+    engines' queues stay short, and the routers' published queue depth is what asks for more
+    replicas (as the engines' waiting count would)."""
+    from kvmesh.common import redis_layout as rl
+
+    await k8s.put_object(MD, md_body(autoscaling=auto(scaleUpStabilizationSeconds=0)))
+    await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine"))
+    md = lambda: k8s.fetch_object(MD, "ns", "demo")  # noqa: E731
+    engine = lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine")["spec"]["replicas"]  # noqa: E731
+    hb = Heartbeats(redis_url, "smollm2-135m-instruct")
+    key = rl.flow_queued_key("smollm2-135m-instruct")
+    try:
+        await add_pod(k8s, clock, "demo-engine-a")
+        await hb.beat("demo-engine-a", 0.5, running=4, waiting=0)  # KV on target, no engine queue
+        await eventually(lambda: "KV utilisation 0.50" in md()["status"]["lastDecision"]["reason"])
+        assert engine() == 1
+        # two routers hold 6 + 5 requests (and a stale entry and junk count nothing)
+        now = time.time()
+        await hb.r.hset(key, "router-1", rl.queued_entry(6, now))
+        await hb.r.hset(key, "router-2", rl.queued_entry(5, now))
+        await hb.r.hset(key, "router-old", rl.queued_entry(400, now - 60))
+        await hb.r.hset(key, "junk", "lots")
+        await hb.beat("demo-engine-a", 0.5, running=4, waiting=0)
+        clock.advance(5)  # past the last recommendation (1), into a new scale-up window
+        await eventually(lambda: engine() == 3)  # ceil(11 waiting / 4 per replica)
+        assert md()["status"]["lastDecision"]["waitingRequests"] == 11
+    finally:
+        await hb.close()

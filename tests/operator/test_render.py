@@ -3,6 +3,7 @@ pods depend on (flags of docs/cli.md, probes, drain, security, Redis URL from a 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -99,6 +100,20 @@ CASES = {
             "terminationGracePeriodSeconds": 90,
         },
         "router": {"replicas": 3},
+    },
+    "hf-vllm-lora": {
+        "model": {"huggingFace": {"repoId": "Qwen/Qwen2.5-7B-Instruct"}},
+        "engine": {
+            "kind": "vllm",
+            "blockSize": 32,
+            "maxModelLen": 8192,
+            "maxNumSeqs": 64,
+            "gpuMemoryUtilization": 0.85,
+            "toolCallParser": "hermes",
+            "loraModules": [{"name": "sql", "path": "/models/adapters/sql"}],
+            "resources": {"limits": {"nvidia.com/gpu": 1}},
+            "extraArgs": ["--max-loras", "2"],
+        },
     },
 }
 
@@ -222,9 +237,14 @@ def _flags(args):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pods_call_only_documented_flags(case):
     spec = specs.apply_defaults(CASES[case])
-    engine = render.engine_args(spec)
-    assert engine[:2] == ["kvmesh", "serve"]
-    assert _flags(engine) <= _cli_flags("serve")
+    engine = render.engine_command(spec)
+    if render.is_vllm(spec):  # vLLM's flags: those vllm_args renders, and the extra ones
+        assert engine[:2] == ["vllm", "serve"]
+        extra = set(_flags(spec["engine"].get("extraArgs") or []))
+        assert _flags(engine) - extra <= VLLM_FLAGS
+    else:
+        assert engine[:2] == ["kvmesh", "serve"]
+        assert _flags(engine) <= _cli_flags("serve")
     sidecar = render.sidecar_args(spec)
     assert sidecar[:2] == ["kvmesh", "sidecar"] and _flags(sidecar) <= _cli_flags("sidecar")
     router = render.router_args(spec, "demo")
@@ -239,6 +259,69 @@ def test_pods_call_only_documented_flags(case):
         sidecar[sidecar.index("--model") + 1] == name
         and router[router.index("--model") + 1] == name
     )
+
+
+# The `vllm serve` flags kvmesh renders (vLLM 0.32; tests/vllm/ runs them for real).
+VLLM_FLAGS = {
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--block-size",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--enable-prompt-tokens-details",
+    "--kv-events-config",
+    "--dtype",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--gpu-memory-utilization",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "--enable-lora",
+    "--lora-modules",
+    "--shutdown-timeout",
+    "--kv-cache-memory-bytes",
+    "--max-num-batched-tokens",
+    "--no-enable-chunked-prefill",
+}
+
+
+def test_a_vllm_engine_is_rendered_from_the_same_spec():
+    dep = rendered("hf-vllm-lora")[0]
+    pod = dep["spec"]["template"]["spec"]
+    engine, sidecar = pod["containers"]
+    assert engine["image"] == render.Images().vllm == "vllm/vllm-openai:v0.32.0"
+    args = engine["command"]
+    assert args[:3] == ["vllm", "serve", "/models/model"]
+    events = json.loads(args[args.index("--kv-events-config") + 1])
+    assert events["endpoint"] == f"tcp://*:{render.KV_EVENTS_PORT}"
+    assert events["replay_endpoint"] == f"tcp://*:{render.KV_REPLAY_PORT}"
+    assert args[args.index("--lora-modules") + 1] == "sql=/models/adapters/sql"
+    assert args[args.index("--tool-call-parser") + 1] == "hermes"
+    # vLLM's own probes; its key in vLLM's variable, and the sidecar reads /v1/models with it.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert engine[probe]["httpGet"]["path"] == "/health"
+    assert [e["name"] for e in engine["env"]][-1] == "VLLM_API_KEY"
+    assert "KVMESH_ENGINE_API_KEY" in [e["name"] for e in sidecar["env"]]
+    assert sidecar["command"][-2:] == ["--engine-format", "vllm"]
+    # Drain: the engine sleeps in preStop while the sidecar marks the pod draining, then vLLM
+    # finishes its requests for up to drainTimeoutSeconds after SIGTERM.
+    assert engine["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+    assert args[args.index("--shutdown-timeout") + 1] == "30"
+    # The model is fetched by kvmesh's image (python, huggingface_hub), not vLLM's.
+    assert pod["initContainers"][0]["image"] == render.Images().engine
+    router = render.router_args(specs.apply_defaults(CASES["hf-vllm-lora"]), "demo")
+    assert router[router.index("--engine") + 1] == "vllm"
+    assert router[router.index("--tool-call-parser") + 1] == "hermes"
+
+
+def test_lora_modules_need_a_vllm_engine():
+    spec = specs.apply_defaults(
+        {"engine": {"loraModules": [{"name": "a", "path": "/a"}]}, "model": {"builtin": "x"}}
+    )
+    assert any("engine.kind vllm" in e for e in specs.validate("demo", spec))
+    spec["engine"]["kind"] = "vllm"
+    assert not any("loraModules" in e for e in specs.validate("demo", spec))
 
 
 def test_engine_args_reflect_spec():
@@ -552,3 +635,47 @@ def test_the_router_resumes_as_the_spec_says():
         args[args.index("--max-resumes") + 1] == "0"
         and args[args.index("--resume-timeout") + 1] == "2.5"
     )
+
+
+def test_the_router_queues_by_band_and_tenant_as_spec_router_flow_control_says():
+    spec = specs.apply_defaults(CASES["hf-gpu-autoscaling"])
+    assert not any(a.startswith("--flow") for a in render.router_args(spec, "demo"))  # off
+    spec = specs.apply_defaults(
+        {
+            **CASES["hf-gpu-autoscaling"],
+            "router": {
+                "flowControl": {
+                    "enabled": True,
+                    "bands": [
+                        {"name": "gold", "priority": 9, "weight": 2, "maxQueued": 50},
+                        {"name": "rest", "priority": 0},
+                    ],
+                    "defaultBand": "rest",
+                    "deadlineSeconds": 12.5,
+                }
+            },
+        }
+    )
+    args = render.router_args(spec, "demo")
+    assert _flags(args) <= _cli_flags("router")
+    tail = args[args.index("--flow-control") :]
+    assert tail[:5] == [
+        "--flow-control",
+        "--flow-band",
+        "gold:9:2:50",
+        "--flow-band",
+        "rest:0:1:256",
+    ]
+    assert args[args.index("--flow-default-band") + 1] == "rest"
+    assert args[args.index("--flow-deadline") + 1] == "12.5"
+    assert args[args.index("--flow-queue-threshold") + 1] == "5"
+    # what the router makes of them
+    import argparse
+
+    from kvmesh.router import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    flow = cli.flow_settings(p.parse_args(args[2:]))
+    assert flow.enabled and [b.name for b in flow.ordered] == ["gold", "rest"]
+    assert flow.band("gold").weight == 2 and flow.default_deadline == 12.5

@@ -51,6 +51,12 @@ def test_counts_come_from_the_api_and_heartbeats_only_add_load():
     assert obs.pending == (("e-c", 30.0),)
 
 
+def test_requests_waiting_at_the_routers_count_as_waiting():
+    load = Load(known=True, busy=2 + 9, heartbeats={"e-a": hb("e-a", 0.5, waiting=2)}, queued=9)
+    obs = observe(100.0, 3, PODS, load)
+    assert obs.waiting == 2 + 9 and obs.running == 0
+
+
 def test_unknown_load_and_no_pod_permission():
     obs = observe(0.0, 2, PODS, Load())
     assert obs.kv_utilization is None and obs.waiting is None and not obs.demand

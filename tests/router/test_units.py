@@ -466,3 +466,17 @@ def test_a_refusal_whose_body_breaks_off_does_not_stop_the_next_try():
         asyncio.run(main())
     finally:
         srv.close()
+
+
+def test_the_routers_queue_depths_sum_only_fresh_well_formed_entries():
+    now = 1000.0
+    entries = {
+        b"r1": rl.queued_entry(3, now - 1).encode(),
+        "r2": rl.queued_entry(4, now),
+        "old": rl.queued_entry(100, now - rl.ROUTER_QUEUE_STALE_S - 1),
+        "future": rl.queued_entry(100, now + 60),
+        "junk": "many",
+        "neg": "-5 1000",
+        "huge": f"{1 << 40} 1000",
+    }
+    assert rl.queued_at_routers(entries, now) == 7

