@@ -19,7 +19,7 @@ from kvmesh.common import redis_layout as rl
 from kvmesh.router.drain import Drain
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.request_checks import Refused
-from kvmesh.router.responses import SHUTDOWN_REFUSED_MSG, SHUTDOWN_RETRY_AFTER
+from kvmesh.router.responses import shutdown_refused
 
 log = logging.getLogger("kvmesh.router")
 
@@ -128,13 +128,7 @@ class HoldQueue:
                 headers=[(b"retry-after", b"5")],
             )
         if outcome == "shutdown":
-            return Refused(
-                503,
-                SHUTDOWN_REFUSED_MSG,
-                "service_unavailable",
-                code="router_shutdown",
-                headers=[SHUTDOWN_RETRY_AFTER],
-            )
+            return shutdown_refused()
         return Refused(
             503,
             f"no engine became ready within {self.timeout:g} s (scale from zero); retry later",

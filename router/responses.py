@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvmesh.router.request_checks import Refused
+
 # What a request the drain's timeout cuts gets: a stream, an error event; anything else, a 503.
 SHUTDOWN_MSG = (
     "the router is shutting down (its drain timed out); the response is incomplete: retry"
@@ -60,6 +62,18 @@ async def send_refused(send, refused, extra=()) -> None:
         list(extra) + list(refused.headers),
         param=refused.param,
         code=refused.code,
+    )
+
+
+def shutdown_refused() -> Refused:
+    """What a request the drain stops before it reached an engine (held or queued) gets: a 503
+    it may retry elsewhere."""
+    return Refused(
+        503,
+        SHUTDOWN_REFUSED_MSG,
+        "service_unavailable",
+        code="router_shutdown",
+        headers=[SHUTDOWN_RETRY_AFTER],
     )
 
 

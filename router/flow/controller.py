@@ -28,7 +28,7 @@ from kvmesh.router.flow.settings import FlowSettings
 from kvmesh.router.flow.shared_counters import SharedCounters
 from kvmesh.router.hold_queue import Held
 from kvmesh.router.request_checks import Refused
-from kvmesh.router.responses import SHUTDOWN_REFUSED_MSG, SHUTDOWN_RETRY_AFTER
+from kvmesh.router.responses import shutdown_refused
 
 log = logging.getLogger("kvmesh.router")
 
@@ -271,13 +271,7 @@ def refusal(outcome: str, ident: Identity) -> Refused:
             headers=[(b"retry-after", b"2")],
         )
     if outcome == SHUTDOWN:
-        return Refused(
-            503,
-            SHUTDOWN_REFUSED_MSG,
-            "service_unavailable",
-            code="router_shutdown",
-            headers=[SHUTDOWN_RETRY_AFTER],
-        )
+        return shutdown_refused()
     why = {
         fq.QUEUE_FULL: f"the {band} band's queue is full",
         fq.SHED: "it made room for a request of a higher band",
