@@ -142,8 +142,8 @@ def beat(pod, running=0, waiting=0):
 
 
 class Source:
-    def __init__(self, demand=None, fail=False):
-        self.demand_value, self.fail = demand, fail
+    def __init__(self, demand=None, fail=False, queued=0):
+        self.demand_value, self.fail, self.queued = demand, fail, queued
         self.calls = []
 
     async def snapshot(self, model, prefix, pods):
@@ -156,14 +156,18 @@ class Source:
         self.calls.append(("demand", model))
         return self.demand_value
 
+    async def queued_at_routers(self, model):
+        self.calls.append(("queued", model))
+        return self.queued
+
 
 MD = {"metadata": {"name": "demo", "namespace": "ns"}}
 SPEC = {"model": {"builtin": "smollm2-135m-instruct", "servedModelName": "m"}}
 
 
-@pytest.mark.parametrize("demand", [None, "1765000000"])
-async def test_the_load_read_from_the_heartbeats(monkeypatch, demand):
-    source = Source(demand)
+@pytest.mark.parametrize("demand, queued", [(None, 0), ("1765000000", 4)])
+async def test_the_load_read_from_the_heartbeats(monkeypatch, demand, queued):
+    source = Source(demand, queued=queued)
 
     async def redis_source(memo_, md, spec):
         return source
@@ -173,9 +177,15 @@ async def test_the_load_read_from_the_heartbeats(monkeypatch, demand):
     load = await read_load(memo(Client()), MD, SPEC, Logger(), pods)
     model = scaling.specs.served_model_name(SPEC)
     prefix = f"{scaling.render.names('demo')[scaling.render.ENGINE]}-"
-    assert source.calls == [("snapshot", model, prefix, ["e-a", "e-b"]), ("demand", model)]
+    assert source.calls == [
+        ("snapshot", model, prefix, ["e-a", "e-b"]),
+        ("demand", model),
+        ("queued", model),
+    ]
     assert load.known and load.demand is (demand is not None)
-    assert list(load.heartbeats) == ["e-a"] and load.busy == 1 + 2 + 3
+    # requests waiting at the routers (flow control) are busy work as the engines' are
+    assert list(load.heartbeats) == ["e-a"] and load.busy == 1 + 2 + 3 + queued
+    assert load.queued == queued
     source.calls.clear()
     await read_load(memo(Client()), MD, SPEC, Logger())  # pods not listed: none by name
     assert source.calls[0] == ("snapshot", model, prefix, [])

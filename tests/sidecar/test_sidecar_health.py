@@ -26,10 +26,20 @@ from kvmesh.sidecar.health import (
 
 
 def sidecar(
-    events_problem=None, heartbeat_problem=None, caught_up=True, subscriber=True, last=None
+    events_problem=None,
+    heartbeat_problem=None,
+    caught_up=True,
+    subscriber=True,
+    last=None,
+    engine_problem=None,
+    replay_problem=None,
 ):
     sub = (
-        SimpleNamespace(stats={"batches": 3, "gaps": 1}, last_decode_error="bad msgpack")
+        SimpleNamespace(
+            stats={"batches": 3, "gaps": 1},
+            last_decode_error="bad msgpack",
+            replay_problem=replay_problem,
+        )
         if subscriber
         else None
     )
@@ -42,7 +52,9 @@ def sidecar(
     )
     return SimpleNamespace(
         events=events,
-        heartbeat=SimpleNamespace(problem=lambda: heartbeat_problem, state="ready"),
+        heartbeat=SimpleNamespace(
+            problem=lambda: heartbeat_problem, state="ready", engine_problem=engine_problem
+        ),
         writer=SimpleNamespace(
             index=SimpleNamespace(refs={1: 1, 2: 2}), withdrawn=False, dirty=True, indexed_seq=41
         ),
@@ -84,12 +96,21 @@ def test_the_probes_body_field_by_field():
         "redis_dirty": True,
         "indexed_seq": 41,
         "engine_state": "ready",
+        "engine_problem": None,
+        "events_problem": None,
         "last_decode_error": "bad msgpack",
         "last_events_error": "replay timed out",
         "stats": {"batches": 3, "gaps": 1, "heartbeats": 7, "redis_errors": 2},
     }
+    # why the engine or its events cannot be read: said, without failing the sidecar's own probes
+    said = sidecar(engine_problem="GET /ready: 404", replay_problem="the replay socket is silent")
+    ok, body = readiness(said)
+    assert ok is True and body["problem"] is None
+    assert body["engine_problem"] == "GET /ready: 404"
+    assert body["events_problem"] == "the replay socket is silent"
     bare = detail(sidecar(subscriber=False), "events loop dead")
     assert bare["events_loop_age_s"] is None and bare["last_decode_error"] is None
+    assert bare["events_problem"] is None
     assert bare["stats"] == {"heartbeats": 7, "redis_errors": 2}
     assert (bare["status"], bare["problem"]) == ("unhealthy", "events loop dead")
 
