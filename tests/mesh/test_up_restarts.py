@@ -69,6 +69,8 @@ def shared(tmp_path_factory):
             replicas=2,
             engine_model=str(model),
             model="tiny",
+            # long enough that a stream seen half done is still generating when the kill lands
+            response_tokens=96,
             engine_args=["--num-kv-blocks", "16384"],  # 128 MiB: no evictions
             # plain torch ops: a restart never waits for a build of the CPU kernels
             env={"KVMESH_CPU_KERNELS": "0"},

@@ -171,7 +171,12 @@ async def _rewritten(mesh: UpMesh, since: int) -> bool:
 
 
 async def _streaming_on(load: Load, pod: str) -> bool:
-    return bool(load.streaming(pod))
+    """A stream on `pod` with at most half its tokens received: the engine is still generating
+    it when the kill lands (one with its last tokens in flight may be done at the engine already,
+    and then there is nothing to resume)."""
+    return any(
+        r.expected_tokens is None or 2 * r.tokens <= r.expected_tokens for r in load.streaming(pod)
+    )
 
 
 async def _done_since(load: Load, t: float, n: int) -> bool:
