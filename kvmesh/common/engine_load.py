@@ -22,6 +22,11 @@ class EngineLoad:
     spec_accepted_tokens: float = 0.0
     process_start_time: float | None = None
     block_size: int | None = None  # vLLM's, from cache_config_info (a check against the sidecar's)
+    # LoRA, from vllm:lora_requests_info (absent: an engine serving no adapters)
+    max_loras: int = 0
+    active_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
+    lora_info_time: float = -1.0  # the newest lora_requests_info sample's value (its time)
 
 
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -81,8 +86,25 @@ def engine_load(text: str) -> EngineLoad:
                 load.total_blocks += int(labels["num_gpu_blocks"])
             if labels.get("block_size", "").isdigit():
                 load.block_size = int(labels["block_size"])
+        elif name == "vllm:lora_requests_info":
+            _lora_info(load, labels, value)
         elif name == "process_start_time_seconds":
             load.process_start_time = value
     if usage:
         load.kv_usage = min(max(sum(usage) / len(usage), 0.0), 1.0)
     return load
+
+
+def _lora_info(load: EngineLoad, labels: dict[str, str], value: float) -> None:
+    """vLLM publishes one sample per change, its value the time of the change: keep the newest."""
+    if value < load.lora_info_time:
+        return
+    load.lora_info_time = value
+    if labels.get("max_lora", "").isdigit():
+        load.max_loras = int(labels["max_lora"])
+
+    def names(key: str) -> tuple[str, ...]:
+        return tuple(n for n in labels.get(key, "").split(",") if n)
+
+    load.active_adapters = names("running_lora_adapters")
+    load.waiting_adapters = names("waiting_lora_adapters")

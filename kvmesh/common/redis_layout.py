@@ -37,6 +37,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.common.lora import decode_adapters, encode_adapters
+
 PREFIX = "kvmesh:v1:"
 HEARTBEAT_TTL_S = 10
 HEARTBEAT_INTERVAL_S = 1.0
@@ -60,6 +62,12 @@ F_PREFIX_HITS = "prefix_cache_hits"
 F_BLOCK_SIZE = "block_size"
 F_SPEC_DRAFT = "spec_draft_tokens"  # optional: an engine that speculates (absent: none)
 F_SPEC_ACCEPTED = "spec_accepted_tokens"
+# LoRA (optional, an engine serving adapters): loaded adapters as JSON name -> digest
+# (kvmesh.common.lora.encode_adapters), the adapters of its running batch (comma-separated,
+# vLLM's running_lora_adapters) and how many adapters one step may hold (vLLM's max_lora).
+F_ADAPTERS = "adapters"
+F_ACTIVE_ADAPTERS = "active_adapters"
+F_MAX_LORAS = "max_loras"
 
 
 def pods_key(model: str) -> str:
@@ -151,6 +159,9 @@ class Heartbeat:
     prefix_cache_hits: float = 0.0
     spec_draft_tokens: float = 0.0
     spec_accepted_tokens: float = 0.0
+    adapters: dict[str, str] = field(default_factory=dict)
+    active_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
     def to_mapping(self) -> dict[str, str]:
         out = {
@@ -168,6 +179,10 @@ class Heartbeat:
             # Only from an engine that speculates: the others' hashes stay as they were.
             F_SPEC_DRAFT: f"{self.spec_draft_tokens:g}" if self.spec_draft_tokens else None,
             F_SPEC_ACCEPTED: f"{self.spec_accepted_tokens:g}" if self.spec_draft_tokens else None,
+            # Only from an engine serving adapters.
+            F_ADAPTERS: encode_adapters(self.adapters) if self.max_loras else None,
+            F_ACTIVE_ADAPTERS: ",".join(self.active_adapters) if self.max_loras else None,
+            F_MAX_LORAS: str(int(self.max_loras)) if self.max_loras else None,
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -204,6 +219,9 @@ class Heartbeat:
             prefix_cache_hits=num(F_PREFIX_HITS),
             spec_draft_tokens=num(F_SPEC_DRAFT),
             spec_accepted_tokens=num(F_SPEC_ACCEPTED),
+            adapters=decode_adapters(d.get(F_ADAPTERS)),
+            active_adapters=_names(d.get(F_ACTIVE_ADAPTERS)),
+            max_loras=max(num(F_MAX_LORAS, int), 0),
         )
 
     @property
@@ -220,6 +238,11 @@ class Heartbeat:
     def fresh(self, now: float, max_age: float = HEARTBEAT_TTL_S) -> bool:
         """Written at most `max_age` seconds before `now` (unix time)."""
         return now - self.ts <= max_age
+
+
+def _names(text: str | None, limit: int = 1024) -> tuple[str, ...]:
+    """A comma-separated list of adapter names (bounded: it crosses Redis)."""
+    return tuple(n for n in (text or "").split(",") if n and len(n) <= 256)[:limit]
 
 
 # Names of the pods set examined per SSCAN page (COUNT: Redis returns about this many), and
