@@ -108,6 +108,12 @@ class EngineArgs:
     # Schedule and prepare step N+1 while step N runs (vLLM's --async-scheduling). None: on for
     # CUDA devices, off on the CPU (where it measured no faster: docs/performance.md).
     async_scheduling: bool | None = None
+    # LoRA, as vLLM's flags: adapters served beside the base model (requests name one as `model`).
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters one step may hold (the rest wait)
+    max_cpu_loras: int | None = None  # adapters kept loaded; None: max_loras
+    max_lora_rank: int = 16
+    lora_modules: list[Any] = field(default_factory=list)  # LoRARequest, loaded at start
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:

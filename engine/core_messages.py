@@ -19,6 +19,7 @@ class AddRequest(msgspec.Struct, array_like=True):
     cache_salt: str | None = None
     arrival_time: float | None = None
     resumed_token_ids: list[int] = []  # a continuation: output generated elsewhere (Request)
+    lora_name: str | None = None  # the adapter the request runs with (loaded); None: the base
 
 
 class AbortRequests(msgspec.Struct, array_like=True):

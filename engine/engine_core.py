@@ -67,6 +67,10 @@ class EngineStats:
     # "batch" counts steps that lost every request in them.
     step_failures: dict[str, int] = field(default_factory=dict)
     spec_decode: SpecDecodeStats | None = None  # with speculative_config: drafts and acceptance
+    # LoRA (enable_lora): adapters of the running and the waiting requests, and the step's limit
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    max_loras: int = 0
 
 
 def _subset(sched: SchedulerOutput, requests: list[Request]) -> SchedulerOutput:
