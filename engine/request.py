@@ -6,6 +6,7 @@ import enum
 import time
 
 from kvmesh.common.block_keys import block_key, root_key
+from kvmesh.common.lora import adapter_identity
 from kvmesh.engine.sampling_params import SamplingParams
 
 
@@ -43,6 +44,7 @@ class Request:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         resumed_token_ids: list[int] | None = None,
+        lora=None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -77,7 +79,11 @@ class Request:
         self.prompt_logprobs: list | None = (
             [None] * self.num_prompt_tokens if sampling_params.prompt_logprobs is not None else None
         )
-        self._root = root_key(model_id, cache_salt)
+        # The adapter it runs with (engine/lora/adapter.py LoRAAdapter: name, int_id, digest, ...);
+        # None: the base model. Its blocks chain from the adapter's root (kvmesh.common.lora).
+        self.lora = lora
+        identity = model_id if lora is None else adapter_identity(model_id, lora.name, lora.digest)
+        self._root = root_key(identity, cache_salt)
         self._block_keys: list[int] = []
 
     @property
