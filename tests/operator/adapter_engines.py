@@ -5,6 +5,7 @@ and the heartbeats their sidecars would write (the adapters each engine serves).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 
@@ -104,5 +105,43 @@ class AdapterHeartbeats:
     async def close(self) -> None:
         if self.task is not None:
             self.task.cancel()
-        await self.r.flushdb()
+        for pod in self.pods:  # only its own keys: the Redis may be shared with other tests
+            await self.r.delete(heartbeat_key(self.model, pod))
+            await self.r.srem(pods_key(self.model), pod)
         await self.r.aclose()
+
+
+class EnginesThread:
+    """The stub engines and their heartbeats on an event loop of their own, for tests that
+    are not async (the real API server's)."""
+
+    def __init__(self, redis_url: str, model: str, pods: list[str]) -> None:
+        self.redis_url, self.model, self.pods = redis_url, model, pods
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.engines = StubEngines()
+        self.beats: AdapterHeartbeats | None = None
+
+    def _run(self, coro) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
+
+    async def _start(self) -> None:
+        await self.engines.start()
+        self.beats = AdapterHeartbeats(self.redis_url, self.model, self.engines)
+        self.beats.pods = list(self.pods)
+        self.beats.start()
+
+    async def _stop(self) -> None:
+        if self.beats is not None:
+            await self.beats.close()
+        await self.engines.stop()
+
+    def __enter__(self) -> StubEngines:
+        self.thread.start()
+        self._run(self._start())
+        return self.engines
+
+    def __exit__(self, *exc: object) -> None:
+        self._run(self._stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
