@@ -168,3 +168,37 @@ async def test_a_restarted_engine_gets_its_adapters_back(k8s, lora_operator, clo
         lambda: engines.count("load_lora_adapter", "sql") == {"demo-engine-a": 2}, timeout=15
     )
     await eventually(lambda: adapter_status(k8s, "sql")["state"] == "Loaded", timeout=15)
+
+
+def test_status_counts_an_adapter_ready_only_on_every_ready_replica():
+    from kvmesh.operator.adapter_sync import status_patch
+
+    seen = {
+        "a": {"p1": ("loaded", ""), "p2": ("loaded", "")},
+        "b": {"p1": ("loaded", ""), "p2": ("loading", "")},
+        "c": {"p1": ("failed", "HTTP 400: bad rank"), "p2": ("loaded", "")},
+        "d": {"p1": ("fetching", ""), "p2": ("fetching", "")},
+    }
+    patch = status_patch(["a", "b", "c", "d"], seen, 2)
+    assert patch["adaptersReady"] == "1/4"
+    assert [(a["name"], a["state"], a["loadedReplicas"]) for a in patch["adapters"]] == [
+        ("a", "Loaded", 2),
+        ("b", "Loading", 1),
+        ("c", "Failed", 1),
+        ("d", "Fetching", 0),
+    ]
+    assert patch["adapters"][2]["replicas"][0] == {
+        "pod": "p1",
+        "state": "failed",
+        "reason": "HTTP 400: bad rank",
+    }
+    # No ready replica: nothing is loaded anywhere yet.
+    assert status_patch(["a"], {"a": {}}, 0)["adapters"][0]["state"] == "Loading"
+
+
+def test_an_engines_error_answer_is_the_reason():
+    from kvmesh.operator.adapter_sync import _reason
+
+    assert _reason(400, {"error": {"message": "rank 64 > 16"}}, "") == "HTTP 400: rank 64 > 16"
+    assert _reason(400, {"message": "no such path", "type": "x"}, "") == "HTTP 400: no such path"
+    assert _reason(500, None, "Internal Server Error\n") == "HTTP 500: Internal Server Error"
