@@ -66,7 +66,7 @@ def md_status(k8s):
 
 
 def adapter_status(k8s, name):
-    return next(a for a in md_status(k8s).get("adapters") or [] if a["name"] == name)
+    return next((a for a in md_status(k8s).get("adapters") or [] if a["name"] == name), {})
 
 
 async def start_with(k8s, clock, beats, pods, adapters):
