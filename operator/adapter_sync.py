@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import posixpath
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,22 +102,19 @@ async def _api_key(memo: Memo, md: dict[str, Any], spec: dict[str, Any]) -> str 
 
 
 async def _fetched(memo: Memo, md: dict[str, Any], spec: dict[str, Any]) -> set[str]:
-    """Hugging Face adapters whose fetch Job has succeeded."""
-    wanted = {
-        render.adapter_fetch_job_name(md["metadata"]["name"], a): a.name
-        for a in lora.adapters(spec)
-        if a.from_hugging_face
-    }
+    """Hugging Face adapters whose fetch Job has succeeded (found by the directory it fills)."""
+    wanted = [a for a in lora.adapters(spec) if a.from_hugging_face]
     if not wanted:
         return set()
     assert memo.client is not None
     meta = md["metadata"]
     jobs = await memo.client.list("Job", meta["namespace"], f"{render.LABEL_MD}={meta['name']}")
-    return {
-        wanted[j["metadata"]["name"]]
+    done = {
+        (j["metadata"].get("labels") or {}).get(render.LABEL_ADAPTER_DIR)
         for j in jobs
-        if j["metadata"]["name"] in wanted and int((j.get("status") or {}).get("succeeded") or 0)
+        if int((j.get("status") or {}).get("succeeded") or 0)
     }
+    return {a.name for a in wanted if posixpath.basename(a.path) in done}
 
 
 @dataclass

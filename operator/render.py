@@ -721,65 +721,67 @@ def render_adapters_config(md: dict[str, Any], spec: dict[str, Any]) -> list[dic
     ]
 
 
-def adapter_fetch_job_name(md_name: str, adapter: lora.Adapter) -> str:
-    """The Job filling an adapter's directory on the shared cache (one per repo@revision)."""
-    return f"{md_name}-adapter-{posixpath.basename(adapter.path)[:8]}"
+LABEL_ADAPTER_DIR = "kvmesh.io/adapter-dir"  # on an adapter fetch Job: the directory it fills
+
+
+def _adapter_fetch_container(spec: dict[str, Any], images: Images, adapter: lora.Adapter):
+    hf = adapter.source["huggingFace"]
+    revision = hf.get("revision", "main")
+    fetch = _download_init_container(
+        {"model": {"huggingFace": {**hf, "revision": revision}}},
+        fetch_image(spec, images),
+        spec["engine"]["imagePullPolicy"],
+    )
+    marker = posixpath.join(adapter.path, MODEL_READY_MARKER)
+    fetch["name"] = "fetch-adapter"
+    fetch["command"] = [
+        "python",
+        "-c",
+        "from huggingface_hub import snapshot_download; "
+        f"snapshot_download(repo_id={hf['repoId']!r}, revision={revision!r}, "
+        f"local_dir={adapter.path!r}); open({marker!r}, 'w').write('ready')",
+    ]
+    fetch["resources"] = {
+        "requests": {"cpu": "100m", "memory": "256Mi"},
+        "limits": {"memory": "1Gi"},
+    }
+    return fetch
 
 
 def render_adapter_fetches(
     md: dict[str, Any], spec: dict[str, Any], images: Images
 ) -> list[dict[str, Any]]:
-    """A download Job per Hugging Face adapter, into the model's shared cache claim."""
+    """A download Job per Hugging Face adapter, into the model's shared cache claim. As the
+    model's, a Job's template is immutable: a new template is a new Job (the digest)."""
     name = md["metadata"]["name"]
     jobs = []
     for adapter in lora.adapters(spec):
         if not adapter.from_hugging_face or not uses_shared_cache(spec):
             continue
-        hf = adapter.source["huggingFace"]
-        fetch = _download_init_container(
-            {"model": {"huggingFace": {**hf, "revision": hf.get("revision", "main")}}},
-            fetch_image(spec, images),
-            spec["engine"]["imagePullPolicy"],
-        )
-        script = (
-            "from huggingface_hub import snapshot_download; "
-            f"snapshot_download(repo_id={hf['repoId']!r}, revision={hf.get('revision', 'main')!r}, "
-            f"local_dir={adapter.path!r}); "
-            f"open({posixpath.join(adapter.path, MODEL_READY_MARKER)!r}, 'w').write('ready')"
-        )
-        fetch["name"] = "fetch-adapter"
-        fetch["command"] = ["python", "-c", script]
-        fetch["resources"] = {
-            "requests": {"cpu": "100m", "memory": "256Mi"},
-            "limits": {"memory": "1Gi"},
+        claim = {"claimName": model_cache_claim(spec, name)}
+        template = {
+            "metadata": {"labels": labels(name, MODEL_CACHE)},
+            "spec": {
+                "restartPolicy": "OnFailure",
+                "securityContext": _pod_security(),
+                "automountServiceAccountToken": False,
+                **_image_pull_secrets(spec),
+                "containers": [_adapter_fetch_container(spec, images, adapter)],
+                "volumes": [
+                    {"name": "models", "persistentVolumeClaim": claim},
+                    {"name": "tmp", "emptyDir": {}},
+                ],
+            },
         }
+        digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:8]
+        meta = _meta(md, f"{name}-adapter-{digest}", MODEL_CACHE)
+        meta["labels"][LABEL_ADAPTER_DIR] = posixpath.basename(adapter.path)
         jobs.append(
             {
                 "apiVersion": "batch/v1",
                 "kind": "Job",
-                "metadata": _meta(md, adapter_fetch_job_name(name, adapter), MODEL_CACHE),
-                "spec": {
-                    "backoffLimit": 6,
-                    "template": {
-                        "metadata": {"labels": labels(name, MODEL_CACHE)},
-                        "spec": {
-                            "restartPolicy": "OnFailure",
-                            "securityContext": _pod_security(),
-                            "automountServiceAccountToken": False,
-                            **_image_pull_secrets(spec),
-                            "containers": [fetch],
-                            "volumes": [
-                                {
-                                    "name": "models",
-                                    "persistentVolumeClaim": {
-                                        "claimName": model_cache_claim(spec, name)
-                                    },
-                                },
-                                {"name": "tmp", "emptyDir": {}},
-                            ],
-                        },
-                    },
-                },
+                "metadata": meta,
+                "spec": {"backoffLimit": 6, "template": template},
             }
         )
     return jobs

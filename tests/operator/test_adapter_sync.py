@@ -8,10 +8,12 @@ import base64
 
 import pytest_asyncio
 
+from kvmesh.operator import render
 from tests.operator.adapter_engines import AdapterHeartbeats, StubEngines
 from tests.operator.conftest import (
     CONFIGMAPS,
     DEPLOYMENTS,
+    JOBS,
     MD,
     SECRETS,
     OperatorRunner,
@@ -168,6 +170,36 @@ async def test_a_restarted_engine_gets_its_adapters_back(k8s, lora_operator, clo
         lambda: engines.count("load_lora_adapter", "sql") == {"demo-engine-a": 2}, timeout=15
     )
     await eventually(lambda: adapter_status(k8s, "sql")["state"] == "Loaded", timeout=15)
+
+
+async def test_a_hugging_face_adapter_is_loaded_once_its_fetch_job_succeeded(
+    k8s, lora_operator, clock, engines, redis_url
+):
+    model = {"huggingFace": {"repoId": "o/m", "sharedCache": {"enabled": True}}}
+    hf = {"name": "sql", "source": {"huggingFace": {"repoId": "o/sql", "revision": "v1"}}}
+    beats = AdapterHeartbeats(redis_url, "o/m", engines)
+    try:
+        await k8s.put_object(MD, md_body(replicas=1, model=model, adapters=[hf]))
+        await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine"))
+        await add_pod(k8s, clock, "demo-engine-a")
+        beats.pods = ["demo-engine-a"]
+        beats.start()
+        await eventually(lambda: adapter_status(k8s, "sql")["state"] == "Fetching", timeout=15)
+        assert engines.calls == {}
+        (job,) = [
+            j
+            for j in k8s.list_objects(JOBS, "ns")
+            if render.LABEL_ADAPTER_DIR in j["metadata"]["labels"]
+        ]
+        await k8s.patch_status(JOBS, "ns", job["metadata"]["name"], {"succeeded": 1})
+        await eventually(lambda: adapter_status(k8s, "sql")["state"] == "Loaded", timeout=15)
+        assert engines.count("load_lora_adapter", "sql") == {"demo-engine-a": 1}
+        path = engines.paths[("demo-engine-a", "sql")]
+        assert path.startswith("/models/adapters/") and path.endswith(
+            job["metadata"]["labels"][render.LABEL_ADAPTER_DIR]
+        )
+    finally:
+        await beats.close()
 
 
 def test_status_counts_an_adapter_ready_only_on_every_ready_replica():

@@ -201,7 +201,9 @@ def test_hugging_face_adapters_are_fetched_into_the_shared_cache():
     (adapter,) = lora.adapters(spec)
     assert adapter.path.startswith("/models/adapters/")
     jobs = [c for c in render.render_children(MD, spec) if c["kind"] == "Job"]
-    fetch = child(jobs, "Job", render.adapter_fetch_job_name("demo", adapter))
+    (fetch,) = [j for j in jobs if render.LABEL_ADAPTER_DIR in j["metadata"]["labels"]]
+    assert fetch["metadata"]["labels"][render.LABEL_ADAPTER_DIR] == adapter.path.rsplit("/", 1)[1]
+    assert fetch["metadata"]["name"].startswith("demo-adapter-")
     pod = fetch["spec"]["template"]["spec"]
     script = pod["containers"][0]["command"][2]
     assert "repo_id='o/sql'" in script and f"local_dir={adapter.path!r}" in script
