@@ -17,6 +17,8 @@ from typing import Any
 from kvmesh.operator import crd
 
 MODELS_DIR = "/models"  # the model volume (render.MODELS_DIR)
+HF_DIR = f"{MODELS_DIR}/kvmesh-adapters"  # Hugging Face adapters on the shared cache
+READY_MARKER = ".kvmesh-model-ready"  # written last by a fetch (render.MODEL_READY_MARKER)
 ADAPTER_CLAIMS_DIR = "/adapters"  # an adapter claim other than the model's is mounted here
 CONFIG_DIR = "/etc/kvmesh/adapters"
 CONFIG_KEY = "lora-modules"  # one `name=path` a line
@@ -25,14 +27,20 @@ NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$")
 
 # `sh -c WRAPPER engine <engine argv...>`: the argv, plus `--lora-modules name=path ...` from
 # the ConfigMap (one flag: vLLM keeps only its last --lora-modules). An absolute path not
-# there yet (an adapter still being fetched) is left out: the operator loads it later.
+# there yet, or a Hugging Face adapter whose fetch has not finished, is left out: the operator
+# loads it later.
 WRAPPER = f"""f={CONFIG_DIR}/{CONFIG_KEY}
 first=1
 if [ -f "$f" ]; then
   while IFS= read -r m || [ -n "$m" ]; do
     [ -n "$m" ] || continue
     p="${{m#*=}}"
-    case "$p" in /*) [ -e "$p" ] || {{ echo "adapter $m: not there yet" >&2; continue; }} ;; esac
+    case "$p" in
+      {HF_DIR}/*) ready="$p/{READY_MARKER}" ;;
+      /*) ready="$p" ;;
+      *) ready="" ;;
+    esac
+    if [ -n "$ready" ] && [ ! -e "$ready" ]; then echo "adapter $m: not there yet" >&2; continue; fi
     if [ "$first" = 1 ]; then set -- "$@" --lora-modules; first=0; fi
     set -- "$@" "$m"
   done < "$f"
@@ -72,7 +80,7 @@ def enabled(spec: dict[str, Any]) -> bool:
 def hf_dir(hf: dict[str, Any]) -> str:
     """One directory per (repo, revision) on the shared cache."""
     stamp = f"{hf['repoId']}@{hf.get('revision', 'main')}"
-    return posixpath.join(MODELS_DIR, "adapters", hashlib.sha256(stamp.encode()).hexdigest()[:10])
+    return posixpath.join(HF_DIR, hashlib.sha256(stamp.encode()).hexdigest()[:10])
 
 
 def claim_dir(claim: str) -> str:

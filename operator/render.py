@@ -732,7 +732,7 @@ def _adapter_fetch_container(spec: dict[str, Any], images: Images, adapter: lora
         fetch_image(spec, images),
         spec["engine"]["imagePullPolicy"],
     )
-    marker = posixpath.join(adapter.path, MODEL_READY_MARKER)
+    marker = posixpath.join(adapter.path, lora.READY_MARKER)
     fetch["name"] = "fetch-adapter"
     fetch["command"] = [
         "python",

@@ -195,7 +195,7 @@ async def test_a_hugging_face_adapter_is_loaded_once_its_fetch_job_succeeded(
         await eventually(lambda: adapter_status(k8s, "sql")["state"] == "Loaded", timeout=15)
         assert engines.count("load_lora_adapter", "sql") == {"demo-engine-a": 1}
         path = engines.paths[("demo-engine-a", "sql")]
-        assert path.startswith("/models/adapters/") and path.endswith(
+        assert path.startswith("/models/kvmesh-adapters/") and path.endswith(
             job["metadata"]["labels"][render.LABEL_ADAPTER_DIR]
         )
     finally:

@@ -144,6 +144,25 @@ def test_the_wrapper_appends_one_lora_modules_flag_with_every_adapter_there(tmp_
     ]
 
 
+def test_the_wrapper_waits_for_a_hugging_face_fetch_to_finish(tmp_path):
+    fetched = lora.HF_DIR + "/0123456789"
+    listing = f"hf={fetched}\n"
+    script = lora.WRAPPER.replace(lora.HF_DIR, str(tmp_path / "hf"))
+    (tmp_path / "hf" / "0123456789").mkdir(parents=True)  # a download under way: no marker
+    (tmp_path / lora.CONFIG_KEY).write_text(listing.replace(lora.HF_DIR, str(tmp_path / "hf")))
+
+    def argv() -> list[str]:
+        body = script.replace(lora.CONFIG_DIR, str(tmp_path)).replace(
+            'exec "$@"', 'printf "%s\\n" "$@"'
+        )
+        out = subprocess.run(["sh", "-c", body, "engine", "e"], capture_output=True, text=True)
+        return out.stdout.splitlines()
+
+    assert argv() == ["e"]
+    (tmp_path / "hf" / "0123456789" / lora.READY_MARKER).write_text("ready")
+    assert argv() == ["e", "--lora-modules", f"hf={tmp_path / 'hf' / '0123456789'}"]
+
+
 def test_the_wrapper_without_a_list_runs_the_engine_as_it_is(tmp_path):
     assert run_wrapper(tmp_path, None, ["kvmesh", "serve", "--port", "8000"]) == [
         "kvmesh",
@@ -199,7 +218,7 @@ def test_hugging_face_adapters_are_fetched_into_the_shared_cache():
         }
     )
     (adapter,) = lora.adapters(spec)
-    assert adapter.path.startswith("/models/adapters/")
+    assert adapter.path.startswith("/models/kvmesh-adapters/")
     jobs = [c for c in render.render_children(MD, spec) if c["kind"] == "Job"]
     (fetch,) = [j for j in jobs if render.LABEL_ADAPTER_DIR in j["metadata"]["labels"]]
     assert fetch["metadata"]["labels"][render.LABEL_ADAPTER_DIR] == adapter.path.rsplit("/", 1)[1]
