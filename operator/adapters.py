@@ -140,6 +140,11 @@ def claim_volume_name(claim: str) -> str:
     return f"adapters-{hashlib.sha256(claim.encode()).hexdigest()[:8]}"
 
 
+def _source(adapter: dict[str, Any]) -> dict[str, Any]:
+    source = adapter.get("source")
+    return source if isinstance(source, dict) else {}
+
+
 def rule_errors(spec: dict[str, Any]) -> list[str]:
     """The adapter CEL rules of crd.py, mirrored."""
     errors = []
@@ -152,11 +157,12 @@ def rule_errors(spec: dict[str, Any]) -> list[str]:
         if isinstance(n, str) and not NAME_RE.match(n):
             errors.append(f"{n!r}: {crd.ADAPTER_NAME_RULES[0]['message']}")
     for a in items:
-        source = a.get("source") or {}
+        source = _source(a)
         if sum(k in source for k in ("huggingFace", "pvc", "path")) != 1:
             errors.append(f"{a.get('name')}: {crd.ADAPTER_SOURCE_RULES[0]['message']}")
     lora = spec.get("lora") or {}
-    if "maxCpuLoras" in lora and lora["maxCpuLoras"] < lora.get("maxLoras", 1):
+    cpu, gpu = lora.get("maxCpuLoras"), lora.get("maxLoras", 1)
+    if isinstance(cpu, int) and isinstance(gpu, int) and cpu < gpu:
         errors.append(crd.LORA_RULES[0]["message"])
     return errors
 
@@ -171,13 +177,14 @@ def semantic_errors(spec: dict[str, Any], served_name: str, shared_cache: bool) 
     if served_name in names:
         errors.append(f"adapters: {served_name!r} is the model's served name")
     for a in declared(spec):
-        source = a.get("source") or {}
+        source = _source(a)
         if "huggingFace" in source and not shared_cache:
             errors.append(
-                f"adapters: {a['name']} comes from Hugging Face: it needs "
+                f"adapters: {a.get('name')} comes from Hugging Face: it needs "
                 "model.huggingFace.sharedCache.enabled (adapters are fetched into that cache)"
             )
-        pvc_path = (source.get("pvc") or {}).get("path") or "."
+        pvc = source.get("pvc") if isinstance(source.get("pvc"), dict) else {}
+        pvc_path = str(pvc.get("path") or ".")
         if ".." in posixpath.normpath(pvc_path).split("/"):
-            errors.append(f"adapters: {a['name']}: source.pvc.path must stay inside the volume")
+            errors.append(f"adapters: {a.get('name')}: source.pvc.path must stay inside the volume")
     return errors
