@@ -1,6 +1,7 @@
 """Mixed batches of base and adapter requests equal transformers + PEFT token for token (greedy,
-fp32) under every scheduling path: one batch, chunked prefill, prefix hits, preemption and
-n-gram speculation, on each CPU attention backend; no step holds more than max_loras adapters."""
+fp32) under every scheduling path: one batch, async scheduling, chunked prefill, prefix hits,
+preemption and n-gram speculation, on each CPU attention backend; no step holds more than
+max_loras adapters."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ SPEC = {
 }
 
 MODES = {
+    "async": dict(num_kv_blocks=512, max_loras=2, async_scheduling=True),
     "batched": dict(num_kv_blocks=512, max_loras=3),
     "chunked": dict(num_kv_blocks=512, max_loras=2, max_num_batched_tokens=32),
     "prefix": dict(num_kv_blocks=512, max_loras=3, max_num_batched_tokens=64),
@@ -112,6 +114,8 @@ def test_mixed_adapters_equal_peft(request, lora_base_dir, lora_adapter_dirs, mo
     stats = llm.stats()
     if mode == "preempt":
         assert stats.num_preemptions > 0
+    if mode == "async":
+        assert llm.engine.core.num_async_steps > 0
     if mode == "spec":
         assert stats.spec_decode.num_draft_tokens > 0
     assert stats.running_lora_adapters == stats.waiting_lora_adapters == []
