@@ -123,6 +123,8 @@ def needs_sync(request: Request) -> bool:
 class EngineCore:
     def __init__(self, args: EngineArgs):
         args.validate()
+        if args.lora_modules and not args.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
         self.args = args
         self.model_dir = resolve_model_dir(args.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)

@@ -79,6 +79,8 @@ def test_unknown_adapters_and_engines_without_lora_refuse(lora_base_dir, lora_ad
     with pytest.raises(LoRAError, match="not enabled"):
         plain.generate([[1, 2, 3]], greedy(), lora_request=LoRARequest("a", 1, "/x"))
     assert plain.engine.core.list_loras() == [] and plain.engine.core.remove_lora("a") is False
+    with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
+        LLM(lora_base_dir, lora_modules=[LoRARequest("a", 1, lora_adapter_dirs["attn"])])
 
 
 def test_max_loras_one_runs_one_adapter_per_step_with_base_alongside(
