@@ -65,8 +65,8 @@ def _shrink_kernel(
             acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(a))
-    out_mask = (m[:, None] < n) & (r[None, :] < rank)
-    tl.store(t_ptr + m[:, None] * BLOCK_R + r[None, :], acc, mask=out_mask)
+    # Every BLOCK_R column (zeros past the rank): the expand reads them all.
+    tl.store(t_ptr + m[:, None] * BLOCK_R + r[None, :], acc, mask=m[:, None] < n)
 
 
 @triton.jit
