@@ -29,8 +29,10 @@ BLOCK_N = 32  # the expand's output features per program
 def _row_offsets(rows_ptr, row_start, m, n, GATHER: tl.constexpr):
     """The flattened-batch rows of tile positions ``m`` (masked past ``n``)."""
     if GATHER:
-        return tl.load(rows_ptr + m, mask=m < n, other=0).to(tl.int64)
-    return (row_start + m).to(tl.int64)
+        rows = tl.load(rows_ptr + m, mask=m < n, other=0).to(tl.int64)
+    else:
+        rows = (row_start + m).to(tl.int64)
+    return rows
 
 
 @triton.jit
