@@ -135,3 +135,8 @@ def test_draft_verification_rows_run_with_their_adapter(tmp_path):
     prompts = random_prompts(6, 20, 30, seed=30, vocab=256)
     check(core, base, adapter_dirs, list(zip(prompts, ["a", None, "b", "b", "a", None])))
     assert core.stats().spec_decode.num_draft_tokens > 0
+
+
+def test_async_scheduling_matches_peft(lora_base_dir, lora_adapter_dirs):
+    core = make_core(lora_base_dir, async_scheduling=True)
+    check(core, lora_base_dir, lora_adapter_dirs, jobs_of(MIX, seed=40))
