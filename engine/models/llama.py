@@ -3,7 +3,8 @@
 All scheduled tokens of all requests run as one [T, hidden] batch; attention
 reads and writes the paged KV cache. q/k/v and gate/up projections are fused
 into one matmul each. Logits are computed only for the rows that sample, and the
-last layer carries on past its K/V only for those rows.
+last layer carries on past its K/V only for those rows. With a step's LoRA adapter rows
+(lora/step.py), each projection adds their adapters' terms to those rows.
 """
 
 from __future__ import annotations
