@@ -188,7 +188,7 @@ class GenerationHandler(RequestHandler, OutputStreaming):
                     self.request_id if len(choices) == 1 else f"{self.request_id}-{c.index}"
                 )
                 c.stream = self.engine.add(
-                    rid, c.prompt, c.ids, c.params, cache_salt, c.resumed or None
+                    rid, c.prompt, c.ids, c.params, cache_salt, c.resumed or None, self.lora_name
                 )
                 log.info(
                     "request %s admitted: %d prompt tokens, max_tokens=%s, stream=%s%s",
