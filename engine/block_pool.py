@@ -112,8 +112,12 @@ class BlockPool:
         parent_key: int | None,
         token_ids: list[int],
         block_size: int,
+        lora=None,
     ) -> None:
         """Register newly full blocks under their keys: one BlockStored event per contiguous run.
+
+        ``lora``: the adapter the blocks were computed with (its int id and name go in the events);
+        None: the base model.
 
         Each event is one continuous chain from a parent the cache holds (its parent, then every
         block chained from the one before it), because a vLLM-format consumer recomputes the keys
@@ -134,7 +138,7 @@ class BlockPool:
             if key in self.cached or not parent_live:
                 # Same content computed twice concurrently: keep the first copy; this one stays an
                 # ordinary block and is freed normally. Or an orphan: it stays ordinary too.
-                self._emit_stored(run_keys, run_parent, run_tokens, block_size)
+                self._emit_stored(run_keys, run_parent, run_tokens, block_size, lora)
                 run_keys, run_tokens = [], []
                 parent_key = run_parent = key
                 parent_live = key in self.cached
@@ -144,13 +148,23 @@ class BlockPool:
             run_keys.append(key)
             run_tokens.extend(token_ids[i * block_size : (i + 1) * block_size])
             parent_key = key
-        self._emit_stored(run_keys, run_parent, run_tokens, block_size)
+        self._emit_stored(run_keys, run_parent, run_tokens, block_size, lora)
 
     def _emit_stored(
-        self, keys: list[int], parent: int | None, tokens: list[int], block_size: int
+        self, keys: list[int], parent: int | None, tokens: list[int], block_size: int, lora
     ) -> None:
         if self.enable_events and keys:
-            self.events.append(BlockStored(keys, parent, tokens, block_size, medium="GPU"))
+            self.events.append(
+                BlockStored(
+                    keys,
+                    parent,
+                    tokens,
+                    block_size,
+                    lora_id=None if lora is None else lora.int_id,
+                    medium="GPU",
+                    lora_name=None if lora is None else lora.name,
+                )
+            )
 
     def uncache(self, blocks: list[KVBlock]) -> None:
         """Take blocks out of the prefix cache (their content was never computed: a failed step)."""

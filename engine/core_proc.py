@@ -130,6 +130,7 @@ class CoreLoop:
                 msg.cache_salt,
                 msg.arrival_time,
                 msg.resumed_token_ids or None,
+                lora_name=msg.lora_name,
             )
         except Exception as exc:  # noqa: BLE001 - answered to that request only
             return exc

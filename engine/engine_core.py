@@ -18,6 +18,8 @@ import torch
 from kvmesh.engine.builtin import resolve_model_dir
 from kvmesh.engine.config import EngineArgs, ModelConfig, parse_size, pick_device
 from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.lora.manager import LoRAManager, describe
+from kvmesh.engine.lora.request import LoRAError, LoRARequest
 from kvmesh.engine.model_limits import EngineLimits
 from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.request import Request, RequestStatus
@@ -167,8 +169,19 @@ class EngineCore:
             num_blocks, args.block_size, args.enable_prefix_caching, args.enable_kv_events
         )
         self.scheduler = Scheduler(
-            self.kv, max_batched, args.max_num_seqs, self.max_model_len, args.enable_chunked_prefill
+            self.kv,
+            max_batched,
+            args.max_num_seqs,
+            self.max_model_len,
+            args.enable_chunked_prefill,
+            max_loras=args.max_loras if args.enable_lora else 0,
         )
+        self.loras: LoRAManager | None = None  # enable_lora: the adapters served beside the base
+        if args.enable_lora:
+            self.loras = LoRAManager(
+                args.max_loras, args.max_cpu_loras, args.max_lora_rank, self.model_config
+            )
+            self.scheduler.on_finish = self._release_adapter
         if runner is None:
             runner = ModelRunner(
                 self.model_config,
@@ -185,6 +198,8 @@ class EngineCore:
         else:
             runner.allocate_kv_cache(num_blocks)
         self.runner = runner
+        for module in args.lora_modules if args.enable_lora else ():
+            self.add_lora(module)
         if self.device.type == "cuda" and not args.enforce_eager:
             graphs = args.compilation_config
             self.runner.capture_cuda_graphs(
@@ -304,12 +319,15 @@ class EngineCore:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         resumed_token_ids: list[int] | None = None,
+        lora_name: str | None = None,
     ) -> Request:
-        """``resumed_token_ids``: a continuation's output so far (generated elsewhere)."""
+        """``resumed_token_ids``: a continuation's output so far (generated elsewhere).
+        ``lora_name``: a loaded adapter to run with (LoRAError if there is none by that name)."""
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
         if resumed_token_ids is not None:
             self.limits.validate_resume(prompt_token_ids, resumed_token_ids, params)
+        lora = None if lora_name is None else self.lora_adapter(lora_name)
         if request_id in self.scheduler.in_flight and request_id not in self.scheduler.requests:
             # The id of a request that ended while a step holding it is in flight (its blocks,
             # keyed by the id, are not freed yet): apply those steps first; their outputs go out
@@ -327,6 +345,7 @@ class EngineCore:
             cache_salt,
             arrival_time,
             resumed_token_ids,
+            lora=lora,
         )
         if params.structured_outputs is not None:
             request.structured = self.structured_backend().start(
@@ -334,9 +353,37 @@ class EngineCore:
             )
             self._compiling[request_id] = request
         self.scheduler.add_request(request)
+        if lora is not None:
+            self.loras.acquire(lora)  # released when the request ends (scheduler.on_finish)
         if needs_sync(request):
             self._sync_candidates[request_id] = request
         return request
+
+    # -- LoRA adapters (enable_lora) -----------------------------------------------------------
+    def _lora_manager(self) -> LoRAManager:
+        if self.loras is None:
+            raise LoRAError("LoRA is not enabled on this engine (enable_lora)")
+        return self.loras
+
+    def lora_adapter(self, name: str):
+        """The adapter a request naming ``name`` would run with now; LoRAError if none."""
+        return self._lora_manager().get(name)
+
+    def add_lora(self, req: LoRARequest) -> dict:
+        """Load an adapter (between steps); a loaded name with new files means the new adapter
+        for requests to come. Returns its ``list_loras`` entry; LoRAError when refused."""
+        return describe(self._lora_manager().load(req))
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload an adapter: new requests cannot name it; running ones finish with it."""
+        return self.loras is not None and self.loras.remove(name)
+
+    def list_loras(self) -> list[dict]:
+        return [] if self.loras is None else self.loras.list()
+
+    def _release_adapter(self, request: Request) -> None:
+        if request.lora is not None and self.loras is not None:
+            self.loras.release(request.lora)
 
     def abort_requests(self, request_ids, report: bool = True) -> None:
         """End requests and free their blocks; with `report`, the next step emits an
@@ -802,4 +849,12 @@ class EngineCore:
             num_steps=self.num_steps,
             step_failures=dict(self.step_failures),
             spec_decode=self.spec.stats() if self.spec is not None else None,
+            running_lora_adapters=_adapter_names(self.scheduler.running),
+            waiting_lora_adapters=_adapter_names(self.scheduler.waiting),
+            max_loras=self.args.max_loras if self.loras is not None else 0,
         )
+
+
+def _adapter_names(requests) -> list[str]:
+    """The distinct adapter names of these requests, in order of first appearance."""
+    return list(dict.fromkeys(r.lora.name for r in requests if r.lora is not None))

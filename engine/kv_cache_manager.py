@@ -102,6 +102,7 @@ class KVCacheManager:
             keys[start - 1] if start > 0 else None,
             request.all_token_ids[start * bs : num_full * bs],
             bs,
+            request.lora,
         )
         self.num_cached_blocks[request.request_id] = num_full
 

@@ -11,6 +11,8 @@ from tqdm import tqdm
 from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.engine.config import EngineArgs
 from kvmesh.engine.llm_engine import LLMEngine, PromptType
+from kvmesh.engine.lora.offline import adapter_names
+from kvmesh.engine.lora.request import LoRARequest
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 
@@ -41,9 +43,12 @@ class LLM:
         use_tqdm: bool = False,
         cache_salt: str | None = None,
         resume_token_ids: list[list[int]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """``resume_token_ids``: per prompt, the output a continuation starts after (generated
-        before, elsewhere; n must be 1): its outputs hold what follows them only."""
+        before, elsewhere; n must be 1): its outputs hold what follows them only.
+        ``lora_request``: the adapter every prompt runs with, or one per prompt (None: the base),
+        loaded on first use (``enable_lora``)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -68,6 +73,7 @@ class LLM:
             self.engine.core.check_structured(
                 sp
             )  # a spec the backend refuses: before anything runs
+        adapters = adapter_names(self.engine.core, lora_request, len(prompts))
         order: dict[str, tuple[int, int]] = {}  # engine request -> (prompt, sample)
         for i, ((text, ids), sp) in enumerate(zip(tokenized, params)):
             for j in range(sp.n):
@@ -78,6 +84,7 @@ class LLM:
                     cache_salt=cache_salt,
                     prompt_token_ids=ids,
                     resume_token_ids=resumed[i],
+                    lora_name=adapters[i],
                 )
                 order[rid] = (i, j)
         return self._run(order, len(prompts), use_tqdm)

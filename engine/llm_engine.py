@@ -205,9 +205,11 @@ class LLMEngine(TextEngine):
         cache_salt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         resume_token_ids: list[int] | None = None,
+        lora_name: str | None = None,
     ) -> str:
         """``resume_token_ids``: continue a request whose output so far is these ids (generated
-        elsewhere, already delivered): its outputs hold what follows them only."""
+        elsewhere, already delivered): its outputs hold what follows them only. ``lora_name``: a
+        loaded adapter to run with (EngineCore.add_lora)."""
         try:  # the server checked it already; LLM.generate callers reach here directly
             check_cache_salt(cache_salt)
         except InvalidCacheSalt as exc:
@@ -217,7 +219,12 @@ class LLMEngine(TextEngine):
         )
         try:
             self.core.add_request(
-                request_id, ids, params, cache_salt, resumed_token_ids=resume_token_ids
+                request_id,
+                ids,
+                params,
+                cache_salt,
+                resumed_token_ids=resume_token_ids,
+                lora_name=lora_name,
             )
         except Exception:
             self.states.pop(request_id, None)

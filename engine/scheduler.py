@@ -15,11 +15,16 @@ never reach the prefix cache (only known tokens are hashed). An async schedule n
 when blocks run out it stops and marks the output ``blocked`` (the engine drains the pipeline
 and takes a synchronous step, which may preempt). A request that ends while a step that holds
 it is in flight keeps its blocks until that step is released.
+
+LoRA (``max_loras`` > 0): the running requests hold at most ``max_loras`` distinct adapters, so no
+step holds more. A waiting request whose adapter would be one too many stays queued, in its place,
+while base requests and requests of adapters already running are admitted past it (as vLLM's).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.engine.kv_cache_manager import KVCacheManager
@@ -59,8 +64,10 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        max_loras: int = 0,
     ):
         self.kv = kv
+        self.max_loras = max_loras  # distinct adapters among the running requests; 0: no LoRA
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -73,6 +80,8 @@ class Scheduler:
         # whose blocks wait for those steps to be released.
         self.in_flight: dict[str, int] = {}
         self._deferred_free: dict[str, Request] = {}
+        # Called with each request that ends (any status), once: the engine's adapter refcounts.
+        self.on_finish: Callable[[Request], None] | None = None
 
     # -- queue management ------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,6 +98,8 @@ class Scheduler:
         self._remove(request)
         request.status = status
         self._free(request)
+        if self.on_finish is not None:
+            self.on_finish(request)
         return request
 
     def _free(self, request: Request) -> None:
@@ -211,8 +222,10 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, FCFS; none are admitted in a step that had to preempt. A request
-        # whose grammar is still compiling stays queued, in its place, and the ones behind it go on.
-        compiling: list[Request] = []
+        # whose grammar is still compiling, or whose adapter has no slot, stays queued, in its
+        # place, and the ones behind it go on.
+        held: list[Request] = []
+        slots = self._adapter_slots()
         while (
             self.waiting
             and budget > 0
@@ -222,7 +235,10 @@ class Scheduler:
         ):
             request = self.waiting[0]
             if request.structured is not None and request.structured.compiling:
-                compiling.append(self.waiting.popleft())
+                held.append(self.waiting.popleft())
+                continue
+            if not self._has_slot(request, slots):
+                held.append(self.waiting.popleft())
                 continue
             computed_blocks, num_computed = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
@@ -238,14 +254,28 @@ class Scheduler:
                 request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora is not None:
+                slots.add(id(request.lora))
             out.num_scheduled_tokens[request.request_id] = num_new
             out.requests.append(request)
             if async_step:
                 out.admitted.append(request.request_id)
                 self._advance(out, request, num_new)
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(held))
         return out
+
+    def _adapter_slots(self) -> set[int]:
+        """The adapters (by object: a name reloaded with new files is another adapter) that the
+        running requests hold."""
+        return {id(r.lora) for r in self.running if r.lora is not None}
+
+    def _has_slot(self, request: Request, slots: set[int]) -> bool:
+        """Whether admitting the request keeps the running adapters within max_loras."""
+        lora = request.lora
+        if lora is None or not self.max_loras or id(lora) in slots:
+            return True
+        return len(slots) < self.max_loras
 
     def _advance(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         """Async step: progress moves at schedule time; a request that samples holds a placeholder."""
