@@ -85,6 +85,11 @@ class RequestHandler:
         """The served model or a loaded adapter (``lora_name``); any other name is a 404."""
         self.lora_name = self.engine.adapters.resolve(model, self.state.config.served_model_name)
 
+    @property
+    def model_name(self) -> str:
+        """The name responses carry: the adapter's, else the served model's (as vLLM)."""
+        return self.lora_name or self.state.config.served_model_name
+
     async def read_body(self, model_cls: type[BaseModel]):
         """The validated body, for the served model."""
         body = await self.parse(model_cls)
