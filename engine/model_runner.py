@@ -192,6 +192,24 @@ class ModelRunner:
             {r.request_id: i for i, r in enumerate(rows.sampling_requests)},
             grammar,
             sample_positions=rows.sample_positions,
+            lora=self._lora_step(rows),
+        )
+
+    def _lora_step(self, rows):
+        """The step's adapter rows (lora/step.py); None, and no LoRA work, for a base-only step."""
+        if all(r.lora is None for r in rows.requests):
+            return None
+        from kvmesh.engine.lora.packed import packed_weights
+        from kvmesh.engine.lora.step import LoRAContext, build_lora_step
+
+        if self.model.lora is None:  # installed with the first adapter step
+            self.model.use_lora(LoRAContext(_lora_kernel(self.backend.name)))
+        return build_lora_step(
+            rows.requests,
+            rows.query_start_loc,
+            rows.logits().indices,
+            lambda a: packed_weights(a, self.config, self.device, self.dtype),
+            self._tensor,
         )
 
     def execute(
@@ -225,17 +243,23 @@ class ModelRunner:
             step.prompt_rows,
             step.spec_rows,
         )
+        # The CUDA graphs hold no LoRA terms: a step with adapter rows runs eagerly.
         if (
             not spec_rows
+            and step.lora is None
             and self.graphs is not None
             and self.graphs.can_replay(meta, len(sampling_requests))
         ):
             logits = self.graphs.replay(input_ids, step.positions, meta)
-        elif self.piecewise is not None and self.piecewise.covers(meta, input_ids.shape[0]):
+        elif (
+            step.lora is None
+            and self.piecewise is not None
+            and self.piecewise.covers(meta, input_ids.shape[0])
+        ):
             logits = self.piecewise.forward(input_ids, step.positions, meta, step.logits_indices)
         else:
             logits = self.model(
-                input_ids, step.positions, self.kv_caches, meta, step.logits_indices
+                input_ids, step.positions, self.kv_caches, meta, step.logits_indices, step.lora
             )
         result = StepResult()
         num_plain = len(sampling_requests)
@@ -320,6 +344,7 @@ class PreparedStep:
     sample_positions: list[int] | None = (
         None  # per sampling request: the output position it samples
     )
+    lora: object = None  # the adapter rows (lora/step.py LoRAStep); None: base rows only
 
 
 @dataclass
@@ -333,6 +358,17 @@ class StepResult:
     sampled: dict = field(default_factory=dict)  # verified drafts (lists), already on the host
     logprobs: dict = field(default_factory=dict)
     prompt_lps: dict = field(default_factory=dict)
+
+
+def _lora_kernel(backend_name: str):
+    """The LoRA shrink/expand: Triton kernels with the Triton backend (CUDA), torch GEMMs elsewhere."""
+    if backend_name == "triton":
+        from kvmesh.engine.kernels.triton_lora import add_lora_triton
+
+        return add_lora_triton
+    from kvmesh.engine.lora.step import add_lora_torch
+
+    return add_lora_torch
 
 
 def prompt_logprobs(

@@ -109,9 +109,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def _lora_add(lora, out: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
+    """The step's adapter terms into a projection's output; nothing when no adapter is in it."""
+    if lora is not None and lora.rows is not None:
+        lora.add(out, x, layer, proj)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
+        self.layer = layer
+        self.lora = None  # the shared LoRAContext (lora/step.py), set by use_lora
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -132,6 +140,7 @@ class Attention(nn.Module):
     def project_and_store(self, x, step_rope: StepRope, k_cache, v_cache, meta: AttentionMetadata):
         """q, k, v of the rows ([T, heads, dim], RoPE applied), with k and v stored in the cache."""
         qkv = self.qkv_proj(x)
+        _lora_add(self.lora, qkv, x, self.layer, "qkv_proj")
         fused = step_rope.cos_sin is None
         if fused:  # rotate the q and k heads inside qkv in place, storing K/V in the same pass
             rope = step_rope.rope
@@ -159,8 +168,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
+        self.layer = layer
+        self.lora = None
         self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
@@ -172,19 +183,24 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
+        _lora_add(self.lora, gate_up, x, self.layer, "gate_up_proj")
         if self.ops is not None and gate_up.dim() == 2:
-            return self.down_proj(self.ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+            act = self.ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = F.silu(gate).mul_(up)
+        out = self.down_proj(act)
+        _lora_add(self.lora, out, act, self.layer, "down_proj")
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layer)
 
     def forward(self, x, residual, step_rope, k_cache, v_cache, meta, sample_rows=None):
         """vLLM's residual convention: returns (this layer's output, the residual stream before it).
@@ -195,6 +211,8 @@ class DecoderLayer(nn.Module):
             if meta.sample_meta is None:  # nothing samples: the K/V store was all
                 return residual[:0], residual[:0]
             q, meta, residual = q[sample_rows], meta.sample_meta, residual[sample_rows]
+            if self.self_attn.lora is not None:
+                self.self_attn.lora.to_logits_rows()
         attn = self.self_attn.attend(q, k, v, k_cache, v_cache, meta, self.self_attn.scale)
         return self.post_attention(attn, residual)
 
@@ -212,7 +230,9 @@ class DecoderLayer(nn.Module):
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor):
         """o_proj, the post-attention norm (with the residual add), MLP: (output, residual stream)."""
-        x = self.self_attn.o_proj(attn.reshape(-1, self.self_attn.q_size))
+        attn = attn.reshape(-1, self.self_attn.q_size)
+        x = self.self_attn.o_proj(attn)
+        _lora_add(self.self_attn.lora, x, attn, self.self_attn.layer, "o_proj")
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -226,7 +246,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config, max_positions)
         self.lm_head = (
@@ -238,6 +260,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_ops = None  # set by use_fused_ops()
         self.decode_stack = None  # set by use_decode_stack()
         self._stack_caches = None  # the KV cache list the decode stack was given
+        self.lora = None  # the LoRAContext of the step's adapter rows (use_lora)
 
     def use_fused_ops(self, ops) -> None:
         """Run norms, RoPE (+ the KV store) and SiLU-and-mul through fused ops: the compiled CPU
@@ -246,6 +269,12 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.ops = ops
+
+    def use_lora(self, context) -> None:
+        """Add the adapters' terms to the projections of a step's adapter rows (lora/step.py)."""
+        self.lora = context
+        for layer in self.layers:
+            layer.self_attn.lora = layer.mlp.lora = context
 
     def use_attention_backend(self, backend) -> None:
         """Attend through this backend (attention_backends.py) in every layer."""
@@ -315,13 +344,29 @@ class LlamaForCausalLM(nn.Module):
     def _decode_stack_covers(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         return (
             self.decode_stack is not None
+            and (self.lora is None or self.lora.rows is None)  # it has no LoRA terms
             and meta.all_decode
             and meta.cpu_ops is not None
             and x.dtype == torch.float32
             and 0 < x.shape[0] <= PANEL_MAX_ROWS
         )
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
+    def forward(
+        self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices, lora=None
+    ):
+        """Logits of the ``logits_indices`` rows; ``lora``: the step's adapter rows (a LoRAStep,
+        lora/step.py; None: every row runs on the base model)."""
+        if self.lora is None:
+            if lora is not None:
+                raise RuntimeError("a step with adapter rows on a model without use_lora")
+            return self._forward(input_ids, positions, kv_caches, meta, logits_indices)
+        self.lora.begin(lora)
+        try:
+            return self._forward(input_ids, positions, kv_caches, meta, logits_indices)
+        finally:
+            self.lora.begin(None)
+
+    def _forward(self, input_ids, positions, kv_caches, meta, logits_indices):
         x = self.embed_tokens(input_ids)
         if self._decode_stack_covers(x, meta):
             if self._stack_caches is not kv_caches:

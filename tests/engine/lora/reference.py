@@ -1,0 +1,45 @@
+"""transformers + peft fp32 greedy continuations of a base checkpoint and its adapters (cached)."""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.lru_cache(maxsize=2)
+def _peft_model(base_dir: str, adapters: tuple[tuple[str, str], ...]):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    (first, path), *rest = adapters
+    model = PeftModel.from_pretrained(base, path, adapter_name=first)
+    for name, path in rest:
+        model.load_adapter(path, adapter_name=name)
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=512)
+def _greedy(base_dir, adapters, adapter: str | None, prompt: tuple[int, ...], n: int):
+    import contextlib
+
+    import torch
+
+    model = _peft_model(base_dir, adapters)
+    if adapter is not None:
+        model.set_adapter(adapter)
+    ids = list(prompt)
+    with torch.inference_mode():
+        with model.disable_adapter() if adapter is None else contextlib.nullcontext():
+            for _ in range(n):  # no KV cache: each step recomputes the whole sequence
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+                ids.append(int(logits.argmax()))
+    return tuple(ids[len(prompt) :])
+
+
+def peft_greedy(
+    base_dir: str, adapter_dirs: dict[str, str], adapter: str | None, prompt, n: int
+) -> list[int]:
+    """The greedy fp32 continuation of `prompt` by the base model (adapter None) or an adapter."""
+    adapters = tuple(sorted(adapter_dirs.items()))
+    return list(_greedy(str(base_dir), adapters, adapter, tuple(prompt), n))
