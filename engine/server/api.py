@@ -62,8 +62,10 @@ def _openapi_document(app: FastAPI, state: ServerState) -> None:
         from fastapi.openapi.utils import get_openapi
 
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        # with adapters, `model` is any name (they come and go): no enum of the served one
+        lora = state.engine.engine_args.enable_lora
         doc["components"] = oa.components(
-            state.config.served_model_name,
+            None if lora else state.config.served_model_name,
             state.engine.vocab_size or None,
             bool(state.config.api_key),
         )

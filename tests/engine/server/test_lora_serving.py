@@ -301,7 +301,7 @@ def test_a_bad_adapter_is_a_400_naming_it_and_nothing_else_changes(
 
 
 def test_a_load_under_a_running_stream_leaves_its_tokens_unchanged(server, adapters):
-    n = 160
+    n = 400
     alone = tokens(server, "a", n)
     got: list[str] = []
 
@@ -325,7 +325,9 @@ def test_a_load_under_a_running_stream_leaves_its_tokens_unchanged(server, adapt
     wait_for(lambda: got, timeout=60, interval=0.01)
     assert load(server, "c", adapters["c"]).status_code == 200
     assert unload(server, "c").status_code == 200
+    at_unload = len(got)
     t.join(120)
+    assert len(got) > at_unload  # the stream was running all along
     ids = [
         i for chunk in got for c in json.loads(chunk)["choices"] for i in c.get("token_ids") or []
     ]
@@ -378,6 +380,25 @@ def test_lora_requests_info_as_vllms(server):
     idle = wait_for(lambda: [s for s in lora_info(server) if s[1] == ""], timeout=30)
     assert len(lora_info(server)) == 1  # only the current label set
     assert idle[0][:3] == ("2", "", "") and idle[0][3] >= busy[0][3]
+
+
+def test_an_adapter_that_fails_at_start_fails_the_load(tiny_model, tmp_path):
+    srv = ThreadServer(
+        [
+            "--model",
+            tiny_model,
+            "--engine-mode",
+            "thread",
+            "--enable-lora",
+            "--lora-modules",
+            f"gone={tmp_path / 'gone'}",
+        ]
+    )
+    try:
+        with pytest.raises(RuntimeError, match="adapter 'gone': no directory"):
+            srv.start()
+    finally:
+        srv.stop()
 
 
 # -- without runtime updating, without --enable-lora ------------------------------------------------------
