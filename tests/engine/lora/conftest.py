@@ -27,3 +27,15 @@ def lora_adapter_dirs(tmp_path_factory, lora_base_dir) -> dict[str, str]:
         name: str(make_peft_adapter(root / name, lora_base_dir, r, t, seed, rslora=rs))
         for name, (r, t, seed, rs) in ADAPTERS.items()
     }
+
+
+@pytest.fixture(scope="session")
+def qwen2_lora(tmp_path_factory) -> tuple[str, dict[str, str]]:
+    """A tiny Qwen2 (q/k/v bias, tied embeddings) and two adapters of it."""
+    root = tmp_path_factory.mktemp("lora-qwen2")
+    base = str(build_tiny_model(root / "base", "tiny-qwen2"))
+    adapters = {
+        "qa": make_peft_adapter(root / "qa", base, 4, ["q_proj", "k_proj", "down_proj"], 21),
+        "qb": make_peft_adapter(root / "qb", base, 8, ["v_proj", "gate_proj", "up_proj"], 22, True),
+    }
+    return base, {k: str(v) for k, v in adapters.items()}

@@ -28,18 +28,24 @@ def _greedy(base_dir, adapters, adapter: str | None, prompt: tuple[int, ...], n:
     model = _peft_model(base_dir, adapters)
     if adapter is not None:
         model.set_adapter(adapter)
-    ids = list(prompt)
+    ids, lps = list(prompt), []
     with torch.inference_mode():
         with model.disable_adapter() if adapter is None else contextlib.nullcontext():
             for _ in range(n):  # no KV cache: each step recomputes the whole sequence
                 logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
                 ids.append(int(logits.argmax()))
-    return tuple(ids[len(prompt) :])
+                lps.append(float(torch.log_softmax(logits, -1)[ids[-1]]))
+    return tuple(ids[len(prompt) :]), tuple(lps)
 
 
 def peft_greedy(
     base_dir: str, adapter_dirs: dict[str, str], adapter: str | None, prompt, n: int
 ) -> list[int]:
     """The greedy fp32 continuation of `prompt` by the base model (adapter None) or an adapter."""
+    return list(peft_greedy_logprobs(base_dir, adapter_dirs, adapter, prompt, n)[0])
+
+
+def peft_greedy_logprobs(base_dir, adapter_dirs, adapter, prompt, n):
+    """(greedy tokens, the logprob of each) as ``peft_greedy``."""
     adapters = tuple(sorted(adapter_dirs.items()))
-    return list(_greedy(str(base_dir), adapters, adapter, tuple(prompt), n))
+    return _greedy(str(base_dir), adapters, adapter, tuple(prompt), n)

@@ -14,7 +14,7 @@ from kvmesh.engine.core_messages import AddRequest
 from kvmesh.engine.core_proc import CoreLoop
 from kvmesh.engine.lora.request import LoRAError, LoRARequest
 from tests.engine.conftest import random_prompts
-from tests.engine.lora.peft_reference import peft_greedy
+from tests.engine.lora.reference import peft_greedy
 
 MAX_NEW = 6
 
@@ -146,7 +146,7 @@ def test_same_name_reload_with_new_weights_never_hits_the_old_blocks(
     tokens, fresh = run(core, "new", prompt, "served")
     assert fresh.num_cached_tokens == 0
     assert core.stats().prefix_cache_hits == hits  # not one stale block
-    assert tokens == peft_greedy(lora_base_dir, lora_adapter_dirs["mlp"], prompt, MAX_NEW)
+    assert tokens == peft_greedy(lora_base_dir, lora_adapter_dirs, "mlp", prompt, MAX_NEW)
 
 
 def _start(core, rid, prompt, name, n):
@@ -173,7 +173,7 @@ def test_unload_while_running_finishes_with_its_adapter(lora_base_dir, lora_adap
     with pytest.raises(LoRAError):
         core.add_request("late", prompt, greedy(), lora_name="mlp")
     tokens = _finish(core, "r", tokens)
-    assert tokens == peft_greedy(lora_base_dir, lora_adapter_dirs["mlp"], prompt, 12)
+    assert tokens == peft_greedy(lora_base_dir, lora_adapter_dirs, "mlp", prompt, 12)
     assert core.loras.refcount(adapter) == 0
 
 
@@ -194,8 +194,8 @@ def test_reload_while_running_keeps_the_running_request_on_the_old_adapter(
     while core.has_unfinished_requests():
         for o in core.step():
             (tokens if o.request_id == "r" else new_tokens).extend(o.new_token_ids)
-    assert tokens == peft_greedy(lora_base_dir, lora_adapter_dirs["attn"], prompt, 12)
-    assert new_tokens == peft_greedy(lora_base_dir, lora_adapter_dirs["mixed"], prompt, 12)
+    assert tokens == peft_greedy(lora_base_dir, lora_adapter_dirs, "attn", prompt, 12)
+    assert new_tokens == peft_greedy(lora_base_dir, lora_adapter_dirs, "mixed", prompt, 12)
 
 
 def test_core_loop_passes_the_adapter_name(lora_base_dir, lora_adapter_dirs):
@@ -213,7 +213,7 @@ def test_generate_loads_adapters_on_first_use(lora_base_dir, lora_adapter_dirs):
     outs = llm.generate(prompts, greedy(), lora_request=attn)
     for prompt, out in zip(prompts, outs):
         assert list(out.outputs[0].token_ids) == peft_greedy(
-            lora_base_dir, lora_adapter_dirs["attn"], prompt, MAX_NEW
+            lora_base_dir, lora_adapter_dirs, "attn", prompt, MAX_NEW
         )
     assert [(e["name"], e["id"]) for e in llm.engine.core.list_loras()] == [("attn", 5)]
     mixed = LoRARequest("mixed", 6, lora_adapter_dirs["mixed"])
@@ -223,7 +223,7 @@ def test_generate_loads_adapters_on_first_use(lora_base_dir, lora_adapter_dirs):
     with pytest.raises(ValueError, match="max_cpu_loras is 2"):
         llm.generate(prompts, greedy(), lora_request=[attn, mixed, mlp])
     outs = llm.generate(prompts, greedy(), lora_request=[mixed, None, attn])
-    assert list(outs[1].outputs[0].token_ids) == peft_greedy(
-        lora_base_dir, None, prompts[1], MAX_NEW
-    )
+    for prompt, name, out in zip(prompts, ("mixed", None, "attn"), outs):
+        expected = peft_greedy(lora_base_dir, lora_adapter_dirs, name, prompt, MAX_NEW)
+        assert list(out.outputs[0].token_ids) == expected, name
     assert sorted(e["name"] for e in llm.engine.core.list_loras()) == ["attn", "mixed"]

@@ -9,7 +9,10 @@ import pytest
 from kvmesh.engine import LLM, SamplingParams
 from kvmesh.engine.lora.request import LoRARequest
 from tests.engine.conftest import random_prompts
-from tests.engine.lora.peft_reference import peft_greedy
+from tests.engine.lora.adapters import make_peft_adapter
+from tests.engine.lora.conftest import ADAPTERS
+from tests.engine.lora.reference import peft_greedy
+from tests.tiny_models import build_tiny_model
 
 MAX_NEW = 10
 ORDER = (None, "attn", "mlp", "mixed")  # the adapter of prompt i is ORDER[i % 4]
@@ -24,7 +27,7 @@ MODES = {
     "batched": dict(num_kv_blocks=512, max_loras=3),
     "chunked": dict(num_kv_blocks=512, max_loras=2, max_num_batched_tokens=32),
     "prefix": dict(num_kv_blocks=512, max_loras=3, max_num_batched_tokens=64),
-    "preempt": dict(num_kv_blocks=14, max_loras=2, max_num_batched_tokens=256),
+    "preempt": dict(num_kv_blocks=8, max_loras=2, max_num_batched_tokens=256),
     "spec": dict(num_kv_blocks=512, max_loras=3, speculative_config=SPEC),
 }
 
@@ -46,9 +49,22 @@ def prompts_for(mode: str) -> list[list[int]]:
     if mode == "prefix":  # one long head, so that later requests of each adapter hit its blocks
         head = random_prompts(1, 40, 40, seed=5)[0]
         return [head + tail for tail in random_prompts(12, 3, 12, seed=6)]
-    if mode == "spec":  # repeated spans, so that n-gram lookups propose drafts
-        return [p + p + p for p in random_prompts(8, 4, 8, seed=7)]
+    if mode == "spec":  # a 256-token vocabulary: n-gram lookups find the last tokens again
+        return random_prompts(8, 8, 16, seed=7, vocab=256)
+    if mode == "preempt":  # 2 to 3 blocks each, 8 blocks in all
+        return random_prompts(8, 20, 40, seed=8)
     return random_prompts(8, 5, 30, seed=4)
+
+
+@pytest.fixture(scope="module")
+def spec_model(tmp_path_factory) -> tuple[str, dict[str, str]]:
+    """A 256-token-vocabulary base whose greedy output repeats its history, and its adapters."""
+    root = tmp_path_factory.mktemp("lora-spec")
+    base = str(build_tiny_model(root / "base", "tiny-llama-v256"))
+    return base, {
+        name: str(make_peft_adapter(root / name, base, r, t, seed, rslora=rs))
+        for name, (r, t, seed, rs) in ADAPTERS.items()
+    }
 
 
 def record_steps(llm: LLM) -> list[set[str]]:
@@ -68,14 +84,16 @@ def record_steps(llm: LLM) -> list[set[str]]:
 
 def assert_reference(base_dir, adapter_dirs, prompts, loras, outputs):
     for prompt, lora, out in zip(prompts, loras, outputs):
-        adapter_dir = None if lora is None else adapter_dirs[lora.lora_name]
-        expected = peft_greedy(base_dir, adapter_dir, prompt, MAX_NEW)
+        name = None if lora is None else lora.lora_name
+        expected = peft_greedy(base_dir, adapter_dirs, name, prompt, MAX_NEW)
         assert list(out.outputs[0].token_ids) == expected, lora
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_mixed_adapters_equal_peft(lora_base_dir, lora_adapter_dirs, mode, backend):
+def test_mixed_adapters_equal_peft(request, lora_base_dir, lora_adapter_dirs, mode, backend):
+    if mode == "spec":
+        lora_base_dir, lora_adapter_dirs = request.getfixturevalue("spec_model")
     kw = MODES[mode]
     llm = LLM(lora_base_dir, enable_lora=True, max_cpu_loras=3, attention_backend=backend, **kw)
     steps = record_steps(llm)

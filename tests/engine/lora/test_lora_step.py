@@ -1,0 +1,71 @@
+"""build_lora_step: a step's rows grouped by adapter (slices where contiguous), over all rows and
+over the logits rows; and the LoRA term each group adds."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from kvmesh.engine.lora.step import LoRAContext, add_lora_torch, build_lora_step
+
+
+def _reqs(*adapters):
+    return [SimpleNamespace(lora=a) for a in adapters]
+
+
+def _build(reqs, q_lens, logits):
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    return build_lora_step(
+        reqs, qsl, np.asarray(logits), lambda a: a.weights, lambda v: torch.as_tensor(v)
+    )
+
+
+def _rows(group):
+    r = group.rows
+    return list(range(r.start, r.stop)) if isinstance(r, slice) else r.tolist()
+
+
+def test_base_only_step_has_no_lora_work():
+    assert _build(_reqs(None, None), [3, 1], [2, 3]) is None
+
+
+def test_rows_grouped_by_adapter_in_first_row_order():
+    a, b = SimpleNamespace(weights="A"), SimpleNamespace(weights="B")
+    # rows: base 0-2, a 3, b 4-7, a 8, base 9
+    step = _build(_reqs(None, a, b, a, None), [3, 1, 4, 1, 1], [2, 3, 7, 8, 9])
+    assert [g.weights for g in step.full.groups] == ["A", "B"]
+    assert [_rows(g) for g in step.full.groups] == [[3, 8], [4, 5, 6, 7]]
+    assert isinstance(step.full.groups[1].rows, slice)  # contiguous: no index tensor
+    # logits rows 0..4 are flattened rows 2, 3, 7, 8, 9: a owns logits rows 1 and 3, b row 2
+    assert [_rows(g) for g in step.logits.groups] == [[1, 3], [2]]
+
+
+def test_an_adapter_without_logits_rows_is_left_out_of_them():
+    a = SimpleNamespace(weights="A")
+    step = _build(_reqs(a, None), [4, 1], [4])  # a's chunk samples nothing this step
+    assert [_rows(g) for g in step.full.groups] == [[0, 1, 2, 3]]
+    assert step.logits.groups == []
+
+
+def test_context_adds_each_groups_term_to_its_rows_only():
+    gen = torch.Generator().manual_seed(0)
+    x, out = torch.randn(6, 8, generator=gen), torch.randn(6, 5, generator=gen)
+    a1, b1 = torch.randn(2, 8, generator=gen), torch.randn(5, 2, generator=gen)
+    a2, b2 = torch.randn(3, 8, generator=gen), torch.randn(5, 3, generator=gen)
+    w1, w2 = SimpleNamespace(weights=[{"o_proj": (a1, b1)}]), SimpleNamespace(weights=[{}])
+    w3 = SimpleNamespace(weights=[{"o_proj": (a2, b2)}])
+    step = _build(_reqs(w1, None, w2, w3), [2, 1, 1, 2], [1, 5])
+    ctx = LoRAContext(add_lora_torch)
+    ctx.begin(step)
+    got = out.clone()
+    ctx.add(got, x, 0, "o_proj")
+    want = out.clone()
+    want[0:2] += x[0:2] @ a1.T @ b1.T
+    want[4:6] += x[4:6] @ a2.T @ b2.T  # rows 2 (base) and 3 (no o_proj term) unchanged
+    torch.testing.assert_close(got, want)
+    ctx.to_logits_rows()
+    assert [_rows(g) for g in ctx.rows.groups] == [[0], [1]]
+    ctx.begin(None)
+    assert ctx.rows is None
