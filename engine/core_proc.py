@@ -71,6 +71,7 @@ class Failure(msgspec.Struct, array_like=True):
     request_id: str
     message: str
     param: str | None = None
+    error_type: str = ""  # the exception's class name (LoRAError: re-raised as one by the caller)
 
 
 class StepOutputs(msgspec.Struct, array_like=True):
@@ -328,7 +329,9 @@ class EngineCoreProc:
             exc = self.loop.add(msg)
             if exc is not None:
                 self._failures.append(
-                    Failure(msg.request_id, str(exc), getattr(exc, "param", None))
+                    Failure(
+                        msg.request_id, str(exc), getattr(exc, "param", None), type(exc).__name__
+                    )
                 )
         elif kind == ABORT:
             self.loop.abort(self._abort_decoder.decode(payload))
@@ -385,4 +388,6 @@ def failure_exception(f: Failure) -> Exception:
     """The API side's exception for a Failure: a 400 naming the field, or an engine error."""
     if f.param is not None:
         return InvalidParameter(f.param, f.message)
+    if f.error_type == "LoRAError":  # its adapter was unloaded after the request named it
+        return LoRAError(f.message)
     return EngineStepError(f.message)

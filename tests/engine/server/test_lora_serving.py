@@ -256,6 +256,18 @@ def test_load_unload_and_reload_in_place(server, adapters, reference):
     assert tokens(server, "a") == reference("a", 8)  # the others untouched
 
 
+def test_an_adapter_gone_before_the_core_saw_the_request_is_a_404(server):
+    # the server still lists it (an unload racing the request): the core's refusal is the 404
+    served = server.state.engine.adapters.loaded
+    served["ghost"] = dict(served["a"], name="ghost")
+    try:
+        msg = error(complete(server, "ghost"), 404)
+    finally:
+        served.pop("ghost")
+    assert msg == f"The model `ghost` does not exist. This server serves `{MODEL}`."
+    assert tokens(server, MODEL)  # and the server goes on
+
+
 def _truncated(src: str, dst) -> str:
     shutil.copytree(src, dst)
     weights = dst / "adapter_model.safetensors"
