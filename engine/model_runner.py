@@ -237,30 +237,12 @@ class ModelRunner:
             # The previous step's sampled ids into this step's inputs, on the device (before the
             # forward, and so before a CUDA graph's static buffers take the inputs).
             input_ids.index_copy_(0, step.fill_dst, prev.tokens.index_select(0, step.fill_src))
-        meta, sampling_requests, prompt_rows, spec_rows = (
-            step.meta,
+        sampling_requests, prompt_rows, spec_rows = (
             step.sampling_requests,
             step.prompt_rows,
             step.spec_rows,
         )
-        # The CUDA graphs hold no LoRA terms: a step with adapter rows runs eagerly.
-        if (
-            not spec_rows
-            and step.lora is None
-            and self.graphs is not None
-            and self.graphs.can_replay(meta, len(sampling_requests))
-        ):
-            logits = self.graphs.replay(input_ids, step.positions, meta)
-        elif (
-            step.lora is None
-            and self.piecewise is not None
-            and self.piecewise.covers(meta, input_ids.shape[0])
-        ):
-            logits = self.piecewise.forward(input_ids, step.positions, meta, step.logits_indices)
-        else:
-            logits = self.model(
-                input_ids, step.positions, self.kv_caches, meta, step.logits_indices, step.lora
-            )
+        logits = self._forward(step, input_ids)
         result = StepResult()
         num_plain = len(sampling_requests)
         num_sampling = num_plain + sum(len(d) + 1 for _, d in spec_rows)
@@ -308,6 +290,24 @@ class ModelRunner:
         else:
             result.host = tokens
         return result
+
+    def _forward(self, step: PreparedStep, input_ids: torch.Tensor) -> torch.Tensor:
+        """The step's logits: from a CUDA graph where one covers the step, else the eager model.
+        The graphs hold no LoRA terms: a step with adapter rows runs eagerly."""
+        meta, positions = step.meta, step.positions
+        if step.lora is not None:
+            return self.model(
+                input_ids, positions, self.kv_caches, meta, step.logits_indices, lora=step.lora
+            )
+        if (
+            not step.spec_rows
+            and self.graphs is not None
+            and self.graphs.can_replay(meta, len(step.sampling_requests))
+        ):
+            return self.graphs.replay(input_ids, positions, meta)
+        if self.piecewise is not None and self.piecewise.covers(meta, input_ids.shape[0]):
+            return self.piecewise.forward(input_ids, positions, meta, step.logits_indices)
+        return self.model(input_ids, positions, self.kv_caches, meta, step.logits_indices)
 
     @staticmethod
     def finish(

@@ -29,8 +29,10 @@ BLOCK_N = 32  # the expand's output features per program
 def _row_offsets(rows_ptr, row_start, m, n, GATHER: tl.constexpr):
     """The flattened-batch rows of tile positions ``m`` (masked past ``n``)."""
     if GATHER:
-        return tl.load(rows_ptr + m, mask=m < n, other=0).to(tl.int64)
-    return (row_start + m).to(tl.int64)
+        rows = tl.load(rows_ptr + m, mask=m < n, other=0).to(tl.int64)
+    else:
+        rows = (row_start + m).to(tl.int64)
+    return rows
 
 
 @triton.jit
@@ -65,8 +67,8 @@ def _shrink_kernel(
             acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(a))
-    out_mask = (m[:, None] < n) & (r[None, :] < rank)
-    tl.store(t_ptr + m[:, None] * BLOCK_R + r[None, :], acc, mask=out_mask)
+    # Every BLOCK_R column (zeros past the rank): the expand reads them all.
+    tl.store(t_ptr + m[:, None] * BLOCK_R + r[None, :], acc, mask=m[:, None] < n)
 
 
 @triton.jit

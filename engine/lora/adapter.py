@@ -105,6 +105,8 @@ def _check_features(name: str, cfg: dict) -> None:
             raise LoRAError(f"adapter {name!r}: {key} is not supported")
     targets = cfg.get("target_modules")
     if isinstance(targets, (list, tuple)):
+        if {"embed_tokens", "lm_head"} & set(targets):
+            raise LoRAError(f"adapter {name!r}: embedding / LM head targets are not supported")
         unknown = sorted(set(targets) - set(TARGETS))
         if unknown:
             raise LoRAError(

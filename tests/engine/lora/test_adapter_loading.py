@@ -132,7 +132,8 @@ def test_refuses_dora_bias_modules_to_save_and_embeddings(
             (dict(use_dora=True), "DoRA"),
             (dict(bias="all"), "bias"),
             (dict(modules_to_save=["lm_head"]), "modules_to_save"),
-            (dict(target_modules=["embed_tokens"]), "embed_tokens"),
+            (dict(target_modules=["q_proj", "embed_tokens"]), "embedding"),
+            (dict(target_modules=["lm_head"]), "LM head"),
         ]
     ):
         path = _copy(lora_adapter_dirs["attn"], tmp_path, f"bad{i}")
