@@ -37,6 +37,7 @@ import msgspec
 from kvmesh.engine.config import EngineArgs
 from kvmesh.engine.core_messages import AbortRequests, AddRequest
 from kvmesh.engine.engine_core import EngineCoreOutput, EngineStats
+from kvmesh.engine.lora.request import LoRAError, LoRARequest
 from kvmesh.engine.sampling_params import InvalidParameter
 from kvmesh.engine.step_timing import StepTimer
 from kvmesh.engine.threads import ThreadPlan
@@ -60,6 +61,7 @@ class UtilityResult(msgspec.Struct, array_like=True):
     ok: bool
     value: Any = None
     error: str = ""
+    error_type: str = ""  # the exception's class name (LoRAError: re-raised as one by the caller)
 
 
 class Failure(msgspec.Struct, array_like=True):
@@ -69,6 +71,7 @@ class Failure(msgspec.Struct, array_like=True):
     request_id: str
     message: str
     param: str | None = None
+    error_type: str = ""  # the exception's class name (LoRAError: re-raised as one by the caller)
 
 
 class StepOutputs(msgspec.Struct, array_like=True):
@@ -88,6 +91,7 @@ class CoreReady(msgspec.Struct):
     eos_token_ids: list[int]
     stats: EngineStats
     threads: str
+    loras: list[dict[str, Any]] = []  # list_loras(): the adapters loaded at start
 
 
 @dataclass
@@ -171,6 +175,13 @@ class CoreLoop:
         """A call on the core between steps, by name (a subclass may know more of them)."""
         if name == "reset_prefix_cache":
             return self.core.reset_prefix_cache()
+        if name == "add_lora":
+            req = args[0]
+            return self.core.add_lora(req if isinstance(req, LoRARequest) else LoRARequest(*req))
+        if name == "remove_lora":
+            return self.core.remove_lora(args[0])
+        if name == "list_loras":
+            return self.core.list_loras()
         raise ValueError(f"unknown utility call {name!r}")
 
 
@@ -273,6 +284,7 @@ class EngineCoreProc:
                 eos_token_ids=sorted(core.eos_token_ids),
                 stats=core.stats(),
                 threads=threads,
+                loras=core.list_loras() if cfg.engine_args.enable_lora else [],
             ),
         )
 
@@ -317,7 +329,9 @@ class EngineCoreProc:
             exc = self.loop.add(msg)
             if exc is not None:
                 self._failures.append(
-                    Failure(msg.request_id, str(exc), getattr(exc, "param", None))
+                    Failure(
+                        msg.request_id, str(exc), getattr(exc, "param", None), type(exc).__name__
+                    )
                 )
         elif kind == ABORT:
             self.loop.abort(self._abort_decoder.decode(payload))
@@ -329,7 +343,7 @@ class EngineCoreProc:
             except Exception as exc:  # noqa: BLE001 - answered to the caller
                 log.warning("utility call %s failed: %s: %s", call.name, type(exc).__name__, exc)
                 data = _encoder.encode(
-                    UtilityResult(call.call_id, False, None, f"{type(exc).__name__}: {exc}")
+                    UtilityResult(call.call_id, False, None, str(exc), type(exc).__name__)
                 )
             self.output.send_multipart([UTILITY_RESULT, data], copy=False)
             self._send_step([])  # the stats and KV events the call may have changed
@@ -363,8 +377,17 @@ class EngineCoreProc:
             loop.timer.totals["decode_output"] += time.perf_counter() - t0
 
 
+def utility_exception(res: UtilityResult) -> Exception:
+    """The caller's exception for a failed utility call: an adapter's refusal stays a LoRAError."""
+    if res.error_type == "LoRAError":
+        return LoRAError(res.error)
+    return RuntimeError(f"{res.error_type}: {res.error}" if res.error_type else res.error)
+
+
 def failure_exception(f: Failure) -> Exception:
     """The API side's exception for a Failure: a 400 naming the field, or an engine error."""
     if f.param is not None:
         return InvalidParameter(f.param, f.message)
+    if f.error_type == "LoRAError":  # its adapter was unloaded after the request named it
+        return LoRAError(f.message)
     return EngineStepError(f.message)

@@ -21,6 +21,7 @@ from kvmesh.engine.server.errors import APIError, error_body
 from kvmesh.engine.server.server_state import ServerConfig, ServerState, check_auth, check_ready
 from kvmesh.engine.server.serving_chat import ChatHandler
 from kvmesh.engine.server.serving_completion import CompletionHandler
+from kvmesh.engine.server.serving_lora import LoRAHandler
 from kvmesh.engine.server.serving_tokenization import TokenizationHandler
 
 __all__ = ["ServerConfig", "ServerState", "build_app"]
@@ -61,8 +62,10 @@ def _openapi_document(app: FastAPI, state: ServerState) -> None:
         from fastapi.openapi.utils import get_openapi
 
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        # with adapters, `model` is any name (they come and go): no enum of the served one
+        lora = state.engine.engine_args.enable_lora
         doc["components"] = oa.components(
-            state.config.served_model_name,
+            None if lora else state.config.served_model_name,
             state.engine.vocab_size or None,
             bool(state.config.api_key),
         )
@@ -123,21 +126,20 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
     @v1.get("/models", openapi_extra=_api(state, "get", "/v1/models"))
     async def models(request: Request):
         eng = state.engine
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.config.served_model_name,
-                    "object": "model",
-                    "created": int(state.started),
-                    "owned_by": "kvmesh",
-                    "root": str(eng.engine_args.model),
-                    "parent": None,
-                    "max_model_len": eng.max_model_len or None,
-                }
-            ],
+        served, created = state.config.served_model_name, int(state.started)
+        base = {
+            "id": served,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvmesh",
+            "root": str(eng.engine_args.model),
+            "parent": None,
+            "max_model_len": eng.max_model_len or None,
         }
+        return {"object": "list", "data": [base, *eng.adapters.cards(served, created)]}
 
+    if state.config.allow_runtime_lora_updating:
+        _lora_routes(v1)
     app.include_router(v1)
 
     @app.post("/tokenize", openapi_extra=_api(state, "post", "/tokenize"))
@@ -150,6 +152,22 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(request: Request):
         await guard(request)
         return await TokenizationHandler(state, request).detokenize()
+
+
+def _lora_routes(v1: APIRouter) -> None:
+    """vLLM's runtime adapter loads and unloads (behind the /v1 guard: the API key, readiness)."""
+    ops = {
+        "load": "load (or with load_inplace, replace) a LoRA adapter",
+        "unload": "unload a LoRA adapter; requests running with it finish with it",
+    }
+
+    @v1.post("/load_lora_adapter", summary=ops["load"])
+    async def load_lora_adapter(request: Request):
+        return await LoRAHandler(request.app.state.server, request).load()
+
+    @v1.post("/unload_lora_adapter", summary=ops["unload"])
+    async def unload_lora_adapter(request: Request):
+        return await LoRAHandler(request.app.state.server, request).unload()
 
 
 def _operations_routes(app: FastAPI, state: ServerState) -> None:

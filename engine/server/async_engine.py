@@ -31,6 +31,8 @@ from kvmesh.engine.config import EngineArgs
 from kvmesh.engine.core_messages import AbortRequests, AddRequest
 from kvmesh.engine.core_proc import CoreLoop, EngineStepError  # noqa: F401 - EngineStepError: api's import
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.server.adapters import ServedAdapters
+from kvmesh.engine.server.lora_metrics import LoraRequestsInfo
 from kvmesh.engine.server.off_loop import off_loop
 
 log = logging.getLogger("kvmesh.server.engine")
@@ -82,6 +84,11 @@ class AsyncEngine:
         self.limits = None  # EngineLimits, once loaded: the checks that need the model
         self.model_dir = None  # the checkpoint (tokenizer) the model loaded from: structured outputs compile on it
         self.sampling_defaults: dict[str, Any] = {}  # the model's generation-config defaults
+        # vllm:lora_requests_info, fed by each stats update (enable_lora only)
+        self.lora_info = (
+            LoraRequestsInfo(engine_args.max_loras) if engine_args.enable_lora else None
+        )
+        self.adapters = ServedAdapters()  # the loaded adapters requests may name
         self.stats = None  # EngineStats snapshot, refreshed by the engine thread after each step
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
@@ -97,6 +104,16 @@ class AsyncEngine:
         self.step_timing: dict[str, float] = {}  # StepTimer.snapshot(), refreshed with the stats
         self.on_dead: list = []  # callbacks (on the event loop) once the engine died after loading
         self.mode = "thread"
+
+    @property
+    def stats(self):
+        return self._stats
+
+    @stats.setter
+    def stats(self, value) -> None:
+        self._stats = value
+        if self.lora_info is not None:
+            self.lora_info.observe(value)
 
     @property
     def num_step_errors(self) -> int:
@@ -167,8 +184,10 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         resumed_token_ids: list[int] | None = None,
+        lora_name: str | None = None,
     ) -> RequestStream:
-        """``resumed_token_ids``: a continuation's output so far (LLMEngine.add_request)."""
+        """``resumed_token_ids``: a continuation's output so far (LLMEngine.add_request);
+        ``lora_name``: the loaded adapter it runs with (None: the base)."""
         if not self.alive:
             raise EngineDeadError("the engine thread is not running")
         stream = RequestStream(request_id)
@@ -182,6 +201,7 @@ class AsyncEngine:
                 params,
                 cache_salt,
                 resumed_token_ids=list(resumed_token_ids or ()),
+                lora_name=lora_name,
             )
         )
         return stream
@@ -212,7 +232,8 @@ class AsyncEngine:
         self.engine.core.step_failures["request"] += 1  # read by the engine thread's stats
 
     async def utility(self, name: str, *args):
-        """Run a utility call on the core between steps (``core_loop``'s ``utility``): "reset_prefix_cache"."""
+        """Run a utility call on the core between steps (``core_loop``'s ``utility``):
+        "reset_prefix_cache", "add_lora", "remove_lora", "list_loras"."""
         fut = asyncio.get_running_loop().create_future()
         self._commands.put(_Utility(fut, name, list(args)))
         return await fut
@@ -277,6 +298,8 @@ class AsyncEngine:
             self.vocab_size = self.engine.core.model_config.vocab_size
             self.sampling_defaults = dict(self.engine.sampling_defaults)
             self.stats = self.engine.core.stats()
+            if self.engine_args.enable_lora:  # the adapters of --lora-modules
+                self.adapters.sync(self.engine.core.list_loras())
             self._publish_events()
             self.loaded.set()
         except BaseException as exc:  # noqa: BLE001 - reported through /health and logs

@@ -24,6 +24,7 @@ import signal
 
 from kvmesh.common.logging_setup import setup_logging
 from kvmesh.engine.cli_args import add_engine_arguments, engine_args_from
+from kvmesh.engine.lora.cli_args import add_lora_arguments, lora_engine_args
 from kvmesh.engine.server.tool_parsers import TOOL_PARSERS
 
 log = logging.getLogger("kvmesh.server")
@@ -31,6 +32,7 @@ log = logging.getLogger("kvmesh.server")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
+    add_lora_arguments(parser)
     parser.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument(
@@ -118,8 +120,12 @@ def build_state(args: argparse.Namespace):
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    served_name = args.served_model_name or args.model
     engine_args = engine_args_from(
-        args, server=True, enable_kv_events=bool(args.kv_events_endpoint)
+        args,
+        server=True,
+        enable_kv_events=bool(args.kv_events_endpoint),
+        **lora_engine_args(args, served_name),
     )
     engine_args.validate()
     publisher = None
@@ -137,15 +143,21 @@ def build_state(args: argparse.Namespace):
     else:
         engine = AsyncEngine(engine_args, publisher)
     config = ServerConfig(
-        served_model_name=args.served_model_name or args.model,
+        served_model_name=served_name,
         api_key=args.api_key or None,
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        allow_runtime_lora_updating=runtime_lora_updating(),
     )
     return ServerState(engine, config)
+
+
+def runtime_lora_updating() -> bool:
+    """vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
 
 
 def _make_server(app, host: str, port: int, log_level: str):

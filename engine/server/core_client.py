@@ -49,6 +49,7 @@ from kvmesh.engine.core_proc import (
     UtilityCall,
     UtilityResult,
     failure_exception,
+    utility_exception,
 )
 from kvmesh.engine.llm_engine import TextEngine
 from kvmesh.engine.model_limits import EngineLimits
@@ -220,6 +221,7 @@ class ProcAsyncEngine(AsyncEngine):
             self.vocab_size = ready.vocab_size
             self.sampling_defaults = dict(self.engine.sampling_defaults)
             self.stats = ready.stats
+            self.adapters.sync(ready.loras)
             self._tasks.append(loop.create_task(self._output_loop()))
             self.loaded.set()
             log.info(
@@ -353,7 +355,7 @@ class ProcAsyncEngine(AsyncEngine):
                     if res.ok:
                         fut.set_result(res.value)
                     else:
-                        fut.set_exception(RuntimeError(res.error))
+                        fut.set_exception(utility_exception(res))
             else:
                 log.warning("unexpected message %r from the engine core", kind.bytes)
             # A message already queued makes the await above return without yielding: let the HTTP

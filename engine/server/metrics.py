@@ -224,6 +224,9 @@ class _EngineCollector:
         )
         if args.speculative_config is not None:
             yield from self._spec_decode(s.spec_decode if s else None, counter)
+        lora_info = getattr(self.engine, "lora_info", None)
+        if lora_info is not None:  # --enable-lora
+            yield lora_info.family()
 
     def _spec_decode(self, sd, counter):
         """vLLM's speculative-decoding counters (only on an engine that speculates)."""

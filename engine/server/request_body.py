@@ -54,6 +54,7 @@ class RequestHandler:
         self.created = int(time.time())
         self.request_id = (request.headers.get("x-request-id") or "")[:128] or uuid.uuid4().hex
         self.headers = {"X-Request-Id": self.request_id}
+        self.lora_name: str | None = None  # the adapter the body's model names (None: the base)
 
     async def parse(self, model_cls: type[BaseModel]):
         cfg = self.state.config
@@ -81,14 +82,13 @@ class RequestHandler:
         return await off_loop(len(raw), decode_body, raw, model_cls, threshold=LARGE_BODY_BYTES)
 
     def check_model(self, model: str | None) -> None:
-        name = self.state.config.served_model_name
-        if model is not None and model != name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist. This server serves `{name}`.",
-                param="model",
-                code="model_not_found",
-            )
+        """The served model or a loaded adapter (``lora_name``); any other name is a 404."""
+        self.lora_name = self.engine.adapters.resolve(model, self.state.config.served_model_name)
+
+    @property
+    def model_name(self) -> str:
+        """The name responses carry: the adapter's, else the served model's (as vLLM)."""
+        return self.lora_name or self.state.config.served_model_name
 
     async def read_body(self, model_cls: type[BaseModel]):
         """The validated body, for the served model."""

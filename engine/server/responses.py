@@ -67,7 +67,7 @@ class ResponseAssembly:
             "id": self.response_id,
             "object": self.chunk_object,
             "created": self.created,
-            "model": self.state.config.served_model_name,
+            "model": self.model_name,
             "choices": choices,
         }
         if include_usage:
@@ -118,7 +118,7 @@ class ResponseAssembly:
             "id": self.response_id,
             "object": self.response_object,
             "created": self.created,
-            "model": self.state.config.served_model_name,
+            "model": self.model_name,
             "choices": items,
         }
         for c, out in zip(choices, outs):

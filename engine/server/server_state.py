@@ -28,6 +28,7 @@ class ServerConfig:
     retry_after_s: int = 1
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # a name in tool_parsers.TOOL_PARSERS
+    allow_runtime_lora_updating: bool = False  # the adapter load/unload routes (vLLM's env switch)
 
     @property
     def capacity(self) -> int:

@@ -17,9 +17,11 @@ from typing import Any, ClassVar
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from kvmesh.engine.lora.request import LoRAError
 from kvmesh.engine.model_limits import ResumeTooLong
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import InvalidParameter
+from kvmesh.engine.server.adapters import model_not_found
 from kvmesh.engine.server.async_engine import EngineDeadError
 from kvmesh.engine.server.choices import Choice, fit_max_tokens, validate_resume
 from kvmesh.engine.server.errors import APIError, bad_request
@@ -188,7 +190,7 @@ class GenerationHandler(RequestHandler, OutputStreaming):
                     self.request_id if len(choices) == 1 else f"{self.request_id}-{c.index}"
                 )
                 c.stream = self.engine.add(
-                    rid, c.prompt, c.ids, c.params, cache_salt, c.resumed or None
+                    rid, c.prompt, c.ids, c.params, cache_salt, c.resumed or None, self.lora_name
                 )
                 log.info(
                     "request %s admitted: %d prompt tokens, max_tokens=%s, stream=%s%s",
@@ -234,6 +236,8 @@ class GenerationHandler(RequestHandler, OutputStreaming):
             outs = await self.collect(choices)
         except APIError:
             raise
+        except LoRAError:  # its adapter was unloaded between the name's check and the core
+            raise model_not_found(self.lora_name, self.state.config.served_model_name)
         except InvalidParameter as exc:  # refused by the engine itself
             raise bad_request(str(exc), param=exc.param)
         except Exception as exc:  # noqa: BLE001 - an engine failure fails this request only

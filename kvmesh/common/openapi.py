@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from kvmesh.common.lora import MODEL_CARD_DIGEST
 from kvmesh.common.protocol import REQUEST_MODELS, VOCAB_KEY
 
 REF = "#/components/schemas/"
@@ -345,6 +346,8 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
                         "root": _STR,
                         "parent": _STR_OR_NULL,
                         "max_model_len": _int(1),
+                        # an adapter's (kvmesh engines): the digest of its files
+                        MODEL_CARD_DIGEST: _STR,
                     },
                 ),
             },

@@ -155,7 +155,9 @@ class GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = Field(None, description="the served model name (another one is a 404)")
+    model: str | None = Field(
+        None, description="the served model name or a loaded LoRA adapter's (another one is a 404)"
+    )
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(
@@ -386,7 +388,9 @@ class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model_config = ConfigDict(extra="ignore", json_schema_extra=_one_of_prompt_and_messages)
-    model: str | None = Field(None, description="the served model name (another one is a 404)")
+    model: str | None = Field(
+        None, description="the served model name or a loaded LoRA adapter's (another one is a 404)"
+    )
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
@@ -402,7 +406,9 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    model: str | None = Field(None, description="the served model name (another one is a 404)")
+    model: str | None = Field(
+        None, description="the served model name or a loaded LoRA adapter's (another one is a 404)"
+    )
     tokens: list[TokenId]
 
 
