@@ -72,7 +72,7 @@ def _read_vllm(
     served = [m.get("id") for m in entries if isinstance(m, dict)]
     if model not in served:
         return EngineReading(
-            False, load, f"vLLM serves {served}, not {model!r} (--served-model-name / --model)"
+            False, load, f"vLLM serves {served[:8]}, not {model!r} (--served-model-name / --model)"
         )
     if load is not None and load.block_size not in (None, block_size):
         problem = (
