@@ -285,6 +285,107 @@ FLOW_CONTROL = _obj(
     **{"x-kubernetes-validations": FLOW_RULES},
 )
 
+MAX_ADAPTERS = 64
+LORA_RANKS = [1, 8, 16, 32, 64, 128, 256, 320, 512]  # vLLM's --max-lora-rank choices
+ADAPTER_NAME_RULES = [
+    {
+        "rule": "self.matches('^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$')",
+        "message": "an adapter name is letters, digits and . _ / - (no spaces, no '='), "
+        "starting and ending with a letter or digit",
+    },
+]
+ADAPTER_SOURCE_RULES = [
+    {
+        "rule": "(has(self.huggingFace) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.path) ? 1 : 0) == 1",
+        "message": "set exactly one adapter source: huggingFace, pvc or path",
+    },
+]
+ADAPTERS_RULES = [
+    {
+        "rule": "self.all(a, self.exists_one(b, b.name == a.name))",
+        "message": "adapters: names must be unique",
+    },
+]
+LORA_RULES = [
+    {
+        "rule": "!has(self.maxCpuLoras) || self.maxCpuLoras >= (has(self.maxLoras) ? self.maxLoras : 1)",
+        "message": "lora.maxCpuLoras must be >= lora.maxLoras",
+    },
+]
+
+
+def _adapter_name() -> dict[str, Any]:
+    return _str(
+        "The adapter's served name: a request names it as its model.",
+        minLength=1,
+        maxLength=253,
+        **{"x-kubernetes-validations": ADAPTER_NAME_RULES},
+    )
+
+
+# The model's source kinds, for an adapter: the same Hugging Face and PVC fields (fetched and
+# mounted the same way), or a path the engine reads as it is (local clusters, tests).
+ADAPTER_SOURCE = _obj(
+    "Where the adapter's files come from. Exactly one source.",
+    {
+        "huggingFace": _obj(
+            "A Hugging Face repository, downloaded once into the model's shared cache.",
+            {
+                "repoId": _str("Repository id.", minLength=1, maxLength=256),
+                "revision": _str("Branch, tag or commit.", default="main", maxLength=256),
+                "tokenSecretRef": _secret_ref(
+                    "Secret holding a Hugging Face token (gated adapters).", "HF_TOKEN"
+                ),
+            },
+            required=["repoId"],
+        ),
+        "pvc": _obj(
+            "An adapter directory on an existing PersistentVolumeClaim (mounted read-only).",
+            {
+                "claimName": _str("PersistentVolumeClaim name.", minLength=1, maxLength=253),
+                "path": _str("Directory inside the volume.", default="", maxLength=1024),
+            },
+            required=["claimName"],
+        ),
+        "path": _str(
+            "A directory the engine container reads as it is.", minLength=1, maxLength=1024
+        ),
+    },
+    **{"x-kubernetes-validations": ADAPTER_SOURCE_RULES},
+)
+
+ADAPTERS = {
+    "type": "array",
+    "description": "LoRA adapters served beside the model (--enable-lora); a request names one "
+    "as its model. Adding or removing one loads or unloads it on the running replicas (no "
+    "restart); a new replica starts with the whole list.",
+    "maxItems": MAX_ADAPTERS,
+    "items": _obj(
+        "A LoRA adapter.",
+        {"name": _adapter_name(), "source": ADAPTER_SOURCE},
+        required=["name", "source"],
+    ),
+    "x-kubernetes-validations": ADAPTERS_RULES,
+}
+
+LORA = _obj(
+    "LoRA serving limits (--max-loras, --max-cpu-loras, --max-lora-rank). Setting it (even {}) "
+    "turns LoRA on with no adapter yet, so the first one added needs no restart.",
+    {
+        "maxLoras": _int(
+            "Distinct adapters in one batch (--max-loras).", default=1, minimum=1, maximum=256
+        ),
+        "maxCpuLoras": _int(
+            "Adapters kept loaded (--max-cpu-loras); default: maxLoras.", minimum=1, maximum=1024
+        ),
+        "maxRank": _int(
+            "Highest adapter rank accepted (--max-lora-rank).", default=16, enum=LORA_RANKS
+        ),
+    },
+    **{"x-kubernetes-validations": LORA_RULES},
+)
+
+
 SPEC_SCHEMA: dict[str, Any] = _obj(
     "Desired state of a served model.",
     {
@@ -410,13 +511,18 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 ),
                 "loraModules": {
                     "type": "array",
-                    "description": "vLLM: LoRA adapters served beside the model (--enable-lora "
-                    "--lora-modules name=path); a request names one as its model.",
+                    "description": "Deprecated alias of spec.adapters: each {name, path} is the "
+                    "adapter {name, source: {path}}; names unique across both lists.",
+                    "maxItems": MAX_ADAPTERS,
                     "items": _obj(
                         "A LoRA adapter.",
                         {
-                            "name": _str("The adapter's served name.", minLength=1),
-                            "path": _str("Its directory (or Hugging Face repo).", minLength=1),
+                            "name": _adapter_name(),
+                            "path": _str(
+                                "Its directory (or, vLLM, a Hugging Face repo).",
+                                minLength=1,
+                                maxLength=1024,
+                            ),
                         },
                         required=["name", "path"],
                     ),
@@ -536,6 +642,8 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             default={},
             **{"x-kubernetes-validations": ENGINE_RULES},
         ),
+        "adapters": ADAPTERS,
+        "lora": LORA,
         "replicas": _int(
             "Engine replicas: the scale subresource's target. Without autoscaling the user sets it; "
             "with autoscaling.mode builtin the operator's autoscaler writes it; with external an "
@@ -751,6 +859,27 @@ _DECISION = _obj(
     },
 )
 
+_ADAPTER_STATUS = _obj(
+    "An adapter's state.",
+    {
+        "name": _str("The adapter."),
+        "state": _str("Loaded (on every ready replica), Loading, Fetching or Failed."),
+        "loadedReplicas": _int("Ready replicas that serve it."),
+        "replicas": {
+            "type": "array",
+            "description": "Per ready replica: its state, and the reason of a failure.",
+            "items": _obj(
+                "One replica.",
+                {
+                    "pod": _str("The engine pod."),
+                    "state": _str("loaded, loading, fetching or failed."),
+                    "reason": _str("Why a load failed."),
+                },
+            ),
+        },
+    },
+)
+
 STATUS_SCHEMA: dict[str, Any] = _obj(
     "Observed state.",
     {
@@ -773,6 +902,12 @@ STATUS_SCHEMA: dict[str, Any] = _obj(
             "When the autoscaler last changed the replica count.", format="date-time"
         ),
         "lastDecision": _DECISION,
+        "adapters": {
+            "type": "array",
+            "description": "Each adapter of the spec and its state on the ready replicas.",
+            "items": _ADAPTER_STATUS,
+        },
+        "adaptersReady": _str("Adapters loaded on every ready replica / adapters, e.g. 2/2."),
     },
 )
 
@@ -781,6 +916,7 @@ PRINTER_COLUMNS = [
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
     {"name": "KV%", "type": "integer", "jsonPath": ".status.kvPercent"},
+    {"name": "Adapters", "type": "string", "jsonPath": ".status.adaptersReady"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
@@ -849,4 +985,9 @@ def all_cel_rules() -> list[tuple[str, dict[str, str]]]:
         + [("spec.autoscaling", r) for r in AUTOSCALING_RULES]
         + [("spec.redis", r) for r in REDIS_RULES]
         + [("spec.router.flowControl", r) for r in FLOW_RULES]
+        + [("spec.adapters", r) for r in ADAPTERS_RULES]
+        + [("spec.adapters[*].name", r) for r in ADAPTER_NAME_RULES]
+        + [("spec.adapters[*].source", r) for r in ADAPTER_SOURCE_RULES]
+        + [("spec.engine.loraModules[*].name", r) for r in ADAPTER_NAME_RULES]
+        + [("spec.lora", r) for r in LORA_RULES]
     )

@@ -23,7 +23,7 @@ from typing import Any
 
 import kopf
 
-from kvmesh.operator import crd, render, scaling
+from kvmesh.operator import adapter_sync, crd, render, scaling
 from kvmesh.operator import spec as specs
 from kvmesh.operator import status as st
 from kvmesh.operator.apply import ApiError, ApplyConflict, Connection, KubeClient
@@ -37,6 +37,7 @@ PRUNED_KINDS = (
     "Deployment",
     "Service",
     "Secret",
+    "ConfigMap",
     "NetworkPolicy",
     "PodDisruptionBudget",
     "Job",
@@ -47,6 +48,7 @@ CHILD_RESOURCES = (
     ("apps", "v1", "deployments"),
     ("v1", "services"),
     ("v1", "secrets"),
+    ("v1", "configmaps"),
     ("networking.k8s.io", "v1", "networkpolicies"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("v1", "persistentvolumeclaims"),
@@ -320,6 +322,61 @@ async def autoscaler_daemon(
 ) -> None:
     """One loop per ModelDeployment: status refresh and autoscaling (scaling.run_loop)."""
     await scaling.run_loop(stopped, meta, memo, logger)
+
+
+# --- Adapters: loaded and unloaded on the running replicas, never by a rollout. ---
+
+
+async def _sync_adapters(memo: Memo, namespace: str, name: str, logger: Any) -> None:
+    md = await memo.client.get(crd.KIND, namespace, name) if memo.client else None
+    if md is None or md["metadata"].get("deletionTimestamp"):
+        return
+    spec = specs.apply_defaults(dict(md.get("spec") or {}))
+    if specs.validate(name, spec):
+        return  # reconcile reports it
+    await adapter_sync.sync(memo, md, spec, logger)
+
+
+@kopf.on.field(crd.GROUP, crd.VERSION, crd.PLURAL, field="spec.adapters", registry=registry)
+@kopf.on.field(
+    crd.GROUP, crd.VERSION, crd.PLURAL, field="spec.engine.loraModules", registry=registry
+)
+async def adapters_changed(body: kopf.Body, memo: Memo, logger: Any, **_: Any) -> None:
+    """An adapter added or removed: load or unload it on the ready replicas now."""
+    try:
+        await _sync_adapters(memo, body.metadata.namespace, body.metadata.name, logger)
+    except (ApiError, OSError) as exc:
+        raise kopf.TemporaryError(f"syncing adapters: {exc}", delay=5)
+
+
+@kopf.daemon(
+    crd.GROUP,
+    crd.VERSION,
+    crd.PLURAL,
+    registry=registry,
+    id="adapters",
+    cancellation_backoff=1.0,
+    cancellation_timeout=5.0,
+)
+async def adapter_daemon(
+    stopped: kopf.DaemonStopped, meta: kopf.Meta, memo: Memo, logger: Any, **_: Any
+) -> None:
+    """One loop per ModelDeployment: repair what the replicas serve (a restarted engine, a
+    new replica, a fetch that finished) and refresh the adapters' status."""
+    try:
+        while not stopped and not memo.stopping:
+            try:
+                await _sync_adapters(memo, meta["namespace"], meta["name"], logger)
+            except (ApiError, OSError, TimeoutError) as exc:
+                if memo.stopping:
+                    break
+                logger.warning(f"adapter sync failed: {exc}")
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + memo.config.adapter_interval
+            while not stopped and not memo.stopping and loop.time() < deadline:
+                await stopped.wait(min(0.25, max(deadline - loop.time(), 0.01)))
+    finally:
+        memo.adapters.pop(meta.get("uid"), None)
 
 
 # --- Healing: children are reconciled continuously, not only on spec changes. ---

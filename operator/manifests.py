@@ -45,6 +45,11 @@ RBAC_RULES: list[dict[str, Any]] = [
         "resources": ["secrets"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
+    {  # the adapter list engines read at start
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "verbs": ["list", "watch", "create", "patch", "delete"],
+    },
     {
         "apiGroups": [""],
         "resources": ["services"],

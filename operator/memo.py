@@ -30,6 +30,12 @@ class OperatorConfig:
     # timeoutSeconds=300.0 is a 400); kopf re-lists
     watch_client_timeout: float = 330.0  # a watch silent this long is dead: restart it
     watch_connect_timeout: float = 30.0
+    adapter_interval: float = (
+        10.0  # adapters compared with the heartbeats (and repaired) this often
+    )
+    adapter_settle_seconds: float = 10.0  # a heartbeat this much newer than a load should show it
+    adapter_retry_seconds: float = 30.0  # a failed load is tried again after this
+    adapter_load_timeout: float = 120.0  # one load or unload call to an engine
 
 
 @dataclass
@@ -56,6 +62,7 @@ class Memo:
     shared: Shared = field(default_factory=Shared)
     scalers: dict[str, Any] = field(default_factory=dict)  # uid -> scaling.LoopState
     redis: dict[str, Any] = field(default_factory=dict)  # url -> metrics_source.RedisHeartbeats
+    adapters: dict[str, Any] = field(default_factory=dict)  # uid -> adapter_sync.SyncState
     last_actions: dict[str, str] = field(default_factory=dict)
 
     @property

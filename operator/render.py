@@ -18,6 +18,7 @@ from typing import Any
 from kvmesh.common.chat_prompt import tool_call_parser_in
 from kvmesh.common.model_lookup import converted_dir
 from kvmesh.common.vllm_args import VLLM_IMAGE, size_bytes, vllm_serve_args
+from kvmesh.operator import adapters as lora
 from kvmesh.operator import crd
 from kvmesh.operator.spec import GPU, served_model_name
 
@@ -65,6 +66,7 @@ def names(md_name: str) -> dict[str, str]:
         "engine-api-key": f"{md_name}-engine-api-key",
         "redis-auth": f"{md_name}-redis-auth",
         "redis-netpol": f"{md_name}-redis",
+        "adapters": f"{md_name}-adapters",
     }
 
 
@@ -280,7 +282,7 @@ def engine_args(spec: dict[str, Any]) -> list[str]:
         args += ["--kv-cache-memory", eng["kvCacheMemory"]]
     if eng.get("toolCallParser"):
         args += ["--enable-auto-tool-choice", "--tool-call-parser", eng["toolCallParser"]]
-    return args + list(eng.get("extraArgs") or [])
+    return args + lora.lora_flags(spec) + list(eng.get("extraArgs") or [])
 
 
 def is_vllm(spec: dict[str, Any]) -> bool:
@@ -310,8 +312,7 @@ def vllm_engine_args(spec: dict[str, Any]) -> list[str]:
         max_num_seqs=eng["maxNumSeqs"],
         gpu_memory_utilization=eng.get("gpuMemoryUtilization"),
         tool_call_parser=eng.get("toolCallParser"),
-        lora_modules=[(m["name"], m["path"]) for m in eng.get("loraModules") or []],
-        extra=extra + list(eng.get("extraArgs") or []),
+        extra=extra + lora.lora_flags(spec) + list(eng.get("extraArgs") or []),
     )
 
 
@@ -325,7 +326,9 @@ def _vllm_model_arg(spec: dict[str, Any]) -> str:
 
 
 def engine_command(spec: dict[str, Any]) -> list[str]:
-    return vllm_engine_args(spec) if is_vllm(spec) else engine_args(spec)
+    """The engine's argv; with LoRA, wrapped to add the adapter list it reads at start."""
+    argv = vllm_engine_args(spec) if is_vllm(spec) else engine_args(spec)
+    return lora.wrapped(argv) if lora.enabled(spec) else argv
 
 
 def engine_image(spec: dict[str, Any], images: Images) -> str:
@@ -573,6 +576,7 @@ def render_engine_deployment(
         "ports": [{"name": "http", "containerPort": crd.ENGINE_PORT, "protocol": "TCP"}]
         + ([] if vllm else [_METRICS_CONTAINER_PORT]),
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
+        + ([lora.RUNTIME_UPDATING_ENV] if lora.enabled(spec) else [])
         + (
             [_secret_env(_ENGINE_KEY_ENV[vllm], names(name)["engine-api-key"], "api-key")]
             if eng["requireApiKey"]
@@ -588,6 +592,7 @@ def render_engine_deployment(
         "volumeMounts": common_mounts
         + [{"name": "dshm", "mountPath": "/dev/shm"}]
         + model_mounts
+        + _adapter_mounts(spec)
         + list(eng.get("volumeMounts") or []),
         "securityContext": _container_security(),
     }
@@ -636,6 +641,7 @@ def render_engine_deployment(
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": eng["shmSize"]}},
         ]
         + model_vols
+        + _adapter_volumes(md, spec)
         + list(eng.get("volumes") or []),
     }
     if uses_shared_cache(spec):
@@ -676,6 +682,109 @@ def render_engine_deployment(
             },
         },
     }
+
+
+def _adapter_mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The adapter list (a ConfigMap) and the claims of PVC adapters, read-only."""
+    if not lora.enabled(spec):
+        return []
+    return [{"name": "adapters", "mountPath": lora.CONFIG_DIR, "readOnly": True}] + [
+        {"name": lora.claim_volume_name(c), "mountPath": lora.claim_dir(c), "readOnly": True}
+        for c in lora.adapter_claims(spec)
+    ]
+
+
+def _adapter_volumes(md: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
+    if not lora.enabled(spec):
+        return []
+    config = {"name": names(md["metadata"]["name"])["adapters"], "optional": True}
+    return [{"name": "adapters", "configMap": config}] + [
+        {
+            "name": lora.claim_volume_name(c),
+            "persistentVolumeClaim": {"claimName": c, "readOnly": True},
+        }
+        for c in lora.adapter_claims(spec)
+    ]
+
+
+def render_adapters_config(md: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The adapter list engines read at start (kept out of the pod template: no rollout)."""
+    if not lora.enabled(spec):
+        return []
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _meta(md, names(md["metadata"]["name"])["adapters"], ENGINE),
+            "data": lora.config_data(spec),
+        }
+    ]
+
+
+LABEL_ADAPTER_DIR = "kvmesh.io/adapter-dir"  # on an adapter fetch Job: the directory it fills
+
+
+def _adapter_fetch_container(spec: dict[str, Any], images: Images, adapter: lora.Adapter):
+    hf = adapter.source["huggingFace"]
+    revision = hf.get("revision", "main")
+    fetch = _download_init_container(
+        {"model": {"huggingFace": {**hf, "revision": revision}}},
+        fetch_image(spec, images),
+        spec["engine"]["imagePullPolicy"],
+    )
+    marker = posixpath.join(adapter.path, lora.READY_MARKER)
+    fetch["name"] = "fetch-adapter"
+    fetch["command"] = [
+        "python",
+        "-c",
+        "from huggingface_hub import snapshot_download; "
+        f"snapshot_download(repo_id={hf['repoId']!r}, revision={revision!r}, "
+        f"local_dir={adapter.path!r}); open({marker!r}, 'w').write('ready')",
+    ]
+    fetch["resources"] = {
+        "requests": {"cpu": "100m", "memory": "256Mi"},
+        "limits": {"memory": "1Gi"},
+    }
+    return fetch
+
+
+def render_adapter_fetches(
+    md: dict[str, Any], spec: dict[str, Any], images: Images
+) -> list[dict[str, Any]]:
+    """A download Job per Hugging Face adapter, into the model's shared cache claim. As the
+    model's, a Job's template is immutable: a new template is a new Job (the digest)."""
+    name = md["metadata"]["name"]
+    jobs = []
+    for adapter in lora.adapters(spec):
+        if not adapter.from_hugging_face or not uses_shared_cache(spec):
+            continue
+        claim = {"claimName": model_cache_claim(spec, name)}
+        template = {
+            "metadata": {"labels": labels(name, MODEL_CACHE)},
+            "spec": {
+                "restartPolicy": "OnFailure",
+                "securityContext": _pod_security(),
+                "automountServiceAccountToken": False,
+                **_image_pull_secrets(spec),
+                "containers": [_adapter_fetch_container(spec, images, adapter)],
+                "volumes": [
+                    {"name": "models", "persistentVolumeClaim": claim},
+                    {"name": "tmp", "emptyDir": {}},
+                ],
+            },
+        }
+        digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:8]
+        meta = _meta(md, f"{name}-adapter-{digest}", MODEL_CACHE)
+        meta["labels"][LABEL_ADAPTER_DIR] = posixpath.basename(adapter.path)
+        jobs.append(
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": meta,
+                "spec": {"backoffLimit": 6, "template": template},
+            }
+        )
+    return jobs
 
 
 def _strategy(rollout: dict[str, Any]) -> dict[str, Any]:
@@ -1062,11 +1171,17 @@ def render_redis_secret(md: dict[str, Any], spec: dict[str, Any]) -> dict[str, A
     }
 
 
-def render_network_policy(md: dict[str, Any]) -> dict[str, Any]:
-    """Only this deployment's routers reach the engines' API; pods labelled as metrics
-    scrapers (or in a namespace labelled so) reach their metrics port alone."""
+def render_network_policy(md: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Only this deployment's routers reach the engines' API (and, with LoRA, the operator,
+    which loads and unloads adapters); pods labelled as metrics scrapers (or in a namespace
+    labelled so) reach their metrics port alone."""
     name = md["metadata"]["name"]
     scraper = {LABEL_SCRAPER: "true"}
+    api_from: list[dict[str, Any]] = [{"podSelector": {"matchLabels": selector(name, ROUTER)}}]
+    if spec is not None and lora.enabled(spec):
+        api_from.append(
+            {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}
+        )
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -1075,10 +1190,7 @@ def render_network_policy(md: dict[str, Any]) -> dict[str, Any]:
             "podSelector": {"matchLabels": selector(name, ENGINE)},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {
-                    "from": [{"podSelector": {"matchLabels": selector(name, ROUTER)}}],
-                    "ports": [{"protocol": "TCP", "port": crd.ENGINE_PORT}],
-                },
+                {"from": api_from, "ports": [{"protocol": "TCP", "port": crd.ENGINE_PORT}]},
                 # Scrapers reach the metrics-only port, never the API.
                 {
                     "from": [
@@ -1102,19 +1214,21 @@ def render_children(
     ``credentials`` identifies the generated Secrets' current versions (pods roll when it
     changes); the generated Secrets themselves are not rendered (see generated_secret)."""
     children = [
+        *render_adapters_config(md, spec),  # before the engines that mount it
         render_engine_deployment(md, spec, images, credentials),
         render_engine_service(md),
         render_router_deployment(md, spec, images, credentials),
         render_router_service(md, spec),
         *render_router_rbac(md),
-        render_network_policy(md),
+        render_network_policy(md, spec),
     ]
     secret = render_redis_secret(md, spec)
     if secret is not None:
         children.append(secret)
     if spec["redis"]["mode"] == "managed":
         children += render_redis(md, spec, images, credentials)
-    return children + render_pdbs(md, spec) + render_model_cache(md, spec, images)
+    children += render_pdbs(md, spec) + render_model_cache(md, spec, images)
+    return children + render_adapter_fetches(md, spec, images)
 
 
 def command_line(args: list[str]) -> str:

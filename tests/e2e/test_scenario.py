@@ -774,6 +774,149 @@ def test_a_vllm_modeldeployment_goes_ready_routes_by_prefix_and_scales(cluster) 
     eventually(lambda: not cluster.api.list("Pod", VLLM_NS), 180, "the vLLM deployment's pods gone")
 
 
+LORA_NS, LORA_MD = "e2e-lora", "lora-chat"
+# Not under /tmp (each pod mounts its own emptyDir there): the engine processes read them as they are.
+LORA_DIR = Path.home() / ".cache" / "kvmesh" / "e2e-adapters"
+
+
+def make_adapters(names: list[str]) -> dict[str, Path]:
+    """PEFT adapters of the built-in model (rank 8 on the attention projections, small random
+    weights: each answers differently from the base), made once."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kvmesh.common.model_lookup import find_model_dir
+
+    out = {}
+    for seed, name in enumerate(names):
+        path = LORA_DIR / name
+        if not (path / "adapter_config.json").exists():
+            base = AutoModelForCausalLM.from_pretrained(str(find_model_dir(MODEL)))
+            config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+            model = get_peft_model(base, config)
+            gen = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if "lora_" in pname:
+                        p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            model.save_pretrained(str(path))
+        out[name] = path
+    return out
+
+
+def lora_md(adapters: dict[str, Path]) -> dict[str, Any]:
+    return {
+        "apiVersion": crd.API_VERSION,
+        "kind": crd.KIND,
+        "metadata": {"name": LORA_MD, "namespace": LORA_NS},
+        "spec": {
+            "model": {"builtin": MODEL},
+            "engine": {
+                "maxNumSeqs": 8,
+                "kvCacheMemory": "64MiB",
+                "drainTimeoutSeconds": 5,
+                "preStopSleepSeconds": 1,
+                "terminationGracePeriodSeconds": 15,
+                "heartbeatIntervalSeconds": 0.5,
+                "probes": {"readiness": {"periodSeconds": 1, "failureThreshold": 2}},
+                "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+            },
+            "lora": {"maxLoras": 2, "maxCpuLoras": 3, "maxRank": 8},
+            "adapters": [{"name": n, "source": {"path": str(p)}} for n, p in adapters.items()],
+            "replicas": 1,
+            "router": {"replicas": 1, "policy": "prefix"},
+            "redis": {"mode": "managed"},
+        },
+    }
+
+
+def test_adapters_are_served_added_at_runtime_and_routed_by_prefix(cluster, tmp_path) -> None:
+    """A ModelDeployment with two adapters, a third added at runtime (loaded on the running
+    engine: no restart, the pod template unchanged), adapter requests routed by their prefix."""
+    an_operator_runs(cluster)
+    adapters = make_adapters(["sql", "chat", "support"])
+    manifest = tmp_path / "lora.yaml"
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": LORA_NS}}
+    first_two = {n: adapters[n] for n in ("sql", "chat")}
+    manifest.write_text(
+        json.dumps({"kind": "List", "apiVersion": "v1", "items": [namespace, lora_md(first_two)]})
+    )
+    selector = render.selector_string(LORA_MD, render.ENGINE)
+
+    def status() -> dict[str, Any]:
+        return (cluster.api.get(crd.KIND, LORA_NS, LORA_MD) or {}).get("status") or {}
+
+    t0 = time.monotonic()
+    kubectl_apply(cluster, manifest)
+    try:
+        eventually(lambda: status().get("adaptersReady") == "2/2", 420, "two adapters loaded")
+        t_ready = time.monotonic() - t0
+        (pod,) = [p for p in cluster.api.list("Pod", LORA_NS, selector) if is_ready(p)]
+        template = cluster.api.get("Deployment", LORA_NS, f"{LORA_MD}-engine")["spec"]["template"]
+        url = cluster.service_url(LORA_NS, render.names(LORA_MD)[render.ROUTER], crd.ROUTER_PORT)
+        models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+        assert {m["id"] for m in models} >= {MODEL}, models
+
+        t1 = time.monotonic()
+        kubectl(
+            cluster,
+            "patch", "md", LORA_MD, "-n", LORA_NS, "--type", "merge", "-p",
+            json.dumps({"spec": lora_md(adapters)["spec"]}),
+        )  # fmt: skip
+        eventually(lambda: status().get("adaptersReady") == "3/3", 120, "the third adapter loaded")
+        t_added = time.monotonic() - t1
+        (same,) = [p for p in cluster.api.list("Pod", LORA_NS, selector) if is_ready(p)]
+        assert same["metadata"]["uid"] == pod["metadata"]["uid"]
+        assert restart_count(same, "engine") == restart_count(pod, "engine")
+        dep = cluster.api.get("Deployment", LORA_NS, f"{LORA_MD}-engine")
+        assert dep["spec"]["template"] == template
+        row = kubectl(cluster, "get", "md", "-n", LORA_NS).splitlines()
+        assert "ADAPTERS" in row[0] and "3/3" in row[1], row
+
+        system = "You answer support tickets. " + " ".join(
+            f"Policy {i}: be brief." for i in range(30)
+        )
+        body = {
+            "model": "support",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        predicted = "kvmesh_router_predicted_cached_tokens_total"
+
+        def metric() -> float:
+            text = httpx.get(url + "/metrics", timeout=10).text
+            return sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith((predicted + "{", predicted + " "))
+            )
+
+        first = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert first.status_code == 200, first.text
+        assert first.json()["model"] == "support"
+        before = metric()
+
+        def prefix_hit() -> httpx.Response | None:
+            again = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            return again if cached > 0 and metric() > before else None
+
+        again = eventually(prefix_hit, 30, "the adapter's prefix routed to and served from cache")
+        assert again.headers["x-kvmesh-pod"] == first.headers["x-kvmesh-pod"]
+        base = httpx.post(url + "/v1/chat/completions", json={**body, "model": MODEL}, timeout=120)
+        assert base.status_code == 200, base.text
+        report.record(
+            "LoRA: 2 adapters loaded / third added at runtime / adapter prefix cached tokens",
+            f"{t_ready:.1f} s / {t_added:.1f} s, no restart / "
+            f"{again.json()['usage']['prompt_tokens_details']['cached_tokens']}",
+        )
+    finally:
+        kubectl(cluster, "delete", "md", LORA_MD, "-n", LORA_NS, "--wait=false")
+    eventually(lambda: not cluster.api.list("Pod", LORA_NS), 180, "the LoRA deployment's pods gone")
+
+
 def test_kubectl_delete_collects_every_child_and_stops_every_process(cluster) -> None:
     pods = [p["metadata"]["name"] for p in cluster.api.list("Pod", NS, CHILD_SELECTOR)]
     pids = {pod: cluster.processes(NS, pod) for pod in pods}

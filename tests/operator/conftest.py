@@ -26,6 +26,7 @@ MD = f"{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}"
 DEPLOYMENTS = "apps/v1/deployments"
 SERVICES = "v1/services"
 SECRETS = "v1/secrets"
+CONFIGMAPS = "v1/configmaps"
 NETPOLS = "networking.k8s.io/v1/networkpolicies"
 PDBS = "policy/v1/poddisruptionbudgets"
 PVCS = "v1/persistentvolumeclaims"
@@ -104,6 +105,7 @@ async def k8s() -> AsyncIterator[K8sEmulator]:
         emulator.register(DEPLOYMENTS, "Deployment", subresources=("status", "scale"))
         emulator.register(SERVICES, "Service", subresources=("status",))
         emulator.register(SECRETS, "Secret")
+        emulator.register(CONFIGMAPS, "ConfigMap")
         emulator.register(NETPOLS, "NetworkPolicy")
         emulator.register(PODS, "Pod", subresources=("status",))
         emulator.register(PDBS, "PodDisruptionBudget", subresources=("status",))
@@ -136,9 +138,15 @@ class OperatorRunner:
     as kopf.testing.KopfRunner does) against the emulator and Redis."""
 
     def __init__(
-        self, k8s: K8sEmulator, redis_url: str, clock: FakeClock, liveness: str | None = None
+        self,
+        k8s: K8sEmulator,
+        redis_url: str,
+        clock: FakeClock,
+        liveness: str | None = None,
+        **overrides: Any,
     ) -> None:
         self.k8s, self.redis_url, self.clock, self.liveness = k8s, redis_url, clock, liveness
+        self.overrides = overrides  # more OperatorConfig fields
         self.thread: threading.Thread | None = None
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
@@ -155,6 +163,7 @@ class OperatorRunner:
             clock=self.clock,
             api_retries=3,
             rejected_retry_delay=1.0,
+            **self.overrides,
         )
         self.stop_flag, ready = threading.Event(), threading.Event()
 
@@ -225,15 +234,19 @@ def used_permissions(k8s: K8sEmulator) -> set[tuple[str, str, str]]:
 async def operator(
     k8s: K8sEmulator, redis_url: str, clock: FakeClock
 ) -> AsyncIterator[OperatorRunner]:
-    from kvmesh.operator.manifests import RBAC_RULES
-
     runner = OperatorRunner(k8s, redis_url, clock)
     await runner.start()
     try:
         yield runner
     finally:
         await runner.stop()
-    # Least privilege holds in practice: everything the operator did is granted by its ClusterRole.
+    assert_within_rbac(k8s)
+
+
+def assert_within_rbac(k8s: K8sEmulator) -> None:
+    """Least privilege holds in practice: everything the operator did is granted by its ClusterRole."""
+    from kvmesh.operator.manifests import RBAC_RULES
+
     granted = {
         (g, r, v)
         for rule in RBAC_RULES

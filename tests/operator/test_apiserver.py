@@ -45,6 +45,7 @@ HEAL_TIMEOUT = 15.0  # "within seconds": a watch on the children, or the periodi
 GC_TIMEOUT = 30.0
 
 register_kind(MD, crd.API_VERSION, crd.PLURAL)
+register_kind("ConfigMap", "v1", "configmaps")  # the adapter list
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,8 @@ def operator(
         managed_redis_url=redis_url,
         api_retries=3,
         rejected_retry_delay=5.0,
+        adapter_interval=0.5,
+        adapter_settle_seconds=2.0,
     )
     runner = OperatorThread(config)
     runner.start()
@@ -197,6 +200,10 @@ def test_server_defaults_a_minimal_spec(api: httpx.Client) -> None:
     assert specs.apply_defaults(md_body("defaults")["spec"]) == spec
 
 
+def _adapter(name: str) -> dict[str, Any]:
+    return {"name": name, "source": {"path": f"/srv/adapters/{name}"}}
+
+
 REJECTED = [
     pytest.param(
         {
@@ -239,6 +246,30 @@ REJECTED = [
         "spec.model",
         "set exactly one model source",
         id="two-model-sources",
+    ),
+    pytest.param(
+        {"adapters": [_adapter("sql"), _adapter("sql")]},
+        "spec.adapters",
+        "adapters: names must be unique",
+        id="adapter-names-twice",
+    ),
+    pytest.param(
+        {"adapters": [_adapter("sql v2")]},
+        "spec.adapters[0].name",
+        "an adapter name is letters, digits and . _ / - (no spaces, no '=')",
+        id="adapter-name-with-a-space",
+    ),
+    pytest.param(
+        {"adapters": [{"name": "a", "source": {"path": "/a", "pvc": {"claimName": "c"}}}]},
+        "spec.adapters[0].source",
+        "set exactly one adapter source: huggingFace, pvc or path",
+        id="adapter-with-two-sources",
+    ),
+    pytest.param(
+        {"lora": {"maxLoras": 4, "maxCpuLoras": 2}},
+        "spec.lora",
+        "lora.maxCpuLoras must be >= lora.maxLoras",
+        id="fewer-cpu-loras-than-loras",
     ),
 ]
 
@@ -876,3 +907,86 @@ def test_pods_in_every_phase_are_counted_exactly(
             )
             api.delete(path("Pod", NS, n), params={"gracePeriodSeconds": 0})
         api.delete(path(MD, NS, "phases"))
+
+
+def _ready_pod(api: httpx.Client, md: str, suffix: str) -> str:
+    """A hand-made engine pod, Running and Ready as a kubelet would report it."""
+    body = _phase_pod(md, suffix)
+    resp = api.post(path("Pod", NS), json=body)
+    assert resp.status_code == 201, resp.text
+    name = body["metadata"]["name"]
+    status = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+    resp = api.patch(
+        path("Pod", NS, name, "status"),
+        content=json.dumps({"status": status}),
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert resp.status_code == 200, resp.text
+    return name
+
+
+def _set_adapters(api: httpx.Client, name: str, adapters: list[dict[str, Any]]) -> None:
+    resp = api.patch(
+        path(MD, NS, name),
+        content=json.dumps({"spec": {"adapters": adapters}}),
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert resp.status_code == 200, resp.text
+
+
+def test_adapters_load_and_unload_on_the_ready_pods_without_a_rollout(
+    cluster: ControlPlane, api: httpx.Client, operator: OperatorThread, redis_url: str
+) -> None:
+    """Through the real server (RBAC, the status subresource, the CRD's printer column): an
+    added adapter is loaded once on each ready pod, a removed one unloaded, a failed load is in
+    status with its reason, and the engine Deployment's pod template never changes."""
+    from tests.operator.adapter_engines import EnginesThread
+
+    md = create_md(api, "lora", replicas=0, lora={"maxLoras": 2}, adapters=[_adapter("sql")])
+    wait_children(cluster, md)
+    pods = []
+    try:
+        pods = [_ready_pod(api, "lora", s) for s in ("a", "b")]
+        with EnginesThread(redis_url, specs.served_model_name(md["spec"]), pods) as engines:
+            engines.fail["broken"] = "Loading lora broken failed: no adapter_config.json"
+
+            def status() -> dict[str, Any]:
+                return cluster.get(MD, NS, "lora").get("status") or {}
+
+            wait_for(lambda: status().get("adaptersReady") == "1/1", timeout=HEAL_TIMEOUT)
+            template = cluster.get("Deployment", NS, "lora-engine")["spec"]["template"]
+            _set_adapters(api, "lora", [_adapter("sql"), _adapter("chat"), _adapter("broken")])
+            wait_for(lambda: status().get("adaptersReady") == "2/3", timeout=HEAL_TIMEOUT)
+            assert engines.count("load_lora_adapter", "chat") == {p: 1 for p in pods}
+            broken = next(a for a in status()["adapters"] if a["name"] == "broken")
+            assert broken["state"] == "Failed"
+            assert {r["reason"] for r in broken["replicas"]} == {
+                "HTTP 400: Loading lora broken failed: no adapter_config.json"
+            }
+            # `kubectl get md` prints the column from the CRD.
+            table = api.get(
+                path(MD, NS, "lora"),
+                headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
+            ).json()
+            column = [c["name"] for c in table["columnDefinitions"]].index("Adapters")
+            assert table["rows"][0]["cells"][column] == "2/3"
+
+            _set_adapters(api, "lora", [_adapter("sql")])
+            wait_for(lambda: status().get("adaptersReady") == "1/1", timeout=HEAL_TIMEOUT)
+            wait_for(
+                lambda: engines.count("unload_lora_adapter", "chat") == {p: 1 for p in pods},
+                timeout=HEAL_TIMEOUT,
+            )
+            assert engines.count("load_lora_adapter", "sql") == {p: 1 for p in pods}
+            config = cluster.get("ConfigMap", NS, "lora-adapters")
+            assert config["data"]["lora-modules"] == "sql=/srv/adapters/sql\n"
+            assert cluster.get("Deployment", NS, "lora-engine")["spec"]["template"] == template
+    finally:
+        for n in pods:
+            api.patch(
+                path("Pod", NS, n),
+                content=json.dumps({"metadata": {"finalizers": None}}),
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+            api.delete(path("Pod", NS, n), params={"gracePeriodSeconds": 0})
+        api.delete(path(MD, NS, "lora"))

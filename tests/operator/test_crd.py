@@ -46,6 +46,9 @@ def cel_errors(spec):
             for key, sub in (schema.get("properties") or {}).items():
                 if key in value:
                     walk(sub, value[key])
+        if isinstance(value, list) and isinstance(schema.get("items"), dict):
+            for item in value:
+                walk(schema["items"], item)
 
     walk(crd.SPEC_SCHEMA, spec)
     return errors
@@ -68,6 +71,7 @@ def test_crd_shape():
         "Ready",
         "Replicas",
         "KV%",
+        "Adapters",
         "Age",
     ]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
@@ -154,8 +158,30 @@ def test_engine_defaults_match_kvmesh_serve():
     assert "| `--max-num-seqs N` | 128 |" in cli and "| `--drain-timeout SECONDS` | 30 |" in cli
 
 
+def _ad(name, path):
+    return {"name": name, "source": {"path": path}}
+
+
+def _lora_spec(**kw):
+    return {"model": {"builtin": "m"}, **kw}
+
+
 VALID = [
     {"model": {"builtin": "smollm2-135m-instruct"}},
+    _lora_spec(lora={}),
+    _lora_spec(
+        adapters=[
+            _ad("sql", "/a/sql"),
+            _ad("org/chat.v2", "/a/chat"),
+            {"name": "p", "source": {"pvc": {"claimName": "c", "path": "x/y"}}},
+        ],
+        lora={"maxLoras": 2, "maxCpuLoras": 2, "maxRank": 64},
+        engine={"kind": "vllm", "loraModules": [{"name": "old", "path": "/a/old"}]},
+    ),
+    {
+        "model": {"huggingFace": {"repoId": "o/m", "sharedCache": {"enabled": True}}},
+        "adapters": [{"name": "a", "source": {"huggingFace": {"repoId": "o/a"}}}],
+    },
     {"model": {"builtin": "m"}, "router": {"flowControl": {"enabled": True}}},
     {
         "model": {"builtin": "m"},
@@ -290,6 +316,37 @@ INVALID = [  # (spec, expected message fragment, caught by CEL?)
         False,
     ),
     ({"model": {"pvc": {"claimName": "x", "path": "../etc"}}}, "inside the volume", False),
+    (_lora_spec(adapters=[_ad("a", "/a"), _ad("a", "/b")]), "names must be unique", True),
+    (_lora_spec(adapters=[_ad("a b", "/a")]), "no spaces, no '='", True),
+    (_lora_spec(adapters=[_ad("a=b", "/a")]), "no spaces, no '='", True),
+    (_lora_spec(adapters=[_ad("-a", "/a")]), "starting and ending with a letter", True),
+    (
+        _lora_spec(adapters=[{"name": "a", "source": {"path": "/a", "pvc": {"claimName": "c"}}}]),
+        "exactly one adapter source",
+        True,
+    ),
+    (_lora_spec(adapters=[{"name": "a", "source": {}}]), "exactly one adapter source", True),
+    (_lora_spec(lora={"maxLoras": 4, "maxCpuLoras": 2}), "maxCpuLoras must be >=", True),
+    (_lora_spec(lora={"maxRank": 12}), "is not one of", False),
+    (_lora_spec(lora={"maxLoras": 0}), "less than the minimum", False),
+    (_lora_spec(adapters=[_ad("m", "/a")]), "the model's served name", False),
+    (
+        _lora_spec(
+            adapters=[_ad("a", "/a")], engine={"loraModules": [{"name": "a", "path": "/b"}]}
+        ),
+        "unique across spec.adapters and engine.loraModules",
+        False,
+    ),
+    (
+        _lora_spec(adapters=[{"name": "a", "source": {"huggingFace": {"repoId": "o/a"}}}]),
+        "needs model.huggingFace.sharedCache.enabled",
+        False,
+    ),
+    (
+        _lora_spec(adapters=[{"name": "a", "source": {"pvc": {"claimName": "c", "path": "../x"}}}]),
+        "must stay inside the volume",
+        False,
+    ),
 ]
 
 

@@ -14,6 +14,7 @@ from kvmesh.operator import crd, render
 from kvmesh.operator.metrics_source import heartbeat_key, pods_key
 from kvmesh.operator.scaling import DELETION_COST
 from tests.operator.conftest import (
+    CONFIGMAPS,
     DEPLOYMENTS,
     JOBS,
     MD,
@@ -538,11 +539,13 @@ async def test_operator_uses_exactly_its_rbac(k8s, operator, clock):
         )
     )
     # A Hugging Face model on the shared cache (claim + fetch Job), an inline external URL
-    # (the operator's URL Secret), two routers (their budget); then back, which prunes them.
+    # (the operator's URL Secret), two routers (their budget), LoRA (the adapter list); then
+    # back, which prunes them.
     md = k8s.fetch_object(MD, "ns", "demo")
     md["spec"]["model"] = {"huggingFace": {"repoId": "org/m", "sharedCache": {"enabled": True}}}
     md["spec"]["redis"] = {"mode": "external", "url": "redis://127.0.0.1:1/0"}
     md["spec"]["router"] = {"replicas": 2}
+    md["spec"]["lora"] = {}
     await k8s.put_object(MD, md)
     await eventually(
         lambda: (
@@ -550,17 +553,20 @@ async def test_operator_uses_exactly_its_rbac(k8s, operator, clock):
             and k8s.fetch_object(PVCS, "ns", "demo-model-cache")
             and k8s.fetch_object(SECRETS, "ns", "demo-redis-url")
             and k8s.fetch_object(PDBS, "ns", "demo-router")
+            and k8s.fetch_object(CONFIGMAPS, "ns", "demo-adapters")
         )
     )
     md = k8s.fetch_object(MD, "ns", "demo")
     md["spec"]["model"] = {"builtin": "smollm2-135m-instruct"}
     md["spec"]["router"] = {"replicas": 1}
+    del md["spec"]["lora"]
     await k8s.put_object(MD, md)
     await eventually(
         lambda: (
             not k8s.list_objects(JOBS, "ns")
             and not k8s.list_objects(PVCS, "ns")
             and k8s.fetch_object(PDBS, "ns", "demo-router") is None
+            and not k8s.list_objects(CONFIGMAPS, "ns")
         )
     )
     granted = {
