@@ -20,7 +20,7 @@ import aiohttp
 from kvmesh.common import openapi as oa
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.chat_prompt import TOOL_PROMPTS
-from kvmesh.router import policies
+from kvmesh.router import adapters, policies
 from kvmesh.router.admission import Admission
 from kvmesh.router.auth import ApiKeys, RateLimiter
 from kvmesh.router.config import RouterConfig
@@ -55,6 +55,7 @@ _METHODS = {
     "/metrics": _GET,
     "/openapi.json": _GET,
 }  # the routes the router documents, and their methods
+MAX_LISTED_ADAPTERS = 4096  # /v1/models lists at most this many adapters (sorted by name)
 KEEPALIVE_S = 3.0  # below the engines' 5 s keep-alive: a pooled connection is never one they closed
 SHUTDOWN_STEP_S = 2.0
 
@@ -92,7 +93,7 @@ class Router:
             cfg.model,
             cfg.block_size,
             TOOL_PROMPTS[cfg.tool_call_parser],
-            adapters=cfg.engine == "vllm",
+            engine=cfg.engine,
         )
         self.hold_queue = HoldQueue(
             cfg.model,
@@ -323,16 +324,18 @@ class Router:
                 "authentication_error",
                 code="invalid_api_key",
             )
-        return await send_json(
-            send,
-            200,
-            {
-                "object": "list",
-                "data": [
-                    {"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "kvmesh"}
-                ],
-            },
-        )
+        return await send_json(send, 200, {"object": "list", "data": self.model_cards()})
+
+    def model_cards(self) -> list[dict]:
+        """The served model, then the LoRA adapters the routable replicas serve (parent: the model)."""
+        base = self.cfg.model
+        pods = self.discovery.routable() if self.discovery else []
+        cards = [{"id": base, "object": "model", "created": 0, "owned_by": "kvmesh"}]
+        for name in adapters.listed(pods, MAX_LISTED_ADAPTERS):
+            cards.append(
+                {"id": name, "object": "model", "created": 0, "owned_by": "kvmesh", "parent": base}
+            )
+        return cards
 
     async def ready(self, send):
         """200 while the router can accept requests: a routable pod, or none but requests are held

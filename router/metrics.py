@@ -82,19 +82,23 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "kvmesh_router_prompt_tokens", "Prompt tokens routed", registry=r
         )
+        # by LoRA adapter: "" the base model, "other" an adapter no replica lists (router/adapters.py)
         self.predicted_cached = Counter(
             "kvmesh_router_predicted_cached_tokens",
             "Prefix tokens the router predicted cached on the chosen pod",
+            ["adapter"],
             registry=r,
         )
         self.engine_cached = Counter(
             "kvmesh_router_engine_cached_tokens",
             "usage.prompt_tokens_details.cached_tokens reported by the engines",
+            ["adapter"],
             registry=r,
         )
         self.prediction_error = Histogram(
             "kvmesh_router_prediction_error_tokens",
             "Predicted minus engine-reported cached tokens",
+            ["adapter"],
             buckets=ERR_BUCKETS,
             registry=r,
         )

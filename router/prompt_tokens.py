@@ -7,6 +7,7 @@ from typing import Any
 
 from kvmesh.common.block_keys import block_keys
 from kvmesh.common.chat_prompt import DEFAULT_TOOL_PROMPT, ToolPrompt, chat_request_prompt
+from kvmesh.common.lora import adapter_identity, vllm_adapter_identity
 from kvmesh.common.prompts import prompt_batch
 
 log = logging.getLogger("kvmesh.router")
@@ -19,39 +20,55 @@ class PromptTokens:
         model: str,
         block_size: int,
         tool_format: type[ToolPrompt] = DEFAULT_TOOL_PROMPT,
-        adapters: bool = False,
+        engine: str = "kvmesh",
     ):
         """``tool_format``: how the engines describe tools to a template that does not read them (their
-        ``--tool-call-parser``'s format; Hermes, the engine's default). ``adapters``: a request
-        naming another model names a LoRA adapter of the engines (vLLM's), whose blocks chain
-        from that name's root (as the sidecar indexes them)."""
+        ``--tool-call-parser``'s format; Hermes, the engine's default). ``engine``: how the
+        engines key an adapter's blocks: kvmesh's from the adapter's name and digest
+        (``adapter_identity``), vLLM's from its name (``vllm_adapter_identity``)."""
         self.encoder = encoder
         self.model = model
         self.block_size = block_size
         self.tool_format = tool_format
-        self.adapters = adapters
+        self.vllm = engine == "vllm"
 
     def tokens_and_keys(
-        self, path: str, req: dict[str, Any], scores_prompt: bool, large: bool
+        self,
+        path: str,
+        req: dict[str, Any],
+        scores_prompt: bool,
+        large: bool,
+        identity: str | None = None,
     ) -> tuple[list[int], list[int]]:
+        """The prompt's ids and block keys, chained from `identity` (default: ``identity(req)``)."""
         tokens = self.tokens(path, req, large)
         # A request scoring its prompt (prompt logprobs, or echo with logprobs) computes every
         # position and reads nothing from the cache: no prefix to match, it goes by load.
         keys = (
-            block_keys(
-                tokens, self.identity(req), self.block_size, cache_salt=req.get("cache_salt")
-            )
+            self.keys(tokens, req, identity or self.identity(req))
             if tokens and not scores_prompt
             else []
         )
         return tokens, keys
 
-    def identity(self, req: dict[str, Any]) -> str:
-        """The block keys' model identity: the served model's, or the adapter's the request names."""
+    def keys(self, tokens: list[int], req: dict[str, Any], identity: str) -> list[int]:
+        """The block keys of `tokens` chained from `identity` (and the request's cache salt)."""
+        return block_keys(tokens, identity, self.block_size, cache_salt=req.get("cache_salt"))
+
+    def adapter(self, req: dict[str, Any]) -> str | None:
+        """The LoRA adapter a request names by its ``model`` (None: the served model)."""
         named = req.get("model")
-        if self.adapters and isinstance(named, str) and named and named != self.model:
-            return named
-        return self.model
+        return named if isinstance(named, str) and named and named != self.model else None
+
+    def identity(self, req: dict[str, Any], digest: str = "") -> str:
+        """The block keys' model identity: the served model's, or that of the adapter the request
+        names (on a kvmesh engine, with the `digest` of its files the replica lists)."""
+        name = self.adapter(req)
+        if name is None:
+            return self.model
+        return (
+            vllm_adapter_identity(name) if self.vllm else adapter_identity(self.model, name, digest)
+        )
 
     def tokens(self, path: str, req: dict[str, Any], large: bool = False) -> list[int]:
         """The prompt's ids ([] when the body is malformed: the engine will answer it)."""

@@ -33,6 +33,9 @@ class Call:
     scores_prompt: bool = False  # prompt logprobs: nothing comes from the cache
     tokens: list[int] = field(default_factory=list)
     keys: list[int] = field(default_factory=list)  # contract-1 block keys of the prompt
+    adapter: str | None = None  # the LoRA adapter it names (None: the served model)
+    identity: str = ""  # the model identity `keys` chain from
+    adapter_label: str = ""  # its adapter as the metrics label it (router/adapters.py)
     held: Held | None = None  # set while held for lack of a routable pod
     held_s: float | None = None
     ordered: list[Candidate] = field(default_factory=list)  # the pods to try, best first

@@ -1,6 +1,7 @@
 """Routing: a request's tokens and block keys, the pods that may take it (held while none can), and the policy's order.
 
-`discovery` is set by the router's startup.
+A request naming a LoRA adapter goes to the pods that list it (router/adapters.py), each matched
+with the block keys of the adapter's digest it lists. `discovery` is set by the router's startup.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from kvmesh.router import adapters
 from kvmesh.router.admission import Admission
 from kvmesh.router.discovery import Pod
 from kvmesh.router.hold_queue import HoldQueue
@@ -91,14 +93,14 @@ class Routing:
         if not call.generate:
             return
         t_tok = time.perf_counter()
-        if call.chars >= OFF_LOOP_CHARS:
-            call.tokens, call.keys = await off_loop(
-                self.prompt_tokens.tokens_and_keys, call.path, req, call.scores_prompt, True
-            )
+        call.adapter = self.prompt_tokens.adapter(req)
+        call.identity = self._identity(call, self.discovery.routable() if self.discovery else [])
+        large = call.chars >= OFF_LOOP_CHARS
+        args = (call.path, req, call.scores_prompt, large, call.identity)
+        if large:
+            call.tokens, call.keys = await off_loop(self.prompt_tokens.tokens_and_keys, *args)
         else:
-            call.tokens, call.keys = self.prompt_tokens.tokens_and_keys(
-                call.path, req, call.scores_prompt, False
-            )
+            call.tokens, call.keys = self.prompt_tokens.tokens_and_keys(*args)
         self.metrics.tokenize.observe(time.perf_counter() - t_tok)
         self.admission.correct(call)
 
@@ -177,7 +179,10 @@ class Routing:
 
     async def order(self, call: Call, pods: list[Pod]) -> None:
         """The policy's order (pods that just answered 429 last), and the predicted cached tokens."""
-        ordered, reason = await self.decide(pods, call.keys, call.headers, call.body)
+        pods = adapters.serving(pods, call.adapter)
+        call.adapter_label = adapters.label(pods, call.adapter)
+        groups = await self._key_groups(call, pods)
+        ordered, reason = await self.decide(pods, call, groups)
         if call.scores_prompt and reason == "short_prompt":
             reason = "scores_prompt"
         if self.traffic.full_until:
@@ -191,16 +196,58 @@ class Routing:
         call.ordered, call.reason = ordered, reason
 
     async def decide(
-        self, pods: list[Pod], keys: list[int], headers: dict[str, str], body: bytes
+        self, pods: list[Pod], call: Call, groups: list[tuple[list[Pod], list[int]]]
     ) -> tuple[list[Candidate], str]:
-        """The routing policy's order of `pods` (best first) and its reason (router/policies)."""
+        """The routing policy's order of `pods` (best first) and its reason (router/policies);
+        `groups`: the pods matched with each set of block keys."""
         inflight = self.traffic.inflight
         cands = [
-            Candidate(p.name, p.url, p.kv_usage, max(p.load, inflight.get(p.name, 0))) for p in pods
+            Candidate(
+                p.name,
+                p.url,
+                p.kv_usage,
+                max(p.load, inflight.get(p.name, 0)),
+                affinity=adapters.affinity(p, call.adapter),
+            )
+            for p in pods
         ]
         # Ties break on the prompt's last full block: prompts that share only a system prompt
         # spread over the pods, and every router still picks the same pod for the same prompt.
-        tie = keys[-1].to_bytes(8, "little") if keys else body[:512]
+        keys = call.keys
+        tie = keys[-1].to_bytes(8, "little") if keys else call.body[:512]
         return await self.policy.order(
-            RouteRequest(cands, keys, headers, tie, lambda: self.prefix_match.match(pods, keys))
+            RouteRequest(cands, keys, call.headers, tie, lambda: self._match(groups))
         )
+
+    def _identity(self, call: Call, pods: list[Pod]) -> str:
+        """The identity the request's keys chain from: on kvmesh engines an adapter's digest is the
+        one most pods list (the others' keys are computed when it is routed)."""
+        digest = adapters.usual_digest(pods, call.adapter) if call.adapter else ""
+        return self.prompt_tokens.identity(call.req, digest)
+
+    async def _key_groups(self, call: Call, pods: list[Pod]) -> list[tuple[list[Pod], list[int]]]:
+        """The pods by the block keys they hold the prompt under: one group, but for an adapter
+        that replicas list with different digests (each is matched with its own digest's keys)."""
+        if call.adapter is None or self.prompt_tokens.vllm or not call.keys:
+            return [(pods, call.keys)]
+        by_identity: dict[str, list[Pod]] = {}
+        for p in pods:
+            ident = self.prompt_tokens.identity(call.req, p.adapters.get(call.adapter, ""))
+            by_identity.setdefault(ident, []).append(p)
+        groups = []
+        for ident, members in sorted(by_identity.items()):
+            keys = call.keys
+            if ident != call.identity:
+                keys = await off_loop(self.prompt_tokens.keys, call.tokens, call.req, ident)
+            groups.append((members, keys))
+        return groups
+
+    async def _match(self, groups: list[tuple[list[Pod], list[int]]]) -> dict[str, int] | None:
+        """Matched leading blocks per pod, one Redis round trip per group; None if Redis cannot say."""
+        matched: dict[str, int] = {}
+        for pods, keys in groups:
+            got = await self.prefix_match.match(pods, keys)
+            if got is None:
+                return None
+            matched.update(got)
+        return matched

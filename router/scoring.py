@@ -1,9 +1,11 @@
 """Contract 4: the routing score, the hotspot guard and deterministic tie-breaking.
 
-    score = w_prefix * matched/total - w_kv * kv_usage - w_queue * queue_share
+    score = w_prefix * matched/total + w_lora * affinity - w_kv * kv_usage - w_queue * queue_share
 
 `matched/total` is the fraction of the request's full blocks the pod already holds
-(its longest leading run of block keys), `queue_share` the pod's share of the load
+(its longest leading run of block keys), `affinity` how ready the pod is to run the LoRA adapter
+the request names (router/adapters.py: 1 active in its batch, 0.5 a free adapter slot, else 0;
+always 0 for the base model), `queue_share` the pod's share of the load
 (running + waiting) of all candidate pods. A pod whose load is far above the others'
 (> hot_ratio x their mean + hot_min) goes last; with hot_ratio >= 1 and hot_min >= 0 the
 least-loaded pod never is, so a pod is always left in front (not every pod can be hot). Ties are
@@ -22,6 +24,7 @@ class Weights:
     prefix: float = 1.0
     kv: float = 0.5
     queue: float = 0.5
+    lora: float = 0.25  # below prefix: a cached prefix counts more than a loaded adapter
 
     @classmethod
     def parse(cls, text: str | None) -> Weights:
@@ -31,8 +34,8 @@ class Weights:
                 continue
             name, _, value = part.partition("=")
             name = name.strip()
-            if name not in ("prefix", "kv", "queue"):
-                raise ValueError(f"unknown weight {name!r} (expected prefix, kv, queue)")
+            if name not in ("prefix", "kv", "queue", "lora"):
+                raise ValueError(f"unknown weight {name!r} (expected prefix, kv, queue, lora)")
             setattr(w, name, float(value))
         return w
 
@@ -47,6 +50,7 @@ class Candidate:
     score: float = 0.0
     hot: bool = False
     extra: dict = field(default_factory=dict)
+    affinity: float = 0.0  # for the request's LoRA adapter (router/adapters.py)
 
 
 def rendezvous(tie_key: bytes, name: str) -> int:
@@ -95,6 +99,11 @@ def rank(
     for c in cands:
         prefix = c.matched_blocks / total_blocks if total_blocks else 0.0
         share = c.load / total_load if total_load else 0.0
-        c.score = weights.prefix * prefix - weights.kv * c.kv_usage - weights.queue * share
+        c.score = (
+            weights.prefix * prefix
+            + weights.lora * c.affinity
+            - weights.kv * c.kv_usage
+            - weights.queue * share
+        )
     mark_hot(cands, hot_ratio, hot_min)
     return sorted(cands, key=lambda c: (c.hot, -round(c.score, 9), -rendezvous(tie_key, c.name)))

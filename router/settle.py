@@ -25,13 +25,13 @@ def settle(
     m.prompt_tokens.inc(len(call.tokens))
     cached = None
     if status == 200:
-        m.predicted_cached.inc(call.predicted)
+        m.predicted_cached.labels(call.adapter_label).inc(call.predicted)
         usage = out.usage
         if usage:
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             if isinstance(cached, int):
-                m.engine_cached.inc(cached)
-                m.prediction_error.observe(call.predicted - cached)
+                m.engine_cached.labels(call.adapter_label).inc(cached)
+                m.prediction_error.labels(call.adapter_label).observe(call.predicted - cached)
             real = usage.get("total_tokens")
             if isinstance(real, int) and real >= 0 and call.charged:
                 limiter.adjust(call.client_id, real - call.charged, call.tpm)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvmesh.common.engine_load import EngineLoad, engine_load
+from kvmesh.sidecar.adapters import AdapterList
 
 
 @dataclass
@@ -23,27 +24,40 @@ class EngineReading:
     problem: str | None = (
         None  # why the engine is not read as ready (None: it is, or it is loading)
     )
+    adapters: dict[str, str] | None = None  # name -> digest (None: it serves no adapters)
 
 
 def read_engine(
-    client: httpx.Client, url: str, engine_format: str, model: str, block_size: int
+    client: httpx.Client,
+    url: str,
+    engine_format: str,
+    model: str,
+    block_size: int,
+    adapters: AdapterList | None = None,
 ) -> EngineReading:
     """One reading of the engine at `url`; raises httpx.HTTPError when it cannot be reached."""
+    adapters = adapters or AdapterList(model)
     if engine_format == "vllm":
-        return _read_vllm(client, url, model, block_size)
-    return _read_kvmesh(client, url)
+        return _read_vllm(client, url, model, block_size, adapters)
+    return _read_kvmesh(client, url, adapters)
 
 
-def _read_kvmesh(client: httpx.Client, url: str) -> EngineReading:
+def _read_kvmesh(client: httpx.Client, url: str, adapters: AdapterList) -> EngineReading:
     ready = client.get(url + "/ready")
     load, problem = _load(client, url)
     if ready.status_code not in (200, 503):
         hint = " (a vLLM server needs --engine-format vllm)" if ready.status_code == 404 else ""
         problem = f"GET {url}/ready answered {ready.status_code}{hint}"
-    return EngineReading(ready.status_code == 200, load, problem)
+    served = None
+    if ready.status_code == 200 and load is not None and load.max_loras:
+        models = client.get(url + "/v1/models")
+        served = adapters.read(_entries(models)) if models.status_code == 200 else None
+    return EngineReading(ready.status_code == 200, load, problem, served)
 
 
-def _read_vllm(client: httpx.Client, url: str, model: str, block_size: int) -> EngineReading:
+def _read_vllm(
+    client: httpx.Client, url: str, model: str, block_size: int, adapters: AdapterList
+) -> EngineReading:
     health = client.get(url + "/health")
     if health.status_code != 200:
         return EngineReading(False, None, f"vLLM GET {url}/health answered {health.status_code}")
@@ -54,17 +68,19 @@ def _read_vllm(client: httpx.Client, url: str, model: str, block_size: int) -> E
         return EngineReading(
             False, load, f"vLLM GET {url}/v1/models answered {models.status_code}{hint}"
         )
-    served = _model_ids(models)
+    entries = _entries(models)
+    served = [m.get("id") for m in entries if isinstance(m, dict)]
     if model not in served:
         return EngineReading(
-            False, load, f"vLLM serves {served}, not {model!r} (--served-model-name / --model)"
+            False, load, f"vLLM serves {served[:8]}, not {model!r} (--served-model-name / --model)"
         )
     if load is not None and load.block_size not in (None, block_size):
         problem = (
             f"vLLM's block size is {load.block_size}, --block-size {block_size}: "
             "the block keys will not match the router's"
         )
-    return EngineReading(True, load, problem)
+    lora = adapters.read(entries) if load is not None and load.max_loras else None
+    return EngineReading(True, load, problem, lora)
 
 
 def _load(client: httpx.Client, url: str) -> tuple[EngineLoad | None, str | None]:
@@ -74,8 +90,10 @@ def _load(client: httpx.Client, url: str) -> tuple[EngineLoad | None, str | None
     return engine_load(metrics.text), None
 
 
-def _model_ids(resp: httpx.Response) -> list[str]:
+def _entries(resp: httpx.Response) -> list:
+    """The ``data`` list of a /v1/models answer ([] when it is not one)."""
     try:
-        return [m.get("id") for m in resp.json().get("data") or [] if isinstance(m, dict)]
+        data = resp.json().get("data")
     except (ValueError, AttributeError):
         return []
+    return data if isinstance(data, list) else []

@@ -8,7 +8,9 @@ the engine is; no heartbeat before the engine is first ready, and ``draining`` f
 sidecar shuts down. An unreachable engine has its heartbeat deleted (not routable); a new engine
 incarnation (a changed ``process_start_time_seconds``, or a comeback after being unreachable) asks
 the events loop for a full resync. Each beat also checks the block set (``IndexWriter.verify``)
-and withdraws it while the events loop is dead or stale.
+and withdraws it while the events loop is dead or stale. An engine serving LoRA adapters has them
+in its heartbeat: ``adapters`` (name -> digest, from ``/v1/models``), ``active_adapters`` and
+``max_loras`` (from ``vllm:lora_requests_info``).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import redis
 
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.engine_load import EngineLoad
+from kvmesh.sidecar.adapters import AdapterList
 from kvmesh.sidecar.config import SidecarConfig
-from kvmesh.sidecar.engine_probe import read_engine
+from kvmesh.sidecar.engine_probe import EngineReading, read_engine
 from kvmesh.sidecar.index_writer import F_INDEX, IndexWriter
 from kvmesh.sidecar.subscriber import EventsLoop
 
@@ -47,6 +50,8 @@ class Heartbeat:
         self.engine_failures = 0
         self.engine_problem: str | None = None  # why the engine cannot be read as ready now
         self.last_iteration: float | None = None
+        self.adapters = AdapterList(cfg.model)
+        self._lora_written = False  # the last hash written has the adapter fields
         self.thread: threading.Thread | None = None
         self._engine_was_ready = False
         self._shutting_down = False
@@ -109,7 +114,12 @@ class Heartbeat:
         cfg = self.cfg
         try:
             reading = read_engine(
-                client, cfg.engine_url, cfg.engine_format, cfg.model, cfg.block_size
+                client,
+                cfg.engine_url,
+                cfg.engine_format,
+                cfg.model,
+                cfg.block_size,
+                self.adapters,
             )
         except httpx.HTTPError as exc:
             self.engine_failures += 1
@@ -147,14 +157,18 @@ class Heartbeat:
                 load.spec_draft_tokens,
                 load.spec_accepted_tokens,
             )
+        _lora_fields(hb, reading)
         mapping = hb.to_mapping()
         mapping[rl.F_BLOCK_SIZE] = str(self.cfg.block_size)
         mapping[F_INDEX] = self.writer.index_state
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.hb_key, mapping=mapping)
+        if self._lora_written and not hb.max_loras:  # an engine restarted without LoRA
+            pipe.hdel(self.hb_key, rl.F_ADAPTERS, rl.F_ACTIVE_ADAPTERS, rl.F_MAX_LORAS)
         pipe.expire(self.hb_key, rl.HEARTBEAT_TTL_S)
         pipe.sadd(self.pods_key, self.cfg.pod_name)
         pipe.execute()
+        self._lora_written = bool(hb.max_loras)
         self.stats["heartbeats"] += 1
         self.writer.verify(self.redis)
 
@@ -197,3 +211,13 @@ class Heartbeat:
         log.info("%s: resyncing the block index", reason)
         self.stats["engine_restarts"] += 1
         self.events.request_resync(reason)
+
+
+def _lora_fields(hb: rl.Heartbeat, reading: EngineReading) -> None:
+    """The adapters an engine serves, its running batch's and its slots per step (none: no LoRA)."""
+    load = reading.load
+    if load is None or not load.max_loras or reading.adapters is None:
+        return
+    hb.adapters = reading.adapters
+    hb.active_adapters = load.active_adapters
+    hb.max_loras = load.max_loras

@@ -35,6 +35,7 @@ from kvmesh.common.kv_events import (
     Delivery,
     EventBatch,
 )
+from kvmesh.common.lora import vllm_adapter_identity
 from kvmesh.sidecar.config import SidecarConfig
 
 log = logging.getLogger("kvmesh.sidecar")
@@ -99,7 +100,7 @@ class BlockIndex:
         adapter as its model gets, never the base model's."""
         root = self._adapter_roots.get(lora_name)
         if root is None:
-            root = self._adapter_roots[lora_name] = root_key(lora_name)
+            root = self._adapter_roots[lora_name] = root_key(vllm_adapter_identity(lora_name))
         return root
 
     def removed(self, ev: BlockRemoved, added: set[int], removed: set[int]) -> None:

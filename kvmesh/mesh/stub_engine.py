@@ -8,6 +8,10 @@ BlockStored / BlockRemoved / AllBlocksCleared with the contract keys, and answer
 As the engine, a stream carries each chunk's `token_ids` when asked (`return_token_ids`), and
 a continuation (`resume.output_token_ids`: the ids already sent) goes on from the next position.
 
+LoRA, as the engine (kvmesh/mesh/stub_lora.py): `--lora-modules name=path ...` (or `--enable-lora`
+and `/v1/load_lora_adapter`), a request's `model` naming an adapter (404 for an unknown one) keys its
+blocks from the adapter's identity and publishes them with its `lora_id` and `lora_name`.
+
 Test hooks: `GET /stub/stats` (requests, request ids and bodies seen, cancellations),
 `POST /stub/config` (fail_status, fail_count, waiting, running_extra, token_delay, draining),
 `POST /stub/reset_cache` (publishes AllBlocksCleared).
@@ -39,6 +43,8 @@ from kvmesh.common.chat_prompt import chat_request_prompt
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
 from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.common.prompts import prompt_batch
+from kvmesh.mesh.lora_args import lora_module
+from kvmesh.mesh.stub_lora import StubAdapter, StubAdapters, UnknownModel
 
 
 class StubEngine:
@@ -57,6 +63,11 @@ class StubEngine:
                 KVMeshTokenizer(find_model_dir(args.tokenizer or args.model))
             )
         self.cache: OrderedDict[int, None] = OrderedDict()
+        self.lora = (
+            StubAdapters(self.model, args.lora_modules, args.max_loras)
+            if args.enable_lora or args.lora_modules
+            else None
+        )
         self.publisher = None
         if args.kv_events_endpoint:
             self.publisher = KVEventPublisher(
@@ -93,9 +104,10 @@ class StubEngine:
         self.queued = 0
 
     # -- the prefix cache -------------------------------------------------------------------
-    def admit(self, tokens: list[int], salt: str | None) -> int:
+    def admit(self, tokens: list[int], salt: str | None, adapter: StubAdapter | None = None) -> int:
         """Match, then insert, the prompt's full blocks; publish events. Returns cached tokens."""
-        keys = block_keys(tokens, self.model, self.block_size, cache_salt=salt)
+        identity = self.lora.identity(adapter) if self.lora else self.model
+        keys = block_keys(tokens, identity, self.block_size, cache_salt=salt)
         matched = 0
         for k in keys:
             if k not in self.cache:
@@ -120,8 +132,9 @@ class StubEngine:
                     keys[new_from - 1] if new_from else None,
                     tokens[new_from * bs : len(keys) * bs],
                     bs,
+                    adapter.int_id if adapter else None,
                     None,
-                    None,
+                    adapter.name if adapter else None,
                 )
             )
         evicted = []
@@ -158,6 +171,7 @@ class StubEngine:
                 f"vllm:prefix_cache_hits_total{label} {self.hits}",
                 f'vllm:cache_config_info{{block_size="{self.block_size}",num_gpu_blocks="{self.num_blocks}"}} 1.0',
                 f"process_start_time_seconds {self.start_time}",
+                *([self.lora.metrics_line()] if self.lora else []),
                 "",
             ]
         )
@@ -199,7 +213,10 @@ class StubEngine:
                 200,
                 {
                     "object": "list",
-                    "data": [{"id": self.model, "object": "model", "owned_by": "kvmesh"}],
+                    "data": [
+                        {"id": self.model, "object": "model", "owned_by": "kvmesh"},
+                        *(self.lora.cards() if self.lora else []),
+                    ],
                 },
             )
         if path == "/stub/stats":
@@ -219,6 +236,8 @@ class StubEngine:
         if path == "/stub/reset_cache" and method == "POST":
             self.reset_cache()
             return await _json(send, 200, {"ok": True})
+        if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and method == "POST":
+            return await self.lora_admin(path, body, send)
         if path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
             return await self.generate(path, scope, body, receive, send)
         if path == "/tokenize" and method == "POST":
@@ -244,6 +263,23 @@ class StubEngine:
                 return await _json(send, 400, _error(f"cannot detokenize: {exc}", "tokens"))
             return await _json(send, 200, {"prompt": text})
         return await _json(send, 404, _error(f"no route {path}", None, "not_found"))
+
+    async def lora_admin(self, path: str, body: bytes, send):
+        """vLLM's dynamic adapters: load {lora_name, lora_path}, unload {lora_name}."""
+        if self.lora is None:
+            return await _json(send, 404, _error("LoRA is not enabled", None, "not_found"))
+        try:
+            req = json.loads(body or b"{}")
+            name = req["lora_name"]
+            if path.endswith("/load_lora_adapter"):
+                self.lora.load(name, str(req["lora_path"]))
+                return await _send(send, 200, f"Success: LoRA adapter '{name}' added.".encode())
+        except (ValueError, KeyError, TypeError) as exc:
+            return await _json(send, 400, _error(f"cannot load the adapter: {exc}", "lora_name"))
+        if not self.lora.unload(name):
+            msg = f"The lora adapter '{name}' cannot be found."
+            return await _json(send, 404, _error(msg, "lora_name", None, "NotFoundError"))
+        return await _send(send, 200, f"Success: LoRA adapter '{name}' removed.".encode())
 
     async def generate(self, path, scope, body, receive, send):
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
@@ -272,6 +308,10 @@ class StubEngine:
             return await _json(send, 400, _error("bad json", None, "invalid_json"))
         if not isinstance(req, dict):
             return await _json(send, 400, _error("request body must be a JSON object"))
+        try:
+            adapter = self.lora.resolve(req.get("model")) if self.lora else None
+        except UnknownModel as exc:
+            return await _json(send, 404, _error(str(exc), "model", None, "NotFoundError"))
         self.stats["last_body"] = req if len(body) < 20000 else {"truncated": True}
         if self.capacity and self.admitted >= self.capacity:
             self.stats["rejected"] += 1
@@ -299,7 +339,7 @@ class StubEngine:
                 finally:
                     self.queued -= 1
             try:
-                await self._generate(path, req, rid, receive, send)
+                await self._generate(path, req, rid, receive, send, adapter)
             finally:
                 if self.slots is not None:
                     self.slots.release()
@@ -316,7 +356,7 @@ class StubEngine:
             template_vars,
         )
 
-    async def _generate(self, path, req, rid, receive, send):
+    async def _generate(self, path, req, rid, receive, send, adapter=None):
         chat = path.endswith("chat/completions")
         tokens: list[int] = []
         try:  # the engine refuses what it cannot read (a message it cannot render): its 400
@@ -339,7 +379,8 @@ class StubEngine:
             return await _json(
                 send, 400, _error(f"invalid request: {exc}", "messages" if chat else "prompt")
             )
-        cached = self.admit(tokens, salt) if tokens else 0
+        cached = self.admit(tokens, salt, adapter) if tokens else 0
+        served = adapter.name if adapter else self.model
         n_out = min(n_out, self.cfg["response_tokens"])
         resumed = (
             (req.get("resume") or {}).get("output_token_ids")
@@ -363,6 +404,8 @@ class StubEngine:
         created = int(time.time())
         cid = ("chatcmpl-" if chat else "cmpl-") + (rid or uuid.uuid4().hex)
         self.running += 1
+        if self.lora:
+            self.lora.started(adapter)
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
             if req.get("stream"):
@@ -389,7 +432,7 @@ class StubEngine:
                             "id": cid,
                             "object": "chat.completion.chunk",
                             "created": created,
-                            "model": self.model,
+                            "model": served,
                             "choices": [
                                 {"index": 0, "delta": {"content": text}, "finish_reason": None}
                             ],
@@ -399,7 +442,7 @@ class StubEngine:
                             "id": cid,
                             "object": "text_completion",
                             "created": created,
-                            "model": self.model,
+                            "model": served,
                             "choices": [{"index": 0, "text": text, "finish_reason": None}],
                         }
                     if with_ids:
@@ -415,7 +458,7 @@ class StubEngine:
                     "id": cid,
                     "object": "chat.completion.chunk" if chat else "text_completion",
                     "created": created,
-                    "model": self.model,
+                    "model": served,
                     "choices": [
                         {
                             "index": 0,
@@ -458,7 +501,7 @@ class StubEngine:
                         "id": cid,
                         "object": obj,
                         "created": created,
-                        "model": self.model,
+                        "model": served,
                         "choices": [choice],
                         "usage": usage,
                     },
@@ -468,6 +511,8 @@ class StubEngine:
             self.stats["cancelled"] += 1
         finally:
             self.running -= 1
+            if self.lora:
+                self.lora.finished(adapter)
             watcher.cancel()
 
 
@@ -543,6 +588,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=0,
         help="requests waiting for a slot; beyond max-num-seqs + max-waiting: 429 (as the engine)",
     )
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (as vLLM)")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters loaded at start (their digest: the directory's adapter files, else the name)",
+    )
+    p.add_argument("--max-loras", type=int, default=1, help="lora_requests_info's max_lora")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="accepted, as the engine's")
     return p
 
 

@@ -9,7 +9,9 @@ resyncs its index; a restarted Redis comes back empty and the sidecars write the
 block sets again). Ctrl-C or SIGTERM stops the router, then the sidecars (they remove their
 keys), then the engines (they drain), then Redis. With `--engine vllm` the engines are real
 vLLM servers (`vllm serve`, found as kvmesh.common.vllm_args.vllm_program finds it), each
-sidecar reads it in vLLM mode and the router resumes streams the vLLM way (docs/vllm.md). `--autoscale` adds or removes
+sidecar reads it in vLLM mode and the router resumes streams the vLLM way (docs/vllm.md).
+`--lora-modules name=path ...` (with `--max-loras`, `--max-lora-rank`) gives every engine those
+LoRA adapters (kvmesh/mesh/lora_args.py). `--autoscale` adds or removes
 replicas with the operator's policy (``kvmesh.operator.autoscaler.decide``: KV utilisation
 and queue depth from the heartbeats, the scale-up rate cap, the startup deadline), scales to
 zero after `--scale-to-zero-idle` seconds idle when `--min-replicas 0`, and back to one
@@ -37,6 +39,7 @@ from kvmesh.common.logging_setup import setup_logging
 from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.common.ports import free_port
 from kvmesh.common.vllm_args import VLLM_BLOCK_SIZE, is_cpu_build, vllm_program, vllm_serve_args
+from kvmesh.mesh.lora_args import add_lora_arguments, engine_lora_args
 from kvmesh.mesh.redis_server import redis_server_argv
 from kvmesh.mesh.supervisor import GAVE_UP, RESTARTED, Child, RestartPolicy, say
 
@@ -177,8 +180,10 @@ class Mesh:
                 cwd=str(self.backends_dir),  # not a checkout: its operator/ shadows the stdlib's
             ).start()
         else:
-            argv = shlex.split(self.engine_template.format(**fields)) + shlex.split(
-                self.args.engine_args or ""
+            argv = (
+                shlex.split(self.engine_template.format(**fields))
+                + engine_lora_args(self.args)
+                + shlex.split(self.args.engine_args or "")
             )
             engine = Child(f"engine-{i}", argv, self._engine_env(), self.policy).start()
         sidecar = Child(
@@ -235,7 +240,7 @@ class Mesh:
             max_model_len=2048 if cpu else None,
         )
         argv[0] = self.vllm_program
-        return argv + shlex.split(self.args.engine_args or "")
+        return argv + engine_lora_args(self.args) + shlex.split(self.args.engine_args or "")
 
     def _vllm_env(self) -> dict[str, str]:
         env = self._engine_env()
@@ -528,6 +533,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "'stub' for the built-in stub engine",
     )
     p.add_argument("--engine-args", default=None, help="extra arguments for every engine")
+    add_lora_arguments(p)
     p.add_argument("--router-args", default=None, help="extra arguments for the router")
     p.add_argument(
         "--max-resumes",

@@ -26,6 +26,9 @@ class Pod:
     state: str = rl.STATE_READY
     has_blocks: bool = True  # has a Redis block set (a sidecar)
     ts: float = 0.0
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> digest
+    active_adapters: tuple[str, ...] = ()  # the adapters of its running batch
+    max_loras: int = 0  # adapters one step may hold
 
     @property
     def load(self) -> int:
@@ -169,6 +172,9 @@ def _pod(name: str, ep: Endpoint, hb: rl.Heartbeat | None, no_view: bool) -> Pod
             state=state if ep.ready else STATE_NOT_READY,
             has_blocks=True,
             ts=hb.ts,
+            adapters=hb.adapters,
+            active_adapters=hb.active_adapters,
+            max_loras=hb.max_loras,
         )
     if not ep.ready:
         return Pod(name=name, url=ep.url, state=STATE_NOT_READY, has_blocks=False)

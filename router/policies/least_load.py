@@ -12,5 +12,5 @@ class LeastLoadPolicy(RoutingPolicy):
 
     async def order(self, req: RouteRequest) -> tuple[list[Candidate], str]:
         s = self.settings
-        weights = Weights(0, s.weights.kv, s.weights.queue)
+        weights = Weights(0, s.weights.kv, s.weights.queue, lora=0)
         return rank(req.candidates, 0, weights, req.tie, s.hot_ratio, s.hot_min), "least_load"

@@ -23,7 +23,7 @@ class SessionPolicy(RoutingPolicy):
         if not sid:
             return await self.fallback.order(req)
         cands = req.candidates
-        rank(cands, 0, Weights(0, 0, 0), req.tie, s.hot_ratio, s.hot_min)  # marks the hot pods
+        rank(cands, 0, Weights(0, 0, 0, 0), req.tie, s.hot_ratio, s.hot_min)  # marks the hot pods
         sid_b = sid.encode()
         cands.sort(key=lambda c: (c.hot, -rendezvous(sid_b, c.name)))
         return cands, "session"

@@ -54,3 +54,19 @@ def test_without_vllm_it_says_how_to_get_it(monkeypatch, tmp_path):
 
 def test_our_engine_keeps_its_block_size():
     assert Mesh(_args()).args.block_size == 16
+
+
+def test_vllm_engines_get_the_lora_flags(fake_vllm, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    adapter = tmp_path / "sql"
+    mesh = Mesh(
+        _args(
+            *("--engine", "vllm", "--model", str(model), "--engine-args", "--seed 1"),
+            *("--lora-modules", f"sql={adapter}", "--max-loras", "2", "--max-lora-rank", "8"),
+        )
+    )
+    argv = mesh._vllm_argv(8100, 5600, 5601)
+    lora = ["--enable-lora", "--lora-modules", f"sql={adapter}", "--max-loras", "2"]
+    assert argv[-9:] == [*lora, "--max-lora-rank", "8", "--seed", "1"]

@@ -116,7 +116,10 @@ def test_large_finite_ratios_are_allowed():
 def test_weights_parse_skips_empty_parts_and_names_bad_input():
     assert Weights.parse("prefix=2,,kv=0.1, ,queue=0,") == Weights(2.0, 0.1, 0.0)
     assert Weights.parse(" kv = 0.25 ") == Weights(kv=0.25)
-    with pytest.raises(ValueError, match=r"unknown weight 'speed' \(expected prefix, kv, queue\)"):
+    assert Weights.parse("lora=0.5") == Weights(lora=0.5)
+    with pytest.raises(
+        ValueError, match=r"unknown weight 'speed' \(expected prefix, kv, queue, lora\)"
+    ):
         Weights.parse("prefix=1,speed=1")
     with pytest.raises(ValueError, match="0.5=1"):  # the value is what is wrong, not the name
         Weights.parse("kv=0.5=1")

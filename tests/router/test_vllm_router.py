@@ -10,6 +10,7 @@ import json
 import pytest
 
 from kvmesh.common.block_keys import block_keys
+from kvmesh.common.lora import adapter_identity, vllm_adapter_identity
 from kvmesh.router import vllm_resume
 from kvmesh.router.client_stream import ClientStream
 from kvmesh.router.prompt_tokens import PromptTokens
@@ -21,19 +22,24 @@ def test_a_request_naming_an_adapter_has_the_adapters_keys_in_front_of_vllm():
             return list(range(len(text)))
 
     req = {"model": "sql", "prompt": "x" * 40}
-    vllm = PromptTokens(Ids(), "base", 4, adapters=True)
+    vllm = PromptTokens(Ids(), "base", 4, engine="vllm")
     ours = PromptTokens(Ids(), "base", 4)
     ids = list(range(40))
     assert vllm.tokens_and_keys("/v1/completions", req, False, False)[1] == block_keys(
-        ids, "sql", 4
+        ids, vllm_adapter_identity("sql"), 4
     )
-    assert ours.tokens_and_keys("/v1/completions", req, False, False)[1] == block_keys(
-        ids, "base", 4
+    # a kvmesh engine's adapter: its name and the digest of its files
+    identity = ours.identity(req, "0123456789abcdef")
+    assert identity == adapter_identity("base", "sql", "0123456789abcdef")
+    assert ours.tokens_and_keys("/v1/completions", req, False, False, identity)[1] == block_keys(
+        ids, identity, 4
     )
     same = {**req, "model": "base"}
-    assert vllm.tokens_and_keys("/v1/completions", same, False, False)[1] == block_keys(
-        ids, "base", 4
-    )
+    for tokens in (vllm, ours):
+        assert tokens.adapter(same) is None and tokens.adapter(req) == "sql"
+        assert tokens.tokens_and_keys("/v1/completions", same, False, False)[1] == block_keys(
+            ids, "base", 4
+        )
 
 
 @pytest.mark.parametrize(

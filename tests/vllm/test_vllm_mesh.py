@@ -98,7 +98,7 @@ def test_events_and_replay_are_read_with_no_malformed_message(vllm_mesh):
 
 def _router_cached(mesh) -> tuple[float, float]:
     m = mesh.router.router.metrics
-    return m.predicted_cached._value.get(), m.engine_cached._value.get()
+    return m.predicted_cached.labels("")._value.get(), m.engine_cached.labels("")._value.get()
 
 
 def test_follow_up_turn_goes_to_the_replica_with_its_prefix_and_vllm_confirms_the_prediction(
