@@ -15,6 +15,7 @@ import posixpath
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import kopf
@@ -186,9 +187,21 @@ async def _replicas(memo: Memo, md: dict[str, Any], spec: dict[str, Any], logger
     load_ = await scaling.read_load(memo, md, spec, logger, pods)
     if not load_.known:
         return None
-    ready = [p.name for p in pods if p.ready] if pods is not None else list(load_.heartbeats)
-    beats = [load_.heartbeats[p] for p in ready if p in load_.heartbeats]
-    return [Replica(h.pod, h.url, h.ts, set(h.adapters)) for h in beats]
+    if pods is None:
+        logger.warning("cannot list engine pods: adapters are not loaded (grant pods list)")
+        return None
+    replicas = []
+    for pod in pods:
+        beat = load_.heartbeats.get(pod.name)
+        if not pod.ready or beat is None:
+            continue
+        # The URL comes from Redis, which more parties can write than the API: the operator
+        # sends the engine API key only to the address the API server gives the pod.
+        if not pod.ip or urlsplit(beat.url).hostname != pod.ip:
+            logger.warning(f"{pod.name}: heartbeat URL {beat.url[:100]!r} is not the pod's IP")
+            continue
+        replicas.append(Replica(beat.pod, beat.url, beat.ts, set(beat.adapters)))
+    return replicas
 
 
 async def sync(memo: Memo, md: dict[str, Any], spec: dict[str, Any], logger: Any) -> None:

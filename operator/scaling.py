@@ -64,6 +64,7 @@ class EnginePod:
     ready: bool
     created: float  # unix time of metadata.creationTimestamp
     annotations: dict[str, str] = field(default_factory=dict)
+    ip: str = ""  # status.podIP ("" until the kubelet reports one)
 
 
 @dataclass
@@ -130,6 +131,7 @@ async def engine_pods(
                 ready,
                 created if created is not None else memo.config.clock(),
                 dict(meta.get("annotations") or {}),
+                status.get("podIP") or "",
             )
         )
     return sorted(pods, key=lambda p: p.name)

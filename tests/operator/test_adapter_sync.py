@@ -234,3 +234,20 @@ def test_an_engines_error_answer_is_the_reason():
     assert _reason(400, {"error": {"message": "rank 64 > 16"}}, "") == "HTTP 400: rank 64 > 16"
     assert _reason(400, {"message": "no such path", "type": "x"}, "") == "HTTP 400: no such path"
     assert _reason(500, None, "Internal Server Error\n") == "HTTP 500: Internal Server Error"
+
+
+async def test_a_heartbeat_url_that_is_not_the_pods_ip_gets_no_call(
+    k8s, lora_operator, clock, engines, beats
+):
+    """Redis is writable by more parties than the API: a heartbeat naming another address than
+    the pod's IP (from the API) never receives a load, nor the engine API key."""
+    await k8s.put_object(MD, md_body(replicas=2, lora={"maxLoras": 2}, adapters=[adapter("sql")]))
+    await eventually(lambda: k8s.fetch_object(DEPLOYMENTS, "ns", "demo-engine"))
+    await add_pod(k8s, clock, "demo-engine-a")
+    await add_pod(k8s, clock, "demo-engine-b", ip="10.9.8.7")  # its heartbeat says 127.0.0.1
+    beats.pods = ["demo-engine-a", "demo-engine-b"]
+    beats.start()
+    await eventually(lambda: adapter_status(k8s, "sql").get("loadedReplicas") == 1, timeout=15)
+    await after_ticks(k8s, n=5, plural="modeldeployments", name="demo")
+    assert engines.count("load_lora_adapter", "sql") == {"demo-engine-a": 1}
+    assert [r["pod"] for r in adapter_status(k8s, "sql")["replicas"]] == ["demo-engine-a"]

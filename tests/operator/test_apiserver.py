@@ -915,7 +915,11 @@ def _ready_pod(api: httpx.Client, md: str, suffix: str) -> str:
     resp = api.post(path("Pod", NS), json=body)
     assert resp.status_code == 201, resp.text
     name = body["metadata"]["name"]
-    status = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+    status = {
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "True"}],
+        "podIP": "127.0.0.1",  # where its stub engine listens
+    }
     resp = api.patch(
         path("Pod", NS, name, "status"),
         content=json.dumps({"status": status}),

@@ -75,7 +75,7 @@ def cond(obj, ctype):
     raise AssertionError(f"no {ctype} condition in {obj.get('status')}")
 
 
-async def add_pod(k8s, clock, name, ready=True, age=0.0, md="demo"):
+async def add_pod(k8s, clock, name, ready=True, age=0.0, md="demo", ip="127.0.0.1"):
     """An engine pod as the ReplicaSet controller would create it (the emulator runs none);
     its creationTimestamp is on the operator's (fast-forwarded) clock."""
     created = datetime.datetime.fromtimestamp(clock.now - age, datetime.UTC).strftime(
@@ -95,6 +95,7 @@ async def add_pod(k8s, clock, name, ready=True, age=0.0, md="demo"):
             "status": {
                 "phase": "Running" if ready else "Pending",
                 "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                "podIP": ip,
             },
         },
     )
