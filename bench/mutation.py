@@ -251,6 +251,15 @@ MODULES = [
         ["tests/mesh/test_supervisor.py"],
         doc="kvmesh up's restarts: the back-off, giving up, the exit statuses, a stopped child",
     ),
+    Module(
+        "tool_choice",
+        "engine/server/tool_choice.py",
+        [
+            "tests/engine/server/test_tool_plan.py",
+            "tests/engine/server/test_tool_choice_mutants.py",
+        ],
+        doc="tool calling: the mode a request asks for, its output schema, its parser",
+    ),
 ]
 BY_NAME = {m.name: m for m in MODULES}
 
