@@ -105,8 +105,8 @@ generate: setup
 	$(PY) -m kvmesh.operator.generate
 	$(PY) -m kvmesh.cli_reference
 
-# Mutation testing of the contracts, KV-cache manager, scheduler, scoring and the sidecar's
-# index writer (docs/mutation.md). Not part of `make test` or CI; one worker, minutes per module.
+# Mutation testing of the contracts and the core state machines of each component
+# (docs/mutation.md: the modules). Not part of `make test` or CI; one worker, minutes per module.
 # MODULES="block_keys scoring" limits it to some modules.
 mutation: setup
 	$(PY) -c "import mutmut" 2>/dev/null || $(PIP) install -q -c constraints-cpu.txt -e '.[mutation]'

@@ -251,6 +251,83 @@ MODULES = [
         ["tests/mesh/test_supervisor.py"],
         doc="kvmesh up's restarts: the back-off, giving up, the exit statuses, a stopped child",
     ),
+    Module(
+        "resume_limits",
+        "engine/model_limits.py",
+        ["tests/engine/test_resume_mutants.py"],
+        functions=_m("EngineLimits", "validate_resume", "check_token_ids"),
+        doc="mid-stream resume: the checks on a continuation's ids (vocabulary, context, max_tokens)",
+    ),
+    Module(
+        "resume_request",
+        "engine/request.py",
+        ["tests/engine/test_resume_mutants.py"],
+        functions=_m(
+            "Request",
+            "__init__",
+            "num_tokens",
+            "num_output_tokens",
+            "output_token_ids",
+            "block_keys",
+            "append_token",
+            "check_stop",
+        ),
+        doc="mid-stream resume: the request a continuation becomes, its output counted from the "
+        "resumed ids on (not RequestStatus)",
+    ),
+    Module(
+        "resume_choices",
+        "engine/server/choices.py",
+        ["tests/engine/test_resume_mutants.py"],
+        functions=["validate_resume"],
+        doc="mid-stream resume: a continued choice checked, its errors naming its resume.choices entry",
+    ),
+    Module(
+        "resume_body",
+        "engine/server/protocol.py",
+        ["tests/engine/test_resume_mutants.py"],
+        functions=_m("_Generation", "resume_token_ids", "resume_choices"),
+        doc="mid-stream resume: the request body's two forms (output_token_ids, choices)",
+    ),
+    Module(
+        "structured_rows",
+        "engine/structured/bitmask.py",
+        [
+            "tests/engine/structured/test_spec_masks.py",
+            "tests/engine/structured/test_structured_mutants.py",
+        ],
+        doc="structured outputs: which logits rows get which grammar's mask (speculation: one "
+        "row per draft position), the mask applied to those rows only",
+    ),
+    Module(
+        "structured_grammar",
+        "engine/structured/backend.py",
+        [
+            "tests/engine/structured/test_spec_masks.py",
+            "tests/engine/structured/test_structured_mutants.py",
+        ],
+        functions=_m("RequestGrammar", "__init__", "compiling", "poll", "accept", "done", "synced"),
+        doc="structured outputs: a request's grammar while it compiles and after, refused and "
+        "synced to its outputs (not the backend's compile and cache)",
+    ),
+    Module(
+        "structured_state",
+        "engine/structured/matcher.py",
+        [
+            "tests/engine/structured/test_spec_masks.py",
+            "tests/engine/structured/test_structured_mutants.py",
+        ],
+        doc="structured outputs: the matcher state's counts through accept, validate, rollback, reset",
+    ),
+    Module(
+        "tool_choice",
+        "engine/server/tool_choice.py",
+        [
+            "tests/engine/server/test_tool_plan.py",
+            "tests/engine/server/test_tool_choice_mutants.py",
+        ],
+        doc="tool calling: the mode a request asks for, its output schema, its parser",
+    ),
 ]
 BY_NAME = {m.name: m for m in MODULES}
 
@@ -291,6 +368,13 @@ EQUIVALENT: dict[str, set[str]] = {
     },
     "scheduler": {"xǁSchedulerǁschedule__mutmut_7", "xǁSchedulerǁschedule__mutmut_36"},
     "sidecar_heartbeat": {"xǁHeartbeatǁbeat__mutmut_44"},
+    "resume_choices": {"x_validate_resume__mutmut_29"},
+    "structured_grammar": {"xǁRequestGrammarǁ__init____mutmut_4"},
+    "structured_rows": {
+        *(f"x_apply__mutmut_{i}" for i in (7, 31, 32, 41, 43, 46, 48, 52)),
+        "x_apply_numpy__mutmut_11",
+        "x_for_step__mutmut_32",
+    },
     "supervisor": {f"xǁChildǁstart__mutmut_{i}" for i in (1, 11, 13, 20, 22, 24, 27)},
     "sidecar_health": {
         "x_metrics_registry__mutmut_2",
@@ -383,7 +467,9 @@ def run_module(mod: Module, workdir: Path, log) -> int:
         "1",
         *mod.globs(),
     ]
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", MUTANT_UNDER_TEST="")
+    # mutmut forks a child per mutant: torch's OpenMP pool, started by an earlier test in the
+    # parent, deadlocks in the child at the next large tensor op (a timeout, counted as killed)
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", MUTANT_UNDER_TEST="", OMP_NUM_THREADS="1")
     env.pop("PYTHONPATH", None)
     return subprocess.run(
         cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, env=env
