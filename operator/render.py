@@ -611,9 +611,10 @@ def render_engine_deployment(
             {"name": "HOME", "value": "/tmp"},
         ]
         + (
-            # vLLM's /v1/models (its readiness) wants the key its API is served with.
+            # The sidecar reads /v1/models (vLLM's readiness, and the adapters an engine serves
+            # with LoRA on), which wants the key the engine's API is served with.
             [_secret_env("KVMESH_ENGINE_API_KEY", names(name)["engine-api-key"], "api-key")]
-            if vllm and eng["requireApiKey"]
+            if eng["requireApiKey"] and (vllm or lora.enabled(spec))
             else []
         ),
         "ports": [

@@ -51,7 +51,11 @@ def _read_kvmesh(client: httpx.Client, url: str, adapters: AdapterList) -> Engin
     served = None
     if ready.status_code == 200 and load is not None and load.max_loras:
         models = client.get(url + "/v1/models")
-        served = adapters.read(_entries(models)) if models.status_code == 200 else None
+        if models.status_code == 200:
+            served = adapters.read(_entries(models))
+        else:  # its adapters stay unknown: no replica is routed adapter traffic for them
+            key = " (the sidecar needs KVMESH_ENGINE_API_KEY)" if models.status_code == 401 else ""
+            problem = f"GET {url}/v1/models answered {models.status_code}{key}"
     return EngineReading(ready.status_code == 200, load, problem, served)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,11 +17,25 @@ class LoRAGroup:
     rows: slice | torch.Tensor
 
 
+# Up to this many rows, a step with several adapters runs them all at once (StackedLoRA): each
+# adapter's rows gathered into one padded batch, one batched shrink and one batched expand, one
+# scatter back. Five ops per projection whatever the number of adapters, where grouping costs two
+# to four per adapter; the padding it computes is cheap while the rows are few (decode).
+STACKED_MAX_ROWS = 64
+
+
 @dataclass
 class LoRARows:
-    """The distinct adapters of a set of rows (the step's, or its logits rows'), base rows left out."""
+    """The distinct adapters of a set of rows (the step's, or its logits rows'), base rows left out.
+
+    ``gather``: with several adapters and few rows, each adapter's rows as one row of a
+    [adapters, most rows] index (padding points at row 0 and is masked by ``valid``), and the
+    rows run stacked; None: per group."""
 
     groups: list[LoRAGroup]
+    gather: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    stacked: StackedLoRA | None = None
 
 
 @dataclass
@@ -58,16 +73,88 @@ def build_lora_step(requests, query_start_loc, logits_indices, packed, to_device
     row_owner = np.repeat(owner_of_seq, np.diff(qsl))
     logits_owner = row_owner[np.asarray(logits_indices, dtype=np.int64)]
     weights = [packed(a) for a in loaded]
-    return LoRAStep(_group(row_owner, weights, to_device), _group(logits_owner, weights, to_device))
+    stacked = stacked_lora(weights) if len(weights) > 1 else None
+    return LoRAStep(
+        _group(row_owner, weights, to_device, stacked),
+        _group(logits_owner, weights, to_device, stacked),
+    )
 
 
-def _group(owner: np.ndarray, weights, to_device) -> LoRARows:
-    groups = []
+def _group(owner: np.ndarray, weights, to_device, stacked) -> LoRARows:
+    groups, members = [], []
     for g, w in enumerate(weights):
         indices = np.flatnonzero(owner == g)
+        members.append(indices)
         if len(indices):
             groups.append(LoRAGroup(w, _rows(indices, to_device)))
-    return LoRARows(groups)
+    if stacked is None or len(groups) < 2 or len(owner) > STACKED_MAX_ROWS:
+        return LoRARows(groups)
+    most = max(len(m) for m in members)
+    gather = np.zeros((len(members), most), dtype=np.int64)
+    valid = np.zeros((len(members), most, 1), dtype=np.int64)
+    for g, indices in enumerate(members):
+        gather[g, : len(indices)] = indices
+        valid[g, : len(indices)] = 1
+    return LoRARows(groups, to_device(gather), to_device(valid).float(), stacked)
+
+
+class StackedLoRA:
+    """Several adapters' packed weights as batches, per layer and projection: A as [adapters,
+    rank, in] and B transposed as [adapters, rank, out], zero-padded to the largest rank (an
+    adapter without the projection is zeros). Built lazily, kept for the same adapters' next
+    steps (a steady load runs the same few adapters step after step)."""
+
+    def __init__(self, weights: list) -> None:
+        self.weights = weights  # held: the cache key is their ids
+        self.parts: dict[tuple[int, str], tuple | None] = {}
+
+    def get(self, layer: int, proj: str):
+        """(A, B^T) batches of projection ``proj`` in ``layer``; None if no adapter has it."""
+        key = (layer, proj)
+        if key not in self.parts:
+            found = [w[layer].get(proj) for w in self.weights]
+            present = [ab for ab in found if ab is not None]
+            if not present:
+                self.parts[key] = None
+                return None
+            a0, b0 = present[0]
+            rank = max(a.shape[0] for a, _ in present)
+            a = a0.new_zeros(len(found), rank, a0.shape[1])
+            bt = b0.new_zeros(len(found), rank, b0.shape[0])
+            for g, ab in enumerate(found):
+                if ab is not None:
+                    a[g, : ab[0].shape[0]] = ab[0]
+                    bt[g, : ab[1].shape[1]] = ab[1].T
+            self.parts[key] = (a, bt)
+        return self.parts[key]
+
+
+_STACKED: OrderedDict[tuple[int, ...], StackedLoRA] = OrderedDict()
+_STACKED_KEPT = 4
+
+
+def stacked_lora(weights: list) -> StackedLoRA:
+    """The StackedLoRA of these adapters' packed weights, in this order (a small LRU cache)."""
+    key = tuple(id(w) for w in weights)
+    found = _STACKED.get(key)
+    if found is None:
+        found = _STACKED[key] = StackedLoRA(weights)
+        while len(_STACKED) > _STACKED_KEPT:
+            _STACKED.popitem(last=False)
+    _STACKED.move_to_end(key)
+    return found
+
+
+def _add_stacked(out: torch.Tensor, x: torch.Tensor, rows: LoRARows, layer: int, proj: str):
+    part = rows.stacked.get(layer, proj)
+    if part is None:
+        return
+    a, bt = part
+    n, most = rows.gather.shape
+    flat = rows.gather.view(-1)
+    shrunk = torch.bmm(x.index_select(0, flat).view(n, most, -1), a.transpose(1, 2))
+    expanded = torch.bmm(shrunk, bt).mul_(rows.valid)
+    out.index_add_(0, flat, expanded.view(n * most, -1))
 
 
 def add_lora_torch(out: torch.Tensor, x: torch.Tensor, rows, a: torch.Tensor, b: torch.Tensor):
@@ -98,6 +185,9 @@ class LoRAContext:
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
         """Add each adapter's term to its rows of projection ``proj``'s output ``out`` ([T, out])."""
+        if self.rows.gather is not None and self.kernel is add_lora_torch:
+            _add_stacked(out, x, self.rows, layer, proj)
+            return
         for group in self.rows.groups:
             ab = group.weights[layer].get(proj)
             if ab is not None:

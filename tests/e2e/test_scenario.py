@@ -856,7 +856,8 @@ def test_adapters_are_served_added_at_runtime_and_routed_by_prefix(cluster, tmp_
         template = cluster.api.get("Deployment", LORA_NS, f"{LORA_MD}-engine")["spec"]["template"]
         url = cluster.service_url(LORA_NS, render.names(LORA_MD)[render.ROUTER], crd.ROUTER_PORT)
         models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
-        assert {m["id"] for m in models} >= {MODEL}, models
+        listed = {m["id"]: m.get("parent") for m in models}
+        assert listed == {MODEL: None, "sql": MODEL, "chat": MODEL}, models
 
         t1 = time.monotonic()
         kubectl(

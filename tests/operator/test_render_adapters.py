@@ -246,3 +246,13 @@ def test_with_lora_the_operator_reaches_the_engines_api():
     assert plain["from"] == [
         {"podSelector": {"matchLabels": render.selector("demo", render.ROUTER)}}
     ]
+
+
+@pytest.mark.parametrize("lora_on", [False, True])
+def test_a_kvmesh_sidecar_gets_the_engine_key_with_lora_to_read_the_adapters(lora_on):
+    """The sidecar learns the engine's adapters from its /v1/models, behind the engine's key."""
+    spec = spec_of(lora={}) if lora_on else spec_of()
+    dep = render.render_engine_deployment(MD, spec, render.Images())
+    sidecar = dep["spec"]["template"]["spec"]["containers"][1]
+    names = [e["name"] for e in sidecar["env"]]
+    assert ("KVMESH_ENGINE_API_KEY" in names) == lora_on

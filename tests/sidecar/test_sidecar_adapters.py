@@ -148,3 +148,29 @@ def test_a_vllm_adapters_blocks_are_indexed_from_the_shared_identity(model_name)
     added: set[int] = set()
     index.stored(BlockStored([1, 2], None, tokens, 4, 1, "GPU", "sql"), added, set())
     assert added == set(block_keys(tokens, vllm_adapter_identity("sql"), 4))
+
+
+def test_a_kvmesh_engine_refusing_models_without_the_key_is_a_problem_not_adapters():
+    """Behind an API key the engine answers /v1/models 401 to a sidecar without the key: its
+    adapters stay unknown and the reading says why."""
+    from kvmesh.sidecar.engine_probe import read_engine
+
+    engine = LoraEngine("base", {"sql": "0123456789abcdef"})
+    handle = engine.handle
+
+    def keyed(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models" and "authorization" not in request.headers:
+            return httpx.Response(401)
+        return handle(request)
+
+    with httpx.Client(transport=httpx.MockTransport(keyed)) as client:
+        reading = read_engine(client, "http://engine", "kvmesh", "base", 16)
+        assert reading.adapters is None
+        assert reading.problem == (
+            "GET http://engine/v1/models answered 401 (the sidecar needs KVMESH_ENGINE_API_KEY)"
+        )
+    with httpx.Client(
+        transport=httpx.MockTransport(keyed), headers={"Authorization": "Bearer k"}
+    ) as client:
+        reading = read_engine(client, "http://engine", "kvmesh", "base", 16)
+        assert reading.adapters == {"sql": "0123456789abcdef"} and reading.problem is None

@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 from kvmesh.engine import SamplingParams  # noqa: E402
 from kvmesh.engine.config import EngineArgs  # noqa: E402
 from kvmesh.engine.engine_core import EngineCore  # noqa: E402
+from kvmesh.engine.lora import step  # noqa: E402
 from kvmesh.engine.lora.adapter import load_adapter  # noqa: E402
 from kvmesh.engine.lora.request import LoRARequest  # noqa: E402
 from kvmesh.engine.request import Request  # noqa: E402
@@ -85,12 +86,16 @@ def check(core, base_dir, adapter_dirs, named_jobs):
 MIX = [None, "attn", "mlp", "mixed", None, "mixed", "attn", "mlp", "attn"]
 
 
+@pytest.mark.parametrize("rows", ["default", "all stacked", "all grouped"])
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_mixed_batch_matches_peft_on_each_backend(
-    backend, lora_base_dir, lora_adapter_dirs, monkeypatch
+    backend, rows, lora_base_dir, lora_adapter_dirs, monkeypatch
 ):
     if backend == "triton":
         pytest.importorskip("triton")
+    # Short steps run their adapters stacked, long ones grouped (lora/step.py): each way alone.
+    limit = {"default": step.STACKED_MAX_ROWS, "all stacked": 10**6, "all grouped": 0}[rows]
+    monkeypatch.setattr(step, "STACKED_MAX_ROWS", limit)
     core = make_core(lora_base_dir, attention_backend=backend)
     check(core, lora_base_dir, lora_adapter_dirs, jobs_of(MIX, seed=1))
 

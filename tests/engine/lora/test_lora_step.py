@@ -69,3 +69,36 @@ def test_context_adds_each_groups_term_to_its_rows_only():
     assert [_rows(g) for g in ctx.rows.groups] == [[0], [1]]
     ctx.begin(None)
     assert ctx.rows is None
+
+
+def test_stacked_rows_add_what_the_groups_add(monkeypatch):
+    """Few rows and several adapters run stacked (rows gathered per adapter, one batched shrink
+    and expand per projection): the same sums as per group, base rows and rows of an adapter
+    without the projection untouched."""
+    from kvmesh.engine.lora import step as lora_step
+
+    gen = torch.Generator().manual_seed(1)
+    x, out = torch.randn(7, 8, generator=gen), torch.randn(7, 5, generator=gen)
+    a1, b1 = torch.randn(2, 8, generator=gen), torch.randn(5, 2, generator=gen)
+    a2, b2 = torch.randn(3, 8, generator=gen), torch.randn(5, 3, generator=gen)
+    w1, w2 = SimpleNamespace(weights=[{"o_proj": (a1, b1)}]), SimpleNamespace(weights=[{}])
+    w3 = SimpleNamespace(weights=[{"o_proj": (a2, b2)}])
+    reqs = _reqs(w1, None, w3, w2, w1, w3)
+    q_lens, logits = [2, 1, 1, 1, 1, 1], [1, 2, 3, 4, 5, 6]
+    got = {}
+    for limit in (0, 64):
+        monkeypatch.setattr(lora_step, "STACKED_MAX_ROWS", limit)
+        built = _build(reqs, q_lens, logits)
+        assert (built.full.gather is not None) == (limit == 64)
+        if limit:  # each adapter's rows, padded with row 0 (masked)
+            assert built.full.gather.tolist() == [[0, 1, 5], [3, 6, 0], [4, 0, 0]]
+            assert built.full.valid.view(3, 3).tolist() == [[1, 1, 1], [1, 1, 0], [1, 0, 0]]
+        ctx = LoRAContext(add_lora_torch)
+        ctx.begin(built)
+        got[limit] = out.clone()
+        ctx.add(got[limit], x, 0, "o_proj")
+    want = out.clone()
+    for rows, (a, b) in (([0, 1, 5], (a1, b1)), ([3, 6], (a2, b2))):
+        want[rows] += x[rows] @ a.T @ b.T
+    torch.testing.assert_close(got[0], want)
+    torch.testing.assert_close(got[64], want)
