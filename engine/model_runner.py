@@ -203,7 +203,8 @@ class ModelRunner:
         from kvmesh.engine.lora.step import LoRAContext, build_lora_step
 
         if self.model.lora is None:  # installed with the first adapter step
-            self.model.use_lora(LoRAContext(_lora_kernel(self.backend.name)))
+            kernel = _lora_kernel(self.backend.name)
+            self.model.use_lora(LoRAContext(kernel, self.cpu_ops))
         return build_lora_step(
             rows.requests,
             rows.query_start_loc,

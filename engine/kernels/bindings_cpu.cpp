@@ -1,7 +1,8 @@
 // The CPU extension module: decode attention (paged_attention_cpu.cpp), prefill
 // attention (prefill_attention_cpu.cpp), the fused elementwise ops (fused_ops_cpu.cpp), the
 // decode-size linear layers over panel-packed weights (panel_linear_cpu.cpp) and a decoder
-// stack for decode steps built from them (decode_stack_cpu.cpp).
+// stack for decode steps built from them (decode_stack_cpu.cpp), and the LoRA terms of a short
+// step's adapter rows (lora_cpu.cpp).
 #include "cpu_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -19,5 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "an fp32 weight [N, K] as panels of 16 output features [ceil(N/16), K, 16]");
   m.def("panel_linear", &panel_linear, "x @ w.T (+ bias) over panel-packed weights (decode-size row counts)",
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"), pybind11::arg("bias") = pybind11::none());
+  m.def("lora_add_rows", &lora_add_rows,
+        "each adapter's rows of a short step: out[row] += (A x[row]) @ B^T, up to the adapter's rank");
   bind_decode_stack(m);
 }

@@ -31,6 +31,7 @@ _SOURCE_FILES = (
     "fused_ops_cpu.cpp",
     "panel_linear_cpu.cpp",
     "decode_stack_cpu.cpp",
+    "lora_cpu.cpp",
 )
 _HEADERS = (
     "avx512_math.h",

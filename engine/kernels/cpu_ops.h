@@ -14,6 +14,8 @@ void rotary_qk_store_kv_(torch::Tensor qkv, torch::Tensor positions, torch::Tens
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor slots);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void lora_add_rows(torch::Tensor out, torch::Tensor x, torch::Tensor gather, torch::Tensor counts,
+                   torch::Tensor a, torch::Tensor bt, torch::Tensor ranks);
 // prefill_attention_cpu.cpp
 bool prefill_attention_supported(c10::ScalarType dtype, int64_t head_dim, int64_t block_size);
 void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,

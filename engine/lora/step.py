@@ -36,6 +36,7 @@ class LoRARows:
     gather: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     stacked: StackedLoRA | None = None
+    counts: torch.Tensor | None = None  # each adapter's rows in ``gather`` (the rest is padding)
 
 
 @dataclass
@@ -95,7 +96,8 @@ def _group(owner: np.ndarray, weights, to_device, stacked) -> LoRARows:
     for g, indices in enumerate(members):
         gather[g, : len(indices)] = indices
         valid[g, : len(indices)] = 1
-    return LoRARows(groups, to_device(gather), to_device(valid).float(), stacked)
+    counts = np.array([len(m) for m in members], dtype=np.int64)
+    return LoRARows(groups, to_device(gather), to_device(valid).float(), stacked, to_device(counts))
 
 
 class StackedLoRA:
@@ -109,7 +111,7 @@ class StackedLoRA:
         self.parts: dict[tuple[int, str], tuple | None] = {}
 
     def get(self, layer: int, proj: str):
-        """(A, B^T) batches of projection ``proj`` in ``layer``; None if no adapter has it."""
+        """(A, B^T, ranks) batches of projection ``proj`` in ``layer``; None if no adapter has it."""
         key = (layer, proj)
         if key not in self.parts:
             found = [w[layer].get(proj) for w in self.weights]
@@ -121,11 +123,13 @@ class StackedLoRA:
             rank = max(a.shape[0] for a, _ in present)
             a = a0.new_zeros(len(found), rank, a0.shape[1])
             bt = b0.new_zeros(len(found), rank, b0.shape[0])
+            ranks = torch.zeros(len(found), dtype=torch.long)
             for g, ab in enumerate(found):
                 if ab is not None:
                     a[g, : ab[0].shape[0]] = ab[0]
                     bt[g, : ab[1].shape[1]] = ab[1].T
-            self.parts[key] = (a, bt)
+                    ranks[g] = ab[0].shape[0]
+            self.parts[key] = (a, bt, ranks)
         return self.parts[key]
 
 
@@ -145,11 +149,17 @@ def stacked_lora(weights: list) -> StackedLoRA:
     return found
 
 
-def _add_stacked(out: torch.Tensor, x: torch.Tensor, rows: LoRARows, layer: int, proj: str):
+def _add_stacked(
+    out: torch.Tensor, x: torch.Tensor, rows: LoRARows, layer: int, proj: str, ops=None
+):
     part = rows.stacked.get(layer, proj)
     if part is None:
         return
-    a, bt = part
+    a, bt, ranks = part
+    if ops is not None and x.dtype == torch.float32 and x.stride(1) == 1 and out.stride(1) == 1:
+        # the compiled kernel (kernels/lora_cpu.cpp): each row's terms, no GEMM dispatch
+        ops.lora_add_rows(out, x, rows.gather, rows.counts, a, bt, ranks)
+        return
     n, most = rows.gather.shape
     flat = rows.gather.view(-1)
     shrunk = torch.bmm(x.index_select(0, flat).view(n, most, -1), a.transpose(1, 2))
@@ -169,10 +179,12 @@ class LoRAContext:
     """The rows of the running step's adapters, shared by every layer: ``rows`` is None for a
     step without adapter rows, and then the projections do nothing more than before."""
 
-    def __init__(self, kernel=add_lora_torch):
+    def __init__(self, kernel=add_lora_torch, cpu_ops=None):
         self.step: LoRAStep | None = None
         self.rows: LoRARows | None = None
         self.kernel = kernel  # the torch GEMMs, or the Triton kernels on CUDA (kernels/triton_lora)
+        # the compiled CPU ops, when built: short steps' adapter rows run lora_add_rows
+        self.cpu_ops = cpu_ops if hasattr(cpu_ops, "lora_add_rows") else None
 
     def begin(self, step: LoRAStep | None) -> None:
         self.step = step
@@ -186,7 +198,7 @@ class LoRAContext:
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
         """Add each adapter's term to its rows of projection ``proj``'s output ``out`` ([T, out])."""
         if self.rows.gather is not None and self.kernel is add_lora_torch:
-            _add_stacked(out, x, self.rows, layer, proj)
+            _add_stacked(out, x, self.rows, layer, proj, self.cpu_ops)
             return
         for group in self.rows.groups:
             ab = group.weights[layer].get(proj)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from kvmesh.engine.lora.step import LoRAContext, add_lora_torch, build_lora_step
@@ -102,3 +103,29 @@ def test_stacked_rows_add_what_the_groups_add(monkeypatch):
         want[rows] += x[rows] @ a.T @ b.T
     torch.testing.assert_close(got[0], want)
     torch.testing.assert_close(got[64], want)
+
+
+def test_the_compiled_kernel_adds_what_torch_adds():
+    """kernels/lora_cpu.cpp lora_add_rows: each adapter's rows, up to its rank; padding rows,
+    padding ranks and an adapter without the projection (rank 0) add nothing."""
+    from kvmesh.engine.kernels import cpu as cpu_kernels
+
+    ops = cpu_kernels.load()
+    if ops is None:
+        pytest.skip("the CPU kernels did not build here")
+    gen = torch.Generator().manual_seed(2)
+    x, out = torch.randn(9, 40, generator=gen), torch.randn(9, 24, generator=gen)
+    a = torch.randn(3, 6, 40, generator=gen)
+    bt = torch.randn(3, 6, 24, generator=gen)
+    ranks = torch.tensor([6, 4, 0])
+    gather = torch.tensor([[1, 7, 3], [0, 5, 0], [2, 0, 0]])
+    counts = torch.tensor([3, 2, 1])
+    got = out.clone()
+    ops.lora_add_rows(got, x, gather, counts, a, bt, ranks)
+    want = out.clone()
+    for g in range(3):
+        r = int(ranks[g])
+        for row in gather[g, : int(counts[g])].tolist():
+            want[row] += (a[g, :r] @ x[row]) @ bt[g, :r]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[[4, 6, 8]], out[[4, 6, 8]])  # rows of no adapter (or of rank 0)
