@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvmesh.engine.cli_args import _positive_int
 from kvmesh.engine.lora.request import LoRARequest
 
 # vLLM's message when adapters are asked for without --enable-lora.
@@ -75,16 +76,6 @@ def lora_module(text: str) -> dict[str, str | None]:
     if base is not None and not isinstance(base, str):
         raise argparse.ArgumentTypeError(f"base_model_name must be a string in {text}")
     return {"name": data["name"], "path": data["path"], "base_model_name": base}
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
 
 
 def lora_engine_args(args: argparse.Namespace, served_name: str) -> dict:

@@ -109,6 +109,7 @@ def server(request, tiny_model, adapters):
     yield srv
     srv.client.close()
     srv.stop()
+    srv.stop()
 
 
 def complete(srv, model: str, n: int = 8, **extra) -> httpx.Response:
@@ -399,6 +400,8 @@ def test_an_adapter_that_fails_at_start_fails_the_load(tiny_model, tmp_path):
         [
             "--model",
             tiny_model,
+            "--num-kv-blocks",
+            "64",
             "--engine-mode",
             "thread",
             "--enable-lora",
@@ -419,6 +422,7 @@ def plain_server(tiny_model):
     os.environ.pop("VLLM_ALLOW_RUNTIME_LORA_UPDATING", None)
     srv = ThreadServer(
         ["--model", tiny_model, "--served-model-name", MODEL, "--engine-mode", "thread"]
+        + ["--num-kv-blocks", "64"]  # in this process: a small cache, not the 4 GiB default
     ).start()
     yield srv
     srv.stop()
