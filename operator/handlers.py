@@ -374,7 +374,10 @@ async def adapter_daemon(
             loop = asyncio.get_running_loop()
             deadline = loop.time() + memo.config.adapter_interval
             while not stopped and not memo.stopping and loop.time() < deadline:
-                await stopped.wait(min(0.25, max(deadline - loop.time(), 0.01)))
+                try:  # a timeout racing the daemon's cancellation surfaces as TimeoutError
+                    await stopped.wait(min(0.25, max(deadline - loop.time(), 0.01)))
+                except TimeoutError:
+                    pass
     finally:
         memo.adapters.pop(meta.get("uid"), None)
 

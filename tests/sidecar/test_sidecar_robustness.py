@@ -145,7 +145,9 @@ def test_a_failing_iteration_is_counted_and_followed_by_a_full_resync(rig, model
     # The loop survives, counts it, and rebuilds everything from a replay from 0.
     wait_until(lambda: sc.stats["events_loop_errors"] == 1, 5, msg="loop error counted")
     wait_until(lambda: r.smembers(bkey) == keys_a | keys_b, 10, msg="full resync")
-    # One failure: one reset (the subscriber's, delivered to the writer) and one full rewrite more.
+    # One failure: one reset (the subscriber's, delivered to the writer) and one full rewrite more
+    # (counted once the rewrite is done, a moment after Redis shows its result).
+    wait_until(lambda: sc.stats["full_rewrites"] >= 2, 5, msg="the rewrite counted")
     assert sc.events.thread.is_alive() and sc.events.subscriber.stats["resets"] == 1
     assert sc.stats["resets"] == 1 and sc.stats["full_rewrites"] == 2
     assert "planted index bug" in sc.events.error

@@ -97,8 +97,18 @@ def test_events_and_replay_are_read_with_no_malformed_message(vllm_mesh):
 
 
 def _router_cached(mesh) -> tuple[float, float]:
+    """Predicted and engine-reported cached tokens, summed over the adapter label."""
     m = mesh.router.router.metrics
-    return m.predicted_cached.labels("")._value.get(), m.engine_cached.labels("")._value.get()
+
+    def total(counter) -> float:
+        return sum(
+            s.value
+            for metric in counter.collect()
+            for s in metric.samples
+            if s.name.endswith("_total")
+        )
+
+    return total(m.predicted_cached), total(m.engine_cached)
 
 
 def test_follow_up_turn_goes_to_the_replica_with_its_prefix_and_vllm_confirms_the_prediction(
