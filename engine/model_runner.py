@@ -211,6 +211,7 @@ class ModelRunner:
             rows.logits().indices,
             lambda a: packed_weights(a, self.config, self.device, self.dtype),
             self._tensor,
+            stack=self.model.lora.stacks,
         )
 
     def execute(

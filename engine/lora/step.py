@@ -55,11 +55,12 @@ def _rows(indices: np.ndarray, to_device) -> slice | torch.Tensor:
     return to_device(indices)
 
 
-def build_lora_step(requests, query_start_loc, logits_indices, packed, to_device):
+def build_lora_step(requests, query_start_loc, logits_indices, packed, to_device, stack=True):
     """The step's LoRAStep, or None when no request runs with an adapter (no LoRA work at all).
 
     ``packed(adapter)`` gives an adapter's packed weights on the model's device (lora/packed.py);
-    ``to_device`` moves an index array there."""
+    ``to_device`` moves an index array there; ``stack``: short steps may run stacked (the torch
+    kernel's context does; the Triton kernels take the groups, so nothing stacked is built)."""
     if all(r.lora is None for r in requests):
         return None
     owner_of_seq = np.full(len(requests), -1, dtype=np.int64)
@@ -74,7 +75,7 @@ def build_lora_step(requests, query_start_loc, logits_indices, packed, to_device
     row_owner = np.repeat(owner_of_seq, np.diff(qsl))
     logits_owner = row_owner[np.asarray(logits_indices, dtype=np.int64)]
     weights = [packed(a) for a in loaded]
-    stacked = stacked_lora(weights) if len(weights) > 1 else None
+    stacked = stacked_lora(weights) if stack and len(weights) > 1 else None
     return LoRAStep(
         _group(row_owner, weights, to_device, stacked),
         _group(logits_owner, weights, to_device, stacked),
@@ -186,6 +187,11 @@ class LoRAContext:
         # the compiled CPU ops, when built: short steps' adapter rows run lora_add_rows
         self.cpu_ops = cpu_ops if hasattr(cpu_ops, "lora_add_rows") else None
 
+    @property
+    def stacks(self) -> bool:
+        """Whether short steps run stacked (the torch kernel; the Triton kernels take groups)."""
+        return self.kernel is add_lora_torch
+
     def begin(self, step: LoRAStep | None) -> None:
         self.step = step
         self.rows = None if step is None else step.full
@@ -197,7 +203,7 @@ class LoRAContext:
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
         """Add each adapter's term to its rows of projection ``proj``'s output ``out`` ([T, out])."""
-        if self.rows.gather is not None and self.kernel is add_lora_torch:
+        if self.rows.gather is not None and self.stacks:
             _add_stacked(out, x, self.rows, layer, proj, self.cpu_ops)
             return
         for group in self.rows.groups:

@@ -129,3 +129,15 @@ def test_the_compiled_kernel_adds_what_torch_adds():
             want[row] += (a[g, :r] @ x[row]) @ bt[g, :r]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[[4, 6, 8]], out[[4, 6, 8]])  # rows of no adapter (or of rank 0)
+
+
+def test_a_kernel_that_takes_groups_gets_no_stacked_rows():
+    """The Triton kernels take groups: a short step builds no stacked batch for them."""
+    w1, w2 = SimpleNamespace(weights=[{}]), SimpleNamespace(weights=[{}])
+    qsl = np.array([0, 1, 2])
+    built = build_lora_step(
+        _reqs(w1, w2), qsl, np.array([0, 1]), lambda a: a.weights, torch.as_tensor, stack=False
+    )
+    assert built.full.gather is None and built.logits.gather is None
+    assert len(built.full.groups) == 2
+    assert not LoRAContext(lambda *a: None).stacks and LoRAContext(add_lora_torch).stacks
