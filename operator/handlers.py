@@ -371,13 +371,7 @@ async def adapter_daemon(
                 if memo.stopping:
                     break
                 logger.warning(f"adapter sync failed: {exc}")
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + memo.config.adapter_interval
-            while not stopped and not memo.stopping and loop.time() < deadline:
-                try:  # a timeout racing the daemon's cancellation surfaces as TimeoutError
-                    await stopped.wait(min(0.25, max(deadline - loop.time(), 0.01)))
-                except TimeoutError:
-                    pass
+            await scaling.pause(stopped, memo, memo.config.adapter_interval)
     finally:
         memo.adapters.pop(meta.get("uid"), None)
 

@@ -432,6 +432,18 @@ async def _scale(
     logger.info(f"autoscaler: {current} -> {desired}: {decision.reason}")
 
 
+async def pause(stopped: Any, memo: Memo, seconds: float) -> None:
+    """A daemon's wait between passes, in short waits: a stopped daemon (or a stopping operator)
+    ends it within a fraction of a second."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not stopped and not memo.stopping and loop.time() < deadline:
+        try:  # a timeout racing the daemon's cancellation surfaces as TimeoutError
+            await stopped.wait(min(0.25, max(deadline - loop.time(), 0.01)))
+        except TimeoutError:
+            pass
+
+
 async def run_loop(stopped: Any, meta: Any, memo: Memo, logger: Any) -> None:
     """One loop per ModelDeployment (kopf daemon in handlers.py): status refresh and autoscaling."""
     namespace, name = meta["namespace"], meta["name"]
@@ -447,9 +459,7 @@ async def run_loop(stopped: Any, meta: Any, memo: Memo, logger: Any) -> None:
                 raise
             logger.warning(f"autoscaler tick failed, retrying in {delay:.0f}s: {exc}")
             interval, delay = delay, min(delay * 2, 30.0)
-        deadline = asyncio.get_running_loop().time() + interval
-        while not stopped and not memo.stopping and asyncio.get_running_loop().time() < deadline:
-            await stopped.wait(min(0.25, deadline - asyncio.get_running_loop().time()))
+        await pause(stopped, memo, interval)
     uid = meta.get("uid")
     memo.scalers.pop(uid, None)
     memo.last_actions.pop(uid, None)
