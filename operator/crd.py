@@ -397,11 +397,11 @@ KV_SHARED_VOLUME_RULES = [
     },
 ]
 # A memory size: a Kubernetes quantity without fractions of a byte (8Gi, 512Mi, 20G).
-_SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 
 
 def _size(desc: str, **kw: Any) -> dict[str, Any]:
-    return _str(desc, pattern=_SIZE_PATTERN, maxLength=32, **kw)
+    return _str(desc, pattern=SIZE_PATTERN, maxLength=32, **kw)
 
 
 KV_OFFLOAD = _obj(
