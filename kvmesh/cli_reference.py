@@ -73,7 +73,13 @@ counted as coming capacity). `--scale-up-percent` / `--scale-up-pods` per
 then starting, then fewest cached blocks and requests). With `--min-replicas 0` the last
 replica stops after `--scale-to-zero-idle` seconds with nothing running, waiting or held by
 the router; the router then holds new requests and sets the demand key, and `up` starts a
-replica at once (`--replicas 0` starts the mesh at zero).""",
+replica at once (`--replicas 0` starts the mesh at zero).
+
+`--kv-offloading-size GIB` gives every engine a host tier of that size, `--kv-shared-dir DIR`
+(created if missing) one shared tier all of them read and write, bounded by `--kv-shared-size`
+(kvmesh/common/kv_tiers.py). With `--engine vllm` the host tier is vLLM's
+(`--kv-offloading-backend native`) and there is no shared tier; the stub engine accepts the
+flags and keeps no tier.""",
     "status": (
         "Prints the replicas of a mesh as it sees them in Redis: state, load, prefix-cache hit rate, "
         "and the speculative-decoding acceptance rate of engines that speculate."

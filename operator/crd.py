@@ -386,6 +386,85 @@ LORA = _obj(
 )
 
 
+# spec.engine.kvOffload: the engine's KV tiers (operator/kv_offload.py renders them).
+DEFAULT_KV_SHARED_SIZE = "10Gi"
+KV_SHARED_SOURCES = ("emptyDir", "hostPath", "persistentVolumeClaim")
+KV_SHARED_VOLUME_RULES = [
+    {
+        "rule": " + ".join(f"(has(self.{k}) ? 1 : 0)" for k in KV_SHARED_SOURCES) + " == 1",
+        "message": "engine.kvOffload.shared.volume: set exactly one volume source: "
+        "emptyDir, hostPath or persistentVolumeClaim",
+    },
+]
+# A memory size: a Kubernetes quantity without fractions of a byte (8Gi, 512Mi, 20G).
+SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+
+
+def _size(desc: str, **kw: Any) -> dict[str, Any]:
+    return _str(desc, pattern=SIZE_PATTERN, maxLength=32, **kw)
+
+
+KV_OFFLOAD = _obj(
+    "KV tiers beyond the engine's KV cache: blocks it evicts are kept in host memory and, with "
+    "shared, in a store on a volume, and loaded back on a prefix hit instead of prefilled "
+    "again. A change rolls the engine pods.",
+    {
+        "hostMemory": _size(
+            "Host memory of the host tier, e.g. 8Gi (--kv-offloading-size, in GiB); added to "
+            "the engine container's memory request and limit where they are set."
+        ),
+        "shared": _obj(
+            "A shared tier: one file per block key on a volume the replicas mount at "
+            "/var/lib/kvmesh/kv-shared (--kv-shared-dir); kvmesh engines only.",
+            {
+                "volume": _obj(
+                    "The volume. Exactly one source; a volume every replica mounts (a "
+                    "ReadWriteMany claim) shares blocks between them.",
+                    {
+                        "emptyDir": _obj(
+                            "A volume of the pod's own (kept across engine restarts).",
+                            {"sizeLimit": _size("Size limit of the emptyDir.")},
+                        ),
+                        "hostPath": _obj(
+                            "A directory of the node (shared by the replicas on that node).",
+                            {
+                                "path": _str(
+                                    "Absolute path on the node.",
+                                    pattern="^/",
+                                    minLength=1,
+                                    maxLength=1024,
+                                ),
+                                "type": _str(
+                                    "hostPath type.",
+                                    enum=["", "DirectoryOrCreate", "Directory"],
+                                ),
+                            },
+                            required=["path"],
+                        ),
+                        "persistentVolumeClaim": _obj(
+                            "An existing PersistentVolumeClaim.",
+                            {
+                                "claimName": _str(
+                                    "PersistentVolumeClaim name.", minLength=1, maxLength=253
+                                )
+                            },
+                            required=["claimName"],
+                        ),
+                    },
+                    **{"x-kubernetes-validations": KV_SHARED_VOLUME_RULES},
+                ),
+                "size": _size(
+                    "Most bytes the engine keeps in the store, least recently used dropped "
+                    "first (--kv-shared-size, in GiB).",
+                    default=DEFAULT_KV_SHARED_SIZE,
+                ),
+            },
+            required=["volume"],
+        ),
+    },
+)
+
+
 SPEC_SCHEMA: dict[str, Any] = _obj(
     "Desired state of a served model.",
     {
@@ -632,6 +711,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 "heartbeatIntervalSeconds": _num(
                     "Sidecar heartbeat interval.", default=1, minimum=0.1
                 ),
+                "kvOffload": KV_OFFLOAD,
                 "requireApiKey": _bool(
                     "Engines accept /v1 requests only with a generated key (Secret "
                     "<name>-engine-api-key), which the router sends: nothing but the router "
@@ -990,4 +1070,5 @@ def all_cel_rules() -> list[tuple[str, dict[str, str]]]:
         + [("spec.adapters[*].source", r) for r in ADAPTER_SOURCE_RULES]
         + [("spec.engine.loraModules[*].name", r) for r in ADAPTER_NAME_RULES]
         + [("spec.lora", r) for r in LORA_RULES]
+        + [("spec.engine.kvOffload.shared.volume", r) for r in KV_SHARED_VOLUME_RULES]
     )

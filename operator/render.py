@@ -19,7 +19,7 @@ from kvmesh.common.chat_prompt import tool_call_parser_in
 from kvmesh.common.model_lookup import converted_dir
 from kvmesh.common.vllm_args import VLLM_IMAGE, size_bytes, vllm_serve_args
 from kvmesh.operator import adapters as lora
-from kvmesh.operator import crd
+from kvmesh.operator import crd, kv_offload
 from kvmesh.operator.spec import GPU, served_model_name
 
 VERSION = "0.1.0"
@@ -282,7 +282,12 @@ def engine_args(spec: dict[str, Any]) -> list[str]:
         args += ["--kv-cache-memory", eng["kvCacheMemory"]]
     if eng.get("toolCallParser"):
         args += ["--enable-auto-tool-choice", "--tool-call-parser", eng["toolCallParser"]]
-    return args + lora.lora_flags(spec) + list(eng.get("extraArgs") or [])
+    return (
+        args
+        + kv_offload.engine_flags(spec)
+        + lora.lora_flags(spec)
+        + list(eng.get("extraArgs") or [])
+    )
 
 
 def is_vllm(spec: dict[str, Any]) -> bool:
@@ -312,7 +317,10 @@ def vllm_engine_args(spec: dict[str, Any]) -> list[str]:
         max_num_seqs=eng["maxNumSeqs"],
         gpu_memory_utilization=eng.get("gpuMemoryUtilization"),
         tool_call_parser=eng.get("toolCallParser"),
-        extra=extra + lora.lora_flags(spec) + list(eng.get("extraArgs") or []),
+        extra=extra
+        + kv_offload.engine_flags(spec, vllm=True)
+        + lora.lora_flags(spec)
+        + list(eng.get("extraArgs") or []),
     )
 
 
@@ -583,7 +591,7 @@ def render_engine_deployment(
             else []
         )
         + list(eng.get("env") or []),
-        "resources": _resources(eng.get("resources")),
+        "resources": kv_offload.grown_resources(_resources(eng.get("resources")), spec),
         "startupProbe": _probe("startup", "/health", probes["startup"]),
         # vLLM has no /ready: /health answers once the model is loaded.
         "readinessProbe": _probe("readiness", "/health" if vllm else "/ready", probes["readiness"]),
@@ -593,6 +601,7 @@ def render_engine_deployment(
         + [{"name": "dshm", "mountPath": "/dev/shm"}]
         + model_mounts
         + _adapter_mounts(spec)
+        + kv_offload.mounts(spec)
         + list(eng.get("volumeMounts") or []),
         "securityContext": _container_security(),
     }
@@ -643,6 +652,7 @@ def render_engine_deployment(
         ]
         + model_vols
         + _adapter_volumes(md, spec)
+        + kv_offload.volumes(spec)
         + list(eng.get("volumes") or []),
     }
     if uses_shared_cache(spec):

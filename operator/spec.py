@@ -16,7 +16,7 @@ from typing import Any
 
 import jsonschema
 
-from kvmesh.operator import adapters, crd
+from kvmesh.operator import adapters, crd, kv_offload
 
 # Kubernetes object names of children are "<name>-<suffix>"; the longest suffix
 # is "-engine" / "-router" / "-redis-url" (9); Service names must be DNS-1035 labels (63).
@@ -91,6 +91,7 @@ def _rule_errors(spec: dict[str, Any]) -> list[str]:
         errors.append(crd.ROLLOUT_RULES[0]["message"])
     errors += _flow_rule_errors((spec.get("router") or {}).get("flowControl") or {})
     errors += adapters.rule_errors(spec)
+    errors += kv_offload.rule_errors(spec)
     message = crd._INT_OR_PERCENT["x-kubernetes-validations"][0]["message"]
     for path, value in _int_or_percent_values(spec):
         if not (
@@ -146,6 +147,7 @@ def _semantic_errors(name: str, spec: dict[str, Any]) -> list[str]:
     hf = (spec.get("model") or {}).get("huggingFace") or {}
     shared = bool((hf.get("sharedCache") or {}).get("enabled"))
     errors += adapters.semantic_errors(spec, served_model_name(spec), shared)
+    errors += kv_offload.semantic_errors(spec, (spec.get("engine") or {}).get("kind") == "vllm")
     pvc = (spec.get("model") or {}).get("pvc") or {}
     if ".." in posixpath.normpath(pvc.get("path", "") or ".").split("/"):
         errors.append("model.pvc.path must stay inside the volume (no '..')")

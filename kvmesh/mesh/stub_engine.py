@@ -599,6 +599,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument("--max-loras", type=int, default=1, help="lora_requests_info's max_lora")
     p.add_argument("--max-lora-rank", type=int, default=16, help="accepted, as the engine's")
+    # The KV tier flags, accepted as the engine's: the stub keeps no tier beyond its cache.
+    p.add_argument("--kv-offloading-size", type=float, default=None, help="accepted, ignored")
+    p.add_argument("--kv-shared-dir", default=None, help="accepted, ignored")
+    p.add_argument("--kv-shared-size", type=float, default=None, help="accepted, ignored")
     return p
 
 

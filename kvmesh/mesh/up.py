@@ -11,11 +11,13 @@ keys), then the engines (they drain), then Redis. With `--engine vllm` the engin
 vLLM servers (`vllm serve`, found as kvmesh.common.vllm_args.vllm_program finds it), each
 sidecar reads it in vLLM mode and the router resumes streams the vLLM way (docs/vllm.md).
 `--lora-modules name=path ...` (with `--max-loras`, `--max-lora-rank`) gives every engine those
-LoRA adapters (kvmesh/mesh/lora_args.py). `--autoscale` adds or removes
-replicas with the operator's policy (``kvmesh.operator.autoscaler.decide``: KV utilisation
-and queue depth from the heartbeats, the scale-up rate cap, the startup deadline), scales to
-zero after `--scale-to-zero-idle` seconds idle when `--min-replicas 0`, and back to one
-replica as soon as the router signals demand (the Redis key ``redis_layout.demand_key``).
+LoRA adapters (kvmesh/mesh/lora_args.py); `--kv-offloading-size`, `--kv-shared-dir` and
+`--kv-shared-size` give every engine those KV tiers (kvmesh/mesh/kv_tier_args.py).
+`--autoscale` adds or removes replicas with the operator's policy
+(``kvmesh.operator.autoscaler.decide``: KV utilisation and queue depth from the heartbeats, the
+scale-up rate cap, the startup deadline), scales to zero after `--scale-to-zero-idle` seconds
+idle when `--min-replicas 0`, and back to one replica as soon as the router signals demand (the
+Redis key ``redis_layout.demand_key``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ from kvmesh.common.logging_setup import setup_logging
 from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.common.ports import free_port
 from kvmesh.common.vllm_args import VLLM_BLOCK_SIZE, is_cpu_build, vllm_program, vllm_serve_args
+from kvmesh.mesh.kv_tier_args import (
+    add_kv_tier_arguments,
+    check_kv_tier_args,
+    engine_kv_tier_args,
+)
 from kvmesh.mesh.lora_args import add_lora_arguments, engine_lora_args
 from kvmesh.mesh.redis_server import redis_server_argv
 from kvmesh.mesh.supervisor import GAVE_UP, RESTARTED, Child, RestartPolicy, say
@@ -182,6 +189,7 @@ class Mesh:
         else:
             argv = (
                 shlex.split(self.engine_template.format(**fields))
+                + engine_kv_tier_args(self.args)
                 + engine_lora_args(self.args)
                 + shlex.split(self.args.engine_args or "")
             )
@@ -240,7 +248,12 @@ class Mesh:
             max_model_len=2048 if cpu else None,
         )
         argv[0] = self.vllm_program
-        return argv + engine_lora_args(self.args) + shlex.split(self.args.engine_args or "")
+        return (
+            argv
+            + engine_kv_tier_args(self.args, vllm=True)
+            + engine_lora_args(self.args)
+            + shlex.split(self.args.engine_args or "")
+        )
 
     def _vllm_env(self) -> dict[str, str]:
         env = self._engine_env()
@@ -534,6 +547,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--engine-args", default=None, help="extra arguments for every engine")
     add_lora_arguments(p)
+    add_kv_tier_arguments(p)
     p.add_argument("--router-args", default=None, help="extra arguments for the router")
     p.add_argument(
         "--max-resumes",
@@ -634,6 +648,7 @@ def run(args: argparse.Namespace) -> int:
         "text", "INFO"
     )  # the supervisor's own log lines; its children's are prefixed by say()
     check_restart_args(args)
+    check_kv_tier_args(args, vllm=args.engine == "vllm")
     mesh = Mesh(args)
     if mesh.engine_template == "stub":
         mesh.engine_template = STUB_ENGINE_COMMAND

@@ -271,6 +271,32 @@ REJECTED = [
         "lora.maxCpuLoras must be >= lora.maxLoras",
         id="fewer-cpu-loras-than-loras",
     ),
+    pytest.param(
+        {
+            "engine": {
+                "kvOffload": {
+                    "shared": {
+                        "volume": {"emptyDir": {}, "persistentVolumeClaim": {"claimName": "kv"}}
+                    }
+                }
+            }
+        },
+        "spec.engine.kvOffload.shared.volume",
+        "set exactly one volume source: emptyDir, hostPath or persistentVolumeClaim",
+        id="kv-shared-with-two-volume-sources",
+    ),
+    pytest.param(
+        {"engine": {"kvOffload": {"hostMemory": "8GB"}}},
+        "spec.engine.kvOffload.hostMemory",
+        "should match",
+        id="kv-host-memory-not-a-quantity",
+    ),
+    pytest.param(
+        {"engine": {"kvOffload": {"shared": {"volume": {"hostPath": {"path": "var/kv"}}}}}},
+        "spec.engine.kvOffload.shared.volume.hostPath.path",
+        "should match '^/'",
+        id="kv-shared-relative-host-path",
+    ),
 ]
 
 
@@ -302,6 +328,16 @@ def test_cel_rules_accept_the_limit_cases(api: httpx.Client) -> None:
     )
     resp = api.post(path(MD, NS), json=body, params={"dryRun": "All"})
     assert resp.status_code == 201, resp.text
+
+
+def test_a_valid_kv_offload_is_admitted_and_defaulted(api: httpx.Client) -> None:
+    kv = {"hostMemory": "512Mi", "shared": {"volume": {"hostPath": {"path": "/mnt/kv"}}}}
+    body = md_body("kv-tiers", engine={"kvOffload": kv})
+    resp = api.post(path(MD, NS), json=body, params={"dryRun": "All"})
+    assert resp.status_code == 201, resp.text
+    stored = resp.json()["spec"]["engine"]["kvOffload"]
+    assert stored == {**kv, "shared": {**kv["shared"], "size": crd.DEFAULT_KV_SHARED_SIZE}}
+    assert specs.apply_defaults(body["spec"]) == resp.json()["spec"]
 
 
 # --- the operator against it ------------------------------------------------------------------

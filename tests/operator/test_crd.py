@@ -217,6 +217,17 @@ VALID = [
         "model": {"builtin": "m"},
         "engine": {"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "16Gi"}}},
     },
+    {
+        "model": {"builtin": "m"},
+        "engine": {
+            "kvOffload": {
+                "hostMemory": "8Gi",
+                "shared": {"volume": {"hostPath": {"path": "/mnt/kv"}}, "size": "20Gi"},
+            },
+            "resources": {"limits": {"memory": "16Gi"}},
+        },
+    },
+    {"model": {"builtin": "m"}, "engine": {"kind": "vllm", "kvOffload": {"hostMemory": "512Mi"}}},
 ]
 
 INVALID = [  # (spec, expected message fragment, caught by CEL?)
@@ -345,6 +356,33 @@ INVALID = [  # (spec, expected message fragment, caught by CEL?)
     (
         _lora_spec(adapters=[{"name": "a", "source": {"pvc": {"claimName": "c", "path": "../x"}}}]),
         "must stay inside the volume",
+        False,
+    ),
+    (
+        {
+            "model": {"builtin": "m"},
+            "engine": {
+                "kvOffload": {
+                    "shared": {
+                        "volume": {"emptyDir": {}, "persistentVolumeClaim": {"claimName": "c"}}
+                    }
+                }
+            },
+        },
+        "set exactly one volume source",
+        True,
+    ),
+    (
+        {"model": {"builtin": "m"}, "engine": {"kvOffload": {"hostMemory": "8 GiB"}}},
+        "does not match",
+        False,
+    ),
+    (
+        {
+            "model": {"builtin": "m"},
+            "engine": {"kvOffload": {"shared": {"volume": {"hostPath": {"path": "kv"}}}}},
+        },
+        "does not match '^/'",
         False,
     ),
 ]
