@@ -13,6 +13,9 @@ cgroup's CPU quota: a container's CPU limit):
   ``auto`` reserves one CPU when there are at least 4 (as vLLM's CPU backend leaves one to its API
   server), none on smaller machines: on 2 CPUs, reserving one halves the model's compute while the
   frontend needs a fraction of a core (docs/performance.md has the measurement).
+
+This is the plan at start; between steps cpu_contention.py lowers the torch thread count while
+other processes take CPU time on these CPUs (unless the count was pinned), and restores it.
 """
 
 from __future__ import annotations
