@@ -213,7 +213,34 @@ def test_a_busy_loop_beside_us_is_seen():
 
 
 # -- the engine's step loop -----------------------------------------------------------------------
-def test_the_step_loop_adapts_and_metrics_show_it(tiny_llama_dir, monkeypatch):
+def test_the_core_process_leaves_its_api_process_out_and_only_the_cpu_engine_adapts():
+    import os
+    from types import SimpleNamespace
+
+    from kvmesh.engine.config import EngineArgs
+
+    def core(device="cpu", **args):
+        return SimpleNamespace(
+            device=torch.device(device),
+            args=EngineArgs(**args),
+            num_threads=2,
+            set_threads=lambda n: None,
+        )
+
+    shared = plan_threads(cpus=[0, 1], env={})
+    mon = core_proc.thread_monitor(core(), shared)
+    assert mon.planned == 2 and mon.reader.pids == ("self", str(os.getppid()))
+    apart = plan_threads(cpus=[0, 1, 2, 3], env={})  # the frontend keeps CPU 0
+    assert core_proc.thread_monitor(core(), apart).reader.pids == ("self",)
+    pinned = plan_threads(omp_threads=2, cpus=[0, 1], env={})
+    assert core_proc.thread_monitor(core(), pinned) is None
+    assert core_proc.thread_monitor(core(adapt_threads=True), pinned) is not None
+    assert core_proc.thread_monitor(core(adapt_threads=False), shared) is None
+    assert core_proc.thread_monitor(core("meta"), shared) is None
+
+
+@pytest.mark.parametrize("scheduling", ["--no-async-scheduling", "--async-scheduling"])
+def test_the_step_loop_adapts_and_metrics_show_it(tiny_llama_dir, monkeypatch, scheduling):
     from tests.engine.server.conftest import ThreadServer
 
     monitors: list[ContentionMonitor] = []
@@ -228,7 +255,7 @@ def test_the_step_loop_adapts_and_metrics_show_it(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(cpu_contention, "INTERVAL", 0.0)
     before = torch.get_num_threads()
     srv = ThreadServer(
-        ["--model", tiny_llama_dir, "--engine-mode", "thread", "--num-kv-blocks", "64"]
+        ["--model", tiny_llama_dir, "--engine-mode", "thread", "--num-kv-blocks", "64", scheduling]
     ).start()
     try:
         body = {"model": tiny_llama_dir, "prompt": "hello", "max_tokens": 8, "ignore_eos": True}
@@ -236,6 +263,9 @@ def test_the_step_loop_adapts_and_metrics_show_it(tiny_llama_dir, monkeypatch):
         assert r.status_code == 200, r.text
         assert monitors and monitors[0].threads == 1
         assert srv.state.engine.stats.engine_threads == 1
+        core = srv.state.engine.engine.core
+        if scheduling == "--async-scheduling":  # the step thread runs the forwards: it set it too
+            assert core.async_scheduling and core._step_thread_threads == 1
         text = httpx.get(f"{srv.url}/metrics", timeout=10).text
         assert any(
             line.startswith("kvmesh:engine_threads{") and line.endswith(" 1.0")
