@@ -15,10 +15,11 @@ The thread count is the CPUs left, rounded, in [1, planned]; it changes only aft
 consecutive samples agree (down faster than up), and goes back up when the others leave.
 
 What stays: libgomp reads its spin (``GOMP_SPINCOUNT``, threads.spin_count) once, when torch
-loads, so the spin the core started with holds whatever the monitor decides. With fewer threads
-than CPUs a waiting thread spins on a CPU the neighbour would otherwise get, which is why
-threads.py starts the core with a short spin wherever its CPUs may be contended. The CPU
-affinity is not changed either.
+loads, so the spin the core started with holds whatever the monitor decides: 1M iterations
+beside its own API process, 100k under a CPU quota or pinned apart from the API process. At one
+thread there is no barrier to spin at (the pool's idle threads sleep after one spin); with more,
+the spin a waiting thread burns is time the neighbour would otherwise get, and the threads it
+waits for now fit on the CPUs left. The CPU affinity is not changed either.
 
 torch.set_num_threads sets the OpenMP team size of the thread that calls it (libgomp keeps it per
 thread), so the monitor applies it on the thread that runs the forward (EngineCore.set_threads).
