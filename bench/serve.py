@@ -29,12 +29,16 @@ Modes:
       ../shared/bench/vllm_anchor.sh relative to the checkout (--vllm-anchor; `vllm_anchor.sh setup` first); a URL uses a
       vLLM server already running there. --kvmesh-url uses a running kvmesh server instead of
       starting one; --kvmesh-flags adds flags to the one started (e.g. "--engine-mode thread").
+      --busy-neighbours 0,1 measures once quiet and once beside a busy-loop process (both servers
+      under the same neighbours), then prints kvmesh/vLLM per pass and each server's share of its
+      quiet throughput (targets: kvmesh keeps >= 45% beside one, >= 2x vLLM).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -827,23 +831,75 @@ def compare_vllm(args) -> int:
         }
         if not args.skip_offline:
             parts["offline"] = alone("offline", offline)
-        # results[workload index][part]: one summary per round
-        results: list[dict[str, list[dict]]] = [{p: [] for p in parts} for _ in range(2)]
         names = [w[0] for w in _anchor_workloads(vocab, args)]
-        for rnd in range(args.rounds):
-            order = list(parts) if rnd % 2 == 0 else list(parts)[::-1]
-            for wi, (wname, reqs, conc) in enumerate(
-                _anchor_workloads(vocab, args, seed=1000 * rnd)
-            ):
-                print(
-                    f"\n-- round {rnd + 1}/{args.rounds}, {wname[:40]}: {' -> '.join(order)}",
-                    flush=True,
-                )
-                for part in order:
-                    results[wi][part].append(parts[part](wname, reqs, conc))
-                _print_round(results[wi], rnd)
-    _print_report(names, results, args.rounds)
+        passes: dict[int, list[dict[str, list[dict]]]] = {}  # busy neighbours -> results
+        for n in args.busy_neighbours:
+            with busy_neighbours(n):
+                passes[n] = _rounds(parts, vocab, args)
+    for n, results in passes.items():
+        if len(passes) > 1:
+            print(f"\n== with {n} busy neighbour process(es)")
+        _print_report(names, results, args.rounds)
+    if 0 in passes and len(passes) > 1:
+        _print_busy_report(names, passes)
     return 0
+
+
+@contextlib.contextmanager
+def busy_neighbours(n: int):
+    """n processes that busy-loop beside the servers (both measured under the same ones): the
+    other pods of a busy node."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    if n:
+        print(f"\n== {n} busy neighbour process(es) running (pids {[p.pid for p in procs]})")
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _rounds(parts: dict, vocab: int, args) -> list[dict[str, list[dict]]]:
+    """args.rounds interleaved rounds of every workload on every part; [workload][part]: one
+    summary per round."""
+    results: list[dict[str, list[dict]]] = [{p: [] for p in parts} for _ in range(2)]
+    for rnd in range(args.rounds):
+        order = list(parts) if rnd % 2 == 0 else list(parts)[::-1]
+        for wi, (wname, reqs, conc) in enumerate(_anchor_workloads(vocab, args, seed=1000 * rnd)):
+            print(
+                f"\n-- round {rnd + 1}/{args.rounds}, {wname[:40]}: {' -> '.join(order)}",
+                flush=True,
+            )
+            for part in order:
+                results[wi][part].append(parts[part](wname, reqs, conc))
+            _print_round(results[wi], rnd)
+    return results
+
+
+def _print_busy_report(names: list[str], passes: dict[int, list[dict[str, list[dict]]]]) -> None:
+    """Throughput beside busy neighbours: kvmesh/vLLM within each pass (paired by round), and
+    each server's share of its own quiet throughput (the medians of the pass without neighbours)."""
+    print(
+        "\n== beside busy neighbours (targets: kvmesh keeps >= 45% of its quiet total tok/s and "
+        ">= 2x vLLM's)"
+    )
+    print(
+        f"   {'workload':<58} {'busy':>4} {'vllm':>8} {'kvmesh':>8} {'ratio':>7} {'kvmesh keeps':>13} {'vllm keeps':>11}"
+    )
+    for wi, wname in enumerate(names):
+        quiet = {
+            p: _median([s["total_tok_s"] for s in passes[0][wi][p]]) for p in ("vllm", "kvmesh")
+        }
+        for n, results in passes.items():
+            res = results[wi]
+            v = [s["total_tok_s"] for s in res["vllm"]]
+            k = [s["total_tok_s"] for s in res["kvmesh"]]
+            ratio = _median([b / a if a else float("nan") for a, b in zip(v, k)])
+            print(
+                f"   {wname[:58]:<58} {n:>4} {_median(v):8.1f} {_median(k):8.1f} {ratio:6.2f}x "
+                f"{100 * _median(k) / quiet['kvmesh']:12.1f}% {100 * _median(v) / quiet['vllm']:10.1f}%"
+            )
 
 
 def _print_round(res: dict[str, list[dict]], rnd: int) -> None:
@@ -898,6 +954,13 @@ def _print_report(names: list[str], results: list[dict[str, list[dict]]], rounds
             print(f"   (failed requests: {', '.join(f'{p} {n}' for p, n in failed)})")
 
 
+def _counts(text: str) -> list[int]:
+    counts = [int(x) for x in text.split(",") if x.strip()]
+    if not counts or min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"non-negative counts, comma-separated: {text!r}")
+    return counts
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -940,6 +1003,15 @@ def main(argv=None) -> int:
         type=int,
         default=3,
         help="--compare-vllm: interleaved rounds (each: every workload on vllm, kvmesh, offline)",
+    )
+    ap.add_argument(
+        "--busy-neighbours",
+        type=_counts,
+        default=[0],
+        metavar="N[,N...]",
+        help="--compare-vllm: one pass per value, with N busy-loop processes beside the servers "
+        "(e.g. 0,1: quiet and one neighbour; with 0 and another, each server's share of its "
+        "quiet throughput is printed)",
     )
     ap.add_argument("--random-num-prompts", type=int, default=64)
     ap.add_argument("--random-input-len", type=int, default=256)

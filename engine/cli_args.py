@@ -91,6 +91,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "default: on for CUDA devices, off on the CPU",
     )
     g.add_argument(
+        "--adapt-threads",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="on the CPU, run fewer torch threads while other processes take CPU time on the "
+        "engine's CPUs, and all of them when they leave; default: on unless the thread count "
+        "is pinned (--omp-threads, OMP_NUM_THREADS)",
+    )
+    g.add_argument(
         "--speculative-config",
         type=_speculative_config,
         default=None,
@@ -182,5 +190,6 @@ def engine_args_from(args: argparse.Namespace, server: bool = False, **overrides
         gpu_memory_utilization=args.gpu_memory_utilization,
         speculative_config=_with_batch_limit(args),
         async_scheduling=getattr(args, "async_scheduling", None),
+        adapt_threads=getattr(args, "adapt_threads", None),
         **overrides,
     )

@@ -108,6 +108,10 @@ class EngineArgs:
     # Schedule and prepare step N+1 while step N runs (vLLM's --async-scheduling). None: on for
     # CUDA devices, off on the CPU (where it measured no faster: docs/performance.md).
     async_scheduling: bool | None = None
+    # Fewer torch threads while other processes take CPU time on ours, back when they leave
+    # (cpu_contention.py). None: on unless the thread count was pinned (OMP_NUM_THREADS,
+    # --omp-threads).
+    adapt_threads: bool | None = None
     # LoRA, as vLLM's flags: adapters served beside the base model (requests name one as `model`).
     enable_lora: bool = False
     max_loras: int = 1  # adapters one step may hold (the rest wait)

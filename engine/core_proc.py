@@ -36,11 +36,12 @@ import msgspec
 
 from kvmesh.engine.config import EngineArgs
 from kvmesh.engine.core_messages import AbortRequests, AddRequest
+from kvmesh.engine.cpu_contention import ContentionMonitor, monitor_for
 from kvmesh.engine.engine_core import EngineCoreOutput, EngineStats
 from kvmesh.engine.lora.request import LoRAError, LoRARequest
 from kvmesh.engine.sampling_params import InvalidParameter
 from kvmesh.engine.step_timing import StepTimer
-from kvmesh.engine.threads import ThreadPlan
+from kvmesh.engine.threads import ThreadPlan, cgroup_cpu_limit
 
 log = logging.getLogger("kvmesh.engine.core")
 
@@ -117,10 +118,11 @@ class CoreLoop:
     """Adds, aborts and one step of an EngineCore, with the last-resort failure path; items are
     ``(request_id, EngineCoreOutput | exception)``."""
 
-    def __init__(self, core):
+    def __init__(self, core, threads: ThreadPlan | None = None):
         self.core = core
         self.timer = StepTimer.install(core)
         self.num_step_errors = 0
+        self.thread_monitor = thread_monitor(core, threads)
 
     def add(self, msg: AddRequest) -> Exception | None:
         try:
@@ -149,6 +151,8 @@ class CoreLoop:
         except Exception as exc:  # noqa: BLE001 - never let the loop die silently
             items = self._fail_all(exc)
         self.timer.end()
+        if self.thread_monitor is not None:
+            self.thread_monitor.maybe_adapt()
         return items
 
     def _fail_all(self, exc: Exception) -> list[tuple[str, Any]]:
@@ -183,6 +187,24 @@ class CoreLoop:
         if name == "list_loras":
             return self.core.list_loras()
         raise ValueError(f"unknown utility call {name!r}")
+
+
+def thread_monitor(core, plan: ThreadPlan | None) -> ContentionMonitor | None:
+    """The CPU engine's thread monitor (--adapt-threads). A plan: the core process, which leaves
+    its API process's CPU time out of the others' when they share CPUs; none: the in-thread mode
+    (the API server is this process)."""
+    if core.device.type != "cpu":
+        return None
+    if plan is not None:
+        shared = plan.frontend_cpus is None
+        planned, pinned, quota = plan.core_threads, plan.pinned, plan.cpu_quota
+        companions = (os.getppid(),) if shared else ()
+    else:
+        planned, companions, quota = core.num_threads, (), cgroup_cpu_limit()
+        pinned = os.environ.get("OMP_NUM_THREADS", "").isdigit()
+    return monitor_for(
+        core.args.adapt_threads, planned, pinned, core.set_threads, companions, quota
+    )
 
 
 # -- the core process ------------------------------------------------------------------------------
@@ -271,7 +293,7 @@ class EngineCoreProc:
         from kvmesh.common.tokenizer import KVMeshTokenizer
 
         core.eos_token_ids |= KVMeshTokenizer(core.model_dir).eos_token_ids  # as LLMEngine does
-        self.loop = (cfg.core_loop or CoreLoop)(core)
+        self.loop = (cfg.core_loop or CoreLoop)(core, cfg.threads)
         _send(
             self.output,
             READY,

@@ -73,6 +73,7 @@ class EngineStats:
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
     max_loras: int = 0
+    engine_threads: int = 0  # torch threads of the forwards (cpu_contention.py adapts them)
 
 
 def _subset(sched: SchedulerOutput, requests: list[Request]) -> SchedulerOutput:
@@ -241,6 +242,8 @@ class EngineCore:
         self._sync_candidates: dict[str, Request] = {}  # requests for which needs_sync() may hold
         self._step_thread: ThreadPoolExecutor | None = None
         self.num_async_steps = 0
+        self.num_threads = torch.get_num_threads()  # set_threads (cpu_contention.py)
+        self._step_thread_threads: int | None = None  # what the step thread last applied
         self.num_sync_steps = 0
         log.info(
             "engine ready: model=%s dtype=%s device=%s blocks=%d (%d tokens) max_model_len=%d "
@@ -532,6 +535,9 @@ class EngineCore:
 
     def _run_async(self, batch: _InFlight, prev: _InFlight | None):
         """On the step thread: the step, on the previous step's sampled ids."""
+        if self._step_thread_threads != self.num_threads:  # set_threads: OpenMP's is per thread
+            torch.set_num_threads(self.num_threads)
+            self._step_thread_threads = self.num_threads
         prev_result = None
         if (
             prev is not None
@@ -614,6 +620,13 @@ class EngineCore:
         self._release(batch)
         self.num_steps -= 1
         self.num_async_steps -= 1
+
+    def set_threads(self, n: int) -> None:
+        """Torch's thread count for the forwards from the next step on. OpenMP keeps it per
+        thread: set here, on the loop's thread (which runs the forward unless steps are async),
+        and by the step thread before its next step."""
+        torch.set_num_threads(n)
+        self.num_threads = n
 
     def discard_in_flight(self) -> None:
         """Drop the async steps in flight without applying them (the last-resort failure path,
@@ -854,6 +867,7 @@ class EngineCore:
             running_lora_adapters=_adapter_names(self.scheduler.running),
             waiting_lora_adapters=_adapter_names(self.scheduler.waiting),
             max_loras=self.args.max_loras if self.loras is not None else 0,
+            engine_threads=self.num_threads,
         )
 
 

@@ -13,6 +13,9 @@ cgroup's CPU quota: a container's CPU limit):
   ``auto`` reserves one CPU when there are at least 4 (as vLLM's CPU backend leaves one to its API
   server), none on smaller machines: on 2 CPUs, reserving one halves the model's compute while the
   frontend needs a fraction of a core (docs/performance.md has the measurement).
+
+This is the plan at start; between steps cpu_contention.py lowers the torch thread count while
+other processes take CPU time on these CPUs (unless the count was pinned), and restores it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class ThreadPlan:
     core_cpus: list[int] | None  # sched_setaffinity of the core process (None: not pinned)
     frontend_cpus: list[int] | None  # the CPUs reserved for the frontend (None: shared)
     cpu_quota: float | None = None  # the cgroup's CPU limit, in CPUs (None: none)
+    pinned: bool = False  # core_threads set by --omp-threads or OMP_NUM_THREADS
 
     def describe(self) -> str:
         pin = f", pinned to CPUs {_ranges(self.core_cpus)}" if self.core_cpus else ", not pinned"
@@ -106,7 +110,9 @@ def plan_threads(
     if omp_threads is not None and omp_threads <= 0:
         raise ValueError(f"--omp-threads must be positive, got {omp_threads}")
     threads = omp_threads or len(core_cpus or cpus)
-    return ThreadPlan(threads, core_cpus, cpus[:reserve] or None, cpu_limit)
+    return ThreadPlan(
+        threads, core_cpus, cpus[:reserve] or None, cpu_limit, omp_threads is not None
+    )
 
 
 # OpenMP's own knobs for how an idle thread waits at a barrier. libgomp reads them once, when it

@@ -5,6 +5,7 @@ a shell driver calls is there."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import importlib
@@ -428,3 +429,19 @@ def test_flow_control_bench_runs_at_a_tiny_size():
     assert out.returncode == 0, out.stdout + out.stderr
     for line in ("== flow", "== baseline", "heavy", "light-1", "refusals by band", "targets:"):
         assert line in out.stdout, out.stdout
+
+
+def test_busy_neighbours_run_during_the_pass_and_are_killed_after(serve, capsys):
+    assert serve._counts("0, 1,2") == [0, 1, 2]
+    with pytest.raises(argparse.ArgumentTypeError):
+        serve._counts("-1")
+    with serve.busy_neighbours(2) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+    assert all(p.poll() is not None for p in procs)
+
+    def run(v, k):
+        return [{"vllm": [{"total_tok_s": v}], "kvmesh": [{"total_tok_s": k}]}]
+
+    serve._print_busy_report(["random"], {0: run(300.0, 600.0), 1: run(270.0, 300.0)})
+    out = capsys.readouterr().out
+    assert "1.11x" in out and "50.0%" in out and "90.0%" in out

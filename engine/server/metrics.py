@@ -132,6 +132,11 @@ class _EngineCollector:
             "kvmesh:num_kv_blocks", "Total KV-cache blocks.", s.num_total_blocks if s else 0
         )
         yield gauge(
+            "kvmesh:engine_threads",
+            "Torch threads of the engine's forwards (fewer while other processes take its CPUs).",
+            s.engine_threads if s else 0,
+        )
+        yield gauge(
             "kvmesh:num_requests_in_flight",
             "Requests admitted by the server and not finished.",
             self.engine.num_in_flight,
