@@ -35,9 +35,12 @@ import inspect
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.common.lora import decode_adapters, encode_adapters
+
+if TYPE_CHECKING:  # kv_tiers imports this module: its names are imported where they are used
+    from kvmesh.common.kv_tiers import BlockCosts
 
 PREFIX = "kvmesh:v1:"
 HEARTBEAT_TTL_S = 10
@@ -162,8 +165,15 @@ class Heartbeat:
     adapters: dict[str, str] = field(default_factory=dict)
     active_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    # KV tiers (kvmesh/common/kv_tiers.py; absent from the hash when off): the engine's costs
+    # per block (None: not published), its host tier's size in blocks, a shared tier
+    costs: BlockCosts | None = None
+    host_blocks: int = 0
+    shared_tier: bool = False
 
     def to_mapping(self) -> dict[str, str]:
+        from kvmesh.common import kv_tiers as kt
+
         out = {
             F_URL: self.url,
             F_MODEL: self.model,
@@ -183,6 +193,9 @@ class Heartbeat:
             F_ADAPTERS: encode_adapters(self.adapters) if self.max_loras else None,
             F_ACTIVE_ADAPTERS: ",".join(self.active_adapters) if self.max_loras else None,
             F_MAX_LORAS: str(int(self.max_loras)) if self.max_loras else None,
+            kt.F_HOST_BLOCKS: str(int(self.host_blocks)) if self.host_blocks > 0 else None,
+            kt.F_SHARED_TIER: "on" if self.shared_tier else None,
+            **(self.costs.to_mapping() if self.costs is not None else {}),
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -222,6 +235,7 @@ class Heartbeat:
             adapters=decode_adapters(d.get(F_ADAPTERS)),
             active_adapters=_names(d.get(F_ACTIVE_ADAPTERS)),
             max_loras=max(num(F_MAX_LORAS, int), 0),
+            **_tier_fields(d, num),
         )
 
     @property
@@ -238,6 +252,17 @@ class Heartbeat:
     def fresh(self, now: float, max_age: float = HEARTBEAT_TTL_S) -> bool:
         """Written at most `max_age` seconds before `now` (unix time)."""
         return now - self.ts <= max_age
+
+
+def _tier_fields(d: Mapping[str, Any], num) -> dict[str, Any]:
+    """The KV-tier fields of a heartbeat hash (junk: the defaults, as if absent)."""
+    from kvmesh.common import kv_tiers as kt
+
+    return {
+        "costs": kt.BlockCosts.from_mapping(d) if kt.F_COST_PREFILL in d else None,
+        "host_blocks": min(max(num(kt.F_HOST_BLOCKS, int), 0), 1 << 40),
+        "shared_tier": d.get(kt.F_SHARED_TIER) == "on",
+    }
 
 
 def _names(text: str | None, limit: int = 1024) -> tuple[str, ...]:
