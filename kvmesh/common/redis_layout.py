@@ -15,6 +15,10 @@ Everything lives under a versioned prefix, namespaced by the served model name:
 - ``kvmesh:v1:{model}:pod:{pod}``          heartbeat hash, TTL ``HEARTBEAT_TTL_S``, refreshed
                                            every <= 1 s by the pod's sidecar; fields below
 - ``kvmesh:v1:{model}:blocks:{pod}``       set of the block keys (``key_hex``) the pod holds
+                                           in its KV cache (the GPU tier)
+- ``kvmesh:v1:{model}:host-blocks:{pod}``  and ``kvmesh:v1:{model}:shared-blocks``: the KV
+                                           tiers' sets (the pod's host tier, the deployment's
+                                           shared tier), named in kvmesh/common/kv_tiers.py
 - ``kvmesh:v1:{model}:demand``             unix time of the newest request a router holds
                                            because no replica is ready (scale from zero);
                                            TTL ``DEMAND_TTL_S``; the autoscalers read it
@@ -25,7 +29,7 @@ Everything lives under a versioned prefix, namespaced by the served model name:
                                            the requests waiting at each router (demand)
 
 A pod whose heartbeat hash is gone is dead: it is never routed to, and its block set
-is deleted (by its sidecar on shutdown or engine restart, or by any router that finds
+(and host set) is deleted (by its sidecar on shutdown or engine restart, or by any router that finds
 it orphaned, atomically with ``ORPHAN_CLEANUP_LUA``).
 """
 
@@ -214,7 +218,7 @@ class Heartbeat:
         def num(name: str, kind=float, default=0):
             try:
                 return kind(float(d.get(name, default)))
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 return kind(default)
 
         return cls(
@@ -399,31 +403,33 @@ def _parse_heartbeats(names: list[str], hashes: list[Any]) -> dict[str, Heartbea
     return {name: Heartbeat.from_mapping(name, data) for name, data in zip(names, hashes)}
 
 
-# KEYS: heartbeat key, blocks key, pods set; ARGV: pod name.
-# Deletes a pod's block set and membership only if its heartbeat is (still) gone, so a
-# router never races a sidecar that just came back.
+# KEYS: heartbeat key, blocks key, pods set, and optionally the pod's host-blocks key; ARGV:
+# pod name. Deletes a pod's block set (and host set) and membership only if its heartbeat is
+# (still) gone, so a router never races a sidecar that just came back.
 ORPHAN_CLEANUP_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('DEL', KEYS[2])
+  if KEYS[4] then redis.call('DEL', KEYS[4]) end
   redis.call('SREM', KEYS[3], ARGV[1])
   return 1
 end
 return 0
 """
 
-# KEYS[1]: the pods set, then per name in ARGV its heartbeat key and its block-set key.
-# One page of the pods set in one command: per name, the URL its heartbeat names ("" if none),
-# or 0 if its heartbeat is gone, in which case its block set and membership are deleted (an
-# orphan, as in ORPHAN_CLEANUP_LUA; atomic, so a sidecar that just came back is never touched).
-# Nothing else of a pod is read: a reader ignores names it does not know before reading more.
+# KEYS[1]: the pods set, then per name in ARGV its heartbeat key, its block-set key and its
+# host-blocks key. One page of the pods set in one command: per name, the URL its heartbeat
+# names ("" if none), or 0 if its heartbeat is gone, in which case its block and host sets and
+# membership are deleted (an orphan, as in ORPHAN_CLEANUP_LUA; atomic, so a sidecar that just
+# came back is never touched). Nothing else of a pod is read: a reader ignores names it does
+# not know before reading more.
 POD_PAGE_LUA = """
 local out = {}
 for i, name in ipairs(ARGV) do
-  local hb = KEYS[2 * i]
+  local hb = KEYS[3 * i - 1]
   if redis.call('EXISTS', hb) == 1 then
     out[i] = redis.call('HGET', hb, 'url') or ''
   else
-    redis.call('DEL', KEYS[2 * i + 1])
+    redis.call('DEL', KEYS[3 * i], KEYS[3 * i + 1])
     redis.call('SREM', KEYS[1], name)
     out[i] = 0
   end
@@ -448,6 +454,45 @@ for i, k in ipairs(KEYS) do
     if redis.call('SISMEMBER', k, keys[j]) == 1 then m = j else break end
   end
   out[i] = m
+end
+return out
+"""
+
+# The same match with the KV tiers (kvmesh/common/kv_tiers.py). KEYS[1]: the shared-blocks
+# sorted set, then per pod its block-set key and its host-blocks key; ARGV[1]: the packed block
+# keys as above; ARGV[2]: one digit per pod, 1 if it has a host tier plus 2 if it reads the
+# shared tier. Returns per pod three counts (g, c, s): the leading run in its block set, then
+# block by block in its host set, else in the shared set, up to the first miss. A pod without
+# tiers costs what it costs in PREFIX_MATCH_LUA; a tier key of the wrong type counts as empty.
+PREFIX_MATCH_TIERS_LUA = """
+local packed, tiers = ARGV[1], ARGV[2] or ''
+local n = math.floor(#packed / 16)
+local keys = {}
+for j = 1, n do keys[j] = string.sub(packed, (j - 1) * 16 + 1, j * 16) end
+local shared = KEYS[1]
+local shared_ok = string.find(tiers, '[23]') ~= nil and redis.call('TYPE', shared).ok == 'zset'
+local out = {}
+for i = 1, math.floor((#KEYS - 1) / 2) do
+  local f = tonumber(string.sub(tiers, i, i)) or 0
+  local gk, hk = KEYS[2 * i], KEYS[2 * i + 1]
+  local g, c, s = 0, 0, 0
+  for j = 1, n do
+    if redis.call('SISMEMBER', gk, keys[j]) == 1 then g = j else break end
+  end
+  local host = f % 2 == 1 and g < n and redis.call('TYPE', hk).ok == 'set'
+  local sh = f >= 2 and shared_ok
+  if host or sh then
+    for j = g + 1, n do
+      if host and redis.call('SISMEMBER', hk, keys[j]) == 1 then
+        c = c + 1
+      elseif sh and redis.call('ZSCORE', shared, keys[j]) then
+        s = s + 1
+      else
+        break
+      end
+    end
+  end
+  out[3 * i - 2], out[3 * i - 1], out[3 * i] = g, c, s
 end
 return out
 """
