@@ -84,6 +84,7 @@ class BlockIndex:
         self._adapter_roots: dict[str, int] = {}
         self._warned_block_size = False
         self.batch_ts: float | None = None  # the time of the batch being applied (its events')
+        self.stored_at: dict[int, float] = {}  # shared-tier key -> the time its event gives
 
     @property
     def by_hash(self) -> dict[Hashable, int]:
@@ -131,6 +132,8 @@ class BlockIndex:
                 removed.discard(k)
             else:
                 self.pending[tier].add(k, when)
+                if tier == kt.MEDIUM_SHARED:
+                    self.stored_at[k] = when
 
     def _keys(self, ev: BlockStored, hashes: list[Hashable]) -> list[int] | None:
         """The contract keys of a BlockStored's blocks (None: its parent is unknown)."""
@@ -186,6 +189,7 @@ class BlockIndex:
                 added.discard(k)
             else:
                 self.pending[tier].remove(k)
+                self.stored_at.pop(k, None)
 
     def take_pending(self) -> dict[str, TierChanges]:
         """The host and shared tiers' changes since the last call (the writer mirrors them)."""
@@ -342,15 +346,17 @@ class IndexWriter:
         keys (and remove ``shared_removed`` from the shared set)."""
         keys = [key_hex(k) for k in self.index.keys()]
         host = [key_hex(k) for k in self.index.keys(kt.MEDIUM_CPU)]
-        shared = [key_hex(k) for k in self.index.keys(kt.MEDIUM_SHARED)]
+        shared = [
+            (key_hex(k), self.index.stored_at.get(k, 0.0))
+            for k in self.index.keys(kt.MEDIUM_SHARED)
+        ]
         try:
             pipe = self.redis.pipeline(transaction=True)
             _replace_set(pipe, self.blocks_key, keys)
             _replace_set(pipe, self.host_key, host)
             # The shared set is the deployment's: only re-added (NX keeps the times it has).
-            now = time.time()
             for i in range(0, len(shared), 10_000):
-                pipe.zadd(self.shared_key, dict.fromkeys(shared[i : i + 10_000], now), nx=True)
+                pipe.zadd(self.shared_key, dict(shared[i : i + 10_000]), nx=True)
             if shared:
                 cap_shared_set(pipe, self.shared_key)
             if shared_removed:
