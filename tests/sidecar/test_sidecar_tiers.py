@@ -5,6 +5,9 @@ contents checked after each sequence (stored, removed, reset, resync, shutdown, 
 
 from __future__ import annotations
 
+from collections import Counter
+
+import httpx
 import pytest
 
 from kvmesh.common import kv_tiers as kt
@@ -20,7 +23,9 @@ from kvmesh.common.kv_events import (
 )
 from kvmesh.sidecar import index_writer
 from kvmesh.sidecar.config import SidecarConfig
+from kvmesh.sidecar.heartbeat import Heartbeat
 from kvmesh.sidecar.index_writer import IndexWriter
+from tests.sidecar.test_sidecar_adapters import NoEvents
 
 BS = 4
 
@@ -306,3 +311,55 @@ def test_cap_uses_the_contract_bound():
 
     index_writer.cap_shared_set(Pipe(), "k")
     assert calls == [("k", 0, -(kt.SHARED_INDEX_MAX + 1))]
+
+
+# -- the heartbeat of an engine with tiers ---------------------------------------------------
+
+TIER_METRICS = "\n".join(
+    [
+        "vllm:num_requests_running 1",
+        'kvmesh:kv_tier_block_seconds{source="prefill"} 0.02',
+        'kvmesh:kv_tier_block_seconds{source="CPU"} 0.001',
+        'kvmesh:kv_tier_block_seconds{source="SHARED"} 0.004',
+        'kvmesh:kv_tier_blocks{medium="CPU"} 300',
+        'kvmesh:kv_tier_blocks{medium="SHARED"} 40',
+    ]
+)
+
+
+def test_the_heartbeat_carries_the_tiers_and_drops_them_after_a_restart_without(
+    redis_server, model_name
+):
+    metrics = {"text": TIER_METRICS}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=metrics["text"])
+        return httpx.Response(200) if request.url.path == "/ready" else httpx.Response(404)
+
+    config = SidecarConfig(
+        pod_name="pod-a",
+        pod_url="http://pod-a:8000",
+        model=model_name,
+        engine_url="http://engine",
+        redis_url=redis_server.url,
+        block_size=BS,
+    )
+    stats: Counter = Counter()
+    hb = Heartbeat(config, IndexWriter(config, stats), NoEvents(), stats)
+    client = httpx.Client(transport=httpx.MockTransport(handle))
+    r = redis_server.client()
+    key = rl.heartbeat_key(model_name, "pod-a")
+    try:
+        hb.beat(client)
+        read = rl.Heartbeat.from_mapping("pod-a", r.hgetall(key))
+        assert read.costs == kt.BlockCosts(0.02, 0.001, 0.004)
+        assert read.host_blocks == 300 and read.shared_tier
+        metrics["text"] = "vllm:num_requests_running 1\n"  # restarted without tiers
+        hb.beat(client)
+        fields = r.hgetall(key)
+        assert not {kt.F_HOST_BLOCKS, kt.F_SHARED_TIER, *kt.COST_SOURCES.values()} & set(fields)
+        assert fields[rl.F_RUNNING] == "1"
+    finally:
+        client.close()
+        hb.close()
