@@ -179,6 +179,10 @@ class BlockIndex:
         for h in ev.block_hashes:
             k = held.pop(_hashable(h), None)
             if k is None:
+                if tier == kt.MEDIUM_SHARED and self.cfg.engine_format != "vllm":
+                    # a key this pod never stored (another replica wrote it): the store says
+                    # it is gone, and the shared set is everyone's
+                    self.pending[tier].remove(h)
                 continue
             counts[k] -= 1
             if counts[k] > 0:

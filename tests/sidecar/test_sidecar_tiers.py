@@ -93,6 +93,12 @@ def test_each_medium_goes_to_its_own_set(writer, r, model_name):
     assert r.zcard(kt.shared_blocks_key(model_name)) == 0
 
 
+def test_a_shared_key_another_replica_wrote_is_removed_by_anyone(writer, r, model_name):
+    r.zadd(kt.shared_blocks_key(model_name), {key_hex(41): 1.0, key_hex(42): 2.0})
+    writer.write([batch(BlockRemoved([41], medium="SHARED"))], 1)
+    assert r.zrange(kt.shared_blocks_key(model_name), 0, -1) == [key_hex(42)]
+
+
 def test_a_block_in_two_tiers_is_counted_per_tier(writer, r, model_name):
     writer.write([batch(BlockStored([7], None, [0] * BS, BS))], 1)
     writer.write([batch(BlockStored([7], None, [0] * BS, BS, medium="cpu"), seq=1)], 2)
