@@ -25,6 +25,7 @@ from kvmesh.sidecar import index_writer
 from kvmesh.sidecar.config import SidecarConfig
 from kvmesh.sidecar.heartbeat import Heartbeat
 from kvmesh.sidecar.index_writer import IndexWriter
+from kvmesh.sidecar.service import Sidecar
 from tests.sidecar.test_sidecar_adapters import NoEvents
 
 BS = 4
@@ -369,3 +370,13 @@ def test_the_heartbeat_carries_the_tiers_and_drops_them_after_a_restart_without(
     finally:
         client.close()
         hb.close()
+
+
+def test_a_clean_stop_deletes_the_host_set_and_keeps_the_shared_set(redis_server, model_name):
+    r = redis_server.client()
+    r.sadd(kt.host_blocks_key(model_name, "pod-a"), key_hex(1))
+    r.sadd(rl.blocks_key(model_name, "pod-a"), key_hex(2))
+    r.zadd(kt.shared_blocks_key(model_name), {key_hex(3): 1.0})
+    Sidecar(cfg(model_name, redis_server.url)).stop(clean=True)  # never started: no engine
+    assert not r.exists(kt.host_blocks_key(model_name, "pod-a"), rl.blocks_key(model_name, "pod-a"))
+    assert r.zcard(kt.shared_blocks_key(model_name)) == 1
