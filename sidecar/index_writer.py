@@ -6,7 +6,9 @@ recomputed from the token ids in BlockStored, chained from the parent's key (a f
 from the root of its adapter, ``lora_name``, when it has one), and the engine-hash -> key map
 serves the removals.
 
-Every change is mirrored to the Redis set ``blocks:{pod}``. A Redis failure never loses state:
+Every change is mirrored to the Redis set ``blocks:{pod}``, or, for a block in the engine's host
+tier or the shared tier (its event's ``medium``), to ``host-blocks:{pod}`` or the deployment's
+``shared-blocks`` (kvmesh/common/kv_tiers.py). A Redis failure never loses state:
 the index keeps being updated, the set is marked dirty, and once Redis answers again (retried with
 exponential backoff, ended early by the heartbeat) the whole set is rewritten atomically (temporary
 key + RENAME). A set Redis lost without an error (restarted empty, flushed, evicted) is caught by
@@ -119,7 +121,7 @@ class BlockIndex:
         if keys is None:
             return
         held, counts = self.held[tier], self.counts[tier]
-        when = self.batch_ts if self.batch_ts is not None else time.time()
+        when = _event_time(self.batch_ts)
         for h, k in zip(hashes, keys):
             if h in held:
                 continue
@@ -200,6 +202,13 @@ class BlockIndex:
         out = self.pending
         self.pending = {m: TierChanges() for m in TIER_MEDIA}
         return out
+
+
+def _event_time(ts: float | None) -> float:
+    """A batch's time as the shared set's score: a clock a day or more off (junk) reads as now,
+    so it can neither pin a key against the cap nor push it out first."""
+    now = time.time()
+    return ts if ts is not None and abs(ts - now) < 86_400 else now
 
 
 def _hashable(h: Any) -> Hashable:

@@ -5,6 +5,7 @@ contents checked after each sequence (stored, removed, reset, resync, shutdown, 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import httpx
@@ -42,7 +43,10 @@ def cfg(model, redis_url, fmt="kvmesh") -> SidecarConfig:
     )
 
 
-def batch(*events, seq=0, ts=1000.0) -> Delivery:
+T0 = time.time() - 60  # the events' times (a minute ago)
+
+
+def batch(*events, seq=0, ts=T0) -> Delivery:
     return Delivery(seq=seq, batch=EventBatch(ts=ts, events=list(events)))
 
 
@@ -66,15 +70,15 @@ def test_each_medium_goes_to_its_own_set(writer, r, model_name):
     writer.write([batch(BlockStored([1, 2], None, [0] * 2 * BS, BS))], 1)
     writer.write(
         [
-            batch(BlockStored([3, 4], 2, [0] * 2 * BS, BS, medium="CPU"), seq=1, ts=1001.0),
-            batch(BlockStored([5], 4, [0] * BS, BS, medium="SHARED"), seq=2, ts=1002.5),
+            batch(BlockStored([3, 4], 2, [0] * 2 * BS, BS, medium="CPU"), seq=1, ts=T0 + 1),
+            batch(BlockStored([5], 4, [0] * BS, BS, medium="SHARED"), seq=2, ts=T0 + 2.5),
         ],
         3,
     )
     assert r.smembers(rl.blocks_key(model_name, "pod-a")) == hexes(1, 2)
     assert r.smembers(kt.host_blocks_key(model_name, "pod-a")) == hexes(3, 4)
     assert r.zrange(kt.shared_blocks_key(model_name), 0, -1, withscores=True) == [
-        (key_hex(5), 1002.5)
+        (key_hex(5), T0 + 2.5)
     ]
     assert writer.num_keys == 2  # the heartbeat's num_keys: the KV cache only
 
@@ -189,14 +193,17 @@ def test_the_shared_set_is_capped_oldest_first(writer, r, model_name, monkeypatc
     monkeypatch.setattr(kt, "SHARED_INDEX_MAX", 3)
     for i in range(5):
         writer.write(
-            [
-                batch(
-                    BlockStored([10 + i], None, [0] * BS, BS, medium="SHARED"), seq=i, ts=100.0 + i
-                )
-            ],
+            [batch(BlockStored([10 + i], None, [0] * BS, BS, medium="SHARED"), seq=i, ts=T0 + i)],
             i + 1,
         )
     assert r.zrange(kt.shared_blocks_key(model_name), 0, -1) == [key_hex(k) for k in (12, 13, 14)]
+
+
+@pytest.mark.parametrize("ts", [0.0, 1e12, -5.0])
+def test_a_junk_batch_time_is_stored_as_now(writer, r, model_name, ts):
+    writer.write([batch(BlockStored([6], None, [0] * BS, BS, medium="SHARED"), ts=ts)], 1)
+    score = r.zscore(kt.shared_blocks_key(model_name), key_hex(6))
+    assert abs(score - time.time()) < 60
 
 
 def test_withdraw_and_verify_cover_the_host_set(writer, r, model_name):
