@@ -95,6 +95,19 @@ class RouterMetrics:
             ["adapter"],
             registry=r,
         )
+        # by KV tier (kvmesh/common/kv_tiers.py MEDIA: the only label values)
+        self.predicted_cached_by_medium = Counter(
+            "kvmesh_router_predicted_cached_tokens_by_medium",
+            "Prefix tokens the router predicted cached on the chosen pod, by the tier holding them",
+            ["medium"],
+            registry=r,
+        )
+        self.engine_cached_by_medium = Counter(
+            "kvmesh_router_engine_cached_tokens_by_medium",
+            "usage.prompt_tokens_details.cached_tokens_by_medium reported by the engines",
+            ["medium"],
+            registry=r,
+        )
         self.prediction_error = Histogram(
             "kvmesh_router_prediction_error_tokens",
             "Predicted minus engine-reported cached tokens",

@@ -40,7 +40,8 @@ class Call:
     held_s: float | None = None
     ordered: list[Candidate] = field(default_factory=list)  # the pods to try, best first
     reason: str | None = None  # the routing decision's reason
-    predicted: int = 0  # prompt tokens the chosen pod should serve from its cache
+    predicted: int = 0  # prompt tokens the chosen pod should serve from its cache (all tiers)
+    predicted_by_medium: dict[str, int] = field(default_factory=dict)  # split by KV tier
     resumable: bool = False  # may go on with another replica if its engine fails (router/resume.py)
     stream: ClientStream | None = None  # a resumable stream's client side
     resumes: int = 0  # times it went on with another replica

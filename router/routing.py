@@ -17,7 +17,7 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.off_loop import OFF_LOOP_CHARS, off_loop
 from kvmesh.router.pod_traffic import PodTraffic
 from kvmesh.router.policies import RouteRequest, RoutingPolicy
-from kvmesh.router.prefix_match import PrefixMatch
+from kvmesh.router.prefix_match import PrefixMatch, Tiers, predicted_by_medium
 from kvmesh.router.prompt_tokens import PromptTokens
 from kvmesh.router.request_checks import Refused
 from kvmesh.router.request_state import Call
@@ -192,7 +192,8 @@ class Routing:
         # The engine serves at most len - 1 prompt tokens from its cache (the last one is always
         # computed, for logits): a prompt of whole blocks, all matched, has its last block recomputed.
         bs = self.block_size
-        call.predicted = min(ordered[0].matched_blocks, max(len(call.tokens) - 1, 0) // bs) * bs
+        by_medium = predicted_by_medium(ordered[0], max(len(call.tokens) - 1, 0) // bs, bs)
+        call.predicted, call.predicted_by_medium = sum(by_medium.values()), by_medium
         call.ordered, call.reason = ordered, reason
 
     async def decide(
@@ -208,6 +209,7 @@ class Routing:
                 p.kv_usage,
                 max(p.load, inflight.get(p.name, 0)),
                 affinity=adapters.affinity(p, call.adapter),
+                costs=p.costs,
             )
             for p in pods
         ]
@@ -242,9 +244,10 @@ class Routing:
             groups.append((members, keys))
         return groups
 
-    async def _match(self, groups: list[tuple[list[Pod], list[int]]]) -> dict[str, int] | None:
-        """Matched leading blocks per pod, one Redis round trip per group; None if Redis cannot say."""
-        matched: dict[str, int] = {}
+    async def _match(self, groups: list[tuple[list[Pod], list[int]]]) -> dict[str, Tiers] | None:
+        """Matched leading blocks per pod and tier, one Redis round trip per group; None if Redis
+        cannot say."""
+        matched: dict[str, Tiers] = {}
         for pods, keys in groups:
             got = await self.prefix_match.match(pods, keys)
             if got is None:

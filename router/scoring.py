@@ -1,9 +1,12 @@
 """Contract 4: the routing score, the hotspot guard and deterministic tie-breaking.
 
-    score = w_prefix * matched/total + w_lora * affinity - w_kv * kv_usage - w_queue * queue_share
+    score = w_prefix * saved/total + w_lora * affinity - w_kv * kv_usage - w_queue * queue_share
 
-`matched/total` is the fraction of the request's full blocks the pod already holds
-(its longest leading run of block keys), `affinity` how ready the pod is to run the LoRA adapter
+`saved/total` is the share of the request's full blocks whose prefill the pod saves: its
+longest leading run of block keys in its KV cache (g), then block by block in its host tier (c)
+or the shared tier (s), each of those worth its prefill less its load time
+(kvmesh/common/kv_tiers.py ``saved_blocks``, with the pod's measured costs); without tiers it is
+the matched/total of the leading run. `affinity` how ready the pod is to run the LoRA adapter
 the request names (router/adapters.py: 1 active in its batch, 0.5 a free adapter slot, else 0;
 always 0 for the base model), `queue_share` the pod's share of the load
 (running + waiting) of all candidate pods. A pod whose load is far above the others'
@@ -17,6 +20,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+
+from kvmesh.common.kv_tiers import BlockCosts, saved_blocks
+
+DEFAULT_COSTS = BlockCosts()
 
 
 @dataclass
@@ -46,11 +53,25 @@ class Candidate:
     url: str
     kv_usage: float = 0.0
     load: int = 0
-    matched_blocks: int = 0
+    matched_blocks: int = 0  # the leading run in its KV cache (g)
+    cpu_blocks: int = 0  # then in its host tier (c)
+    shared_blocks: int = 0  # then in the shared tier (s)
+    costs: BlockCosts | None = None  # its costs per block (None: the defaults)
     score: float = 0.0
     hot: bool = False
     extra: dict = field(default_factory=dict)
     affinity: float = 0.0  # for the request's LoRA adapter (router/adapters.py)
+
+    @property
+    def cached_blocks(self) -> int:
+        """The prompt's leading blocks it need not prefill, from any tier."""
+        return self.matched_blocks + self.cpu_blocks + self.shared_blocks
+
+    @property
+    def saved_blocks(self) -> float:
+        return saved_blocks(
+            self.matched_blocks, self.cpu_blocks, self.shared_blocks, self.costs or DEFAULT_COSTS
+        )
 
 
 def rendezvous(tie_key: bytes, name: str) -> int:
@@ -97,7 +118,7 @@ def rank(
     """Best first. Hot pods go last (they stay as retry candidates)."""
     total_load = sum(c.load for c in cands)
     for c in cands:
-        prefix = c.matched_blocks / total_blocks if total_blocks else 0.0
+        prefix = c.saved_blocks / total_blocks if total_blocks else 0.0
         share = c.load / total_load if total_load else 0.0
         c.score = (
             weights.prefix * prefix

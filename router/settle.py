@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvmesh.common.kv_tiers import MEDIA, USAGE_BY_MEDIUM
 from kvmesh.common.logging_setup import redact_url
 from kvmesh.router.auth import RateLimiter
 from kvmesh.router.metrics import RouterMetrics, status_label
@@ -26,9 +27,13 @@ def settle(
     cached = None
     if status == 200:
         m.predicted_cached.labels(call.adapter_label).inc(call.predicted)
+        for medium, n in call.predicted_by_medium.items():
+            m.predicted_cached_by_medium.labels(medium).inc(n)
         usage = out.usage
         if usage:
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens")
+            _engine_by_medium(m, details)
             if isinstance(cached, int):
                 m.engine_cached.labels(call.adapter_label).inc(cached)
                 m.prediction_error.labels(call.adapter_label).observe(call.predicted - cached)
@@ -63,3 +68,15 @@ def settle(
                 }
             },
         )
+
+
+def _engine_by_medium(m: RouterMetrics, details: dict) -> None:
+    """The engine's cached tokens by tier (``cached_tokens_by_medium``): known media only, and
+    only counts that are non-negative ints (the label's values stay bounded)."""
+    by_medium = details.get(USAGE_BY_MEDIUM) if isinstance(details, dict) else None
+    if not isinstance(by_medium, dict):
+        return
+    for medium in MEDIA:
+        n = by_medium.get(medium)
+        if type(n) is int and n >= 0:
+            m.engine_cached_by_medium.labels(medium).inc(n)

@@ -59,6 +59,7 @@ SERVICE_COUNTERS = (
         "block_set_repairs",
         "block set found different from the index in Redis (lost by Redis) and rewritten",
     ),
+    ("events_unknown_medium", "KV events naming a medium no tier has (ignored)"),
 )
 
 

@@ -10,7 +10,8 @@ incarnation (a changed ``process_start_time_seconds``, or a comeback after being
 the events loop for a full resync. Each beat also checks the block set (``IndexWriter.verify``)
 and withdraws it while the events loop is dead or stale. An engine serving LoRA adapters has them
 in its heartbeat: ``adapters`` (name -> digest, from ``/v1/models``), ``active_adapters`` and
-``max_loras`` (from ``vllm:lora_requests_info``).
+``max_loras`` (from ``vllm:lora_requests_info``). An engine with KV tiers has its costs per
+block, its host tier's size and its shared tier in it (kvmesh/common/kv_tiers.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections import Counter
 import httpx
 import redis
 
+from kvmesh.common import kv_tiers as kt
 from kvmesh.common import redis_layout as rl
 from kvmesh.common.engine_load import EngineLoad
 from kvmesh.sidecar.adapters import AdapterList
@@ -52,6 +54,7 @@ class Heartbeat:
         self.last_iteration: float | None = None
         self.adapters = AdapterList(cfg.model)
         self._lora_written = False  # the last hash written has the adapter fields
+        self._tier_fields_written: set[str] = set()  # the KV-tier fields the last hash has
         self.thread: threading.Thread | None = None
         self._engine_was_ready = False
         self._shutting_down = False
@@ -158,6 +161,7 @@ class Heartbeat:
                 load.spec_accepted_tokens,
             )
         _lora_fields(hb, reading)
+        _tier_fields(hb, load)
         mapping = hb.to_mapping()
         mapping[rl.F_BLOCK_SIZE] = str(self.cfg.block_size)
         mapping[F_INDEX] = self.writer.index_state
@@ -165,10 +169,15 @@ class Heartbeat:
         pipe.hset(self.hb_key, mapping=mapping)
         if self._lora_written and not hb.max_loras:  # an engine restarted without LoRA
             pipe.hdel(self.hb_key, rl.F_ADAPTERS, rl.F_ACTIVE_ADAPTERS, rl.F_MAX_LORAS)
+        # an engine restarted without (some of) its tiers: their fields go
+        gone = [f for f in self._tier_fields_written if f not in mapping]
+        if gone:
+            pipe.hdel(self.hb_key, *gone)
         pipe.expire(self.hb_key, rl.HEARTBEAT_TTL_S)
         pipe.sadd(self.pods_key, self.cfg.pod_name)
         pipe.execute()
         self._lora_written = bool(hb.max_loras)
+        self._tier_fields_written = {f for f in TIER_FIELDS if f in mapping}
         self.stats["heartbeats"] += 1
         self.writer.verify(self.redis)
 
@@ -211,6 +220,20 @@ class Heartbeat:
         log.info("%s: resyncing the block index", reason)
         self.stats["engine_restarts"] += 1
         self.events.request_resync(reason)
+
+
+TIER_FIELDS = (kt.F_HOST_BLOCKS, kt.F_SHARED_TIER, *kt.COST_SOURCES.values())
+
+
+def _tier_fields(hb: rl.Heartbeat, load: EngineLoad | None) -> None:
+    """The engine's KV tiers: its costs per block (when it publishes them), its host tier's
+    size, whether it has the shared tier (none: the fields stay out of the hash)."""
+    if load is None:
+        return
+    if load.tier_costs:
+        hb.costs = kt.BlockCosts.from_mapping(load.tier_costs)
+    hb.host_blocks = load.host_blocks
+    hb.shared_tier = load.shared_tier
 
 
 def _lora_fields(hb: rl.Heartbeat, reading: EngineReading) -> None:

@@ -48,7 +48,7 @@ class Sidecar:
         return self
 
     def stop(self, clean: bool = True) -> None:
-        """Stop; with `clean`, delete this pod's heartbeat, block set and membership from Redis."""
+        """Stop; with `clean`, delete this pod's heartbeat, block and host sets and membership from Redis."""
         self.heartbeat.stop()  # first: a heartbeat must not see the events loop stopping as dead
         self.events.stop()
         if self.health_server is not None:
@@ -56,7 +56,8 @@ class Sidecar:
         if clean:
             try:
                 pipe = self.writer.redis.pipeline(transaction=True)
-                pipe.delete(self.writer.blocks_key, self.heartbeat.hb_key)
+                self.writer.delete_pod_keys(pipe)
+                pipe.delete(self.heartbeat.hb_key)
                 pipe.srem(self.heartbeat.pods_key, self.cfg.pod_name)
                 pipe.execute()
                 log.info("removed %s from Redis", self.cfg.pod_name)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvmesh.common.kv_tiers import COST_METRIC, COST_SOURCES, MEDIUM_CPU, MEDIUM_SHARED
+
+# The engine's gauge of the blocks each of its tiers holds (label ``medium``).
+TIER_BLOCKS_METRIC = "kvmesh:kv_tier_blocks"
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -27,6 +32,11 @@ class EngineLoad:
     active_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
     lora_info_time: float = -1.0  # the newest lora_requests_info sample's value (its time)
+    # KV tiers (kvmesh/common/kv_tiers.py): the COST_METRIC samples by heartbeat field (empty:
+    # none published), the host tier's size in blocks (0: none), a shared tier (on or off)
+    tier_costs: dict[str, float] = field(default_factory=dict)
+    host_blocks: int = 0
+    shared_tier: bool = False
 
 
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -84,12 +94,16 @@ def engine_load(text: str) -> EngineLoad:
         elif name == "vllm:cache_config_info":
             if labels.get("num_gpu_blocks", "").isdigit():
                 load.total_blocks += int(labels["num_gpu_blocks"])
+            if labels.get("num_cpu_blocks", "").isdigit():
+                load.host_blocks = max(load.host_blocks, int(labels["num_cpu_blocks"]))
             if labels.get("block_size", "").isdigit():
                 load.block_size = int(labels["block_size"])
         elif name == "vllm:lora_requests_info":
             _lora_info(load, labels, value)
         elif name == "process_start_time_seconds":
             load.process_start_time = value
+        elif name in (COST_METRIC, TIER_BLOCKS_METRIC):
+            _tier_sample(load, name, labels, value)
     if usage:
         load.kv_usage = min(max(sum(usage) / len(usage), 0.0), 1.0)
     return load
@@ -108,3 +122,16 @@ def _lora_info(load: EngineLoad, labels: dict[str, str], value: float) -> None:
 
     load.active_adapters = names("running_lora_adapters")
     load.waiting_adapters = names("waiting_lora_adapters")
+
+
+def _tier_sample(load: EngineLoad, name: str, labels: dict[str, str], value: float) -> None:
+    """A KV-tier gauge: a cost per block (by source), or the blocks a tier holds (by medium)."""
+    if name == COST_METRIC:
+        fld = COST_SOURCES.get(labels.get("source", ""))
+        if fld is not None and value > 0:
+            load.tier_costs[fld] = value
+    elif labels.get("medium") == MEDIUM_CPU:
+        # a host tier: its size when cache_config_info does not say it (at least one block)
+        load.host_blocks = max(load.host_blocks, int(value), 1)
+    elif labels.get("medium") == MEDIUM_SHARED:
+        load.shared_tier = True

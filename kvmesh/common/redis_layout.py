@@ -15,6 +15,10 @@ Everything lives under a versioned prefix, namespaced by the served model name:
 - ``kvmesh:v1:{model}:pod:{pod}``          heartbeat hash, TTL ``HEARTBEAT_TTL_S``, refreshed
                                            every <= 1 s by the pod's sidecar; fields below
 - ``kvmesh:v1:{model}:blocks:{pod}``       set of the block keys (``key_hex``) the pod holds
+                                           in its KV cache (the GPU tier)
+- ``kvmesh:v1:{model}:host-blocks:{pod}``  and ``kvmesh:v1:{model}:shared-blocks``: the KV
+                                           tiers' sets (the pod's host tier, the deployment's
+                                           shared tier), named in kvmesh/common/kv_tiers.py
 - ``kvmesh:v1:{model}:demand``             unix time of the newest request a router holds
                                            because no replica is ready (scale from zero);
                                            TTL ``DEMAND_TTL_S``; the autoscalers read it
@@ -25,7 +29,7 @@ Everything lives under a versioned prefix, namespaced by the served model name:
                                            the requests waiting at each router (demand)
 
 A pod whose heartbeat hash is gone is dead: it is never routed to, and its block set
-is deleted (by its sidecar on shutdown or engine restart, or by any router that finds
+(and host set) is deleted (by its sidecar on shutdown or engine restart, or by any router that finds
 it orphaned, atomically with ``ORPHAN_CLEANUP_LUA``).
 """
 
@@ -35,9 +39,12 @@ import inspect
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.common.lora import decode_adapters, encode_adapters
+
+if TYPE_CHECKING:  # kv_tiers imports this module: its names are imported where they are used
+    from kvmesh.common.kv_tiers import BlockCosts
 
 PREFIX = "kvmesh:v1:"
 HEARTBEAT_TTL_S = 10
@@ -162,8 +169,15 @@ class Heartbeat:
     adapters: dict[str, str] = field(default_factory=dict)
     active_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    # KV tiers (kvmesh/common/kv_tiers.py; absent from the hash when off): the engine's costs
+    # per block (None: not published), its host tier's size in blocks, a shared tier
+    costs: BlockCosts | None = None
+    host_blocks: int = 0
+    shared_tier: bool = False
 
     def to_mapping(self) -> dict[str, str]:
+        from kvmesh.common import kv_tiers as kt
+
         out = {
             F_URL: self.url,
             F_MODEL: self.model,
@@ -183,6 +197,9 @@ class Heartbeat:
             F_ADAPTERS: encode_adapters(self.adapters) if self.max_loras else None,
             F_ACTIVE_ADAPTERS: ",".join(self.active_adapters) if self.max_loras else None,
             F_MAX_LORAS: str(int(self.max_loras)) if self.max_loras else None,
+            kt.F_HOST_BLOCKS: str(int(self.host_blocks)) if self.host_blocks > 0 else None,
+            kt.F_SHARED_TIER: "on" if self.shared_tier else None,
+            **(self.costs.to_mapping() if self.costs is not None else {}),
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -201,7 +218,7 @@ class Heartbeat:
         def num(name: str, kind=float, default=0):
             try:
                 return kind(float(d.get(name, default)))
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 return kind(default)
 
         return cls(
@@ -222,6 +239,7 @@ class Heartbeat:
             adapters=decode_adapters(d.get(F_ADAPTERS)),
             active_adapters=_names(d.get(F_ACTIVE_ADAPTERS)),
             max_loras=max(num(F_MAX_LORAS, int), 0),
+            **_tier_fields(d, num),
         )
 
     @property
@@ -238,6 +256,17 @@ class Heartbeat:
     def fresh(self, now: float, max_age: float = HEARTBEAT_TTL_S) -> bool:
         """Written at most `max_age` seconds before `now` (unix time)."""
         return now - self.ts <= max_age
+
+
+def _tier_fields(d: Mapping[str, Any], num) -> dict[str, Any]:
+    """The KV-tier fields of a heartbeat hash (junk: the defaults, as if absent)."""
+    from kvmesh.common import kv_tiers as kt
+
+    return {
+        "costs": kt.BlockCosts.from_mapping(d) if kt.F_COST_PREFILL in d else None,
+        "host_blocks": min(max(num(kt.F_HOST_BLOCKS, int), 0), 1 << 40),
+        "shared_tier": d.get(kt.F_SHARED_TIER) == "on",
+    }
 
 
 def _names(text: str | None, limit: int = 1024) -> tuple[str, ...]:
@@ -374,31 +403,33 @@ def _parse_heartbeats(names: list[str], hashes: list[Any]) -> dict[str, Heartbea
     return {name: Heartbeat.from_mapping(name, data) for name, data in zip(names, hashes)}
 
 
-# KEYS: heartbeat key, blocks key, pods set; ARGV: pod name.
-# Deletes a pod's block set and membership only if its heartbeat is (still) gone, so a
-# router never races a sidecar that just came back.
+# KEYS: heartbeat key, blocks key, pods set, and optionally the pod's host-blocks key; ARGV:
+# pod name. Deletes a pod's block set (and host set) and membership only if its heartbeat is
+# (still) gone, so a router never races a sidecar that just came back.
 ORPHAN_CLEANUP_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('DEL', KEYS[2])
+  if KEYS[4] then redis.call('DEL', KEYS[4]) end
   redis.call('SREM', KEYS[3], ARGV[1])
   return 1
 end
 return 0
 """
 
-# KEYS[1]: the pods set, then per name in ARGV its heartbeat key and its block-set key.
-# One page of the pods set in one command: per name, the URL its heartbeat names ("" if none),
-# or 0 if its heartbeat is gone, in which case its block set and membership are deleted (an
-# orphan, as in ORPHAN_CLEANUP_LUA; atomic, so a sidecar that just came back is never touched).
-# Nothing else of a pod is read: a reader ignores names it does not know before reading more.
+# KEYS[1]: the pods set, then per name in ARGV its heartbeat key, its block-set key and its
+# host-blocks key. One page of the pods set in one command: per name, the URL its heartbeat
+# names ("" if none), or 0 if its heartbeat is gone, in which case its block and host sets and
+# membership are deleted (an orphan, as in ORPHAN_CLEANUP_LUA; atomic, so a sidecar that just
+# came back is never touched). Nothing else of a pod is read: a reader ignores names it does
+# not know before reading more.
 POD_PAGE_LUA = """
 local out = {}
 for i, name in ipairs(ARGV) do
-  local hb = KEYS[2 * i]
+  local hb = KEYS[3 * i - 1]
   if redis.call('EXISTS', hb) == 1 then
     out[i] = redis.call('HGET', hb, 'url') or ''
   else
-    redis.call('DEL', KEYS[2 * i + 1])
+    redis.call('DEL', KEYS[3 * i], KEYS[3 * i + 1])
     redis.call('SREM', KEYS[1], name)
     out[i] = 0
   end
@@ -423,6 +454,45 @@ for i, k in ipairs(KEYS) do
     if redis.call('SISMEMBER', k, keys[j]) == 1 then m = j else break end
   end
   out[i] = m
+end
+return out
+"""
+
+# The same match with the KV tiers (kvmesh/common/kv_tiers.py). KEYS[1]: the shared-blocks
+# sorted set, then per pod its block-set key and its host-blocks key; ARGV[1]: the packed block
+# keys as above; ARGV[2]: one digit per pod, 1 if it has a host tier plus 2 if it reads the
+# shared tier. Returns per pod three counts (g, c, s): the leading run in its block set, then
+# block by block in its host set, else in the shared set, up to the first miss. A pod without
+# tiers costs what it costs in PREFIX_MATCH_LUA; a tier key of the wrong type counts as empty.
+PREFIX_MATCH_TIERS_LUA = """
+local packed, tiers = ARGV[1], ARGV[2] or ''
+local n = math.floor(#packed / 16)
+local keys = {}
+for j = 1, n do keys[j] = string.sub(packed, (j - 1) * 16 + 1, j * 16) end
+local shared = KEYS[1]
+local shared_ok = string.find(tiers, '[23]') ~= nil and redis.call('TYPE', shared).ok == 'zset'
+local out = {}
+for i = 1, math.floor((#KEYS - 1) / 2) do
+  local f = tonumber(string.sub(tiers, i, i)) or 0
+  local gk, hk = KEYS[2 * i], KEYS[2 * i + 1]
+  local g, c, s = 0, 0, 0
+  for j = 1, n do
+    if redis.call('SISMEMBER', gk, keys[j]) == 1 then g = j else break end
+  end
+  local host = f % 2 == 1 and g < n and redis.call('TYPE', hk).ok == 'set'
+  local sh = f >= 2 and shared_ok
+  if host or sh then
+    for j = g + 1, n do
+      if host and redis.call('SISMEMBER', hk, keys[j]) == 1 then
+        c = c + 1
+      elseif sh and redis.call('ZSCORE', shared, keys[j]) then
+        s = s + 1
+      else
+        break
+      end
+    end
+  end
+  out[3 * i - 2], out[3 * i - 1], out[3 * i] = g, c, s
 end
 return out
 """

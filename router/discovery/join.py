@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvmesh.common import redis_layout as rl
+from kvmesh.common.kv_tiers import BlockCosts
 from kvmesh.router.discovery.sources import Endpoint, normalize_url
 
 STATE_NO_HEARTBEAT = "no_heartbeat"  # a known pod with a sidecar whose heartbeat is missing
@@ -29,6 +30,10 @@ class Pod:
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> digest
     active_adapters: tuple[str, ...] = ()  # the adapters of its running batch
     max_loras: int = 0  # adapters one step may hold
+    # KV tiers (kvmesh/common/kv_tiers.py): a host tier, the shared tier, its costs per block
+    host_tier: bool = False
+    shared_tier: bool = False
+    costs: BlockCosts | None = None  # None: not reported (the router's defaults)
 
     @property
     def load(self) -> int:
@@ -175,6 +180,9 @@ def _pod(name: str, ep: Endpoint, hb: rl.Heartbeat | None, no_view: bool) -> Pod
             adapters=hb.adapters,
             active_adapters=hb.active_adapters,
             max_loras=hb.max_loras,
+            host_tier=hb.host_blocks > 0,
+            shared_tier=hb.shared_tier,
+            costs=hb.costs,
         )
     if not ep.ready:
         return Pod(name=name, url=ep.url, state=STATE_NOT_READY, has_blocks=False)

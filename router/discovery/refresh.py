@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from kvmesh.common import kv_tiers as kt
 from kvmesh.common import redis_layout as rl
 from kvmesh.router.discovery.join import (
     FallbackEnded,
@@ -239,7 +240,11 @@ class Discovery:
         if self._page_script is not None:
             keys = [self._pods_key]
             for name in names:
-                keys += (rl.heartbeat_key(self.model, name), rl.blocks_key(self.model, name))
+                keys += (
+                    rl.heartbeat_key(self.model, name),
+                    rl.blocks_key(self.model, name),
+                    kt.host_blocks_key(self.model, name),
+                )
             try:
                 urls = await self._page_script(keys=keys, args=names)
             except ResponseError as exc:  # Redis answered: scripts are refused (or failed) here

@@ -17,8 +17,9 @@ from typing import ClassVar
 
 from kvmesh.router.scoring import Candidate, Weights
 
-# matched leading blocks per pod name, or None when Redis cannot say (the policy goes by load)
-Matcher = Callable[[], Awaitable["dict[str, int] | None"]]
+# per pod name its matched leading blocks: (g, c, s) by tier (router/prefix_match.py), or an int
+# (g: the KV cache only); None when Redis cannot say (the policy goes by load)
+Matcher = Callable[[], Awaitable["dict[str, tuple[int, int, int] | int] | None"]]
 
 
 @dataclass
@@ -43,7 +44,7 @@ class RouteRequest:
     ]  # the prompt's block keys (contract 1); empty: too short, or it scores its prompt
     headers: dict[str, str]  # request headers, names lower-cased
     tie: bytes  # tie-break key: the last block key (or the body's start), the same on every router
-    match: Matcher  # one Redis round trip: how many leading blocks each pod holds
+    match: Matcher  # one Redis round trip: how many leading blocks each pod holds, per tier
 
 
 class RoutingPolicy:

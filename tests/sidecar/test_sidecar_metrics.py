@@ -28,6 +28,7 @@ COUNTERS = [
         "engine_restarts",
         "index_withdrawals",
         "block_set_repairs",
+        "events_unknown_medium",
     )
 ]
 GAUGES = [
