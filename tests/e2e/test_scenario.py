@@ -1,10 +1,12 @@
 """End to end on a local cluster: `kubectl apply -f manifests/` -> the operator as a pod (its
 ServiceAccount, RBAC, in-cluster config) -> a ModelDeployment -> engine pods (the built-in model
 on CPU, a small KV cache) serving through the router -> autoscaling on KV utilisation -> faults
--> `kubectl scale`, an edit, `kubectl delete` -> the Helm chart's operator.
+-> `kubectl scale`, an edit, `kubectl delete` -> the Helm chart's operator; beside it, deployments
+of real vLLM engines, of LoRA adapters and of a shared KV tier.
 
 The tests run in order on one cluster, each starting from the state the one before left (one
-engine replica unless it says otherwise); at most two engine pods run at once. Each prints what it
+engine replica unless it says otherwise); at most three engine pods run at once (the shared tier's
+two beside the main deployment's one). Each prints what it
 measured into the report at the end of the run (tests/e2e/report.py).
 """
 
@@ -129,13 +131,13 @@ def flowing_traffic(cluster, pod: str, served: int = 1, **kw: Any) -> Iterator[T
         yield load
 
 
-def redis_client(cluster) -> redis.Redis:
-    """The managed Redis through its Service, with the generated password."""
+def redis_client(cluster, ns: str = NS, name: str = MD) -> redis.Redis:
+    """A ModelDeployment's managed Redis through its Service, with the generated password."""
     import base64
 
-    secret = cluster.api.get("Secret", NS, render.names(MD)["redis-auth"])
+    secret = cluster.api.get("Secret", ns, render.names(name)["redis-auth"])
     password = base64.b64decode(secret["data"]["password"]).decode()
-    url = urlsplit(cluster.service_url(NS, render.names(MD)[render.REDIS], crd.REDIS_PORT))
+    url = urlsplit(cluster.service_url(ns, render.names(name)[render.REDIS], crd.REDIS_PORT))
     return redis.Redis(
         host=url.hostname, port=url.port, password=password, socket_timeout=2, decode_responses=True
     )
@@ -916,6 +918,114 @@ def test_adapters_are_served_added_at_runtime_and_routed_by_prefix(cluster, tmp_
     finally:
         kubectl(cluster, "delete", "md", LORA_MD, "-n", LORA_NS, "--wait=false")
     eventually(lambda: not cluster.api.list("Pod", LORA_NS), 180, "the LoRA deployment's pods gone")
+
+
+TIERS_NS, TIERS_MD = "e2e-tiers", "tiers-chat"
+# A hostPath volume the replicas share (pods run as processes on this one node); not under /tmp
+# (each pod mounts its own emptyDir there).
+TIERS_DIR = Path.home() / ".cache" / "kvmesh" / "e2e-kv-shared"
+
+
+def tiers_md(shared_dir: Path) -> dict[str, Any]:
+    return {
+        "apiVersion": crd.API_VERSION,
+        "kind": crd.KIND,
+        "metadata": {"name": TIERS_MD, "namespace": TIERS_NS},
+        "spec": {
+            "model": {"builtin": MODEL},
+            "engine": {
+                "maxNumSeqs": 8,
+                "kvCacheMemory": "64MiB",
+                "drainTimeoutSeconds": 5,
+                "preStopSleepSeconds": 1,
+                "terminationGracePeriodSeconds": 15,
+                "heartbeatIntervalSeconds": 0.5,
+                "probes": {"readiness": {"periodSeconds": 1, "failureThreshold": 2}},
+                "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+                "kvOffload": {
+                    "hostMemory": "128Mi",
+                    "shared": {"volume": {"hostPath": {"path": str(shared_dir)}}, "size": "512Mi"},
+                },
+            },
+            "replicas": 1,
+            "router": {"replicas": 1, "policy": "prefix"},
+            "redis": {"mode": "managed"},
+        },
+    }
+
+
+def test_a_shared_kv_tier_serves_another_replicas_prefix_after_a_scale_up(
+    cluster, tmp_path
+) -> None:
+    """A deployment with a shared KV tier: a prefix computed on its one replica is in the
+    deployment's shared-tier index; after a scale-up the new replica serves the same prompt from
+    the shared tier (not recomputed) with the same greedy answer."""
+    import shutil
+
+    an_operator_runs(cluster)
+    shutil.rmtree(TIERS_DIR, ignore_errors=True)
+    TIERS_DIR.mkdir(parents=True)
+    manifest = tmp_path / "tiers.yaml"
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": TIERS_NS}}
+    manifest.write_text(
+        json.dumps({"kind": "List", "apiVersion": "v1", "items": [namespace, tiers_md(TIERS_DIR)]})
+    )
+    selector = render.selector_string(TIERS_MD, render.ENGINE)
+
+    def ready_pods() -> list[dict[str, Any]]:
+        return [p for p in cluster.api.list("Pod", TIERS_NS, selector) if is_ready(p)]
+
+    def pod_url(pod: dict[str, Any]) -> str:
+        return f"http://{pod['status']['podIP']}:{crd.ENGINE_PORT}"
+
+    kubectl_apply(cluster, manifest)
+    try:
+        (first,) = eventually(lambda: len(ready_pods()) == 1 and ready_pods(), 300, "one replica")
+        engine = next(c for c in first["spec"]["containers"] if c["name"] == "engine")
+        assert (
+            "--kv-shared-dir" in engine["command"] and "--kv-offloading-size" in engine["command"]
+        )
+        system = "You answer questions about caches. " + " ".join(
+            f"Rule {i}: keep answers short and exact." for i in range(40)
+        )
+        body = {
+            "model": MODEL,
+            "prompt": system + "\nQ: What does a KV cache hold?\nA:",
+            "max_tokens": 12,
+            "temperature": 0,
+        }
+        cold = httpx.post(pod_url(first) + "/v1/completions", json=body, timeout=120)
+        assert cold.status_code == 200, cold.text
+        prompt_tokens = cold.json()["usage"]["prompt_tokens"]
+
+        from kvmesh.common import kv_tiers
+
+        rc = redis_client(cluster, TIERS_NS, TIERS_MD)
+        shared_key = kv_tiers.shared_blocks_key(MODEL)
+        # The replica writes its blocks behind the request; its sidecar indexes them.
+        eventually(
+            lambda: rc.zcard(shared_key) >= prompt_tokens // 16 - 1,
+            60,
+            "the prompt's blocks in the deployment's shared-tier index",
+        )
+        kubectl(cluster, "scale", "md", TIERS_MD, "-n", TIERS_NS, "--replicas=2")
+        pods = eventually(lambda: len(ready_pods()) == 2 and ready_pods(), 300, "two replicas")
+        (second,) = [p for p in pods if p["metadata"]["uid"] != first["metadata"]["uid"]]
+        warm = httpx.post(pod_url(second) + "/v1/completions", json=body, timeout=120)
+        assert warm.status_code == 200, warm.text
+        details = warm.json()["usage"]["prompt_tokens_details"]
+        by_medium = details.get("cached_tokens_by_medium") or {}
+        assert by_medium.get("SHARED", 0) >= (prompt_tokens - 1) // 16 * 16 - 16, details
+        assert warm.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
+        report.record(
+            "shared KV tier: prompt tokens / served from the other replica's shared entries",
+            f"{prompt_tokens} / {by_medium.get('SHARED', 0)}",
+        )
+    finally:
+        kubectl(cluster, "delete", "md", TIERS_MD, "-n", TIERS_NS, "--wait=false")
+    eventually(
+        lambda: not cluster.api.list("Pod", TIERS_NS), 180, "the tiers deployment's pods gone"
+    )
 
 
 def test_kubectl_delete_collects_every_child_and_stops_every_process(cluster) -> None:
