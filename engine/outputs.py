@@ -35,6 +35,8 @@ class RequestOutput:
     delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # With finish_reason "error": the engine step failed on this request (and on it alone).
     error: str | None = None
+    # num_cached_tokens by tier ({"GPU": n, "CPU": n, "SHARED": n}); None: the engine has no tiers
+    num_cached_tokens_by_medium: dict[str, int] | None = None
 
     # Conveniences for the common single-output case.
     @property
