@@ -13,7 +13,17 @@ from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "key", "parent_key", "prev_free", "next_free", "freed_at")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "key",
+        "parent_key",
+        "prev_free",
+        "next_free",
+        "freed_at",
+        "token_ids",
+        "lora",
+    )
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -23,6 +33,9 @@ class KVBlock:
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
         self.freed_at = -1  # BlockPool's free clock when it last went to the back of the free list
+        # With a host tier: the cached block's tokens and adapter, for its event once evicted.
+        self.token_ids: tuple[int, ...] | None = None
+        self.lora = None
 
     def __repr__(self) -> str:
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, key={self.key})"
@@ -100,6 +113,9 @@ class BlockPool:
         self.cached: dict[int, KVBlock] = {}
         self.events: list[KVEvent] = []
         self.free_clock = 0  # counts blocks put at the back of the free list
+        # Called with each cached block that allocate evicts, before it is reused (the host
+        # tier's copy-on-evict); None: evicted content is dropped.
+        self.offload = None
 
     # -- prefix cache -------------------------------------------------------
     def lookup(self, key: int) -> KVBlock | None:
@@ -144,11 +160,19 @@ class BlockPool:
                 parent_live = key in self.cached
                 continue
             block.key, block.parent_key = key, parent_key
+            if self.offload is not None:
+                block.token_ids = tuple(token_ids[i * block_size : (i + 1) * block_size])
+                block.lora = lora
             self.cached[key] = block
             run_keys.append(key)
             run_tokens.extend(token_ids[i * block_size : (i + 1) * block_size])
             parent_key = key
         self._emit_stored(run_keys, run_parent, run_tokens, block_size, lora)
+
+    def emit(self, event: KVEvent) -> None:
+        """Queue an event (the host tier's go here too, in order with the KV cache's)."""
+        if self.enable_events:
+            self.events.append(event)
 
     def _emit_stored(
         self, keys: list[int], parent: int | None, tokens: list[int], block_size: int, lora
@@ -178,6 +202,7 @@ class BlockPool:
             if self.enable_events:
                 self.events.append(BlockRemoved([block.key]))
             block.key = block.parent_key = None
+            block.token_ids = block.lora = None
 
     # -- allocation -----------------------------------------------------------
     @property
@@ -226,6 +251,8 @@ class BlockPool:
             out.append(block)
             nxt = block.block_id + 1
         for block in sorted(out, key=_freed_at):  # evicted (and reported) in eviction order
+            if block.key is not None and self.offload is not None:
+                self.offload(block)
             self._evict(block)
         return out
 
@@ -259,6 +286,7 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.key = block.parent_key = None
+            block.token_ids = block.lora = None
         self.cached.clear()
         if self.enable_events:
             self.events.append(AllBlocksCleared())

@@ -91,6 +91,33 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "default: on for CUDA devices, off on the CPU",
     )
     g.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="host tier: blocks evicted from the KV cache are copied to this much host memory "
+        "and loaded back on a prefix hit (off by default)",
+    )
+    g.add_argument(
+        "--kv-offloading-backend",
+        default="native",
+        help="the host tier's implementation; only `native` (the engine's own) is accepted",
+    )
+    g.add_argument(
+        "--kv-shared-dir",
+        default=None,
+        metavar="PATH",
+        help="shared tier: a directory every replica mounts, one file per KV block, written "
+        "behind the requests and read on a prefix hit (off by default)",
+    )
+    g.add_argument(
+        "--kv-shared-size",
+        type=float,
+        default=10.0,
+        metavar="GiB",
+        help="the most the shared tier's directory holds (least recently used entries go first)",
+    )
+    g.add_argument(
         "--speculative-config",
         type=_speculative_config,
         default=None,
@@ -182,5 +209,9 @@ def engine_args_from(args: argparse.Namespace, server: bool = False, **overrides
         gpu_memory_utilization=args.gpu_memory_utilization,
         speculative_config=_with_batch_limit(args),
         async_scheduling=getattr(args, "async_scheduling", None),
+        kv_offloading_size=getattr(args, "kv_offloading_size", None),
+        kv_offloading_backend=getattr(args, "kv_offloading_backend", "native"),
+        kv_shared_dir=getattr(args, "kv_shared_dir", None),
+        kv_shared_size=getattr(args, "kv_shared_size", 10.0),
         **overrides,
     )

@@ -114,6 +114,13 @@ class EngineArgs:
     max_cpu_loras: int | None = None  # adapters kept loaded; None: max_loras
     max_lora_rank: int = 16
     lora_modules: list[Any] = field(default_factory=list)  # LoRARequest, loaded at start
+    # KV tiers (engine/kv_offload/): the host tier as vLLM's flags name it (GiB; None: off; the
+    # only backend is kvmesh's own), the shared tier as kvmesh's (a directory every replica
+    # mounts; None: off; its size in GiB).
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
+    kv_shared_dir: str | None = None
+    kv_shared_size: float = 10.0
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -157,6 +164,20 @@ class EngineArgs:
         from kvmesh.engine.generation_defaults import check_source
 
         check_source(self.generation_config)
+        self._validate_tiers()
+
+    def _validate_tiers(self) -> None:
+        for flag, value in (
+            ("--kv-offloading-size", self.kv_offloading_size),
+            ("--kv-shared-size", self.kv_shared_size),
+        ):
+            if value is not None and not value > 0:
+                raise ValueError(f"{flag} must be a positive size in GiB, got {value}")
+        if self.kv_offloading_backend != "native":
+            raise ValueError(
+                "--kv-offloading-backend: only 'native' is accepted (the engine's own host "
+                f"tier), got {self.kv_offloading_backend!r}"
+            )
 
 
 @dataclass

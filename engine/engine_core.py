@@ -8,6 +8,7 @@ thread or process without the HTTP side waiting on it.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,9 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmesh.common.kv_tiers import MEDIA
 from kvmesh.engine.builtin import resolve_model_dir
 from kvmesh.engine.config import EngineArgs, ModelConfig, parse_size, pick_device
 from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.kv_offload.tiers import TierStats, build_tiers
 from kvmesh.engine.lora.manager import LoRAManager, describe
 from kvmesh.engine.lora.request import LoRAError, LoRARequest
 from kvmesh.engine.model_limits import EngineLimits
@@ -42,6 +45,8 @@ class EngineCoreOutput:
         None  # with finish_reason "error": what failed in the step, for this request only
     )
     num_cached_tokens: int = 0
+    # ... split by tier ({"GPU": n, "CPU": n, "SHARED": n}); None: the engine has no tiers
+    num_cached_tokens_by_medium: dict[str, int] | None = None
     num_prompt_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = (
         None  # with the first token, when asked for
@@ -73,6 +78,7 @@ class EngineStats:
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
     max_loras: int = 0
+    kv_tiers: TierStats | None = None  # the KV tiers' figures, when the engine has tiers
 
 
 def _subset(sched: SchedulerOutput, requests: list[Request]) -> SchedulerOutput:
@@ -94,6 +100,7 @@ class _InFlight:
     request_ids: list[str]  # every request it holds (sched.requests may shrink on failure)
     prepared: object = None  # the runner's PreparedStep (None: prepare failed)
     future: Future | None = None  # the step thread's StepResult
+    dispatched_at: float = 0.0  # perf_counter at dispatch (the tiers' prefill cost)
 
 
 def _wait(batch: _InFlight) -> None:
@@ -103,6 +110,12 @@ def _wait(batch: _InFlight) -> None:
             batch.future.result()
         except Exception:  # noqa: BLE001 - discarded
             pass
+
+
+def _transfer_then_raise(runner: ModelRunner, transfers, exc: Exception):
+    """On the step thread, for a step whose prepare failed: its tier copies, then its error."""
+    runner.transfer(transfers)
+    raise exc
 
 
 def needs_sync(request: Request) -> bool:
@@ -167,8 +180,13 @@ class EngineCore:
         self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size)
         self.num_blocks = num_blocks
 
+        self.tiers = build_tiers(args, per_block)  # None: the KV cache alone
         self.kv = KVCacheManager(
-            num_blocks, args.block_size, args.enable_prefix_caching, args.enable_kv_events
+            num_blocks,
+            args.block_size,
+            args.enable_prefix_caching,
+            args.enable_kv_events,
+            tiers=self.tiers,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -200,6 +218,9 @@ class EngineCore:
         else:
             runner.allocate_kv_cache(num_blocks)
         self.runner = runner
+        if self.tiers is not None:
+            host = self.tiers.host
+            runner.use_kv_tiers(host.num_slots if host is not None else 0, self.tiers.meter)
         for module in args.lora_modules if args.enable_lora else ():
             self.add_lora(module)
         if self.device.type == "cuda" and not args.enforce_eager:
@@ -498,11 +519,26 @@ class EngineCore:
         return False
 
     def _count_prompt_tokens(self, sched: SchedulerOutput) -> None:
+        self.prompt_tokens += self._prefill_tokens(sched)
+
+    @staticmethod
+    def _prefill_tokens(sched: SchedulerOutput) -> int:
+        """Prompt tokens computed in a step (recomputation after preemption counts too); read
+        before the step's progress is applied (a sync step) or from its starts (an async one)."""
+        total = 0
         for req in sched.requests:
-            # Prompt tokens computed this step (recomputation after preemption counts too).
             n = sched.num_scheduled_tokens[req.request_id]
             start = sched.starts[req.request_id] if sched.is_async else req.num_computed_tokens
-            self.prompt_tokens += max(0, min(req.num_prompt_tokens - start, n))
+            total += max(0, min(req.num_prompt_tokens - start, n))
+        return total
+
+    def _observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """The tiers' prefill cost: the step's time, its prefill share, per prefilled block."""
+        if self.tiers is None or sched.is_empty:
+            return
+        self.tiers.meter.observe_step(
+            seconds, self._prefill_tokens(sched), sched.total_tokens, self.block_size
+        )
 
     def _dispatch(self, sched: SchedulerOutput) -> None:
         """Build the step's inputs here and queue its device work on the step thread, behind the
@@ -511,24 +547,36 @@ class EngineCore:
         self.num_async_steps += 1
         self._count_prompt_tokens(sched)
         batch = _InFlight(sched, [r.request_id for r in sched.requests])
+        batch.dispatched_at = time.perf_counter()
         prev = self._in_flight[-1] if self._in_flight else None
+        transfers = self.kv.take_transfers()
         try:
             batch.prepared = self.runner.prepare(
                 sched, self.kv, prev.prepared.sample_rows if prev else None
             )
         except Exception as exc:  # noqa: BLE001 - isolated when the step is applied
-            batch.future = Future()
-            batch.future.set_exception(exc)
-        else:
-            if self._step_thread is None:
-                init = None
-                if self.device.type == "cuda" and self.device.index is not None:
-                    init = lambda: torch.cuda.set_device(self.device)  # noqa: E731 - the thread's current device
-                self._step_thread = ThreadPoolExecutor(
-                    1, thread_name_prefix="kvmesh-step", initializer=init
+            if transfers:  # the tier copies still run, in order on the step thread
+                batch.future = self._steps().submit(
+                    _transfer_then_raise, self.runner, transfers, exc
                 )
-            batch.future = self._step_thread.submit(self._run_async, batch, prev)
+            else:
+                batch.future = Future()
+                batch.future.set_exception(exc)
+        else:
+            batch.prepared.transfers = transfers
+            batch.future = self._steps().submit(self._run_async, batch, prev)
         self._in_flight.append(batch)
+
+    def _steps(self) -> ThreadPoolExecutor:
+        """The step thread (started on first use)."""
+        if self._step_thread is None:
+            init = None
+            if self.device.type == "cuda" and self.device.index is not None:
+                init = lambda: torch.cuda.set_device(self.device)  # noqa: E731 - the thread's current device
+            self._step_thread = ThreadPoolExecutor(
+                1, thread_name_prefix="kvmesh-step", initializer=init
+            )
+        return self._step_thread
 
     def _run_async(self, batch: _InFlight, prev: _InFlight | None):
         """On the step thread: the step, on the previous step's sampled ids."""
@@ -559,6 +607,7 @@ class EngineCore:
         try:
             sampled, logprobs, prompt_lps = self.runner.finish(batch.future.result())
             failed = {}
+            self._observe_step(sched, time.perf_counter() - batch.dispatched_at)
         except Exception as exc:  # noqa: BLE001 - isolated below
             while self._in_flight:
                 self._revert(self._in_flight.pop())
@@ -637,7 +686,10 @@ class EngineCore:
             return outputs
         self.num_steps += 1
         self._count_prompt_tokens(sched)
+        t0 = time.perf_counter()
         sampled, logprobs, prompt_lps, failed = self._execute(sched)
+        if not failed:
+            self._observe_step(sched, time.perf_counter() - t0)
         if failed:
             outputs.extend(self._drop_failed(sched, failed, sampled, logprobs, prompt_lps))
         if self.spec is not None:
@@ -689,6 +741,7 @@ class EngineCore:
                     finish_reason=req.status.value if finished else None,
                     stop_reason=req.stop_reason if finished else None,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
+                    num_cached_tokens_by_medium=self._by_medium(req),
                     num_prompt_tokens=req.num_prompt_tokens,
                     prompt_logprobs=(
                         list(req.prompt_logprobs)
@@ -698,6 +751,14 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def _by_medium(self, req: Request) -> dict[str, int] | None:
+        """The request's cached tokens by tier, when the engine has tiers."""
+        if self.tiers is None:
+            return None
+        if req.num_cached_tokens_by_medium is None:  # admitted before any lookup (caching off)
+            return {m: 0 for m in MEDIA}
+        return dict(req.num_cached_tokens_by_medium)
 
     def _record_drafts(self, sched: SchedulerOutput, sampled: dict) -> None:
         """Count each verification (before a stop or max_tokens cuts the accepted run short)."""
@@ -854,6 +915,7 @@ class EngineCore:
             running_lora_adapters=_adapter_names(self.scheduler.running),
             waiting_lora_adapters=_adapter_names(self.scheduler.waiting),
             max_loras=self.args.max_loras if self.loras is not None else 0,
+            kv_tiers=self.tiers.stats(len(self.kv.pool.cached)) if self.tiers is not None else None,
         )
 
 

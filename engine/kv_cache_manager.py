@@ -1,8 +1,10 @@
-"""Per-request block tables on top of the block pool, with prefix-cache hits."""
+"""Per-request block tables on top of the block pool, with prefix-cache hits (and tier hits)."""
 
 from __future__ import annotations
 
+from kvmesh.common.kv_tiers import MEDIUM_GPU
 from kvmesh.engine.block_pool import BlockPool, KVBlock
+from kvmesh.engine.kv_offload.tiers import by_medium
 from kvmesh.engine.request import Request
 
 
@@ -17,10 +19,18 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         enable_events: bool = False,
+        tiers=None,
     ):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, enable_events)
+        # The tiers behind the cache (kv_offload/tiers.py KVTiers); None: the KV cache alone.
+        self.tiers = tiers
+        self._tier_hits: dict[str, list] = {}  # the last lookup's tier hits, per request
+        if tiers is not None:
+            tiers.set_emit(self.pool.emit)
+            if tiers.host is not None:
+                self.pool.offload = tiers.offload
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks registered in the cache
         # Counters for metrics.
@@ -39,31 +49,46 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest run of the request's full blocks already in the cache.
+        """Longest run of the request's full blocks already in the cache, then in the tiers.
 
         At most (num_tokens - 1) tokens are served from the cache: the last token
-        is always computed, so the step has logits to sample from.
+        is always computed, so the step has logits to sample from. Returns the KV cache's hits
+        and the tokens computed with the tiers' hits, which ``allocate_slots`` loads.
         """
+        self._tier_hits.pop(request.request_id, None)
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs need logits at every prompt position: compute them all
         max_blocks = (request.num_tokens - 1) // self.block_size
+        keys = request.block_keys(max_blocks)
         hits: list[KVBlock] = []
-        for key in request.block_keys(max_blocks):
+        for key in keys:
             block = self.pool.lookup(key)
             if block is None:
                 break
             hits.append(block)
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        tier_hits = []
+        if self.tiers is not None and len(hits) < max_blocks:
+            tier_hits = self.tiers.lookup(keys[len(hits) :])
+            if tier_hits:
+                self._tier_hits[request.request_id] = tier_hits
+        return hits, (len(hits) + len(tier_hits)) * self.block_size
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
     ) -> list[KVBlock] | None:
-        """Make room for `num_new_tokens` more tokens; None (and no change) if blocks run out."""
+        """Make room for `num_new_tokens` more tokens; None (and no change) if blocks run out.
+
+        ``computed_blocks`` (admission): the KV cache's hits from ``get_computed_blocks``; its
+        tier hits get fresh blocks here, filled by the step's loads before its forward."""
+        admission = computed_blocks is not None
         computed_blocks = computed_blocks or []
+        tier_hits = self._tier_hits.pop(request.request_id, []) if admission else []
         held = self.req_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_computed = (
+            request.num_computed_tokens + (len(computed_blocks) + len(tier_hits)) * self.block_size
+        )
         needed = (
             cdiv(num_computed + num_new_tokens, self.block_size) - len(held) - len(computed_blocks)
         )
@@ -71,12 +96,22 @@ class KVCacheManager:
         hits_on_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if needed + hits_on_free > self.pool.num_free_blocks:
             return None
+        if tier_hits:  # before allocating: the stores that allocation makes skip their slots
+            self.tiers.pin(tier_hits)
         self.pool.touch(computed_blocks)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         last = computed_blocks[-1] if computed_blocks else blocks[-1] if blocks else None
         new_blocks = self.pool.allocate(
             max(needed, 0), after=None if last is None else last.block_id
         )
+        if tier_hits:
+            self.tiers.load(tier_hits, new_blocks)
+        if admission and self.tiers is not None:
+            self.tiers.hit_tokens[MEDIUM_GPU] += len(computed_blocks) * self.block_size
+        if admission and self.tiers is not None and request.num_cached_tokens < 0:
+            request.num_cached_tokens_by_medium = by_medium(
+                len(computed_blocks), tier_hits, self.block_size
+            )
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
         if request.request_id not in self.num_cached_blocks:
@@ -134,13 +169,23 @@ class KVCacheManager:
             self.pool.free(list(reversed(tail)))
 
     def free(self, request: Request) -> None:
+        self._tier_hits.pop(request.request_id, None)
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         # Reverse order: a finished request's tail blocks are evicted before its head.
         self.pool.free(list(reversed(blocks)))
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.tiers is not None:
+            self.tiers.clear()
+        return True
+
+    def take_transfers(self):
+        """The block copies the next step runs before its forward (kv_offload/transfer.py);
+        None without tiers."""
+        return self.tiers.take_transfers() if self.tiers is not None else None
 
     def take_events(self):
         return self.pool.take_events()

@@ -159,6 +159,7 @@ class TextEngine:
             [comp],
             finished=finish_reason is not None,
             num_cached_tokens=out.num_cached_tokens,
+            num_cached_tokens_by_medium=out.num_cached_tokens_by_medium,
             prompt_logprobs=state.prompt_logprobs,
             delta_text=delta_text,
             delta_token_ids=list(new_ids),

@@ -76,6 +76,7 @@ class ModelRunner:
         self.cpu_ops = None  # the compiled CPU kernels (kernels/cpu.py), when they build
         self.graphs = None  # the CUDA graphs of decode steps (cuda_graphs.py), once captured
         self.piecewise = None  # the piecewise CUDA graphs of the other steps (piecewise_graphs.py)
+        self.kv_transfer = None  # the KV tiers' copies (kv_offload/transfer.py), when tiers are on
         self.backend = attention_backends.create(backend_name, config, block_size, device)
         log.info("attention backend: %s", self.backend.name)
         if device.type == "cpu":
@@ -109,6 +110,17 @@ class ModelRunner:
             )
             for _ in range(self.config.num_hidden_layers)
         ]
+
+    def use_kv_tiers(self, host_slots: int, meter=None) -> None:
+        """Hold a host tier of ``host_slots`` blocks (0: none, loads from payloads only)."""
+        from kvmesh.engine.kv_offload.transfer import TransferEngine
+
+        self.kv_transfer = TransferEngine(self.kv_caches, host_slots, self.device, meter)
+
+    def transfer(self, transfers) -> None:
+        """Run a step's tier copies (stores, then loads) before anything reads the KV cache."""
+        if transfers:
+            self.kv_transfer.run(self.kv_caches, transfers)
 
     def capture_cuda_graphs(
         self,
@@ -222,14 +234,18 @@ class ModelRunner:
         """Sampled tokens, their logprobs, and prompt logprobs as (position, logprob) per request.
 
         A request that verified drafts this step gets a list: the accepted drafts, then one sampled
-        token (and a list of logprobs, one per token)."""
+        token (and a list of logprobs, one per token). The step's tier copies run first, before
+        anything that can fail (a rerun of part of the step finds them done)."""
+        self.transfer(kv.take_transfers())
         return self.finish(self.run(self.prepare(out, kv)))
 
     @torch.inference_mode()
     def run(self, step: PreparedStep, prev: StepResult | None = None) -> StepResult:
         """The device part of a step: placeholder fill, forward, sampling. Nothing here waits for
         the device but what logprobs need; the sampled ids come back through ``finish``. With
-        async scheduling this runs on the engine's step thread, one step after the other."""
+        async scheduling this runs on the engine's step thread, one step after the other (so a
+        step's tier copies never race the step before it)."""
+        self.transfer(step.transfers)
         input_ids = step.input_ids
         if step.fill_dst is not None:
             if prev is None or prev.tokens is None:
@@ -347,6 +363,7 @@ class PreparedStep:
         None  # per sampling request: the output position it samples
     )
     lora: object = None  # the adapter rows (lora/step.py LoRAStep); None: base rows only
+    transfers: object = None  # async steps: the tier copies to run first (kv_offload/transfer.py)
 
 
 @dataclass

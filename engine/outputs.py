@@ -27,6 +27,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # ... split by tier ({"GPU": n, "CPU": n, "SHARED": n}); None: the engine has no tiers
+    num_cached_tokens_by_medium: dict[str, int] | None = None
     # SamplingParams.prompt_logprobs: per prompt token (None for the first), once the prompt is computed.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # Streaming deltas of the last step (the full text/token_ids are in outputs[0]).

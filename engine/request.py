@@ -59,6 +59,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set once, on first admission
+        # ... and split by tier ({"GPU": n, "CPU": n, "SHARED": n}) when the engine has tiers
+        self.num_cached_tokens_by_medium: dict[str, int] | None = None
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         # Draft tokens for the next step (speculative decoding): not part of all_token_ids until

@@ -1,1 +1,1 @@
-"""KV tiers beyond the engine's KV cache: the host tier and the shared tier."""
+"""KV tiers beyond the KV cache: the host tier, the shared tier's plug, transfers and costs."""

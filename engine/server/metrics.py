@@ -20,6 +20,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvmesh.common.kv_tiers import COST_METRIC
 from kvmesh.engine.step_timing import PHASES
 
 TTFT_BUCKETS = (
@@ -224,9 +225,38 @@ class _EngineCollector:
         )
         if args.speculative_config is not None:
             yield from self._spec_decode(s.spec_decode if s else None, counter)
+        if s is not None and s.kv_tiers is not None:  # --kv-offloading-size / --kv-shared-dir
+            yield from self._kv_tiers(s.kv_tiers)
         lora_info = getattr(self.engine, "lora_info", None)
         if lora_info is not None:  # --enable-lora
             yield lora_info.family()
+
+    def _kv_tiers(self, tiers):
+        """The KV tiers: what a block costs from each source, blocks held, tokens each served."""
+        labels = ["model_name"]
+        costs = GaugeMetricFamily(
+            COST_METRIC,
+            "Seconds per KV block: prefilling it (source=prefill), loading it from the host "
+            "tier (CPU) or the shared tier (SHARED).",
+            labels=[*labels, "source"],
+        )
+        for source, seconds in tiers.costs.items():
+            costs.add_metric([self.model_name, source], seconds)
+        yield costs
+        blocks = GaugeMetricFamily(
+            "kvmesh:kv_tier_blocks", "KV blocks each tier holds.", labels=[*labels, "medium"]
+        )
+        for medium, n in tiers.blocks.items():
+            blocks.add_metric([self.model_name, medium], n)
+        yield blocks
+        hits = CounterMetricFamily(
+            "kvmesh:kv_tier_hit_tokens",
+            "Prompt tokens not computed, by the tier that held their KV.",
+            labels=[*labels, "medium"],
+        )
+        for medium, n in tiers.hit_tokens.items():
+            hits.add_metric([self.model_name, medium], n)
+        yield hits
 
     def _spec_decode(self, sd, counter):
         """vLLM's speculative-decoding counters (only on an engine that speculates)."""

@@ -8,17 +8,38 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from kvmesh.common.kv_tiers import MEDIA, USAGE_BY_MEDIUM
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.server.choices import Choice
 
 
-def usage_field(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+def usage_field(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached: int,
+    by_medium: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """``by_medium``: the cached tokens by tier (an engine with KV tiers); None: left out."""
+    details: dict[str, Any] = {"cached_tokens": cached}
+    if by_medium is not None:
+        details[USAGE_BY_MEDIUM] = by_medium
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details,
     }
+
+
+def capped_by_medium(by_medium: dict[str, int], limit: int) -> dict[str, int]:
+    """A request's cached tokens by tier, the leading ``limit`` only (the tiers hold a prompt's
+    blocks in the order GPU, CPU, SHARED)."""
+    out = {}
+    for medium in MEDIA:
+        n = min(by_medium.get(medium, 0), limit)
+        out[medium] = n
+        limit -= n
+    return out
 
 
 def sse(obj: Any) -> str:
@@ -79,17 +100,29 @@ class ResponseAssembly:
         return self.id_prefix + self.request_id
 
     def usage(
-        self, choices: list[Choice], completion_tokens: list[int], cached: list[int]
+        self,
+        choices: list[Choice],
+        completion_tokens: list[int],
+        cached: list[int],
+        by_medium: list[dict[str, int] | None] | None = None,
     ) -> dict[str, Any]:
-        """Prompt and cached tokens once per prompt (its first choice), completion tokens of all."""
+        """Prompt and cached tokens once per prompt (its first choice), completion tokens of all;
+        ``by_medium``: per choice index, its cached tokens by tier (engines with KV tiers)."""
         first: dict[int, Choice] = {}
         for c in choices:
             first.setdefault(c.prompt_index, c)
         # a continuation's cache hit may reach into its resumed ids: only the prompt's part counts
+        split = None
+        if by_medium is not None and any(by_medium[c.index] is not None for c in first.values()):
+            split = {m: 0 for m in MEDIA}
+            for c in first.values():
+                for m, n in capped_by_medium(by_medium[c.index] or {}, len(c.ids)).items():
+                    split[m] += n
         return usage_field(
             sum(len(c.ids) for c in first.values()),
             sum(completion_tokens),
             sum(min(cached[c.index], len(c.ids)) for c in first.values()),
+            split,
         )
 
     def with_token_ids(
@@ -141,9 +174,11 @@ class ResponseAssembly:
                 )
             )
         cached = [0] * (choices[-1].index + 1)  # by choice index, as usage() reads it
+        by_medium: list[dict[str, int] | None] = [None] * len(cached)
         for c, out in zip(choices, outs):
             cached[c.index] = out.num_cached_tokens
-        response["usage"] = self.usage(choices, generated, cached)
+            by_medium[c.index] = out.num_cached_tokens_by_medium
+        response["usage"] = self.usage(choices, generated, cached, by_medium)
         return response
 
     def response_size(self, choices: list[Choice], outs: list[RequestOutput]) -> int:

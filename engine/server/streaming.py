@@ -66,6 +66,7 @@ class OutputStreaming(ResponseAssembly):
         # by choice index (a continuation runs only some of the request's choices, under their own indices)
         size = choices[-1].index + 1
         n_out, cached = [0] * size, [0] * size
+        by_medium: list[dict[str, int] | None] = [None] * size
         started = [False] * size
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -81,7 +82,7 @@ class OutputStreaming(ResponseAssembly):
                 merged.put_nowait((c, None))
 
         def so_far() -> dict[str, Any] | None:
-            return self.usage(choices, n_out, cached) if continuous_usage else None
+            return self.usage(choices, n_out, cached, by_medium) if continuous_usage else None
 
         tasks = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
@@ -102,6 +103,7 @@ class OutputStreaming(ResponseAssembly):
                 # a continuation's usage counts the resumed ids too: the whole request, once
                 n_out[i] = 0 if self.echo_only else len(out.token_ids) + len(c.resumed)
                 cached[i] = out.num_cached_tokens
+                by_medium[i] = out.num_cached_tokens_by_medium
                 delta_text, delta_lps = (
                     ("", []) if self.echo_only else (out.delta_text, out.delta_logprobs)
                 )
@@ -135,7 +137,7 @@ class OutputStreaming(ResponseAssembly):
                 )
                 yield sse(self.chunk([choice], so_far(), include_usage))
             if include_usage:
-                yield sse(self.chunk([], self.usage(choices, n_out, cached), True))
+                yield sse(self.chunk([], self.usage(choices, n_out, cached, by_medium), True))
         except Exception as exc:  # noqa: BLE001 - the status line is sent already: report in-band
             log.exception("request %s failed mid-stream", self.request_id)
             yield sse(error_body(500, str(exc)))
