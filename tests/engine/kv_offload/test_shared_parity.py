@@ -72,6 +72,7 @@ def test_chunked_prefill_and_batching_over_shared_hits(model_dir, tmp_path):
     _write(model_dir, tmp_path, prompts[:2])
     b = _engine(model_dir, tmp_path, max_num_batched_tokens=32)
     outs = b.generate(prompts, PARAMS)
+    assert b.engine.core.num_async_steps > 0
     _assert_exact(model_dir, prompts, outs)
     assert _shared_tokens(outs[0]) == (len(prompts[0]) - 1) // BS * BS
     assert all(
@@ -118,3 +119,21 @@ def test_a_store_of_another_layout_or_model_is_ignored(model_dir, tmp_path, othe
     out = b.generate([prompt], PARAMS)[0]
     assert _shared_tokens(out) == 0 and out.num_cached_tokens == 0
     _assert_exact(model_dir, [prompt], [out])
+
+
+def test_async_scheduling_writes_and_reads_the_shared_tier(model_dir, tmp_path):
+    prompts = _prompts(3, seed=17)
+    _write(model_dir, tmp_path, prompts[:1], async_scheduling=True)
+    b = _engine(model_dir, tmp_path, async_scheduling=True, max_num_batched_tokens=32)
+    outs = b.generate(prompts, PARAMS)
+    assert b.engine.core.num_async_steps > 0
+    _assert_exact(model_dir, prompts, outs)
+    assert _shared_tokens(outs[0]) == (len(prompts[0]) - 1) // BS * BS
+
+
+def test_an_unwritable_directory_serves_on(model_dir, tmp_path):
+    (tmp_path / "file").write_text("")
+    prompt = _prompts(1, seed=19)[0]
+    a = _engine(model_dir, tmp_path / "file" / "kv")
+    assert a.engine.core.tiers.shared.problem
+    _assert_exact(model_dir, [prompt], a.generate([prompt], PARAMS))
