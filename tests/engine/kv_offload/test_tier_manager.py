@@ -157,3 +157,22 @@ def test_reset_clears_the_host_tier():
     assert len(tiers.host) > 0
     assert kv.reset_prefix_cache()
     assert len(tiers.host) == 0
+
+
+def test_cpu_events_carry_the_adapter_and_its_keys_chain_from_its_root():
+    class Adapter:
+        name, int_id, digest = "sql", 7, "d1"
+
+    tiers = KVTiers(BS, host_blocks=8)
+    kv = KVCacheManager(2, BS, enable_events=True, tiers=tiers)
+    params = SamplingParams(max_tokens=4)
+    a = Request("a", [1, 2, 3], params, set(), "m", BS, 64, lora=Adapter())
+    admit(kv, a)
+    kv.free(a)
+    admit(kv, request("b", [5, 6, 7]))  # evicts the adapter's block
+    (stored,) = [e for e in kv.take_events() if getattr(e, "medium", None) == "CPU"]
+    assert stored == BlockStored(
+        a.block_keys(1), None, [1, 2], BS, lora_id=7, medium="CPU", lora_name="sql"
+    )
+    # the base model's prompt with the same tokens has another key: no hit on the adapter's
+    assert kv.get_computed_blocks(request("c", [1, 2, 3])) == ([], 0)
