@@ -72,7 +72,6 @@ def test_chunked_prefill_and_batching_over_shared_hits(model_dir, tmp_path):
     _write(model_dir, tmp_path, prompts[:2])
     b = _engine(model_dir, tmp_path, max_num_batched_tokens=32)
     outs = b.generate(prompts, PARAMS)
-    assert b.engine.core.num_async_steps > 0
     _assert_exact(model_dir, prompts, outs)
     assert _shared_tokens(outs[0]) == (len(prompts[0]) - 1) // BS * BS
     assert all(
