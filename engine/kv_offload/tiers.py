@@ -126,14 +126,14 @@ class KVTiers:
         self.pending.stores.clear()
 
     def stats(self, gpu_blocks: int) -> TierStats:
+        blocks = {
+            MEDIUM_GPU: gpu_blocks,
+            MEDIUM_CPU: len(self.host) if self.host is not None else 0,
+        }
+        if self.shared is not None:  # present only when on: its sample says the tier is on
+            blocks[MEDIUM_SHARED] = self.shared.num_blocks
         return TierStats(
-            blocks={
-                MEDIUM_GPU: gpu_blocks,
-                MEDIUM_CPU: len(self.host) if self.host is not None else 0,
-                MEDIUM_SHARED: self.shared.num_blocks if self.shared is not None else 0,
-            },
-            hit_tokens=dict(self.hit_tokens),
-            costs=self.meter.by_source(),
+            blocks=blocks, hit_tokens=dict(self.hit_tokens), costs=self.meter.by_source()
         )
 
 

@@ -136,3 +136,19 @@ def test_an_unwritable_directory_serves_on(model_dir, tmp_path):
     a = _engine(model_dir, tmp_path / "file" / "kv")
     assert a.engine.core.tiers.shared.problem
     _assert_exact(model_dir, [prompt], a.generate([prompt], PARAMS))
+
+
+def test_host_and_shared_tiers_together(model_dir, tmp_path):
+    """The shared tier serves what a fresh engine never computed; once unrelated prompts have
+    pushed those blocks out of its small KV cache, the host tier serves them; all exact."""
+    prompt = _prompts(1, seed=23)[0]
+    others = random_prompts(3, 120, 150, seed=29)
+    _write(model_dir, tmp_path, [prompt])
+    b = _engine(model_dir, tmp_path, num_kv_blocks=24, kv_offloading_size=0.01)
+    first = b.generate([prompt], PARAMS)[0]
+    hit = (len(prompt) - 1) // BS * BS
+    assert _shared_tokens(first) == hit
+    outs = [b.generate([p], PARAMS)[0] for p in others]  # evict the prompt's blocks to the host
+    again = b.generate([prompt], PARAMS)[0]
+    assert again.num_cached_tokens_by_medium["CPU"] > 0 and again.num_cached_tokens == hit
+    _assert_exact(model_dir, [prompt, *others, prompt], [first, *outs, again])
