@@ -46,12 +46,12 @@ class EngineCoreOutput:
         None  # with finish_reason "error": what failed in the step, for this request only
     )
     num_cached_tokens: int = 0
-    # ... split by tier ({"GPU": n, "CPU": n, "SHARED": n}); None: the engine has no tiers
-    num_cached_tokens_by_medium: dict[str, int] | None = None
     num_prompt_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = (
         None  # with the first token, when asked for
     )
+    # num_cached_tokens by tier ({"GPU": n, "CPU": n, "SHARED": n}); None: the engine has no tiers
+    num_cached_tokens_by_medium: dict[str, int] | None = None
 
     @property
     def finished(self) -> bool:

@@ -27,8 +27,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    # ... split by tier ({"GPU": n, "CPU": n, "SHARED": n}); None: the engine has no tiers
-    num_cached_tokens_by_medium: dict[str, int] | None = None
     # SamplingParams.prompt_logprobs: per prompt token (None for the first), once the prompt is computed.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # Streaming deltas of the last step (the full text/token_ids are in outputs[0]).
@@ -37,6 +35,8 @@ class RequestOutput:
     delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # With finish_reason "error": the engine step failed on this request (and on it alone).
     error: str | None = None
+    # num_cached_tokens by tier ({"GPU": n, "CPU": n, "SHARED": n}); None: the engine has no tiers
+    num_cached_tokens_by_medium: dict[str, int] | None = None
 
     # Conveniences for the common single-output case.
     @property
