@@ -116,6 +116,9 @@ class BlockPool:
         # Called with each cached block that allocate evicts, before it is reused (the host
         # tier's copy-on-evict); None: evicted content is dropped.
         self.offload = None
+        # Called with each block as it is registered (its parent key, tokens and adapter): the
+        # shared tier's write-through; None: nobody asks.
+        self.on_cached = None
 
     # -- prefix cache -------------------------------------------------------
     def lookup(self, key: int) -> KVBlock | None:
@@ -163,6 +166,10 @@ class BlockPool:
             if self.offload is not None:
                 block.token_ids = tuple(token_ids[i * block_size : (i + 1) * block_size])
                 block.lora = lora
+            if self.on_cached is not None:
+                self.on_cached(
+                    block, parent_key, token_ids[i * block_size : (i + 1) * block_size], lora
+                )
             self.cached[key] = block
             run_keys.append(key)
             run_tokens.extend(token_ids[i * block_size : (i + 1) * block_size])

@@ -20,6 +20,7 @@ from kvmesh.common.kv_tiers import MEDIA
 from kvmesh.engine.builtin import resolve_model_dir
 from kvmesh.engine.config import EngineArgs, ModelConfig, parse_size, pick_device
 from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.kv_offload.shared_tier import EventInbox, build_shared_store
 from kvmesh.engine.kv_offload.tiers import TierStats, build_tiers
 from kvmesh.engine.lora.manager import LoRAManager, describe
 from kvmesh.engine.lora.request import LoRAError, LoRARequest
@@ -102,6 +103,7 @@ class _InFlight:
     prepared: object = None  # the runner's PreparedStep (None: prepare failed)
     future: Future | None = None  # the step thread's StepResult
     dispatched_at: float = 0.0  # perf_counter at dispatch (the tiers' prefill cost)
+    completed: list = field(default_factory=list)  # blocks it completes (the shared tier's)
 
 
 def _wait(batch: _InFlight) -> None:
@@ -181,7 +183,7 @@ class EngineCore:
         self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size)
         self.num_blocks = num_blocks
 
-        self.tiers = build_tiers(args, per_block)  # None: the KV cache alone
+        self.tiers = self._build_tiers(args, per_block)  # None: the KV cache alone
         self.kv = KVCacheManager(
             num_blocks,
             args.block_size,
@@ -277,6 +279,14 @@ class EngineCore:
             self.max_model_len,
             self.async_scheduling,
         )
+
+    def _build_tiers(self, args: EngineArgs, per_block: int):
+        """The host tier and the shared tier's store, as the arguments ask."""
+        inbox = EventInbox() if args.enable_kv_events else None
+        cfg = self.model_config
+        layout = (cfg.num_hidden_layers, cfg.num_key_value_heads, args.block_size, cfg.head_dim)
+        shared = build_shared_store(args, self.model_id, self.dtype, layout, per_block, inbox)
+        return build_tiers(args, per_block, shared, inbox)
 
     def _size_kv_from_gpu_memory(self, args: EngineArgs, per_block: int) -> tuple[ModelRunner, int]:
         """Load the model, profile one step at the largest batch, and fit the KV cache into
@@ -553,6 +563,7 @@ class EngineCore:
         batch.dispatched_at = time.perf_counter()
         prev = self._in_flight[-1] if self._in_flight else None
         transfers = self.kv.take_transfers()
+        batch.completed = self.kv.take_completed()
         try:
             batch.prepared = self.runner.prepare(
                 sched, self.kv, prev.prepared.sample_rows if prev else None
@@ -614,6 +625,7 @@ class EngineCore:
             sampled, logprobs, prompt_lps = self.runner.finish(batch.future.result())
             failed = {}
             self._observe_step(sched, time.perf_counter() - batch.dispatched_at)
+            self.kv.write_completed(batch.completed, self.runner.kv_caches)
         except Exception as exc:  # noqa: BLE001 - isolated below
             while self._in_flight:
                 self._revert(self._in_flight.pop())
@@ -690,6 +702,8 @@ class EngineCore:
         if self._step_thread is not None:
             self._step_thread.shutdown(wait=True)
             self._step_thread = None
+        if self.tiers is not None and self.tiers.shared is not None:
+            self.tiers.shared.close()  # what is queued is written
 
     def _sync_step(self) -> list[EngineCoreOutput]:
         """One synchronous step: schedule, run, apply (the only kind without async scheduling)."""
@@ -700,9 +714,11 @@ class EngineCore:
         self.num_steps += 1
         self._count_prompt_tokens(sched)
         t0 = time.perf_counter()
+        completed = self.kv.take_completed()
         sampled, logprobs, prompt_lps, failed = self._execute(sched)
         if not failed:
             self._observe_step(sched, time.perf_counter() - t0)
+            self.kv.write_completed(completed, self.runner.kv_caches)
         if failed:
             outputs.extend(self._drop_failed(sched, failed, sampled, logprobs, prompt_lps))
         if self.spec is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvmesh.common.kv_tiers import MEDIUM_GPU
 from kvmesh.engine.block_pool import BlockPool, KVBlock
+from kvmesh.engine.kv_offload.shared_tier import WriteThrough
 from kvmesh.engine.kv_offload.tiers import by_medium
 from kvmesh.engine.request import Request
 
@@ -31,6 +32,11 @@ class KVCacheManager:
             tiers.set_emit(self.pool.emit)
             if tiers.host is not None:
                 self.pool.offload = tiers.offload
+        # The shared tier's write-through: the blocks each step completes, written once it ran.
+        self.write_through = None
+        if tiers is not None and tiers.shared is not None:
+            self.write_through = WriteThrough(tiers.shared, self.pool, block_size)
+            self.pool.on_cached = self.write_through.note
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks registered in the cache
         # Counters for metrics.
@@ -187,5 +193,17 @@ class KVCacheManager:
         None without tiers."""
         return self.tiers.take_transfers() if self.tiers is not None else None
 
+    def take_completed(self) -> list:
+        """The blocks registered since the last call: the step being dispatched completes them."""
+        return self.write_through.take() if self.write_through is not None else []
+
+    def write_completed(self, completed: list, kv_caches) -> None:
+        """After their step ran: the completed blocks go to the shared tier."""
+        if completed:
+            self.write_through.write(completed, kv_caches)
+
     def take_events(self):
-        return self.pool.take_events()
+        events = self.pool.take_events()
+        if self.tiers is not None and self.tiers.shared_events is not None:
+            events += self.tiers.shared_events.take()  # the shared tier's, from its writer
+        return events

@@ -14,6 +14,7 @@ class BlockCostMeter:
     def __init__(self, alpha: float = ALPHA):
         self.alpha = alpha
         self.seconds: dict[str, float] = {}  # "prefill" | "CPU" | "SHARED" -> seconds per block
+        self.read_seconds: dict[str, float] = {}  # "SHARED" -> a file's read, per block
 
     def _observe(self, source: str, per_block: float) -> None:
         old = self.seconds.get(source)
@@ -34,6 +35,23 @@ class BlockCostMeter:
         if blocks > 0 and seconds >= 0:
             self._observe(medium, seconds / blocks)
 
+    def observe_read(self, medium: str, seconds: float, blocks: int) -> None:
+        """``blocks`` blocks were read from ``medium``'s files in ``seconds`` (before their
+        load): part of what a block from that tier costs."""
+        if blocks > 0 and seconds >= 0:
+            old = self.read_seconds.get(medium)
+            per_block = seconds / blocks
+            self.read_seconds[medium] = (
+                per_block if old is None else old + self.alpha * (per_block - old)
+            )
+
+    def _load(self, medium: str, default: float) -> float:
+        """A load's seconds: its copy, plus its read where it has files."""
+        copy, read = self.seconds.get(medium), self.read_seconds.get(medium)
+        if copy is None and read is None:
+            return default
+        return (copy or 0.0) + (read or 0.0)
+
     def costs(self) -> BlockCosts:
         """The figures as the contract carries them (defaults where nothing was measured)."""
         d = BlockCosts()
@@ -42,8 +60,8 @@ class BlockCostMeter:
             return d
         return BlockCosts(
             prefill,
-            self.seconds.get(MEDIUM_CPU, d.cpu * prefill),
-            self.seconds.get(MEDIUM_SHARED, d.shared * prefill),
+            self._load(MEDIUM_CPU, d.cpu * prefill),
+            self._load(MEDIUM_SHARED, d.shared * prefill),
         )
 
     def by_source(self) -> dict[str, float]:

@@ -6,6 +6,7 @@ off: it is read on lookup (``contains`` then ``read``, a verified payload or Non
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -38,10 +39,11 @@ class TierStats:
 
 
 class KVTiers:
-    def __init__(self, block_size: int, host_blocks: int = 0, shared=None):
+    def __init__(self, block_size: int, host_blocks: int = 0, shared=None, shared_events=None):
         self.block_size = block_size
         self.host = HostPool(host_blocks) if host_blocks > 0 else None
         self.shared = shared
+        self.shared_events = shared_events  # shared_tier.EventInbox: the store's events, or None
         self.meter = BlockCostMeter()
         self.pending = Transfers()
         self.hit_tokens: Counter[str] = Counter({m: 0 for m in MEDIA})
@@ -92,7 +94,11 @@ class KVTiers:
     def _read_shared(self, key: int) -> bytes | None:
         if self.shared is None or not self.shared.contains(key):
             return None
-        return self.shared.read(key)
+        t0 = time.perf_counter()
+        payload = self.shared.read(key)
+        if payload is not None:  # the file's read; the copy into the cache is timed as a load
+            self.meter.observe_read(MEDIUM_SHARED, time.perf_counter() - t0, 1)
+        return payload
 
     def pin(self, hits: list[TierHit]) -> None:
         """The hits will be loaded this step: no store of this step may take their slots."""
@@ -120,13 +126,14 @@ class KVTiers:
         self.pending.stores.clear()
 
     def stats(self, gpu_blocks: int) -> TierStats:
+        blocks = {
+            MEDIUM_GPU: gpu_blocks,
+            MEDIUM_CPU: len(self.host) if self.host is not None else 0,
+        }
+        if self.shared is not None:  # present only when on: its sample says the tier is on
+            blocks[MEDIUM_SHARED] = self.shared.num_blocks
         return TierStats(
-            blocks={
-                MEDIUM_GPU: gpu_blocks,
-                MEDIUM_CPU: len(self.host) if self.host is not None else 0,
-            },
-            hit_tokens=dict(self.hit_tokens),
-            costs=self.meter.by_source(),
+            blocks=blocks, hit_tokens=dict(self.hit_tokens), costs=self.meter.by_source()
         )
 
 
@@ -151,10 +158,11 @@ def host_blocks_for(size_gib: float | None, block_bytes: int) -> int:
     return blocks
 
 
-def build_tiers(args, block_bytes: int) -> KVTiers | None:
+def build_tiers(args, block_bytes: int, shared=None, shared_events=None) -> KVTiers | None:
     """The engine's tiers from its arguments (EngineArgs); None when none is on. The shared
-    tier's store plugs in as ``KVTiers.shared``."""
+    tier's store (shared_tier.build_shared_store) plugs in as ``KVTiers.shared``, its events
+    arrive in ``shared_events``."""
     host_blocks = host_blocks_for(args.kv_offloading_size, block_bytes)
-    if not host_blocks:
+    if not host_blocks and shared is None:
         return None
-    return KVTiers(args.block_size, host_blocks)
+    return KVTiers(args.block_size, host_blocks, shared, shared_events)
