@@ -283,9 +283,8 @@ def test_pods_call_only_documented_flags(case):
         assert _flags(engine) - extra <= VLLM_FLAGS
     else:
         assert engine[:2] == ["kvmesh", "serve"]
-        # The LoRA flags are vLLM's, documented with the engine's LoRA serving; the KV tier
-        # flags are the engine's (kvmesh/common/kv_tiers.py).
-        assert _flags(engine) <= _cli_flags("serve") | LORA_FLAGS | KV_TIER_FLAGS
+        # The LoRA flags are vLLM's, documented with the engine's LoRA serving.
+        assert _flags(engine) <= _cli_flags("serve") | LORA_FLAGS
     sidecar = render.sidecar_args(spec)
     assert sidecar[:2] == ["kvmesh", "sidecar"] and _flags(sidecar) <= _cli_flags("sidecar")
     router = render.router_args(spec, "demo")
@@ -309,8 +308,6 @@ LORA_FLAGS = {
     "--max-lora-rank",
     "--lora-modules",
 }
-
-KV_TIER_FLAGS = {"--kv-offloading-size", "--kv-shared-dir", "--kv-shared-size"}
 
 # The `vllm serve` flags kvmesh renders (vLLM 0.32; tests/vllm/ runs them for real).
 VLLM_FLAGS = {
