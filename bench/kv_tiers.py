@@ -75,13 +75,13 @@ def start_server(port: int, flags: list[str], log_path: str) -> subprocess.Popen
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     import httpx
 
-    print(f"  waiting for {url}/health (engine loading) ...", flush=True)
+    print(f"  waiting for {url}/ready (engine loading) ...", flush=True)
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server on {url} exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -134,9 +134,10 @@ def ttft(args: argparse.Namespace) -> None:
     try:
         for u, p in zip(urls, procs):
             wait_ready(u, p)
-        warm = [rng.randrange(vocab) for _ in range(256)]
+        # Warm-up: a prompt of the measured length on each replica (first long contexts pay for
+        # allocation and page faults), never reused after.
         for u in urls:
-            timed_completion(u, warm)
+            timed_completion(u, [rng.randrange(vocab) for _ in range(args.prompt_tokens)])
         rows: dict[str, list[float]] = {"recompute": [], "GPU": [], "CPU": [], "SHARED": []}
         for rnd in range(args.rounds):
             prompt = [rng.randrange(vocab) for _ in range(args.prompt_tokens)]
