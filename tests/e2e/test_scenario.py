@@ -994,7 +994,11 @@ def test_a_shared_kv_tier_serves_another_replicas_prefix_after_a_scale_up(
             "max_tokens": 12,
             "temperature": 0,
         }
-        cold = httpx.post(pod_url(first) + "/v1/completions", json=body, timeout=120)
+        import base64
+
+        secret = cluster.api.get("Secret", TIERS_NS, render.names(TIERS_MD)["engine-api-key"])
+        auth = {"Authorization": "Bearer " + base64.b64decode(secret["data"]["api-key"]).decode()}
+        cold = httpx.post(pod_url(first) + "/v1/completions", json=body, headers=auth, timeout=120)
         assert cold.status_code == 200, cold.text
         prompt_tokens = cold.json()["usage"]["prompt_tokens"]
 
@@ -1011,7 +1015,7 @@ def test_a_shared_kv_tier_serves_another_replicas_prefix_after_a_scale_up(
         kubectl(cluster, "scale", "md", TIERS_MD, "-n", TIERS_NS, "--replicas=2")
         pods = eventually(lambda: len(ready_pods()) == 2 and ready_pods(), 300, "two replicas")
         (second,) = [p for p in pods if p["metadata"]["uid"] != first["metadata"]["uid"]]
-        warm = httpx.post(pod_url(second) + "/v1/completions", json=body, timeout=120)
+        warm = httpx.post(pod_url(second) + "/v1/completions", json=body, headers=auth, timeout=120)
         assert warm.status_code == 200, warm.text
         details = warm.json()["usage"]["prompt_tokens_details"]
         by_medium = details.get("cached_tokens_by_medium") or {}
