@@ -177,6 +177,8 @@ class EngineCore:
             self.max_model_len,
             args.enable_chunked_prefill,
             max_loras=args.max_loras if args.enable_lora else 0,
+            policy=args.scheduling_policy,
+            max_prefill_skips=args.max_prefill_skips,
         )
         self.loras: LoRAManager | None = None  # enable_lora: the adapters served beside the base
         if args.enable_lora:
