@@ -64,7 +64,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=_non_negative_int,
         default=DEFAULT_MAX_SKIPS,
         metavar="N",
-        help="sjf: a prompt passed over by N later arrivals goes first (default: %(default)s)",
+        help="sjf: a prompt passed over by N later arrivals goes first (0: fcfs)",
     )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")

@@ -22,6 +22,7 @@ from kvmesh.engine.lora.manager import LoRAManager, describe
 from kvmesh.engine.lora.request import LoRAError, LoRARequest
 from kvmesh.engine.model_limits import EngineLimits
 from kvmesh.engine.model_runner import ModelRunner
+from kvmesh.engine.prefill_order import check_priority
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampler import TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
@@ -324,10 +325,13 @@ class EngineCore:
         arrival_time: float | None = None,
         resumed_token_ids: list[int] | None = None,
         lora_name: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """``resumed_token_ids``: a continuation's output so far (generated elsewhere).
-        ``lora_name``: a loaded adapter to run with (LoRAError if there is none by that name)."""
+        ``lora_name``: a loaded adapter to run with (LoRAError if there is none by that name).
+        ``priority``: lower first, under the ``priority`` scheduling policy only."""
         self.validate_prompt(prompt_token_ids)
+        check_priority(priority, self.scheduler.order.policy)
         self.validate_params(params)
         if resumed_token_ids is not None:
             self.limits.validate_resume(prompt_token_ids, resumed_token_ids, params)
@@ -350,6 +354,7 @@ class EngineCore:
             arrival_time,
             resumed_token_ids,
             lora=lora,
+            priority=priority,
         )
         if params.structured_outputs is not None:
             request.structured = self.structured_backend().start(

@@ -77,6 +77,19 @@ class PrefillOrder:
         return aged
 
 
+def check_priority(priority: int, policy: str) -> None:
+    """A request's ``priority`` means something under the priority policy only: elsewhere a
+    non-zero one is refused (as vLLM's), rather than silently ignored."""
+    from kvmesh.engine.sampling_params import InvalidParameter
+
+    if priority and policy != "priority":
+        raise InvalidParameter(
+            "priority",
+            f"got priority {priority} but priority scheduling is not enabled "
+            "(--scheduling-policy priority)",
+        )
+
+
 def cached_prefix_tokens(kv, request: Request) -> int:
     """The prompt tokens a prefix-cache lookup would serve now (as the KV cache manager's
     ``get_computed_blocks``, without touching its hit counters: this is only a peek)."""
