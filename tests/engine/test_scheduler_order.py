@@ -208,3 +208,25 @@ def test_policy_flag_defaults_to_sjf_for_serve_and_fcfs_elsewhere():
         _parse(["--scheduling-policy", "lpm"])
     with pytest.raises(ValueError, match="scheduling_policy"):
         EngineArgs(scheduling_policy="lpm").validate()
+
+
+def test_priority_travels_to_the_core_process():
+    import msgspec
+
+    from kvmesh.engine.core_messages import AddRequest
+
+    msg = AddRequest("r", [1, 2], SamplingParams(max_tokens=1), priority=-4)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=AddRequest)
+    assert decoded.priority == -4
+
+
+def test_a_priority_outside_the_priority_policy_is_refused():
+    from kvmesh.engine.prefill_order import check_priority
+    from kvmesh.engine.sampling_params import InvalidParameter
+
+    check_priority(0, "sjf")
+    check_priority(5, "priority")
+    for policy in ("fcfs", "sjf"):
+        with pytest.raises(InvalidParameter) as exc:
+            check_priority(1, policy)
+        assert exc.value.param == "priority"
