@@ -10,11 +10,12 @@ throughput, and each ratio to fcfs. Nothing is timed on the machine, so it runs 
 
   python -P bench/prefill_order.py                            # fcfs, sjf, priority; 200 requests
   python -P bench/prefill_order.py --max-prefill-skips 0,4,8,16  # sjf's aging bound
-  python -P bench/prefill_order.py --request-rate 2.5         # open loop, near saturation
+  python -P bench/prefill_order.py --request-rate 0.6         # open loop, near saturation
   python -P bench/prefill_order.py --measure                  # a and b from the built-in model
 
-The default a and b are the CPU engine's (fp32 smollm2-135m, 2 cores): ~30 ms per step plus
-~0.25 ms per token (--measure times them again: a 512-token prefill and decode steps at batch 1).
+The default a and b are the CPU engine's (fp32 smollm2-135m, 2 cores, docs/engine.md "The
+budget"): ~30 ms per step plus ~1 ms per token. --measure times them again (a 512-token prefill,
+decode steps at batch 1): on a loaded machine that measures the load, not the engine.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def main() -> None:
         "--max-prefill-skips", default="8", help="sjf's aging bound(s), comma-separated"
     )
     ap.add_argument("--step-a", type=float, default=0.030, help="seconds per step")
-    ap.add_argument("--step-b", type=float, default=0.00025, help="seconds per token in a step")
+    ap.add_argument("--step-b", type=float, default=0.001, help="seconds per token in a step")
     ap.add_argument("--measure", action="store_true", help="time a and b on --model first")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--seed", type=int, default=0)
