@@ -54,9 +54,10 @@ class PrefillOrder:
             return list(waiting)
         if self.policy == "priority":
             return sorted(waiting, key=lambda r: r.priority)  # stable: arrival breaks ties
-        window = list(waiting)[:SJF_WINDOW]
-        ranked = sorted(enumerate(window), key=lambda item: self._sjf_key(item[1], item[0], kv))
-        return [r for _, r in ranked] + list(waiting)[SJF_WINDOW:]
+        queue = list(waiting)
+        window = enumerate(queue[:SJF_WINDOW])
+        ranked = sorted(window, key=lambda item: self._sjf_key(item[1], item[0], kv))
+        return [r for _, r in ranked] + queue[SJF_WINDOW:]
 
     def _sjf_key(self, request: Request, position: int, kv) -> tuple[int, int, int]:
         if request.status is RequestStatus.PREEMPTED:

@@ -59,6 +59,16 @@ def test_sjf_admits_the_shortest_prompts_first():
     assert got == {"d": 6, "b": 12, "c": 30, "a": 52}  # the longest gets what is left
 
 
+def test_sjf_ranks_the_front_of_a_long_queue_only(monkeypatch):
+    from kvmesh.engine import prefill_order
+
+    monkeypatch.setattr(prefill_order, "SJF_WINDOW", 2)
+    sched = new_scheduler(budget=100)
+    for rid, n in (("a", 30), ("b", 20), ("c", 5), ("d", 4)):
+        add(sched, rid, n)
+    assert order(step(sched)) == ["b", "a", "c", "d"]  # the rest in arrival order
+
+
 def test_fcfs_admits_in_arrival_order():
     sched = new_scheduler("fcfs", budget=100)
     for rid, n in (("a", 60), ("b", 12), ("c", 30), ("d", 6)):
