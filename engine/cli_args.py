@@ -9,6 +9,7 @@ import argparse
 
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
 from kvmesh.common.model_lookup import DEFAULT_MODEL
+from kvmesh.engine.prefill_order import DEFAULT_MAX_SKIPS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument(
+        "--scheduling-policy",
+        default=None,
+        choices=["fcfs", "priority", "sjf"],
+        help="which waiting request the token budget goes to first: fcfs (arrival), priority "
+        "(the request's `priority`, lower first, then arrival; as vLLM's) or sjf (shortest "
+        "prompt after prefix-cache hits first, aged by --max-prefill-skips); default: sjf for "
+        "`serve`, fcfs for `generate`",
+    )
+    g.add_argument(
+        "--max-prefill-skips",
+        type=_non_negative_int,
+        default=DEFAULT_MAX_SKIPS,
+        metavar="N",
+        help="sjf: a prompt passed over by N later arrivals goes first (0: fcfs)",
+    )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
     g.add_argument("--seed", type=int, default=0)
@@ -189,8 +206,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
 def engine_args_from(args: argparse.Namespace, server: bool = False, **overrides):
-    """EngineArgs from the parsed flags; `server`: the defaults of `serve` (the token budget)."""
+    """EngineArgs from the parsed flags; `server`: the defaults of `serve` (the token budget, and
+    sjf: a server's clients wait for first tokens; an offline batch only for the whole)."""
     from kvmesh.engine.config import EngineArgs, default_token_budget
 
     budget = args.max_num_batched_tokens
@@ -207,6 +235,8 @@ def engine_args_from(args: argparse.Namespace, server: bool = False, **overrides
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=getattr(args, "scheduling_policy", None) or ("sjf" if server else "fcfs"),
+        max_prefill_skips=getattr(args, "max_prefill_skips", DEFAULT_MAX_SKIPS),
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,

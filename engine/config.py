@@ -12,6 +12,7 @@ import torch
 
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
 from kvmesh.common.model_lookup import DEFAULT_MODEL
+from kvmesh.engine.prefill_order import DEFAULT_MAX_SKIPS, POLICIES
 
 _SIZE_UNITS = {
     "": 1,
@@ -87,6 +88,10 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Which waiting request the token budget goes to first (engine/prefill_order.py), as vLLM's
+    # --scheduling-policy plus sjf: fcfs | priority | sjf; and sjf's aging bound.
+    scheduling_policy: str = "fcfs"
+    max_prefill_skips: int = DEFAULT_MAX_SKIPS
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -150,6 +155,12 @@ class EngineArgs:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}"
             )
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(POLICIES)}, got {self.scheduling_policy!r}"
+            )
+        if self.max_prefill_skips < 0:
+            raise ValueError(f"max_prefill_skips must be >= 0, got {self.max_prefill_skips}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

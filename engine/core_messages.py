@@ -20,6 +20,7 @@ class AddRequest(msgspec.Struct, array_like=True):
     arrival_time: float | None = None
     resumed_token_ids: list[int] = []  # a continuation: output generated elsewhere (Request)
     lora_name: str | None = None  # the adapter the request runs with (loaded); None: the base
+    priority: int = 0  # lower first, under the priority scheduling policy
 
 
 class AbortRequests(msgspec.Struct, array_like=True):

@@ -134,6 +134,7 @@ class CoreLoop:
                 msg.arrival_time,
                 msg.resumed_token_ids or None,
                 lora_name=msg.lora_name,
+                priority=msg.priority,
             )
         except Exception as exc:  # noqa: BLE001 - answered to that request only
             return exc

@@ -26,6 +26,7 @@ from kvmesh.engine.lora.manager import LoRAManager, describe
 from kvmesh.engine.lora.request import LoRAError, LoRARequest
 from kvmesh.engine.model_limits import EngineLimits
 from kvmesh.engine.model_runner import ModelRunner
+from kvmesh.engine.prefill_order import check_priority
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampler import TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
@@ -198,6 +199,8 @@ class EngineCore:
             self.max_model_len,
             args.enable_chunked_prefill,
             max_loras=args.max_loras if args.enable_lora else 0,
+            policy=args.scheduling_policy,
+            max_prefill_skips=args.max_prefill_skips,
         )
         self.loras: LoRAManager | None = None  # enable_lora: the adapters served beside the base
         if args.enable_lora:
@@ -356,10 +359,13 @@ class EngineCore:
         arrival_time: float | None = None,
         resumed_token_ids: list[int] | None = None,
         lora_name: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """``resumed_token_ids``: a continuation's output so far (generated elsewhere).
-        ``lora_name``: a loaded adapter to run with (LoRAError if there is none by that name)."""
+        ``lora_name``: a loaded adapter to run with (LoRAError if there is none by that name).
+        ``priority``: lower first, under the ``priority`` scheduling policy only."""
         self.validate_prompt(prompt_token_ids)
+        check_priority(priority, self.scheduler.order.policy)
         self.validate_params(params)
         if resumed_token_ids is not None:
             self.limits.validate_resume(prompt_token_ids, resumed_token_ids, params)
@@ -382,6 +388,7 @@ class EngineCore:
             arrival_time,
             resumed_token_ids,
             lora=lora,
+            priority=priority,
         )
         if params.structured_outputs is not None:
             request.structured = self.structured_backend().start(

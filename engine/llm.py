@@ -44,11 +44,13 @@ class LLM:
         cache_salt: str | None = None,
         resume_token_ids: list[list[int]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """``resume_token_ids``: per prompt, the output a continuation starts after (generated
         before, elsewhere; n must be 1): its outputs hold what follows them only.
         ``lora_request``: the adapter every prompt runs with, or one per prompt (None: the base),
-        loaded on first use (``enable_lora``)."""
+        loaded on first use (``enable_lora``). ``priority``: one per prompt, lower first, as
+        vLLM's (the ``priority`` scheduling policy only)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -57,6 +59,9 @@ class LLM:
         resumed = list(resume_token_ids) if resume_token_ids is not None else [None] * len(prompts)
         if len(resumed) != len(prompts):
             raise ValueError(f"{len(resumed)} resume_token_ids lists for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -85,6 +90,7 @@ class LLM:
                     prompt_token_ids=ids,
                     resume_token_ids=resumed[i],
                     lora_name=adapters[i],
+                    priority=priorities[i],
                 )
                 order[rid] = (i, j)
         return self._run(order, len(prompts), use_tqdm)

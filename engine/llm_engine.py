@@ -207,6 +207,7 @@ class LLMEngine(TextEngine):
         prompt_token_ids: list[int] | None = None,
         resume_token_ids: list[int] | None = None,
         lora_name: str | None = None,
+        priority: int = 0,
     ) -> str:
         """``resume_token_ids``: continue a request whose output so far is these ids (generated
         elsewhere, already delivered): its outputs hold what follows them only. ``lora_name``: a
@@ -226,6 +227,7 @@ class LLMEngine(TextEngine):
                 cache_salt,
                 resumed_token_ids=resume_token_ids,
                 lora_name=lora_name,
+                priority=priority,
             )
         except Exception:
             self.states.pop(request_id, None)

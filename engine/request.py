@@ -45,6 +45,7 @@ class Request:
         arrival_time: float | None = None,
         resumed_token_ids: list[int] | None = None,
         lora=None,
+        priority: int = 0,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -72,6 +73,10 @@ class Request:
         # set by the engine core; the scheduler holds the request back while it compiles.
         self.structured = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        # Admission order (engine/prefill_order.py): the `priority` policy's key (lower first),
+        # and how often a later arrival was admitted while this one waited (the sjf policy's aging).
+        self.priority = priority
+        self.prefill_skips = 0
         # Whole-request token limit: max_tokens, capped by the model length.
         limit = max_model_len - self.num_prompt_tokens
         if sampling_params.max_tokens is not None:

@@ -2,8 +2,9 @@
 
 Each step hands out at most `max_num_batched_tokens` tokens as
 {request_id: num_tokens}. Running requests go first (a decode takes one
-token, an unfinished prefill takes its next chunk), then waiting requests are
-admitted in FCFS order with their prefix-cache hits applied. When blocks run
+token, an unfinished prefill takes its next chunk), so a started prefill finishes before a new
+one starts; then waiting requests are admitted, in the order of the scheduling policy
+(engine/prefill_order.py: fcfs, priority or sjf), with their prefix-cache hits applied. When blocks run
 out, the most recently admitted running request is preempted by recompute: its
 blocks are freed and it goes back to the front of the waiting queue.
 
@@ -23,11 +24,13 @@ while base requests and requests of adapters already running are admitted past i
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.prefill_order import DEFAULT_MAX_SKIPS, PrefillOrder
 from kvmesh.engine.request import Request, RequestStatus
 
 
@@ -65,8 +68,11 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         max_loras: int = 0,
+        policy: str = "fcfs",
+        max_prefill_skips: int = DEFAULT_MAX_SKIPS,
     ):
         self.kv = kv
+        self.order = PrefillOrder(policy, max_prefill_skips)
         self.max_loras = max_loras  # distinct adapters among the running requests; 0: no LoRA
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -221,24 +227,26 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests, FCFS; none are admitted in a step that had to preempt. A request
-        # whose grammar is still compiling, or whose adapter has no slot, stays queued, in its
-        # place, and the ones behind it go on.
-        held: list[Request] = []
+        # 2. Waiting requests, in the policy's order; none are admitted in a step that had to
+        # preempt. A request whose grammar is still compiling, or whose adapter has no slot, stays
+        # queued, in its place, and the ones behind it go on.
+        if not out.preempted and not out.blocked:
+            self._admit(out, budget, async_step)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, async_step: bool) -> None:
+        """Admit waiting requests while budget, sequence slots and blocks last."""
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return
         slots = self._adapter_slots()
-        while (
-            self.waiting
-            and budget > 0
-            and not out.preempted
-            and not out.blocked
-            and len(self.running) < self.max_num_seqs
-        ):
-            request = self.waiting[0]
+        ranked, i = self.order.order(self.waiting, self.kv), 0
+        while i < len(ranked):
+            request, i = ranked[i], i + 1
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             if request.structured is not None and request.structured.compiling:
-                held.append(self.waiting.popleft())
                 continue
             if not self._has_slot(request, slots):
-                held.append(self.waiting.popleft())
                 continue
             computed_blocks, num_computed = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
@@ -248,7 +256,10 @@ class Scheduler:
                 num_new = budget
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
-            self.waiting.popleft()
+            pos = self.waiting.index(request)
+            del self.waiting[pos]
+            if self.order.passed_over(list(itertools.islice(self.waiting, pos))):
+                ranked, i = self.order.order(self.waiting, self.kv), 0  # one aged: it goes next
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
@@ -262,8 +273,6 @@ class Scheduler:
                 out.admitted.append(request.request_id)
                 self._advance(out, request, num_new)
             budget -= num_new
-        self.waiting.extendleft(reversed(held))
-        return out
 
     def _adapter_slots(self) -> set[int]:
         """The adapters (by object: a name reloaded with new files is another adapter) that the

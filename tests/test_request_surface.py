@@ -56,6 +56,7 @@ COMMON = {
     "include_stop_str_in_output": (True, [NO]),
     "skip_special_tokens": (False, [NO]),
     "cache_salt": ("s", ["", 5, "s" * 1025]),
+    "priority": (0, ["high", 1.5]),
     "prompt_logprobs": (1, [21, -1]),
     "return_token_ids": (True, [NO]),
     "resume": ({"output_token_ids": [1]}, [{"output_token_ids": []}]),

@@ -185,9 +185,11 @@ class AsyncEngine:
         cache_salt: str | None = None,
         resumed_token_ids: list[int] | None = None,
         lora_name: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """``resumed_token_ids``: a continuation's output so far (LLMEngine.add_request);
-        ``lora_name``: the loaded adapter it runs with (None: the base)."""
+        ``lora_name``: the loaded adapter it runs with (None: the base); ``priority``: lower first
+        (the priority scheduling policy)."""
         if not self.alive:
             raise EngineDeadError("the engine thread is not running")
         stream = RequestStream(request_id)
@@ -202,6 +204,7 @@ class AsyncEngine:
                 cache_salt,
                 resumed_token_ids=list(resumed_token_ids or ()),
                 lora_name=lora_name,
+                priority=priority,
             )
         )
         return stream

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from kvmesh.engine.lora.request import LoRAError
 from kvmesh.engine.model_limits import ResumeTooLong
 from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.prefill_order import check_priority
 from kvmesh.engine.sampling_params import InvalidParameter
 from kvmesh.engine.server.adapters import model_not_found
 from kvmesh.engine.server.async_engine import EngineDeadError
@@ -103,6 +104,7 @@ class GenerationHandler(RequestHandler, OutputStreaming):
         engine = self.engine
         try:
             params = body.sampling_params(engine.sampling_defaults)
+            check_priority(body.priority, engine.engine_args.scheduling_policy)
             await engine.check_structured(
                 params
             )  # a spec the backend refuses: a 400 before anything runs
@@ -167,7 +169,7 @@ class GenerationHandler(RequestHandler, OutputStreaming):
                 headers={"Retry-After": str(state.config.retry_after_s)},
             )
 
-    def admit(self, choices: list[Choice], cache_salt: str | None) -> None:
+    def admit(self, choices: list[Choice], cache_salt: str | None, priority: int = 0) -> None:
         state = self.state
         if state.draining:
             state.metrics.reject("draining")
@@ -190,7 +192,14 @@ class GenerationHandler(RequestHandler, OutputStreaming):
                     self.request_id if len(choices) == 1 else f"{self.request_id}-{c.index}"
                 )
                 c.stream = self.engine.add(
-                    rid, c.prompt, c.ids, c.params, cache_salt, c.resumed or None, self.lora_name
+                    rid,
+                    c.prompt,
+                    c.ids,
+                    c.params,
+                    cache_salt,
+                    c.resumed or None,
+                    self.lora_name,
+                    priority,
                 )
                 log.info(
                     "request %s admitted: %d prompt tokens, max_tokens=%s, stream=%s%s",
@@ -222,7 +231,7 @@ class GenerationHandler(RequestHandler, OutputStreaming):
             # (echo: of the choices it has ids of; one the continuation starts from nothing gets it)
             self.resuming = True
             self.echo_only = self.with_prompt_logprobs = False
-        self.admit(choices, body.cache_salt)
+        self.admit(choices, body.cache_salt, body.priority)
         self.state.active += 1
         if body.stream:
             return StreamingResponse(

@@ -200,6 +200,13 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = Field(
+        0,
+        ge=-INT64_MAX,
+        le=INT64_MAX,
+        description="vLLM's: lower is scheduled first (the engine's --scheduling-policy priority; "
+        "elsewhere only 0 is accepted)",
+    )
     # the router and the engine check it first (kvmesh.common.cache_salt): their own 400
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     prompt_logprobs: Logprobs | None = Field(

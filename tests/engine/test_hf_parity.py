@@ -170,3 +170,20 @@ def test_plain_torch_path(case, monkeypatch):
     assert llm.engine.core.runner.cpu_ops is None
     assert llm.engine.core.runner.model.packed_lm_head is None
     _assert_same(case, case.prompts, llm.generate(case.prompts, case.params))
+
+
+@pytest.mark.parametrize("policy", ["sjf", "priority"])
+def test_admission_order_changes_no_token(case, policy):
+    """Shortest prompt first (aged after 2 passes) or by priority, under a 32-token budget and a
+    pool small enough to preempt: who runs when changes, never a request's tokens."""
+    llm = case.llm(
+        num_kv_blocks=24,
+        max_num_batched_tokens=32,
+        scheduling_policy=policy,
+        max_prefill_skips=2,
+    )
+    prompts = [p for p in case.prompts if len(p) + case.max_new_tokens <= 24 * 16][:12]
+    priority = [(i * 7) % 3 for i in range(len(prompts))] if policy == "priority" else None
+    outs = llm.generate(prompts, case.params, priority=priority)
+    _assert_same(case, prompts, outs)
+    assert llm.stats().kv_cache_usage == 0.0

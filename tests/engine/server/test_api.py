@@ -692,3 +692,15 @@ def test_tokenize_and_detokenize(http, server):
     _err(http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
     _err(http.post("/tokenize", json={"prompt": "x", "model": "other"}), 404, "model")
     assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+def test_priority_needs_the_priority_policy(http):
+    """`serve` runs sjf by default: a request's non-zero `priority` would mean nothing there, so
+    it is refused naming the field (as vLLM's); 0 is every request's default."""
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        body = {"model": MODEL, "max_tokens": 2, **body}
+        _err(http.post(path, json={**body, "priority": 3}), 400, "priority")
+        assert http.post(path, json={**body, "priority": 0}).status_code == 200
