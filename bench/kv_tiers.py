@@ -332,7 +332,9 @@ def multiround(args: argparse.Namespace) -> None:
 def _overhead_worker(conn, tiers: bool, prompts, output_len: int, kv_blocks: int) -> None:
     from kvmesh.engine import LLM, SamplingParams
 
-    kwargs: dict = {"num_kv_blocks": kv_blocks}
+    # 8 requests at most at once, each under 50 blocks: the cache evicts, nothing is preempted
+    # (a preempted request would hit its own blocks in a tier).
+    kwargs: dict = {"num_kv_blocks": kv_blocks, "max_num_seqs": 8}
     shared = None
     if tiers:
         shared = tempfile.mkdtemp(prefix="kv-shared-")
@@ -411,7 +413,7 @@ def main() -> None:
     o = sub.add_parser("overhead")
     o.add_argument("--requests", type=int, default=24)
     o.add_argument("--output-len", type=int, default=32)
-    o.add_argument("--kv-blocks", type=int, default=256)
+    o.add_argument("--kv-blocks", type=int, default=512)
     o.add_argument("--rounds", type=int, default=4)
     o.add_argument("--seed", type=int, default=0)
     args = p.parse_args()

@@ -58,12 +58,34 @@ def store_fingerprint(
     return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 
-def _write_entry(path: Path, data: bytes, fsync: bool) -> None:
-    """Write ``data`` as ``path``, atomically: a temp file in the same directory, then rename."""
+def _lower_priority() -> None:
+    """Run the calling thread (the writer) only on CPU time nothing else wants: Linux's
+    SCHED_IDLE for this thread, else the lowest nice value. Writes stay behind the requests: on a
+    saturated engine the queue fills and drops what it cannot take (``stats["dropped"]``), and
+    the forward's threads never wait for a write. The writer holds the GIL only between its
+    calls (crc32 and file writes release it), so a starved writer does not stall the engine
+    thread. The cost of writing every block through, at each priority: bench/kv_tiers.py
+    overhead (docs/performance.md)."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError):  # not Linux, or not permitted
+        pass
+
+
+def _write_entry(path: Path, parts, fsync: bool) -> None:
+    """Write ``parts`` (bytes-like, in order) as ``path``, atomically: a temp file in the same
+    directory, then rename."""
     tmp = path.with_name(f"{_TMP_PREFIX}{path.name}-{os.getpid()}-{threading.get_ident()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for part in parts:
+                f.write(part)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -303,6 +325,7 @@ class SharedKVStore:
 
     # -- the writer thread ----------------------------------------------------
     def _writer(self) -> None:
+        _lower_priority()
         while True:
             item = self._queue.get()
             if item is None:
@@ -359,10 +382,10 @@ class SharedKVStore:
 
     def _write_file(self, item: _Write) -> bool:
         path = self.path_of(item.key)
-        data = shared_entry.encode(self._fp, item.key, item.payload)
+        head = shared_entry.header(self._fp, item.key, item.payload)
         try:
             path.parent.mkdir(exist_ok=True)
-            _write_entry(path, data, self.fsync)
+            _write_entry(path, (head, item.payload), self.fsync)
             return True
         except OSError as exc:
             if exc.errno in _FATAL_WRITE_ERRNOS or exc.errno in _NOT_A_DIR_ERRNOS:

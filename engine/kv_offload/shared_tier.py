@@ -7,7 +7,9 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from kvmesh.engine.kv_offload.block_io import pack_block
+import torch
+
+from kvmesh.engine.kv_offload.block_io import gather_blocks
 from kvmesh.engine.kv_offload.shared_store import SharedKVStore, store_fingerprint
 
 log = logging.getLogger(__name__)
@@ -90,12 +92,21 @@ class WriteThrough:
 
     def write(self, completed: list[Completed], kv_caches) -> None:
         """After the step ran: queue every block that still holds its key (one evicted or
-        dropped from the cache since holds other content, or none)."""
+        dropped from the cache since holds other content, or none). One gather for the step's
+        blocks; each payload is a row of it, handed over without another copy."""
         if self.store.problem is not None:
             return
-        for c in completed:
-            if self.pool.cached.get(c.key) is not c.block or self.store.contains(c.key):
-                continue
+        todo = [
+            c
+            for c in completed
+            if self.pool.cached.get(c.key) is c.block and not self.store.contains(c.key)
+        ]
+        if not todo:
+            return
+        device = kv_caches[0][0].device
+        ids = torch.tensor([c.block.block_id for c in todo], device=device)
+        rows = gather_blocks(kv_caches, ids).cpu().view(torch.uint8).numpy()
+        for c, row in zip(todo, rows):
             self.store.write_behind(
                 c.key,
                 c.parent,
@@ -103,5 +114,5 @@ class WriteThrough:
                 self.block_size,
                 None if c.lora is None else c.lora.int_id,
                 None if c.lora is None else c.lora.name,
-                pack_block(kv_caches, c.block.block_id),
+                memoryview(row),
             )
