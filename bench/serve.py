@@ -18,8 +18,9 @@ Modes:
       (2) offline workload through `kvmesh serve` vs the offline API (LLM.generate) throughput
   Scale it down for a small machine with --num-requests / --output-len / --prefix-num-requests.
   bench/serve.py --compare-vllm auto                               # kvmesh serve vs vLLM serve
-      two workloads (random 256 in / 128 out, 64 prompts, concurrency 16; prefix
-      repetition: 4 prefixes of 384 + 128 random tokens, 32 out, 48 prompts, concurrency 8) on vLLM's
+      three workloads (random 256 in / 128 out, 64 prompts, concurrency 16; prefix
+      repetition: 4 prefixes of 384 + 128 random tokens, 32 out, 48 prompts, concurrency 8; long
+      prompts 1,000 +- 500 in / 48 out, 40 prompts, concurrency 20; --workloads picks) on vLLM's
       server, on `kvmesh serve` and on the engine alone (LLMEngine in its own long-lived process with
       the server's thread settings and token budget, same requests, same concurrency), in --rounds
       interleaved rounds (order alternating, fresh prompts each round; all three stay up, the ones
@@ -94,6 +95,24 @@ def random_workload(
     rng = random.Random(seed + 2)
     return [
         Req([rng.randrange(100, vocab) for _ in range(input_len)], output_len) for _ in range(n)
+    ]
+
+
+def long_prompt_workload(
+    n: int, input_len: int, spread: int, output_len: int, vocab: int, seed: int = 0
+) -> list[Req]:
+    """vLLM bench's `random` dataset with a range ratio: prompt lengths uniform in
+    [input_len - spread, input_len + spread]."""
+    rng = random.Random(seed + 4)
+    return [
+        Req(
+            [
+                rng.randrange(100, vocab)
+                for _ in range(rng.randint(input_len - spread, input_len + spread))
+            ],
+            output_len,
+        )
+        for _ in range(n)
     ]
 
 
@@ -678,7 +697,8 @@ def _tpot(results: list[Result]) -> list[float]:
 
 
 def _anchor_workloads(vocab: int, args, seed: int = 0) -> list[tuple[str, list[Req], int]]:
-    return [
+    """The workloads of --compare-vllm that --workloads names (random, prefix, long)."""
+    workloads = [
         (
             f"random {args.random_input_len} in / {args.random_output_len} out, {args.random_num_prompts} prompts, "
             f"concurrency {args.random_concurrency}",
@@ -702,7 +722,23 @@ def _anchor_workloads(vocab: int, args, seed: int = 0) -> list[tuple[str, list[R
             ),
             args.prefix_rep_concurrency,
         ),
+        (
+            f"long prompts {args.long_input_len} +- {args.long_input_spread} in / "
+            f"{args.long_output_len} out, {args.long_num_prompts} prompts, concurrency "
+            f"{args.long_concurrency}",
+            long_prompt_workload(
+                args.long_num_prompts,
+                args.long_input_len,
+                args.long_input_spread,
+                args.long_output_len,
+                vocab,
+                seed,
+            ),
+            args.long_concurrency,
+        ),
     ]
+    keep = [w.strip() for w in args.workloads.split(",")]
+    return [w for w, name in zip(workloads, ("random", "prefix", "long")) if name in keep]
 
 
 def _bench_server(label: str, url: str, model: str, name: str, reqs: list[Req], conc: int) -> dict:
@@ -1048,6 +1084,16 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--long-num-prompts", type=int, default=40)
+    ap.add_argument("--long-input-len", type=int, default=1000)
+    ap.add_argument("--long-input-spread", type=int, default=500)
+    ap.add_argument("--long-output-len", type=int, default=48)
+    ap.add_argument("--long-concurrency", type=int, default=20)
+    ap.add_argument(
+        "--workloads",
+        default="random,prefix,long",
+        help="--compare-vllm: which of its workloads run (random, prefix, long)",
+    )
     ap.add_argument("--skip-prefix", action="store_true")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--log-dir", default="/tmp/kvmesh-bench-serve")
