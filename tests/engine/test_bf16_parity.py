@@ -88,11 +88,14 @@ def _llm(model_dir: str, **engine_args) -> LLM:
 
 
 def test_bf16_end_to_end(model_dir):
-    """Weights and KV cache in bf16; logits come out fp32."""
+    """Weights and KV cache in bf16; decode rows on the bf16 panels and the decode stack."""
     llm = _llm(model_dir)
     runner = llm.engine.core.runner
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
     assert runner.model.layers[0].mlp.down_proj.packed.dtype == torch.bfloat16
+    assert runner.model.layers[0].mlp.down_proj.panels.dtype == torch.bfloat16
+    assert runner.model.packed_lm_head.panels.dtype == torch.bfloat16
+    assert runner.model.decode_stack is not None
     prompt = max(PROMPTS, key=len)
     assert_bf16_parity(model_dir, [prompt], llm.generate([prompt], PARAMS))
 
