@@ -132,3 +132,14 @@ def test_bf16_plain_torch_path(model_dir, monkeypatch):
     llm = _llm(model_dir, max_num_batched_tokens=64)
     assert llm.engine.core.runner.cpu_ops is None
     assert_bf16_parity(model_dir, PROMPTS, llm.generate(PROMPTS, PARAMS))
+
+
+def test_bf16_builtin_model(smollm2_dir):
+    """The built-in model on a few chat prompts, batched."""
+    from kvmesh.common.tokenizer import KVMeshTokenizer
+
+    tok = KVMeshTokenizer(smollm2_dir)
+    questions = ["What is the capital of France?", "List three fruits.", "Why is the sky blue?"]
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    outs = _llm(smollm2_dir).generate(prompts, PARAMS)
+    assert_bf16_parity(smollm2_dir, prompts, outs)
