@@ -48,9 +48,9 @@ def _bf16_supported() -> bool:
     return bool(check()) if check is not None else False
 
 
-# Above this, oneDNN is faster. fp32: 32 rows break even, oneDNN 1.7x at 64. bf16 (one thread,
-# 1536x576): panels 1.9x fp32 panels at 1-16 rows; oneDNN 12x slower at one row, even at 16,
-# 1.1x faster at 32 and 64.
+# Above this, oneDNN is faster. fp32: 32 rows break even, oneDNN 1.7x at 64. bf16 (1536x576, on
+# a loaded machine): the bf16 panels 1.9x the fp32 ones at 1-16 rows (one thread); oneDNN's bf16
+# matmul 5x slower than them at one row (two threads), even at 16, 1.1x faster at 32 and 64.
 PANEL_MAX_ROWS = 16
 
 
