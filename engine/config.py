@@ -268,6 +268,11 @@ class ModelConfig:
         )
 
     def resolve_dtype(self, requested: str, device: torch.device) -> torch.dtype:
+        """The serving dtype. ``auto``: on a GPU, an fp32 checkpoint in bf16 (fp16 without bf16), as
+        vLLM's auto; on the CPU, the checkpoint's dtype (fp16 as fp32). vLLM's auto serves an fp32
+        checkpoint in bf16 on x86/Arm CPUs too (its CPU platform lists bf16 first); this keeps fp32
+        there until bf16 prefill attention is compiled (bf16 prefills take the torch path) and the
+        bf16 decode speedup (bench/bf16_decode.py) is measured on a quiet machine."""
         if requested != "auto":
             return _DTYPES[requested]
         declared = _DTYPES.get(str(self.torch_dtype).replace("torch.", ""), torch.float32)

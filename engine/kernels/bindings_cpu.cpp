@@ -17,7 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of the step's prefill rows over the paged KV cache (written into out)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("pack_panels", &pack_panels, "an fp32 weight [N, K] as panels of 16 output features [ceil(N/16), K, 16]");
+  m.def("pack_panels", &pack_panels, "a weight [N, K] as panels of 16 output features: fp32 [ceil(N/16), K, 16], bf16 [ceil(N/16), ceil(K/2), 32]");
   m.def("panel_linear", &panel_linear, "x @ w.T (+ bias) over panel-packed weights (decode-size row counts)",
         pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("N"), pybind11::arg("bias") = pybind11::none());
   m.def("lora_add_rows", &lora_add_rows,

@@ -30,6 +30,7 @@ _SOURCE_FILES = (
     "prefill_attention_cpu.cpp",
     "fused_ops_cpu.cpp",
     "panel_linear_cpu.cpp",
+    "panel_linear_bf16_cpu.cpp",
     "decode_stack_cpu.cpp",
     "lora_cpu.cpp",
 )

@@ -23,5 +23,8 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
 // panel_linear_cpu.cpp
 torch::Tensor pack_panels(torch::Tensor w);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias);
+// panel_linear_bf16_cpu.cpp
+torch::Tensor pack_panels_bf16(torch::Tensor w);
+torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias);
 // decode_stack_cpu.cpp
 void bind_decode_stack(pybind11::module& m);

@@ -11,7 +11,8 @@
 // cost about 4 ms of a 60 ms step of 16 rows on SmolLM2-135M. This runs the same kernels
 // (fused_ops_cpu, panel_linear_cpu, paged_attention_cpu) in the same order on the same
 // tensors, so its results are the Python path's, bit for bit (tests/engine/test_decode_stack.py);
-// llama.py uses it only for steps it covers: fp32, every linear on panels, every row a decode.
+// llama.py uses it only for steps it covers: fp32 or bf16, every linear on panels, every row a
+// decode.
 #include <vector>
 
 #include "cpu_ops.h"
@@ -32,7 +33,8 @@ struct Layer {
 };
 
 PanelWeight panel_weight(torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat, "DecodeStack: fp32 panel-packed weights");
+  TORCH_CHECK(panels.dim() == 3 && (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16),
+              "DecodeStack: fp32 or bf16 panel-packed weights");
   if (bias.has_value() && !bias->defined()) bias = c10::nullopt;
   return PanelWeight{panels, n, bias};
 }
@@ -61,14 +63,15 @@ class DecodeStack {
     v_caches_ = std::move(v_caches);
   }
 
-  // x: the rows' embeddings [R, hidden], contiguous fp32; it becomes the residual stream and is
+  // x: the rows' embeddings [R, hidden], contiguous, in the weights' dtype; it becomes the residual stream and is
   // overwritten, as in the Python path. Mirrors LlamaForCausalLM.forward with every row sampling
   // (DecoderLayer.forward: vLLM's residual convention).
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
                         torch::Tensor ctx_lens) {
     TORCH_CHECK(k_caches_.size() == layers_.size(), "DecodeStack: set_kv_caches first");
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-                "DecodeStack: x is [R, hidden] fp32");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                    x.scalar_type() == layers_.front().qkv.panels.scalar_type(),
+                "DecodeStack: x is [R, hidden] in the weights' dtype");
     const int64_t rows = x.size(0), q_size = num_heads_ * head_dim_;
     torch::Tensor residual = x;
     torch::Tensor h = torch::empty_like(x);

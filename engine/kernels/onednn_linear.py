@@ -9,12 +9,13 @@ LM head are swapped for this module.
 `KVMESH_ONEDNN=0` keeps plain `F.linear`.
 
 Decode-size inputs (up to PANEL_MAX_ROWS rows) go to the compiled panel kernel instead
-(kernels/panel_linear_cpu.cpp) when the CPU kernels are built and the weights are fp32: it
-streams the weights faster than oneDNN there (1.2-1.5x per layer), while oneDNN's blocking
-wins on prefill chunks. The weights are then held twice (oneDNN's blocked copy and the
+(kernels/panel_linear_cpu.cpp; bf16: panel_linear_bf16_cpu.cpp) when the CPU kernels are built:
+it streams the weights faster than oneDNN there (fp32: 1.2-1.5x per layer; bf16, where oneDNN
+is far slower on a few rows, further), while oneDNN's blocking wins on prefill chunks. The
+weights are then held twice (oneDNN's blocked copy and the
 panels); `KVMESH_PANEL_LINEAR=0` keeps oneDNN alone.
 
-The result equals `F.linear` up to fp32 summation order.
+The result equals `F.linear` up to fp32 summation order (bf16: fp32 sums, rounded once).
 """
 
 from __future__ import annotations
@@ -47,11 +48,16 @@ def _bf16_supported() -> bool:
     return bool(check()) if check is not None else False
 
 
-PANEL_MAX_ROWS = 16  # above this, oneDNN is faster (32 rows: break-even; 64: oneDNN 1.7x)
+# Above this, oneDNN is faster. fp32: 32 rows break even, oneDNN 1.7x at 64. bf16 (1536x576, on
+# a loaded machine): the bf16 panels 1.9x the fp32 ones at 1-16 rows (one thread); oneDNN's bf16
+# matmul 5x slower than them at one row (two threads), even at 16, 1.1x faster at 32 and 64.
+PANEL_MAX_ROWS = 16
 
 
 def panels_enabled(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 and os.environ.get("KVMESH_PANEL_LINEAR", "1") != "0"
+    return dtype in (torch.float32, torch.bfloat16) and (
+        os.environ.get("KVMESH_PANEL_LINEAR", "1") != "0"
+    )
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
@@ -77,7 +83,11 @@ class OneDNNLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.panels is not None and x2.shape[0] <= PANEL_MAX_ROWS and x2.dtype == torch.float32:
+        if (
+            self.panels is not None
+            and x2.shape[0] <= PANEL_MAX_ROWS
+            and x2.dtype == self.panels.dtype
+        ):
             out = self.panel_ops.panel_linear(
                 x2 if x2.stride(1) == 1 else x2.contiguous(),
                 self.panels,

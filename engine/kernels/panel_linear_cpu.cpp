@@ -3,6 +3,8 @@
 //   pack_panels(w [N, K]) -> [ceil(N / 16), K, 16]     panel p, row k: w[16p .. 16p + 15, k]
 //   panel_linear(x [M, K], panels, N, bias?) -> [M, N]  x @ w.T (+ bias)
 //
+// bf16 weights go to panel_linear_bf16_cpu.cpp's layout and kernel (both entry points dispatch).
+//
 // Why: at decode sizes (up to 16 rows) a linear layer is a stream over its weights, and oneDNN's
 // fp32 matmul streamed them at about half of this machine's memory bandwidth. Here each panel
 // row (16 outputs of one input feature, one 64-byte vector) is loaded once per block of up to
@@ -17,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstring>
+
+#include "cpu_ops.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -169,6 +173,7 @@ void panel_block_portable(const float* x, int64_t ldx, int64_t rows, const float
 }  // namespace
 
 torch::Tensor pack_panels(torch::Tensor w) {
+  if (w.scalar_type() == at::kBFloat16) return pack_panels_bf16(w);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack_panels: a 2-d fp32 weight");
   w = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
@@ -184,6 +189,7 @@ torch::Tensor pack_panels(torch::Tensor w) {
 }
 
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+  if (panels.scalar_type() == at::kBFloat16) return panel_linear_bf16(x, panels, N, bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "panel_linear: x is [M, K] fp32, rows contiguous");
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel, "panel_linear: packed panels");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);

@@ -295,8 +295,8 @@ class LlamaForCausalLM(nn.Module):
     def use_decode_stack(self, ops) -> bool:
         """Run decode steps' layers in one call of the compiled CPU ops' DecodeStack
         (kernels/decode_stack_cpu.cpp): the same kernels in the same order, without Python
-        between them. Only where it computes exactly what the layers do: fp32, every projection
-        on panels (use_onednn with panel_ops), fused ops and attention from these ops.
+        between them. Only where it computes exactly what the layers do: fp32 or bf16, every
+        projection on panels (use_onednn with panel_ops), fused ops and attention from these ops.
         ``KVMESH_DECODE_STACK=0`` keeps the Python layers."""
         linears = [
             m
@@ -348,7 +348,7 @@ class LlamaForCausalLM(nn.Module):
             and (self.lora is None or self.lora.rows is None)  # it has no LoRA terms
             and meta.all_decode
             and meta.cpu_ops is not None
-            and x.dtype == torch.float32
+            and x.dtype == self.packed_lm_head.panels.dtype
             and 0 < x.shape[0] <= PANEL_MAX_ROWS
         )
 

@@ -312,6 +312,24 @@ def test_panel_linear_matches_f_linear(kernel, n, k, bias):
     _check_panel_linear(kernel, n, k, bias)
 
 
+@pytest.mark.parametrize("n, k", PANEL_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_panel_linear_matches_f_linear(kernel, n, k, bias):
+    """bf16 weights and rows (the pair-packed panels, odd k included): fp32 sums rounded once."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    panels = kernel.pack_panels(w)
+    assert panels.dtype == torch.bfloat16 and panels.shape == ((n + 15) // 16, (k + 1) // 2, 32)
+    for m in [*range(1, 18), 33]:
+        x = torch.randn(m, k + 3).bfloat16()[:, :k]
+        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        got = kernel.panel_linear(x, panels, n, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        # One bf16 rounding of the result (2^-8 relative), plus fp32 summation order.
+        assert torch.allclose(got.double(), ref, atol=1e-4 * k**0.5, rtol=2**-8), m
+
+
 def test_onednn_linear_sends_decode_sizes_to_panels_and_prefill_to_onednn(kernel, monkeypatch):
     """Up to PANEL_MAX_ROWS rows take the panel kernel, more take oneDNN; both equal F.linear."""
     from kvmesh.engine.kernels import onednn_linear

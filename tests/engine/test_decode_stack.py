@@ -2,7 +2,7 @@
 
 It must compute exactly what the Python layers compute: every decode step it covers is run both
 ways on the same inputs and the logits compared bit for bit, on a Llama and a Qwen2 (biases) tiny
-model and on SmolLM2 (the AVX-512 attention path), with row counts from 16 down to 1. Steps it
+model in fp32 and bf16 and on SmolLM2 (the AVX-512 attention path), with row counts from 16 down to 1. Steps it
 does not cover (prefill, more rows than the panels take) go to the layers.
 """
 
@@ -18,8 +18,8 @@ from kvmesh.engine.llm_engine import LLMEngine
 from tests.engine.conftest import random_prompts
 
 
-def _engine(model_dir: str) -> LLMEngine:
-    engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", num_kv_blocks=256))
+def _engine(model_dir: str, dtype: str = "float32") -> LLMEngine:
+    engine = LLMEngine(EngineArgs(model=model_dir, dtype=dtype, num_kv_blocks=256))
     if engine.core.runner.model.decode_stack is None:
         pytest.fail("no decode stack: the CPU kernels failed to build or a linear has no panels")
     return engine
@@ -65,9 +65,10 @@ def _run_both_ways(engine: LLMEngine, num_requests: int, vocab: int) -> tuple[li
     return stacked, declined
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("variant", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_decode_stack_equals_the_layers_bit_for_bit(variant, request):
-    engine = _engine(request.getfixturevalue(variant))
+def test_decode_stack_equals_the_layers_bit_for_bit(variant, dtype, request):
+    engine = _engine(request.getfixturevalue(variant), dtype)
     # transformers initialises biases to zero, where a dropped bias would not show: make them count
     # (in place: the stack holds the same tensors).
     biases = [
