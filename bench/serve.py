@@ -869,9 +869,10 @@ def compare_vllm(args) -> int:
             parts["offline"] = alone("offline", offline)
         names = [w[0] for w in _anchor_workloads(vocab, args)]
         passes: dict[int, list[dict[str, list[dict]]]] = {}  # busy neighbours -> results
-        for n in args.busy_neighbours:
+        for i, n in enumerate(args.busy_neighbours):
             with busy_neighbours(n):
-                passes[n] = _rounds(parts, vocab, args)
+                # fresh prompts per pass: a pass never hits the prefix cache of the one before
+                passes[n] = _rounds(parts, vocab, args, first_seed=100_000 * i)
     for n, results in passes.items():
         if len(passes) > 1:
             print(f"\n== with {n} busy neighbour process(es)")
@@ -896,13 +897,15 @@ def busy_neighbours(n: int):
             p.wait()
 
 
-def _rounds(parts: dict, vocab: int, args) -> list[dict[str, list[dict]]]:
+def _rounds(parts: dict, vocab: int, args, first_seed: int = 0) -> list[dict[str, list[dict]]]:
     """args.rounds interleaved rounds of every workload on every part; [workload][part]: one
     summary per round."""
-    results: list[dict[str, list[dict]]] = [{p: [] for p in parts} for _ in range(2)]
+    num_workloads = len(_anchor_workloads(vocab, args))
+    results: list[dict[str, list[dict]]] = [{p: [] for p in parts} for _ in range(num_workloads)]
     for rnd in range(args.rounds):
         order = list(parts) if rnd % 2 == 0 else list(parts)[::-1]
-        for wi, (wname, reqs, conc) in enumerate(_anchor_workloads(vocab, args, seed=1000 * rnd)):
+        seed = first_seed + 1000 * rnd
+        for wi, (wname, reqs, conc) in enumerate(_anchor_workloads(vocab, args, seed=seed)):
             print(
                 f"\n-- round {rnd + 1}/{args.rounds}, {wname[:40]}: {' -> '.join(order)}",
                 flush=True,
