@@ -24,12 +24,8 @@ namespace kvmesh_avx2 {
 // arithmetic is fp32 whatever the cache's dtype.
 template <typename T>
 static inline __m256 load8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
+  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
+  else return load_bf16(p);
 }
 
 template <typename T, int GROUP, int DV>
@@ -170,13 +166,8 @@ static void decode_task_d64(const T* __restrict__ q, const T* __restrict__ k_hea
     const __m256 inv = _mm256_set1_ps(1.f / l[g]);
     for (int64_t c = 0; c < kVecs; ++c) {
       const __m256 o = _mm256_mul_ps(_mm256_load_ps(acc + g * D + c * 8), inv);
-      if constexpr (std::is_same_v<T, float>) {
-        _mm256_storeu_ps(out + g * D + c * 8, o);
-      } else {  // rounded once, element by element (c10::BFloat16: to nearest even)
-        alignas(32) float f[8];
-        _mm256_store_ps(f, o);
-        for (int i = 0; i < 8; ++i) out[g * D + c * 8 + i] = static_cast<T>(f[i]);
-      }
+      if constexpr (std::is_same_v<T, float>) _mm256_storeu_ps(out + g * D + c * 8, o);
+      else store_bf16(out + g * D + c * 8, o);
     }
   }
 }

@@ -307,6 +307,20 @@ def test_fused_rotary_and_silu_match_torch(kernel, dtype, tol):
     )
 
 
+@pytest.mark.parametrize("width", [1, 7, 37, 1536])
+def test_bf16_silu_and_mul_widths(kernel, width):
+    """bf16 rows of any width (the vector paths' partial last vector): silu rounded to bf16, then
+    the product, as torch's two ops round."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    gate_up = (torch.randn(5, 2 * width) * 4).bfloat16()
+    gate, up = gate_up.split(width, dim=-1)
+    got = kernel.silu_and_mul(gate_up)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, width)
+    assert torch.allclose(got.float(), (F.silu(gate) * up).float(), atol=1e-2, rtol=1e-2)
+
+
 PANEL_SHAPES = [(960, 576), (37, 19), (16, 1), (5, 64)]  # panel tails, a 1-wide input
 
 
