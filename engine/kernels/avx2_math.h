@@ -1,5 +1,6 @@
-// Small AVX2 helpers shared by the attention kernels' 8-lane paths (fp32), for machines
-// without AVX-512 (AMD Zen 2/3, Intel client parts): the counterparts of avx512_math.h.
+// Small AVX2 helpers shared by the attention kernels' and the fused ops' 8-lane paths (fp32, and
+// bf16 loads and stores around fp32 arithmetic), for machines without AVX-512 (AMD Zen 2/3,
+// Intel client parts): the counterparts of avx512_math.h.
 #pragma once
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
@@ -23,6 +24,29 @@ inline __m256 exp2_ps(__m256 x) {
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// 8 bf16 values (raw 16-bit lanes) widened to fp32: exact, a bf16 is the top half of an fp32.
+inline __m256 load_bf16(const void* p) {
+  const __m128i h = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// fp32 rounded to the nearest bf16 (ties to even, as c10::BFloat16 rounds finite values), still
+// as fp32 lanes: the low 16 bits are zero.
+inline __m256 round_bf16_ps(__m256 x) {
+  const __m256i i = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(i, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// 8 fp32 values stored as bf16, rounded as round_bf16_ps (the pack works per 128-bit half, so
+// the halves' low quadwords are gathered into the first 128 bits).
+inline void store_bf16(void* p, __m256 x) {
+  const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_ps(x)), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+  _mm_storeu_si128(static_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
 // Pins a value to a register from here on. GCC otherwise folds a vector used by several FMAs

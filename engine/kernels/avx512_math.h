@@ -1,4 +1,5 @@
-// Small AVX-512 helpers shared by the attention kernels (fp32).
+// Small AVX-512 helpers shared by the attention kernels and the fused ops (fp32, and bf16 loads
+// and stores around fp32 arithmetic).
 #pragma once
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -21,6 +22,27 @@ inline __m512 exp2_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// 16 bf16 values (raw 16-bit lanes) widened to fp32: exact, a bf16 is the top half of an fp32.
+inline __m512 load_bf16(const void* p) {
+  const __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// fp32 rounded to the nearest bf16 (ties to even, as c10::BFloat16 rounds finite values), still
+// as fp32 lanes: the low 16 bits are zero.
+inline __m512 round_bf16_ps(__m512 x) {
+  const __m512i i = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(i, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// 16 fp32 values stored as bf16, rounded as round_bf16_ps.
+inline void store_bf16(void* p, __m512 x) {
+  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_ps(x)), 16));
+  _mm256_storeu_si256(static_cast<__m256i*>(p), h);
 }
 
 // The horizontal sums of 16 vectors as one vector. Input slot (j % 4) * 4 + j / 4 must

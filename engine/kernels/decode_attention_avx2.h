@@ -1,6 +1,6 @@
-// Decode attention's fp32 head-size-64 path for AVX2 machines (no AVX-512): the same one pass
-// with an online softmax as paged_attention_cpu.cpp's AVX-512 path, on 8-lane vectors and 16
-// registers. Included by paged_attention_cpu.cpp only.
+// Decode attention's head-size-64 path for AVX2 machines (no AVX-512), fp32 or bf16 K/V: the
+// same one pass with an online softmax as paged_attention_cpu.cpp's AVX-512 path, on 8-lane
+// vectors and 16 registers. Included by paged_attention_cpu.cpp only.
 //
 // A tile is 8 keys (a block of a multiple of 8 rows holds whole tiles); the 8 dot products of a
 // tile are reduced together (hsum8) into one vector of scores. The softmax's maximum moves once
@@ -12,16 +12,28 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+
+#include <c10/util/BFloat16.h>
 
 #include "avx2_math.h"
 
 namespace kvmesh_avx2 {
 
-template <int GROUP, int DV>
-static void decode_task_f32_d64(const float* __restrict__ q, const float* __restrict__ k_head,
-                                const float* __restrict__ v_head, const int64_t* table, int64_t ctx,
-                                int64_t block_size, int64_t group_rt, float scale, float* __restrict__ out) {
+// 8 elements as fp32: bf16 widened exactly (a bf16 is the top half of an fp32); all the
+// arithmetic is fp32 whatever the cache's dtype.
+template <typename T>
+static inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
+  else return load_bf16(p);
+}
+
+template <typename T, int GROUP, int DV>
+static void decode_task_d64(const T* __restrict__ q, const T* __restrict__ k_head, const T* __restrict__ v_head,
+                            const int64_t* table, int64_t ctx, int64_t block_size, int64_t group_rt, float scale,
+                            T* __restrict__ out) {
   constexpr int64_t D = 64, kTile = 8, kVecs = D / 8;
+  constexpr int64_t kLineElems = 64 / sizeof(T), kRowLines = D / kLineElems;  // per 64-byte cache line
   constexpr int kChunk = 8, kMaxGroup = 16;
   static_assert(GROUP == 0 || GROUP * DV <= 12, "accumulators must leave registers for V and p");
   const int64_t group = GROUP > 0 ? GROUP : group_rt;
@@ -29,7 +41,7 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
   alignas(32) float p[kMaxGroup * kChunk * kTile];  // softmax weights: [head][key of the chunk]
   float m[kMaxGroup], l[kMaxGroup], alpha[kMaxGroup];
   const float scale_log2e = scale * 1.4426950408889634f;  // scores in log2 units: exp2 below
-  for (int64_t i = 0; i < group * D; ++i) qs[i] = q[i] * scale_log2e;
+  for (int64_t i = 0; i < group * D; ++i) qs[i] = static_cast<float>(q[i]) * scale_log2e;
   std::fill(acc, acc + group * D, 0.f);
   std::fill(m, m + group, -1e30f);
   std::fill(l, l + group, 0.f);
@@ -40,8 +52,8 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
   };
   for (int64_t c0 = 0; c0 < ntiles; c0 += kChunk) {
     const int nt = static_cast<int>(std::min<int64_t>(kChunk, ntiles - c0));
-    const float* kt[kChunk];
-    const float* vt[kChunk];
+    const T* kt[kChunk];
+    const T* vt[kChunk];
     for (int t = 0; t < nt; ++t) {
       kt[t] = k_head + tile_row(c0 + t) * D;
       vt[t] = v_head + tile_row(c0 + t) * D;
@@ -52,8 +64,8 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
     // blocks that do not follow on from the one before gave up about half of the first gain and
     // won back little of the second loss).
     const int nt_next = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kChunk, ntiles - c0 - kChunk)));
-    const float* kn[kChunk];
-    const float* vn[kChunk];
+    const T* kn[kChunk];
+    const T* vn[kChunk];
     for (int t = 0; t < nt_next; ++t) {
       kn[t] = k_head + tile_row(c0 + kChunk + t) * D;
       vn[t] = v_head + tile_row(c0 + kChunk + t) * D;
@@ -68,13 +80,13 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
         __m256 part[kTile];
 #pragma GCC unroll 8
         for (int j = 0; j < kTile; ++j) {
-          const float* k = kt[t] + j * D;
-          __m256 a = _mm256_mul_ps(_mm256_load_ps(qg), _mm256_loadu_ps(k));
-          __m256 c = _mm256_mul_ps(_mm256_load_ps(qg + 8), _mm256_loadu_ps(k + 8));
+          const T* k = kt[t] + j * D;
+          __m256 a = _mm256_mul_ps(_mm256_load_ps(qg), load8(k));
+          __m256 c = _mm256_mul_ps(_mm256_load_ps(qg + 8), load8(k + 8));
 #pragma GCC unroll 8
           for (int64_t v = 2; v < kVecs; v += 2) {
-            a = _mm256_fmadd_ps(_mm256_load_ps(qg + v * 8), _mm256_loadu_ps(k + v * 8), a);
-            c = _mm256_fmadd_ps(_mm256_load_ps(qg + v * 8 + 8), _mm256_loadu_ps(k + v * 8 + 8), c);
+            a = _mm256_fmadd_ps(_mm256_load_ps(qg + v * 8), load8(k + v * 8), a);
+            c = _mm256_fmadd_ps(_mm256_load_ps(qg + v * 8 + 8), load8(k + v * 8 + 8), c);
           }
           part[j] = _mm256_add_ps(a, c);
         }
@@ -108,14 +120,14 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
           const int64_t n = t == nt - 1 ? last_n : kTile;
           for (int64_t j = 0; j < n; ++j) {
             if (d0 == 0 && t < nt_next)
-              for (int c = 0; c < 4; ++c) {
-                _mm_prefetch(reinterpret_cast<const char*>(kn[t] + j * D + c * 16), _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(vn[t] + j * D + c * 16), _MM_HINT_T0);
+              for (int c = 0; c < kRowLines; ++c) {
+                _mm_prefetch(reinterpret_cast<const char*>(kn[t] + j * D + c * kLineElems), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(vn[t] + j * D + c * kLineElems), _MM_HINT_T0);
               }
-            const float* v = vt[t] + j * D + d0 * 8;
+            const T* v = vt[t] + j * D + d0 * 8;
             __m256 vv[DV];
 #pragma GCC unroll 8
-            for (int c = 0; c < DV; ++c) vv[c] = _mm256_loadu_ps(v + c * 8);
+            for (int c = 0; c < DV; ++c) vv[c] = load8(v + c * 8);
 #pragma GCC unroll 16
             for (int g = 0; g < GROUP; ++g) {
               const __m256 pj = _mm256_broadcast_ss(p + (g * kChunk + t) * kTile + j);
@@ -137,13 +149,13 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
           const int64_t n = t == nt - 1 ? last_n : kTile;
           for (int64_t j = 0; j < n; ++j) {
             if (g == 0 && t < nt_next)
-              for (int c = 0; c < 4; ++c) {
-                _mm_prefetch(reinterpret_cast<const char*>(kn[t] + j * D + c * 16), _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(vn[t] + j * D + c * 16), _MM_HINT_T0);
+              for (int c = 0; c < kRowLines; ++c) {
+                _mm_prefetch(reinterpret_cast<const char*>(kn[t] + j * D + c * kLineElems), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(vn[t] + j * D + c * kLineElems), _MM_HINT_T0);
               }
             const __m256 pj = _mm256_broadcast_ss(p + (g * kChunk + t) * kTile + j);
-            const float* v = vt[t] + j * D;
-            for (int c = 0; c < kVecs; ++c) r[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + c * 8), r[c]);
+            const T* v = vt[t] + j * D;
+            for (int c = 0; c < kVecs; ++c) r[c] = _mm256_fmadd_ps(pj, load8(v + c * 8), r[c]);
           }
         }
         for (int c = 0; c < kVecs; ++c) _mm256_store_ps(ag + c * 8, r[c]);
@@ -152,20 +164,24 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
   }
   for (int64_t g = 0; g < group; ++g) {
     const __m256 inv = _mm256_set1_ps(1.f / l[g]);
-    for (int64_t c = 0; c < kVecs; ++c)
-      _mm256_storeu_ps(out + g * D + c * 8, _mm256_mul_ps(_mm256_load_ps(acc + g * D + c * 8), inv));
+    for (int64_t c = 0; c < kVecs; ++c) {
+      const __m256 o = _mm256_mul_ps(_mm256_load_ps(acc + g * D + c * 8), inv);
+      if constexpr (std::is_same_v<T, float>) _mm256_storeu_ps(out + g * D + c * 8, o);
+      else store_bf16(out + g * D + c * 8, o);
+    }
   }
 }
 
 // The group sizes of common models get their accumulators in registers.
-static void decode_task_f32_d64_any(const float* q, const float* k_head, const float* v_head, const int64_t* table,
-                                    int64_t ctx, int64_t block_size, int64_t group, float scale, float* out) {
+template <typename T>
+static void decode_task_d64_any(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t ctx,
+                                int64_t block_size, int64_t group, float scale, T* out) {
   switch (group) {
-    case 1: return decode_task_f32_d64<1, 8>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
-    case 2: return decode_task_f32_d64<2, 4>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
-    case 3: return decode_task_f32_d64<3, 4>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
-    case 4: return decode_task_f32_d64<4, 2>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
-    default: return decode_task_f32_d64<0, 0>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    case 1: return decode_task_d64<T, 1, 8>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    case 2: return decode_task_d64<T, 2, 4>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    case 3: return decode_task_d64<T, 3, 4>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    case 4: return decode_task_d64<T, 4, 2>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    default: return decode_task_d64<T, 0, 0>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
   }
 }
 

@@ -5,9 +5,9 @@
 // than the model weights. This kernel reads each K/V row in place from its block,
 // parallel over (request, KV head), longest contexts first. The generic path
 // makes two passes (scores + softmax, then the weighted sum of V) with the head
-// size a compile-time constant for the common sizes; fp32 head size 64 has an
-// AVX-512 path that makes one pass with an online softmax, and an AVX2 version of
-// it for CPUs without AVX-512 (decode_attention_avx2.h).
+// size a compile-time constant for the common sizes; head size 64 in fp32 or bf16
+// has an AVX-512 path that makes one pass with an online softmax, and an AVX2
+// version of it for CPUs without AVX-512 (decode_attention_avx2.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -24,7 +24,7 @@
 // (no per-token division). No software prefetch: a request's blocks mostly sit back to back
 // in the pool, where the hardware prefetcher does better on its own (measured: explicit
 // prefetching slowed this generic path by ~20% there on an AMD Zen 4, and did not help on
-// shuffled blocks; the fp32 head-size-64 path below does prefetch).
+// shuffled blocks; the head-size-64 path below does prefetch).
 template <typename T, typename F>
 static inline void for_each_row(const T* head, const int64_t* table, int64_t ctx, int64_t block_size,
                                 int64_t head_dim, F&& f) {
@@ -89,7 +89,7 @@ static void decode_task(const T* q, const T* k_head, const T* v_head, const int6
 }
 
 #if defined(__AVX512F__)
-// fp32, head size 64, blocks of a multiple of 16 rows: one pass over the context with an online
+// Head size 64, blocks of a multiple of 16 rows: one pass over the context with an online
 // softmax, in chunks of kChunk tiles of 16 keys. Each 16-row K/V tile is fetched once and serves
 // every query head of the group from L1; the 16 dot products of a tile are reduced together
 // (hsum16) into one vector of scores, so the softmax is vectorised. With the group size known at
@@ -108,19 +108,36 @@ static void decode_task(const T* q, const T* k_head, const T* v_head, const int6
 // tile twice as far ahead are touched, which starts the hardware prefetcher on that block's page
 // early (blocks are 4 KiB pages, scattered, and the prefetcher stops at a page): 1.05-1.1x more
 // from DRAM. Without the per-line prefetch the kernel reads at 0.7-0.8x.
-template <int GROUP>
-static void decode_task_f32_d64(const float* __restrict__ q, const float* __restrict__ k_head,
-                                const float* __restrict__ v_head, const int64_t* table, int64_t ctx,
-                                int64_t block_size, int64_t group_rt, float scale, float* __restrict__ out) {
+//
+// bf16 (T = c10::BFloat16) takes the same path: each 16-element row segment is widened to fp32
+// as it is loaded (load_bf16), all arithmetic is fp32, and the output is rounded to bf16 once. A
+// bf16 row is two cache lines rather than four, so the prefetches step by lines, not rows.
+template <typename T>
+static inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
+  else return kvmesh_avx512::load_bf16(p);
+}
+
+template <typename T>
+static inline void store16(T* p, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(p, v);
+  else kvmesh_avx512::store_bf16(p, v);
+}
+
+template <typename T, int GROUP>
+static void decode_task_d64(const T* __restrict__ q, const T* __restrict__ k_head, const T* __restrict__ v_head,
+                            const int64_t* table, int64_t ctx, int64_t block_size, int64_t group_rt, float scale,
+                            T* __restrict__ out) {
   using namespace kvmesh_avx512;
   constexpr int64_t D = 64, kTile = 16;
+  constexpr int64_t kLineElems = 64 / sizeof(T), kRowLines = D / kLineElems;  // per 64-byte cache line
   constexpr int kChunk = 4, kMaxGroup = 16, kTouchAhead = 2 * kChunk, kTouchLines = 2;
   const int64_t group = GROUP > 0 ? GROUP : group_rt;
   alignas(64) float qs[kMaxGroup * D], acc[kMaxGroup * D];
   alignas(64) float p[kMaxGroup * kChunk * kTile];  // softmax weights: [head][key of the chunk]
   float m[kMaxGroup], l[kMaxGroup], alpha[kMaxGroup];
   const float scale_log2e = scale * 1.4426950408889634f;  // scores in log2 units: exp2 below
-  for (int64_t i = 0; i < group * D; ++i) qs[i] = q[i] * scale_log2e;
+  for (int64_t i = 0; i < group * D; ++i) qs[i] = static_cast<float>(q[i]) * scale_log2e;
   std::fill(acc, acc + group * D, 0.f);
   std::fill(m, m + group, -1e30f);
   std::fill(l, l + group, 0.f);
@@ -136,14 +153,14 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
   };
   // The first chunk's tiles after the first (the loop asks for each later tile kChunk ahead).
   for (int64_t t = 1; t < std::min<int64_t>(kChunk, ntiles); ++t)
-    for (int64_t off = 0; off < kTile * D; off += 16) {
+    for (int64_t off = 0; off < kTile * D; off += kLineElems) {
       _mm_prefetch(reinterpret_cast<const char*>(k_head + tile_row(t) * D + off), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(v_head + tile_row(t) * D + off), _MM_HINT_T0);
     }
   for (int64_t c0 = 0; c0 < ntiles; c0 += kChunk) {
     const int nt = static_cast<int>(std::min<int64_t>(kChunk, ntiles - c0));
-    const float* kt[kChunk];
-    const float* vt[kChunk];
+    const T* kt[kChunk];
+    const T* vt[kChunk];
     for (int t = 0; t < nt; ++t) {
       kt[t] = k_head + tile_row(c0 + t) * D;
       vt[t] = v_head + tile_row(c0 + t) * D;
@@ -161,11 +178,11 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
         __m512 part[kTile];
 #pragma GCC unroll 16
         for (int j = 0; j < kTile; ++j) {
-          const float* k = kt[t] + j * D;
-          __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
-          __m512 c = _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16));
-          a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), a);
-          c = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), c);
+          const T* k = kt[t] + j * D;
+          __m512 a = _mm512_mul_ps(q0, load16(k));
+          __m512 c = _mm512_mul_ps(q1, load16(k + 16));
+          a = _mm512_fmadd_ps(q2, load16(k + 32), a);
+          c = _mm512_fmadd_ps(q3, load16(k + 48), c);
           part[slot_of(j)] = _mm512_add_ps(a, c);
         }
         s[t] = hsum16(part);
@@ -203,22 +220,22 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
     for (int t = 0; t < nt; ++t) {
       const int64_t n = t == nt - 1 ? last_n : kTile;
       const int64_t ahead = c0 + t + kChunk, touch = c0 + t + kTouchAhead;
-      const float* k_next = ahead < ntiles ? k_head + tile_row(ahead) * D : nullptr;
-      const float* v_next = ahead < ntiles ? v_head + tile_row(ahead) * D : nullptr;
+      const T* k_next = ahead < ntiles ? k_head + tile_row(ahead) * D : nullptr;
+      const T* v_next = ahead < ntiles ? v_head + tile_row(ahead) * D : nullptr;
       if (touch < ntiles)
         for (int c = 0; c < kTouchLines; ++c) {
-          _mm_prefetch(reinterpret_cast<const char*>(k_head + tile_row(touch) * D + c * 16), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(v_head + tile_row(touch) * D + c * 16), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(k_head + tile_row(touch) * D + c * kLineElems), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_head + tile_row(touch) * D + c * kLineElems), _MM_HINT_T0);
         }
       for (int64_t j = 0; j < n; ++j) {
         if (k_next != nullptr)  // row j of the tile kChunk ahead
-          for (int c = 0; c < 4; ++c) {
-            _mm_prefetch(reinterpret_cast<const char*>(k_next + j * D + c * 16), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(v_next + j * D + c * 16), _MM_HINT_T0);
+          for (int c = 0; c < kRowLines; ++c) {
+            _mm_prefetch(reinterpret_cast<const char*>(k_next + j * D + c * kLineElems), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(v_next + j * D + c * kLineElems), _MM_HINT_T0);
           }
-        const float* v = vt[t] + j * D;
-        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-        const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+        const T* v = vt[t] + j * D;
+        const __m512 v0 = load16(v), v1 = load16(v + 16);
+        const __m512 v2 = load16(v + 32), v3 = load16(v + 48);
         if constexpr (GROUP > 0) {
 #pragma GCC unroll 8
           for (int g = 0; g < GROUP; ++g) {
@@ -247,19 +264,20 @@ static void decode_task_f32_d64(const float* __restrict__ q, const float* __rest
   for (int64_t g = 0; g < group; ++g) {
     const __m512 inv = _mm512_set1_ps(1.f / l[g]);
     for (int64_t c = 0; c < D; c += 16)
-      _mm512_storeu_ps(out + g * D + c, _mm512_mul_ps(_mm512_load_ps(acc + g * D + c), inv));
+      store16(out + g * D + c, _mm512_mul_ps(_mm512_load_ps(acc + g * D + c), inv));
   }
 }
 
 // The group sizes of common models (Llama 3: 4, SmolLM2: 3, ...) get the register path.
-static void decode_task_f32_d64_any(const float* q, const float* k_head, const float* v_head, const int64_t* table,
-                                    int64_t ctx, int64_t block_size, int64_t group, float scale, float* out) {
+template <typename T>
+static void decode_task_d64_any(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t ctx,
+                                int64_t block_size, int64_t group, float scale, T* out) {
   switch (group) {
-    case 1: return decode_task_f32_d64<1>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
-    case 2: return decode_task_f32_d64<2>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
-    case 3: return decode_task_f32_d64<3>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
-    case 4: return decode_task_f32_d64<4>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
-    default: return decode_task_f32_d64<0>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    case 1: return decode_task_d64<T, 1>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    case 2: return decode_task_d64<T, 2>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    case 3: return decode_task_d64<T, 3>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    case 4: return decode_task_d64<T, 4>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
+    default: return decode_task_d64<T, 0>(q, k_head, v_head, table, ctx, block_size, group, scale, out);
   }
 }
 #endif
@@ -280,17 +298,17 @@ static void decode_kernel(const T* q, int64_t q_stride, const T* k_cache, const 
           const int64_t qoff = r * q_stride + kvh * group * head_dim;
           const int64_t ooff = (r * num_heads + kvh * group) * head_dim;
 #if defined(__AVX512F__)
-          if constexpr (std::is_same_v<T, float> && D == 64) {
+          if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) && D == 64) {
             if (block_size % 16 == 0 && group <= 16) {
-              decode_task_f32_d64_any(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,
+              decode_task_d64_any(q + qoff, k_cache + head_base, v_cache + head_base, tables + r * max_blocks,
                                       ctx_lens[r], block_size, group, scale, out + ooff);
               return;
             }
           }
 #elif defined(__AVX2__) && defined(__FMA__)
-          if constexpr (std::is_same_v<T, float> && D == 64) {
+          if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) && D == 64) {
             if (block_size % 8 == 0 && group <= 16) {
-              kvmesh_avx2::decode_task_f32_d64_any(q + qoff, k_cache + head_base, v_cache + head_base,
+              kvmesh_avx2::decode_task_d64_any(q + qoff, k_cache + head_base, v_cache + head_base,
                                                    tables + r * max_blocks, ctx_lens[r], block_size, group, scale,
                                                    out + ooff);
               return;

@@ -95,6 +95,28 @@ def test_kernel_matches_torch_gather_path(kernel, dtype, tol, heads, kv_heads, d
     assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (8, 1), (12, 1)])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_bf16_decode_is_the_fp32_path_on_widened_rows(kernel, heads, kv_heads, bs):
+    """Head size 64 over a bf16 cache: each element is widened exactly and every sum is fp32, so
+    the result is the fp32 kernel's on the widened tensors, rounded to bf16 once (register
+    accumulators for groups of up to 4, memory ones above)."""
+    torch.manual_seed(0)
+    blocks, dim = 64, 64
+    k_cache = torch.randn(kv_heads, blocks, bs, dim).bfloat16()
+    v_cache = torch.randn(kv_heads, blocks, bs, dim).bfloat16()
+    lens = torch.tensor([1, 15, 16, 17, 64, 65, 200])
+    width = int((lens.max() + bs - 1) // bs)
+    tables = torch.stack([torch.randperm(blocks)[:width] for _ in lens])
+    q = torch.randn(len(lens), heads + 2 * kv_heads, dim).bfloat16()[:, :heads]
+    got = kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    want = kernel.paged_decode_attention(
+        q.float(), k_cache.float(), v_cache.float(), tables, lens, dim**-0.5
+    )
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.bfloat16())
+
+
 # Groups of 1, 3 and 8 query heads per KV head, and 12: more than a work item takes (split in 8 + 4).
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 1), (24, 2)])
 @pytest.mark.parametrize("dim, bs", [(64, 16), (128, 32)])
@@ -283,6 +305,20 @@ def test_fused_rotary_and_silu_match_torch(kernel, dtype, tol):
     assert torch.allclose(
         kernel.silu_and_mul(gate_up).float(), (F.silu(gate) * up).float(), atol=tol, rtol=tol
     )
+
+
+@pytest.mark.parametrize("width", [1, 7, 37, 1536])
+def test_bf16_silu_and_mul_widths(kernel, width):
+    """bf16 rows of any width (the vector paths' partial last vector): silu rounded to bf16, then
+    the product, as torch's two ops round."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    gate_up = (torch.randn(5, 2 * width) * 4).bfloat16()
+    gate, up = gate_up.split(width, dim=-1)
+    got = kernel.silu_and_mul(gate_up)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, width)
+    assert torch.allclose(got.float(), (F.silu(gate) * up).float(), atol=1e-2, rtol=1e-2)
 
 
 PANEL_SHAPES = [(960, 576), (37, 19), (16, 1), (5, 64)]  # panel tails, a 1-wide input
