@@ -325,6 +325,8 @@ class EngineCoreProc:
                     if not self._parent_alive():
                         log.warning("the API process is gone; the engine core exits")
                         return
+                    if core.has_pending_kv_events():  # the shared tier wrote behind the requests
+                        self._send_step([])
                     continue
             while True:  # everything that arrived since the last step, without waiting
                 try:

@@ -454,11 +454,29 @@ class EngineCore:
             self.scheduler.has_unfinished() or bool(self._pending_aborts) or bool(self._in_flight)
         )
 
+    def has_pending_kv_events(self) -> bool:
+        """KV events from the tiers' own thread (the shared tier's writer) that no step has
+        taken yet: an idle engine's loop publishes them without a step."""
+        tiers = self.kv.tiers
+        return (
+            tiers is not None and tiers.shared_events is not None and tiers.shared_events.pending()
+        )
+
     # -- the step ------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """One engine step. With async scheduling: schedule and dispatch step N+1, then apply the
         outputs of step N (which ran meanwhile); a call may return no outputs (the first, which
         only dispatches), and outputs come in order per request."""
+        shared = self.tiers.shared if self.tiers is not None else None
+        if shared is None:
+            return self._step()
+        shared.engine_busy(True)  # the shared tier's writer yields while steps run
+        try:
+            return self._step()
+        finally:
+            shared.engine_busy(self.has_unfinished_requests())
+
+    def _step(self) -> list[EngineCoreOutput]:
         outputs, self._pending_aborts = self._pending_aborts, []
         if self._compiling:
             outputs.extend(self._poll_grammars())

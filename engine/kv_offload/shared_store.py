@@ -58,24 +58,40 @@ def store_fingerprint(
     return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 
-def _lower_priority() -> None:
-    """Run the calling thread (the writer) only on CPU time nothing else wants: Linux's
-    SCHED_IDLE for this thread, else the lowest nice value. Writes stay behind the requests: on a
-    saturated engine the queue fills and drops what it cannot take (``stats["dropped"]``), and
-    the forward's threads never wait for a write. The writer holds the GIL only between its
-    calls (crc32 and file writes release it), so a starved writer does not stall the engine
-    thread. The cost of writing every block through, at each priority: bench/kv_tiers.py
-    overhead (docs/performance.md)."""
-    tid = threading.get_native_id()
+CAP_SYS_NICE = 23
+
+
+def may_raise_priority(status: str = "/proc/self/status") -> bool:
+    """Whether this process may move a thread out of SCHED_IDLE again: CAP_SYS_NICE in its
+    effective capabilities, or a RLIMIT_NICE that allows nice 0 (a container without the
+    capability, the usual pod, may not)."""
     try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        return
+        import resource
+
+        if resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20:
+            return True
+    except (ImportError, AttributeError, OSError, ValueError):
+        pass
+    try:
+        for line in open(status):
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def _yield_cpu(tid: int, yielding: bool) -> bool:
+    """Put a thread in Linux's SCHED_IDLE class (it runs on CPU time nothing else wants) or back
+    in the normal one; False where that is not possible or not permitted."""
+    try:
+        if yielding:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        return True
     except (AttributeError, OSError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, 19)
-    except (AttributeError, OSError):  # not Linux, or not permitted
-        pass
+        return False
 
 
 def _write_entry(path: Path, parts, fsync: bool) -> None:
@@ -145,6 +161,8 @@ class SharedKVStore:
         self._removed: list[int] = []  # keys found corrupt or gone by reads: events to send
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_max))
         self._open()
+        self._writer_tid: int | None = None  # set once the writer may change its priority
+        self._yielding = False
         self._thread = threading.Thread(target=self._writer, name="kv-shared-writer", daemon=True)
         self._thread.start()
 
@@ -300,6 +318,22 @@ class SharedKVStore:
             return False
         return True
 
+    def engine_busy(self, busy: bool) -> None:
+        """The engine's steps run (True) or it has nothing left to do (False). While it runs,
+        the writer yields the CPU to the forward (SCHED_IDLE): the write-through costs
+        the steps little, and on a saturated engine the queue fills and drops what it cannot take
+        (``stats["dropped"]``). When the engine idles, the writer drains at normal priority,
+        however busy the node is. The writer holds the GIL only between its calls (crc32 and file
+        writes release it). The cost either way: bench/kv_tiers.py overhead
+        (docs/performance.md)."""
+        tid = self._writer_tid
+        if tid is None or busy == self._yielding:
+            return
+        if _yield_cpu(tid, busy):
+            self._yielding = busy
+        else:
+            self._writer_tid = None  # the priority can no longer change: normal from here
+
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until what was queued before this call is written (at most ``timeout`` s)."""
         done = threading.Event()
@@ -325,7 +359,13 @@ class SharedKVStore:
 
     # -- the writer thread ----------------------------------------------------
     def _writer(self) -> None:
-        _lower_priority()
+        tid = threading.get_native_id()
+        # Leaving SCHED_IDLE needs CAP_SYS_NICE (or a RLIMIT_NICE of 20): the writer yields while
+        # the engine is busy only where it may come back, else a busy node would starve it for
+        # good (the shared tier never written). Checked before, never by trying: a failed return
+        # would leave it there.
+        if may_raise_priority():
+            self._writer_tid = tid
         while True:
             item = self._queue.get()
             if item is None:

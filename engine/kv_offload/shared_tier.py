@@ -29,6 +29,9 @@ class EventInbox:
         with self._lock:
             self._events.extend(events)
 
+    def pending(self) -> bool:
+        return bool(self._events)
+
     def take(self) -> list:
         with self._lock:
             events, self._events = self._events, []

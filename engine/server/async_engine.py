@@ -313,8 +313,11 @@ class AsyncEngine:
         while True:
             # Block when idle; otherwise take whatever arrived since the last step.
             cmds = []
-            if not engine.has_unfinished_requests():
-                cmds.append(self._commands.get())
+            while not cmds and not engine.has_unfinished_requests():
+                try:
+                    cmds.append(self._commands.get(timeout=1.0))
+                except queue.Empty:  # idle: publish what the shared tier wrote behind the requests
+                    self._publish_events()
             while True:
                 try:
                     cmds.append(self._commands.get_nowait())

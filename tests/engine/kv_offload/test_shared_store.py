@@ -299,3 +299,35 @@ def test_a_full_disk_turns_writes_off_once(stores, monkeypatch, caplog):
     assert caplog.text.count("writes stopped") == 1
     assert store.read(1) == payload(1) and store.read(2) is None
     assert store.stats["write_errors"] == 1
+
+
+def test_the_writer_yields_while_the_engine_is_busy_and_drains_at_normal_priority(stores):
+    store = stores()
+    store.flush()  # the writer has started (and found whether it may change its priority)
+    tid = store._writer_tid
+    if tid is None:
+        pytest.skip("this process may not raise a thread's priority back (no CAP_SYS_NICE)")
+    assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+    store.engine_busy(True)
+    assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+    store.engine_busy(True)  # no change, no call
+    store.engine_busy(False)
+    assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+    # writes still go through at either priority
+    store.engine_busy(True)
+    assert put(store, 5)
+    store.flush()
+    assert store.read(5) == payload(5)
+
+
+@pytest.mark.parametrize(
+    "caps,allowed",
+    [("0000003fffffffff", True), ("0000000000000000", False), ("0000000000800000", True)],
+)
+def test_the_writer_yields_only_where_it_may_come_back(tmp_path, monkeypatch, caps, allowed):
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (0, 0))
+    status = tmp_path / "status"
+    status.write_text(f"Name:\tpython\nCapEff:\t{caps}\n")
+    assert shared_store.may_raise_priority(str(status)) is allowed
