@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvmesh.common.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 
@@ -55,14 +57,14 @@ def _bench_router():
     return mod
 
 
-def block_bytes(model: str, dtype_bytes: int = 4, block_size: int = 16) -> int:
-    """Bytes of one KV block (every layer's K and V) of `model` in fp32."""
-    from kvmesh.common.model_lookup import find_model_dir
+def block_bytes(model: str, block_size: int = 16) -> int:
+    """Bytes of one KV block (every layer's K and V) of `model` in fp32: the engine's own sizing."""
+    import torch
 
-    cfg = json.loads((Path(find_model_dir(model)) / "config.json").read_text())
-    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-    return cfg["num_hidden_layers"] * 2 * heads * block_size * head_dim * dtype_bytes
+    from kvmesh.common.model_lookup import find_model_dir
+    from kvmesh.engine.config import ModelConfig
+
+    return ModelConfig.from_dir(find_model_dir(model)).kv_bytes_per_block(block_size, torch.float32)
 
 
 # -- ttft -----------------------------------------------------------------------------------------
@@ -189,14 +191,8 @@ def ttft(args: argparse.Namespace) -> None:
         shutil.rmtree(shared, ignore_errors=True)
 
 
-def free_port() -> int:
-    from kvmesh.common.ports import free_port as fp
-
-    return fp()
-
-
 # -- multiround -----------------------------------------------------------------------------------
-def _engine_tier_tokens(br, redis_url: str, model: str) -> dict[str, float]:
+def _engine_tier_tokens(redis_url: str, model: str) -> dict[str, float]:
     """The fleet's hit tokens per tier, from the engines' kvmesh:kv_tier_hit_tokens_total."""
     import httpx
     import redis
@@ -273,7 +269,7 @@ def multiround(args: argparse.Namespace) -> None:
                 until=lambda r: r.json().get("pods", 0) >= args.replicas,
             )
             state = json.loads(Path(state_file).read_text())
-            before = _engine_tier_tokens(br, state["redis_url"], state["model"])
+            before = _engine_tier_tokens(state["redis_url"], state["model"])
             t0 = time.perf_counter()
             st = asyncio.run(
                 br.chat_workload(
@@ -290,7 +286,7 @@ def multiround(args: argparse.Namespace) -> None:
                 )
             )
             st["wall"] = time.perf_counter() - t0
-            after = _engine_tier_tokens(br, state["redis_url"], state["model"])
+            after = _engine_tier_tokens(state["redis_url"], state["model"])
             st["by_tier"] = {m: after.get(m, 0) - before.get(m, 0) for m in after}
             results[label] = st
             ttfts = st["ttft"] or [float("nan")]

@@ -807,6 +807,20 @@ def make_adapters(names: list[str]) -> dict[str, Path]:
     return out
 
 
+def side_engine() -> dict[str, Any]:
+    """The engine spec of the deployments a step runs beside the main one: small, quick to drain."""
+    return {
+        "maxNumSeqs": 8,
+        "kvCacheMemory": "64MiB",
+        "drainTimeoutSeconds": 5,
+        "preStopSleepSeconds": 1,
+        "terminationGracePeriodSeconds": 15,
+        "heartbeatIntervalSeconds": 0.5,
+        "probes": {"readiness": {"periodSeconds": 1, "failureThreshold": 2}},
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+    }
+
+
 def lora_md(adapters: dict[str, Path]) -> dict[str, Any]:
     return {
         "apiVersion": crd.API_VERSION,
@@ -814,16 +828,7 @@ def lora_md(adapters: dict[str, Path]) -> dict[str, Any]:
         "metadata": {"name": LORA_MD, "namespace": LORA_NS},
         "spec": {
             "model": {"builtin": MODEL},
-            "engine": {
-                "maxNumSeqs": 8,
-                "kvCacheMemory": "64MiB",
-                "drainTimeoutSeconds": 5,
-                "preStopSleepSeconds": 1,
-                "terminationGracePeriodSeconds": 15,
-                "heartbeatIntervalSeconds": 0.5,
-                "probes": {"readiness": {"periodSeconds": 1, "failureThreshold": 2}},
-                "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
-            },
+            "engine": side_engine(),
             "lora": {"maxLoras": 2, "maxCpuLoras": 3, "maxRank": 8},
             "adapters": [{"name": n, "source": {"path": str(p)}} for n, p in adapters.items()],
             "replicas": 1,
@@ -934,14 +939,7 @@ def tiers_md(shared_dir: Path) -> dict[str, Any]:
         "spec": {
             "model": {"builtin": MODEL},
             "engine": {
-                "maxNumSeqs": 8,
-                "kvCacheMemory": "64MiB",
-                "drainTimeoutSeconds": 5,
-                "preStopSleepSeconds": 1,
-                "terminationGracePeriodSeconds": 15,
-                "heartbeatIntervalSeconds": 0.5,
-                "probes": {"readiness": {"periodSeconds": 1, "failureThreshold": 2}},
-                "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+                **side_engine(),
                 "kvOffload": {
                     "hostMemory": "128Mi",
                     "shared": {"volume": {"hostPath": {"path": str(shared_dir)}}, "size": "512Mi"},
