@@ -28,20 +28,7 @@ from kvmesh.sidecar.heartbeat import Heartbeat
 from kvmesh.sidecar.index_writer import IndexWriter
 from kvmesh.sidecar.service import Sidecar
 from tests.sidecar.test_sidecar_adapters import NoEvents
-
-BS = 4
-
-
-def cfg(model, redis_url, fmt="kvmesh") -> SidecarConfig:
-    return SidecarConfig(
-        pod_name="pod-a",
-        pod_url="http://127.0.0.1:1",
-        model=model,
-        redis_url=redis_url,
-        block_size=BS,
-        engine_format=fmt,
-    )
-
+from tests.sidecar.test_sidecar_index import BS, cfg
 
 T0 = time.time() - 60  # the events' times (a minute ago)
 
@@ -56,7 +43,7 @@ def hexes(*keys: int) -> set[str]:
 
 @pytest.fixture
 def writer(redis_server, model_name):
-    w = IndexWriter(cfg(model_name, redis_server.url))
+    w = IndexWriter(cfg(model_name, redis_url=redis_server.url))
     yield w
     w.close()
 
@@ -129,7 +116,7 @@ def test_unknown_media_are_ignored_and_counted(writer, r, model_name):
 
 
 def test_vllm_format_chains_a_host_block_from_its_gpu_parent(redis_server, model_name, r):
-    w = IndexWriter(cfg(model_name, redis_server.url, fmt="vllm"))
+    w = IndexWriter(cfg(model_name, redis_url=redis_server.url, fmt="vllm"))
     try:
         toks = list(range(3 * BS))
         keys = block_keys(toks, model_name, BS, parent=root_key(model_name))
@@ -384,6 +371,8 @@ def test_a_clean_stop_deletes_the_host_set_and_keeps_the_shared_set(redis_server
     r.sadd(kt.host_blocks_key(model_name, "pod-a"), key_hex(1))
     r.sadd(rl.blocks_key(model_name, "pod-a"), key_hex(2))
     r.zadd(kt.shared_blocks_key(model_name), {key_hex(3): 1.0})
-    Sidecar(cfg(model_name, redis_server.url)).stop(clean=True)  # never started: no engine
+    Sidecar(cfg(model_name, redis_url=redis_server.url)).stop(
+        clean=True
+    )  # never started: no engine
     assert not r.exists(kt.host_blocks_key(model_name, "pod-a"), rl.blocks_key(model_name, "pod-a"))
     assert r.zcard(kt.shared_blocks_key(model_name)) == 1
