@@ -22,19 +22,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/serve.py: the servers
 
 from serve import VLLM_ANCHOR, LocalServer, VLLMServer, _median  # noqa: E402
-
-from kvmesh.common.ports import free_port  # noqa: E402
+from vllm_client import bench_serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # (name, rank, target modules): ranks and targets differ, so the step mixes shapes.
@@ -69,30 +64,6 @@ def make_adapters(model_dir: str, out: Path, seed: int = 0) -> dict[str, str]:
     return {n: str(p.resolve()) for n, p in paths.items()}
 
 
-class VLLMLoRAServer(VLLMServer):
-    """`vllm serve --enable-lora` from the anchor's venv, fp32, the same adapters and limits."""
-
-    def __init__(self, anchor: str, model_dir: str, name: str, adapters: dict[str, str], log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log, "w")
-        venv = Path(os.environ.get("VLLM_ANCHOR_VENV", "/tmp/vllm-anchor"))
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
-        cmd = [str(venv / "bin" / "vllm"), "serve", model_dir, "--served-model-name", name]
-        cmd += ["--dtype", "float32", "--max-model-len", "2048", "--port", str(self.port)]
-        cmd += lora_flags(adapters)
-        # cwd: not the repository root, whose operator/ would shadow the stdlib's in vLLM's children
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=log.parent,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        del anchor  # the venv the anchor script set up is used directly: it takes no extra flags
-
-
 def lora_flags(adapters: dict[str, str]) -> list[str]:
     rank = max(r for _, r, _ in ADAPTERS)
     return [
@@ -110,23 +81,12 @@ def lora_flags(adapters: dict[str, str]) -> list[str]:
 
 def client(args, url: str, name: str, tokenizer: str, loras: list[str], seed: int) -> dict:
     """One run of vLLM's client; its saved result (throughputs, TTFT/ITL percentiles in ms)."""
-    venv = Path(os.environ.get("VLLM_ANCHOR_VENV", "/tmp/vllm-anchor"))
-    with tempfile.TemporaryDirectory() as d:
-        cmd = [str(venv / "bin" / "vllm"), "bench", "serve", "--backend", "openai"]
-        cmd += ["--base-url", url, "--endpoint", "/v1/completions", "--model", name]
-        cmd += ["--tokenizer", tokenizer, "--ignore-eos", "--seed", str(seed)]
-        cmd += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
-        cmd += ["--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts)]
-        cmd += ["--max-concurrency", str(args.concurrency), "--temperature", "0"]
-        cmd += ["--save-result", "--result-dir", d, "--result-filename", "r.json"]
-        if loras:
-            cmd += ["--lora-modules", *loras, "--lora-assignment", "round-robin"]
-        proc = subprocess.run(cmd, cwd=d, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"vllm bench serve failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-            )
-        res = json.loads((Path(d) / "r.json").read_text())
+    flags = ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
+    flags += ["--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts)]
+    flags += ["--max-concurrency", str(args.concurrency)]
+    if loras:
+        flags += ["--lora-modules", *loras, "--lora-assignment", "round-robin"]
+    res = bench_serve(url, name, tokenizer, flags, seed)
     if res.get("completed") != args.num_prompts:
         raise RuntimeError(f"{res.get('completed')} of {args.num_prompts} requests completed")
     return res
@@ -162,7 +122,9 @@ def main(argv=None) -> int:
                 "starting vllm serve --enable-lora (its first start compiles: minutes)", flush=True
             )
             servers["vllm"] = stack.enter_context(
-                VLLMLoRAServer(args.vllm_anchor, model_dir, name, adapters, logs / "vllm.log")
+                VLLMServer(
+                    args.vllm_anchor, model_dir, name, logs / "vllm.log", extra=lora_flags(adapters)
+                )
             )
         print("starting kvmesh serve --enable-lora", flush=True)
         flags = ["--served-model-name", name, "--dtype", "float32", *lora_flags(adapters)]

@@ -25,10 +25,13 @@ Modes:
       the server's thread settings and token budget, same requests, same concurrency), in --rounds
       interleaved rounds (order alternating, fresh prompts each round; all three stay up, the ones
       not measured paused by SIGSTOP; the host's steal time is noted where it shows). Reported: medians of
-      the ratios paired within a round: total tok/s, TTFT p50, TPOT p50 (targets >= 2.0x, <= 0.5x),
-      and the server's share of the engine alone (target >= 95%; --skip-offline). `auto` starts vLLM's CPU build itself through
-      ../shared/bench/vllm_anchor.sh relative to the checkout (--vllm-anchor; `vllm_anchor.sh setup` first); a URL uses a
-      vLLM server already running there. --kvmesh-url uses a running kvmesh server instead of
+      the ratios paired within a round: total tok/s, TTFT p50, TPOT p50, ITL p50 (targets fp32
+      >= 2.5x, <= 0.4x; bf16 >= 2x, <= 0.5x), and the server's share of the engine alone (target
+      >= 95%; --skip-offline). `auto` starts vLLM's CPU build itself from the venv
+      ../shared/bench/vllm_anchor.sh makes (`vllm_anchor.sh setup` first; VLLM_ANCHOR_VENV), with the
+      anchor's flags and --dtype (both servers serve that dtype); a URL uses a vLLM server already
+      running there. --client vllm drives every workload with vLLM's own client (`vllm bench
+      serve`) instead of this script's. --kvmesh-url uses a running kvmesh server instead of
       starting one; --kvmesh-flags adds flags to the one started (e.g. "--engine-mode thread").
       --busy-neighbours 0,1 measures once quiet and once beside a busy-loop process (both servers
       under the same neighbours), then prints kvmesh/vLLM per pass and each server's share of its
@@ -646,16 +649,40 @@ VLLM_ANCHOR = str(
 
 
 class VLLMServer(LocalServer):
-    """`vllm_anchor.sh serve MODEL_DIR PORT NAME`: vLLM's CPU build, fp32, in its own venv."""
+    """`vllm serve` of vLLM's CPU build from the venv `vllm_anchor.sh setup` made (the anchor's
+    own flags: max model length 2048, its KV cache space), in a dtype, with extra flags."""
 
-    def __init__(self, anchor: str, model_dir: str, name: str, log_path: Path):
+    def __init__(
+        self,
+        anchor: str,
+        model_dir: str,
+        name: str,
+        log_path: Path,
+        dtype: str = "float32",
+        extra: list[str] | None = None,
+    ):
+        from vllm_client import anchor_venv
+
+        del anchor  # its venv is used directly: the script's `serve` takes no dtype or extra flags
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+        cmd = [str(anchor_venv() / "bin" / "vllm"), "serve", model_dir, "--served-model-name", name]
+        cmd += [
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            "2048",
+            "--port",
+            str(self.port),
+            *(extra or []),
+        ]
         # cwd: not the repository root, whose operator/ would shadow the stdlib's in vLLM's `python -m` children
         self.proc = subprocess.Popen(
-            [anchor, "serve", model_dir, str(self.port), name],
+            cmd,
             cwd=log_path.parent,
+            env=env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -696,8 +723,9 @@ def _tpot(results: list[Result]) -> list[float]:
     ]
 
 
-def _anchor_workloads(vocab: int, args, seed: int = 0) -> list[tuple[str, list[Req], int]]:
-    """The workloads of --compare-vllm that --workloads names (random, prefix, long)."""
+def _anchor_workloads(vocab: int, args, seed: int = 0) -> list[tuple[str, str, list[Req], int]]:
+    """The workloads of --compare-vllm that --workloads names: (kind: random, prefix or long,
+    name, requests, concurrency)."""
     workloads = [
         (
             f"random {args.random_input_len} in / {args.random_output_len} out, {args.random_num_prompts} prompts, "
@@ -738,10 +766,20 @@ def _anchor_workloads(vocab: int, args, seed: int = 0) -> list[tuple[str, list[R
         ),
     ]
     keep = [w.strip() for w in args.workloads.split(",")]
-    return [w for w, name in zip(workloads, ("random", "prefix", "long")) if name in keep]
+    kinds = ("random", "prefix", "long")
+    return [(kind, *w) for w, kind in zip(workloads, kinds) if kind in keep]
 
 
-def _bench_server(label: str, url: str, model: str, name: str, reqs: list[Req], conc: int) -> dict:
+def _bench_server(
+    label: str, url: str, model: str, work: tuple[str, str, list[Req], int], seed: int, args
+) -> dict:
+    """One workload against one server, by this script's client or (--client vllm) vLLM's."""
+    kind, name, reqs, conc = work
+    if args.client == "vllm":
+        import vllm_client
+
+        print(f"  [{label}: {name[:24]}] vllm bench serve", flush=True)
+        return vllm_client.run(url, model, args.tokenizer_dir, kind, args, seed)
     res, el = asyncio.run(
         run_load(url, reqs, conc, None, model=model, label=f"{label}: {name[:24]}")
     )
@@ -786,6 +824,7 @@ def compare_vllm(args) -> int:
     from kvmesh.engine.config import ModelConfig
 
     model_dir = str(resolve_model_dir(args.model))
+    args.tokenizer_dir = model_dir  # vLLM's client tokenizes with the served model's tokenizer
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     name = args.model
     logs = Path(args.log_dir)
@@ -797,7 +836,9 @@ def compare_vllm(args) -> int:
         if args.compare_vllm == "auto":
             print("starting vllm serve (its first start compiles: minutes)", flush=True)
             started["vllm"] = stack.enter_context(
-                VLLMServer(args.vllm_anchor, model_dir, name, logs / "vllm-serve.log")
+                VLLMServer(
+                    args.vllm_anchor, model_dir, name, logs / "vllm-serve.log", dtype=args.dtype
+                )
             )
             vllm_url = started["vllm"].url
         else:
@@ -833,7 +874,8 @@ def compare_vllm(args) -> int:
             flush=True,
         )
 
-        def offline(wname: str, reqs: list[Req], conc: int) -> dict:
+        def offline(work: tuple[str, str, list[Req], int], seed: int) -> dict:
+            _, wname, reqs, conc = work
             print(f"  [offline engine: {wname[:24]}] running", flush=True)
             elapsed, in_tok, out_tok = started["offline"].run(reqs, conc)
             return {"total_tok_s": (in_tok + out_tok) / elapsed}
@@ -859,15 +901,16 @@ def compare_vllm(args) -> int:
 
         parts = {
             "vllm": alone(
-                "vllm", lambda w, r, c: _bench_server("vllm serve", vllm_url, name, w, r, c)
+                "vllm", lambda w, seed: _bench_server("vllm serve", vllm_url, name, w, seed, args)
             ),
             "kvmesh": alone(
-                "kvmesh", lambda w, r, c: _bench_server("kvmesh serve", kvmesh_url, name, w, r, c)
+                "kvmesh",
+                lambda w, seed: _bench_server("kvmesh serve", kvmesh_url, name, w, seed, args),
             ),
         }
         if not args.skip_offline:
             parts["offline"] = alone("offline", offline)
-        names = [w[0] for w in _anchor_workloads(vocab, args)]
+        names = [w[1] for w in _anchor_workloads(vocab, args)]
         passes: dict[int, list[dict[str, list[dict]]]] = {}  # busy neighbours -> results
         for i, n in enumerate(args.busy_neighbours):
             with busy_neighbours(n):
@@ -905,13 +948,13 @@ def _rounds(parts: dict, vocab: int, args, first_seed: int = 0) -> list[dict[str
     for rnd in range(args.rounds):
         order = list(parts) if rnd % 2 == 0 else list(parts)[::-1]
         seed = first_seed + 1000 * rnd
-        for wi, (wname, reqs, conc) in enumerate(_anchor_workloads(vocab, args, seed=seed)):
+        for wi, work in enumerate(_anchor_workloads(vocab, args, seed=seed)):
             print(
-                f"\n-- round {rnd + 1}/{args.rounds}, {wname[:40]}: {' -> '.join(order)}",
+                f"\n-- round {rnd + 1}/{args.rounds}, {work[1][:40]}: {' -> '.join(order)}",
                 flush=True,
             )
             for part in order:
-                results[wi][part].append(parts[part](wname, reqs, conc))
+                results[wi][part].append(parts[part](work, seed))
             _print_round(results[wi], rnd)
     return results
 
@@ -964,7 +1007,7 @@ def _print_round(res: dict[str, list[dict]], rnd: int) -> None:
 def _print_report(names: list[str], results: list[dict[str, list[dict]]], rounds: int) -> None:
     print(
         f"\n== kvmesh serve vs vllm serve (same machine, same client, {rounds} interleaved rounds; medians; "
-        "ratios paired within a round; targets: >= 2.0x total tok/s, <= 0.5x TTFT p50, server >= 95% of offline)"
+        "ratios paired within a round; targets fp32: >= 2.5x total tok/s, <= 0.4x TTFT p50; bf16: >= 2x, <= 0.5x; server >= 95% of offline)"
     )
     print(f"   {'workload':<58} {'metric':<14} {'vllm':>10} {'kvmesh':>10} {'ratio':>7}  per round")
     for wname, res in zip(names, results):
@@ -972,6 +1015,7 @@ def _print_report(names: list[str], results: list[dict[str, list[dict]]], rounds
             ("total tok/s", lambda s: s["total_tok_s"], 1.0),
             ("TTFT p50 ms", lambda s: _pct(s["ttft"], 50), 1000.0),
             ("TPOT p50 ms", lambda s: _pct(s["tpot"], 50), 1000.0),
+            ("ITL p50 ms", lambda s: _pct(s["itl"], 50), 1000.0),
         ]
         for metric, get, scale in metrics:
             v = [get(s) for s in res["vllm"]]
@@ -1042,6 +1086,14 @@ def main(argv=None) -> int:
         type=int,
         default=3,
         help="--compare-vllm: interleaved rounds (each: every workload on vllm, kvmesh, offline)",
+    )
+    ap.add_argument(
+        "--client",
+        choices=["kvmesh", "vllm"],
+        default="kvmesh",
+        help="--compare-vllm: the load generator: this script's client, or vLLM's own "
+        "(`vllm bench serve` from the anchor's venv; the long workload as its random dataset "
+        "with an input range ratio)",
     )
     ap.add_argument(
         "--busy-neighbours",

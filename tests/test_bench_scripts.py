@@ -445,3 +445,37 @@ def test_busy_neighbours_run_during_the_pass_and_are_killed_after(serve, capsys)
     serve._print_busy_report(["random"], {0: run(300.0, 600.0), 1: run(270.0, 300.0)})
     out = capsys.readouterr().out
     assert "1.11x" in out and "50.0%" in out and "90.0%" in out
+
+
+def test_vllm_client_maps_each_workload_and_reads_back_its_saved_result(bench_module):
+    """--client vllm: the long workload is vLLM's random dataset with an input-only range ratio
+    (1,000 +- 500 in, every output 48); a saved result with a failed request reads back as the
+    summary bench/serve.py prints (TPOT per request from its gaps, every ITL, the failure)."""
+    vllm_client = bench_module("vllm_client")
+    serve = bench_module("serve")
+    args = serve.argparse.Namespace(
+        long_input_len=1000,
+        long_input_spread=500,
+        long_output_len=48,
+        long_num_prompts=40,
+        long_concurrency=20,
+    )
+    flags, prompts, conc = vllm_client.dataset_flags("long", args)
+    assert (prompts, conc) == (40, 20)
+    ratio = flags[flags.index("--random-range-ratio") + 1]
+    assert serve.json.loads(ratio) == {"input": 0.5, "output": 0.0}
+    assert flags[flags.index("--random-input-len") + 1] == "1000"
+    with pytest.raises(ValueError):
+        vllm_client.dataset_flags("nope", args)
+    saved = {
+        "completed": 2,
+        "total_token_throughput": 900.0,
+        "output_throughput": 100.0,
+        "ttfts": [0.5, 0.25, 0.0],
+        "output_lens": [3, 1, 0],
+        "itls": [[0.1, 0.3], [], []],
+    }
+    s = vllm_client.summary(saved, 3)
+    assert s["total_tok_s"] == 900.0 and s["failed"] == 1 and s["ok"] == 2
+    assert s["ttft"] == [0.5, 0.25] and s["itl"] == [0.1, 0.3]
+    assert s["tpot"] == [pytest.approx(0.2)]
