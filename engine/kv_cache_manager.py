@@ -62,24 +62,40 @@ class KVCacheManager:
         and the tokens computed with the tiers' hits, which ``allocate_slots`` loads.
         """
         self._tier_hits.pop(request.request_id, None)
+        keys, hits = self._cached_run(request)
+        if keys is None:
+            return [], 0
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        tier_hits = []
+        if self.tiers is not None and len(hits) < len(keys):
+            tier_hits = self.tiers.lookup(keys[len(hits) :])
+            if tier_hits:
+                self._tier_hits[request.request_id] = tier_hits
+        return hits, (len(hits) + len(tier_hits)) * self.block_size
+
+    def peek_cached_tokens(self, request: Request) -> int:
+        """The prompt tokens the KV cache would serve the request now, without side effects (no
+        hit counters, no tier reads): what the sjf prefill order ranks by."""
+        _, hits = self._cached_run(request)
+        return len(hits) * self.block_size
+
+    def _cached_run(self, request: Request) -> tuple[list | None, list[KVBlock]]:
+        """The request's full-block keys that may be served from caches (None: none may) and the
+        run of them, from the first, that the KV cache holds."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need logits at every prompt position: compute them all
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        keys = request.block_keys(max_blocks)
+            return (
+                None,
+                [],
+            )  # prompt logprobs need logits at every prompt position: compute them all
+        keys = request.block_keys((request.num_tokens - 1) // self.block_size)
         hits: list[KVBlock] = []
         for key in keys:
             block = self.pool.lookup(key)
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
-        tier_hits = []
-        if self.tiers is not None and len(hits) < max_blocks:
-            tier_hits = self.tiers.lookup(keys[len(hits) :])
-            if tier_hits:
-                self._tier_hits[request.request_id] = tier_hits
-        return hits, (len(hits) + len(tier_hits)) * self.block_size
+        return keys, hits
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None

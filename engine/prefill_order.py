@@ -64,7 +64,7 @@ class PrefillOrder:
             return (0, 0, position)  # started before: back first, in place
         if request.prefill_skips >= self.max_skips:
             return (1, 0, position)  # aged: first among new ones, in arrival order
-        return (2, request.num_tokens - cached_prefix_tokens(kv, request), position)
+        return (2, request.num_tokens - kv.peek_cached_tokens(request), position)
 
     def passed_over(self, earlier: Sequence[Request]) -> bool:
         """A request was admitted past these (the ones still waiting that arrived before it):
@@ -89,16 +89,3 @@ def check_priority(priority: int, policy: str) -> None:
             f"got priority {priority} but priority scheduling is not enabled "
             "(--scheduling-policy priority)",
         )
-
-
-def cached_prefix_tokens(kv, request: Request) -> int:
-    """The prompt tokens a prefix-cache lookup would serve now (as the KV cache manager's
-    ``get_computed_blocks``, without touching its hit counters: this is only a peek)."""
-    if not kv.enable_caching or request.sampling_params.prompt_logprobs is not None:
-        return 0
-    hits = 0
-    for key in request.block_keys((request.num_tokens - 1) // kv.block_size):
-        if kv.pool.lookup(key) is None:
-            break
-        hits += 1
-    return hits * kv.block_size

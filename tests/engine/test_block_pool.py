@@ -124,6 +124,25 @@ def test_cache_hit_caps_at_last_token_and_counts():
     assert kv.prefix_queries == 8 and kv.prefix_hits == 4
 
 
+def test_a_peek_at_the_cached_prefix_counts_what_a_lookup_would_and_changes_nothing():
+    """The sjf order ranks by this peek every step: it must agree with the lookup and leave the
+    hit counters (the prefix-cache hit rate users see) alone."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    a = make_request("a", list(range(9)))
+    kv.allocate_slots(a, 9)
+    kv.free(a)
+    full, partial = (
+        make_request("b", list(range(9))),
+        make_request("c", [0, 1, 2, 3, 9, 9, 9, 9, 9]),
+    )
+    assert [kv.peek_cached_tokens(r) for r in (full, partial)] == [8, 4]
+    assert kv.prefix_queries == 0 and kv.prefix_hits == 0
+    assert kv.get_computed_blocks(full)[1] == 8 and kv.get_computed_blocks(partial)[1] == 4
+    logprobs = make_request("d", list(range(9)))
+    logprobs.sampling_params.prompt_logprobs = 1
+    assert kv.peek_cached_tokens(logprobs) == 0
+
+
 def test_reset_prefix_cache_emits_all_cleared_only_when_idle():
     pool = BlockPool(4, enable_events=True)
     blocks = pool.allocate(1)
