@@ -36,21 +36,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import shlex
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # local_mesh.py
 
-from kvmesh.common.ports import free_port  # noqa: E402
+from local_mesh import local_mesh  # noqa: E402
+
 from kvmesh.router.flow.identity import FAIRNESS_HEADER, OBJECTIVE_HEADER  # noqa: E402
 
 
@@ -97,19 +95,9 @@ def max_min_fair(capacity: float, demand: dict[str, float]) -> dict[str, float]:
     return fair
 
 
-def up_command(args, port: int, state_file: str, flow: bool) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvmesh.cli",
-        "up",
-        "--replicas",
-        str(args.replicas),
-        "--port",
-        str(port),
-        "--state-file",
-        state_file,
-    ]
+def up_flags(args, flow: bool) -> list[str]:
+    """`kvmesh up`'s flags for one mode (besides replicas, port and state file)."""
+    cmd: list[str] = []
     engine = [
         "--max-num-seqs",
         str(args.max_num_seqs),
@@ -292,15 +280,8 @@ def report(
 
 
 def run_mode(mode: str, args, p: Plan) -> tuple[list[str], list[str]]:
-    port = free_port()
-    state_file = os.path.join(tempfile.mkdtemp(prefix="kvmesh-flow-bench-"), "up.json")
-    cmd = up_command(args, port, state_file, flow=mode == "flow")
-    up = subprocess.Popen(
-        cmd, stdout=None if args.verbose else subprocess.DEVNULL, stderr=subprocess.STDOUT
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, args.replicas, up)
+    with local_mesh(args.replicas, up_flags(args, flow=mode == "flow"), args.verbose, mode) as mesh:
+        url = mesh.url
         lights = {t: r for t, r in p.tenants.items() if t != "heavy"}  # alone: the idle mesh
         idle, _ = asyncio.run(drive(url, lights, args.idle_seconds, "idle", args))
         time.sleep(1.0)
@@ -309,12 +290,6 @@ def run_mode(mode: str, args, p: Plan) -> tuple[list[str], list[str]]:
         )
         lines, missed = report(mode, p, idle, load, start, args.seconds, args.warmup)
         return lines + router_waits(url), missed
-    finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(120)
-        except subprocess.TimeoutExpired:
-            up.kill()
 
 
 def router_waits(url: str) -> list[str]:
@@ -335,23 +310,6 @@ def router_waits(url: str) -> list[str]:
         if n
     ]
     return [f"  queued at the router (band/outcome, count x mean wait): {', '.join(waits) or '-'}"]
-
-
-def wait_ready(url: str, replicas: int, up: subprocess.Popen, timeout: float = 900) -> None:
-    import httpx
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if up.poll() is not None:
-            raise SystemExit(f"kvmesh up exited ({up.returncode})")
-        try:
-            r = httpx.get(url + "/ready", timeout=1)
-            if r.status_code == 200 and r.json().get("pods", 0) >= replicas:
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} did not become ready")
 
 
 def parse(argv=None) -> argparse.Namespace:

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
-import json
 import os
 import random
 import shutil
@@ -43,9 +43,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvmesh.common.ports import free_port
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # local_mesh.py
+
+from local_mesh import local_mesh  # noqa: E402
+
+from kvmesh.common.ports import free_port  # noqa: E402
+
 MODEL = "smollm2-135m-instruct"
 
 
@@ -252,28 +256,16 @@ def multiround(args: argparse.Namespace) -> None:
                 "--kv-shared-size",
                 f"{tier_gib:.3f}",
             ]
-        port = free_port()
-        state_file = os.path.join(tempfile.mkdtemp(), "up.json")
-        cmd = [sys.executable, "-P", "-m", "kvmesh.cli", "up", "--replicas", str(args.replicas)]
-        cmd += ["--port", str(port), "--policy", policy, "--state-file", state_file]
-        cmd += ["--engine-args", engine_args, *up_flags]
-        print(f"  {label}: starting {' '.join(cmd[3:])}", flush=True)
-        up = subprocess.Popen(
-            cmd, stdout=None if args.verbose else subprocess.DEVNULL, stderr=subprocess.STDOUT
-        )
-        try:
-            print(f"  {label}: waiting for {args.replicas} replicas to be routable ...", flush=True)
-            br.wait_http(
-                f"http://127.0.0.1:{port}/ready",
-                timeout=900,
-                until=lambda r: r.json().get("pods", 0) >= args.replicas,
-            )
-            state = json.loads(Path(state_file).read_text())
+        flags = ["--policy", policy, "--engine-args", engine_args, *up_flags]
+        with contextlib.ExitStack() as cleanup:
+            cleanup.callback(shutil.rmtree, shared, ignore_errors=True)
+            mesh = cleanup.enter_context(local_mesh(args.replicas, flags, args.verbose, label))
+            state = mesh.state()
             before = _engine_tier_tokens(state["redis_url"], state["model"])
             t0 = time.perf_counter()
             st = asyncio.run(
                 br.chat_workload(
-                    f"http://127.0.0.1:{port}",
+                    mesh.url,
                     MODEL,
                     args.conversations,
                     args.rounds,
@@ -298,13 +290,6 @@ def multiround(args: argparse.Namespace) -> None:
                 f"p90 {br.pct(ttfts, 90) * 1000:7.1f} ms  errors {st['errors']}",
                 flush=True,
             )
-        finally:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(120)
-            except subprocess.TimeoutExpired:
-                up.kill()
-            shutil.rmtree(shared, ignore_errors=True)
     t, p, r = results["prefix + tiers"], results["prefix"], results["round-robin"]
 
     def saved(st):

@@ -44,6 +44,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))  # local_mesh.py
+
+from local_mesh import local_mesh  # noqa: E402
+
 from kvmesh.common.ports import free_port  # noqa: E402
 
 
@@ -587,45 +591,18 @@ def multiround(args: argparse.Namespace) -> None:
     )
     results: dict[str, dict] = {}
     for policy in args.policies.split(","):
-        port = free_port()
-        state_file = os.path.join(tempfile.mkdtemp(), "up.json")
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvmesh.cli",
-            "up",
-            "--replicas",
-            str(args.replicas),
-            "--port",
-            str(port),
-            "--policy",
-            policy,
-            "--state-file",
-            state_file,
-        ]
+        flags = ["--policy", policy]
         if args.engine_command:
-            cmd += ["--engine-command", args.engine_command]
+            flags += ["--engine-command", args.engine_command]
         if engine_args:
-            cmd += ["--engine-args", engine_args]
-        up = subprocess.Popen(
-            cmd,
-            env=env(),
-            stdout=subprocess.DEVNULL if not args.verbose else None,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            # Every replica routable first: one still loading would skew the run.
-            wait_http(
-                f"http://127.0.0.1:{port}/ready",
-                timeout=900,
-                until=lambda r: r.json().get("pods", 0) >= args.replicas,
-            )
-            state = json.loads(Path(state_file).read_text())
+            flags += ["--engine-args", engine_args]
+        with local_mesh(args.replicas, flags, args.verbose, policy) as mesh:
+            state = mesh.state()
             before = engine_counters(state["redis_url"], state["model"])
             t0 = time.perf_counter()
             st = asyncio.run(
                 chat_workload(
-                    f"http://127.0.0.1:{port}",
+                    mesh.url,
                     args.model,
                     args.conversations,
                     args.rounds,
@@ -644,9 +621,6 @@ def multiround(args: argparse.Namespace) -> None:
             )
             report(policy, st)
             results[policy] = st
-        finally:
-            up.send_signal(signal.SIGTERM)
-            up.wait(120)
     compare(results)
 
 

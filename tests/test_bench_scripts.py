@@ -411,10 +411,10 @@ def test_flow_control_splits_capacity_max_min_fair_and_sizes_the_overload(bench_
     assert p.capacity_rps == pytest.approx(2 * 48 / (8 * 0.4))
     assert sum(p.tenants.values()) == pytest.approx(4 * p.capacity_rps)
     assert p.tenants["heavy"] == pytest.approx(10 * p.tenants["light-1"])
-    cmd = fc.up_command(args, 8000, "/tmp/s.json", flow=True)
+    cmd = fc.up_flags(args, flow=True)
     router_args = cmd[cmd.index("--router-args") + 1]
     assert "--flow-control" in router_args and "--flow-pod-max-inflight 48" in router_args
-    assert "--flow-control" not in fc.up_command(args, 8000, "/tmp/s.json", flow=False)[-1]
+    assert "--flow-control" not in fc.up_flags(args, flow=False)[-1]
 
 
 def test_flow_control_bench_runs_at_a_tiny_size():
