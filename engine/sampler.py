@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.engine.greedy import greedy_tokens
 from kvmesh.engine.penalties import apply_penalties, to_device
 from kvmesh.engine.request import Request
 
@@ -60,11 +61,6 @@ def seeded_uniform(seed: int, position: int, stream: int = 0) -> float:
     ) & _MASK64  # _mix64, inlined: it runs per row and step
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return ((x ^ (x >> 31)) >> 11) * (1.0 / (1 << 53))
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's first maximum, as argmax picks it, at about half argmax's time on the CPU."""
-    return logits.max(dim=-1).indices
 
 
 def sample_by_inversion(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

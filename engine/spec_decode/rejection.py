@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.engine.greedy import greedy_tokens
 from kvmesh.engine.penalties import to_device
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampler import (
     Sampler,
     TokenLogprobs,
-    greedy_tokens,
     sample_by_inversion,
     token_logprobs,
 )
