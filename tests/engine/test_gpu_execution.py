@@ -81,19 +81,6 @@ def test_engine_args_and_flags():
     ) == ("auto", False, 0.9, None)
 
 
-def test_auto_dtype_serves_fp32_checkpoints_in_bf16_on_a_gpu(tiny_llama_dir):
-    from kvmesh.engine.config import ModelConfig
-
-    config = ModelConfig.from_dir(tiny_llama_dir)
-    config.torch_dtype = "float32"
-    assert config.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16  # no GPU here: bf16
-    assert config.resolve_dtype("auto", CPU) == torch.float32
-    assert config.resolve_dtype("float32", torch.device("cuda")) == torch.float32  # asked for: kept
-    config.torch_dtype = "float16"
-    assert config.resolve_dtype("auto", torch.device("cuda")) == torch.float16
-    assert config.resolve_dtype("auto", CPU) == torch.float32
-
-
 def test_torch_backend_forced_on_cpu(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, attention_backend="torch", num_kv_blocks=64)
     runner = llm.engine.core.runner
