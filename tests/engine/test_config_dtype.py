@@ -93,3 +93,21 @@ def test_the_probe_reads_the_cpuinfo_flags(monkeypatch):
         assert native_bf16.native_bf16_flag() == "amx_bf16"
     finally:
         native_bf16.native_bf16_flag.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "probe, dtype",
+    [("native_cpu", torch.bfloat16), ("avx2_cpu", torch.float32)],
+)
+def test_an_engine_on_auto_runs_and_logs_the_choice(tiny_llama_dir, request, caplog, probe, dtype):
+    from kvmesh.engine import LLM, SamplingParams
+
+    request.getfixturevalue(probe)
+    with caplog.at_level("INFO", logger="kvmesh.engine.engine_core"):
+        llm = LLM(tiny_llama_dir, num_kv_blocks=16, device="cpu")
+    assert llm.engine.core.dtype == dtype
+    assert llm.engine.core.runner.kv_caches[0][0].dtype == dtype  # the KV cache too
+    (line,) = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
+    assert f"dtype={dtype} (auto, a float32 checkpoint on a CPU with" in line
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
