@@ -276,9 +276,10 @@ class ModelConfig:
         """The serving dtype and why. ``auto`` chooses as vLLM's auto: a bf16 checkpoint stays bf16;
         an fp32 checkpoint is served in bf16 on a GPU (fp16 without bf16) and on a CPU that
         multiplies bf16 natively (AVX512-BF16 or AMX: native_bf16.py); an fp16 one in bf16 there
-        too (the CPU kernels have no fp16 path). On a CPU without them (AVX2-only x86) fp32 and
-        fp16 checkpoints run in fp32, where vLLM picks bf16: the bf16 linears widen to fp32 in
-        registers there, which costs prefill speed and buys only the halved weight reads."""
+        too (the CPU kernels have no fp16 path). On a CPU without them (AVX2-only x86, AVX-512
+        without AVX512-BF16) fp32 and fp16 checkpoints run in fp32, where vLLM picks bf16: the bf16
+        linears widen to fp32 in software there, which costs prefill speed and buys only the
+        halved weight reads."""
         if requested != "auto":
             return _DTYPES[requested], "asked for"
         name = str(self.torch_dtype).replace("torch.", "")
