@@ -61,6 +61,11 @@ def _bench_router():
     return mod
 
 
+# Every engine here runs in fp32, the dtype block_bytes sizes the tiers in (dtype auto would be
+# bf16 on a CPU with avx512_bf16).
+DTYPE = "float32"
+
+
 def block_bytes(model: str, block_size: int = 16) -> int:
     """Bytes of one KV block (every layer's K and V) of `model` in fp32: the engine's own sizing."""
     import torch
@@ -74,6 +79,7 @@ def block_bytes(model: str, block_size: int = 16) -> int:
 # -- ttft -----------------------------------------------------------------------------------------
 def start_server(port: int, flags: list[str], log_path: str) -> subprocess.Popen:
     cmd = [sys.executable, "-P", "-m", "kvmesh.cli", "serve", "--model", MODEL, "--port", str(port)]
+    cmd += ["--dtype", DTYPE]
     log = open(log_path, "w")
     return subprocess.Popen(cmd + flags, stdout=log, stderr=subprocess.STDOUT)
 
@@ -245,7 +251,7 @@ def multiround(args: argparse.Namespace) -> None:
     results: dict[str, dict] = {}
     for label, policy, tiers in runs:
         shared = tempfile.mkdtemp(prefix="kv-shared-")
-        engine_args = f"--num-kv-blocks {blocks} --omp-threads 1"
+        engine_args = f"--num-kv-blocks {blocks} --omp-threads 1 --dtype {DTYPE}"
         up_flags: list[str] = []
         if tiers:
             up_flags = [
@@ -315,7 +321,7 @@ def _overhead_worker(conn, tiers: bool, prompts, output_len: int, kv_blocks: int
 
     # 8 requests at most at once, each under 50 blocks: the cache evicts, nothing is preempted
     # (a preempted request would hit its own blocks in a tier).
-    kwargs: dict = {"num_kv_blocks": kv_blocks, "max_num_seqs": 8}
+    kwargs: dict = {"num_kv_blocks": kv_blocks, "max_num_seqs": 8, "dtype": DTYPE}
     shared = None
     if tiers:
         shared = tempfile.mkdtemp(prefix="kv-shared-")

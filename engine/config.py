@@ -12,6 +12,7 @@ import torch
 
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
 from kvmesh.common.model_lookup import DEFAULT_MODEL
+from kvmesh.engine import native_bf16
 from kvmesh.engine.prefill_order import DEFAULT_MAX_SKIPS, POLICIES
 
 _SIZE_UNITS = {
@@ -268,22 +269,37 @@ class ModelConfig:
         )
 
     def resolve_dtype(self, requested: str, device: torch.device) -> torch.dtype:
-        """The serving dtype. ``auto``: on a GPU, an fp32 checkpoint in bf16 (fp16 without bf16), as
-        vLLM's auto; on the CPU, the checkpoint's dtype (fp16 as fp32). vLLM's auto serves an fp32
-        checkpoint in bf16 on x86/Arm CPUs too (its CPU platform lists bf16 first); this keeps fp32
-        there until bf16 prefill attention is compiled (bf16 prefills take the torch path) and the
-        bf16 decode speedup (bench/bf16_decode.py) is measured on a quiet machine."""
+        """The serving dtype (``dtype_choice`` without its reason)."""
+        return self.dtype_choice(requested, device)[0]
+
+    def dtype_choice(self, requested: str, device: torch.device) -> tuple[torch.dtype, str]:
+        """The serving dtype and why. ``auto`` chooses as vLLM's auto: a bf16 checkpoint stays bf16;
+        an fp32 checkpoint is served in bf16 on a GPU (fp16 without bf16) and on a CPU that
+        multiplies bf16 natively (AVX512-BF16 or AMX: native_bf16.py); an fp16 one in bf16 there
+        too (the CPU kernels have no fp16 path). On a CPU without them (AVX2-only x86, AVX-512
+        without AVX512-BF16) fp32 and fp16 checkpoints run in fp32, where vLLM picks bf16: the bf16
+        linears widen to fp32 in software there, which costs prefill speed and buys only the
+        halved weight reads."""
         if requested != "auto":
-            return _DTYPES[requested]
-        declared = _DTYPES.get(str(self.torch_dtype).replace("torch.", ""), torch.float32)
-        if device.type == "cpu" and declared == torch.float16:
-            return torch.float32  # fp16 matmuls are slow and lossy on CPU
-        if device.type == "cuda" and declared == torch.float32:
-            # As vLLM's auto: a GPU serves an fp32 checkpoint in 16 bits (bf16 where supported).
+            return _DTYPES[requested], "asked for"
+        name = str(self.torch_dtype).replace("torch.", "")
+        declared = _DTYPES.get(name, torch.float32)
+        checkpoint = f"auto, a {name if name in _DTYPES else 'float32'} checkpoint"
+        if declared == torch.bfloat16:
+            return declared, checkpoint
+        if device.type == "cuda":
+            if declared == torch.float16:
+                return declared, checkpoint
+            # A GPU serves an fp32 checkpoint in 16 bits (bf16 where supported).
             if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-                return torch.float16
-            return torch.bfloat16
-        return declared
+                return torch.float16, f"{checkpoint} on a GPU without bf16"
+            return torch.bfloat16, f"{checkpoint} on a GPU"
+        if device.type != "cpu":
+            return declared, checkpoint
+        flag = native_bf16.native_bf16_flag()
+        if flag is not None:
+            return torch.bfloat16, f"{checkpoint} on a CPU with {flag}"
+        return torch.float32, f"{checkpoint} on a CPU without avx512_bf16 or amx_bf16"
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()

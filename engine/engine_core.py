@@ -147,7 +147,7 @@ class EngineCore:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.model_id = args.served_model_name or args.model
         self.device = pick_device(args.device)
-        self.dtype = self.model_config.resolve_dtype(args.dtype, self.device)
+        self.dtype, dtype_reason = self.model_config.dtype_choice(args.dtype, self.device)
         self.block_size = args.block_size
 
         per_block = self.model_config.kv_bytes_per_block(args.block_size, self.dtype)
@@ -272,10 +272,11 @@ class EngineCore:
         self._step_thread_threads: int | None = None  # what the step thread last applied
         self.num_sync_steps = 0
         log.info(
-            "engine ready: model=%s dtype=%s device=%s blocks=%d (%d tokens) max_model_len=%d "
-            "async_scheduling=%s",
+            "engine ready: model=%s dtype=%s (%s) device=%s blocks=%d (%d tokens) "
+            "max_model_len=%d async_scheduling=%s",
             self.model_id,
             self.dtype,
+            dtype_reason,
             self.device,
             num_blocks,
             capacity,

@@ -808,8 +808,10 @@ def make_adapters(names: list[str]) -> dict[str, Path]:
 
 
 def side_engine() -> dict[str, Any]:
-    """The engine spec of the deployments a step runs beside the main one: small, quick to drain."""
+    """The engine spec of the deployments a step runs beside the main one: small, quick to drain,
+    in fp32 (a greedy answer from another replica's cached blocks equals the one computed)."""
     return {
+        "dtype": "float32",
         "maxNumSeqs": 8,
         "kvCacheMemory": "64MiB",
         "drainTimeoutSeconds": 5,

@@ -31,7 +31,7 @@ def greedy(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
 
 def make_llm(model_dir: str, **kw) -> LLM:
     kw.setdefault("num_kv_blocks", 256)
-    llm = LLM(model_dir, async_scheduling=True, **kw)
+    llm = LLM(model_dir, dtype="float32", async_scheduling=True, **kw)
     assert llm.engine.core.async_scheduling
     return llm
 
@@ -189,7 +189,9 @@ def test_pipeline_overlaps_and_never_schedules_past_max_tokens(tiny_llama_dir):
 
 
 def test_abort_while_in_flight(tiny_llama_dir):
-    engine = LLMEngine(EngineArgs(model=tiny_llama_dir, num_kv_blocks=256, async_scheduling=True))
+    engine = LLMEngine(
+        EngineArgs(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, async_scheduling=True)
+    )
     core = engine.core
     prompts = PROMPTS[:3]
     for i, p in enumerate(prompts):
@@ -222,7 +224,9 @@ def test_an_aborted_id_reused_while_its_step_is_in_flight(tiny_llama_dir):
     applied first (the old request's blocks are keyed by the id), and both run right."""
     from kvmesh.engine.engine_core import EngineCore
 
-    core = EngineCore(EngineArgs(model=tiny_llama_dir, num_kv_blocks=256, async_scheduling=True))
+    core = EngineCore(
+        EngineArgs(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, async_scheduling=True)
+    )
     core.add_request("a", PROMPTS[0], greedy())
     core.add_request("b", PROMPTS[1], greedy())
     got: dict[str, list] = {"a": [], "b": []}
@@ -255,7 +259,7 @@ def test_stop_strings_through_llm_engine(tiny_llama_dir):
     """A stop string (the frontend's abort) ends a request whose next step is in flight: the same
     text and tokens as without async scheduling."""
     prompts = PROMPTS[:4]
-    sync = LLM(tiny_llama_dir, num_kv_blocks=256, async_scheduling=False)
+    sync = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=256, async_scheduling=False)
     plain = sync.generate(prompts, greedy())
     stop = plain[1].outputs[0].text[3:7]
     assert stop.strip()
@@ -291,7 +295,7 @@ def test_penalties_and_min_tokens_take_sync_steps(tiny_llama_dir):
     # min_tokens (EOS banned until reached): synchronous until reached, async after.
     eos = hf_greedy(tiny_llama_dir, prompts[0], MAX_NEW, True)[2]
     sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, min_tokens=6)
-    sync = LLM(tiny_llama_dir, num_kv_blocks=256, async_scheduling=False)
+    sync = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=256, async_scheduling=False)
     sync.engine.core.eos_token_ids.add(eos)
     want = sync.generate([prompts[0]], sp)[0].outputs[0].token_ids
     core.num_sync_steps = core.num_async_steps = 0
@@ -341,6 +345,7 @@ def test_no_placeholder_is_cached_or_published(tiny_llama_dir):
     for mode in (False, True):
         llm = LLM(
             tiny_llama_dir,
+            dtype="float32",
             num_kv_blocks=256,
             enable_kv_events=True,
             async_scheduling=mode,
@@ -368,7 +373,9 @@ def test_a_failing_request_fails_alone_under_async(tiny_llama_dir, monkeypatch):
     prompts[2] = prompts[2][:3] + [POISON] + prompts[2][3:]
     seeded = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=99, ignore_eos=True)
     params = [greedy(), seeded, greedy(), greedy(), seeded]
-    clean = LLM(tiny_llama_dir, num_kv_blocks=256, async_scheduling=False).generate(prompts, params)
+    clean = LLM(
+        tiny_llama_dir, dtype="float32", num_kv_blocks=256, async_scheduling=False
+    ).generate(prompts, params)
     llm = make_llm(tiny_llama_dir)
     runner = llm.engine.core.runner
     real_run = runner.run
@@ -515,7 +522,9 @@ def test_core_loop_last_resort_with_steps_in_flight(tiny_llama_dir, monkeypatch)
     from kvmesh.engine.core_proc import CoreLoop, EngineStepError
     from kvmesh.engine.engine_core import EngineCore
 
-    core = EngineCore(EngineArgs(model=tiny_llama_dir, num_kv_blocks=256, async_scheduling=True))
+    core = EngineCore(
+        EngineArgs(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, async_scheduling=True)
+    )
     loop = CoreLoop(core)
     for i in range(3):
         assert loop.add(AddRequest(f"r{i}", PROMPTS[i], greedy())) is None
@@ -548,7 +557,9 @@ def test_a_request_admitted_in_the_undone_step_recomputes(tiny_llama_dir, monkey
     request goes back to the queue and recomputes from scratch, with transformers' tokens."""
     from kvmesh.engine.engine_core import EngineCore
 
-    core = EngineCore(EngineArgs(model=tiny_llama_dir, num_kv_blocks=256, async_scheduling=True))
+    core = EngineCore(
+        EngineArgs(model=tiny_llama_dir, dtype="float32", num_kv_blocks=256, async_scheduling=True)
+    )
     prompts = PROMPTS[:3]
     poisoned = prompts[1][:3] + [POISON] + prompts[1][3:]
     real_run = core.runner.run

@@ -81,21 +81,8 @@ def test_engine_args_and_flags():
     ) == ("auto", False, 0.9, None)
 
 
-def test_auto_dtype_serves_fp32_checkpoints_in_bf16_on_a_gpu(tiny_llama_dir):
-    from kvmesh.engine.config import ModelConfig
-
-    config = ModelConfig.from_dir(tiny_llama_dir)
-    config.torch_dtype = "float32"
-    assert config.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16  # no GPU here: bf16
-    assert config.resolve_dtype("auto", CPU) == torch.float32
-    assert config.resolve_dtype("float32", torch.device("cuda")) == torch.float32  # asked for: kept
-    config.torch_dtype = "float16"
-    assert config.resolve_dtype("auto", torch.device("cuda")) == torch.float16
-    assert config.resolve_dtype("auto", CPU) == torch.float32
-
-
 def test_torch_backend_forced_on_cpu(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, attention_backend="torch", num_kv_blocks=64)
+    llm = LLM(tiny_llama_dir, dtype="float32", attention_backend="torch", num_kv_blocks=64)
     runner = llm.engine.core.runner
     assert (
         runner.backend.name == "torch" and runner.cpu_ops is None and runner.model.fused_ops is None
@@ -272,7 +259,13 @@ def test_graph_runner_replays_only_decode_only_steps():
 def test_engine_replays_decode_steps_with_the_same_tokens(tiny_llama_dir):
     """The tiny model through the Triton backend (interpreted) with graphs captured through the
     stub: decode steps replay, prefill steps run eagerly, and greedy tokens equal transformers'."""
-    llm = LLM(tiny_llama_dir, attention_backend="triton", num_kv_blocks=64, max_num_seqs=4)
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        attention_backend="triton",
+        num_kv_blocks=64,
+        max_num_seqs=4,
+    )
     runner = llm.engine.core.runner
     api = FakeGraphAPI()
     runner.capture_cuda_graphs(4, llm.engine.core.max_model_len, api=api)
@@ -303,7 +296,7 @@ def test_blocks_from_memory_arithmetic():
 def test_size_kv_cache_profiles_one_step_with_the_query_stubbed(tiny_llama_dir, caplog):
     """The profiling step runs the model at the largest batch; the allocator counters and the
     driver's free/total come from the stub."""
-    llm = LLM(tiny_llama_dir, attention_backend="torch", num_kv_blocks=8)
+    llm = LLM(tiny_llama_dir, dtype="float32", attention_backend="torch", num_kv_blocks=8)
     runner = llm.engine.core.runner
     calls = []
     real_execute = runner.execute
@@ -397,7 +390,13 @@ def test_triton_backend_greedy_matches_transformers(model, request):
     prompts = random_prompts(3, 5, 50, seed=1) + [
         prefix + s for s in random_prompts(2, 3, 9, seed=12)
     ]
-    llm = LLM(model_dir, attention_backend="triton", num_kv_blocks=128, max_num_batched_tokens=24)
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        attention_backend="triton",
+        num_kv_blocks=128,
+        max_num_batched_tokens=24,
+    )
     assert llm.engine.core.runner.backend.name == "triton"
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params)
@@ -414,7 +413,11 @@ def test_triton_backend_prompt_logprobs_match_transformers(tiny_llama_dir):
 
     prompt = random_prompts(1, 30, 30, seed=21)[0]
     llm = LLM(
-        tiny_llama_dir, attention_backend="triton", num_kv_blocks=64, max_num_batched_tokens=16
+        tiny_llama_dir,
+        dtype="float32",
+        attention_backend="triton",
+        num_kv_blocks=64,
+        max_num_batched_tokens=16,
     )
     out = llm.generate(
         [prompt],

@@ -62,7 +62,7 @@ class Case:
 
     def llm(self, **engine_args) -> LLM:
         engine_args.setdefault("num_kv_blocks", 512)
-        return LLM(self.model_dir, **engine_args)
+        return LLM(self.model_dir, dtype="float32", **engine_args)
 
 
 def _shared_prefix_prompts(seed: int) -> list[list[int]]:

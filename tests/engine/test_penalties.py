@@ -71,7 +71,9 @@ def test_penalties_match_a_per_token_reference():
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, num_kv_blocks=256, max_num_batched_tokens=32)  # chunked prefill too
+    return LLM(
+        tiny_llama_dir, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=32
+    )  # chunked prefill too
 
 
 PROMPTS = random_prompts(5, 4, 40, seed=11, vocab=256)

@@ -34,7 +34,10 @@ def greedy(n: int, **kw) -> SamplingParams:
 def piecewise_llm(model_dir: str, decode_graphs: bool = False, sizes=SIZES, **kw):
     """An engine on the Triton backend with piecewise graphs captured through the stub."""
     llm = LLM(
-        model_dir, attention_backend="triton", **{"num_kv_blocks": 64, "max_num_seqs": 4, **kw}
+        model_dir,
+        dtype="float32",
+        attention_backend="triton",
+        **{"num_kv_blocks": 64, "max_num_seqs": 4, **kw},
     )
     runner = llm.engine.core.runner
     api = FakeGraphAPI()
@@ -178,7 +181,13 @@ def test_prompt_logprobs_and_cache_equal_the_eager_path(tiny_llama_dir):
     step's, and both engines leave the same KV cache (padding rows stored nothing)."""
     prompts = random_prompts(2, 19, 27, seed=8)  # 19 + 27 rows: padded to 64
     params = greedy(2, prompt_logprobs=3, logprobs=2)
-    eager = LLM(tiny_llama_dir, attention_backend="triton", num_kv_blocks=64, max_num_seqs=4)
+    eager = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        attention_backend="triton",
+        num_kv_blocks=64,
+        max_num_seqs=4,
+    )
     want = eager.generate(prompts, params)
     llm, runner, _ = piecewise_llm(tiny_llama_dir)
     got = llm.generate(prompts, params)

@@ -43,7 +43,7 @@ PARAMS = dict(max_tokens=4, temperature=0, ignore_eos=True)
 
 def test_prompt_logprobs_match_transformers_under_chunking_and_batching(tiny_llama_dir):
     llm = LLM(
-        tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=16
+        tiny_llama_dir, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=16
     )  # 40-token prompts: 3+ chunks
     prompts = random_prompts(4, 20, 45, seed=5, vocab=256)
     params = [SamplingParams(prompt_logprobs=2, **PARAMS), SamplingParams(**PARAMS)] * 2
@@ -57,7 +57,7 @@ def test_prompt_logprobs_match_transformers_under_chunking_and_batching(tiny_lla
 
 
 def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_preemption(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, num_kv_blocks=12, max_num_batched_tokens=64)
+    llm = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=12, max_num_batched_tokens=64)
     prompt = random_prompts(1, 40, 41, seed=9, vocab=256)[0]
     llm.generate([prompt], SamplingParams(**PARAMS))
     warm = llm.generate([prompt], SamplingParams(**PARAMS))[0]
@@ -77,7 +77,7 @@ def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_preemption(tiny_lla
 
 
 def test_prompt_logprobs_on_the_builtin_model(smollm2_dir):
-    llm = LLM(smollm2_dir, num_kv_blocks=64, max_num_batched_tokens=32)
+    llm = LLM(smollm2_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32)
     prompt = llm.tokenizer.encode("The capital of France is Paris. The capital of Italy is Rome.")
     out = llm.generate([prompt], SamplingParams(prompt_logprobs=3, **PARAMS))[0]
     assert_matches_hf(smollm2_dir, prompt, out.prompt_logprobs, 3, atol=1e-3)

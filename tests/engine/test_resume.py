@@ -21,7 +21,7 @@ MAX_TOKENS = 14
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, num_kv_blocks=128)
+    return LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=128)
 
 
 def run(
@@ -198,7 +198,7 @@ def test_bad_continuations_are_refused_naming_the_field(llm, resume, max_tokens,
 def test_seeded_tokens_are_the_same_with_async_scheduling_and_resumed_there(llm, tiny_llama_dir):
     """Async scheduling samples a step before the previous step's token is known: the position of
     each draw comes from the schedule, so seeded requests draw exactly as in synchronous steps."""
-    ahead = LLM(tiny_llama_dir, num_kv_blocks=128, async_scheduling=True)
+    ahead = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=128, async_scheduling=True)
     assert ahead.engine.core.async_scheduling
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=31, ignore_eos=True)
     whole, _ = run(llm, params)
@@ -231,7 +231,7 @@ def test_a_constrained_request_resumes_under_its_grammar(llm, sampling):
 def test_a_step_scheduled_ahead_carries_the_output_positions_it_samples(tiny_llama_dir):
     """Async scheduling: step N+1 is prepared before step N's token is known, so the request's
     output length is behind at that point; the rows carry the position each draw is for."""
-    ahead = LLM(tiny_llama_dir, num_kv_blocks=128, async_scheduling=True)
+    ahead = LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=128, async_scheduling=True)
     core = ahead.engine.core
     ahead.engine.add_request(
         PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=2, ignore_eos=True)
@@ -260,7 +260,7 @@ def test_llm_generate_resumes_each_prompt_after_its_ids(llm):
 
 @pytest.fixture(scope="module")
 def real(smollm2_dir):
-    return LLM(smollm2_dir, num_kv_blocks=64)
+    return LLM(smollm2_dir, dtype="float32", num_kv_blocks=64)
 
 
 @pytest.mark.parametrize(

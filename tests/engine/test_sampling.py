@@ -12,7 +12,7 @@ from tests.engine.conftest import random_prompts
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, num_kv_blocks=256)
+    return LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=256)
 
 
 PROMPTS = random_prompts(6, 5, 60, seed=3)

@@ -123,7 +123,7 @@ def test_tiny_greedy_parity(tiny_v256, variant, mode):
         prompts = [head + p[:20] for p in prompts[:6]]
     if mode == "preempt":
         prompts = [p for p in prompts if len(p) + 48 <= 20 * 16][:10]
-    llm = LLM(model_dir, speculative_config=SPEC_TINY, **kw)
+    llm = LLM(model_dir, dtype="float32", speculative_config=SPEC_TINY, **kw)
     if mode == "prefix":
         assert_hf(model_dir, prompts[:1], llm.generate(prompts[:1], greedy(48)), 48)
         outs = llm.generate(prompts[1:], greedy(48))
@@ -153,6 +153,7 @@ def test_tiny_greedy_parity_on_every_attention_backend(tiny_v256, backend):
     prompts = [head + p[:20] for p in tiny_prompts(6, seed=3)]
     llm = LLM(
         model_dir,
+        dtype="float32",
         speculative_config=SPEC_TINY,
         attention_backend=backend,
         num_kv_blocks=256,
@@ -175,7 +176,7 @@ def test_smollm2_copy_parity(smollm2_copy, mode):
         "prefix": dict(num_kv_blocks=512),
         "preempt": dict(num_kv_blocks=24, max_model_len=384),
     }[mode]
-    llm = LLM(model_dir, speculative_config=SPEC, **kw)
+    llm = LLM(model_dir, dtype="float32", speculative_config=SPEC, **kw)
     if mode == "prefix":  # the system prompt's blocks are hits for the later requests
         assert_hf(model_dir, prompts[:1], llm.generate(prompts[:1], greedy(48, False)), 48, False)
         outs = llm.generate(prompts[1:], greedy(48, False))
@@ -200,8 +201,8 @@ def test_smollm2_copy_parity(smollm2_copy, mode):
 def pair(smollm2_copy):
     model_dir, prompts = smollm2_copy
     return (
-        LLM(model_dir, num_kv_blocks=512),
-        LLM(model_dir, num_kv_blocks=512, speculative_config=SPEC),
+        LLM(model_dir, dtype="float32", num_kv_blocks=512),
+        LLM(model_dir, dtype="float32", num_kv_blocks=512, speculative_config=SPEC),
         prompts,
     )
 
@@ -281,7 +282,13 @@ def test_penalties(pair, penalty):
 # -- KV events and the prefix cache --------------------------------------------------------------------------
 def test_kv_events_and_prefix_cache_never_see_unverified_tokens(smollm2_copy):
     model_dir, prompts = smollm2_copy
-    llm = LLM(model_dir, num_kv_blocks=512, speculative_config=SPEC, enable_kv_events=True)
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        num_kv_blocks=512,
+        speculative_config=SPEC,
+        enable_kv_events=True,
+    )
     core = llm.engine.core
     params = greedy(48, False)
     finals: dict[str, list[int]] = {}
@@ -337,11 +344,21 @@ def _keys(core, toks):
 def test_disable_by_batch_size(smollm2_copy):
     model_dir, prompts = smollm2_copy
     same_len = [prompts[0]] * 3  # three requests that run together to the end
-    llm = LLM(model_dir, num_kv_blocks=512, speculative_config=dict(SPEC, disable_by_batch_size=3))
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        num_kv_blocks=512,
+        speculative_config=dict(SPEC, disable_by_batch_size=3),
+    )
     llm.generate(same_len, greedy(16))
     s = spec_stats(llm)
     assert s.num_drafts == 0 and s.num_steps_disabled_by_batch > 0
-    llm = LLM(model_dir, num_kv_blocks=512, speculative_config=dict(SPEC, disable_by_batch_size=4))
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        num_kv_blocks=512,
+        speculative_config=dict(SPEC, disable_by_batch_size=4),
+    )
     llm.generate(same_len, greedy(16))
     assert spec_stats(llm).num_accepted_tokens > 0
 
@@ -351,9 +368,10 @@ def test_low_acceptance_turns_speculation_off_per_request(tiny_v256):
     request stops drafting, re-probing now and then; with the rule off it drafts all along."""
     model_dir = tiny_v256["tiny-llama-v256"]
     prompts = tiny_prompts(4, seed=11, lo=100, hi=150)
-    always = LLM(model_dir, num_kv_blocks=512, speculative_config=SPEC_TINY)
+    always = LLM(model_dir, dtype="float32", num_kv_blocks=512, speculative_config=SPEC_TINY)
     ruled = LLM(
         model_dir,
+        dtype="float32",
         num_kv_blocks=512,
         speculative_config=dict(
             SPEC_TINY, acceptance_threshold=0.3, acceptance_min_drafts=3, reprobe_interval=8
@@ -393,11 +411,16 @@ def test_sampling_distribution_on_the_tiny_model(tmp_path_factory):
     from tests.engine.test_spec_units import _chi2_critical
 
     model_dir = str(build_tiny_model(tmp_path_factory.mktemp("noattn"), "tiny-llama-v256-noattn"))
-    plain = LLM(model_dir, num_kv_blocks=2048, max_num_seqs=600, seed=1)
+    plain = LLM(model_dir, dtype="float32", num_kv_blocks=2048, max_num_seqs=600, seed=1)
     prompt = [7] + plain.generate([[7]], greedy(60))[0].token_ids
     params = SamplingParams(n=600, max_tokens=5, temperature=1.0, top_k=4, ignore_eos=True)
     spec = LLM(
-        model_dir, num_kv_blocks=2048, max_num_seqs=600, seed=2, speculative_config=SPEC_TINY
+        model_dir,
+        dtype="float32",
+        num_kv_blocks=2048,
+        max_num_seqs=600,
+        seed=2,
+        speculative_config=SPEC_TINY,
     )
     a = plain.generate([prompt], params)[0].outputs
     b = spec.generate([prompt], params)[0].outputs

@@ -18,7 +18,7 @@ PROMPTS = random_prompts(5, 20, 50, seed=11)
 
 @pytest.fixture()
 def llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, num_kv_blocks=128, block_size=16)
+    return LLM(tiny_llama_dir, dtype="float32", num_kv_blocks=128, block_size=16)
 
 
 def inject_fault(monkeypatch, llm, poisoned, before: bool):

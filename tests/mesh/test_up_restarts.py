@@ -71,7 +71,7 @@ def shared(tmp_path_factory):
             model="tiny",
             # long enough that a stream seen half done is still generating when the kill lands
             response_tokens=96,
-            engine_args=["--num-kv-blocks", "16384"],  # 128 MiB: no evictions
+            engine_args=["--num-kv-blocks", "16384"],  # 128 MiB in fp32, 64 in bf16: no evictions
             # plain torch ops: a restart never waits for a build of the CPU kernels
             env={"KVMESH_CPU_KERNELS": "0"},
         ),

@@ -67,6 +67,10 @@ class Engine:
                 str(self.port),
                 "--num-kv-blocks",
                 "256",
+                # a resumed stream recomputes its text as a prompt: equal to the uninterrupted
+                # run's only where prefill and decode round alike (fp32; not so in bf16)
+                "--dtype",
+                "float32",
                 "--engine-mode",
                 "thread",
                 # a drain (SIGTERM) cuts what still runs after 0.2 s: the drain test's streams outlive it

@@ -31,7 +31,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 def _engine(model_dir, shared_dir, **kw) -> LLM:
     kw.setdefault("num_kv_blocks", 128)
-    return LLM(model_dir, kv_shared_dir=str(shared_dir), kv_shared_size=0.05, **kw)
+    return LLM(model_dir, dtype="float32", kv_shared_dir=str(shared_dir), kv_shared_size=0.05, **kw)
 
 
 def _write(model_dir, shared_dir, prompts, **kw) -> LLM:

@@ -30,7 +30,7 @@ def make_llm(base_dir, adapter_dirs=None, **kw) -> LLM:
     ]
     kw.setdefault("num_kv_blocks", 256)
     kw.setdefault("max_cpu_loras", 4)
-    return LLM(base_dir, enable_lora=True, lora_modules=modules, **kw)
+    return LLM(base_dir, dtype="float32", enable_lora=True, lora_modules=modules, **kw)
 
 
 def run(core, rid, prompt, lora_name=None, n=MAX_NEW):

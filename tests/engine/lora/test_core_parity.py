@@ -97,7 +97,14 @@ def test_mixed_adapters_equal_peft(request, lora_base_dir, lora_adapter_dirs, mo
     if mode == "spec":
         lora_base_dir, lora_adapter_dirs = request.getfixturevalue("spec_model")
     kw = MODES[mode]
-    llm = LLM(lora_base_dir, enable_lora=True, max_cpu_loras=3, attention_backend=backend, **kw)
+    llm = LLM(
+        lora_base_dir,
+        dtype="float32",
+        enable_lora=True,
+        max_cpu_loras=3,
+        attention_backend=backend,
+        **kw,
+    )
     steps = record_steps(llm)
     prompts = prompts_for(mode)
     loras = lora_requests(lora_adapter_dirs, len(prompts))

@@ -29,7 +29,7 @@ NEW_TOKENS = 6
 
 def make_core(base_dir, **args) -> EngineCore:
     args.setdefault("num_kv_blocks", 256)
-    return EngineCore(EngineArgs(model=base_dir, **args))
+    return EngineCore(EngineArgs(model=base_dir, dtype="float32", **args))
 
 
 def load_all(core: EngineCore, adapter_dirs: dict[str, str]) -> dict:

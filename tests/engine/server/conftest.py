@@ -18,16 +18,20 @@ class ThreadServer:
     """`kvmesh serve` in a thread of the test process (same code path, minus signal handling)."""
 
     def __init__(self, argv: list[str], core_loop: type | None = None):
-        """``core_loop``: a CoreLoop subclass for the engine core, e.g. kvmesh_testing.core_hooks's
-        HookedCoreLoop for a test that calls hooks in the core."""
+        """In fp32 unless ``argv`` holds --dtype. ``core_loop``: a CoreLoop subclass for the engine
+        core, e.g. kvmesh_testing.core_hooks's HookedCoreLoop for a test that calls hooks in the
+        core."""
         from kvmesh.engine.server import cli
         from kvmesh.engine.server.api import build_app
 
         self.port = free_port()
         parser = argparse.ArgumentParser()
         cli.add_arguments(parser)
+        # fp32 unless a test asks otherwise: the tests compare outputs with transformers' fp32 run
+        # and across batchings (dtype auto is bf16 on a CPU with avx512_bf16)
+        dtype = [] if "--dtype" in argv else ["--dtype", "float32"]
         self.args = parser.parse_args(
-            list(argv) + ["--host", "127.0.0.1", "--port", str(self.port)]
+            list(argv) + dtype + ["--host", "127.0.0.1", "--port", str(self.port)]
         )
         self.state = cli.build_state(self.args)
         if core_loop is not None:  # before the engine starts (the app's startup)

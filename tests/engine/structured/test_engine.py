@@ -68,7 +68,13 @@ def check_output(llm, kind: str, out) -> None:
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, num_kv_blocks=256, max_num_batched_tokens=32, async_scheduling=False)
+    return LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=256,
+        max_num_batched_tokens=32,
+        async_scheduling=False,
+    )
 
 
 def params(kind=None, **kw):
@@ -121,7 +127,13 @@ def test_preemption_replays_the_matcher(llm, tiny_llama_dir):
     ps = [params(k, max_tokens=64) for k in kinds] * 2
     prompts = [f"Entry {i}. " + PROMPTS[i % 4] for i in range(8)]  # ~4 blocks each, none shared
     calm = llm.generate(prompts, ps)
-    tight = LLM(tiny_llama_dir, num_kv_blocks=14, max_num_batched_tokens=32, async_scheduling=False)
+    tight = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=14,
+        max_num_batched_tokens=32,
+        async_scheduling=False,
+    )
     outs = tight.generate(prompts, ps)
     assert tight.stats().num_preemptions > 0
     for kind, a, b in zip(kinds * 2, calm, outs):
@@ -142,7 +154,11 @@ SPEC = {
 @pytest.fixture(scope="module")
 def spec_llm(tiny_llama_dir):
     return LLM(
-        tiny_llama_dir, num_kv_blocks=256, max_num_batched_tokens=64, speculative_config=SPEC
+        tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=256,
+        max_num_batched_tokens=64,
+        speculative_config=SPEC,
     )
 
 
@@ -319,7 +335,11 @@ def test_async_scheduling_steps_constrained_requests_synchronously(llm, tiny_lla
     ps = [params(k) for k in kinds] + [params(max_tokens=24)]
     sync = llm.generate(prompts, ps)
     overlapped = LLM(
-        tiny_llama_dir, num_kv_blocks=256, max_num_batched_tokens=32, async_scheduling=True
+        tiny_llama_dir,
+        dtype="float32",
+        num_kv_blocks=256,
+        max_num_batched_tokens=32,
+        async_scheduling=True,
     )
     outs = overlapped.generate(prompts, ps)
     assert overlapped.engine.core.num_sync_steps > 0
