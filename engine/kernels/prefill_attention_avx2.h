@@ -6,11 +6,15 @@
 // and 8-15), a key tile 8 keys (a block of a multiple of 8 rows holds whole tiles). Scores go 4
 // keys at a time (8 accumulators: each K element broadcast once feeds both query vectors), the
 // weighted sum 4 head dimensions at a time (8 accumulators: each V element likewise). Every
-// inner step is an FMA with a broadcast operand, as on AVX-512.
+// inner step is an FMA with a broadcast operand, as on AVX-512. bf16 likewise: a key tile's K
+// and V rows widened once into scratch, the query rows as they are loaded, the output rounded once.
 #pragma once
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+
+#include <c10/util/BFloat16.h>
 
 #include "avx2_math.h"
 
@@ -19,6 +23,33 @@ namespace kvmesh_avx2 {
 constexpr int kPrefillRows = 16;  // query rows per tile: two 8-lane vectors
 constexpr int kKeyTile = 8;
 constexpr int kPrefillMaxGroup = 8;  // query heads per work item, as on AVX-512
+
+// 8 elements of a row as fp32 (bf16 widened exactly), and stored back (bf16 rounded to nearest
+// even, as torch rounds).
+template <typename T>
+inline __m256 load_row8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
+  else return load_bf16(p);
+}
+
+template <typename T>
+inline void store_row8(T* p, __m256 v) {
+  if constexpr (std::is_same_v<T, float>) _mm256_storeu_ps(p, v);
+  else store_bf16(p, v);
+}
+
+// A key tile's first `rows` rows of K or V as fp32 rows for the FMA loops: fp32 is read in
+// place; bf16 is widened into buf (32-byte aligned, rows * D floats) once per tile.
+template <int D>
+inline const float* key_tile_rows(const float* src, int64_t, float*) {
+  return src;
+}
+
+template <int D>
+inline const float* key_tile_rows(const c10::BFloat16* src, int64_t rows, float* buf) {
+  for (int64_t i = 0; i < rows * D; i += 8) _mm256_store_ps(buf + i, load_bf16(src + i));
+  return buf;
+}
 
 // The online-softmax step of one key tile for one vector of 8 query rows: s[j] (key j's scores,
 // log2 units) masked by valid[j], become the weights stored at pt + j * pt_stride; m and l
@@ -48,13 +79,13 @@ inline __m256 softmax_tile8(__m256* s, const __m256* valid, __m256& m, __m256& l
 
 // One query tile (up to 16 rows) of `heads` query heads of one KV head against its whole causal
 // context. Arguments as attend_tile_group's in prefill_attention_cpu.cpp; scratch holds
-// 2 * kPrefillMaxGroup * D * 16 floats, 32-byte aligned.
-template <int D>
-void attend_tile_group(const float* q, int64_t q_stride, int64_t heads, int64_t nq, int64_t pos0,
-                       const float* k_head, const float* v_head, const int64_t* table, int64_t block_size,
-                       float scale_log2e, float* out, int64_t out_stride, float* scratch) {
+// 2 * kPrefillMaxGroup * D * 16 floats, kv_buf 2 * kKeyTile * D (for bf16), both 32-byte aligned.
+template <typename T, int D>
+void attend_tile_group(const T* q, int64_t q_stride, int64_t heads, int64_t nq, int64_t pos0,
+                       const T* k_head, const T* v_head, const int64_t* table, int64_t block_size,
+                       float scale_log2e, T* out, int64_t out_stride, float* scratch, float* kv_buf) {
   constexpr int R = kPrefillRows;
-  constexpr int64_t kLines = D / 2;  // 64-byte lines in a key tile's K (and in its V)
+  constexpr int64_t kLines = D * static_cast<int64_t>(sizeof(T)) / 8;  // 64-byte lines in a key tile's K (and V)
   alignas(32) float pt[kKeyTile * R];  // P^T of the current key tile: [key][16 rows]
   alignas(32) float st[kKeyTile * R];  // S^T likewise
   const __m256 qscale = _mm256_set1_ps(scale_log2e);
@@ -66,7 +97,7 @@ void attend_tile_group(const float* q, int64_t q_stride, int64_t heads, int64_t 
         __m256 r[8];
         for (int64_t i = 0; i < 8; ++i) {
           const int64_t row = v * 8 + i;
-          r[i] = row < nq ? _mm256_mul_ps(_mm256_loadu_ps(q + row * q_stride + g * D + d0), qscale)
+          r[i] = row < nq ? _mm256_mul_ps(load_row8(q + row * q_stride + g * D + d0), qscale)
                           : _mm256_setzero_ps();
         }
         transpose8(r);
@@ -86,9 +117,10 @@ void attend_tile_group(const float* q, int64_t q_stride, int64_t heads, int64_t 
                               _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(pos0 + 9)))};
   for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
     const int64_t row_in_cache = table[k0 / block_size] * block_size + k0 % block_size;
-    const float* kt = k_head + row_in_cache * D;
-    const float* vt = v_head + row_in_cache * D;
     const int64_t nk = std::min<int64_t>(kKeyTile, num_keys - k0);
+    // The whole tile of K (its rows past nk are masked) and V's rows up to nk, read by every head.
+    const float* kt = key_tile_rows<D>(k_head + row_in_cache * D, kKeyTile, kv_buf);
+    const float* vt = key_tile_rows<D>(v_head + row_in_cache * D, nk, kv_buf + kKeyTile * D);
     // The next key tile (likely another page), asked for a line per step of the first head's
     // score loop rather than all at once (see NextTile in prefill_attention_cpu.cpp).
     const char* next_k = nullptr;
@@ -112,10 +144,10 @@ void attend_tile_group(const float* q, int64_t q_stride, int64_t heads, int64_t 
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; ++d) {
-          if (g == 0 && next_k != nullptr) {
-            const int64_t line = quarter * D + d;  // D steps per quarter, D lines in all
+          const int64_t line = quarter * D + d;  // D steps per quarter, D lines in all
+          // (A bf16 tile's 2 * kLines lines are asked for in the first quarter's steps.)
+          if (g == 0 && next_k != nullptr && (std::is_same_v<T, float> || line < 2 * kLines))
             _mm_prefetch(line < kLines ? next_k + 64 * line : next_v + 64 * (line - kLines), _MM_HINT_T1);
-          }
           __m256 q0 = _mm256_load_ps(qt + d * R), q1 = _mm256_load_ps(qt + d * R + 8);
           keep_in_register(q0);
           keep_in_register(q1);
@@ -183,7 +215,7 @@ void attend_tile_group(const float* q, int64_t q_stride, int64_t heads, int64_t 
         for (int64_t dd = 0; dd < 8; ++dd) r[dd] = _mm256_load_ps(og + (d0 + dd) * R + v * 8);
         transpose8(r);
         for (int64_t i = 0; i < rows; ++i)
-          _mm256_storeu_ps(out + (v * 8 + i) * out_stride + g * D + d0, _mm256_mul_ps(r[i], _mm256_set1_ps(inv[i])));
+          store_row8(out + (v * 8 + i) * out_stride + g * D + d0, _mm256_mul_ps(r[i], _mm256_set1_ps(inv[i])));
       }
     }
   }

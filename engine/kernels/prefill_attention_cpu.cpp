@@ -25,13 +25,19 @@
 // 1.05-1.17x over one head per item (SmolLM2's 9 heads on 3 KV heads, Zen 5, 2 threads,
 // 30 layers: 4 x 128 new tokens after 384 cached, 512 fresh, 2 x 256 after 1,024), with
 // bit-identical results (the same operations, in the same order, per head).
-// fp32 with head size 64 or 128 and blocks of a multiple of 16 tokens; anything
+//
+// fp32 or bf16, with head size 64 or 128 and blocks of a multiple of 16 tokens; anything
 // else uses the torch path (prefill_attention_supported says which). CPUs without
 // AVX-512 take the 8-lane version in prefill_attention_avx2.h (blocks of a multiple of 8).
+// bf16 runs the fp32 loops: the FMAs take their broadcast operands from memory, so each key
+// tile's K and V rows are widened (exactly) into the thread's scratch once, for all the heads
+// of the item, the query rows are widened as they are loaded, everything sums in fp32, and the
+// output is rounded to bf16 once: the fp32 kernel's result on the widened inputs, rounded.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "avx512_math.h"
@@ -46,6 +52,33 @@ constexpr int kTile = 16;  // queries per vector, keys per key tile
 // Query heads of one KV head taken together in a work item: each K/V tile, read once into L1,
 // serves all of them (SmolLM2's 3, Llama 3's 4, up to 8; a larger group is split).
 constexpr int kMaxGroup = 8;
+
+// 16 elements of a row as fp32 (bf16 widened exactly), and stored back (bf16 rounded to nearest
+// even, as torch rounds).
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
+  else return kvmesh_avx512::load_bf16(p);
+}
+
+template <typename T>
+inline void store16(T* p, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(p, v);
+  else kvmesh_avx512::store_bf16(p, v);
+}
+
+// A key tile's first `rows` rows of K or V as fp32 rows for the FMA loops: fp32 is read in
+// place; bf16 is widened into buf (64-byte aligned, rows * D floats) once per tile.
+template <int D>
+inline const float* tile_rows(const float* src, int64_t, float*) {
+  return src;
+}
+
+template <int D>
+inline const float* tile_rows(const c10::BFloat16* src, int64_t rows, float* buf) {
+  for (int64_t i = 0; i < rows * D; i += kTile) _mm512_store_ps(buf + i, kvmesh_avx512::load_bf16(src + i));
+  return buf;
+}
 
 // The online-softmax step of one key tile for one vector of 16 queries: s[j] (the scores of key
 // j, in log2 units; valid[j * valid_stride] the lanes that see it) become the weights p[j],
@@ -83,24 +116,32 @@ inline __m512 softmax_tile(__m512* s, const __mmask16* valid, int valid_stride, 
 // about a DRAM latency each handful: spread out, the prefill attention read 1.1-1.25x from DRAM
 // (30 layers, 4 x 128 new tokens after 384 cached; Zen 5, 2 threads) and 1.0-1.08x in cache,
 // bit-identical.
-template <int D>
+// A bf16 tile is half the lines (D / 2): the calls past them ask for nothing.
+template <typename T, int D>
 struct NextTile {
+  static constexpr int64_t kLines = D * static_cast<int64_t>(sizeof(T)) / 4;  // 64-byte lines in K's tile
   const char* k = nullptr;  // null: no next tile
   const char* v = nullptr;
   inline void fetch_pair(int64_t i) const {  // line i of K and of V (i < D)
     if (k == nullptr) return;
+    if constexpr (kLines < D) {
+      if (i >= kLines) return;
+    }
     _mm_prefetch(k + 64 * i, _MM_HINT_T1);
     _mm_prefetch(v + 64 * i, _MM_HINT_T1);
   }
   inline void fetch_one(int64_t i) const {  // line i of K's and V's 2D (i < 2D)
     if (k == nullptr) return;
-    _mm_prefetch(i < D ? k + 64 * i : v + 64 * (i - D), _MM_HINT_T1);
+    if constexpr (kLines < D) {
+      if (i >= 2 * kLines) return;
+    }
+    _mm_prefetch(i < kLines ? k + 64 * i : v + 64 * (i - kLines), _MM_HINT_T1);
   }
 };
 
-template <int D>
-inline NextTile<D> next_tile(const float* k_head, const float* v_head, const int64_t* table, int64_t block_size,
-                             int64_t k0, int64_t num_keys) {
+template <typename T, int D>
+inline NextTile<T, D> next_tile(const T* k_head, const T* v_head, const int64_t* table, int64_t block_size,
+                                int64_t k0, int64_t num_keys) {
   if (k0 + kTile >= num_keys) return {};
   const int64_t row = table[(k0 + kTile) / block_size] * block_size + (k0 + kTile) % block_size;
   return {reinterpret_cast<const char*>(k_head + row * D), reinterpret_cast<const char*>(v_head + row * D)};
@@ -110,10 +151,11 @@ inline NextTile<D> next_tile(const float* k_head, const float* v_head, const int
 //   q: the tile's first row, first head; q_stride: elements between rows (heads D apart)
 //   pos0: absolute position of the tile's first row; nq: rows in the tile (<= 16)
 //   k_head, v_head: this KV head's blocks in the cache; table: the sequence's block table
-template <int D>
-void attend_tile_group(const float* q, int64_t q_stride, int64_t heads, int64_t nq, int64_t pos0,
-                       const float* k_head, const float* v_head, const int64_t* table, int64_t block_size,
-                       float scale_log2e, float* out, int64_t out_stride, float* scratch) {
+//   kv_buf: 2 * kTile * D floats, 64-byte aligned, for a bf16 tile's widened K and V
+template <typename T, int D>
+void attend_tile_group(const T* q, int64_t q_stride, int64_t heads, int64_t nq, int64_t pos0,
+                       const T* k_head, const T* v_head, const int64_t* table, int64_t block_size,
+                       float scale_log2e, T* out, int64_t out_stride, float* scratch, float* kv_buf) {
   // scratch (64-byte aligned, at least 2 * kMaxGroup * D * kTile floats; the thread's own, on the
   // heap: more than a small worker stack should hold), per head:
   float* qt[kMaxGroup];  // Q^T, pre-scaled so scores come out in log2 units
@@ -129,7 +171,7 @@ void attend_tile_group(const float* q, int64_t q_stride, int64_t heads, int64_t 
     for (int64_t d0 = 0; d0 < D; d0 += kTile) {  // 16x16 blocks of Q, transposed in registers
       __m512 r[kTile];
       for (int64_t i = 0; i < kTile; ++i)
-        r[i] = i < nq ? _mm512_mul_ps(_mm512_loadu_ps(q + i * q_stride + g * D + d0), qscale) : _mm512_setzero_ps();
+        r[i] = i < nq ? _mm512_mul_ps(load16(q + i * q_stride + g * D + d0), qscale) : _mm512_setzero_ps();
       kvmesh_avx512::transpose16(r);
       for (int64_t dd = 0; dd < kTile; ++dd) _mm512_store_ps(qt[g] + (d0 + dd) * kTile, r[dd]);
     }
@@ -141,14 +183,15 @@ void attend_tile_group(const float* q, int64_t q_stride, int64_t heads, int64_t 
 
   for (int64_t k0 = 0; k0 < num_keys; k0 += kTile) {
     const int64_t row_in_cache = table[k0 / block_size] * block_size + k0 % block_size;
-    const float* kt = k_head + row_in_cache * D;
-    const float* vt = v_head + row_in_cache * D;
     const int64_t nk = std::min<int64_t>(kTile, num_keys - k0);
+    // The whole tile of K (its rows past nk are masked) and V's rows up to nk, read by every head.
+    const float* kt = tile_rows<D>(k_head + row_in_cache * D, kTile, kv_buf);
+    const float* vt = tile_rows<D>(v_head + row_in_cache * D, nk, kv_buf + kTile * D);
     // The next key tile is another page: ask for it now, a line or two per step of the first
     // head's score loop (NextTile). Unlike decode (one streaming read, where the hardware
     // prefetcher wins), this measured +10% on a fragmented pool and -3% on a contiguous one;
     // with the heads grouped, +3-10% on Zen 5.
-    const NextTile<D> next = next_tile<D>(k_head, v_head, table, block_size, k0, num_keys);
+    const NextTile<T, D> next = next_tile<T, D>(k_head, v_head, table, block_size, k0, num_keys);
     // Causal mask, the same for every head: query lane i (position pos0 + i) sees key k0 + j
     // iff k0 + j <= pos0 + i.
     __mmask16 valid[kTile];
@@ -202,7 +245,7 @@ void attend_tile_group(const float* q, int64_t q_stride, int64_t heads, int64_t 
       for (int64_t dd = 0; dd < kTile; ++dd) r[dd] = _mm512_load_ps(ot[g] + (d0 + dd) * kTile);
       kvmesh_avx512::transpose16(r);
       for (int64_t i = 0; i < nq; ++i)
-        _mm512_storeu_ps(out + i * out_stride + g * D + d0, _mm512_mul_ps(r[i], _mm512_set1_ps(inv[i])));
+        store16(out + i * out_stride + g * D + d0, _mm512_mul_ps(r[i], _mm512_set1_ps(inv[i])));
     }
   }
 }
@@ -213,10 +256,10 @@ void attend_tile_group(const float* q, int64_t q_stride, int64_t heads, int64_t 
 // operations in the same order as in the 16-row kernel (a key tile that is wholly masked for the
 // first vector leaves its state exactly as it was: alpha = exp2(0) = 1, p = 0), so its results
 // are bit for bit those of two 16-row tiles.
-template <int D>
-void attend_tile32_group(const float* q, int64_t q_stride, int64_t heads, int64_t nq, int64_t pos0,
-                         const float* k_head, const float* v_head, const int64_t* table, int64_t block_size,
-                         float scale_log2e, float* out, int64_t out_stride, float* scratch) {
+template <typename T, int D>
+void attend_tile32_group(const T* q, int64_t q_stride, int64_t heads, int64_t nq, int64_t pos0,
+                         const T* k_head, const T* v_head, const int64_t* table, int64_t block_size,
+                         float scale_log2e, T* out, int64_t out_stride, float* scratch, float* kv_buf) {
   constexpr int kRows = 2 * kTile;
   float* qt[kMaxGroup];  // Q^T [D][32], pre-scaled
   float* ot[kMaxGroup];  // O^T [D][32], unnormalised
@@ -234,7 +277,7 @@ void attend_tile32_group(const float* q, int64_t q_stride, int64_t heads, int64_
         __m512 r[kTile];
         for (int64_t i = 0; i < kTile; ++i) {
           const int64_t row = v * kTile + i;
-          r[i] = row < nq ? _mm512_mul_ps(_mm512_loadu_ps(q + row * q_stride + g * D + d0), qscale)
+          r[i] = row < nq ? _mm512_mul_ps(load16(q + row * q_stride + g * D + d0), qscale)
                           : _mm512_setzero_ps();
         }
         kvmesh_avx512::transpose16(r);
@@ -252,10 +295,11 @@ void attend_tile32_group(const float* q, int64_t q_stride, int64_t heads, int64_
   // helpers ran at 0.94-0.995x of this (two runs of 7 interleaved rounds), so each keeps its own.
   for (int64_t k0 = 0; k0 < num_keys; k0 += kTile) {
     const int64_t row_in_cache = table[k0 / block_size] * block_size + k0 % block_size;
-    const float* kt = k_head + row_in_cache * D;
-    const float* vt = v_head + row_in_cache * D;
     const int64_t nk = std::min<int64_t>(kTile, num_keys - k0);
-    const NextTile<D> next = next_tile<D>(k_head, v_head, table, block_size, k0, num_keys);
+    // The whole tile of K (its rows past nk are masked) and V's rows up to nk, read by every head.
+    const float* kt = tile_rows<D>(k_head + row_in_cache * D, kTile, kv_buf);
+    const float* vt = tile_rows<D>(v_head + row_in_cache * D, nk, kv_buf + kTile * D);
+    const NextTile<T, D> next = next_tile<T, D>(k_head, v_head, table, block_size, k0, num_keys);
     __mmask16 valid[kTile][2];
     for (int v = 0; v < 2; ++v) {
       const int64_t p0 = pos0 + v * kTile;  // the vector's first query position
@@ -340,7 +384,7 @@ void attend_tile32_group(const float* q, int64_t q_stride, int64_t heads, int64_
         for (int64_t dd = 0; dd < kTile; ++dd) r[dd] = _mm512_load_ps(ot[g] + (d0 + dd) * kRows + v * kTile);
         kvmesh_avx512::transpose16(r);
         for (int64_t i = 0; i < rows; ++i)
-          _mm512_storeu_ps(out + (v * kTile + i) * out_stride + g * D + d0, _mm512_mul_ps(r[i], _mm512_set1_ps(inv[i])));
+          store16(out + (v * kTile + i) * out_stride + g * D + d0, _mm512_mul_ps(r[i], _mm512_set1_ps(inv[i])));
       }
     }
   }
@@ -365,11 +409,10 @@ struct WorkItem {
   int64_t cost;  // key tiles to visit, times the heads and the query vectors (1 or 2)
 };
 
-template <int D>
-void prefill_attention_f32(float* out, const float* q, int64_t q_row_stride, const float* k_cache,
-                           const float* v_cache, const int64_t* seqs, int64_t num_seqs, const int64_t* tables,
-                           int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
-                           int64_t block_size, float scale) {
+template <typename T, int D>
+void prefill_attention(T* out, const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache,
+                       const int64_t* seqs, int64_t num_seqs, const int64_t* tables, int64_t max_blocks,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -390,21 +433,25 @@ void prefill_attention_f32(float* out, const float* q, int64_t q_row_stride, con
   // Longest first (work_queue.h): balances the causal triangle's uneven rows.
   kvmesh_cpu::parallel_longest_first(
       static_cast<int64_t>(items.size()), [&](int64_t i) { return items[i].cost; }, [&] {
-        // Each thread's scratch for attend_tile_group / attend_tile32_group, 64-byte aligned.
-        return [&, buf = std::vector<float>(2 * kMaxGroup * D * kMaxTileRows + 16)](int64_t i) mutable {
+        // Each thread's scratch for attend_tile_group / attend_tile32_group, 64-byte aligned, and
+        // for bf16 the widened K and V of a key tile after it.
+        constexpr int64_t kTileScratch = 2 * kMaxGroup * D * kMaxTileRows;
+        constexpr int64_t kKvScratch = std::is_same_v<T, float> ? 0 : 2 * kTile * D;
+        return [&, buf = std::vector<float>(kTileScratch + kKvScratch + 16)](int64_t i) mutable {
           float* scratch = buf.data() + (16 - reinterpret_cast<uintptr_t>(buf.data()) / sizeof(float) % 16) % 16;
           const WorkItem& w = items[i];
           const int64_t start = seqs[w.seq * 3], num_new = seqs[w.seq * 3 + 1], num_ctx = seqs[w.seq * 3 + 2];
           const int64_t kvh = w.head0 / group;
           const int64_t row = start + w.row0;
 #if defined(__AVX512F__)
-          auto attend = w.rows > kTile ? attend_tile32_group<D> : attend_tile_group<D>;
+          auto attend = w.rows > kTile ? attend_tile32_group<T, D> : attend_tile_group<T, D>;
 #else
-          auto attend = kvmesh_avx2::attend_tile_group<D>;
+          auto attend = kvmesh_avx2::attend_tile_group<T, D>;
 #endif
           attend(q + row * q_row_stride + w.head0 * D, q_row_stride, w.heads, std::min(w.rows, num_new - w.row0),
                  num_ctx + w.row0, k_cache + kvh * head_elems, v_cache + kvh * head_elems, tables + w.seq * max_blocks,
-                 block_size, scale_log2e, out + (row * num_heads + w.head0) * D, num_heads * D, scratch);
+                 block_size, scale_log2e, out + (row * num_heads + w.head0) * D, num_heads * D, scratch,
+                 scratch + kTileScratch);
         };
       });
 }
@@ -413,9 +460,11 @@ void prefill_attention_f32(float* out, const float* q, int64_t q_row_stride, con
 
 bool prefill_attention_supported(c10::ScalarType dtype, int64_t head_dim, int64_t block_size) {
 #if defined(__AVX512F__)
-  return dtype == torch::kFloat && (head_dim == 64 || head_dim == 128) && block_size % 16 == 0;
+  return (dtype == torch::kFloat || dtype == torch::kBFloat16) && (head_dim == 64 || head_dim == 128) &&
+         block_size % 16 == 0;
 #elif defined(__AVX2__) && defined(__FMA__)
-  return dtype == torch::kFloat && (head_dim == 64 || head_dim == 128) && block_size % kvmesh_avx2::kKeyTile == 0;
+  return (dtype == torch::kFloat || dtype == torch::kBFloat16) && (head_dim == 64 || head_dim == 128) &&
+         block_size % kvmesh_avx2::kKeyTile == 0;
 #else
   (void)dtype; (void)head_dim; (void)block_size;
   return false;
@@ -434,20 +483,27 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   TORCH_CHECK(prefill_attention_supported(q.scalar_type(), D, B), "paged_prefill_attention: unsupported dtype/shape");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "q rows must hold heads back to back");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out: [T, H, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == q.scalar_type(), "cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "cache");
   TORCH_CHECK(seqs.scalar_type() == torch::kLong && seqs.dim() == 2 && seqs.size(1) == 3, "seqs: [S, 3] int64");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && block_tables.size(0) == seqs.size(0), "block_tables");
   TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   auto s = seqs.contiguous();
   auto t = block_tables.contiguous();
-  auto run = [&](auto d_const) {
+  auto run = [&](auto d_const, auto* type_tag) {
     constexpr int Dc = decltype(d_const)::value;
-    prefill_attention_f32<Dc>(out.data_ptr<float>(), q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(),
-                              v_cache.data_ptr<float>(), s.data_ptr<int64_t>(), s.size(0), t.data_ptr<int64_t>(),
-                              t.size(1), H, Hkv, NB, B, static_cast<float>(scale));
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    prefill_attention<T, Dc>(out.data_ptr<T>(), q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<T>(),
+                             v_cache.data_ptr<T>(), s.data_ptr<int64_t>(), s.size(0), t.data_ptr<int64_t>(), t.size(1),
+                             H, Hkv, NB, B, static_cast<float>(scale));
   };
-  if (D == 64) run(std::integral_constant<int, 64>{});
-  else run(std::integral_constant<int, 128>{});
+  auto by_dim = [&](auto* type_tag) {
+    if (D == 64) run(std::integral_constant<int, 64>{}, type_tag);
+    else run(std::integral_constant<int, 128>{}, type_tag);
+  };
+  if (q.scalar_type() == torch::kBFloat16) by_dim(static_cast<c10::BFloat16*>(nullptr));
+  else by_dim(static_cast<float*>(nullptr));
 #endif
 }

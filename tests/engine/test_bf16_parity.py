@@ -5,7 +5,8 @@ divergence is allowed only where it is one: at the first position the two runs d
 transformers' fp32 logits of the two candidate tokens (teacher-forced on the shared prefix) lie
 within twice transformers' own bf16 rounding there (the largest |bf16 - fp32| logit of the row),
 as bench/gpu_parity.py weighs its bf16 runs. Single requests, a batch, chunked prefill and prefix
-hits; the compiled kernels (bf16 panels, the decode stack) and the plain torch path.
+hits; the compiled kernels (bf16 panels, the decode stack, prefill attention on the built-in
+model's head size) and the plain torch path.
 """
 
 from __future__ import annotations
@@ -141,5 +142,7 @@ def test_bf16_builtin_model(smollm2_dir):
     tok = KVMeshTokenizer(smollm2_dir)
     questions = ["What is the capital of France?", "List three fruits.", "Why is the sky blue?"]
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
-    outs = _llm(smollm2_dir).generate(prompts, PARAMS)
-    assert_bf16_parity(smollm2_dir, prompts, outs)
+    llm = _llm(smollm2_dir)
+    # Head size 64: its prefills take the compiled prefill attention (the tiny models' 16 do not).
+    assert llm.engine.core.runner.backend.cpu_prefill_attention
+    assert_bf16_parity(smollm2_dir, prompts, llm.generate(prompts, PARAMS))

@@ -211,10 +211,86 @@ def test_prefill_kernel_row_does_not_depend_on_its_tile(kernel, heads, kv_heads,
     assert torch.equal(whole, chunked)
 
 
+def _prefill_batch(heads, kv_heads, dim, bs, specs, dtype, seed=0):
+    """A step's prefills over a paged cache: (q, k_cache, v_cache, seqs, tables) for the kernel,
+    the (new tokens, cached tokens) of ``specs`` in scattered blocks; unwritten slots hold NaN."""
+    torch.manual_seed(seed)
+    blocks = 64
+    k_cache = torch.full((kv_heads, blocks, bs, dim), float("nan"), dtype=dtype)
+    v_cache = torch.full((kv_heads, blocks, bs, dim), float("nan"), dtype=dtype)
+    num_tokens = sum(n for n, _ in specs)
+    q = torch.randn(num_tokens, heads + 2 * kv_heads, dim).to(dtype)[:, :heads]  # a qkv view
+    free = torch.randperm(blocks).tolist()
+    rows, tables, offset = [], [], 0
+    for n, ctx in specs:
+        table = [free.pop() for _ in range((n + ctx + bs - 1) // bs)]
+        slots = torch.arange(n + ctx)
+        blk, off = torch.tensor(table)[slots // bs], slots % bs
+        k_cache[:, blk, off] = torch.randn(kv_heads, n + ctx, dim).to(dtype)
+        v_cache[:, blk, off] = torch.randn(kv_heads, n + ctx, dim).to(dtype)
+        rows.append((offset, n, ctx))
+        tables.append(table)
+        offset += n
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return q, k_cache, v_cache, torch.tensor(rows), padded
+
+
+def _prefill_reference(q, k_cache, v_cache, seqs, tables):
+    """Causal attention of each sequence's new rows over its whole context, in fp32 (torch)."""
+    heads, kv_heads, dim = q.shape[1], k_cache.shape[0], q.shape[2]
+    out = torch.empty(q.shape)
+    for (start, n, ctx), table in zip(seqs.tolist(), tables):
+        total = ctx + n
+        ks = k_cache[:, table].flatten(1, 2)[:, :total].float()
+        vs = v_cache[:, table].flatten(1, 2)[:, :total].float()
+        mask = torch.arange(total)[None, :] <= torch.arange(ctx, total)[:, None]
+        qs = q[start : start + n].float().transpose(0, 1)
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            qs[None],
+            ks[None],
+            vs[None],
+            attn_mask=mask,
+            scale=dim**-0.5,
+            enable_gqa=heads > kv_heads,
+        )
+        out[start : start + n] = attn[0].transpose(0, 1)
+    return out
+
+
+# Fresh prefills, chunks after cached context (tiles of 16 and 32 rows, partial and diagonal
+# key tiles), one-row tails; groups of 1, 3, 8 and 12 query heads per KV head.
+PREFILL_SPECS = [(1, 0), (5, 0), (17, 3), (16, 16), (33, 47), (2, 100), (70, 0), (40, 9)]
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 1), (24, 2)])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_bf16_prefill_is_the_fp32_path_on_widened_rows(kernel, heads, kv_heads, dim, bs):
+    """bf16 q and cache: every element widened exactly, every sum in fp32 and the output rounded
+    to bf16 once, so the result is the fp32 kernel's on the widened tensors, rounded; and within
+    one bf16 rounding of torch's fp32 attention on them."""
+    assert kernel.prefill_attention_supported(torch.bfloat16, dim, bs)
+    q, k_cache, v_cache, seqs, tables = _prefill_batch(
+        heads, kv_heads, dim, bs, PREFILL_SPECS, torch.bfloat16
+    )
+    got = torch.empty(q.shape, dtype=torch.bfloat16)
+    kernel.paged_prefill_attention(got, q, k_cache, v_cache, seqs, tables, dim**-0.5)
+    wide = torch.empty(q.shape)
+    kernel.paged_prefill_attention(
+        wide, q.float(), k_cache.float(), v_cache.float(), seqs, tables, dim**-0.5
+    )
+    assert torch.equal(got, wide.bfloat16())
+    ref = _prefill_reference(q, k_cache, v_cache, seqs, tables)
+    # One bf16 rounding: half an ulp of 8 significant bits, plus the fp32 kernel's own error.
+    assert ((got.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all()
+
+
 def test_prefill_kernel_declines_what_it_does_not_cover(kernel):
-    assert not kernel.prefill_attention_supported(
-        torch.bfloat16, 64, 16
-    )  # the torch path serves it
+    assert kernel.prefill_attention_supported(torch.bfloat16, 64, 16)
+    assert kernel.prefill_attention_supported(torch.bfloat16, 128, 32)
+    assert not kernel.prefill_attention_supported(torch.float16, 64, 16)  # the torch path serves it
+    assert not kernel.prefill_attention_supported(torch.bfloat16, 80, 16)
     assert not kernel.prefill_attention_supported(torch.float32, 80, 16)
     assert not kernel.prefill_attention_supported(
         torch.float32, 64, 4
