@@ -5,7 +5,7 @@ One step mixes three kinds of work, and each gets its vectorised path:
   (kernels/paged_attention_cpu.cpp) reads K/V rows in place from their blocks;
   the torch fallback gathers the contexts block-by-block into one padded
   tensor and masks by length;
-- prefills, prefill chunks and cache hits: on CPU (fp32) one compiled kernel
+- prefills, prefill chunks and cache hits: on CPU (fp32 or bf16) one compiled kernel
   call (kernels/prefill_attention_cpu.cpp) covers all of them, reading every
   key from the cache; the torch fallback runs per sequence: causal attention on
   the step's own K/V for a fresh prefill, or the context gathered from the
