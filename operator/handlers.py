@@ -448,12 +448,8 @@ async def healer_daemon(
         while not stopped and not memo.stopping:
             deadline = loop.time() + memo.config.resync_interval
             while not (stopped or memo.stopping or dirty.is_set()) and loop.time() < deadline:
-                try:  # short waits: a stopped daemon exits within a fraction of a second
-                    await asyncio.wait_for(
-                        dirty.wait(), timeout=min(0.25, max(deadline - loop.time(), 0.01))
-                    )
-                except TimeoutError:
-                    pass
+                # short waits: a stopped daemon exits within a fraction of a second
+                await scaling.wait_event(dirty, min(0.25, max(deadline - loop.time(), 0.01)))
             if dirty.is_set():
                 await asyncio.sleep(memo.config.heal_debounce)
             if stopped or memo.stopping:
@@ -474,7 +470,7 @@ async def healer_daemon(
                     delay, float(getattr(exc, "delay", None) or 0)
                 )  # a rejected child: slow retry
                 logger.warning(f"healing reconcile failed, retrying in {wait:.0f}s: {exc}")
-                await stopped.wait(wait)
+                await scaling.pause(stopped, memo, wait)
                 delay = min(delay * 2, 60.0)
                 dirty.set()
     finally:

@@ -433,15 +433,25 @@ async def _scale(
 
 
 async def pause(stopped: Any, memo: Memo, seconds: float) -> None:
-    """A daemon's wait between passes, in short waits: a stopped daemon (or a stopping operator)
-    ends it within a fraction of a second."""
+    """A daemon's wait between passes, in short sleeps: a stopped daemon (or a stopping operator)
+    ends it within a fraction of a second. Plain sleeps, not ``stopped.wait(timeout)``: that is
+    ``asyncio.wait_for`` inside, which on Python 3.11 raises TimeoutError, not the cancellation,
+    when the daemon is cancelled as its timeout fires, and kopf re-raises that at shutdown."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     while not stopped and not memo.stopping and loop.time() < deadline:
-        try:  # a timeout racing the daemon's cancellation surfaces as TimeoutError
-            await stopped.wait(min(0.25, max(deadline - loop.time(), 0.01)))
-        except TimeoutError:
-            pass
+        await asyncio.sleep(min(0.25, max(deadline - loop.time(), 0.01)))
+
+
+async def wait_event(event: asyncio.Event, seconds: float) -> bool:
+    """Until the event is set (True) or the seconds pass (False). ``asyncio.timeout``, not
+    ``asyncio.wait_for``: a cancellation that lands as the timeout fires stays a cancellation."""
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+        return True
+    except TimeoutError:
+        return False
 
 
 async def run_loop(stopped: Any, meta: Any, memo: Memo, logger: Any) -> None:

@@ -83,3 +83,35 @@ def test_deletion_costs_rank_stuck_starting_then_cached_value_and_load():
         "e-e": 0,
     }
     assert sorted(costs, key=costs.get) == ["e-d", "e-c", "e-e", "e-a", "e-b"]
+
+
+def test_a_daemons_waits_end_on_their_event_and_a_cancellation_stays_a_cancellation():
+    """The daemons' waits (scaling.pause between passes, wait_event for the healer's dirty flag):
+    a stopping operator ends a pause within a short sleep, a set event ends wait_event at once,
+    and a daemon cancelled mid-wait ends cancelled, never with a TimeoutError (which kopf would
+    re-raise from the operator at shutdown)."""
+    import asyncio
+
+    from kvmesh.operator.memo import Memo
+    from kvmesh.operator.scaling import pause, wait_event
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        memo = Memo()
+        event = asyncio.Event()
+        assert await wait_event(event, 0.01) is False
+        loop.call_later(0.02, event.set)
+        t0 = loop.time()
+        assert await wait_event(event, 5.0) is True and loop.time() - t0 < 1.0
+        loop.call_later(0.05, setattr, memo.shared, "stopping", True)
+        t0 = loop.time()
+        await pause(False, memo, 30.0)
+        assert loop.time() - t0 < 1.0
+        for wait in (wait_event(asyncio.Event(), 10.0), pause(False, Memo(), 10.0)):
+            task = asyncio.create_task(wait)
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
