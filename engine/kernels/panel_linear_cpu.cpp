@@ -124,7 +124,8 @@ using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, in
 // The tile by row count (of 32 registers: up to 24 accumulators, a weight vector per panel, the
 // broadcast): 4 panels at 4-6 rows, 3 at 7-8, 2 at 9-12, and 13-16 rows in two blocks of 3-panel
 // tiles (the panels read from cache for the second). One thread, 576 -> 3,072, vs one panel at a
-// time: 1.16x at 4 rows, 1.26x at 8, 1.16x at 12, 1.32x at 16: about oneDNN's speed at 128 rows.
+// time (loaded machine): 1.19x at 4 rows, 1.25x at 8, 1.16x at 12, 1.32x at 16, about oneDNN's
+// speed at 128 rows; 1.13-1.31x for 576 -> 576 and 1,536 -> 576.
 constexpr int64_t kTileMinRows = 4;    // below, panel_block splits k (other sums than a tile's)
 constexpr int64_t kTileSplitRows = 13;  // from here on, two blocks of 3-panel tiles
 constexpr TileFn kTiles[kTileSplitRows] = {
