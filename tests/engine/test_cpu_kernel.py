@@ -424,6 +424,30 @@ def test_panel_linear_matches_f_linear(kernel, n, k, bias):
     _check_panel_linear(kernel, n, k, bias)
 
 
+@pytest.mark.parametrize("n, k", [(203, 67), (3059, 576)])  # 13 and 192 panels, a partial last one
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_tiles_are_bit_identical_to_one_panel(kernel, n, k, bias):
+    """From 4 rows up the kernel runs register tiles over 2-4 panels; every output is still one
+    FMA chain over k in order plus the bias, so it equals bit for bit the one-panel block's
+    result (a layer of one panel takes that block)."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    panels = kernel.pack_panels(w)
+    for m in [*range(4, 17), 29]:
+        x = torch.randn(m, k + 3)[:, :k]
+        got = kernel.panel_linear(x, panels, n, b)
+        for p in range(panels.shape[0]):
+            cols = slice(16 * p, min(16 * p + 16, n))
+            one = kernel.panel_linear(
+                x,
+                panels[p : p + 1].contiguous(),
+                cols.stop - cols.start,
+                None if b is None else b[cols],
+            )
+            assert torch.equal(got[:, cols], one), (m, p)
+
+
 @pytest.mark.parametrize("n, k", PANEL_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_panel_linear_matches_f_linear(kernel, n, k, bias):
