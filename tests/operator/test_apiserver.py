@@ -919,17 +919,20 @@ def test_pods_in_every_phase_are_counted_exactly(
                 assert cluster.get("Pod", NS, names[suffix])["metadata"]["deletionTimestamp"]
         stuck = sorted(names[s] for s, ready in LISTED.items() if not ready)
 
-        def decided() -> dict[str, Any]:
+        def decided() -> tuple[dict[str, Any], dict[str, Any]]:
+            # A scaling decision is written before it is acted on and the conditions after:
+            # wait for both, then pin them exactly.
             d = cluster.get(MD, NS, "phases")["status"]["lastDecision"]
             assert d["stuckPods"] == stuck, d
-            return d
+            degraded = md_conditions(cluster, "phases")["Degraded"]
+            assert degraded["status"] == "True", degraded
+            return d, degraded
 
-        decision = wait_for(decided, timeout=HEAL_TIMEOUT, interval=0.2)
+        decision, degraded = wait_for(decided, timeout=HEAL_TIMEOUT, interval=0.2)
         assert decision["readyReplicas"] == 1
         assert not set(decision["reason"].split()) & {names[s] for s in LEFT_OUT}
         status = cluster.get(MD, NS, "phases")["status"]
         assert status["readyReplicas"] == 0 and status["replicas"] == 0
-        degraded = md_conditions(cluster, "phases")["Degraded"]
         assert (degraded["status"], degraded["reason"]) == ("True", "ReplicasNotStarting")
         assert degraded["message"] == (
             f"{len(stuck)} engine pod(s) not Ready within 1s of their creation: {', '.join(stuck)}"
