@@ -59,6 +59,9 @@ import httpx
 from kvmesh.common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(
+    0, str(ROOT / "bench")
+)  # vllm_client.py beside it (-P leaves the script's folder out)
 
 
 # -- workloads ------------------------------------------------------------------------------------

@@ -112,6 +112,16 @@ def test_the_critical_band_is_never_refused_while_the_sheddable_one_is(
     assert all(r.status_code < 500 for r in low + high)
 
 
+async def queued(fc, n: int, timeout: float = 30.0) -> None:
+    """Until the router's flow queue holds n requests (a loaded machine takes its time to send
+    them), without blocking the event loop the requests are sent from."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while len(fc.queue) < n:
+        assert loop.time() < deadline, f"{len(fc.queue)} of {n} requests queued"
+        await asyncio.sleep(0.02)
+
+
 def test_two_routers_sharing_redis_converge_on_fair_share(
     mesh, router_factory, model_name, redis_server
 ):
@@ -143,12 +153,12 @@ def test_two_routers_sharing_redis_converge_on_fair_share(
                 asyncio.ensure_future(ask(client, b.url, "heavy", rid=f"heavy-{i}"))
                 for i in range(4)
             ]
-            await asyncio.sleep(0.2)
+            await queued(fc_b, 4)  # every "heavy" request asked (and held) first
             held += [
                 asyncio.ensure_future(ask(client, b.url, "light", rid=f"light-{i}"))
                 for i in range(4)
             ]
-            await asyncio.sleep(0.2)
+            await queued(fc_b, 8)
             assert len(fc_b.queue) == 8
             # A gives "heavy" a lot of service; B learns it within a sync or two
             for _ in range(5):
