@@ -13,6 +13,7 @@ import torch
 from kvmesh.common.block_keys import DEFAULT_BLOCK_SIZE
 from kvmesh.common.model_lookup import DEFAULT_MODEL
 from kvmesh.engine import native_bf16
+from kvmesh.engine.kernels import cpu as cpu_kernels
 from kvmesh.engine.prefill_order import DEFAULT_MAX_SKIPS, POLICIES
 
 _SIZE_UNITS = {
@@ -279,7 +280,7 @@ class ModelConfig:
         too (the CPU kernels have no fp16 path). On a CPU without them (AVX2-only x86, AVX-512
         without AVX512-BF16) fp32 and fp16 checkpoints run in fp32, where vLLM picks bf16: the bf16
         linears widen to fp32 in software there, which costs prefill speed and buys only the
-        halved weight reads."""
+        halved weight reads. Kernels built portable (no -march=native) keep fp32 for the same reason."""
         if requested != "auto":
             return _DTYPES[requested], "asked for"
         name = str(self.torch_dtype).replace("torch.", "")
@@ -297,6 +298,9 @@ class ModelConfig:
         if device.type != "cpu":
             return declared, checkpoint
         flag = native_bf16.native_bf16_flag()
+        if flag is not None and cpu_kernels.portable():
+            # built without -march=native: no bf16 dot products in the kernels, only widening
+            return torch.float32, f"{checkpoint}, CPU kernels built portable"
         if flag is not None:
             return torch.bfloat16, f"{checkpoint} on a CPU with {flag}"
         return torch.float32, f"{checkpoint} on a CPU without avx512_bf16 or amx_bf16"

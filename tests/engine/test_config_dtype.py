@@ -33,6 +33,7 @@ def _config(tmp_path, dtype: str | None) -> ModelConfig:
 @pytest.fixture
 def native_cpu(monkeypatch):
     monkeypatch.setattr(native_bf16, "native_bf16_flag", lambda: "avx512_bf16")
+    monkeypatch.delenv("KVMESH_CPU_KERNELS_PORTABLE", raising=False)
 
 
 @pytest.fixture
@@ -45,6 +46,14 @@ def test_fp32_and_fp16_checkpoints_run_bf16_on_a_native_bf16_cpu(tmp_path, nativ
     dtype, why = _config(tmp_path, declared).dtype_choice("auto", CPU)
     assert dtype == torch.bfloat16
     assert "avx512_bf16" in why
+
+
+def test_portable_cpu_kernels_keep_fp32_on_a_native_bf16_cpu(tmp_path, native_cpu, monkeypatch):
+    """Kernels built without -march=native have no bf16 dot products: bf16 would only widen."""
+    monkeypatch.setenv("KVMESH_CPU_KERNELS_PORTABLE", "1")
+    dtype, why = _config(tmp_path, "float32").dtype_choice("auto", CPU)
+    assert dtype == torch.float32 and "portable" in why
+    assert _config(tmp_path, "float32").dtype_choice("bfloat16", CPU)[0] == torch.bfloat16
 
 
 @pytest.mark.parametrize("declared", ["float32", "float16", None])
