@@ -5,6 +5,8 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <type_traits>
+
 namespace kvmesh_avx2 {
 
 // 2^x, relative error ~1e-8, x clamped to [-127, 127] (never infinity, which -ffast-math code
@@ -47,6 +49,20 @@ inline void store_bf16(void* p, __m256 x) {
   const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_ps(x)), 16);
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
   _mm_storeu_si128(static_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// 8 elements of an fp32 or bf16 row as fp32, and stored back (bf16 rounded once, as torch
+// rounds): the kernels' arithmetic is fp32 whatever the tensors' dtype.
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
+  else return load_bf16(p);
+}
+
+template <typename T>
+inline void store8(T* p, __m256 v) {
+  if constexpr (std::is_same_v<T, float>) _mm256_storeu_ps(p, v);
+  else store_bf16(p, v);
 }
 
 // Pins a value to a register from here on. GCC otherwise folds a vector used by several FMAs

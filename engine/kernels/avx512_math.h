@@ -4,6 +4,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <type_traits>
+
 namespace kvmesh_avx512 {
 
 // 2^x, relative error ~1e-8, with x clamped to [-127, 127]: never infinity, which code
@@ -43,6 +45,20 @@ inline __m512 round_bf16_ps(__m512 x) {
 inline void store_bf16(void* p, __m512 x) {
   const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_ps(x)), 16));
   _mm256_storeu_si256(static_cast<__m256i*>(p), h);
+}
+
+// 16 elements of an fp32 or bf16 row as fp32, and stored back (bf16 rounded once, as torch
+// rounds): the kernels' arithmetic is fp32 whatever the tensors' dtype.
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
+  else return load_bf16(p);
+}
+
+template <typename T>
+inline void store16(T* p, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(p, v);
+  else store_bf16(p, v);
 }
 
 // The horizontal sums of 16 vectors as one vector. Input slot (j % 4) * 4 + j / 4 must

@@ -20,14 +20,6 @@
 
 namespace kvmesh_avx2 {
 
-// 8 elements as fp32: bf16 widened exactly (a bf16 is the top half of an fp32); all the
-// arithmetic is fp32 whatever the cache's dtype.
-template <typename T>
-static inline __m256 load8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
-  else return load_bf16(p);
-}
-
 template <typename T, int GROUP, int DV>
 static void decode_task_d64(const T* __restrict__ q, const T* __restrict__ k_head, const T* __restrict__ v_head,
                             const int64_t* table, int64_t ctx, int64_t block_size, int64_t group_rt, float scale,
@@ -166,8 +158,7 @@ static void decode_task_d64(const T* __restrict__ q, const T* __restrict__ k_hea
     const __m256 inv = _mm256_set1_ps(1.f / l[g]);
     for (int64_t c = 0; c < kVecs; ++c) {
       const __m256 o = _mm256_mul_ps(_mm256_load_ps(acc + g * D + c * 8), inv);
-      if constexpr (std::is_same_v<T, float>) _mm256_storeu_ps(out + g * D + c * 8, o);
-      else store_bf16(out + g * D + c * 8, o);
+      store8(out + g * D + c * 8, o);
     }
   }
 }

@@ -112,17 +112,8 @@ static void decode_task(const T* q, const T* k_head, const T* v_head, const int6
 // bf16 (T = c10::BFloat16) takes the same path: each 16-element row segment is widened to fp32
 // as it is loaded (load_bf16), all arithmetic is fp32, and the output is rounded to bf16 once. A
 // bf16 row is two cache lines rather than four, so the prefetches step by lines, not rows.
-template <typename T>
-static inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
-  else return kvmesh_avx512::load_bf16(p);
-}
-
-template <typename T>
-static inline void store16(T* p, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(p, v);
-  else kvmesh_avx512::store_bf16(p, v);
-}
+using kvmesh_avx512::load16;
+using kvmesh_avx512::store16;
 
 template <typename T, int GROUP>
 static void decode_task_d64(const T* __restrict__ q, const T* __restrict__ k_head, const T* __restrict__ v_head,

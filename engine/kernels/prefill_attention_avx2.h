@@ -24,20 +24,6 @@ constexpr int kPrefillRows = 16;  // query rows per tile: two 8-lane vectors
 constexpr int kKeyTile = 8;
 constexpr int kPrefillMaxGroup = 8;  // query heads per work item, as on AVX-512
 
-// 8 elements of a row as fp32 (bf16 widened exactly), and stored back (bf16 rounded to nearest
-// even, as torch rounds).
-template <typename T>
-inline __m256 load_row8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
-  else return load_bf16(p);
-}
-
-template <typename T>
-inline void store_row8(T* p, __m256 v) {
-  if constexpr (std::is_same_v<T, float>) _mm256_storeu_ps(p, v);
-  else store_bf16(p, v);
-}
-
 // A key tile's first `rows` rows of K or V as fp32 rows for the FMA loops: fp32 is read in
 // place; bf16 is widened into buf (32-byte aligned, rows * D floats) once per tile.
 template <int D>
@@ -97,7 +83,7 @@ void attend_tile_group(const T* q, int64_t q_stride, int64_t heads, int64_t nq, 
         __m256 r[8];
         for (int64_t i = 0; i < 8; ++i) {
           const int64_t row = v * 8 + i;
-          r[i] = row < nq ? _mm256_mul_ps(load_row8(q + row * q_stride + g * D + d0), qscale)
+          r[i] = row < nq ? _mm256_mul_ps(load8(q + row * q_stride + g * D + d0), qscale)
                           : _mm256_setzero_ps();
         }
         transpose8(r);
@@ -215,7 +201,7 @@ void attend_tile_group(const T* q, int64_t q_stride, int64_t heads, int64_t nq, 
         for (int64_t dd = 0; dd < 8; ++dd) r[dd] = _mm256_load_ps(og + (d0 + dd) * R + v * 8);
         transpose8(r);
         for (int64_t i = 0; i < rows; ++i)
-          store_row8(out + (v * 8 + i) * out_stride + g * D + d0, _mm256_mul_ps(r[i], _mm256_set1_ps(inv[i])));
+          store8(out + (v * 8 + i) * out_stride + g * D + d0, _mm256_mul_ps(r[i], _mm256_set1_ps(inv[i])));
       }
     }
   }

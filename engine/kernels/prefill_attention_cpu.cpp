@@ -53,19 +53,8 @@ constexpr int kTile = 16;  // queries per vector, keys per key tile
 // serves all of them (SmolLM2's 3, Llama 3's 4, up to 8; a larger group is split).
 constexpr int kMaxGroup = 8;
 
-// 16 elements of a row as fp32 (bf16 widened exactly), and stored back (bf16 rounded to nearest
-// even, as torch rounds).
-template <typename T>
-inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
-  else return kvmesh_avx512::load_bf16(p);
-}
-
-template <typename T>
-inline void store16(T* p, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(p, v);
-  else kvmesh_avx512::store_bf16(p, v);
-}
+using kvmesh_avx512::load16;
+using kvmesh_avx512::store16;
 
 // A key tile's first `rows` rows of K or V as fp32 rows for the FMA loops: fp32 is read in
 // place; bf16 is widened into buf (64-byte aligned, rows * D floats) once per tile.
