@@ -298,12 +298,12 @@ class ModelConfig:
         if device.type != "cpu":
             return declared, checkpoint
         flag = native_bf16.native_bf16_flag()
-        if flag is not None and cpu_kernels.portable():
+        if flag is None:
+            return torch.float32, f"{checkpoint} on a CPU without avx512_bf16 or amx_bf16"
+        if cpu_kernels.portable():
             # built without -march=native: no bf16 dot products in the kernels, only widening
             return torch.float32, f"{checkpoint}, CPU kernels built portable"
-        if flag is not None:
-            return torch.bfloat16, f"{checkpoint} on a CPU with {flag}"
-        return torch.float32, f"{checkpoint} on a CPU without avx512_bf16 or amx_bf16"
+        return torch.bfloat16, f"{checkpoint} on a CPU with {flag}"
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()

@@ -458,7 +458,7 @@ class EngineCore:
     def has_pending_kv_events(self) -> bool:
         """KV events from the tiers' own thread (the shared tier's writer) that no step has
         taken yet: an idle engine's loop publishes them without a step."""
-        tiers = self.kv.tiers
+        tiers = self.tiers
         return (
             tiers is not None and tiers.shared_events is not None and tiers.shared_events.pending()
         )
