@@ -59,9 +59,10 @@ import httpx
 from kvmesh.common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(
-    0, str(ROOT / "bench")
-)  # vllm_client.py beside it (-P leaves the script's folder out)
+# vllm_client.py beside this script (python -P leaves the script's folder out of sys.path)
+sys.path.insert(0, str(ROOT / "bench"))
+
+import vllm_client  # noqa: E402
 
 
 # -- workloads ------------------------------------------------------------------------------------
@@ -664,14 +665,18 @@ class VLLMServer(LocalServer):
         dtype: str = "float32",
         extra: list[str] | None = None,
     ):
-        from vllm_client import anchor_venv
-
         del anchor  # its venv is used directly: the script's `serve` takes no dtype or extra flags
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
-        cmd = [str(anchor_venv() / "bin" / "vllm"), "serve", model_dir, "--served-model-name", name]
+        cmd = [
+            str(vllm_client.anchor_venv() / "bin" / "vllm"),
+            "serve",
+            model_dir,
+            "--served-model-name",
+            name,
+        ]
         cmd += [
             "--dtype",
             dtype,
@@ -774,15 +779,20 @@ def _anchor_workloads(vocab: int, args, seed: int = 0) -> list[tuple[str, str, l
 
 
 def _bench_server(
-    label: str, url: str, model: str, work: tuple[str, str, list[Req], int], seed: int, args
+    label: str,
+    url: str,
+    model: str,
+    tokenizer: str,
+    work: tuple[str, str, list[Req], int],
+    seed: int,
+    args,
 ) -> dict:
-    """One workload against one server, by this script's client or (--client vllm) vLLM's."""
+    """One workload against one server, by this script's client or (--client vllm) vLLM's, which
+    tokenizes with the served model's tokenizer (its directory)."""
     kind, name, reqs, conc = work
     if args.client == "vllm":
-        import vllm_client
-
         print(f"  [{label}: {name[:24]}] vllm bench serve", flush=True)
-        return vllm_client.run(url, model, args.tokenizer_dir, kind, args, seed)
+        return vllm_client.run(url, model, tokenizer, kind, args, seed)
     res, el = asyncio.run(
         run_load(url, reqs, conc, None, model=model, label=f"{label}: {name[:24]}")
     )
@@ -827,7 +837,6 @@ def compare_vllm(args) -> int:
     from kvmesh.engine.config import ModelConfig
 
     model_dir = str(resolve_model_dir(args.model))
-    args.tokenizer_dir = model_dir  # vLLM's client tokenizes with the served model's tokenizer
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     name = args.model
     logs = Path(args.log_dir)
@@ -904,11 +913,16 @@ def compare_vllm(args) -> int:
 
         parts = {
             "vllm": alone(
-                "vllm", lambda w, seed: _bench_server("vllm serve", vllm_url, name, w, seed, args)
+                "vllm",
+                lambda w, seed: _bench_server(
+                    "vllm serve", vllm_url, name, model_dir, w, seed, args
+                ),
             ),
             "kvmesh": alone(
                 "kvmesh",
-                lambda w, seed: _bench_server("kvmesh serve", kvmesh_url, name, w, seed, args),
+                lambda w, seed: _bench_server(
+                    "kvmesh serve", kvmesh_url, name, model_dir, w, seed, args
+                ),
             ),
         }
         if not args.skip_offline:
