@@ -44,65 +44,80 @@ inline float bf16_to_float(uint16_t v) {
 }
 
 #if defined(__AVX512F__)
-// Rows [0, MB) of x (stride ldx, bf16) against one panel: sums[m][0..15] in fp32. With fewer
-// than 4 rows the pairs are split KS ways, so 4+ independent chains hide the latency.
-template <int MB, int KS>
-inline void panel_block(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K, float* sums) {
+// Rows [0, MB) of x (stride ldx, bf16) against NP adjacent panels (`stride` bf16 values apart):
+// sums[p][m][0..15] in fp32, one chain per output over the pairs in order, whatever MB and NP,
+// so a row's result does not depend on the rows batched with it. At 1-3 rows the chains that
+// hide the latency come from several panels at once, not from splitting the pairs.
+template <int NP, int MB>
+inline void panel_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t stride, int64_t K,
+                       float* sums) {
   const int64_t pairs = K / 2;
-  __m512 acc[KS][MB];
-  for (int s = 0; s < KS; ++s)
-    for (int m = 0; m < MB; ++m) acc[s][m] = _mm512_setzero_ps();
-  auto step = [&](int s, int64_t r, const __m512i w, auto pair_of) {
+  __m512 acc[NP][MB];
+  for (int p = 0; p < NP; ++p)
+    for (int m = 0; m < MB; ++m) acc[p][m] = _mm512_setzero_ps();
+  auto step = [&](int p, int64_t r, const __m512i w, auto pair_of) {
 #if defined(__AVX512BF16__)
     for (int m = 0; m < MB; ++m)
-      acc[s][m] = _mm512_dpbf16_ps(acc[s][m], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_of(m, r))), (__m512bh)w);
+      acc[p][m] = _mm512_dpbf16_ps(acc[p][m], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_of(m, r))), (__m512bh)w);
 #else
     const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
     for (int m = 0; m < MB; ++m) {
       const uint32_t xp = pair_of(m, r);
-      acc[s][m] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(xp << 16))), lo, acc[s][m]);
-      acc[s][m] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(xp & 0xFFFF0000u))), hi,
-                                  acc[s][m]);
+      acc[p][m] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(xp << 16))), lo, acc[p][m]);
+      acc[p][m] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(xp & 0xFFFF0000u))), hi,
+                                  acc[p][m]);
     }
 #endif
   };
   auto full_pair = [&](int m, int64_t r) { return load_pair(x + m * ldx + 2 * r); };
-  int64_t r = 0;
-  for (; r + KS <= pairs; r += KS) {
-    for (int s = 0; s < KS; ++s) {
-      const uint16_t* row = panel + (r + s) * kPairRow;
+  for (int64_t r = 0; r < pairs; ++r) {
+    for (int p = 0; p < NP; ++p) {
+      const uint16_t* row = panel + p * stride + r * kPairRow;
       _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * kPairRow), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchL2Rows * kPairRow), _MM_HINT_T1);
-      step(s, r + s, _mm512_loadu_si512(row), full_pair);
+      step(p, r, _mm512_loadu_si512(row), full_pair);
     }
   }
-  for (; r < pairs; ++r) step(0, r, _mm512_loadu_si512(panel + r * kPairRow), full_pair);
   if (K % 2)  // the last input alone: its pair's second weight is the packing's zero
-    step(0, pairs, _mm512_loadu_si512(panel + pairs * kPairRow),
-         [&](int m, int64_t) { return static_cast<uint32_t>(x[m * ldx + K - 1]); });
-  for (int m = 0; m < MB; ++m) {
-    __m512 sum = acc[0][m];
-    for (int s = 1; s < KS; ++s) sum = _mm512_add_ps(sum, acc[s][m]);
-    _mm512_storeu_ps(sums + m * kPanel, sum);
-  }
+    for (int p = 0; p < NP; ++p)
+      step(p, pairs, _mm512_loadu_si512(panel + p * stride + pairs * kPairRow),
+           [&](int m, int64_t) { return static_cast<uint32_t>(x[m * ldx + K - 1]); });
+  for (int p = 0; p < NP; ++p)
+    for (int m = 0; m < MB; ++m) _mm512_storeu_ps(sums + (p * MB + m) * kPanel, acc[p][m]);
 }
 
-using BlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*);
+using BlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*);
 
 constexpr BlockFn kBlocks[kRowBlock + 1] = {
     nullptr,
-    panel_block<1, 4>, panel_block<2, 2>, panel_block<3, 2>, panel_block<4, 1>,
-    panel_block<5, 1>, panel_block<6, 1>, panel_block<7, 1>, panel_block<8, 1>,
-    panel_block<9, 1>, panel_block<10, 1>, panel_block<11, 1>, panel_block<12, 1>,
-    panel_block<13, 1>, panel_block<14, 1>, panel_block<15, 1>, panel_block<16, 1>,
+    panel_tile<1, 1>, panel_tile<1, 2>, panel_tile<1, 3>, panel_tile<1, 4>,
+    panel_tile<1, 5>, panel_tile<1, 6>, panel_tile<1, 7>, panel_tile<1, 8>,
+    panel_tile<1, 9>, panel_tile<1, 10>, panel_tile<1, 11>, panel_tile<1, 12>,
+    panel_tile<1, 13>, panel_tile<1, 14>, panel_tile<1, 15>, panel_tile<1, 16>,
 };
 
 inline void block_sums(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* panel, int64_t K, float* sums) {
-  kBlocks[rows](x, ldx, panel, K, sums);
+  kBlocks[rows](x, ldx, panel, 0, K, sums);
 }
+
+// A batch of up to 10 rows takes register tiles over several panels, so each broadcast of a
+// row's pair feeds several dot products and the chains come from panels (1-3 rows), not from
+// splitting the pairs: 4 panels at 1-6 rows, 3 at 7, 2 at 8-10. Sums laid out [panel][row][16].
+// One thread, SmolLM2's four shapes, vs one panel at a time (with split pairs below 4 rows):
+// 1.0-1.1x at 1-3 rows, 1.4-1.8x at 4-7, 1.2-1.3x at 8-10; 2-panel tiles at 11-12 rows measured
+// 0.83x (spills), so from 11 rows up one panel at a time.
+constexpr int64_t kTileRows = 10;
+constexpr int64_t kTileMaxPanels = 4;
+constexpr BlockFn kTiles[kTileRows + 1] = {
+    nullptr,          panel_tile<4, 1>, panel_tile<4, 2>, panel_tile<4, 3>, panel_tile<4, 4>,
+    panel_tile<4, 5>, panel_tile<4, 6>, panel_tile<3, 7>, panel_tile<2, 8>, panel_tile<2, 9>, panel_tile<2, 10>,
+};
+constexpr int64_t kTilePanels[kTileRows + 1] = {0, 4, 4, 4, 4, 4, 4, 3, 2, 2, 2};
 #else
-// Without AVX-512: the same sums in a loop the compiler vectorises.
+// Without AVX-512: the same sums in a loop the compiler vectorises (one per output, in order).
+constexpr int64_t kTileRows = 0;  // no multi-panel tiles
+constexpr int64_t kTileMaxPanels = 1;
 inline void block_sums(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* panel, int64_t K, float* sums) {
   const int64_t pairs = (K + 1) / 2;
   for (int64_t m = 0; m < rows; ++m) {
@@ -161,17 +176,32 @@ torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t N
   // Panels split across threads (at least 4 per task); each panel is read once per block of 16
   // rows, from cache after the first.
   at::parallel_for(0, P, 4, [&](int64_t b, int64_t e) {
-    alignas(64) float sums[kRowBlock * kPanel];
-    for (int64_t p = b; p < e; ++p) {
-      const uint16_t* panel = wp + p * pairs * kPairRow;
+    alignas(64) float sums[kTileMaxPanels * kRowBlock * kPanel];
+    // Rows [m0, m0 + rows) of panel p from their fp32 sums: the bias, then the one rounding.
+    auto emit = [&](int64_t p, int64_t m0, int64_t rows, const float* s) {
       const int64_t width = std::min(kPanel, N - p * kPanel);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < width; ++j)
+          op[(m0 + m) * N + p * kPanel + j] = static_cast<at::BFloat16>(s[m * kPanel + j] + (bp ? bp[p * kPanel + j] : 0.f));
+    };
+    int64_t p = b;
+#if defined(__AVX512F__)
+    if (M <= kTileRows) {  // tiles over several panels (the same sums as one panel at a time)
+      const int64_t np = kTilePanels[M];
+      for (; p + np <= e; p += np) {
+        kTiles[M](xp, ldx, wp + p * pairs * kPairRow, pairs * kPairRow, K, sums);
+        for (int64_t i = 0; i < np; ++i) emit(p + i, 0, M, sums + i * M * kPanel);
+      }
+    }
+#endif
+    // Otherwise (and the panels left over) one panel at a time, read once per block of 16 rows,
+    // from cache after the first.
+    for (; p < e; ++p) {
+      const uint16_t* panel = wp + p * pairs * kPairRow;
       for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
         const int64_t rows = std::min(kRowBlock, M - m0);
         block_sums(xp + m0 * ldx, ldx, rows, panel, K, sums);
-        for (int64_t m = 0; m < rows; ++m)
-          for (int64_t j = 0; j < width; ++j)
-            op[(m0 + m) * N + p * kPanel + j] =
-                static_cast<at::BFloat16>(sums[m * kPanel + j] + (bp ? bp[p * kPanel + j] : 0.f));
+        emit(p, m0, rows, sums);
       }
     }
   });

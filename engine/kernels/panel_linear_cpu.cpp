@@ -14,7 +14,8 @@
 // second time). Threads split the panels. Measured on SmolLM2-135M's 30 layers, one thread,
 // one panel at a time (before the tiles) vs oneDNN: 1.22x at 1 row, 1.34x at 8, 1.47x at 16,
 // 1.06x at 32, and 0.58x at 64 and beyond (oneDNN's blocking wins there): onednn_linear.py uses
-// this for up to PANEL_MAX_ROWS rows only. Sums run over k in order per output.
+// this for up to PANEL_MAX_ROWS rows only. Each output is one sum over k in order, whatever the
+// row count, so a row's result does not depend on the rows batched with it (every ISA below).
 // Builds without AVX-512 get an AVX2 version (below; measured on a Zen 3, 30 layers, one thread,
 // vs oneDNN: 2.0x at 1 row, 1.4x at 4, 0.87x at 8 and 16) and, without AVX2, a portable loop.
 #include <torch/extension.h>
@@ -42,50 +43,39 @@ constexpr int64_t kPrefetchRows = 32;
 constexpr int64_t kPrefetchL2Rows = 1024;
 
 #if defined(__AVX512F__)
-// Rows [0, MB) of x (stride ldx) against one panel: out[m, 0..15] = sum_k x[m, k] * panel[k].
-// With fewer than 4 rows the k loop is split KS ways, so 4+ independent FMA chains hide the
-// FMA latency.
-template <int MB, int KS>
+// Rows [0, MB) of x (stride ldx) against one panel: out[m, 0..15] = sum_k x[m, k] * panel[k],
+// one FMA chain per output, k ascending, then the bias: the one summation order every row count
+// uses (panel_tile below), so a row's result does not depend on the rows batched with it.
+template <int MB>
 inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
                         __mmask16 mask, const float* bias) {
-  __m512 acc[KS][MB];
-  for (int s = 0; s < KS; ++s)
-    for (int m = 0; m < MB; ++m) acc[s][m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + KS <= K; k += KS) {
-    for (int s = 0; s < KS; ++s) {
-      _mm_prefetch(reinterpret_cast<const char*>(panel + (k + s + kPrefetchRows) * kPanel), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(panel + (k + s + kPrefetchL2Rows) * kPanel), _MM_HINT_T1);
-      const __m512 w = _mm512_loadu_ps(panel + (k + s) * kPanel);
-      for (int m = 0; m < MB; ++m) acc[s][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k + s]), w, acc[s][m]);
-    }
-  }
-  for (; k < K; ++k) {
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRows) * kPanel), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchL2Rows) * kPanel), _MM_HINT_T1);
     const __m512 w = _mm512_loadu_ps(panel + k * kPanel);
-    for (int m = 0; m < MB; ++m) acc[0][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), w, acc[0][m]);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), w, acc[m]);
   }
   const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  for (int m = 0; m < MB; ++m) {
-    __m512 sum = acc[0][m];
-    for (int s = 1; s < KS; ++s) sum = _mm512_add_ps(sum, acc[s][m]);
-    _mm512_mask_storeu_ps(out + m * ldo, mask, _mm512_add_ps(sum, b));
-  }
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(out + m * ldo, mask, _mm512_add_ps(acc[m], b));
 }
 
 using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, __mmask16, const float*);
 
 constexpr BlockFn kBlocks[kRowBlock + 1] = {
     nullptr,
-    panel_block<1, 4>, panel_block<2, 2>, panel_block<3, 2>, panel_block<4, 1>,
-    panel_block<5, 1>, panel_block<6, 1>, panel_block<7, 1>, panel_block<8, 1>,
-    panel_block<9, 1>, panel_block<10, 1>, panel_block<11, 1>, panel_block<12, 1>,
-    panel_block<13, 1>, panel_block<14, 1>, panel_block<15, 1>, panel_block<16, 1>,
+    panel_block<1>, panel_block<2>, panel_block<3>, panel_block<4>,
+    panel_block<5>, panel_block<6>, panel_block<7>, panel_block<8>,
+    panel_block<9>, panel_block<10>, panel_block<11>, panel_block<12>,
+    panel_block<13>, panel_block<14>, panel_block<15>, panel_block<16>,
 };
 
 // Rows [0, MB) of x against NP adjacent panels (K * kPanel floats apart): the sums of
-// panel_block<MB, 1> (one FMA chain per output, k ascending, then the bias), so the results are
-// bit-identical, but each broadcast of x feeds NP FMAs. From 4 rows up panel_block is bound by
-// its one broadcast load per FMA, not by the weight stream.
+// panel_block<MB> (one FMA chain per output, k ascending, then the bias), so the results are
+// bit-identical, but each broadcast of x feeds NP FMAs, and the NP x MB chains hide the FMA
+// latency (at 1-3 rows one panel has too few; splitting k instead would change the sums with
+// the row count). From 4 rows up panel_block is bound by its one broadcast load per FMA.
 template <int NP, int MB>
 inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
                        const __mmask16* masks, const float* bias) {
@@ -122,18 +112,18 @@ inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const __mmask16*, const float*);
 
 // The tile by row count (of 32 registers: up to 24 accumulators, a weight vector per panel, the
-// broadcast): 4 panels at 4-6 rows, 3 at 7-8, 2 at 9-12, and 13-16 rows in two blocks of 3-panel
-// tiles (the panels read from cache for the second). One thread, 576 -> 3,072, vs one panel at a
+// broadcast): 6 panels at 1 row and 4 at 2-3 (6-12 chains), 4 at 4-6 rows, 3 at 7-8, 2 at 9-12,
+// and 13-16 rows in two blocks of 3-panel tiles (the panels read from cache for the second).
+// Every count divides the 12 panels panel_linear hands out at a time. One thread, 576 -> 3,072, vs one panel at a
 // time (loaded machine): 1.19x at 4 rows, 1.25x at 8, 1.16x at 12, 1.32x at 16, about oneDNN's
 // speed at 128 rows; 1.13-1.31x for 576 -> 576 and 1,536 -> 576.
-constexpr int64_t kTileMinRows = 4;    // below, panel_block splits k (other sums than a tile's)
 constexpr int64_t kTileSplitRows = 13;  // from here on, two blocks of 3-panel tiles
 constexpr TileFn kTiles[kTileSplitRows] = {
-    nullptr,          nullptr,          nullptr,          nullptr,          panel_tile<4, 4>,
+    nullptr,          panel_tile<6, 1>, panel_tile<4, 2>, panel_tile<4, 3>, panel_tile<4, 4>,
     panel_tile<4, 5>, panel_tile<4, 6>, panel_tile<3, 7>, panel_tile<3, 8>, panel_tile<2, 9>,
     panel_tile<2, 10>, panel_tile<2, 11>, panel_tile<2, 12>,
 };
-constexpr int kTilePanels[kTileSplitRows] = {0, 0, 0, 0, 4, 4, 4, 3, 3, 2, 2, 2, 2};
+constexpr int kTilePanels[kTileSplitRows] = {0, 6, 4, 4, 4, 4, 4, 3, 3, 2, 2, 2, 2};
 constexpr TileFn kTiles3[9] = {
     nullptr,          nullptr,          nullptr,          nullptr,          nullptr,
     nullptr,          panel_tile<3, 6>, panel_tile<3, 7>, panel_tile<3, 8>,
@@ -144,16 +134,16 @@ inline __mmask16 panel_mask(int64_t N, int64_t p) {
 }
 
 // Rows [0, rows) of x (at most kRowBlock) against panels [b, e), a tile's panel count at a time;
-// the panels left over (and rows below kTileMinRows) go one at a time.
+// the panels left over go one at a time.
 void panel_rows(const float* x, int64_t ldx, int64_t rows, const float* wp, int64_t K, int64_t N, int64_t b,
                 int64_t e, float* out, const float* bias) {
   int64_t p = b;
-  if (rows >= kTileMinRows) {
+  {
     const bool split = rows >= kTileSplitRows;
     const int np = split ? 3 : kTilePanels[rows];
     const int64_t half = rows / 2;
     for (; p + np <= e; p += np) {
-      __mmask16 masks[4];
+      __mmask16 masks[6];
       for (int i = 0; i < np; ++i) masks[i] = panel_mask(N, p + i);
       const float* panel = wp + p * K * kPanel;
       const float* bias_p = bias ? bias + p * kPanel : nullptr;
@@ -178,67 +168,69 @@ void panel_rows(const float* x, int64_t ldx, int64_t rows, const float* wp, int6
 // that stay in L1 across the row blocks measured no faster (0.68x -> 0.51-0.68x at 16 rows).
 constexpr int64_t kRowBlockAvx2 = 6;
 
-template <int MB, int KS>
-inline void panel_block_avx2(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
-                             int64_t width, const float* bias) {
-  __m256 acc[KS][MB][2];
+// Rows [0, MB) of x against NP adjacent panels (K * kPanel floats apart; the last one may be
+// narrower: N is the layer's width, p0 the first panel's index): one FMA chain per output, k
+// ascending, then the bias, whatever MB and NP, so a row's result does not depend on the rows
+// batched with it. At 1-3 rows the chains come from 2-3 panels at once, not from splitting k.
+template <int NP, int MB>
+inline void panel_tile_avx2(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
+                            int64_t N, int64_t p0, const float* bias) {
+  const int64_t stride = K * kPanel;
+  __m256 acc[NP][MB][2];
 #pragma GCC unroll 8
-  for (int s = 0; s < KS; ++s)
+  for (int p = 0; p < NP; ++p)
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) acc[s][m][0] = acc[s][m][1] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + KS <= K; k += KS) {
+    for (int m = 0; m < MB; ++m) acc[p][m][0] = acc[p][m][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
 #pragma GCC unroll 8
-    for (int s = 0; s < KS; ++s) {
-      const float* row = panel + (k + s) * kPanel;
+    for (int p = 0; p < NP; ++p) {
+      const float* row = panel + p * stride + k * kPanel;
       _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * kPanel), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchL2Rows * kPanel), _MM_HINT_T1);
       const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) {
-        const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k + s);
-        acc[s][m][0] = _mm256_fmadd_ps(xv, w0, acc[s][m][0]);
-        acc[s][m][1] = _mm256_fmadd_ps(xv, w1, acc[s][m][1]);
+        const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
+        acc[p][m][0] = _mm256_fmadd_ps(xv, w0, acc[p][m][0]);
+        acc[p][m][1] = _mm256_fmadd_ps(xv, w1, acc[p][m][1]);
       }
     }
   }
-  for (; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p) {
+    const int64_t width = std::min(kPanel, N - (p0 + p) * kPanel);
+    alignas(32) float b[kPanel] = {0.f};
+    if (bias) std::memcpy(b, bias + p * kPanel, width * sizeof(float));
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
-      const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
-      acc[0][m][0] = _mm256_fmadd_ps(xv, w0, acc[0][m][0]);
-      acc[0][m][1] = _mm256_fmadd_ps(xv, w1, acc[0][m][1]);
-    }
-  }
-  alignas(32) float b[kPanel] = {0.f};
-  if (bias) std::memcpy(b, bias, width * sizeof(float));
-#pragma GCC unroll 8
-  for (int m = 0; m < MB; ++m) {
-    __m256 lo = acc[0][m][0], hi = acc[0][m][1];
-#pragma GCC unroll 8
-    for (int s = 1; s < KS; ++s) lo = _mm256_add_ps(lo, acc[s][m][0]), hi = _mm256_add_ps(hi, acc[s][m][1]);
-    lo = _mm256_add_ps(lo, _mm256_load_ps(b));
-    hi = _mm256_add_ps(hi, _mm256_load_ps(b + 8));
-    if (width == kPanel) {
-      _mm256_storeu_ps(out + m * ldo, lo);
-      _mm256_storeu_ps(out + m * ldo + 8, hi);
-    } else {  // the last panel of a layer whose width is not a multiple of 16
-      alignas(32) float tmp[kPanel];
-      _mm256_store_ps(tmp, lo);
-      _mm256_store_ps(tmp + 8, hi);
-      std::memcpy(out + m * ldo, tmp, width * sizeof(float));
+      const __m256 lo = _mm256_add_ps(acc[p][m][0], _mm256_load_ps(b));
+      const __m256 hi = _mm256_add_ps(acc[p][m][1], _mm256_load_ps(b + 8));
+      float* o = out + m * ldo + p * kPanel;
+      if (width == kPanel) {
+        _mm256_storeu_ps(o, lo);
+        _mm256_storeu_ps(o + 8, hi);
+      } else {  // the last panel of a layer whose width is not a multiple of 16
+        alignas(32) float tmp[kPanel];
+        _mm256_store_ps(tmp, lo);
+        _mm256_store_ps(tmp + 8, hi);
+        std::memcpy(o, tmp, width * sizeof(float));
+      }
     }
   }
 }
 
-using BlockFnAvx2 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*);
+using TileFnAvx2 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t,
+                            const float*);
 
-// With fewer than 3 rows the k loop is split, so 4+ independent FMA chains hide the FMA latency.
-constexpr BlockFnAvx2 kBlocksAvx2[kRowBlockAvx2 + 1] = {
-    nullptr, panel_block_avx2<1, 4>, panel_block_avx2<2, 2>, panel_block_avx2<3, 2>,
-    panel_block_avx2<4, 1>, panel_block_avx2<5, 1>, panel_block_avx2<6, 1>,
+// One panel at a time for 1-6 rows (4+ rows: 8-12 chains)...
+constexpr TileFnAvx2 kBlocksAvx2[kRowBlockAvx2 + 1] = {
+    nullptr, panel_tile_avx2<1, 1>, panel_tile_avx2<1, 2>, panel_tile_avx2<1, 3>,
+    panel_tile_avx2<1, 4>, panel_tile_avx2<1, 5>, panel_tile_avx2<1, 6>,
 };
+// ...and 3 or 2 panels at a time for a batch of 1-3 rows (6, 8 and 12 chains).
+constexpr TileFnAvx2 kSmallTilesAvx2[4] = {nullptr, panel_tile_avx2<3, 1>, panel_tile_avx2<2, 2>,
+                                           panel_tile_avx2<2, 3>};
+constexpr int kSmallTilePanelsAvx2[4] = {0, 3, 2, 2};
 #endif
 
 #if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
@@ -305,19 +297,30 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
         panel_rows(xp + m0 * ldx, ldx, std::min(kRowBlock, M - m0), wp, K, N, p, std::min(p + 12, e), op + m0 * N,
                    bp);
 #else
+#if defined(__AVX2__) && defined(__FMA__)
+    if (M <= 3) {  // a few rows: tiles over several panels (the same sums as one at a time)
+      const int np = kSmallTilePanelsAvx2[M];
+      int64_t p = b;
+      for (; p + np <= e; p += np)
+        kSmallTilesAvx2[M](xp, ldx, wp + p * K * kPanel, K, op + p * kPanel, N, N, p, bp ? bp + p * kPanel : nullptr);
+      for (; p < e; ++p)
+        kBlocksAvx2[M](xp, ldx, wp + p * K * kPanel, K, op + p * kPanel, N, N, p, bp ? bp + p * kPanel : nullptr);
+      return;
+    }
+#endif
     for (int64_t p = b; p < e; ++p) {
       const float* panel = wp + p * K * kPanel;
-      const int64_t width = std::min(kPanel, N - p * kPanel);
       const float* bias_p = bp ? bp + p * kPanel : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
         const int64_t rows = std::min(kRowBlock, M - m0);
 #if defined(__AVX2__) && defined(__FMA__)
         for (int64_t r0 = 0; r0 < rows; r0 += kRowBlockAvx2) {
           const int64_t n = std::min(kRowBlockAvx2, rows - r0);
-          kBlocksAvx2[n](xp + (m0 + r0) * ldx, ldx, panel, K, op + (m0 + r0) * N + p * kPanel, N, width, bias_p);
+          kBlocksAvx2[n](xp + (m0 + r0) * ldx, ldx, panel, K, op + (m0 + r0) * N + p * kPanel, N, N, p, bias_p);
         }
 #else
-        panel_block_portable(xp + m0 * ldx, ldx, rows, panel, K, op + m0 * N + p * kPanel, N, width, bias_p);
+        panel_block_portable(xp + m0 * ldx, ldx, rows, panel, K, op + m0 * N + p * kPanel, N,
+                             std::min(kPanel, N - p * kPanel), bias_p);
 #endif
       }
     }

@@ -426,16 +426,17 @@ def test_panel_linear_matches_f_linear(kernel, n, k, bias):
 
 @pytest.mark.parametrize("n, k", [(203, 67), (3059, 576)])  # 13 and 192 panels, a partial last one
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_linear_tiles_are_bit_identical_to_one_panel(kernel, n, k, bias):
-    """From 4 rows up the kernel runs register tiles over 2-4 panels; every output is still one
-    FMA chain over k in order plus the bias, so it equals bit for bit the one-panel block's
-    result (a layer of one panel takes that block)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_linear_tiles_are_bit_identical_to_one_panel(kernel, n, k, bias, dtype):
+    """At every row count the kernel runs register tiles over several panels; every output is
+    still one chain over k in order plus the bias, so it equals bit for bit the one-panel
+    layer's result (a layer of one panel takes the one-panel block)."""
     torch.manual_seed(0)
-    w = torch.randn(n, k)
-    b = torch.randn(n) if bias else None
+    w = torch.randn(n, k).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
     panels = kernel.pack_panels(w)
-    for m in [*range(4, 17), 29]:
-        x = torch.randn(m, k + 3)[:, :k]
+    for m in [*range(1, 17), 29]:
+        x = torch.randn(m, k + 3).to(dtype)[:, :k]
         got = kernel.panel_linear(x, panels, n, b)
         for p in range(panels.shape[0]):
             cols = slice(16 * p, min(16 * p + 16, n))
@@ -446,6 +447,23 @@ def test_panel_linear_tiles_are_bit_identical_to_one_panel(kernel, n, k, bias):
                 None if b is None else b[cols],
             )
             assert torch.equal(got[:, cols], one), (m, p)
+
+
+@pytest.mark.parametrize("n, k", [(203, 67), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_its_batch(kernel, n, k, dtype):
+    """Batch invariance: each row of a batch of 1-33 rows equals that row computed alone, bit for
+    bit, so a request's decode does not change with the requests batched beside it."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k).to(dtype)
+    b = torch.randn(n).to(dtype)
+    panels = kernel.pack_panels(w)
+    x = torch.randn(33, k).to(dtype)
+    alone = torch.cat([kernel.panel_linear(x[i : i + 1], panels, n, b) for i in range(33)])
+    for m in [*range(1, 18), 29, 33]:
+        for start in (0, 33 - m):  # the same rows at other positions in the batch
+            got = kernel.panel_linear(x[start : start + m], panels, n, b)
+            assert torch.equal(got, alone[start : start + m]), (m, start)
 
 
 @pytest.mark.parametrize("n, k", PANEL_SHAPES)
