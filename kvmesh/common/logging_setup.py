@@ -58,8 +58,25 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted, not the one at setup (as
+    logging's own last-resort handler): a server started while stderr was redirected (a test's
+    capture, a supervisor's pipe swapped out) keeps logging to the real one after it is closed."""
+
+    def __init__(self):
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 def setup_logging(fmt: str = "json", level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _CurrentStderr()
     if fmt == "json":
         handler.setFormatter(_Redacting(JsonFormatter()))
     else:
