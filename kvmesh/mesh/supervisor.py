@@ -14,6 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from kvmesh.common.parent_death import env_for_children, wrap
+
 _print_lock = threading.Lock()
 
 
@@ -95,10 +97,12 @@ class Child:
         self.stopping = False
         self.restart_at = None
         self.proc = subprocess.Popen(
-            self.argv,
+            wrap(self.argv),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env=self.env,
+            # Every child ends with the mesh even if it is SIGKILLed (parent_death.py: Redis and
+            # vLLM through its exec wrapper); the mesh starts every child from its main thread.
+            env=env_for_children(self.env),
             cwd=self.cwd,
             stdin=subprocess.DEVNULL,
             start_new_session=True,

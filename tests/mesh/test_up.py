@@ -7,6 +7,7 @@ import threading
 import httpx
 import pytest
 
+from kvmesh.common.parent_death import env_for_children
 from tests.conftest import ROOT, child_env, free_port, wait_until
 
 
@@ -36,7 +37,8 @@ class UpProcess:
                 *extra,
             ],
             cwd=ROOT,
-            env=child_env(),
+            # the mesh, and through it its engines, end with this test run even if it is killed
+            env=env_for_children(child_env()),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -162,8 +164,10 @@ def _status(up, *extra) -> str:
     not _engine_importable(), reason="the engine server (kvmesh.engine.server) is not available yet"
 )
 def test_up_with_the_real_engine(tmp_path):
-    """The real thing: two `kvmesh serve` replicas of the built-in model behind the router."""
-    up = UpProcess(tmp_path, "--replicas", "2")
+    """The real thing: two `kvmesh serve` replicas of the built-in model behind the router (each
+    with a 256 MiB KV cache, ~360 blocks, not the 4 GiB default: the test needs a few blocks,
+    and two suites on one machine must both fit)."""
+    up = UpProcess(tmp_path, "--replicas", "2", "--engine-args", "--kv-cache-memory 256MiB")
     try:
         up.wait_up(600)
         from openai import OpenAI

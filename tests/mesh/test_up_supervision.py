@@ -124,3 +124,34 @@ def test_up_rejects_bad_restart_settings(tmp_path):
         )
         assert out.returncode != 0 and message in out.stdout + out.stderr
         assert not (tmp_path / "up.json").exists()
+
+
+def _gone_or_zombie(pid: int) -> bool:
+    if _gone(pid):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_sigkilled_mesh_takes_every_child_with_it(tmp_path):
+    """`kvmesh up` killed outright (the OOM killer, a killed test run) cannot stop its children:
+    each follows it (parent_death.py) instead of running on as an orphan holding its memory."""
+    up = UpProcess(tmp_path, "--replicas", "2", "--engine-command", "stub")
+    try:
+        up.wait_up(60)
+        children = _processes(up)
+        names = sorted(children)
+        assert any(n.startswith("engine") for n in names) and "router" in names and "redis" in names
+        assert not any(_gone(pid) for pid in children.values())
+        up.proc.send_signal(signal.SIGKILL)
+        up.proc.wait(10)
+        wait_until(
+            lambda: all(_gone_or_zombie(pid) for pid in children.values()),
+            20,
+            msg=f"every child of the killed mesh to end: {children}",
+        )
+    finally:
+        up.proc.kill()
