@@ -62,7 +62,9 @@ child, its exit status and the back-off. The embedded Redis comes back empty on 
 the sidecars write their heartbeats and block sets again, and the router routes by load alone
 meanwhile. After `--max-restarts` restarts in a row `up` gives up on a child: the mesh carries
 on without that replica's engine or sidecar, and stops without Redis or the router. Ctrl-C or
-SIGTERM stops everything, also while a child waits out its back-off.
+SIGTERM stops everything, also while a child waits out its back-off. If `up` itself is killed
+outright (SIGKILL, the OOM killer), every child gets SIGTERM from the kernel and ends too, rather
+than running on as an orphan (`kvmesh/common/parent_death.py`).
 
 `up --autoscale` scales the engine processes with the operator's policy — the same
 `kvmesh.operator.autoscaler.decide()` (docs/operator.md, "Autoscaling policy"), fed from
