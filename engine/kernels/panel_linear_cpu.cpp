@@ -9,9 +9,8 @@
 // fp32 matmul streamed them at about half of this machine's memory bandwidth. Here each panel
 // row (16 outputs of one input feature, one 64-byte vector) feeds one FMA per row of x into
 // register accumulators, with the panel prefetched ahead: the weights stream through memory
-// once, in order. From 4 rows up a register tile spans 3 or 4 panels, so each broadcast of x
-// feeds 3 or 4 FMAs (blocks of up to 8 rows; 16 rows read the panels twice, from cache the
-// second time). Threads split the panels. Measured on SmolLM2-135M's 30 layers, one thread,
+// once, in order. A register tile spans 2-6 panels, so each broadcast of x feeds 2-6 FMAs
+// (blocks of up to 12 rows; 13-16 rows read the panels twice, from cache the second time). Threads split the panels. Measured on SmolLM2-135M's 30 layers, one thread,
 // one panel at a time (before the tiles) vs oneDNN: 1.22x at 1 row, 1.34x at 8, 1.47x at 16,
 // 1.06x at 32, and 0.58x at 64 and beyond (oneDNN's blocking wins there): onednn_linear.py uses
 // this for up to PANEL_MAX_ROWS rows only. Each output is one sum over k in order, whatever the
@@ -114,9 +113,10 @@ using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, in
 // The tile by row count (of 32 registers: up to 24 accumulators, a weight vector per panel, the
 // broadcast): 6 panels at 1 row and 4 at 2-3 (6-12 chains), 4 at 4-6 rows, 3 at 7-8, 2 at 9-12,
 // and 13-16 rows in two blocks of 3-panel tiles (the panels read from cache for the second).
-// Every count divides the 12 panels panel_linear hands out at a time. One thread, 576 -> 3,072, vs one panel at a
-// time (loaded machine): 1.19x at 4 rows, 1.25x at 8, 1.16x at 12, 1.32x at 16, about oneDNN's
-// speed at 128 rows; 1.13-1.31x for 576 -> 576 and 1,536 -> 576.
+// Every count divides the 12 panels panel_linear hands out at a time. One thread, 576 -> 3,072,
+// vs one panel at a time (loaded machine): 1.19x at 4 rows, 1.25x at 8, 1.16x at 12, 1.32x at
+// 16, about oneDNN's speed at 128 rows; 1.13-1.31x for 576 -> 576 and 1,536 -> 576. At 1-3 rows
+// (SmolLM2's four shapes, quiet) 1.09-1.16x over one panel with k split 4 or 2 ways.
 constexpr int64_t kTileSplitRows = 13;  // from here on, two blocks of 3-panel tiles
 constexpr TileFn kTiles[kTileSplitRows] = {
     nullptr,          panel_tile<6, 1>, panel_tile<4, 2>, panel_tile<4, 3>, panel_tile<4, 4>,
@@ -138,21 +138,19 @@ inline __mmask16 panel_mask(int64_t N, int64_t p) {
 void panel_rows(const float* x, int64_t ldx, int64_t rows, const float* wp, int64_t K, int64_t N, int64_t b,
                 int64_t e, float* out, const float* bias) {
   int64_t p = b;
-  {
-    const bool split = rows >= kTileSplitRows;
-    const int np = split ? 3 : kTilePanels[rows];
-    const int64_t half = rows / 2;
-    for (; p + np <= e; p += np) {
-      __mmask16 masks[6];
-      for (int i = 0; i < np; ++i) masks[i] = panel_mask(N, p + i);
-      const float* panel = wp + p * K * kPanel;
-      const float* bias_p = bias ? bias + p * kPanel : nullptr;
-      if (split) {
-        kTiles3[half](x, ldx, panel, K, out + p * kPanel, N, masks, bias_p);
-        kTiles3[rows - half](x + half * ldx, ldx, panel, K, out + half * N + p * kPanel, N, masks, bias_p);
-      } else {
-        kTiles[rows](x, ldx, panel, K, out + p * kPanel, N, masks, bias_p);
-      }
+  const bool split = rows >= kTileSplitRows;
+  const int np = split ? 3 : kTilePanels[rows];
+  const int64_t half = rows / 2;
+  for (; p + np <= e; p += np) {
+    __mmask16 masks[6];
+    for (int i = 0; i < np; ++i) masks[i] = panel_mask(N, p + i);
+    const float* panel = wp + p * K * kPanel;
+    const float* bias_p = bias ? bias + p * kPanel : nullptr;
+    if (split) {
+      kTiles3[half](x, ldx, panel, K, out + p * kPanel, N, masks, bias_p);
+      kTiles3[rows - half](x + half * ldx, ldx, panel, K, out + half * N + p * kPanel, N, masks, bias_p);
+    } else {
+      kTiles[rows](x, ldx, panel, K, out + p * kPanel, N, masks, bias_p);
     }
   }
   for (; p < e; ++p)
