@@ -8,8 +8,6 @@ import argparse
 import importlib
 import sys
 
-from kvmesh.common.parent_death import follow_parent
-
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvmesh.engine.cli_generate", "generate text offline with the engine"),
@@ -45,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     name = argv[0]
-    follow_parent()  # a supervisor that asked for it (kvmesh up) takes this process with it
     try:
         module = _load(name)
     except ModuleNotFoundError as exc:

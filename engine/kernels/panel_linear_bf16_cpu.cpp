@@ -116,8 +116,7 @@ constexpr BlockFn kTiles[kTileRows + 1] = {
 constexpr int64_t kTilePanels[kTileRows + 1] = {0, 4, 4, 4, 4, 4, 4, 3, 2, 2, 2};
 #else
 // Without AVX-512: the same sums in a loop the compiler vectorises (one per output, in order).
-constexpr int64_t kTileRows = 0;  // no multi-panel tiles
-constexpr int64_t kTileMaxPanels = 1;
+constexpr int64_t kTileMaxPanels = 1;  // no multi-panel tiles
 inline void block_sums(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* panel, int64_t K, float* sums) {
   const int64_t pairs = (K + 1) / 2;
   for (int64_t m = 0; m < rows; ++m) {

@@ -167,12 +167,12 @@ void panel_rows(const float* x, int64_t ldx, int64_t rows, const float* wp, int6
 constexpr int64_t kRowBlockAvx2 = 6;
 
 // Rows [0, MB) of x against NP adjacent panels (K * kPanel floats apart; the last one may be
-// narrower: N is the layer's width, p0 the first panel's index): one FMA chain per output, k
+// narrower: N is the layer's width and out's row stride, p0 the first panel's index): one FMA chain per output, k
 // ascending, then the bias, whatever MB and NP, so a row's result does not depend on the rows
 // batched with it. At 1-3 rows the chains come from 2-3 panels at once, not from splitting k.
 template <int NP, int MB>
-inline void panel_tile_avx2(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
-                            int64_t N, int64_t p0, const float* bias) {
+inline void panel_tile_avx2(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t N,
+                            int64_t p0, const float* bias) {
   const int64_t stride = K * kPanel;
   __m256 acc[NP][MB][2];
 #pragma GCC unroll 8
@@ -203,7 +203,7 @@ inline void panel_tile_avx2(const float* x, int64_t ldx, const float* panel, int
     for (int m = 0; m < MB; ++m) {
       const __m256 lo = _mm256_add_ps(acc[p][m][0], _mm256_load_ps(b));
       const __m256 hi = _mm256_add_ps(acc[p][m][1], _mm256_load_ps(b + 8));
-      float* o = out + m * ldo + p * kPanel;
+      float* o = out + m * N + p * kPanel;
       if (width == kPanel) {
         _mm256_storeu_ps(o, lo);
         _mm256_storeu_ps(o + 8, hi);
@@ -217,8 +217,7 @@ inline void panel_tile_avx2(const float* x, int64_t ldx, const float* panel, int
   }
 }
 
-using TileFnAvx2 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t,
-                            const float*);
+using TileFnAvx2 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*);
 
 // One panel at a time for 1-6 rows (4+ rows: 8-12 chains)...
 constexpr TileFnAvx2 kBlocksAvx2[kRowBlockAvx2 + 1] = {
@@ -226,9 +225,10 @@ constexpr TileFnAvx2 kBlocksAvx2[kRowBlockAvx2 + 1] = {
     panel_tile_avx2<1, 4>, panel_tile_avx2<1, 5>, panel_tile_avx2<1, 6>,
 };
 // ...and 3 or 2 panels at a time for a batch of 1-3 rows (6, 8 and 12 chains).
-constexpr TileFnAvx2 kSmallTilesAvx2[4] = {nullptr, panel_tile_avx2<3, 1>, panel_tile_avx2<2, 2>,
-                                           panel_tile_avx2<2, 3>};
-constexpr int kSmallTilePanelsAvx2[4] = {0, 3, 2, 2};
+constexpr int64_t kSmallRowsAvx2 = 3;
+constexpr TileFnAvx2 kSmallTilesAvx2[kSmallRowsAvx2 + 1] = {nullptr, panel_tile_avx2<3, 1>, panel_tile_avx2<2, 2>,
+                                                            panel_tile_avx2<2, 3>};
+constexpr int kSmallTilePanelsAvx2[kSmallRowsAvx2 + 1] = {0, 3, 2, 2};
 #endif
 
 #if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
@@ -296,13 +296,13 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
                    bp);
 #else
 #if defined(__AVX2__) && defined(__FMA__)
-    if (M <= 3) {  // a few rows: tiles over several panels (the same sums as one at a time)
+    if (M <= kSmallRowsAvx2) {  // a few rows: tiles over several panels (the same sums as one at a time)
       const int np = kSmallTilePanelsAvx2[M];
       int64_t p = b;
       for (; p + np <= e; p += np)
-        kSmallTilesAvx2[M](xp, ldx, wp + p * K * kPanel, K, op + p * kPanel, N, N, p, bp ? bp + p * kPanel : nullptr);
+        kSmallTilesAvx2[M](xp, ldx, wp + p * K * kPanel, K, op + p * kPanel, N, p, bp ? bp + p * kPanel : nullptr);
       for (; p < e; ++p)
-        kBlocksAvx2[M](xp, ldx, wp + p * K * kPanel, K, op + p * kPanel, N, N, p, bp ? bp + p * kPanel : nullptr);
+        kBlocksAvx2[M](xp, ldx, wp + p * K * kPanel, K, op + p * kPanel, N, p, bp ? bp + p * kPanel : nullptr);
       return;
     }
 #endif
@@ -314,7 +314,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
 #if defined(__AVX2__) && defined(__FMA__)
         for (int64_t r0 = 0; r0 < rows; r0 += kRowBlockAvx2) {
           const int64_t n = std::min(kRowBlockAvx2, rows - r0);
-          kBlocksAvx2[n](xp + (m0 + r0) * ldx, ldx, panel, K, op + (m0 + r0) * N + p * kPanel, N, N, p, bias_p);
+          kBlocksAvx2[n](xp + (m0 + r0) * ldx, ldx, panel, K, op + (m0 + r0) * N + p * kPanel, N, p, bias_p);
         }
 #else
         panel_block_portable(xp + m0 * ldx, ldx, rows, panel, K, op + m0 * N + p * kPanel, N,

@@ -63,9 +63,6 @@ class _CurrentStderr(logging.StreamHandler):
     logging's own last-resort handler): a server started while stderr was redirected (a test's
     capture, a supervisor's pipe swapped out) keeps logging to the real one after it is closed."""
 
-    def __init__(self):
-        super().__init__()
-
     @property
     def stream(self):
         return sys.stderr

@@ -2,15 +2,13 @@
 
 A supervisor killed with SIGKILL (`kvmesh up` under the OOM killer, a test run killed) cannot stop
 its children: they would run on as orphans, holding their memory and ports (two engines of the
-built-in model hold ~10 GB). A parent that wants its children to follow it puts its pid in their
-environment as ``KVMESH_PARENT_PID``; at start each child asks the kernel (Linux
-``PR_SET_PDEATHSIG``) for SIGTERM, the signal of an orderly shutdown, when that parent exits, and
-ends at once if the parent is gone already. The variable is removed from the child's environment,
-so its own children (the engine's core process) are not held to a pid that is not their parent.
-
-Programs that do not call ``follow_parent`` (Redis, vLLM, any command) are started through
-``python -m kvmesh.common.parent_death -- COMMAND ARGS...``, which asks, then replaces itself with
-the command: the request survives ``execve``.
+built-in model hold ~10 GB). A parent that wants a child to follow it starts it through
+``python -m kvmesh.common.parent_death -- COMMAND ARGS...`` (``wrap``) with its own pid in the
+environment as ``KVMESH_PARENT_PID`` (``env_for_children``). The wrapper asks the kernel (Linux
+``PR_SET_PDEATHSIG``) for SIGTERM, the signal of an orderly shutdown, when that parent exits (at
+once if it is gone already), then replaces itself with the command, any program (a kvmesh
+process, Redis, vLLM): the request survives ``execve``. The variable is removed first, so the
+command's own children (the engine's core process) are not held to a pid that is not their parent.
 
 The kernel sends the signal when the *thread* that started the child exits, so a parent sets the
 variable only for children it starts from a thread that lives as long as it does (its main one).

@@ -100,8 +100,8 @@ class Child:
             wrap(self.argv),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            # Every child ends with the mesh even if it is SIGKILLed (parent_death.py: Redis and
-            # vLLM through its exec wrapper); the mesh starts every child from its main thread.
+            # Every child ends with the mesh even if it is SIGKILLed (parent_death.py's exec
+            # wrapper); the mesh starts every child from its main thread.
             env=env_for_children(self.env),
             cwd=self.cwd,
             stdin=subprocess.DEVNULL,

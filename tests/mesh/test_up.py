@@ -7,7 +7,7 @@ import threading
 import httpx
 import pytest
 
-from kvmesh.common.parent_death import env_for_children
+from kvmesh.common.parent_death import env_for_children, wrap
 from tests.conftest import ROOT, child_env, free_port, wait_until
 
 
@@ -25,19 +25,21 @@ class UpProcess:
         self.state = tmp_path / "up.json"
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvmesh.cli",
-                "up",
-                "--port",
-                str(self.port),
-                "--state-file",
-                str(self.state),
-                *extra,
-            ],
-            cwd=ROOT,
             # the mesh, and through it its engines, end with this test run even if it is killed
+            wrap(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvmesh.cli",
+                    "up",
+                    "--port",
+                    str(self.port),
+                    "--state-file",
+                    str(self.state),
+                    *extra,
+                ]
+            ),
+            cwd=ROOT,
             env=env_for_children(child_env()),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
