@@ -31,7 +31,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # python -P leaves bench/ out
+
+from ceiling import matmul_peak  # noqa: E402
 
 
 def best_of(fn, reps: int) -> float:
@@ -90,8 +96,6 @@ class Bench:
             n: [OneDNNLinear(torch.randn(N, K), None, args.prefill_rows) for _ in range(L)]
             for n, (N, K) in s["linears"].items()
         }
-        self.hot = OneDNNLinear(torch.randn(576, 576), None, 512)
-        self.hot_x = torch.randn(512, 576)
         self.stream_buf = torch.randn(args.stream_mib << 18)  # MiB of fp32
         # The K/V cache: every layer its own, [kv_heads, blocks, block, head_dim] as the engine lays it out.
         bs, D, Hkv = 16, s["head_dim"], s["kv_heads"]
@@ -124,8 +128,7 @@ class Bench:
         return buf.numel() * 4 / best_of(buf.sum, 5)
 
     def peak(self) -> float:
-        x, hot = self.hot_x, self.hot
-        return 2 * 512 * 576 * 576 * 20 / best_of(lambda: [hot(x) for _ in range(20)], 5)
+        return matmul_peak(threads=self.torch.get_num_threads())
 
     # -- kernels: (work, seconds); work in bytes (decode) or FLOPs (prefill)
     def decode_linears(self) -> tuple[float, float]:

@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # vllm_client.py beside this script (python -P leaves the script's folder out of sys.path)
 sys.path.insert(0, str(ROOT / "bench"))
 
+import ceiling  # noqa: E402
 import vllm_client  # noqa: E402
 
 
@@ -290,6 +291,7 @@ def summarize(name: str, results: list[Result], elapsed: float) -> dict:
         "ttft": ttft,
         "itl": itl,
         "e2e": e2e,
+        "lens": [(r.prompt_tokens, r.output_tokens) for r in ok],
     }
     print(
         f"\n== {name}: {len(ok)} ok, {len(failed)} failed in {elapsed:.1f}s; {s['req_s']:.2f} req/s, "
@@ -928,6 +930,8 @@ def compare_vllm(args) -> int:
         if not args.skip_offline:
             parts["offline"] = alone("offline", offline)
         names = [w[1] for w in _anchor_workloads(vocab, args)]
+        print("measuring the matmul peak (everything else paused)", flush=True)
+        peak = alone("peak", lambda: {"flop_s": _matmul_peak(args.dtype)})()["flop_s"]
         passes: dict[int, list[dict[str, list[dict]]]] = {}  # busy neighbours -> results
         for i, n in enumerate(args.busy_neighbours):
             with busy_neighbours(n):
@@ -939,7 +943,67 @@ def compare_vllm(args) -> int:
         _print_report(names, results, args.rounds)
     if 0 in passes and len(passes) > 1:
         _print_busy_report(names, passes)
+    kinds = [w[0] for w in _anchor_workloads(vocab, args)]
+    _print_ceiling(
+        names, kinds, passes, peak, ceiling.ModelCost.of(ModelConfig.from_dir(model_dir)), args
+    )
     return 0
+
+
+def _matmul_peak(dtype: str) -> float:
+    import torch
+
+    return ceiling.matmul_peak(getattr(torch, dtype), threads=max(1, int(ceiling.engine_cpus())))
+
+
+def _print_ceiling(
+    names: list[str],
+    kinds: list[str],
+    passes: dict[int, list[dict[str, list[dict]]]],
+    peak: float,
+    cost: ceiling.ModelCost,
+    args,
+) -> None:
+    """Each workload's arithmetic ceiling (bench/ceiling.py) from the prompts vLLM's run served:
+    the most total tok/s any engine could reach, against vLLM's and kvmesh's."""
+    cpus = ceiling.engine_cpus()
+    goals = {0: 2.5 if args.dtype == "float32" else 2.0}
+    print(
+        f"\n== the arithmetic ceiling: each workload's FLOPs at the {args.dtype} matmul peak measured "
+        f"in this run ({peak / 1e9:.1f} GFLOP/s on {cpus:g} CPUs; beside n busy processes "
+        f"{cpus:g}/({cpus:g}+n) of it): no engine passes it"
+    )
+    print(
+        f"   {'workload':<58} {'busy':>4} {'ceiling':>8} {'/ vllm':>7} {'goal':>5} "
+        f"{'kvmesh at':>10} {'vllm at':>8}"
+    )
+    for wi, (wname, kind) in enumerate(zip(names, kinds)):
+        for n, results in passes.items():
+            res = results[wi]
+            tops, over_v, at_k, at_v = [], [], [], []
+            for v, k in zip(res["vllm"], res["kvmesh"]):
+                lens = v.get("lens") or k.get("lens") or []
+                if not lens:
+                    continue
+                if kind == "prefix":
+                    cached = ceiling.repeated_prefix_cached(
+                        len(lens), args.prefix_rep_num_prefixes, args.prefix_rep_prefix_len
+                    )
+                else:
+                    cached = [0] * len(lens)
+                reqs = [(p, c, o) for (p, o), c in zip(lens, cached)]
+                top = ceiling.ceiling_tok_s(cost, reqs, peak * ceiling.share_beside(cpus, n))
+                tops.append(top)
+                over_v.append(top / v["total_tok_s"])
+                at_k.append(k["total_tok_s"] / top)
+                at_v.append(v["total_tok_s"] / top)
+            if not tops:
+                continue
+            goal = goals.get(n, 2.0)
+            print(
+                f"   {wname[:58]:<58} {n:>4} {_median(tops):8.1f} {_median(over_v):6.2f}x "
+                f"{goal:4.1f}x {100 * _median(at_k):9.1f}% {100 * _median(at_v):7.1f}%"
+            )
 
 
 @contextlib.contextmanager

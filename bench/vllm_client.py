@@ -67,7 +67,8 @@ def run(url: str, model: str, tokenizer: str, kind: str, args, seed: int) -> dic
 
 def summary(res: dict, num_prompts: int) -> dict:
     """vLLM's saved result (times in s per request with --save-detailed, aggregates in ms) as the
-    fields bench/serve.py reads: total tok/s, per-request TTFT and TPOT, every ITL, failures."""
+    fields bench/serve.py reads: total tok/s, per-request TTFT and TPOT, every ITL, failures, and
+    each request's prompt and output lengths."""
     ttfts = [t for t in res.get("ttfts", []) if t]
     lens = res.get("output_lens", [])
     itls = res.get("itls", [])
@@ -81,4 +82,5 @@ def summary(res: dict, num_prompts: int) -> dict:
         "itl": [x for gaps in itls for x in gaps],
         "failed": num_prompts - completed,
         "ok": completed,
+        "lens": list(zip(res.get("input_lens", []), lens)),  # (prompt, output) per request
     }

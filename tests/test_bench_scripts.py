@@ -472,6 +472,7 @@ def test_vllm_client_maps_each_workload_and_reads_back_its_saved_result(bench_mo
         "total_token_throughput": 900.0,
         "output_throughput": 100.0,
         "ttfts": [0.5, 0.25, 0.0],
+        "input_lens": [1000, 700, 0],
         "output_lens": [3, 1, 0],
         "itls": [[0.1, 0.3], [], []],
     }
@@ -479,3 +480,85 @@ def test_vllm_client_maps_each_workload_and_reads_back_its_saved_result(bench_mo
     assert s["total_tok_s"] == 900.0 and s["failed"] == 1 and s["ok"] == 2
     assert s["ttft"] == [0.5, 0.25] and s["itl"] == [0.1, 0.3]
     assert s["tpot"] == [pytest.approx(0.2)]
+    assert s["lens"] == [(1000, 3), (700, 1), (0, 0)]
+
+
+def test_the_ceiling_counts_each_tokens_flops_once(bench_module):
+    """bench/ceiling.py: SmolLM2-135M's linears are 212,336,640 FLOPs a token (30 layers of qkv
+    576 -> 960, o 576 -> 576, gate/up/down 576 <-> 1,536, 2 FLOPs a multiply-add); a request's
+    attention counts the keys each prefill row and each decode sees; a cached prefix costs
+    nothing; the first output token's LM head runs at the prefill."""
+    from types import SimpleNamespace
+
+    ceiling = bench_module("ceiling")
+    smollm2 = SimpleNamespace(
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        vocab_size=49152,
+    )
+    cost = ceiling.ModelCost.of(smollm2)
+    assert cost.linears_per_token == 212_336_640
+    assert cost.attention_per_key == 4 * 9 * 64 * 30
+    assert cost.head_per_token == 2 * 49152 * 576
+    unit = ceiling.ModelCost(linears_per_token=1, attention_per_key=10, head_per_token=100)
+    # prompt 3 with 1 cached: prefill rows see 2 and 3 keys; output 2: one decode over 4 keys
+    assert unit.request_flops(3, 1, 2) == 3 * 1 + (2 + 3 + 4) * 10 + 2 * 100
+    assert unit.request_flops(3, 3, 1) == 0 + 0 + 100  # all cached: the LM head row only
+    reqs = [(3, 1, 2), (3, 3, 1)]
+    assert ceiling.workload_flops(unit, reqs) == 293 + 100
+    # 12 tokens over 393 FLOPs at 393 FLOP/s: 12 tok/s
+    assert ceiling.ceiling_tok_s(unit, reqs, 393.0) == pytest.approx(9.0)
+    assert ceiling.share_beside(2, 0) == 1.0 and ceiling.share_beside(2, 1) == pytest.approx(2 / 3)
+    assert ceiling.repeated_prefix_cached(6, 2, 10) == [0, 0, 10, 10, 10, 10]
+
+
+def test_the_matmul_peak_is_measured_on_the_threads_asked_and_leaves_torchs_count(bench_module):
+    import torch
+
+    ceiling = bench_module("ceiling")
+    before = torch.get_num_threads()
+    assert ceiling.matmul_peak(threads=1, rows=64, reps=1) > 1e8  # any CPU does 0.1 GFLOP/s
+    assert torch.get_num_threads() == before
+    assert 1 <= ceiling.engine_cpus() <= (os.cpu_count() or 1)
+
+
+def test_compare_vllm_prints_each_workloads_ceiling_against_both_servers(serve, capsys):
+    """The ceiling of each pass from the prompts vLLM's run served (the prefix workload with its
+    prefixes cached), as a multiple of vLLM's throughput and kvmesh's share of it; beside one
+    busy process the peak is scaled to cpus / (cpus + 1)."""
+    cost = serve.ceiling.ModelCost(linears_per_token=100, attention_per_key=0, head_per_token=0)
+    args = argparse.Namespace(dtype="float32", prefix_rep_num_prefixes=1, prefix_rep_prefix_len=8)
+    lens = [(10, 1), (10, 1)]  # 22 tokens; random: 20 prompt tokens at 100 FLOPs each
+
+    def run(v, k):
+        return {
+            "vllm": [{"total_tok_s": v, "lens": lens}],
+            "kvmesh": [{"total_tok_s": k, "lens": lens}],
+        }
+
+    cpus = serve.ceiling.engine_cpus()
+    serve._print_ceiling(
+        ["random", "prefix"],
+        ["random", "prefix"],
+        {0: [run(1.0, 2.0), run(1.0, 2.0)], 1: [run(1.0, 1.0), run(1.0, 1.0)]},
+        2000.0,
+        cost,
+        args,
+    )
+    lines = capsys.readouterr().out.splitlines()
+    row = {
+        (ln.split()[0], ln.split()[1]): ln.split()
+        for ln in lines
+        if ln.startswith("   ") and ln.split()[1].isdigit()
+    }
+    # random, quiet: 22 tokens over 2,000 FLOPs at 2,000 FLOP/s = 22 tok/s: 22x vLLM, kvmesh at 9.1%
+    assert row[("random", "0")][2:6] == ["22.0", "22.00x", "2.5x", "9.1%"]
+    # prefix: the second prompt finds 8 of its 10 tokens cached: 22 tokens over 1,200 FLOPs
+    assert row[("prefix", "0")][2] == f"{22 * 2000 / 1200:.1f}"
+    # beside one busy process: cpus / (cpus + 1) of the peak; the goal there is 2x
+    assert row[("random", "1")][2] == f"{22 * cpus / (cpus + 1):.1f}"
+    assert row[("random", "1")][4] == "2.0x"
