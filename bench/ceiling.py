@@ -1,5 +1,7 @@
 """The arithmetic ceiling of a serving workload on this machine: the total tok/s that no engine
 running the same model in the same dtype can pass, however good its kernels and scheduling.
+(The one saving it does not count: an engine could skip the last layer's work past its K/V for
+prompt tokens whose logits nobody reads: at most 1/layers of the linears.)
 
 A workload's prompts and outputs fix its arithmetic. Every prompt token that no cache holds goes
 through each layer's linears and causal attention over the tokens before it; every generated

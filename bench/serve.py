@@ -971,7 +971,7 @@ def _print_ceiling(
     print(
         f"\n== the arithmetic ceiling: each workload's FLOPs at the {args.dtype} matmul peak measured "
         f"in this run ({peak / 1e9:.1f} GFLOP/s on {cpus:g} CPUs; beside n busy processes "
-        f"{cpus:g}/({cpus:g}+n) of it): no engine passes it"
+        f"{cpus:g}/({cpus:g}+n) of it): no engine that runs every layer on every token passes it"
     )
     print(
         f"   {'workload':<58} {'busy':>4} {'ceiling':>8} {'/ vllm':>7} {'goal':>5} "
