@@ -8,7 +8,7 @@ import functools
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     """The first processor's flags (every core of a machine has the same); empty off Linux."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -24,5 +24,5 @@ def _cpu_flags() -> set[str]:
 def native_bf16_flag() -> str | None:
     """The cpuinfo flag by which this CPU multiplies bf16 natively, or None (AVX2-only x86, a CPU
     whose flags cannot be read: bf16 would be widened to fp32 in software there)."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), None)

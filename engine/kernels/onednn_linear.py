@@ -8,7 +8,7 @@ LM head are swapped for this module.
 
 `KVMESH_ONEDNN=0` keeps plain `F.linear`.
 
-Decode-size inputs (up to PANEL_MAX_ROWS rows) go to the compiled panel kernel instead
+Decode-size inputs (up to panel_max_rows(dtype) rows) go to the compiled panel kernel instead
 (kernels/panel_linear_cpu.cpp; bf16: panel_linear_bf16_cpu.cpp) when the CPU kernels are built:
 it streams the weights faster than oneDNN there (fp32: 1.2-1.5x per layer; bf16, where oneDNN
 is far slower on a few rows, further), while oneDNN's blocking wins on prefill chunks. The
@@ -20,6 +20,7 @@ The result equals `F.linear` up to fp32 summation order (bf16: fp32 sums, rounde
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -48,10 +49,33 @@ def _bf16_supported() -> bool:
     return bool(check()) if check is not None else False
 
 
-# Above this, oneDNN is faster. fp32: 32 rows break even, oneDNN 1.7x at 64. bf16 (1536x576, on
-# a loaded machine): the bf16 panels 1.9x the fp32 ones at 1-16 rows (one thread); oneDNN's bf16
-# matmul 5x slower than them at one row (two threads), even at 16, 1.1x faster at 32 and 64.
-PANEL_MAX_ROWS = 16
+# The most rows the panel kernel takes; more go to oneDNN. Measured against oneDNN on SmolLM2's
+# four shapes, 30 layers from memory, two threads (Zen 5, AVX-512, 2026-12-06): fp32 panels
+# 1.28x at 16 rows, 1.00-1.14x at 17-32, 1.22x at 48, 1.09x at 64 (the LM head 1.09x at 32,
+# 1.00x at 64); bf16 panels 1.35x at 16, 1.17x at 24, 1.12x at 32, 1.00x at 64 (the LM head 0.89x
+# at 32). An AVX2 build keeps 16 (its panels measured 0.87x of oneDNN at 8-16 rows on a Zen 3;
+# they are there for the rows' sums that do not depend on the batch). Every row count up to the
+# bound sums each output in one order, so a request's fp32 result does not depend on how many
+# requests decode beside it up to there.
+PANEL_MAX_ROWS = 16  # any build
+PANEL_MAX_ROWS_AVX512 = {torch.float32: 64, torch.bfloat16: 32}
+
+
+def panel_max_rows(dtype: torch.dtype) -> int:
+    """The most rows of `dtype` the panel kernel takes here."""
+    if _avx512_build():
+        return PANEL_MAX_ROWS_AVX512.get(dtype, PANEL_MAX_ROWS)
+    return PANEL_MAX_ROWS
+
+
+@functools.cache
+def _avx512_build() -> bool:
+    """Whether the CPU kernels are built with their AVX-512 paths: -march=native on a CPU with
+    AVX-512F (kernels/cpu.py)."""
+    from kvmesh.engine.kernels.cpu import portable
+    from kvmesh.engine.native_bf16 import cpu_flags
+
+    return not portable() and "avx512f" in cpu_flags()
 
 
 def panels_enabled(dtype: torch.dtype) -> bool:
@@ -79,13 +103,14 @@ class OneDNNLinear(nn.Module):
         self.panels = (
             self.panel_ops.pack_panels(weight.detach()) if self.panel_ops is not None else None
         )
+        self.panel_rows = panel_max_rows(weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if (
             self.panels is not None
-            and x2.shape[0] <= PANEL_MAX_ROWS
+            and x2.shape[0] <= self.panel_rows
             and x2.dtype == self.panels.dtype
         ):
             out = self.panel_ops.panel_linear(

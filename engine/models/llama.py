@@ -18,7 +18,7 @@ from torch import nn
 
 from kvmesh.engine.attention import AttentionMetadata, paged_attention, write_kv
 from kvmesh.engine.config import ModelConfig
-from kvmesh.engine.kernels.onednn_linear import PANEL_MAX_ROWS
+from kvmesh.engine.kernels.onednn_linear import panel_max_rows
 
 
 class RMSNorm(nn.Module):
@@ -349,7 +349,7 @@ class LlamaForCausalLM(nn.Module):
             and meta.all_decode
             and meta.cpu_ops is not None
             and x.dtype == self.packed_lm_head.panels.dtype
-            and 0 < x.shape[0] <= PANEL_MAX_ROWS
+            and 0 < x.shape[0] <= panel_max_rows(x.dtype)
         )
 
     def forward(

@@ -92,13 +92,13 @@ def test_cuda_is_unchanged_by_the_cpu_probe(tmp_path, avx2_cpu):
 def test_the_probe_reads_the_cpuinfo_flags(monkeypatch):
     native_bf16.native_bf16_flag.cache_clear()
     try:
-        monkeypatch.setattr(native_bf16, "_cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+        monkeypatch.setattr(native_bf16, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
         assert native_bf16.native_bf16_flag() is None
         native_bf16.native_bf16_flag.cache_clear()
-        monkeypatch.setattr(native_bf16, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+        monkeypatch.setattr(native_bf16, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
         assert native_bf16.native_bf16_flag() == "avx512_bf16"
         native_bf16.native_bf16_flag.cache_clear()
-        monkeypatch.setattr(native_bf16, "_cpu_flags", lambda: {"amx_tile", "amx_bf16"})
+        monkeypatch.setattr(native_bf16, "cpu_flags", lambda: {"amx_tile", "amx_bf16"})
         assert native_bf16.native_bf16_flag() == "amx_bf16"
     finally:
         native_bf16.native_bf16_flag.cache_clear()

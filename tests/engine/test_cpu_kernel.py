@@ -485,7 +485,7 @@ def test_bf16_panel_linear_matches_f_linear(kernel, n, k, bias):
 
 
 def test_onednn_linear_sends_decode_sizes_to_panels_and_prefill_to_onednn(kernel, monkeypatch):
-    """Up to PANEL_MAX_ROWS rows take the panel kernel, more take oneDNN; both equal F.linear."""
+    """Up to panel_max_rows rows take the panel kernel, more take oneDNN; both equal F.linear."""
     from kvmesh.engine.kernels import onednn_linear
 
     if not onednn_linear.available(torch.device("cpu"), torch.float32):
@@ -504,12 +504,37 @@ def test_onednn_linear_sends_decode_sizes_to_panels_and_prefill_to_onednn(kernel
             {"panel_linear": staticmethod(lambda *a: calls.append(a[0].shape[0]) or real(*a))},
         )(),
     )
-    for m in (1, onednn_linear.PANEL_MAX_ROWS, onednn_linear.PANEL_MAX_ROWS + 1, 100):
-        x = torch.randn(2, m, 64)[1]
+    most = onednn_linear.panel_max_rows(torch.float32)
+    for m in (1, most, most + 1, 100):
+        x = torch.randn(2, m + 1, 64)[1][
+            1:
+        ]  # rows with a stride: the kernel takes them as they are
         assert torch.allclose(layer(x), torch.nn.functional.linear(x, w, b), atol=1e-4)
-    assert calls == [1, onednn_linear.PANEL_MAX_ROWS]
+    assert calls == [1, most]
     monkeypatch.setenv("KVMESH_PANEL_LINEAR", "0")
     assert onednn_linear.OneDNNLinear(w, b, 16, kernel).panels is None
+
+
+def test_the_panels_take_more_rows_only_on_an_avx512_build(monkeypatch):
+    """Past 16 rows the panels beat oneDNN only where they run their AVX-512 paths (measured in
+    onednn_linear.py): a portable build or a CPU without AVX-512F keeps 16 for every dtype."""
+    from kvmesh.engine import native_bf16
+    from kvmesh.engine.kernels import onednn_linear
+
+    def rows(flags: set[str], portable: bool) -> tuple[int, int]:
+        monkeypatch.setattr(native_bf16, "cpu_flags", lambda: flags)
+        monkeypatch.setenv("KVMESH_CPU_KERNELS_PORTABLE", "1" if portable else "0")
+        onednn_linear._avx512_build.cache_clear()
+        return onednn_linear.panel_max_rows(torch.float32), onednn_linear.panel_max_rows(
+            torch.bfloat16
+        )
+
+    try:
+        assert rows({"avx2", "fma", "avx512f"}, portable=False) == (64, 32)
+        assert rows({"avx2", "fma", "avx512f"}, portable=True) == (16, 16)
+        assert rows({"avx2", "fma"}, portable=False) == (16, 16)
+    finally:
+        onednn_linear._avx512_build.cache_clear()
 
 
 def test_onednn_keeps_bf16_off_cpus_it_cannot_pack_for(monkeypatch):

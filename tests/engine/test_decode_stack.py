@@ -13,7 +13,7 @@ import torch
 
 from kvmesh.engine import SamplingParams
 from kvmesh.engine.config import EngineArgs
-from kvmesh.engine.kernels.onednn_linear import PANEL_MAX_ROWS
+from kvmesh.engine.kernels.onednn_linear import panel_max_rows
 from kvmesh.engine.llm_engine import LLMEngine
 from tests.engine.conftest import random_prompts
 
@@ -80,9 +80,10 @@ def test_decode_stack_equals_the_layers_bit_for_bit(variant, dtype, request):
     torch.manual_seed(0)
     for b in biases:
         b.normal_()
-    stacked, declined = _run_both_ways(engine, PANEL_MAX_ROWS + 4, 49152)
-    assert set(range(1, PANEL_MAX_ROWS + 1)) <= set(stacked)  # every row count it takes, checked
-    assert declined and min(declined) > PANEL_MAX_ROWS  # more rows than the panels take: the layers
+    most = panel_max_rows(getattr(torch, dtype))
+    stacked, declined = _run_both_ways(engine, most + 4, 49152)
+    assert set(range(1, most + 1)) <= set(stacked)  # every row count it takes, checked
+    assert declined and min(declined) > most  # more rows than the panels take: the layers
 
 
 def test_decode_stack_equals_the_layers_on_smollm2(smollm2_dir):
