@@ -49,14 +49,15 @@ def _bf16_supported() -> bool:
     return bool(check()) if check is not None else False
 
 
-# The most rows the panel kernel takes; more go to oneDNN. Measured against oneDNN on SmolLM2's
+# The most rows the panel kernel takes; more go to oneDNN. `bench/panel_bound.py` on SmolLM2's
 # four shapes, 30 layers from memory, two threads (Zen 5, AVX-512, 2026-12-06): fp32 panels
-# 1.28x at 16 rows, 1.00-1.14x at 17-32, 1.22x at 48, 1.09x at 64 (the LM head 1.09x at 32,
-# 1.00x at 64); bf16 panels 1.35x at 16, 1.17x at 24, 1.12x at 32, 1.00x at 64 (the LM head 0.89x
-# at 32). An AVX2 build keeps 16 (its panels measured 0.87x of oneDNN at 8-16 rows on a Zen 3;
-# they are there for the rows' sums that do not depend on the batch). Every row count up to the
-# bound sums each output in one order, so a request's fp32 result does not depend on how many
-# requests decode beside it up to there.
+# 1.24x oneDNN at 16 rows, 1.15-1.22x at 24-48, 1.10x at 64 (the LM head 1.10x at 32, 0.98x at
+# 64); bf16 1.40x at 16, 1.16x at 24, 1.12x at 32, 0.99x at 64 (the LM head 0.90x at 32). Decode
+# tokens/s of the built-in model against a bound of 16: fp32 1.18x at batch 24 and 32, 1.24x at
+# 48, 1.12x at 64; bf16 1.28x at 24, 1.21x at 32. An AVX2 build keeps 16 (its panels 1.5x oneDNN
+# at 16 rows on a Zen 3, not measured past it). Every row count up to the bound sums each output
+# in one order, so a request's result does not depend on how many requests decode beside it up
+# to there.
 PANEL_MAX_ROWS = 16  # any build
 PANEL_MAX_ROWS_AVX512 = {torch.float32: 64, torch.bfloat16: 32}
 

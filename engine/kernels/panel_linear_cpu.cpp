@@ -10,10 +10,11 @@
 // row (16 outputs of one input feature, one 64-byte vector) feeds one FMA per row of x into
 // register accumulators, with the panel prefetched ahead: the weights stream through memory
 // once, in order. A register tile spans 2-6 panels, so each broadcast of x feeds 2-6 FMAs
-// (blocks of up to 12 rows; 13-16 rows read the panels twice, from cache the second time). Threads split the panels. Measured on SmolLM2-135M's 30 layers, one thread,
-// one panel at a time (before the tiles) vs oneDNN: 1.22x at 1 row, 1.34x at 8, 1.47x at 16,
-// 1.06x at 32, and 0.58x at 64 and beyond (oneDNN's blocking wins there): onednn_linear.py uses
-// this for up to PANEL_MAX_ROWS rows only. Each output is one sum over k in order, whatever the
+// (blocks of up to 12 rows; 13-16 rows read the panels twice, from cache the second time; past 16
+// rows, blocks of 16 over each 12 panels). Threads split the panels. Measured on SmolLM2-135M's
+// 30 layers, one thread, one panel at a time (before the tiles) vs oneDNN: 1.22x at 1 row, 1.34x
+// at 8, 1.47x at 16; with the tiles, two threads, from memory: 1.10-1.22x at 24-64 rows
+// (onednn_linear.py's panel_max_rows: where it hands over). Each output is one sum over k in order, whatever the
 // row count, so a row's result does not depend on the rows batched with it (every ISA below).
 // Builds without AVX-512 get an AVX2 version (below; measured on a Zen 3, 30 layers, one thread,
 // vs oneDNN: 2.0x at 1 row, 1.4x at 4, 0.87x at 8 and 16) and, without AVX2, a portable loop.
