@@ -27,6 +27,29 @@ import time
 from dataclasses import dataclass
 
 
+def linear_shapes(config) -> dict[str, tuple[int, int]]:
+    """(out, in) features of each of a Llama-family layer's linears, as the engine fuses them."""
+    c = config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return {
+        "qkv": (q + 2 * kv, c.hidden_size),
+        "o": (c.hidden_size, q),
+        "gate_up": (2 * c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+    }
+
+
+def best_of(fn, reps: int = 5) -> float:
+    """The shortest of `reps` timed calls of fn, after one untimed call."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 @dataclass(frozen=True)
 class ModelCost:
     """FLOPs of one model's parts: per token through the linears, per token and key of
@@ -40,10 +63,7 @@ class ModelCost:
     def of(cls, config) -> ModelCost:
         """From an engine ModelConfig (hidden, heads, KV heads, head_dim, intermediate, vocab)."""
         c = config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        weights = (q + 2 * kv) * c.hidden_size  # qkv
-        weights += c.hidden_size * q  # o
-        weights += 3 * c.intermediate_size * c.hidden_size  # gate, up, down
+        weights = sum(n * k for n, k in linear_shapes(c).values())
         return cls(
             linears_per_token=2 * weights * c.num_hidden_layers,
             # QK^T and PV, each a multiply-add per head dimension
@@ -95,29 +115,22 @@ def repeated_prefix_cached(num_prompts: int, num_prefixes: int, prefix_len: int)
     return [0 if i < num_prefixes else prefix_len for i in range(num_prompts)]
 
 
-def matmul_peak(dtype=None, threads: int = 1, rows: int = 512, reps: int = 5) -> float:
+def matmul_peak(dtype=None, threads: int | None = None, rows: int = 512, reps: int = 5) -> float:
     """FLOP/s of oneDNN on prepacked weights that stay in cache (576 x 576, `rows` rows, 20
-    products a timing, best of `reps`) on `threads` torch threads; the caller's thread count
-    is restored."""
+    products a timing, best of `reps`) on `threads` torch threads (default: the engine's CPUs);
+    the caller's thread count is restored."""
     import torch
 
     from kvmesh.engine.kernels.onednn_linear import OneDNNLinear
 
     dtype = dtype or torch.float32
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads or max(1, int(engine_cpus())))
     try:
         with torch.inference_mode():
             lin = OneDNNLinear(torch.randn(576, 576).to(dtype), None, rows)
             x = torch.randn(rows, 576).to(dtype)
-            for _ in range(20):  # warm: packing, the first call's primitive
-                lin(x)
-            best = float("inf")
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    lin(x)
-                best = min(best, time.perf_counter() - t0)
+            best = best_of(lambda: [lin(x) for _ in range(20)], reps)
     finally:
         torch.set_num_threads(before)
     return 2 * rows * 576 * 576 * 20 / best
@@ -129,7 +142,7 @@ def main() -> None:
     cpus = max(1, int(engine_cpus()))
     for dtype in (torch.float32, torch.bfloat16):
         one = matmul_peak(dtype, 1)
-        every = matmul_peak(dtype, cpus)
+        every = matmul_peak(dtype)
         print(
             f"{str(dtype).removeprefix('torch.'):9s} matmul peak: one thread {one / 1e9:6.1f} "
             f"GFLOP/s, {cpus} threads {every / 1e9:6.1f} GFLOP/s ({every / one:.2f}x)"

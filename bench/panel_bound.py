@@ -4,8 +4,8 @@
 Two measurements, each interleaved (medians of --repeats) so a change in the machine's load hits
 both sides:
 
-  kernels  the panel kernel against oneDNN on the built-in model's four linear shapes, 30 layers
-           of distinct random weights (from memory, as in a decode step), and the LM head, at
+  kernels  the panel kernel against oneDNN on the model's four linear shapes, every layer its
+           own random weights (from memory, as in a decode step), and the LM head, at
            each row count of --rows
   engine   decode tokens/s of one engine with the panels' bound at 16 rows against the bound
            this build uses, switched between runs, at each batch of --batches
@@ -20,24 +20,13 @@ import argparse
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # python -P leaves bench/ out
 
 import bf16_decode  # noqa: E402
-
-LAYERS = 30
-
-
-def best_of(fn, reps: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from ceiling import best_of  # noqa: E402
+from roofline import model_shapes  # noqa: E402
 
 
 def kernels(args, dtype) -> None:
@@ -49,18 +38,20 @@ def kernels(args, dtype) -> None:
     ops = cpu.load()
     if ops is None:
         raise SystemExit("the CPU kernels are not built (kvmesh build-kernels)")
-    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    model = model_shapes(args.model)
+    shapes, vocab, hidden = model["linears"], model["vocab"], model["hidden"]
     weights = {
-        n: [torch.randn(N, K).to(dtype) for _ in range(LAYERS)] for n, (N, K) in shapes.items()
+        n: [torch.randn(N, K).to(dtype) for _ in range(model["layers"])]
+        for n, (N, K) in shapes.items()
     }
-    head = torch.randn(49152, 576).to(dtype)
+    head = torch.randn(vocab, hidden).to(dtype)
     panels = {n: [ops.pack_panels(w) for w in ws] for n, ws in weights.items()}
     packed = {n: [pack_weight(w, 32) for w in ws] for n, ws in weights.items()}
     head_panels, head_packed = ops.pack_panels(head), pack_weight(head, 32)
     onednn = torch.ops.mkldnn._linear_pointwise
     for m in args.rows:
         xs = {n: torch.randn(m, K).to(dtype) for n, (N, K) in shapes.items()}
-        xh = torch.randn(m, 576).to(dtype)
+        xh = torch.randn(m, hidden).to(dtype)
         sides = {
             "layers": (
                 lambda: [
@@ -69,7 +60,7 @@ def kernels(args, dtype) -> None:
                 lambda: [onednn(xs[n], w, None, "none", [], "") for n in shapes for w in packed[n]],
             ),
             "LM head": (
-                lambda: ops.panel_linear(xh, head_panels, 49152),
+                lambda: ops.panel_linear(xh, head_panels, vocab),
                 lambda: onednn(xh, head_packed, None, "none", [], ""),
             ),
         }
@@ -88,7 +79,7 @@ def engine(args, dtype) -> None:
     from kvmesh.engine.kernels import onednn_linear
 
     llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=2048)
-    model = next(v for v in vars(llm).values() if hasattr(v, "core")).core.runner.model
+    model = llm.engine.core.runner.model
     linears = [m for m in model.modules() if isinstance(m, onednn_linear.OneDNNLinear)]
     bound = onednn_linear.panel_max_rows(dtype)
     saved = dict(onednn_linear.PANEL_MAX_ROWS_AVX512)

@@ -32,22 +32,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # python -P leaves bench/ out
 
-from ceiling import matmul_peak  # noqa: E402
-
-
-def best_of(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from ceiling import best_of, linear_shapes, matmul_peak  # noqa: E402
 
 
 def model_shapes(model: str) -> dict:
@@ -55,7 +44,6 @@ def model_shapes(model: str) -> dict:
     from kvmesh.engine.config import ModelConfig
 
     c = ModelConfig.from_dir(str(resolve_model_dir(model)))
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     return dict(
         layers=c.num_hidden_layers,
         hidden=c.hidden_size,
@@ -63,12 +51,7 @@ def model_shapes(model: str) -> dict:
         kv_heads=c.num_key_value_heads,
         head_dim=c.head_dim,
         vocab=c.vocab_size,
-        linears={
-            "qkv": (q + 2 * kv, c.hidden_size),
-            "o": (c.hidden_size, q),
-            "gate_up": (2 * c.intermediate_size, c.hidden_size),
-            "down": (c.hidden_size, c.intermediate_size),
-        },
+        linears=linear_shapes(c),
     )
 
 

@@ -835,11 +835,14 @@ def compare_vllm(args) -> int:
     one filled). The ratios are taken within a round and the report gives their median."""
     import contextlib
 
+    import torch
+
     from kvmesh.engine.builtin import resolve_model_dir
     from kvmesh.engine.config import ModelConfig
 
     model_dir = str(resolve_model_dir(args.model))
-    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    config = ModelConfig.from_dir(model_dir)
+    vocab = config.vocab_size
     name = args.model
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -929,9 +932,11 @@ def compare_vllm(args) -> int:
         }
         if not args.skip_offline:
             parts["offline"] = alone("offline", offline)
-        names = [w[1] for w in _anchor_workloads(vocab, args)]
+        workloads = _anchor_workloads(vocab, args)
+        kinds, names = [w[0] for w in workloads], [w[1] for w in workloads]
         print("measuring the matmul peak (everything else paused)", flush=True)
-        peak = alone("peak", lambda: {"flop_s": _matmul_peak(args.dtype)})()["flop_s"]
+        dtype = getattr(torch, args.dtype)
+        peak = alone("peak", lambda: {"flop_s": ceiling.matmul_peak(dtype)})()["flop_s"]
         passes: dict[int, list[dict[str, list[dict]]]] = {}  # busy neighbours -> results
         for i, n in enumerate(args.busy_neighbours):
             with busy_neighbours(n):
@@ -943,17 +948,8 @@ def compare_vllm(args) -> int:
         _print_report(names, results, args.rounds)
     if 0 in passes and len(passes) > 1:
         _print_busy_report(names, passes)
-    kinds = [w[0] for w in _anchor_workloads(vocab, args)]
-    _print_ceiling(
-        names, kinds, passes, peak, ceiling.ModelCost.of(ModelConfig.from_dir(model_dir)), args
-    )
+    _print_ceiling(names, kinds, passes, peak, ceiling.ModelCost.of(config), args)
     return 0
-
-
-def _matmul_peak(dtype: str) -> float:
-    import torch
-
-    return ceiling.matmul_peak(getattr(torch, dtype), threads=max(1, int(ceiling.engine_cpus())))
 
 
 def _print_ceiling(
